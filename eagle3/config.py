@@ -1,0 +1,293 @@
+"""One typed config for a whole pipeline run, loaded from YAML with dotted `--set` overrides.
+
+Every section forbids unknown fields, so a typo fails at load time with the dotted field name and
+the fields that are allowed, instead of silently falling back to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from packaging.version import InvalidVersion, Version
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from eagle3.errors import ConfigError
+
+STAGES = ("data", "vocab", "train", "export", "bench")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunSection(Section):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    dir: Path
+
+
+class TargetSection(Section):
+    path: str = Field(min_length=1, description="target model directory (or hub id on the GPU node)")
+    family: str = Field(
+        pattern=r"^[a-z0-9_]+$",
+        description="SGLang model file that serves the target, e.g. llama, deepseek_v2, kimi_k25",
+    )
+    num_hidden_layers: int = Field(gt=1)
+    hidden_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+
+
+class DataSection(Section):
+    prompts: str = Field(min_length=1, description="'builtin:pydoc', a JSONL path, or an s3:// URI")
+    engine: Literal["local", "sglang"] = "local"
+    num_samples: int = Field(gt=0)
+    max_new_tokens: int = Field(gt=0)
+    max_length: int = Field(gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    thinking: bool = False
+    heldout_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
+    aux_layers: list[int] | None = Field(
+        default=None,
+        description="layers whose outputs are captured (id k = output of decoder layer k); "
+        "None = the layers SGLang captures by default",
+    )
+    last_hidden: Literal["pre_norm", "post_norm"] = "post_norm"
+
+
+class VocabSection(Section):
+    draft_vocab_size: int = Field(gt=0)
+
+
+class DraftSection(Section):
+    intermediate_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0.0)
+    rope_theta: float = Field(default=10000.0, gt=0.0)
+    max_position_embeddings: int = Field(gt=0)
+    torch_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> DraftSection:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        return self
+
+
+class TrainingSection(Section):
+    ttt_steps: int = Field(default=7, ge=1)
+    ttt_step_decay: float = Field(default=0.8, gt=0.0, le=1.0)
+    learning_rate: float = Field(gt=0.0)
+    warmup_steps: int = Field(default=0, ge=0)
+    max_steps: int = Field(gt=0)
+    batch_size: int = Field(gt=0, description="global batch size in sequences")
+    seq_len: int = Field(gt=1)
+    grad_clip: float = Field(default=1.0, gt=0.0)
+    nproc_per_node: int = Field(default=1, ge=1)
+    nnodes: int = Field(default=1, ge=1)
+    fsdp: bool = False
+    eval_every: int = Field(default=100, gt=0)
+    save_every: int = Field(default=100, gt=0)
+    keep_last: int = Field(default=2, ge=1)
+    seed: int = 0
+
+
+class ExportSection(Section):
+    layouts: list[Literal["sglang", "speculators"]] = Field(default=["sglang"], min_length=1)
+
+
+class ServingSection(Section):
+    engine: Literal["reference", "sglang"] = "reference"
+    release: str | None = Field(default=None, description="SGLang release, e.g. 0.5.13; None = read from the server")
+    launcher: Literal["local", "ssh", "srun"] = "local"
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, gt=0, lt=65536)
+    tp: int = Field(default=1, ge=1)
+    context_length: int = Field(gt=0)
+    num_steps: int = Field(default=3, ge=1)
+    eagle_topk: int = Field(default=1, ge=1)
+    num_draft_tokens: int | None = Field(default=None, description="None = num_steps + 1 (chain drafting)")
+    extra_args: list[str] = []
+
+    @field_validator("release")
+    @classmethod
+    def _release_is_version(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            Version(value)
+        except InvalidVersion:
+            raise ValueError(f"'{value}' is not a release number; write it like 0.5.13") from None
+        return value
+
+    @model_validator(mode="after")
+    def _chain_draft_tokens(self) -> ServingSection:
+        if self.num_draft_tokens is None:
+            self.num_draft_tokens = self.num_steps + 1
+        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(
+                f"with eagle_topk 1 (chain drafting) num_draft_tokens must be num_steps + 1 = "
+                f"{self.num_steps + 1}, got {self.num_draft_tokens}"
+            )
+        return self
+
+
+class BenchmarkSection(Section):
+    max_new_tokens: int = Field(gt=0)
+    num_prompts: int = Field(gt=0)
+    concurrency: int = Field(default=4, ge=1)
+    request_timeout_s: float = Field(default=600.0, gt=0.0)
+    retries: int = Field(default=2, ge=0)
+
+
+class GateSection(Section):
+    min_accept_rate: float = Field(default=0.25, ge=0.0, le=1.0)
+    production_tolerance: float = Field(default=0.05, ge=0.0, lt=1.0)
+    sim_serve_tolerance: float = Field(default=0.10, ge=0.0, lt=1.0)
+
+
+class RegistrySection(Section):
+    backend: Literal["local", "s3"] = "local"
+    path: Path | None = Field(default=None, description="registry directory (backend local)")
+    bucket: str | None = None
+    prefix: str = ""
+    endpoint_url: str | None = None
+
+    @model_validator(mode="after")
+    def _backend_location(self) -> RegistrySection:
+        if self.backend == "local" and self.path is None:
+            raise ValueError("backend 'local' needs registry.path")
+        if self.backend == "s3" and not self.bucket:
+            raise ValueError("backend 's3' needs registry.bucket")
+        return self
+
+
+class PipelineConfig(Section):
+    run: RunSection
+    target: TargetSection
+    data: DataSection
+    vocab: VocabSection
+    draft: DraftSection
+    training: TrainingSection
+    export: ExportSection = ExportSection()
+    serving: ServingSection
+    benchmark: BenchmarkSection
+    gate: GateSection = GateSection()
+    registry: RegistrySection
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PipelineConfig:
+        n = self.target.num_hidden_layers
+        defaulted = self.data.aux_layers is None
+        if defaulted:
+            self.data.aux_layers = sglang_default_aux_layers(n)
+        layers = self.data.aux_layers
+        if len(set(layers)) != len(layers):
+            source = f"SGLang's default for a {n}-layer target" if defaulted else "the list given"
+            raise ValueError(
+                f"data.aux_layers {layers} repeats a layer ({source}); set distinct ids, "
+                f"e.g. {list(range(min(3, n - 1)))}"
+            )
+        if any(not 0 <= k < n - 1 for k in layers):
+            raise ValueError(
+                f"data.aux_layers {layers}: every id must be in [0, {n - 2}] (id k = output of decoder "
+                f"layer k; SGLang cannot capture the last layer's output)"
+            )
+        if self.vocab.draft_vocab_size > self.target.vocab_size:
+            raise ValueError(
+                f"vocab.draft_vocab_size ({self.vocab.draft_vocab_size}) exceeds target.vocab_size "
+                f"({self.target.vocab_size})"
+            )
+        for field, value in (
+            ("serving.context_length", self.serving.context_length),
+            ("training.seq_len", self.training.seq_len),
+        ):
+            if value > self.draft.max_position_embeddings:
+                raise ValueError(
+                    f"{field} ({value}) exceeds draft.max_position_embeddings "
+                    f"({self.draft.max_position_embeddings}); raise the latter"
+                )
+        return self
+
+    def stage_dir(self, stage: str) -> Path:
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+        return self.run.dir / stage
+
+
+def sglang_default_aux_layers(num_layers: int) -> list[int]:
+    """The layers SGLang captures when a draft names none, in our convention.
+
+    SGLang captures the inputs of layers [2, n//2, n-3]; the input of layer i is the output of i-1.
+    """
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
+    """Load a YAML config, apply `section.field=value` overrides, and validate the result."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}".replace("\n", " ")) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    overridden = set()
+    for item in overrides:
+        overridden.add(apply_override(raw, item))
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(describe_errors(path, err, overridden)) from None
+
+
+def apply_override(raw: dict, item: str) -> str:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML (so 3, true, [0,1] work)."""
+    dotted, sep, text = item.partition("=")
+    if not sep or not dotted:
+        raise ConfigError(f"--set {item!r}: expected section.field=value")
+    keys = dotted.split(".")
+    node = raw
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: '{key}' is a value, not a section")
+        node = child
+    try:
+        node[keys[-1]] = yaml.safe_load(text)
+    except yaml.YAMLError:
+        node[keys[-1]] = text
+    return dotted
+
+
+def describe_errors(path: Path, err: ValidationError, overridden: set[str]) -> str:
+    lines = []
+    for error in err.errors():
+        loc = tuple(str(part) for part in error["loc"])
+        dotted = ".".join(loc)
+        origin = " (from --set)" if dotted in overridden else ""
+        if error["type"] == "extra_forbidden":
+            allowed = ", ".join(allowed_fields(loc[:-1]))
+            message = f"unknown field; allowed here: {allowed}"
+        elif error["type"] == "missing":
+            message = "required field is missing"
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            if "input" in error and not isinstance(error["input"], dict):
+                message += f" (got {error['input']!r})"
+        lines.append(f"{path}: {dotted}{origin}: {message}" if dotted else f"{path}: {message}")
+    return "\n".join(lines)
+
+
+def allowed_fields(loc: tuple[str, ...]) -> list[str]:
+    model: Any = PipelineConfig
+    for part in loc:
+        annotation = model.model_fields[part].annotation
+        model = annotation
+    return sorted(model.model_fields)
