@@ -192,6 +192,11 @@ class PipelineConfig(Section):
                 f"data.aux_layers {layers} repeats a layer ({source}); set distinct ids, "
                 f"e.g. {list(range(min(3, n - 1)))}"
             )
+        if layers != sorted(layers):
+            raise ValueError(
+                f"data.aux_layers {layers} must be ascending: SGLang concatenates captured states in "
+                f"layer order, so another order would scramble the draft's fc input; write {sorted(layers)}"
+            )
         if any(not 0 <= k < n - 1 for k in layers):
             raise ValueError(
                 f"data.aux_layers {layers}: every id must be in [0, {n - 2}] (id k = output of decoder "

@@ -1,0 +1,488 @@
+"""Draft checkpoint layouts and conversion between them.
+
+Three layouts of the same EAGLE-3 draft (DESIGN §3):
+- `native`: what our trainer writes. Tensors carry the canonical (SGLang, `midlayer.*`) names; the
+  config states the architecture plus the aux layers the training data were captured at, in our
+  convention (id k = output of decoder layer k).
+- `sglang`: `LlamaForCausalLMEagle3`, `midlayer.*`, ids nested in `eagle_config` and encoded for the
+  target's model file and SGLang release.
+- `speculators` (vLLM): `layers.0.*`, top-level ids in vLLM numbering (our id + 1).
+
+Every conversion goes through the native form and checks tensors, shapes, dtypes and the vocab map,
+so nothing a loader would skip or misread is written. Exports carry an `eagle3` block in config.json
+(the layers the data were captured at, target layer count, family, release) that engines ignore and
+that makes round trips lossless and validation self-contained.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from eagle3.errors import ConversionError, UnreadableInput
+from eagle3.formats import engines
+from eagle3.formats.manifest import write_manifest
+from eagle3.formats.vocab_map import VocabMap, VocabMapError, check_invariants
+from eagle3.fsutil import atomic_directory
+
+Layout = Literal["native", "sglang", "speculators"]
+LAYOUTS = ("native", "sglang", "speculators")
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+NATIVE_FORMAT = "eagle3-native"
+PROVENANCE_KEY = "eagle3"  # our block inside exported config.json files
+
+# Architecture switches a draft may use beyond the plain SGLang EAGLE-3 head (speculators options).
+FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+
+# ---------------------------------------------------------------------------------------------
+# The one rename table: canonical tensor name -> name in each layout.
+_LAYER_PREFIX = {"native": "midlayer", "sglang": "midlayer", "speculators": "layers.0"}
+_PLAIN = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+FLAG_TENSORS = {"norm_before_fc": "input_norm.weight"}  # the RMSNorm over the concatenated aux states
+
+
+def tensor_names(layout: Layout) -> dict[str, str]:
+    """canonical -> layout name, for every tensor any draft may carry."""
+    layer = {f"midlayer.{t}": f"{_LAYER_PREFIX[layout]}.{t}" for t in engines.LAYER_TENSORS}
+    return {**{name: name for name in _PLAIN}, **layer, **{t: t for t in FLAG_TENSORS.values()}}
+
+
+class DraftConfig(BaseModel):
+    """The native config: everything needed to rebuild the draft and to serve it correctly."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["eagle3-native"] = NATIVE_FORMAT
+    format_version: Literal[1] = 1
+    hidden_size: int = Field(gt=0)
+    target_hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    rms_norm_eps: float = Field(gt=0)
+    rope_theta: float = Field(gt=0)
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = Field(gt=0)
+    hidden_act: Literal["silu"] = "silu"
+    vocab_size: int = Field(gt=0, description="the target's vocabulary")
+    draft_vocab_size: int = Field(gt=0)
+    torch_dtype: Literal["bfloat16", "float16", "float32"]
+    aux_layers: list[int] = Field(min_length=1, description="our convention: id k = output of decoder layer k")
+    target_num_hidden_layers: int = Field(gt=1)
+    target_family: str | None = None
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+
+    def flags(self) -> list[str]:
+        return [flag for flag in FLAGS if getattr(self, flag)]
+
+
+@dataclass
+class NativeDraft:
+    config: DraftConfig
+    tensors: dict[str, torch.Tensor]  # canonical names
+
+
+@dataclass
+class RawCheckpoint:
+    """A checkpoint directory as found on disk, before any judgement."""
+
+    path: Path
+    layout: str  # one of LAYOUTS, or "eagle" for an EAGLE-1/2 draft
+    config: dict
+    tensors: dict[str, torch.Tensor]
+
+
+def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """canonical name -> shape, from the config alone."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    fc_in = len(cfg.aux_layers) * cfg.target_hidden_size
+    shapes = {
+        "fc.weight": (h, fc_in),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h),  # attention reads cat(embed, hidden)
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q),
+        "midlayer.mlp.gate_proj.weight": (i, h),
+        "midlayer.mlp.up_proj.weight": (i, h),
+        "midlayer.mlp.down_proj.weight": (h, i),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }
+    if cfg.norm_before_fc:
+        shapes[FLAG_TENSORS["norm_before_fc"]] = (fc_in,)
+    return shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_checkpoint(path: Path) -> RawCheckpoint:
+    path = Path(path)
+    if not path.is_dir():
+        raise UnreadableInput(f"{path}: {'no such directory' if not path.exists() else 'not a directory'}")
+    config_path = path / CONFIG_FILE
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise UnreadableInput(f"{config_path}: missing (a draft checkpoint needs config.json)") from None
+    except json.JSONDecodeError as err:
+        raise UnreadableInput(f"{config_path}: not valid JSON ({err})") from None
+    return RawCheckpoint(path=path, layout=detect_layout(config, config_path), config=config, tensors=read_tensors(path))
+
+
+def detect_layout(config: dict, where: Path) -> str:
+    architectures = config.get("architectures") or []
+    if config.get("format") == NATIVE_FORMAT:
+        return "native"
+    if "speculators_config" in config or config.get("speculators_model_type"):
+        return "speculators"
+    if "LlamaForCausalLMEagle3" in architectures:
+        return "sglang"
+    if "LlamaForCausalLMEagle" in architectures:
+        return "eagle"
+    raise UnreadableInput(
+        f"{where}: not an EAGLE-3 draft config (architectures {architectures}; expected "
+        f"LlamaForCausalLMEagle3, a speculators config, or format '{NATIVE_FORMAT}')"
+    )
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UnreadableInput(f"{path}: no weights (expected *.safetensors)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(file))
+        except (SafetensorError, OSError) as err:
+            raise UnreadableInput(f"{file}: corrupt safetensors file ({err})") from None
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout -> native
+
+
+def to_native(
+    raw: RawCheckpoint,
+    target_family: str | None = None,
+    engine_release: str | None = None,
+    target_num_layers: int | None = None,
+) -> NativeDraft:
+    if raw.layout == "eagle":
+        raise ConversionError(
+            f"{raw.path}: an EAGLE (v1/v2) draft (LlamaForCausalLMEagle), not EAGLE-3; it cannot be converted"
+        )
+    if raw.layout == "native":
+        return NativeDraft(_draft_config(raw.config, raw.path), _rename(raw, "native"))
+    provenance = raw.config.get(PROVENANCE_KEY) or {}
+    family = target_family or provenance.get("target_family")
+    num_layers = target_num_layers or provenance.get("target_num_hidden_layers")
+    if num_layers is None:
+        raise ConversionError(f"{raw.path}: the target's layer count is unknown; pass the target (--target DIR)")
+    if raw.layout == "sglang":
+        # Our exports record the release their ids were encoded for; others are read for the given one.
+        release = provenance["engine_release"] if provenance else engine_release
+        fields = _fields_from_sglang(raw, family, release, num_layers)
+    else:
+        fields = _fields_from_speculators(raw)
+    recorded = provenance.get("aux_layers")
+    if recorded is not None and list(recorded) != fields["aux_layers"]:
+        raise ConversionError(
+            f"{raw.path}: its aux ids capture layers {fields['aux_layers']} but it was trained on layers "
+            f"{list(recorded)} (recorded in config.json '{PROVENANCE_KEY}'); check the family and release"
+        )
+    fields.update(target_num_hidden_layers=num_layers, target_family=family)
+    return NativeDraft(_draft_config(fields, raw.path), _rename(raw, raw.layout))
+
+
+def _shared_fields(arch: dict, raw_config: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """Architecture fields common to the sglang config and speculators' transformer_layer_config."""
+    hidden = arch["hidden_size"]
+    heads = arch["num_attention_heads"]
+    return {
+        "hidden_size": hidden,
+        "target_hidden_size": raw_config.get("target_hidden_size") or hidden,
+        "intermediate_size": arch["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": arch.get("num_key_value_heads") or heads,
+        "head_dim": arch.get("head_dim") or hidden // heads,
+        "rms_norm_eps": arch.get("rms_norm_eps", 1e-6),
+        "rope_theta": arch.get("rope_theta", 10000.0),
+        "rope_scaling": arch.get("rope_scaling"),
+        "max_position_embeddings": arch["max_position_embeddings"],
+        "hidden_act": arch.get("hidden_act", "silu"),
+        "vocab_size": arch.get("vocab_size") or raw_config.get("vocab_size"),
+        "draft_vocab_size": raw_config.get("draft_vocab_size") or arch.get("draft_vocab_size"),
+        "torch_dtype": raw_config.get("torch_dtype") or arch.get("torch_dtype") or _dtype_name(tensors),
+    }
+
+
+def _fields_from_sglang(raw: RawCheckpoint, family: str | None, release: str | None, num_layers: int) -> dict:
+    config = raw.config
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    capture = engines.sglang_capture(ids, family, release, num_layers)
+    if capture.status != "known" or capture.lost_ids:
+        raise ConversionError(f"{raw.path}: cannot tell which layers its aux ids capture: {capture.explanation}")
+    fields = _shared_fields(config, config, raw.tensors)
+    flags = engines.enabled_flags(config)
+    fields.update(aux_layers=list(capture.layers), **{flag: flag in flags for flag in FLAGS})
+    return fields
+
+
+def _fields_from_speculators(raw: RawCheckpoint) -> dict:
+    config = raw.config
+    arch = config.get("transformer_layer_config")
+    if not isinstance(arch, dict):
+        raise ConversionError(f"{raw.path}: speculators config lacks transformer_layer_config")
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise ConversionError(
+            f"{raw.path}: speculators config has no eagle_aux_hidden_state_layer_ids; the layers the draft "
+            f"was trained on cannot be recovered"
+        )
+    fields = _shared_fields(arch, config, raw.tensors)
+    fields.update(aux_layers=engines.layers_from_vllm_ids(ids), **{flag: bool(config.get(flag)) for flag in FLAGS})
+    return fields
+
+
+def _draft_config(fields: dict, where: Path) -> DraftConfig:
+    try:
+        return DraftConfig.model_validate(fields)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise ConversionError(f"{where}/{CONFIG_FILE}: {problems}") from None
+
+
+def _rename(raw: RawCheckpoint, layout: str) -> dict[str, torch.Tensor]:
+    """Layout names -> canonical names; a tensor with no place in the table is refused, never dropped."""
+    inverse = {name: canonical for canonical, name in tensor_names(layout).items()}
+    tensors, unknown = {}, []
+    for name, tensor in raw.tensors.items():
+        if name == "embed_tokens.weight":
+            continue  # the target's embedding; the serving engine uses its own copy
+        if name in inverse:
+            tensors[inverse[name]] = tensor
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ConversionError(
+            f"{raw.path}: tensors with no place in the {layout} layout (a loader would drop them): {sorted(unknown)}"
+        )
+    return tensors
+
+
+def _dtype_name(tensors: dict[str, torch.Tensor]) -> str:
+    weight = tensors.get("fc.weight")
+    return str(weight.dtype).removeprefix("torch.") if weight is not None else "bfloat16"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks shared by every conversion
+
+
+def check_native(draft: NativeDraft, where: Path) -> None:
+    """Refuse a draft whose tensors disagree with its config or whose vocab map breaks the contract."""
+    expected = expected_shapes(draft.config)
+    missing = sorted(set(expected) - set(draft.tensors))
+    extra = sorted(set(draft.tensors) - set(expected))
+    if missing:
+        raise ConversionError(f"{where}: missing tensors {missing}")
+    if extra:
+        raise ConversionError(f"{where}: tensors its config does not account for: {extra}")
+    for name, shape in expected.items():
+        actual = tuple(draft.tensors[name].shape)
+        if actual != shape:
+            raise ConversionError(f"{where}: tensor {name} has shape {list(actual)}, config implies {list(shape)}")
+    for name, tensor in draft.tensors.items():
+        if name not in engines.VOCAB_TENSORS and not tensor.is_floating_point():
+            raise ConversionError(f"{where}: tensor {name} is {tensor.dtype}, expected a floating-point dtype")
+    try:
+        check_invariants(VocabMap(d2t=draft.tensors["d2t"], t2d=draft.tensors["t2d"]), source=str(where))
+    except VocabMapError as err:
+        raise ConversionError(str(err)) from None
+    layers = draft.config.aux_layers
+    n = draft.config.target_num_hidden_layers
+    if layers != sorted(set(layers)) or not all(0 <= k < n - 1 for k in layers):
+        raise ConversionError(
+            f"{where}: aux layers {layers} must be distinct, ascending and in [0, {n - 2}] for a {n}-layer target"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Native -> layout
+
+
+def sglang_config(cfg: DraftConfig, family: str, release: str | None) -> dict:
+    rule, note = engines.loader_rule(release)
+    where = f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (the strictest release; no release was given)"
+    for flag in cfg.flags():
+        if flag not in rule.flags:
+            raise ConversionError(
+                f"the draft uses {flag}, which {where} does not implement (its loader would silently ignore "
+                f"it and compute a different network); "
+                + ("no SGLang release read implements it" if flag == "norm_before_residual" else "pass a release that does")
+            )
+    if rule.fixed_num_aux is not None and len(cfg.aux_layers) != rule.fixed_num_aux:
+        raise ConversionError(
+            f"{where} builds fc for exactly {rule.fixed_num_aux} aux states; the draft has {len(cfg.aux_layers)}"
+        )
+    try:
+        ids = engines.sglang_ids_for_layers(cfg.aux_layers, family, release, cfg.target_num_hidden_layers)
+    except ValueError as err:
+        raise ConversionError(str(err)) from None
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "torch_dtype": cfg.torch_dtype,
+        "hidden_size": cfg.hidden_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": cfg.hidden_act,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
+        PROVENANCE_KEY: _provenance(cfg, family, release),
+    }
+    config.update({flag: True for flag in cfg.flags()})
+    return config
+
+
+def speculators_config(cfg: DraftConfig) -> dict:
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+            ],
+            "verifier": {"name_or_path": None, "architectures": []},
+        },
+        "transformer_layer_config": {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": cfg.rope_scaling,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "hidden_act": cfg.hidden_act,
+            "vocab_size": cfg.vocab_size,
+            "torch_dtype": cfg.torch_dtype,
+        },
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": engines.vllm_ids(cfg.aux_layers),
+        "torch_dtype": cfg.torch_dtype,
+        **{flag: getattr(cfg, flag) for flag in FLAGS},
+        PROVENANCE_KEY: _provenance(cfg, cfg.target_family, None),
+    }
+
+
+def _provenance(cfg: DraftConfig, family: str | None, release: str | None) -> dict:
+    return {
+        "aux_layers": cfg.aux_layers,
+        "target_num_hidden_layers": cfg.target_num_hidden_layers,
+        "target_family": family,
+        "engine_release": release,
+    }
+
+
+def native_config(cfg: DraftConfig) -> dict:
+    return cfg.model_dump()
+
+
+# ---------------------------------------------------------------------------------------------
+# The public entry points
+
+
+def load_native(
+    path: Path,
+    target_family: str | None = None,
+    engine_release: str | None = None,
+    target_num_layers: int | None = None,
+) -> NativeDraft:
+    """Read a draft in any layout as a checked native draft."""
+    draft = to_native(read_checkpoint(path), target_family, engine_release, target_num_layers)
+    check_native(draft, Path(path))
+    return draft
+
+
+def save_native_draft(
+    draft: NativeDraft,
+    dst: Path,
+    to: Layout,
+    target_family: str | None = None,
+    engine_release: str | None = None,
+    overwrite: bool = False,
+    source: str | None = None,
+) -> Path:
+    """Write a checked draft in the given layout, atomically (nothing at `dst` unless it all worked)."""
+    if to not in LAYOUTS:
+        raise ConversionError(f"unknown layout {to!r}; choose one of {', '.join(LAYOUTS)}")
+    check_native(draft, Path(source or dst))
+    family = target_family or draft.config.target_family
+    if to == "sglang":
+        if family is None:
+            raise ConversionError("the target family is unknown: pass --target-family (e.g. llama, deepseek_v2)")
+        config = sglang_config(draft.config, family, engine_release)
+    elif to == "speculators":
+        config = speculators_config(draft.config.model_copy(update={"target_family": family}))
+    else:
+        config = native_config(draft.config.model_copy(update={"target_family": family}))
+    names = tensor_names(to)
+    tensors = {names[canonical]: tensor.contiguous() for canonical, tensor in draft.tensors.items()}
+    with atomic_directory(Path(dst), overwrite=overwrite) as tmp:
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        write_manifest(tmp, kind=f"draft-{to}", fields={"layout": to, "source": source, "engine_release": engine_release})
+    return Path(dst)
+
+
+def convert(
+    src: Path,
+    dst: Path,
+    to: Layout,
+    target_family: str | None = None,
+    engine_release: str | None = None,
+    target_num_layers: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert a draft between layouts. The release and family decide the aux ids SGLang needs."""
+    draft = load_native(src, target_family, engine_release, target_num_layers)
+    return save_native_draft(draft, dst, to, target_family, engine_release, overwrite, source=str(src))

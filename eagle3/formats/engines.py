@@ -1,0 +1,270 @@
+"""What each SGLang release does with an EAGLE-3 draft, as data: one table for validation, conversion
+and the reference server, so they can never disagree.
+
+Everything here was read from SGLang's published wheels (`pip download --no-deps sglang==X`), files
+`srt/models/llama_eagle3.py` (the draft loader) and the target model files' `set_eagle3_layers_to_capture`.
+Numbering: inside this project aux id k means "the output of decoder layer k" (HF hidden_states[k + 1]);
+SGLang's capture loop records "the input of layer i" (hidden_states + residual, before layer i runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+Release = tuple[int, int, int]
+
+
+def parse_release(text: str) -> Release:
+    """'0.5.13.post1' -> (0, 5, 13): post releases are fixes of the same release."""
+    try:
+        parts = Version(text).release
+    except InvalidVersion:
+        raise ValueError(f"'{text}' is not an SGLang release number (write it like 0.5.13)") from None
+    return tuple((parts + (0, 0, 0))[:3])
+
+
+@dataclass(frozen=True)
+class ReleaseRange:
+    first: str
+    last: str  # inclusive
+
+    def __contains__(self, release: Release) -> bool:
+        return parse_release(self.first) <= release <= parse_release(self.last)
+
+    def __str__(self) -> str:
+        return self.first if self.first == self.last else f"{self.first}–{self.last}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The draft loader (llama_eagle3.py `load_weights`). A checkpoint name is looked up as-is or with a
+# `model.` prefix; a name that matches no parameter is dropped without a word.
+
+# Tensors of the one decoder layer, under the layer prefix.
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+# Tensors outside the layer. embed_tokens is optional: SGLang replaces it with the target's.
+TOP_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight")
+VOCAB_TENSORS = ("d2t", "t2d")  # d2t becomes hot_token_id = d2t + arange; t2d is read and ignored
+CANONICAL_LAYER_PREFIX = "midlayer"
+
+# Optional architecture switches of llama_eagle3.py, with the config keys that turn them on and the
+# tensors they add. `norm_before_residual` (a speculators option) is implemented by no release read.
+FLAG_CONFIG_KEYS = {
+    "fc_norm": ("fc_norm", "use_aux_norm"),
+    "norm_output": ("norm_output",),
+    "norm_before_fc": ("norm_before_fc",),
+    "norm_before_residual": ("norm_before_residual",),
+}
+FLAG_TENSOR_PREFIXES = {"fc_norm": ("fc_norm.", "aux_norm_"), "norm_before_fc": ("input_norm.",)}
+
+
+@dataclass(frozen=True)
+class DraftLoaderRule:
+    releases: ReleaseRange
+    layer_prefixes: tuple[str, ...]  # spellings of the decoder layer the loader accepts
+    flags: frozenset[str]  # architecture switches this release implements
+    fixed_num_aux: int | None  # fc input width hard-coded as fixed_num_aux x target_hidden
+
+
+SGLANG_LOADER_RULES = (
+    # 0.5.10/0.5.11: module `midlayer`; fc width hard-coded to 3 aux states; no switches.
+    DraftLoaderRule(ReleaseRange("0.0.0", "0.5.11"), ("midlayer",), frozenset(), 3),
+    # 0.5.12: module `layers`, legacy map midlayer -> layers.0; fc_norm, norm_output, num_aux_hidden_states.
+    DraftLoaderRule(
+        ReleaseRange("0.5.12", "0.5.16"), ("midlayer", "layers.0"), frozenset({"fc_norm", "norm_output"}), None
+    ),
+    # 0.5.17: adds input_norm (norm_before_fc).
+    DraftLoaderRule(
+        ReleaseRange("0.5.17", "0.5.23"),
+        ("midlayer", "layers.0"),
+        frozenset({"fc_norm", "norm_output", "norm_before_fc"}),
+        None,
+    ),
+)
+STRICTEST_LOADER_RULE = SGLANG_LOADER_RULES[0]
+
+
+def loader_rule(release: str | None) -> tuple[DraftLoaderRule, str]:
+    """The loader rule for a release, and a note on how it was chosen (empty when exact)."""
+    if release is None:
+        return STRICTEST_LOADER_RULE, "no release given: checked against the strictest loader (≤ 0.5.11)"
+    parsed = parse_release(release)
+    for rule in SGLANG_LOADER_RULES:
+        if parsed in rule.releases:
+            return rule, ""
+    return STRICTEST_LOADER_RULE, f"release {release} is not in the table: checked against the strictest loader (≤ 0.5.11)"
+
+
+def enabled_flags(config: dict) -> set[str]:
+    """Architecture switches a draft config turns on (top level or nested in eagle_config)."""
+    nested = config.get("eagle_config") or {}
+    return {
+        flag
+        for flag, keys in FLAG_CONFIG_KEYS.items()
+        if any(config.get(key) or nested.get(key) for key in keys)
+    }
+
+
+def loaded_name(name: str, rule: DraftLoaderRule, flags: set[str]) -> str | None:
+    """The canonical (midlayer.*) name a checkpoint tensor loads as, or None if the loader drops it."""
+    name = name.removeprefix("model.")
+    if name in TOP_TENSORS or name in VOCAB_TENSORS:
+        return name
+    for prefix in rule.layer_prefixes:
+        rest = name.removeprefix(prefix + ".")
+        if rest != name and rest in LAYER_TENSORS:
+            return f"{CANONICAL_LAYER_PREFIX}.{rest}"
+    for flag, prefixes in FLAG_TENSOR_PREFIXES.items():
+        if flag in rule.flags and flag in flags and name.startswith(prefixes):
+            return name
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Aux hidden-state capture on the target. SGLang reads the ids only from the nested
+# `eagle_config.eagle_aux_hidden_state_layer_ids`; without them it captures the inputs of
+# [2, n//2, n-3]. What it does with explicit ids depends on the model file and the release:
+#   always          - captures the input of id + 1 (our id)
+#   if_first_is_one - +1 only when the first id is 1, otherwise the input of the id itself
+#   unless_max_is_n - ids unchanged when max(ids) == n (id n = the last layer's output), else +1
+
+
+@dataclass(frozen=True)
+class AuxIdRule:
+    families: frozenset[str]
+    releases: ReleaseRange
+    shift: str  # "always" | "if_first_is_one" | "unless_max_is_n"
+    captures_last_output: bool = False  # id n captures the last layer's output (before the final norm)
+
+
+_DEEPSEEK = frozenset({"deepseek_v2", "kimi_k25", "glm4_moe_lite"})  # kimi_k25 delegates to DeepseekV3
+AUX_ID_RULES = (
+    AuxIdRule(frozenset({"llama"}), ReleaseRange("0.5.10", "0.5.23"), "always"),
+    AuxIdRule(_DEEPSEEK, ReleaseRange("0.5.10", "0.5.12"), "always"),
+    AuxIdRule(_DEEPSEEK, ReleaseRange("0.5.13", "0.5.23"), "if_first_is_one"),
+    AuxIdRule(frozenset({"gpt_oss"}), ReleaseRange("0.5.10", "0.5.16"), "always"),
+    AuxIdRule(frozenset({"gpt_oss"}), ReleaseRange("0.5.17", "0.5.23"), "unless_max_is_n", captures_last_output=True),
+)
+KNOWN_FAMILIES = frozenset().union(*(rule.families for rule in AUX_ID_RULES))
+
+# Target config `architectures` -> the SGLang model file that serves it.
+ARCHITECTURE_FAMILY = {
+    "LlamaForCausalLM": "llama",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v2",
+    "KimiK25ForConditionalGeneration": "kimi_k25",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    "GptOssForCausalLM": "gpt_oss",
+}
+
+
+@dataclass(frozen=True)
+class Capture:
+    """What the target engine captures for a draft: `layers` in our convention, in concatenation order."""
+
+    status: str  # "known", "unknown" (family/release not in the table) or "ambiguous" (differs by release)
+    layers: tuple[int, ...] | None
+    explanation: str
+    lost_ids: tuple[int, ...] = ()  # ids the capture loop never reaches (fewer states than the fc expects)
+
+
+def aux_id_rule(family: str, release: Release) -> AuxIdRule | None:
+    for rule in AUX_ID_RULES:
+        if family in rule.families and release in rule.releases:
+            return rule
+    return None
+
+
+def captured_inputs(ids: list[int] | None, rule: AuxIdRule, num_layers: int) -> list[int]:
+    """Engine numbering: the layer indices whose input is recorded (n = the last layer's output)."""
+    if ids is None:
+        return [2, num_layers // 2, num_layers - 3]
+    if rule.shift == "always":
+        return [i + 1 for i in ids]
+    if rule.shift == "if_first_is_one":
+        return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
+    if rule.shift == "unless_max_is_n":
+        return list(ids) if ids and max(ids) == num_layers else [i + 1 for i in ids]
+    raise ValueError(f"unknown shift rule {rule.shift!r}")
+
+
+def _capture_under(ids: list[int] | None, rule: AuxIdRule, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    reachable = num_layers if rule.captures_last_output else num_layers - 1
+    inputs = captured_inputs(ids, rule, num_layers)
+    # The loop appends in layer order, so the concatenation is sorted whatever order the ids have.
+    captured = tuple(sorted({i - 1 for i in inputs if 0 <= i <= reachable}))
+    lost = tuple(i for i in inputs if not 0 <= i <= reachable)
+    return captured, lost
+
+
+def sglang_capture(ids: list[int] | None, family: str | None, release: str | None, num_layers: int) -> Capture:
+    """The layers (our convention) SGLang captures for these nested ids on this family and release.
+
+    With no release, the answer is known only if every release in the table agrees.
+    """
+    if family is None:
+        return Capture("unknown", None, "target family unknown: pass the target (or its family)")
+    rules = [r for r in AUX_ID_RULES if family in r.families]
+    if not rules:
+        return Capture(
+            "unknown", None, f"model file '{family}' is not in the aux-id table (known: {', '.join(sorted(KNOWN_FAMILIES))})"
+        )
+    if release is not None:
+        rule = aux_id_rule(family, parse_release(release))
+        if rule is None:
+            return Capture("unknown", None, f"'{family}' on SGLang {release} is not in the aux-id table")
+        rules = [rule]
+    outcomes = {str(rule.releases): _capture_under(ids, rule, num_layers) for rule in rules}
+    distinct = set(outcomes.values())
+    if len(distinct) > 1:
+        detail = "; ".join(f"{r}: {list(layers)}" for r, (layers, _) in outcomes.items())
+        return Capture("ambiguous", None, f"ambiguous across releases ({detail}): pass the release")
+    layers, lost = distinct.pop()
+    where = f"SGLang {release}" if release else f"every release in the table ({', '.join(outcomes)})"
+    ids_text = "no ids (the default)" if ids is None else f"ids {ids}"
+    explanation = f"{family} on {where} captures the outputs of layers {list(layers)} for {ids_text}"
+    if lost:
+        explanation += f"; input index(es) {list(lost)} are never reached by the capture loop"
+    return Capture("known", layers, explanation, lost)
+
+
+def sglang_ids_for_layers(layers: list[int], family: str, release: str | None, num_layers: int) -> list[int]:
+    """Nested ids that make SGLang capture exactly `layers` (our convention); with no release, ids that
+    mean the same on every release in the table. Raises ValueError when no ids can express them."""
+    if list(layers) != sorted(set(layers)):
+        raise ValueError(f"aux layers {list(layers)} must be distinct and ascending (SGLang concatenates in layer order)")
+    candidates = (list(layers), [k + 1 for k in layers])
+    tried = []
+    for ids in candidates:
+        capture = sglang_capture(ids, family, release, num_layers)
+        if capture.status == "unknown":
+            raise ValueError(capture.explanation)
+        if capture.status == "known" and list(capture.layers) == list(layers) and not capture.lost_ids:
+            return ids
+        tried.append(f"{ids} -> {capture.explanation}")
+    raise ValueError(
+        f"no aux ids make {family} on SGLang {release or '(any release)'} capture layers {list(layers)}: "
+        + " | ".join(tried)
+    )
+
+
+# vLLM and speculators number explicit ids as "the input of layer i" (HF hidden_states[i]), on every
+# release: a speculators id is our id + 1.
+def vllm_ids(layers: list[int]) -> list[int]:
+    return [k + 1 for k in layers]
+
+
+def layers_from_vllm_ids(ids: list[int]) -> list[int]:
+    return [i - 1 for i in ids]

@@ -1,0 +1,48 @@
+"""Self-describing outputs: every stage writes a manifest.json beside what it produced."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+
+import eagle3
+from eagle3.fsutil import atomic_write_json, sha256_file
+
+MANIFEST_FILE = "manifest.json"
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """Package version plus a hash of the package source (an installed wheel has no git SHA)."""
+    root = Path(eagle3.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return f"{eagle3.__version__}+{digest.hexdigest()[:12]}"
+
+
+def write_manifest(directory: Path, kind: str, fields: dict) -> dict:
+    """Write manifest.json listing every file in `directory` with its size and sha256."""
+    directory = Path(directory)
+    files = {
+        path.relative_to(directory).as_posix(): {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_FILE
+    }
+    manifest = {
+        "kind": kind,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "code_version": code_version(),
+        "files": files,
+        **fields,
+    }
+    atomic_write_json(directory / MANIFEST_FILE, manifest)
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict:
+    return json.loads((Path(directory) / MANIFEST_FILE).read_text())
