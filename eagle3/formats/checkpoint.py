@@ -105,27 +105,49 @@ class RawCheckpoint:
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     """canonical name -> shape, from the config alone."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    fc_in = len(cfg.aux_layers) * cfg.target_hidden_size
+    return draft_shapes(
+        hidden=cfg.hidden_size,
+        target_hidden=cfg.target_hidden_size,
+        intermediate=cfg.intermediate_size,
+        q_width=cfg.num_attention_heads * cfg.head_dim,
+        kv_width=cfg.num_key_value_heads * cfg.head_dim,
+        num_aux=len(cfg.aux_layers),
+        draft_vocab=cfg.draft_vocab_size,
+        vocab=cfg.vocab_size,
+        norm_before_fc=cfg.norm_before_fc,
+    )
+
+
+def draft_shapes(
+    hidden: int,
+    target_hidden: int,
+    intermediate: int,
+    q_width: int,
+    kv_width: int,
+    num_aux: int,
+    draft_vocab: int,
+    vocab: int,
+    norm_before_fc: bool = False,
+) -> dict[str, tuple[int, ...]]:
+    fc_in = num_aux * target_hidden  # the aux states are concatenated before fc
     shapes = {
-        "fc.weight": (h, fc_in),
-        "midlayer.input_layernorm.weight": (h,),
-        "midlayer.hidden_norm.weight": (h,),
-        "midlayer.post_attention_layernorm.weight": (h,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * h),  # attention reads cat(embed, hidden)
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, q),
-        "midlayer.mlp.gate_proj.weight": (i, h),
-        "midlayer.mlp.up_proj.weight": (i, h),
-        "midlayer.mlp.down_proj.weight": (h, i),
-        "norm.weight": (h,),
-        "lm_head.weight": (cfg.draft_vocab_size, h),
-        "d2t": (cfg.draft_vocab_size,),
-        "t2d": (cfg.vocab_size,),
+        "fc.weight": (hidden, fc_in),
+        "midlayer.input_layernorm.weight": (hidden,),
+        "midlayer.hidden_norm.weight": (hidden,),
+        "midlayer.post_attention_layernorm.weight": (hidden,),
+        "midlayer.self_attn.q_proj.weight": (q_width, 2 * hidden),  # attention reads cat(embed, hidden)
+        "midlayer.self_attn.k_proj.weight": (kv_width, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": (kv_width, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": (hidden, q_width),
+        "midlayer.mlp.gate_proj.weight": (intermediate, hidden),
+        "midlayer.mlp.up_proj.weight": (intermediate, hidden),
+        "midlayer.mlp.down_proj.weight": (hidden, intermediate),
+        "norm.weight": (hidden,),
+        "lm_head.weight": (draft_vocab, hidden),
+        "d2t": (draft_vocab,),
+        "t2d": (vocab,),
     }
-    if cfg.norm_before_fc:
+    if norm_before_fc:
         shapes[FLAG_TENSORS["norm_before_fc"]] = (fc_in,)
     return shapes
 

@@ -9,6 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import eagle3
+from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json, sha256_file
 
 MANIFEST_FILE = "manifest.json"
@@ -46,3 +47,29 @@ def write_manifest(directory: Path, kind: str, fields: dict) -> dict:
 
 def read_manifest(directory: Path) -> dict:
     return json.loads((Path(directory) / MANIFEST_FILE).read_text())
+
+
+def read_data_capture(path: Path) -> dict:
+    """From a dataset manifest: the aux layers captured (our convention) and the target they came from.
+
+    A dataset manifest holds `target: {family, num_hidden_layers, hidden_size, vocab_size, ...}` and
+    `capture: {aux_layers, last_hidden, ...}`; a directory means its manifest.json.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UnreadableInput(f"{path}: no such data manifest") from None
+    except json.JSONDecodeError as err:
+        raise UnreadableInput(f"{path}: not valid JSON ({err})") from None
+    capture, target = manifest.get("capture") or {}, manifest.get("target") or {}
+    if not isinstance(capture.get("aux_layers"), list):
+        raise UnreadableInput(f"{path}: not a dataset manifest (capture.aux_layers is missing)")
+    return {
+        "aux_layers": capture["aux_layers"],
+        "num_hidden_layers": target.get("num_hidden_layers"),
+        "hidden_size": target.get("hidden_size"),
+        "family": target.get("family"),
+    }
