@@ -39,20 +39,24 @@ CONFIG_FILE = "config.json"
 NATIVE_FORMAT = "eagle3-native"
 PROVENANCE_KEY = "eagle3"  # our block inside exported config.json files
 
-# Architecture switches a draft may use beyond the plain SGLang EAGLE-3 head (speculators options).
-FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+# Architecture switches a draft may use beyond the plain EAGLE-3 head (speculators and SpecForge
+# options). Each changes the network; an engine that does not implement one computes something else.
+FLAGS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output")
 
 # ---------------------------------------------------------------------------------------------
 # The one rename table: canonical tensor name -> name in each layout.
 _LAYER_PREFIX = {"native": "midlayer", "sglang": "midlayer", "speculators": "layers.0"}
 _PLAIN = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
-FLAG_TENSORS = {"norm_before_fc": "input_norm.weight"}  # the RMSNorm over the concatenated aux states
+# Tensors the switches add carry the same name in every layout: input_norm (norm_before_fc) is one
+# RMSNorm over the concatenated aux states, fc_norm.{j} one RMSNorm per aux state.
+FLAG_TENSOR_PREFIXES = ("input_norm.", "fc_norm.")
 
 
-def tensor_names(layout: Layout) -> dict[str, str]:
-    """canonical -> layout name, for every tensor any draft may carry."""
+def tensor_names(layout: Layout, names: list[str] = ()) -> dict[str, str]:
+    """canonical -> layout name for the fixed tensors, plus the switch tensors among `names`."""
     layer = {f"midlayer.{t}": f"{_LAYER_PREFIX[layout]}.{t}" for t in engines.LAYER_TENSORS}
-    return {**{name: name for name in _PLAIN}, **layer, **{t: t for t in FLAG_TENSORS.values()}}
+    flagged = {name: name for name in names if name.startswith(FLAG_TENSOR_PREFIXES)}
+    return {**{name: name for name in _PLAIN}, **layer, **flagged}
 
 
 class DraftConfig(BaseModel):
@@ -79,6 +83,7 @@ class DraftConfig(BaseModel):
     aux_layers: list[int] = Field(min_length=1, description="our convention: id k = output of decoder layer k")
     target_num_hidden_layers: int = Field(gt=1)
     target_family: str | None = None
+    fc_norm: bool = False
     norm_before_fc: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
@@ -115,6 +120,7 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
         draft_vocab=cfg.draft_vocab_size,
         vocab=cfg.vocab_size,
         norm_before_fc=cfg.norm_before_fc,
+        fc_norm=cfg.fc_norm,
     )
 
 
@@ -128,6 +134,7 @@ def draft_shapes(
     draft_vocab: int,
     vocab: int,
     norm_before_fc: bool = False,
+    fc_norm: bool = False,
 ) -> dict[str, tuple[int, ...]]:
     fc_in = num_aux * target_hidden  # the aux states are concatenated before fc
     shapes = {
@@ -148,7 +155,9 @@ def draft_shapes(
         "t2d": (vocab,),
     }
     if norm_before_fc:
-        shapes[FLAG_TENSORS["norm_before_fc"]] = (fc_in,)
+        shapes["input_norm.weight"] = (fc_in,)
+    if fc_norm:
+        shapes.update({f"fc_norm.{j}.weight": (target_hidden,) for j in range(num_aux)})
     return shapes
 
 
@@ -240,6 +249,9 @@ def _shared_fields(arch: dict, raw_config: dict, tensors: dict[str, torch.Tensor
     """Architecture fields common to the sglang config and speculators' transformer_layer_config."""
     hidden = arch["hidden_size"]
     heads = arch["num_attention_heads"]
+    rope = dict(arch.get("rope_parameters") or {})  # transformers 5 folds rope_theta/scaling in here
+    rope_theta = arch.get("rope_theta") or rope.pop("rope_theta", 10000.0)
+    rope_scaling = arch.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     return {
         "hidden_size": hidden,
         "target_hidden_size": raw_config.get("target_hidden_size") or hidden,
@@ -248,13 +260,13 @@ def _shared_fields(arch: dict, raw_config: dict, tensors: dict[str, torch.Tensor
         "num_key_value_heads": arch.get("num_key_value_heads") or heads,
         "head_dim": arch.get("head_dim") or hidden // heads,
         "rms_norm_eps": arch.get("rms_norm_eps", 1e-6),
-        "rope_theta": arch.get("rope_theta", 10000.0),
-        "rope_scaling": arch.get("rope_scaling"),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
         "max_position_embeddings": arch["max_position_embeddings"],
         "hidden_act": arch.get("hidden_act", "silu"),
         "vocab_size": arch.get("vocab_size") or raw_config.get("vocab_size"),
         "draft_vocab_size": raw_config.get("draft_vocab_size") or arch.get("draft_vocab_size"),
-        "torch_dtype": raw_config.get("torch_dtype") or arch.get("torch_dtype") or _dtype_name(tensors),
+        "torch_dtype": _declared_dtype(raw_config) or _declared_dtype(arch) or _dtype_name(tensors),
     }
 
 
@@ -281,8 +293,18 @@ def _fields_from_speculators(raw: RawCheckpoint) -> dict:
             f"{raw.path}: speculators config has no eagle_aux_hidden_state_layer_ids; the layers the draft "
             f"was trained on cannot be recovered"
         )
+    sliding = arch.get("use_sliding_window") or "sliding_attention" in (arch.get("layer_types") or [])
+    if sliding:
+        raise ConversionError(
+            f"{raw.path}: the draft was trained with sliding-window attention (window {arch.get('sliding_window')}); "
+            "SGLang's LlamaForCausalLMEagle3 attends over the whole context, so it would compute something else "
+            "on long prompts; retrain with full attention"
+        )
     fields = _shared_fields(arch, config, raw.tensors)
-    fields.update(aux_layers=engines.layers_from_vllm_ids(ids), **{flag: bool(config.get(flag)) for flag in FLAGS})
+    flags = {flag: bool(config.get(flag)) for flag in FLAGS}
+    # vLLM reads a missing norm_before_residual as true (speculators' default); so do we.
+    flags["norm_before_residual"] = bool(config.get("norm_before_residual", True))
+    fields.update(aux_layers=engines.layers_from_vllm_ids(ids), **flags)
     return fields
 
 
@@ -296,7 +318,7 @@ def _draft_config(fields: dict, where: Path) -> DraftConfig:
 
 def _rename(raw: RawCheckpoint, layout: str) -> dict[str, torch.Tensor]:
     """Layout names -> canonical names; a tensor with no place in the table is refused, never dropped."""
-    inverse = {name: canonical for canonical, name in tensor_names(layout).items()}
+    inverse = {name: canonical for canonical, name in tensor_names(layout, list(raw.tensors)).items()}
     tensors, unknown = {}, []
     for name, tensor in raw.tensors.items():
         if name == "embed_tokens.weight":
@@ -310,6 +332,10 @@ def _rename(raw: RawCheckpoint, layout: str) -> dict[str, torch.Tensor]:
             f"{raw.path}: tensors with no place in the {layout} layout (a loader would drop them): {sorted(unknown)}"
         )
     return tensors
+
+
+def _declared_dtype(config: dict) -> str | None:
+    return config.get("torch_dtype") or config.get("dtype")
 
 
 def _dtype_name(tensors: dict[str, torch.Tensor]) -> str:
@@ -487,7 +513,7 @@ def save_native_draft(
         config = speculators_config(draft.config.model_copy(update={"target_family": family}))
     else:
         config = native_config(draft.config.model_copy(update={"target_family": family}))
-    names = tensor_names(to)
+    names = tensor_names(to, list(draft.tensors))
     tensors = {names[canonical]: tensor.contiguous() for canonical, tensor in draft.tensors.items()}
     with atomic_directory(Path(dst), overwrite=overwrite) as tmp:
         save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})

@@ -242,6 +242,7 @@ def _check_shapes(
             f'set "draft_vocab_size": {len(raw.tensors["d2t"]) if "d2t" in raw.tensors else "<rows of lm_head>"}',
         )
         draft_vocab = config["vocab_size"]
+    served_flags = engines.enabled_flags(config) & rule.flags
     expected = draft_shapes(
         hidden=hidden,
         target_hidden=target_hidden,
@@ -251,7 +252,8 @@ def _check_shapes(
         num_aux=num_aux,
         draft_vocab=draft_vocab,
         vocab=config["vocab_size"],
-        norm_before_fc="norm_before_fc" in engines.enabled_flags(config) & rule.flags,
+        norm_before_fc="norm_before_fc" in served_flags,
+        fc_norm="fc_norm" in served_flags,
     )
     missing = sorted(set(expected) - set(loaded) - {"t2d"})  # SGLang never reads t2d
     if missing:

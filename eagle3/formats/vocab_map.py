@@ -134,11 +134,12 @@ def read_d2t_t2d(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 def _read_pair(directory: Path) -> tuple[torch.Tensor, torch.Tensor]:
     found = {}
     for name in ("d2t", "t2d"):
-        candidates = [directory / f"{name}{ext}" for ext in (".npy", ".pt", ".safetensors")]
-        existing = [c for c in candidates if c.exists()]
-        if not existing:
+        # speculators writes d2t.npy (older) or d2t-<draft_vocab>.npy
+        existing = sorted(p for ext in (".npy", ".pt") for p in directory.glob(f"{name}*{ext}"))
+        if len(existing) != 1:
             raise UnreadableInput(
-                f"{directory}: no vocab map here (expected {MAP_FILE}, or {name}.npy / {name}.pt)"
+                f"{directory}: expected {MAP_FILE}, or one {name}.npy / {name}-<size>.npy / {name}.pt file; "
+                f"found {[p.name for p in existing] or 'none'}"
             )
         value = _read_tensor_file(existing[0])
         if isinstance(value, dict):

@@ -1,0 +1,42 @@
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from drafts import TARGET_LAYERS, TARGET_VOCAB, write_draft  # noqa: E402
+
+
+def write_target(path: Path, layers: int = TARGET_LAYERS, hidden: int = 32, vocab: int = TARGET_VOCAB,
+                 architecture: str = "LlamaForCausalLM") -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": [architecture], "num_hidden_layers": layers, "hidden_size": hidden, "vocab_size": vocab}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def write_data_manifest(path: Path, aux_layers: list[int], layers: int = TARGET_LAYERS, family: str = "llama") -> Path:
+    manifest = {
+        "kind": "dataset",
+        "target": {"family": family, "num_hidden_layers": layers, "hidden_size": 32, "vocab_size": TARGET_VOCAB},
+        "capture": {"aux_layers": aux_layers, "last_hidden": "post_norm"},
+    }
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.fixture
+def target_dir(tmp_path: Path) -> Path:
+    return write_target(tmp_path / "target")
+
+
+@pytest.fixture
+def native_draft(tmp_path: Path) -> Path:
+    return write_draft(tmp_path / "native")
+
+
+@pytest.fixture
+def sglang_draft(tmp_path: Path) -> Path:
+    return write_draft(tmp_path / "sglang", layout="sglang", release="0.5.13")

@@ -1,0 +1,108 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import load_config, sglang_default_aux_layers
+from eagle3.errors import ConfigError
+
+ROOT = Path(__file__).parent.parent
+TINY = ROOT / "configs" / "tiny-cpu.yaml"
+KIMI = ROOT / "configs" / "kimi-k25-8xh200.yaml"
+
+
+def test_shipped_configs_validate():
+    tiny = load_config(TINY)
+    assert tiny.target.family == "llama" and tiny.data.aux_layers == [0, 1, 2]
+    kimi = load_config(KIMI)
+    assert (kimi.target.num_hidden_layers, kimi.target.hidden_size, kimi.target.vocab_size) == (61, 7168, 163840)
+    assert kimi.vocab.draft_vocab_size == 32000 and kimi.target.family == "deepseek_v2" and kimi.serving.tp == 8
+    assert kimi.data.aux_layers == [1, 29, 57]  # SGLang's default inputs [2, 30, 58], in our convention
+    assert kimi.serving.num_draft_tokens == kimi.serving.num_steps + 1
+
+
+def test_every_stage_lives_under_the_run_directory():
+    config = load_config(TINY, ["run.dir=/tmp/somewhere"])
+    assert config.stage_dir("vocab") == Path("/tmp/somewhere/vocab")
+    with pytest.raises(ValueError, match="stages are"):
+        config.stage_dir("nope")
+
+
+def test_override_is_applied_and_parsed_as_yaml():
+    config = load_config(TINY, ["training.learning_rate=0.01", "data.aux_layers=[0, 2]", "data.thinking=true"])
+    assert config.training.learning_rate == 0.01
+    assert config.data.aux_layers == [0, 2]
+    assert config.data.thinking is True
+
+
+def test_unknown_field_names_file_dotted_field_and_allowed_fields():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["data.temprature=0.5"])
+    message = str(err.value)
+    assert str(TINY) in message and "data.temprature (from --set): unknown field" in message
+    assert "temperature" in message and "aux_layers" in message
+
+
+def test_override_is_revalidated():
+    with pytest.raises(ConfigError, match=r"training.learning_rate \(from --set\): Input should be greater than 0 \(got -1\)"):
+        load_config(TINY, ["training.learning_rate=-1"])
+
+
+def test_literal_error_lists_allowed_values():
+    with pytest.raises(ConfigError, match=r"serving.engine.*'reference' or 'sglang'"):
+        load_config(TINY, ["serving.engine=vllm"])
+
+
+def test_missing_section_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(TINY.read_text().replace("vocab:\n  draft_vocab_size: 1024\n", ""))
+    with pytest.raises(ConfigError, match=r"c.yaml: vocab: required field is missing"):
+        load_config(path)
+
+
+def test_default_aux_layers_collapse_on_a_small_target():
+    assert sglang_default_aux_layers(4) == [1, 1, 0]
+    with pytest.raises(ConfigError, match=r"repeats a layer \(SGLang's default for a 4-layer target\).*\[0, 1, 2\]"):
+        load_config(TINY, ["data.aux_layers=null"])
+
+
+@pytest.mark.parametrize(
+    ("layers", "pattern"),
+    [("[2, 0, 1]", "must be ascending"), ("[0, 3]", r"in \[0, 2\]"), ("[1, 1]", "repeats a layer")],
+)
+def test_bad_aux_layers(layers, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(TINY, [f"data.aux_layers={layers}"])
+
+
+def test_cross_section_checks():
+    with pytest.raises(ConfigError, match=r"serving.context_length \(4096\) exceeds draft.max_position_embeddings"):
+        load_config(TINY, ["serving.context_length=4096"])
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        load_config(TINY, ["vocab.draft_vocab_size=5000"])
+    with pytest.raises(ConfigError, match="num_draft_tokens must be num_steps"):
+        load_config(TINY, ["serving.num_draft_tokens=9"])
+    with pytest.raises(ConfigError, match="not a release number"):
+        load_config(TINY, ["serving.release=latest"])
+    with pytest.raises(ConfigError, match="needs registry.bucket"):
+        load_config(TINY, ["registry.backend=s3"])
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_cli_prints_resolved_config_and_one_line_errors():
+    ok = subprocess.run([sys.executable, "-m", "eagle3.cli", "config", str(TINY), "--set", "run.name=x"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "name: x" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "eagle3.cli", "config", str(TINY), "--set", "gate.floor=1"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "gate.floor (from --set): unknown field" in bad.stderr and "Traceback" not in bad.stderr
