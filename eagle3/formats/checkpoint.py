@@ -103,7 +103,7 @@ class RawCheckpoint:
     """A checkpoint directory as found on disk, before any judgement."""
 
     path: Path
-    layout: str  # one of LAYOUTS, or "eagle" for an EAGLE-1/2 draft
+    layout: str  # one of LAYOUTS, "eagle" for an EAGLE-1/2 draft, "unknown" for another architecture
     config: dict
     tensors: dict[str, torch.Tensor]
 
@@ -189,6 +189,8 @@ def detect_layout(config: dict, where: Path) -> str:
         return "sglang"
     if "LlamaForCausalLMEagle" in architectures:
         return "eagle"
+    if "hidden_size" in config:
+        return "unknown"  # a draft-like config with an architecture no engine loads as EAGLE-3
     raise UnreadableInput(
         f"{where}: not an EAGLE-3 draft config (architectures {architectures}; expected "
         f"LlamaForCausalLMEagle3, a speculators config, or format '{NATIVE_FORMAT}')"
@@ -218,6 +220,11 @@ def to_native(
     engine_release: str | None = None,
     target_num_layers: int | None = None,
 ) -> NativeDraft:
+    if raw.layout == "unknown":
+        raise ConversionError(
+            f"{raw.path}: architectures {raw.config.get('architectures')} is not an EAGLE-3 draft "
+            "(expected LlamaForCausalLMEagle3 or a speculators config)"
+        )
     if raw.layout == "eagle":
         raise ConversionError(
             f"{raw.path}: an EAGLE (v1/v2) draft (LlamaForCausalLMEagle), not EAGLE-3; it cannot be converted"

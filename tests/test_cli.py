@@ -1,0 +1,98 @@
+"""The command line, run as a user runs it: a subprocess, exit codes, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import write_data_manifest
+from eagle3.formats.vocab_map import build_vocab_map, save_vocab_map
+
+
+def eagle3(*args):
+    return subprocess.run([sys.executable, "-m", "eagle3.cli", *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def vocab_dir(tmp_path):
+    counts = torch.zeros(512, dtype=torch.int64)
+    counts[:40] = 100  # the lowest ids (bytes, specials) are frequent ...
+    counts[200:260:2] = 7  # ... and so are some scattered ones
+    vocab_map, stats = build_vocab_map(counts, 64)
+    save_vocab_map(vocab_map, tmp_path / "vocab", stats)
+    return tmp_path / "vocab"
+
+
+def test_inspect_answers_every_d2t_question(vocab_dir):
+    result = eagle3("inspect", vocab_dir)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "encoding: OFFSETS" in out and "i + d2t[i] equals the set of true entries of t2d" in out
+    assert "non-zero entries: 24 of 64" in out and "the first 40 entries are 0" in out and "not a bug" in out
+    assert "unique values:" in out and "repeats are normal for offsets" in out
+    assert "0->0, 1->1" in out and "63->" in out
+    assert "t2d agreement: yes" in out
+    assert "coverage: 99.00% of 4,210 counted target tokens" in out and "padding ids" in out
+
+
+def test_inspect_json_and_absolute_ids(vocab_dir, tmp_path):
+    data = json.loads(eagle3("inspect", vocab_dir, "--json").stdout)
+    assert data["vocab"]["analysis"]["encoding"] == "offsets" and data["vocab"]["stats"]["draft_vocab_size"] == 64
+    tensors = load_file(vocab_dir / "vocab_map.safetensors")
+    torch.save({"d2t": tensors["d2t"] + torch.arange(64), "t2d": tensors["t2d"]}, tmp_path / "abs.pt")
+    out = eagle3("inspect", tmp_path / "abs.pt").stdout
+    assert "encoding: ABSOLUTE" in out and "d2t itself equals the set of true entries of t2d" in out
+
+
+def test_inspect_a_checkpoint(sglang_draft):
+    result = eagle3("inspect", sglang_draft)
+    assert result.returncode == 0, result.stderr
+    assert "layout: sglang" in result.stdout and "midlayer.self_attn.q_proj.weight" in result.stdout
+    assert "encoding: OFFSETS" in result.stdout
+
+
+def test_convert_then_validate(native_draft, target_dir, tmp_path):
+    result = eagle3("convert", native_draft, tmp_path / "out", "--to", "sglang", "--engine-version", "0.5.13",
+                    "--target", target_dir)
+    assert result.returncode == 0, result.stderr
+    manifest = write_data_manifest(tmp_path / "data.json", [0, 1, 2])
+    ok = eagle3("validate", tmp_path / "out", "--engine", "sglang", "--engine-version", "0.5.13", "--target", target_dir,
+                "--data-manifest", manifest, "--context-length", "512")
+    assert ok.returncode == 0 and "valid: 0 error(s)" in ok.stdout
+
+
+def test_validate_exit_codes_and_unknowns(sglang_draft, tmp_path):
+    unknowns = eagle3("validate", sglang_draft)
+    assert unknowns.returncode == 0 and "UNKNOWN context-length" in unknowns.stdout
+    tensors = load_file(sglang_draft / "model.safetensors")
+    tensors["d2t"] = tensors["d2t"] + torch.arange(tensors["d2t"].numel())
+    save_file(tensors, sglang_draft / "model.safetensors")
+    bad = eagle3("validate", sglang_draft, "--engine-version", "0.5.13", "--json")
+    assert bad.returncode == 1
+    report = json.loads(bad.stdout)
+    assert not report["ok"] and [p["code"] for p in report["problems"] if p["severity"] == "error"] == ["d2t-absolute"]
+
+
+@pytest.mark.parametrize("command", ["validate", "inspect"])
+def test_bad_input_is_one_line_naming_the_path(command, tmp_path):
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"\x07\x00garbage")
+    cases = {"missing": "no such", "noweights": "no weights", "corrupt": "corrupt safetensors"}
+    for name, phrase in cases.items():
+        result = eagle3(command, tmp_path / name)
+        assert result.returncode == 2
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert str(tmp_path / name) in result.stderr and phrase in result.stderr
+
+
+def test_convert_refusal_exits_1_with_the_cause(native_draft, tmp_path):
+    result = eagle3("convert", native_draft, tmp_path / "out", "--to", "sglang", "--engine-version", "0.5.11",
+                    "--target-family", "qwen3_5")
+    assert result.returncode == 1 and "qwen3_5" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()

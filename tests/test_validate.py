@@ -1,0 +1,278 @@
+"""One test per validation problem: inject exactly that fault into a good checkpoint, expect its code."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import write_data_manifest, write_target
+from drafts import write_draft
+from eagle3.formats.validate import validate
+
+GOOD_DATA_LAYERS = [0, 1, 2]
+
+
+@pytest.fixture
+def good(tmp_path, sglang_draft, target_dir):
+    manifest = write_data_manifest(tmp_path / "data-manifest.json", GOOD_DATA_LAYERS)
+    return dict(path=sglang_draft, engine_release="0.5.13", target=target_dir, data_manifest=manifest, context_length=512)
+
+
+def run(good, **changes):
+    return validate(**{**good, **changes})
+
+
+def codes(report, severity="error"):
+    return {p.code for p in report.of(severity)}
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(path, mutate):
+    tensors = load_file(path / "model.safetensors")
+    mutate(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def test_good_checkpoint_is_clean(good):
+    report = run(good)
+    assert report.problems == [] and report.ok
+
+
+def test_missing_inputs_are_unknown_never_passed(sglang_draft):
+    report = validate(sglang_draft)  # no release, target, manifest or context
+    assert report.ok
+    assert codes(report, "unknown") == {"hidden-size", "context-length"}
+    edit_config(sglang_draft, eagle3=None)  # without our own record nothing is known about the target
+    report = validate(sglang_draft, engine_release="0.5.13")
+    assert "captured-layers" in codes(report, "unknown")
+
+
+def test_layers_0_names_are_skipped_up_to_0_5_11(good):
+    def rename(tensors):
+        for name in [n for n in tensors if n.startswith("midlayer.")]:
+            tensors[name.replace("midlayer.", "layers.0.")] = tensors.pop(name)
+
+    edit_tensors(good["path"], rename)
+    for release in ("0.5.11", None):
+        report = run(good, engine_release=release)
+        assert {"skipped-tensor", "missing-tensor"} <= codes(report)
+        skipped = next(p for p in report.problems if p.code == "skipped-tensor")
+        assert "layers.0" in skipped.message and "midlayer" in skipped.fix
+    report = run(good, engine_release="0.5.12", data_manifest=None)
+    assert "skipped-tensor" not in codes(report) and "missing-tensor" not in codes(report)
+
+
+def test_missing_required_tensor(good):
+    edit_tensors(good["path"], lambda t: t.pop("midlayer.hidden_norm.weight"))
+    assert codes(run(good)) == {"missing-tensor"}
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("fc.weight", (32, 64)),  # 2 aux states' width where the config says 3
+        ("midlayer.self_attn.q_proj.weight", (32, 32)),  # qkv must read 2 x hidden
+        ("lm_head.weight", (63, 32)),
+    ],
+)
+def test_shape_mismatch(good, name, shape):
+    edit_tensors(good["path"], lambda t: t.update({name: torch.zeros(shape, dtype=torch.bfloat16)}))
+    report = run(good)
+    assert codes(report) == {"shape-mismatch"}
+    assert name in report.of("error")[0].message
+
+
+def test_hidden_size_differs_from_the_target(good, tmp_path):
+    report = run(good, target=write_target(tmp_path / "wide", hidden=64))
+    assert codes(report) == {"hidden-size"}
+
+
+def test_d2t_absolute_ids(good):
+    edit_tensors(good["path"], lambda t: t.update(d2t=t["d2t"] + torch.arange(64)))
+    report = run(good)
+    assert codes(report) == {"d2t-absolute"}
+    assert "hot_token_id = d2t + arange" in report.of("error")[0].message
+
+
+def test_d2t_out_of_range(good):
+    def push(tensors):
+        tensors["d2t"][-1] = 10_000
+
+    edit_tensors(good["path"], push)
+    assert codes(run(good)) == {"d2t-out-of-range"}
+
+
+def test_d2t_disagrees_with_t2d(good):
+    def shift(tensors):
+        t2d = tensors["t2d"]
+        first, free = torch.nonzero(t2d)[0], torch.nonzero(~t2d)[-1]
+        t2d[first], t2d[free] = False, True
+
+    edit_tensors(good["path"], shift)
+    assert codes(run(good)) == {"d2t-t2d-disagree"}
+
+
+def test_unsorted_but_consistent_d2t_is_a_warning(good):
+    def unsort(tensors):
+        ids = tensors["d2t"] + torch.arange(64)
+        ids[[0, 1]] = ids[[1, 0]]
+        tensors["d2t"] = ids - torch.arange(64)
+        tensors["lm_head.weight"] = tensors["lm_head.weight"][[1, 0] + list(range(2, 64))]
+
+    edit_tensors(good["path"], unsort)
+    report = run(good)
+    assert report.ok and codes(report, "warning") == {"d2t-unsorted"}
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda t: t.update(d2t=t["d2t"].to(torch.int32)),
+        lambda t: t.update(t2d=t["t2d"].to(torch.uint8)),
+        lambda t: t.update({"norm.weight": torch.ones(32, dtype=torch.int64)}),
+    ],
+)
+def test_wrong_dtypes(good, mutate):
+    edit_tensors(good["path"], mutate)
+    assert "dtype" in codes(run(good))
+
+
+def test_weights_not_in_the_declared_dtype_is_a_warning(good):
+    edit_tensors(good["path"], lambda t: t.update({"norm.weight": t["norm.weight"].float()}))
+    report = run(good)
+    assert report.ok and codes(report, "warning") == {"dtype"}
+
+
+def test_draft_vocab_size_disagrees_or_is_missing(good):
+    edit_config(good["path"], draft_vocab_size=100)
+    assert {"draft-vocab-size", "shape-mismatch"} == codes(run(good))
+    edit_config(good["path"], draft_vocab_size=None)
+    report = run(good)
+    assert "draft-vocab-size" in codes(report) and "ignores d2t" in report.of("error")[0].message
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "severity"),
+    [
+        ({"model_type": None}, "config-model-type", "error"),
+        ({"model_type": "llama_eagle"}, "config-model-type", "error"),
+        ({"tie_word_embeddings": True}, "config-tie-embeddings", "error"),
+        ({"torch_dtype": None}, "config-torch-dtype", "warning"),
+        ({"architectures": ["Eagle3Speculator"]}, "config-architecture", "error"),
+    ],
+)
+def test_config_fields_sglang_needs(good, change, code, severity):
+    edit_config(good["path"], **change)
+    assert code in codes(run(good), severity)
+
+
+def test_aux_ids_only_at_the_top_level(good):
+    edit_config(good["path"], eagle_config=None, eagle_aux_hidden_state_layer_ids=[0, 1, 2])
+    report = run(good)
+    assert "aux-ids-top-level" in codes(report)
+    # ... and SGLang's default (outputs [0, 1] on 4 layers) is not what the data were captured at
+    assert "aux-ids-missing" in codes(report)
+
+
+def test_captured_layers_differ_from_the_data(good, tmp_path):
+    manifest = write_data_manifest(tmp_path / "other.json", [0, 1, 2])
+    edit_config(good["path"], eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 0]})  # order is irrelevant
+    assert run(good, data_manifest=manifest).ok
+    edit_config(good["path"], eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]})
+    report = run(good, data_manifest=manifest)
+    assert "captured-layers-mismatch" in codes(report) or "aux-ids-invalid" in codes(report)
+    manifest = write_data_manifest(tmp_path / "late.json", [0, 1, 2])
+    edit_config(good["path"], eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 2]})
+    assert {"aux-ids-invalid", "captured-layers-mismatch"} <= codes(run(good, data_manifest=manifest))
+
+
+def test_kimi_ids_copied_from_speculators_mismatch_on_0_5_12_only(tmp_path):
+    target = write_target(tmp_path / "kimi", layers=61, hidden=32, architecture="KimiK25ForConditionalGeneration")
+    manifest = write_data_manifest(tmp_path / "data.json", [1, 29, 57], layers=61, family="kimi_k25")
+    draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.13", target_family="kimi_k25",
+                        aux_layers=[1, 29, 57], target_num_hidden_layers=61)
+    edit_config(draft, eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}, eagle3=None)
+    common = dict(target=target, data_manifest=manifest, context_length=512)
+    assert validate(draft, engine_release="0.5.13", **common).ok
+    late = validate(draft, engine_release="0.5.12", **common)
+    assert codes(late) == {"captured-layers-mismatch"}
+    assert "[2, 30, 58]" in late.of("error")[0].message and "[1, 29, 57]" in late.of("error")[0].message
+    assert codes(validate(draft, **common)) == {"aux-ids-ambiguous"}
+
+
+def test_aux_ids_repeated_or_out_of_range(good):
+    edit_config(good["path"], eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 0, 1]})
+    assert "aux-ids-invalid" in codes(run(good))
+    edit_config(good["path"], eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]})  # input of 4 never reached
+    report = run(good)
+    assert "aux-ids-invalid" in codes(report) and "never reached" in report.of("error")[0].message
+
+
+def test_no_nested_ids_with_data_at_non_default_layers(good):
+    edit_config(good["path"], eagle_config=None, eagle3=None)
+    assert "aux-ids-missing" in codes(run(good))
+
+
+def test_no_nested_ids_matching_the_default_is_a_warning(tmp_path):
+    target = write_target(tmp_path / "t8", layers=8)
+    manifest = write_data_manifest(tmp_path / "d.json", [1, 3, 4], layers=8)
+    draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.13", aux_layers=[1, 3, 4], target_num_hidden_layers=8)
+    edit_config(draft, eagle_config=None)
+    report = validate(draft, engine_release="0.5.13", target=target, data_manifest=manifest, context_length=512)
+    assert report.ok and codes(report, "warning") == {"aux-ids-missing"}
+
+
+def test_context_longer_than_max_position_embeddings(good):
+    report = run(good, context_length=4096)
+    assert codes(report) == {"context-length"}
+
+
+def test_eagle_shaped_checkpoint(good):
+    edit_tensors(good["path"], lambda t: t.update({"fc.weight": torch.zeros(32, 64, dtype=torch.bfloat16)}) or t.pop("midlayer.hidden_norm.weight"))
+    assert codes(run(good)) == {"eagle-not-eagle3"}
+    edit_config(good["path"], architectures=["LlamaForCausalLMEagle"])
+    assert codes(run(good)) == {"eagle-not-eagle3"}
+
+
+def test_switches_the_release_does_not_implement(good):
+    edit_config(good["path"], norm_output=True)
+    assert "unsupported-flag" in codes(run(good, engine_release="0.5.11"))
+    assert "unsupported-flag" not in codes(run(good, engine_release="0.5.12"))
+    edit_config(good["path"], norm_output=None, norm_before_residual=True)
+    report = run(good, engine_release="0.5.23")
+    assert "unsupported-flag" in codes(report) and "no SGLang release" in report.of("error")[0].message
+
+
+def test_two_aux_states_on_0_5_11(tmp_path, target_dir):
+    draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.12", aux_layers=[0, 2])
+    report = validate(draft, engine_release="0.5.11", target=target_dir, context_length=512)
+    assert "aux-count" in codes(report)
+    assert validate(draft, engine_release="0.5.12", target=target_dir, context_length=512).ok
+
+
+def test_specforge_checkpoint_validates_clean(tmp_path):
+    """SpecForge writes the sglang layout with no eagle_config, no embed_tokens and no target_hidden_size."""
+    target = write_target(tmp_path / "t8", layers=8)
+    draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.13", aux_layers=[1, 3, 4], target_num_hidden_layers=8)
+    edit_config(draft, eagle_config=None, target_hidden_size=None, eagle3=None, head_dim=None)
+    (draft / "manifest.json").unlink()
+    report = validate(draft, engine_release="0.5.13", target=target, context_length=512)
+    assert report.ok and not report.of("warning")
+    assert codes(report, "unknown") == {"captured-layers"}  # which layers the data used is not on record
+
+
+def test_default_ids_collapse_on_a_four_layer_target(tmp_path, target_dir):
+    draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.13")
+    edit_config(draft, eagle_config=None, eagle3=None)
+    report = validate(draft, engine_release="0.5.13", target=target_dir, context_length=512)
+    assert codes(report) == {"aux-count"}  # SGLang captures 2 distinct layers, fc expects 3
