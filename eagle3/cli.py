@@ -57,11 +57,57 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--json", action="store_true", help="machine-readable output")
     validate.set_defaults(handler=run_validate)
 
+    data = commands.add_parser("data", help="synthetic data: regenerate answers, capture hidden states")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    for name, handler, text in (
+        ("regenerate", run_regenerate, "the target writes the assistant turns of the training prompts"),
+        ("capture", run_capture, "capture the target's hidden states for the regenerated samples"),
+    ):
+        add_config_arguments(data_commands.add_parser(name, help=text)).set_defaults(handler=handler)
+
+    vocab = commands.add_parser("vocab", help="the draft vocabulary map")
+    vocab_commands = vocab.add_subparsers(dest="vocab_command", required=True)
+    build = vocab_commands.add_parser("build", help="build d2t/t2d from the regenerated training split")
+    add_config_arguments(build).set_defaults(handler=run_vocab_build)
+
     config = commands.add_parser("config", help="validate a pipeline config and print it resolved")
     config.add_argument("path", type=Path)
     config.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     config.set_defaults(handler=run_config)
     return parser
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--config", type=Path, required=True, help="pipeline config (YAML)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    return parser
+
+
+def load_run_config(args: argparse.Namespace):
+    from eagle3.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def run_regenerate(args: argparse.Namespace) -> int:
+    from eagle3.data.regenerate import regenerate
+
+    regenerate(load_run_config(args))
+    return EXIT_OK
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    from eagle3.data.capture import capture
+
+    capture(load_run_config(args))
+    return EXIT_OK
+
+
+def run_vocab_build(args: argparse.Namespace) -> int:
+    from eagle3.data.vocab import build_vocab
+
+    build_vocab(load_run_config(args))
+    return EXIT_OK
 
 
 def run_inspect(args: argparse.Namespace) -> int:

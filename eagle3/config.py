@@ -52,7 +52,21 @@ class DataSection(Section):
         description="layers whose outputs are captured (id k = output of decoder layer k); "
         "None = the layers SGLang captures by default",
     )
-    last_hidden: Literal["pre_norm", "post_norm"] = "post_norm"
+    last_hidden: Literal["pre_norm", "post_norm"] = Field(
+        default="post_norm", description="the target's last hidden state before or after its final norm"
+    )
+    batch_size: int = Field(default=16, gt=0, description="sequences per forward (engine local)")
+    shard_samples: int = Field(default=256, gt=0, description="samples per output shard")
+    servers: list[str] = Field(default=[], description="SGLang server URLs for engine sglang (round-robin)")
+    concurrency: int = Field(default=32, gt=0, description="requests in flight (engine sglang)")
+    retries: int = Field(default=5, ge=0)
+    request_timeout_s: float = Field(default=600.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _sglang_needs_servers(self) -> DataSection:
+        if self.engine == "sglang" and not self.servers:
+            raise ValueError("engine 'sglang' needs data.servers (the URLs of running SGLang servers)")
+        return self
 
 
 class VocabSection(Section):

@@ -1,0 +1,1 @@
+"""Prompt sources, answer regeneration by the target, hidden-state capture, dataset shards."""

@@ -1,0 +1,183 @@
+"""Hidden-state capture: the target's aux hidden states (and its last hidden state) for every
+regenerated sample, stored as bf16 shards under `run.dir/data/hidden/`.
+
+Convention (DESIGN §3): aux layer k is the output of decoder layer k, i.e. HF hidden_states[k + 1].
+The last hidden state is the input (`pre_norm`) or the output (`post_norm`, the default) of the
+target's final norm; `post_norm` is what the target's lm_head reads, so target logits are
+lm_head(last_hidden) directly. The manifest records which one was stored.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from eagle3.config import PipelineConfig
+from eagle3.data.conversation import chat_template_hash
+from eagle3.data.regenerate import REGEN_DIR, read_samples
+from eagle3.data.shards import CapturedSample, bytes_per_token, shard_file, write_shard
+from eagle3.data.targets import check_same, load_tokenizer, target_identity
+from eagle3.errors import Eagle3Error, UnreadableInput
+from eagle3.formats.manifest import code_version, read_manifest, write_manifest
+from eagle3.progress import Progress
+
+Log = Callable[[str], None]
+HIDDEN_DIR = "hidden"
+
+
+class StorageError(Eagle3Error):
+    """The projected dataset does not fit on the disk."""
+
+
+class LocalCapture:
+    """Forward passes with transformers; hooks on the final norm give its input and output."""
+
+    release = None
+
+    def __init__(self, model_path: str, aux_layers: list[int], last_hidden: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.aux_layers, self.last_hidden = aux_layers, last_hidden
+        self._norm_io: dict[str, torch.Tensor] = {}
+        self.model.model.norm.register_forward_hook(self._record_norm)
+
+    def _record_norm(self, module, inputs, output) -> None:
+        self._norm_io["pre_norm"], self._norm_io["post_norm"] = inputs[0], output
+
+    @torch.no_grad()
+    def hidden_states(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sequence: (aux [T, n_aux * H], last [T, H]). Right padding: causal attention keeps
+        every real position independent of the padding after it."""
+        width = max(map(len, sequences))
+        ids = torch.zeros(len(sequences), width, dtype=torch.long)  # [B, T]
+        attention = torch.zeros_like(ids)
+        for row, seq in enumerate(sequences):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            attention[row, : len(seq)] = 1
+        out = self.model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[k + 1] for k in self.aux_layers], dim=-1)  # [B, T, n_aux * H]
+        last = self._norm_io[self.last_hidden]  # [B, T, H]
+        return [(aux[row, : len(seq)], last[row, : len(seq)]) for row, seq in enumerate(sequences)]
+
+
+def projected_bytes(config: PipelineConfig, tokens: int) -> tuple[int, int]:
+    per_token = bytes_per_token(len(config.data.aux_layers), config.target.hidden_size)
+    return per_token, per_token * tokens
+
+
+def check_storage(config: PipelineConfig, tokens: int, directory: Path, log: Log) -> None:
+    """Print the projection and refuse to start when it exceeds the free space (with the numbers)."""
+    per_token, total = projected_bytes(config, tokens)
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    log(
+        f"capture: {per_token:,} bytes per token ({len(config.data.aux_layers)} aux + 1 last state x "
+        f"{config.target.hidden_size} x bf16) x {tokens:,} tokens = {human_bytes(total)}; "
+        f"{human_bytes(free)} free at {existing}"
+    )
+    if total > free:
+        raise StorageError(
+            f"the dataset needs {human_bytes(total)} ({tokens:,} tokens x {per_token:,} bytes) but only "
+            f"{human_bytes(free)} is free at {existing}: free space, lower data.num_samples or data.max_length, "
+            "or point run.dir at a larger disk"
+        )
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:,.1f} {unit}"
+        count /= 1000
+    return f"{count:,.1f} TB"
+
+
+def regenerated_manifest(config: PipelineConfig) -> dict:
+    """The regeneration manifest, refused when it was made for another target, tokenizer or template."""
+    regen = config.stage_dir("data") / REGEN_DIR
+    try:
+        manifest = read_manifest(regen)
+    except FileNotFoundError:
+        raise UnreadableInput(f"{regen}: no finished regeneration here; run `eagle3 data regenerate` first") from None
+    expected = target_identity(config.target)
+    check_same(f"regenerated data in {regen}", manifest["target"], expected, ("path", "config_sha256", "tokenizer_sha256", "family"))
+    tokenizer = load_tokenizer(config.target.path)
+    check_same(
+        f"regenerated data in {regen}",
+        manifest,
+        {"chat_template_sha256": chat_template_hash(tokenizer), "thinking": config.data.thinking},
+        ("chat_template_sha256", "thinking"),
+    )
+    return manifest
+
+
+def capture(config: PipelineConfig, log: Log = print, engine=None) -> Path:
+    """Capture hidden states for every regenerated sample; returns the dataset directory."""
+    regen_manifest = regenerated_manifest(config)
+    records = sorted(read_samples(config.stage_dir("data") / REGEN_DIR), key=lambda r: r["id"])
+    out = config.stage_dir("data") / HIDDEN_DIR
+    tokens = sum(len(r["input_ids"]) for r in records)
+    check_storage(config, tokens, out, log)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = engine or LocalCapture(config.target.path, config.data.aux_layers, config.data.last_hidden)
+    per_shard = config.data.shard_samples
+    shards = [records[i : i + per_shard] for i in range(0, len(records), per_shard)]
+    progress = Progress("capture", total=len(records), unit="samples", log=log)
+    for index, shard in enumerate(shards):
+        if shard_file(out, index).exists():  # written atomically: complete
+            progress.advance(len(shard))
+            continue
+        captured = []
+        for start in range(0, len(shard), config.data.batch_size):
+            batch = shard[start : start + config.data.batch_size]
+            states = engine.hidden_states([r["input_ids"] for r in batch])
+            captured += [
+                CapturedSample(r["id"], torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"]), aux, last)
+                for r, (aux, last) in zip(batch, states)
+            ]
+            progress.advance(len(batch), tokens=sum(len(r["input_ids"]) for r in batch))
+        write_shard(shard_file(out, index), captured)
+    for stale in sorted(out.glob("shard-*.safetensors"))[len(shards) :]:
+        stale.unlink()  # left by an earlier, larger capture into the same directory
+    write_manifest(out, kind="dataset", fields=dataset_fields(config, regen_manifest, engine, len(records), records))
+    log(f"capture: {len(records)} samples, {tokens} tokens in {len(shards)} shard(s) at {out}")
+    return out
+
+
+def dataset_fields(config: PipelineConfig, regen_manifest: dict, engine, samples: int, records: list[dict]) -> dict:
+    per_token, total = projected_bytes(config, sum(len(r["input_ids"]) for r in records))
+    return {
+        "target": regen_manifest["target"],
+        "chat_template_sha256": regen_manifest["chat_template_sha256"],
+        "thinking": regen_manifest["thinking"],
+        "regeneration": {
+            key: regen_manifest[key] for key in ("engine", "engine_release", "source", "sampling", "max_length")
+        },
+        "capture": {
+            "aux_layers": list(config.data.aux_layers),
+            "last_hidden": config.data.last_hidden,
+            "dtype": "bfloat16",
+            "engine": config.data.engine,
+            "engine_release": engine.release,
+        },
+        "samples": samples,
+        "tokens": sum(len(r["input_ids"]) for r in records),
+        "loss_tokens": sum(sum(r["loss_mask"]) for r in records),
+        "bytes_per_token": per_token,
+        "bytes": total,
+        "code_version": code_version(),
+    }
+
+
+def check_dataset(config: PipelineConfig, manifest: dict) -> None:
+    """Refuse a dataset made for another target, other layers or another template than the config's."""
+    where = f"the dataset in {config.stage_dir('data') / HIDDEN_DIR}"
+    check_same(where, manifest["target"], target_identity(config.target), ("path", "config_sha256", "tokenizer_sha256", "family"))
+    check_same(where, manifest["capture"], {"aux_layers": list(config.data.aux_layers), "last_hidden": config.data.last_hidden},
+               ("aux_layers", "last_hidden"))
+    check_same(where, manifest, {"thinking": config.data.thinking}, ("thinking",))

@@ -1,0 +1,88 @@
+"""Token sequences for training samples, built with the target's own chat template.
+
+A sample's tokens are the template's text around each turn (loss mask 0) followed by the target's
+generated ids for each assistant turn (loss mask 1). Generated ids are kept as the engine produced
+them, never re-tokenized from text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from eagle3.errors import Eagle3Error
+
+
+@dataclass(frozen=True)
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on tokens the target generated (assistant turns), 0 elsewhere
+    conversation: list[dict]
+
+
+def render(tokenizer, messages: list[dict], thinking: bool, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=thinking
+    )
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_ids(tokenizer, messages: list[dict], thinking: bool) -> list[int]:
+    """The ids the engine continues from: the conversation so far plus the generation prompt."""
+    return encode(tokenizer, render(tokenizer, messages, thinking, generation_prompt=True))
+
+
+def chat_template_hash(tokenizer) -> str:
+    return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
+
+
+class SampleBuilder:
+    """Builds one sample turn by turn: the prompt for each reply is exactly the stored ids so far.
+
+    The template text before each reply is found by rendering the conversation up to the generation
+    prompt and removing the text the ids already cover, so each template piece is tokenized on its
+    own. That equals tokenizing the whole conversation when turns are delimited by special tokens. A
+    template that rewrites earlier turns (e.g. drops past reasoning) is refused: the ids the engine
+    saw would differ from the ones stored.
+    """
+
+    def __init__(self, tokenizer, turns: list[dict], thinking: bool):
+        self.tokenizer, self.thinking = tokenizer, thinking
+        self.remaining = [dict(turn) for turn in turns]
+        self.messages: list[dict] = []
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.covered = ""  # the text the ids so far decode to
+
+    def next_prompt(self) -> list[int] | None:
+        """Ids to generate the next reply from (after the next user turn), or None when done."""
+        while self.remaining:
+            turn = self.remaining.pop(0)
+            self.messages.append(turn)
+            if turn["role"] == "user":
+                break
+        else:
+            return None
+        rendered = render(self.tokenizer, self.messages, self.thinking, generation_prompt=True)
+        if not rendered.startswith(self.covered):
+            raise Eagle3Error(
+                "the chat template renders earlier turns differently once a later turn is added; "
+                "multi-turn samples cannot be stored consistently with this template"
+            )
+        piece = encode(self.tokenizer, rendered[len(self.covered) :])
+        self.ids += piece
+        self.mask += [0] * len(piece)
+        self.covered = rendered
+        return list(self.ids)
+
+    def add_reply(self, reply: list[int]) -> None:
+        self.ids += reply
+        self.mask += [1] * len(reply)
+        self.covered += self.tokenizer.decode(reply, skip_special_tokens=False)
+        self.messages.append({"role": "assistant", "content": self.tokenizer.decode(reply, skip_special_tokens=True)})
+
+    def sample(self, max_length: int) -> Sample:
+        return Sample(input_ids=self.ids[:max_length], loss_mask=self.mask[:max_length], conversation=self.messages)

@@ -1,0 +1,168 @@
+"""Prompt sources: JSONL in the ShareGPT or OpenAI-messages shape (local path or s3:// URI), or the
+built-in source for the tiny target. Assistant turns in the source are dropped: the target writes them.
+
+Every malformed line is counted and reported with its line number, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from eagle3.errors import UnreadableInput
+from eagle3.fsutil import atomic_write_bytes
+
+BUILTIN_PYDOC = "builtin:pydoc"
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+KEPT_ROLES = ("system", "user")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str  # content hash of the kept turns: stable across runs and sources
+    turns: tuple[dict, ...]  # {"role": "system" | "user", "content": str}, in order
+
+    @property
+    def user_turns(self) -> int:
+        return sum(turn["role"] == "user" for turn in self.turns)
+
+
+@dataclass
+class PromptSet:
+    source: str
+    prompts: list[Prompt] = field(default_factory=list)
+    malformed: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
+    duplicates: int = 0
+
+
+def prompt_id(turns: Iterable[dict]) -> str:
+    canonical = json.dumps([[t["role"], t["content"]] for t in turns], ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
+def load_prompts(source: str, limit: int | None = None) -> PromptSet:
+    """Read prompts from `builtin:pydoc`, a local JSONL file, or an s3://bucket/key JSONL object."""
+    if source == BUILTIN_PYDOC:
+        lines = (json.dumps({"messages": turns}) for turns in pydoc_prompt_turns())
+    elif source.startswith("s3://"):
+        lines = _s3_lines(source)
+    else:
+        lines = _file_lines(Path(source))
+    result = PromptSet(source=source)
+    seen: set[str] = set()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            turns = parse_line(line)
+        except ValueError as err:
+            result.malformed.append((number, str(err)))
+            continue
+        prompt = Prompt(id=prompt_id(turns), turns=tuple(turns))
+        if prompt.id in seen:
+            result.duplicates += 1
+            continue
+        seen.add(prompt.id)
+        result.prompts.append(prompt)
+        if limit is not None and len(result.prompts) >= limit:
+            break
+    return result
+
+
+def parse_line(line: str) -> list[dict]:
+    """One JSONL record -> the system and user turns; ValueError says what is wrong with it."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    if isinstance(record.get("conversations"), list):
+        turns = [_sharegpt_turn(turn) for turn in record["conversations"]]
+    elif isinstance(record.get("messages"), list):
+        turns = [_openai_turn(turn) for turn in record["messages"]]
+    else:
+        raise ValueError("neither 'conversations' (ShareGPT) nor 'messages' (OpenAI) is a list")
+    kept = [turn for turn in turns if turn["role"] in KEPT_ROLES]
+    if not any(turn["role"] == "user" for turn in kept):
+        raise ValueError("no user turn")
+    return kept
+
+
+def _sharegpt_turn(turn: object) -> dict:
+    if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+        raise ValueError("a ShareGPT turn needs 'from' and a string 'value'")
+    role = SHAREGPT_ROLES.get(turn.get("from"))
+    if role is None:
+        raise ValueError(f"unknown ShareGPT speaker {turn.get('from')!r} (expected one of {sorted(SHAREGPT_ROLES)})")
+    return {"role": role, "content": turn["value"]}
+
+
+def _openai_turn(turn: object) -> dict:
+    if not isinstance(turn, dict) or turn.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+        raise ValueError("an OpenAI message needs a role of system, user, assistant, developer or tool")
+    content = turn.get("content")
+    if isinstance(content, list):  # content parts: keep text, refuse anything else (images, audio)
+        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+            raise ValueError("only text content parts are supported")
+        content = "".join(part.get("text", "") for part in content)
+    if not isinstance(content, str):
+        raise ValueError("message content must be a string or a list of text parts")
+    role = "system" if turn["role"] == "developer" else turn["role"]
+    return {"role": role, "content": content}
+
+
+def _file_lines(path: Path) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            yield from f
+    except FileNotFoundError:
+        raise UnreadableInput(f"{path}: no such prompt file") from None
+    except UnicodeDecodeError as err:
+        raise UnreadableInput(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def _s3_lines(uri: str) -> Iterator[str]:
+    import boto3
+    import botocore.exceptions
+
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    if not bucket or not key:
+        raise UnreadableInput(f"{uri}: expected s3://bucket/key")
+    # Credentials and endpoint come from the standard AWS chain (AWS_ENDPOINT_URL for S3-compatible stores).
+    client = boto3.client("s3")
+    try:
+        body = client.get_object(Bucket=bucket, Key=key)["Body"]
+    except botocore.exceptions.ClientError as err:
+        raise UnreadableInput(f"{uri}: {err.response['Error'].get('Message') or err}") from None
+    for raw in body.iter_lines(keepends=True):
+        yield raw.decode("utf-8")
+
+
+def split_heldout(prompts: list[Prompt], heldout_fraction: float) -> tuple[list[Prompt], list[Prompt]]:
+    """Deterministic split by a hash of the prompt: the same prompt lands on the same side every run."""
+    train, heldout = [], []
+    for prompt in prompts:
+        bucket = int(hashlib.sha256(f"heldout:{prompt.id}".encode()).hexdigest()[:8], 16) / 16**8
+        (heldout if bucket < heldout_fraction else train).append(prompt)
+    return train, heldout
+
+
+def pydoc_prompt_turns() -> Iterator[list[dict]]:
+    """Prompts for the tiny target, from the corpus it was trained on: the opening of each paragraph
+    of the Python reference topics, for the target to continue in its own words."""
+    from pydoc_data.topics import topics
+
+    for key in sorted(topics):
+        for paragraph in topics[key].split("\n\n"):
+            words = paragraph.split()
+            if len(words) >= 12:
+                yield [{"role": "user", "content": " ".join(words[:8])}]
+
+
+def write_prompts(path: Path, prompts: list[Prompt]) -> None:
+    lines = [json.dumps({"id": p.id, "messages": list(p.turns)}, ensure_ascii=False) for p in prompts]
+    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())

@@ -1,0 +1,311 @@
+"""Answer regeneration: the target writes every assistant turn, so the draft learns how the target
+really speaks.
+
+Engines:
+- `local`: transformers, batched greedy/sampled `generate` (the tiny target on the CPU);
+- `sglang`: an async HTTP client for one or more running SGLang servers (round-robin, bounded
+  concurrency, retries with backoff on connection errors and 5xx). It sends token ids rendered with
+  the target's own chat template and stores the server's `output_ids` as they are.
+
+Output: JSONL shards under `run.dir/data/regen/`, one line per sample with the conversation,
+`input_ids` and `loss_mask`. A sample already written is skipped on a re-run, so a crash loses at
+most the batch in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from eagle3.config import PipelineConfig
+from eagle3.data.conversation import SampleBuilder, chat_template_hash
+from eagle3.data.prompts import Prompt, load_prompts, split_heldout, write_prompts
+from eagle3.data.targets import load_tokenizer, target_identity
+from eagle3.errors import Eagle3Error
+from eagle3.formats.manifest import code_version, write_manifest
+from eagle3.fsutil import atomic_write_json
+from eagle3.progress import Progress
+
+Log = Callable[[str], None]
+REGEN_DIR = "regen"
+HELDOUT_FILE = "heldout.jsonl"
+MALFORMED_FILE = "malformed.json"
+
+
+class EngineError(Eagle3Error):
+    """A generation engine that failed after its retries."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    output_ids: list[int]
+    finish_reason: str
+
+
+class LocalGenerator:
+    """Batched generation with transformers (left padding, so every prompt ends where generation starts)."""
+
+    release = None
+
+    def __init__(self, model_path: str, max_new_tokens: int, temperature: float, seed: int = 0):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        config = self.model.generation_config
+        self.eos = config.eos_token_id
+        self.pad = config.pad_token_id if config.pad_token_id is not None else self.eos
+
+    def generate(self, prompts: list[list[int]]) -> list[Generation]:
+        torch = self.torch
+        width = max(map(len, prompts))
+        batch = torch.full((len(prompts), width), self.pad, dtype=torch.long)  # [B, T]
+        attention = torch.zeros_like(batch)
+        for row, ids in enumerate(prompts):
+            batch[row, width - len(ids) :] = torch.tensor(ids)
+            attention[row, width - len(ids) :] = 1
+        torch.manual_seed(self.seed)
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=batch,
+                attention_mask=attention,
+                max_new_tokens=self.max_new_tokens,
+                do_sample=self.temperature > 0,
+                temperature=self.temperature if self.temperature > 0 else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=self.pad,
+                eos_token_id=self.eos,
+            )
+        return [self._trim(row[width:].tolist()) for row in out]
+
+    def _trim(self, generated: list[int]) -> Generation:
+        """Cut at the first EOS (kept: the draft learns to end turns) and drop the padding after it."""
+        if self.eos in generated:
+            return Generation(generated[: generated.index(self.eos) + 1], "stop")
+        return Generation(generated, "length")
+
+
+class SGLangClient:
+    """`/generate` against running SGLang servers, with token ids in and `output_ids` out."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        max_new_tokens: int,
+        temperature: float,
+        concurrency: int,
+        retries: int,
+        timeout_s: float,
+        backoff_s: float = 0.5,
+    ):
+        self.urls = [url.rstrip("/") for url in urls]
+        self.next_url = itertools.cycle(self.urls)
+        self.sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+        self.concurrency, self.retries, self.timeout_s, self.backoff_s = concurrency, retries, timeout_s, backoff_s
+        self.release = self._server_release()
+
+    def _server_release(self) -> str:
+        """The live release (it decides loader and aux-id rules later); all servers must agree."""
+        releases = set()
+        for url in self.urls:
+            try:
+                info = httpx.get(f"{url}/server_info", timeout=30).raise_for_status().json()
+            except httpx.HTTPError as err:
+                raise EngineError(f"{url}/server_info: {err}") from None
+            releases.add(str(info.get("version")))
+        if len(releases) != 1:
+            raise EngineError(f"SGLang servers run different releases {sorted(releases)}: {self.urls}")
+        return releases.pop()
+
+    def generate(self, prompts: list[list[int]]) -> list[Generation]:
+        return asyncio.run(self._generate_all(prompts))
+
+    async def _generate_all(self, prompts: list[list[int]]) -> list[Generation]:
+        limit = asyncio.Semaphore(self.concurrency)
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+
+            async def one(ids: list[int]) -> Generation:
+                async with limit:
+                    return await self._request(client, ids)
+
+            return await asyncio.gather(*(one(ids) for ids in prompts))
+
+    async def _request(self, client: httpx.AsyncClient, ids: list[int]) -> Generation:
+        payload = {"input_ids": ids, "sampling_params": self.sampling, "stream": False}
+        failures = []
+        for attempt in range(self.retries + 1):
+            url = next(self.next_url)  # a retry goes to the next server
+            try:
+                response = await client.post(f"{url}/generate", json=payload)
+            except httpx.TransportError as err:  # refused, dropped, timed out
+                failures.append(f"{url}: {type(err).__name__}")
+            else:
+                if response.status_code < 500:
+                    return self._parse(response, url)
+                failures.append(f"{url}: HTTP {response.status_code}")
+            if attempt < self.retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt * (0.5 + random.random()))
+        raise EngineError(f"/generate failed {len(failures)} times: {'; '.join(failures[-3:])}")
+
+    @staticmethod
+    def _parse(response: httpx.Response, url: str) -> Generation:
+        if response.status_code != 200:
+            raise EngineError(f"{url}/generate: HTTP {response.status_code}: {response.text[:300]}")
+        body = response.json()
+        if "output_ids" not in body:
+            raise EngineError(f"{url}/generate: response has no output_ids (keys: {sorted(body)})")
+        finish = (body.get("meta_info") or {}).get("finish_reason") or {}
+        return Generation(list(body["output_ids"]), finish.get("type", "unknown") if isinstance(finish, dict) else str(finish))
+
+
+def make_generator(config: PipelineConfig):
+    data = config.data
+    if data.engine == "local":
+        return LocalGenerator(config.target.path, data.max_new_tokens, data.temperature, config.training.seed)
+    return SGLangClient(
+        data.servers, data.max_new_tokens, data.temperature, data.concurrency, data.retries, data.request_timeout_s
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards
+
+
+def shard_path(directory: Path, index: int) -> Path:
+    return directory / f"samples-{index:05d}.jsonl"
+
+
+def read_done(directory: Path) -> set[str]:
+    """Ids of samples already written. A line cut short by a crash is removed so appends stay valid."""
+    done = set()
+    for path in sorted(directory.glob("samples-*.jsonl")):
+        data = path.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]
+        if len(complete) != len(data):
+            path.write_bytes(complete)
+        done.update(json.loads(line)["id"] for line in complete.splitlines() if line.strip())
+    return done
+
+
+def read_samples(directory: Path):
+    """Yield every regenerated sample record, shard by shard."""
+    for path in sorted(Path(directory).glob("samples-*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                yield json.loads(line)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path:
+    """Regenerate the training split's answers; returns the output directory (with its manifest)."""
+    data_dir = config.stage_dir("data")
+    out = data_dir / REGEN_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    prompt_set = load_prompts(config.data.prompts)
+    report_malformed(prompt_set, data_dir / MALFORMED_FILE, log)
+    train, heldout = split_heldout(prompt_set.prompts, config.data.heldout_fraction)
+    write_prompts(data_dir / HELDOUT_FILE, heldout)
+    train = train[: config.data.num_samples]
+    log(f"regenerate: {len(train)} training prompts, {len(heldout)} held out for the benchmark")
+    if len(train) < config.data.num_samples:
+        log(f"regenerate: the source holds only {len(train)} training prompts (data.num_samples is {config.data.num_samples})")
+
+    tokenizer = load_tokenizer(config.target.path)
+    generator = generator or make_generator(config)
+    done = read_done(out)
+    todo = [(index, prompt) for index, prompt in enumerate(train) if prompt.id not in done]
+    if done:
+        log(f"regenerate: resuming, {len(train) - len(todo)} samples already written")
+    progress = Progress("regenerate", total=len(train), done=len(train) - len(todo), unit="samples", log=log)
+    batch_size = config.data.batch_size if config.data.engine == "local" else config.data.concurrency
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start : start + batch_size]
+        records = generate_batch(generator, tokenizer, [p for _, p in batch], config)
+        append_records(out, [(index, record) for (index, _), record in zip(batch, records)], config.data.shard_samples)
+        progress.advance(len(batch), tokens=sum(len(r["input_ids"]) for r in records))
+
+    samples = tokens = loss_tokens = 0
+    for record in read_samples(out):
+        samples += 1
+        tokens += len(record["input_ids"])
+        loss_tokens += sum(record["loss_mask"])
+    write_manifest(
+        out,
+        kind="regenerated",
+        fields={
+            "target": target_identity(config.target),
+            "chat_template_sha256": chat_template_hash(tokenizer),
+            "thinking": config.data.thinking,
+            "engine": config.data.engine,
+            "engine_release": generator.release,
+            "source": config.data.prompts,
+            "sampling": {"temperature": config.data.temperature, "max_new_tokens": config.data.max_new_tokens},
+            "max_length": config.data.max_length,
+            "samples": samples,
+            "tokens": tokens,
+            "loss_tokens": loss_tokens,
+            "heldout_prompts": len(heldout),
+            "malformed_lines": len(prompt_set.malformed),
+            "duplicate_prompts": prompt_set.duplicates,
+            "code_version": code_version(),
+        },
+    )
+    log(f"regenerate: {samples} samples, {tokens} tokens ({loss_tokens} generated by the target) in {out}")
+    return out
+
+
+def generate_batch(generator, tokenizer, prompts: list[Prompt], config: PipelineConfig) -> list[dict]:
+    """Run every prompt of the batch turn by turn; each round sends one prompt per unfinished sample."""
+    max_length = config.data.max_length
+    builders = {p.id: SampleBuilder(tokenizer, list(p.turns), config.data.thinking) for p in prompts}
+    active = dict(builders)
+    while active:
+        requests = {}
+        for pid, builder in active.items():
+            ids = builder.next_prompt()
+            if ids is not None and len(ids) < max_length:  # no room left: the sample ends here
+                requests[pid] = ids
+        if not requests:
+            break
+        for pid, generation in zip(requests, generator.generate(list(requests.values()))):
+            builders[pid].add_reply(generation.output_ids)
+        active = {pid: builders[pid] for pid in requests}
+    records = []
+    for prompt in prompts:
+        sample = builders[prompt.id].sample(max_length)
+        records.append(
+            {"id": prompt.id, "conversation": sample.conversation, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask}
+        )
+    return records
+
+
+def append_records(out: Path, indexed: list[tuple[int, dict]], shard_samples: int) -> None:
+    """Append whole lines (flushed) to the shard each sample's index belongs to."""
+    by_shard: dict[int, list[str]] = {}
+    for index, record in indexed:
+        by_shard.setdefault(index // shard_samples, []).append(json.dumps(record, ensure_ascii=False) + "\n")
+    for shard, lines in sorted(by_shard.items()):
+        with open(shard_path(out, shard), "a") as f:
+            f.write("".join(lines))
+            f.flush()
+
+
+def report_malformed(prompt_set, path: Path, log: Log) -> None:
+    atomic_write_json(path, {"source": prompt_set.source, "malformed": prompt_set.malformed})
+    if prompt_set.malformed:
+        shown = "; ".join(f"line {n}: {why}" for n, why in prompt_set.malformed[:5])
+        more = f" (+{len(prompt_set.malformed) - 5} more, all in {path})" if len(prompt_set.malformed) > 5 else ""
+        log(f"prompts: {len(prompt_set.malformed)} malformed line(s) skipped in {prompt_set.source}: {shown}{more}")

@@ -1,0 +1,170 @@
+"""Regeneration, capture and the vocab map on the micro target, end to end on the CPU."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagle3.config import load_config
+from eagle3.data.capture import StorageError, capture, check_dataset, check_storage
+from eagle3.data.regenerate import read_samples, regenerate
+from eagle3.data.shards import read_dataset
+from eagle3.data.targets import DataMismatch
+from eagle3.data.vocab import build_vocab, count_loss_tokens
+from eagle3.formats.manifest import read_data_capture, read_manifest
+from eagle3.formats.vocab_map import load_vocab_map, read_stats
+from fixtures_tiny import micro_target  # noqa: F401
+from test_config import KIMI, TINY
+
+
+def micro_overrides(run_dir, target):
+    return [
+        f"run.dir={run_dir}",
+        f"target.path={target}",
+        "target.hidden_size=64",
+        "target.vocab_size=512",
+        "vocab.draft_vocab_size=128",
+        "data.num_samples=24",
+        "data.max_new_tokens=24",
+        "data.max_length=96",
+        "data.batch_size=8",
+        "data.shard_samples=10",
+    ]
+
+
+@pytest.fixture(scope="module")
+def micro_run(tmp_path_factory, micro_target):
+    """One regenerated + captured micro dataset shared by the tests of this module."""
+    run_dir = tmp_path_factory.mktemp("micro-run")
+    config = load_config(TINY, micro_overrides(run_dir, micro_target))
+    lines = []
+    regenerate(config, log=lines.append)
+    capture(config, log=lines.append)
+    return config, lines
+
+
+def test_regenerated_samples_mask_exactly_the_assistant_tokens(micro_run):
+    config, _ = micro_run
+    tokenizer = AutoTokenizer.from_pretrained(config.target.path)
+    records = list(read_samples(config.stage_dir("data") / "regen"))
+    assert len(records) == 24
+    for record in records:
+        user = record["conversation"][0]
+        prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids, mask = record["input_ids"], record["loss_mask"]
+        assert ids[: len(prompt_ids)] == prompt_ids and not any(mask[: len(prompt_ids)])
+        assert all(mask[len(prompt_ids) :]) and len(ids) > len(prompt_ids)  # everything after is the target's
+        reply = tokenizer.decode(ids[len(prompt_ids) :], skip_special_tokens=True)
+        assert record["conversation"][1] == {"role": "assistant", "content": reply}
+
+
+def test_regeneration_is_the_targets_greedy_continuation(micro_run):
+    config, _ = micro_run
+    model = AutoModelForCausalLM.from_pretrained(config.target.path).eval()
+    record = next(read_samples(config.stage_dir("data") / "regen"))
+    start = record["loss_mask"].index(1)
+    prompt = torch.tensor([record["input_ids"][:start]])
+    out = model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=model.generation_config.eos_token_id)
+    expected = out[0, start:].tolist()
+    stored = record["input_ids"][start:]
+    assert expected[: len(stored)] == stored
+
+
+def test_captured_states_equal_a_direct_forward_pass(micro_run):
+    config, _ = micro_run
+    model = AutoModelForCausalLM.from_pretrained(config.target.path).eval()
+    samples = list(read_dataset(config.stage_dir("data") / "hidden"))
+    assert len(samples) == 24
+    for sample in samples[:3] + samples[-2:]:
+        ids = sample.input_ids.long().unsqueeze(0)
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[k + 1] for k in config.data.aux_layers], dim=-1)[0]  # our convention
+        assert sample.aux_hidden.dtype == torch.bfloat16 and sample.aux_hidden.shape == (ids.shape[1], 3 * 64)
+        torch.testing.assert_close(sample.aux_hidden.float(), aux, atol=2e-2, rtol=2e-2)
+        # post-norm last state: the target's logits come straight from lm_head
+        logits = model.lm_head(sample.last_hidden.float())
+        torch.testing.assert_close(logits, out.logits[0], atol=0.15, rtol=0.05)
+        assert torch.equal(sample.loss_mask.bool().any(), torch.tensor(True))
+
+
+def test_manifest_records_what_later_stages_check(micro_run):
+    config, lines = micro_run
+    manifest = read_manifest(config.stage_dir("data") / "hidden")
+    assert manifest["capture"] == {"aux_layers": [0, 1, 2], "last_hidden": "post_norm", "dtype": "bfloat16",
+                                   "engine": "local", "engine_release": None}
+    assert manifest["samples"] == 24 and manifest["bytes_per_token"] == 4 * 64 * 2 + 5
+    assert len(manifest["files"]) == 3 and all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert manifest["target"]["tokenizer_sha256"] and manifest["chat_template_sha256"]
+    assert read_data_capture(config.stage_dir("data") / "hidden")["aux_layers"] == [0, 1, 2]
+    assert any("bytes per token" in line for line in lines) and any("samples/s" in line for line in lines)
+
+
+def test_capture_resumes_by_shard(micro_run):
+    config, _ = micro_run
+    hidden = config.stage_dir("data") / "hidden"
+    before = {p.name: p.stat().st_mtime_ns for p in hidden.glob("shard-*")}
+    (hidden / "shard-00001.safetensors").unlink()
+    capture(config, log=lambda line: None)
+    after = {p.name: p.stat().st_mtime_ns for p in hidden.glob("shard-*")}
+    assert after["shard-00000.safetensors"] == before["shard-00000.safetensors"]  # untouched
+    assert set(after) == set(before)
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [("data.thinking=true", "thinking: data has False, config gives True"), ("target.family=deepseek_v2", "family")],
+)
+def test_data_made_under_other_settings_is_refused(micro_run, override, names):
+    config, _ = micro_run
+    other = load_config(TINY, micro_overrides(config.run.dir, config.target.path) + [override])
+    with pytest.raises(DataMismatch, match=names):
+        capture(other, log=lambda line: None)
+
+
+def test_dataset_with_other_layers_is_refused(micro_run):
+    config, _ = micro_run
+    manifest = read_manifest(config.stage_dir("data") / "hidden")
+    other = load_config(TINY, micro_overrides(config.run.dir, config.target.path) + ["data.aux_layers=[0, 2]"])
+    with pytest.raises(DataMismatch, match=r"aux_layers: data has \[0, 1, 2\], config gives \[0, 2\]"):
+        check_dataset(other, manifest)
+    check_dataset(config, manifest)
+
+
+def test_vocab_map_from_loss_masked_tokens(micro_run):
+    config, _ = micro_run
+    lines = []
+    out = build_vocab(config, log=lines.append)
+    vocab_map = load_vocab_map(out)
+    stats = read_stats(out)
+    counts = count_loss_tokens(read_samples(config.stage_dir("data") / "regen"), 512)
+    assert stats.counted_tokens == int(counts.sum()) == read_manifest(config.stage_dir("data") / "regen")["loss_tokens"]
+    assert vocab_map.draft_vocab_size == 128 and stats.coverage > 0.5
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(vocab_map.target_ids().tolist()) or stats.distinct_ids_seen > 128
+    assert any("cover" in line for line in lines)
+
+
+def test_storage_projection_refuses_a_disk_that_is_too_small(tmp_path):
+    kimi = load_config(KIMI, [f"run.dir={tmp_path}"])
+    lines = []
+    tokens = kimi.data.num_samples * kimi.data.max_length  # 200k samples x 4096 tokens
+    with pytest.raises(StorageError, match=r"needs 47.0 TB \(819,200,000 tokens x 57,349 bytes\)") as err:
+        check_storage(kimi, tokens, tmp_path / "data" / "hidden", lines.append)
+    assert "free at" in str(err.value)
+    assert "57,349 bytes per token (3 aux + 1 last state x 7168 x bf16)" in lines[0]
+
+
+def test_cli_commands_run_the_stages(micro_run, tmp_path):
+    import subprocess
+    import sys
+
+    config, _ = micro_run
+    args = ["--config", str(TINY)] + [f"--set={o}" for o in micro_overrides(config.run.dir, config.target.path)]
+    result = subprocess.run([sys.executable, "-m", "eagle3.cli", "vocab", "build", *args], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "vocab: 128 draft ids cover" in result.stdout
+    bad = subprocess.run([sys.executable, "-m", "eagle3.cli", "data", "capture", *args, "--set=data.thinking=true"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "thinking" in bad.stderr and "Traceback" not in bad.stderr

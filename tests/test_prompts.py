@@ -1,0 +1,76 @@
+import json
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+from eagle3.data.prompts import BUILTIN_PYDOC, load_prompts, parse_line, split_heldout
+from eagle3.errors import UnreadableInput
+
+
+def test_sharegpt_and_openai_shapes():
+    sharegpt = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
+                                  {"from": "gpt", "value": "old"}, {"from": "human", "value": "more"}]}
+    assert parse_line(json.dumps(sharegpt)) == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "user", "content": "more"}
+    ]
+    openai = {"messages": [{"role": "developer", "content": "rules"},
+                           {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert parse_line(json.dumps(openai)) == [{"role": "system", "content": "rules"}, {"role": "user", "content": "ab"}]
+
+
+def test_malformed_lines_are_counted_with_line_numbers(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        "\n".join([
+            json.dumps({"messages": [{"role": "user", "content": "fine"}]}),
+            "{not json",
+            json.dumps({"conversations": [{"from": "robot", "value": "x"}]}),
+            "",
+            json.dumps({"messages": [{"role": "assistant", "content": "no user"}]}),
+            json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            json.dumps([1, 2]),
+            json.dumps({"messages": [{"role": "user", "content": "fine"}]}),
+        ]) + "\n"
+    )
+    result = load_prompts(str(path))
+    assert len(result.prompts) == 1 and result.duplicates == 1
+    assert [n for n, _ in result.malformed] == [2, 3, 5, 6, 7]
+    reasons = dict(result.malformed)
+    assert "not JSON" in reasons[2] and "robot" in reasons[3] and "no user turn" in reasons[5]
+    assert "text content parts" in reasons[6] and "not a JSON object" in reasons[7]
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(UnreadableInput, match="no such prompt file"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_heldout_split_is_deterministic_and_disjoint():
+    prompts = load_prompts(BUILTIN_PYDOC).prompts
+    assert len(prompts) > 500
+    train, heldout = split_heldout(prompts, 0.1)
+    again_train, again_heldout = split_heldout(list(reversed(prompts)), 0.1)
+    assert {p.id for p in heldout} == {p.id for p in again_heldout}
+    assert not {p.id for p in train} & {p.id for p in heldout}
+    assert 0.05 < len(heldout) / len(prompts) < 0.15
+
+
+def test_s3_source_over_http(tmp_path, monkeypatch):
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for key, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test",
+                           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(key, value)
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket="eagle3-prompts")
+        body = json.dumps({"messages": [{"role": "user", "content": "from s3"}]}) + "\n{broken\n"
+        s3.put_object(Bucket="eagle3-prompts", Key="sets/a.jsonl", Body=body.encode())
+        result = load_prompts("s3://eagle3-prompts/sets/a.jsonl")
+        assert [p.turns[0]["content"] for p in result.prompts] == ["from s3"] and [n for n, _ in result.malformed] == [2]
+        with pytest.raises(UnreadableInput, match="s3://eagle3-prompts/missing.jsonl"):
+            load_prompts("s3://eagle3-prompts/missing.jsonl")
+    finally:
+        server.stop()
