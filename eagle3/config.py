@@ -14,6 +14,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3.errors import ConfigError
+from eagle3.formats.engines import sglang_default_inputs
 
 STAGES = ("data", "vocab", "train", "export", "bench")
 
@@ -55,6 +56,13 @@ class DataSection(Section):
     last_hidden: Literal["pre_norm", "post_norm"] = Field(
         default="post_norm", description="the target's last hidden state before or after its final norm"
     )
+    capture_engine: Literal["local", "sglang"] = Field(
+        default="local", description="hidden-state capture: transformers here, or SGLang on the GPU node"
+    )
+    sglang_python: str = Field(default="python", description="the python of the GPU node's SGLang environment")
+    sglang_engine_args: dict[str, Any] = Field(
+        default={}, description="extra sglang.Engine arguments for capture, e.g. trust_remote_code, mem_fraction_static"
+    )
     batch_size: int = Field(default=16, gt=0, description="sequences per forward (engine local)")
     shard_samples: int = Field(default=256, gt=0, description="samples per output shard")
     servers: list[str] = Field(default=[], description="SGLang server URLs for engine sglang (round-robin)")
@@ -66,6 +74,8 @@ class DataSection(Section):
     def _sglang_needs_servers(self) -> DataSection:
         if self.engine == "sglang" and not self.servers:
             raise ValueError("engine 'sglang' needs data.servers (the URLs of running SGLang servers)")
+        if self.capture_engine == "sglang" and self.last_hidden == "pre_norm":
+            raise ValueError("SGLang returns the last hidden state after the final norm: set data.last_hidden post_norm")
         return self
 
 
@@ -241,9 +251,9 @@ class PipelineConfig(Section):
 def sglang_default_aux_layers(num_layers: int) -> list[int]:
     """The layers SGLang captures when a draft names none, in our convention.
 
-    SGLang captures the inputs of layers [2, n//2, n-3]; the input of layer i is the output of i-1.
+    The input of layer i is the output of layer i - 1.
     """
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    return [i - 1 for i in sglang_default_inputs(num_layers)]
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
@@ -253,6 +263,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except (IsADirectoryError, UnicodeDecodeError):
+        raise ConfigError(f"{path}: not a YAML text file") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}".replace("\n", " ")) from None
     if not isinstance(raw, dict):

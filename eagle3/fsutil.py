@@ -42,6 +42,8 @@ def atomic_directory(final: Path, overwrite: bool = False) -> Iterator[Path]:
     With `overwrite`, an existing `final` is swapped out and removed after the new one is in place.
     """
     final = Path(final)
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f"{final}: exists and is not a directory; choose another destination")
     if final.exists() and not overwrite:
         raise FileExistsError(f"{final}: already exists; choose another destination or pass --overwrite")
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 from drafts import tiny_draft, write_draft
 from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.formats.checkpoint import convert, load_native, save_native_draft, tensor_names
-from eagle3.formats.engines import LAYER_TENSORS
+from eagle3.formats.engines import LAYER_TENSORS, loaded_name, loader_rule
 
 
 def assert_same_draft(a, b):
@@ -79,10 +79,11 @@ def _speculators_draft(tmp_path, **config_changes):
     return tmp_path / "spec"
 
 
-def test_norm_before_residual_is_refused_for_every_release(tmp_path):
+@pytest.mark.parametrize("release", ["0.5.11", "0.5.16", "0.5.23", None])
+def test_norm_before_residual_is_refused_for_every_release(tmp_path, release):
     spec = _speculators_draft(tmp_path, norm_before_residual=True)
-    with pytest.raises(ConversionError, match="norm_before_residual.*SGLang 0.5.23.*no SGLang release read implements it"):
-        convert(spec, tmp_path / "out", to="sglang", engine_release="0.5.23", target_num_layers=8, target_family="deepseek_v2")
+    with pytest.raises(ConversionError, match="norm_before_residual.*no SGLang release read implements it"):
+        convert(spec, tmp_path / "out", to="sglang", engine_release=release, target_num_layers=8, target_family="deepseek_v2")
     assert not (tmp_path / "out").exists()
 
 
@@ -197,6 +198,22 @@ def test_destination_is_never_clobbered_without_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["native", "out"]
 
 
+def test_stale_duplicate_shards_are_refused(tmp_path):
+    write_draft(tmp_path / "native")
+    save_file({"fc.weight": torch.zeros(32, 96, dtype=torch.bfloat16)}, tmp_path / "native" / "zz-old.safetensors")
+    with pytest.raises(UnreadableInput, match=r"zz-old.safetensors: tensors also stored in another file.*fc.weight"):
+        convert(tmp_path / "native", tmp_path / "out", to="sglang", engine_release="0.5.13")
+
+
+def test_conflicting_target_is_refused(tmp_path):
+    write_draft(tmp_path / "native")
+    convert(tmp_path / "native", tmp_path / "sglang", to="sglang", engine_release="0.5.13")
+    with pytest.raises(ConversionError, match=r"target layer count given \(8\) differs from the one it was trained for \(4\)"):
+        convert(tmp_path / "sglang", tmp_path / "out", to="native", target_num_layers=8)
+    with pytest.raises(ConversionError, match="target family given"):
+        convert(tmp_path / "sglang", tmp_path / "out", to="native", target_family="deepseek_v2")
+
+
 def test_eagle_v1_is_named(tmp_path):
     (tmp_path / "eagle").mkdir()
     (tmp_path / "eagle" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle"]}))
@@ -217,7 +234,16 @@ def test_unreadable_inputs(tmp_path):
         load_native(tmp_path / "empty")
 
 
-def test_rename_table_is_a_bijection_per_layout():
+def test_rename_table_agrees_with_the_sglang_loader():
     for layout in ("native", "sglang", "speculators"):
-        names = tensor_names(layout)
+        names = tensor_names(layout, ["input_norm.weight", "fc_norm.0.weight"])
         assert len(set(names.values())) == len(names)
+    newest, _ = loader_rule("0.5.23")
+    oldest, _ = loader_rule("0.5.11")
+    flags = {"norm_before_fc", "fc_norm"}
+    for canonical, name in tensor_names("sglang", ["input_norm.weight", "fc_norm.0.weight"]).items():
+        assert loaded_name(name, newest, flags) == canonical  # every name we export loads where we mean it
+        if not name.startswith(("input_norm", "fc_norm")):
+            assert loaded_name(name, oldest, set()) == canonical
+    for canonical, name in tensor_names("speculators").items():
+        assert loaded_name(name, newest, set()) == canonical

@@ -91,6 +91,27 @@ def test_bad_input_is_one_line_naming_the_path(command, tmp_path):
         assert str(tmp_path / name) in result.stderr and phrase in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("change", "phrase"),
+    [
+        (["a", "list"], "expected a JSON object"),
+        ({"eagle_config": [1, 2]}, "eagle_config must be an object"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": "012"}}, "must be a list of integers"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+        ({"eagle3": "yes"}, "'eagle3' record"),
+    ],
+)
+def test_malformed_configs_are_one_line_errors(sglang_draft, change, phrase):
+    path = sglang_draft / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(change if isinstance(change, list) else {**config, **change}))
+    for command in ("validate", "inspect", "convert"):
+        args = [sglang_draft, sglang_draft.parent / "out", "--to", "native"] if command == "convert" else [sglang_draft]
+        result = eagle3(command, *args)
+        assert result.returncode == 2, (command, result.stderr)
+        assert phrase in result.stderr and "Traceback" not in result.stderr
+
+
 def test_convert_refusal_exits_1_with_the_cause(native_draft, tmp_path):
     result = eagle3("convert", native_draft, tmp_path / "out", "--to", "sglang", "--engine-version", "0.5.11",
                     "--target-family", "qwen3_5")

@@ -18,7 +18,16 @@ import torch
 from eagle3.config import PipelineConfig
 from eagle3.data.conversation import chat_template_hash
 from eagle3.data.regenerate import REGEN_DIR, read_samples
-from eagle3.data.shards import CapturedSample, bytes_per_token, shard_file, write_shard
+from eagle3.data.shards import (
+    KINDS,
+    CapturedSample,
+    bytes_per_token,
+    partial_file,
+    read_partial,
+    shard_file,
+    write_partial,
+    write_shard,
+)
 from eagle3.data.targets import check_same, load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.manifest import code_version, read_manifest, write_manifest
@@ -33,25 +42,32 @@ class StorageError(Eagle3Error):
 
 
 class LocalCapture:
-    """Forward passes with transformers; hooks on the final norm give its input and output."""
+    """A capture pass with transformers; hooks on the final norm give its input and output.
+
+    `kinds` selects what the pass returns; the local engine can return both in one pass."""
 
     release = None
 
-    def __init__(self, model_path: str, aux_layers: list[int], last_hidden: str):
+    def __init__(self, model_path: str, aux_layers: list[int], last_hidden: str, kinds: tuple[str, ...] = KINDS):
+        self.model_path, self.aux_layers, self.last_hidden, self.kinds = model_path, aux_layers, last_hidden, kinds
+        self._norm_io: dict[str, torch.Tensor] = {}
+
+    def start(self, log: Log) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        self.aux_layers, self.last_hidden = aux_layers, last_hidden
-        self._norm_io: dict[str, torch.Tensor] = {}
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
         self.model.model.norm.register_forward_hook(self._record_norm)
+
+    def stop(self) -> None:
+        del self.model
 
     def _record_norm(self, module, inputs, output) -> None:
         self._norm_io["pre_norm"], self._norm_io["post_norm"] = inputs[0], output
 
     @torch.no_grad()
-    def hidden_states(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per sequence: (aux [T, n_aux * H], last [T, H]). Right padding: causal attention keeps
-        every real position independent of the padding after it."""
+    def states(self, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+        """Per sequence: {"aux_hidden": [T, n_aux * H], "last_hidden": [T, H]} (the kinds asked for).
+        Right padding: causal attention keeps every real position independent of the padding after it."""
         width = max(map(len, sequences))
         ids = torch.zeros(len(sequences), width, dtype=torch.long)  # [B, T]
         attention = torch.zeros_like(ids)
@@ -59,9 +75,11 @@ class LocalCapture:
             ids[row, : len(seq)] = torch.tensor(seq)
             attention[row, : len(seq)] = 1
         out = self.model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[k + 1] for k in self.aux_layers], dim=-1)  # [B, T, n_aux * H]
-        last = self._norm_io[self.last_hidden]  # [B, T, H]
-        return [(aux[row, : len(seq)], last[row, : len(seq)]) for row, seq in enumerate(sequences)]
+        batch = {
+            "aux_hidden": torch.cat([out.hidden_states[k + 1] for k in self.aux_layers], dim=-1),  # [B, T, n_aux * H]
+            "last_hidden": self._norm_io[self.last_hidden],  # [B, T, H]
+        }
+        return [{kind: batch[kind][row, : len(seq)] for kind in self.kinds} for row, seq in enumerate(sequences)]
 
 
 def projected_bytes(config: PipelineConfig, tokens: int) -> tuple[int, int]:
@@ -116,40 +134,88 @@ def regenerated_manifest(config: PipelineConfig) -> dict:
     return manifest
 
 
-def capture(config: PipelineConfig, log: Log = print, engine=None) -> Path:
-    """Capture hidden states for every regenerated sample; returns the dataset directory."""
+def capture(config: PipelineConfig, log: Log = print, passes: list | None = None) -> Path:
+    """Capture hidden states for every regenerated sample; returns the dataset directory.
+
+    Work runs as passes, each started, run over the unfinished shards and stopped before the next one
+    (on the GPU node two SGLang engines cannot share the GPUs). A pass that returns every kind writes
+    final shards; otherwise each kind goes to a partial file, merged once all passes are done.
+    """
     regen_manifest = regenerated_manifest(config)
     records = sorted(read_samples(config.stage_dir("data") / REGEN_DIR), key=lambda r: r["id"])
     out = config.stage_dir("data") / HIDDEN_DIR
     tokens = sum(len(r["input_ids"]) for r in records)
     check_storage(config, tokens, out, log)
     out.mkdir(parents=True, exist_ok=True)
-    engine = engine or LocalCapture(config.target.path, config.data.aux_layers, config.data.last_hidden)
+    passes = passes or [LocalCapture(config.target.path, config.data.aux_layers, config.data.last_hidden)]
     per_shard = config.data.shard_samples
     shards = [records[i : i + per_shard] for i in range(0, len(records), per_shard)]
-    progress = Progress("capture", total=len(records), unit="samples", log=log)
-    for index, shard in enumerate(shards):
-        if shard_file(out, index).exists():  # written atomically: complete
-            progress.advance(len(shard))
-            continue
-        captured = []
-        for start in range(0, len(shard), config.data.batch_size):
-            batch = shard[start : start + config.data.batch_size]
-            states = engine.hidden_states([r["input_ids"] for r in batch])
-            captured += [
-                CapturedSample(r["id"], torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"]), aux, last)
-                for r, (aux, last) in zip(batch, states)
-            ]
-            progress.advance(len(batch), tokens=sum(len(r["input_ids"]) for r in batch))
-        write_shard(shard_file(out, index), captured)
-    for stale in sorted(out.glob("shard-*.safetensors"))[len(shards) :]:
-        stale.unlink()  # left by an earlier, larger capture into the same directory
-    write_manifest(out, kind="dataset", fields=dataset_fields(config, regen_manifest, engine, len(records), records))
+    pending = [k for k in range(len(shards)) if not shard_file(out, k).exists()]  # atomic writes: complete
+    for capture_pass in passes:
+        todo = [k for k in pending if not all(partial_file(out, k, kind).exists() for kind in capture_pass.kinds)]
+        todo = [k for k in todo if not shard_file(out, k).exists()]
+        if todo:
+            run_pass(capture_pass, [(k, shards[k]) for k in todo], out, config.data.batch_size, log)
+    for k in pending:
+        if not shard_file(out, k).exists():
+            merge_partials(out, k, shards[k])
+    for stale in out.glob("shard-*.safetensors"):
+        if int(stale.name[len("shard-") :][:5]) >= len(shards):
+            stale.unlink()  # left by an earlier, larger capture into the same directory
+    fields = dataset_fields(config, regen_manifest, passes[0].release, records)
+    write_manifest(out, kind="dataset", fields=fields)
     log(f"capture: {len(records)} samples, {tokens} tokens in {len(shards)} shard(s) at {out}")
     return out
 
 
-def dataset_fields(config: PipelineConfig, regen_manifest: dict, engine, samples: int, records: list[dict]) -> dict:
+def run_pass(capture_pass, shards: list[tuple[int, list[dict]]], out: Path, batch_size: int, log: Log) -> None:
+    name = "+".join(capture_pass.kinds)
+    progress = Progress(f"capture ({name})", total=sum(len(s) for _, s in shards), unit="samples", log=log)
+    capture_pass.start(log)
+    try:
+        for index, shard in shards:
+            states = []
+            for start in range(0, len(shard), batch_size):
+                batch = shard[start : start + batch_size]
+                states += capture_pass.states([r["input_ids"] for r in batch])
+                progress.advance(len(batch), tokens=sum(len(r["input_ids"]) for r in batch))
+            check_rows(shard, states)
+            if set(capture_pass.kinds) == set(KINDS):
+                write_shard(shard_file(out, index), [captured(r, s) for r, s in zip(shard, states)])
+            else:
+                for kind in capture_pass.kinds:
+                    write_partial(partial_file(out, index, kind), [s[kind] for s in states])
+    finally:
+        capture_pass.stop()
+
+
+def check_rows(shard: list[dict], states: list[dict[str, torch.Tensor]]) -> None:
+    """Every kind must have one row per token: an engine that drops rows (prefix cache hits, chunked
+    prefill) would misalign every later position."""
+    for record, state in zip(shard, states):
+        for kind, tensor in state.items():
+            if tensor.shape[0] != len(record["input_ids"]):
+                raise Eagle3Error(
+                    f"sample {record['id']}: the engine returned {tensor.shape[0]} rows of {kind} for "
+                    f"{len(record['input_ids'])} tokens"
+                )
+
+
+def captured(record: dict, state: dict[str, torch.Tensor]) -> CapturedSample:
+    return CapturedSample(
+        record["id"], torch.tensor(record["input_ids"]), torch.tensor(record["loss_mask"]), state["aux_hidden"], state["last_hidden"]
+    )
+
+
+def merge_partials(out: Path, index: int, shard: list[dict]) -> None:
+    parts = {kind: read_partial(partial_file(out, index, kind)) for kind in KINDS}
+    samples = [captured(r, {kind: parts[kind][i] for kind in KINDS}) for i, r in enumerate(shard)]
+    write_shard(shard_file(out, index), samples)
+    for kind in KINDS:
+        partial_file(out, index, kind).unlink()
+
+
+def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | None, records: list[dict]) -> dict:
     per_token, total = projected_bytes(config, sum(len(r["input_ids"]) for r in records))
     return {
         "target": regen_manifest["target"],
@@ -162,10 +228,10 @@ def dataset_fields(config: PipelineConfig, regen_manifest: dict, engine, samples
             "aux_layers": list(config.data.aux_layers),
             "last_hidden": config.data.last_hidden,
             "dtype": "bfloat16",
-            "engine": config.data.engine,
-            "engine_release": engine.release,
+            "engine": config.data.capture_engine,
+            "engine_release": release,
         },
-        "samples": samples,
+        "samples": len(records),
         "tokens": sum(len(r["input_ids"]) for r in records),
         "loss_tokens": sum(sum(r["loss_mask"]) for r in records),
         "bytes_per_token": per_token,

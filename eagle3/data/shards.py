@@ -23,10 +23,28 @@ from safetensors.torch import save
 from eagle3.fsutil import atomic_write_bytes
 
 STORED_DTYPE = torch.bfloat16
+KINDS = ("aux_hidden", "last_hidden")
 
 
 def shard_file(directory: Path, index: int) -> Path:
     return Path(directory) / f"shard-{index:05d}.safetensors"
+
+
+def partial_file(directory: Path, index: int, kind: str) -> Path:
+    """One kind of a shard, written by a capture pass that returns only that kind."""
+    return Path(directory) / f"shard-{index:05d}.{kind}.safetensors"
+
+
+def write_partial(path: Path, rows: list[torch.Tensor]) -> None:
+    lengths = torch.tensor([0] + [r.shape[0] for r in rows], dtype=torch.int64)
+    tensors = {"rows": torch.cat(rows).to(STORED_DTYPE), "offsets": torch.cumsum(lengths, 0)}
+    atomic_write_bytes(path, save(tensors))
+
+
+def read_partial(path: Path) -> list[torch.Tensor]:
+    with safe_open(path, framework="pt") as f:
+        rows, offsets = f.get_tensor("rows"), f.get_tensor("offsets").tolist()
+    return [rows[a:b] for a, b in zip(offsets, offsets[1:])]
 
 
 def bytes_per_token(num_aux: int, hidden: int) -> int:
@@ -76,7 +94,7 @@ class ShardReader:
 
 def read_dataset(directory: Path):
     """Yield every captured sample of a dataset directory, shard by shard."""
-    for path in sorted(Path(directory).glob("shard-*.safetensors")):
+    for path in sorted(Path(directory).glob("shard-?????.safetensors")):
         reader = ShardReader(path)
         for index in range(len(reader)):
             yield reader.sample(index)

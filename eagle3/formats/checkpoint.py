@@ -41,7 +41,7 @@ PROVENANCE_KEY = "eagle3"  # our block inside exported config.json files
 
 # Architecture switches a draft may use beyond the plain EAGLE-3 head (speculators and SpecForge
 # options). Each changes the network; an engine that does not implement one computes something else.
-FLAGS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output")
+FLAGS = tuple(engines.FLAG_CONFIG_KEYS)
 
 # ---------------------------------------------------------------------------------------------
 # The one rename table: canonical tensor name -> name in each layout.
@@ -49,7 +49,7 @@ _LAYER_PREFIX = {"native": "midlayer", "sglang": "midlayer", "speculators": "lay
 _PLAIN = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 # Tensors the switches add carry the same name in every layout: input_norm (norm_before_fc) is one
 # RMSNorm over the concatenated aux states, fc_norm.{j} one RMSNorm per aux state.
-FLAG_TENSOR_PREFIXES = ("input_norm.", "fc_norm.")
+FLAG_TENSOR_PREFIXES = tuple(prefix for prefixes in engines.FLAG_TENSOR_PREFIXES.values() for prefix in prefixes)
 
 
 def tensor_names(layout: Layout, names: list[str] = ()) -> dict[str, str]:
@@ -176,7 +176,64 @@ def read_checkpoint(path: Path) -> RawCheckpoint:
         raise UnreadableInput(f"{config_path}: missing (a draft checkpoint needs config.json)") from None
     except json.JSONDecodeError as err:
         raise UnreadableInput(f"{config_path}: not valid JSON ({err})") from None
+    problems = config_type_problems(config)
+    if problems:
+        raise UnreadableInput(f"{config_path}: {'; '.join(problems)}")
     return RawCheckpoint(path=path, layout=detect_layout(config, config_path), config=config, tensors=read_tensors(path))
+
+
+SIZE_FIELDS = (
+    "hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "draft_vocab_size", "max_position_embeddings", "num_hidden_layers",
+)
+
+
+def config_type_problems(config: object) -> list[str]:
+    """What in a draft config.json has the wrong JSON type, so readers can trust the types they use."""
+    if not isinstance(config, dict):
+        return [f"expected a JSON object, found {type(config).__name__}"]
+    problems = []
+    sections = {"": config, "transformer_layer_config.": config.get("transformer_layer_config")}
+    for prefix, section in sections.items():
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            problems.append(f"{prefix.rstrip('.')} must be an object")
+            continue
+        for key in SIZE_FIELDS:
+            value = section.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                problems.append(f"{prefix}{key} must be a positive integer, found {value!r}")
+    nested = config.get("eagle_config")
+    if nested is not None and not isinstance(nested, dict):
+        problems.append("eagle_config must be an object")
+    for where, ids in (("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")),
+                       ("eagle_config.eagle_aux_hidden_state_layer_ids",
+                        nested.get("eagle_aux_hidden_state_layer_ids") if isinstance(nested, dict) else None)):
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            problems.append(f"{where} must be a list of integers, found {ids!r}")
+    if PROVENANCE_KEY in config:
+        try:
+            Provenance.model_validate(config[PROVENANCE_KEY])
+        except ValidationError as err:
+            problems.append(f"'{PROVENANCE_KEY}' record: {_first_error(err)}")
+    return problems
+
+
+class Provenance(BaseModel):
+    """Our record inside exported config.json files."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    aux_layers: list[int]
+    target_num_hidden_layers: int = Field(gt=1)
+    target_family: str | None = None
+    engine_release: str | None = None
+
+
+def _first_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    return f"{'.'.join(map(str, first['loc'])) or 'value'}: {first['msg']}"
 
 
 def detect_layout(config: dict, where: Path) -> str:
@@ -204,9 +261,13 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            tensors.update(load_file(file))
+            loaded = load_file(file)
         except (SafetensorError, OSError) as err:
             raise UnreadableInput(f"{file}: corrupt safetensors file ({err})") from None
+        repeated = sorted(loaded.keys() & tensors.keys())
+        if repeated:  # which copy a loader keeps depends on file order: refuse to guess
+            raise UnreadableInput(f"{file}: tensors also stored in another file of {path}: {repeated[:4]}")
+        tensors.update(loaded)
     return tensors
 
 
@@ -232,13 +293,20 @@ def to_native(
     if raw.layout == "native":
         return NativeDraft(_draft_config(raw.config, raw.path), _rename(raw, "native"))
     provenance = raw.config.get(PROVENANCE_KEY) or {}
+    for given, key, label in ((target_family, "target_family", "target family"),
+                              (target_num_layers, "target_num_hidden_layers", "target layer count")):
+        recorded = provenance.get(key)
+        if given is not None and recorded is not None and given != recorded:
+            raise ConversionError(
+                f"{raw.path}: the {label} given ({given}) differs from the one it was trained for ({recorded})"
+            )
     family = target_family or provenance.get("target_family")
     num_layers = target_num_layers or provenance.get("target_num_hidden_layers")
     if num_layers is None:
         raise ConversionError(f"{raw.path}: the target's layer count is unknown; pass the target (--target DIR)")
     if raw.layout == "sglang":
         # Our exports record the release their ids were encoded for; others are read for the given one.
-        release = provenance["engine_release"] if provenance else engine_release
+        release = provenance.get("engine_release") if provenance else engine_release
         fields = _fields_from_sglang(raw, family, release, num_layers)
     else:
         fields = _fields_from_speculators(raw)
@@ -254,6 +322,9 @@ def to_native(
 
 def _shared_fields(arch: dict, raw_config: dict, tensors: dict[str, torch.Tensor]) -> dict:
     """Architecture fields common to the sglang config and speculators' transformer_layer_config."""
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings") if k not in arch]
+    if missing:
+        raise ConversionError(f"the draft's config lacks {', '.join(missing)}")
     hidden = arch["hidden_size"]
     heads = arch["num_attention_heads"]
     rope = dict(arch.get("rope_parameters") or {})  # transformers 5 folds rope_theta/scaling in here
@@ -308,7 +379,8 @@ def _fields_from_speculators(raw: RawCheckpoint) -> dict:
             "on long prompts; retrain with full attention"
         )
     fields = _shared_fields(arch, config, raw.tensors)
-    flags = {flag: bool(config.get(flag)) for flag in FLAGS}
+    enabled = engines.enabled_flags(config)
+    flags = {flag: flag in enabled for flag in FLAGS}
     # vLLM reads a missing norm_before_residual as true (speculators' default); so do we.
     flags["norm_before_residual"] = bool(config.get("norm_before_residual", True))
     fields.update(aux_layers=engines.layers_from_vllm_ids(ids), **flags)
@@ -539,5 +611,5 @@ def convert(
     overwrite: bool = False,
 ) -> Path:
     """Convert a draft between layouts. The release and family decide the aux ids SGLang needs."""
-    draft = load_native(src, target_family, engine_release, target_num_layers)
+    draft = to_native(read_checkpoint(Path(src)), target_family, engine_release, target_num_layers)
     return save_native_draft(draft, dst, to, target_family, engine_release, overwrite, source=str(src))

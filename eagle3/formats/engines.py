@@ -187,10 +187,15 @@ def aux_id_rule(family: str, release: Release) -> AuxIdRule | None:
     return None
 
 
+def sglang_default_inputs(num_layers: int) -> list[int]:
+    """The layers whose input SGLang captures when the draft names no ids (every file, every release)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 def captured_inputs(ids: list[int] | None, rule: AuxIdRule, num_layers: int) -> list[int]:
     """Engine numbering: the layer indices whose input is recorded (n = the last layer's output)."""
     if ids is None:
-        return [2, num_layers // 2, num_layers - 3]
+        return sglang_default_inputs(num_layers)
     if rule.shift == "always":
         return [i + 1 for i in ids]
     if rule.shift == "if_first_is_one":
@@ -255,7 +260,7 @@ def sglang_ids_for_layers(layers: list[int], family: str, release: str | None, n
             return ids
         tried.append(f"{ids} -> {capture.explanation}")
     raise ValueError(
-        f"no aux ids make {family} on SGLang {release or '(any release)'} capture layers {list(layers)}: "
+        f"no ascending aux ids make {family} on SGLang {release or '(any release)'} capture layers {list(layers)}: "
         + " | ".join(tried)
     )
 

@@ -64,8 +64,10 @@ def read_data_capture(path: Path) -> dict:
         raise UnreadableInput(f"{path}: no such data manifest") from None
     except json.JSONDecodeError as err:
         raise UnreadableInput(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("target") or {}, dict):
+        raise UnreadableInput(f"{path}: not a dataset manifest (expected a JSON object)")
     capture, target = manifest.get("capture") or {}, manifest.get("target") or {}
-    if not isinstance(capture.get("aux_layers"), list):
+    if not isinstance(capture, dict) or not isinstance(capture.get("aux_layers"), list):
         raise UnreadableInput(f"{path}: not a dataset manifest (capture.aux_layers is missing)")
     return {
         "aux_layers": capture["aux_layers"],

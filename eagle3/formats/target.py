@@ -29,6 +29,8 @@ def read_target_info(path: Path) -> TargetInfo:
         raise UnreadableInput(f"{config_path}: no such file (expected the target's config.json)") from None
     except json.JSONDecodeError as err:
         raise UnreadableInput(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("text_config", {}), dict):
+        raise UnreadableInput(f"{config_path}: expected a JSON object (with an optional text_config object)")
     architectures = config.get("architectures") or [None]
     text = config.get("text_config") or config
     missing = [key for key in ("num_hidden_layers", "hidden_size", "vocab_size") if key not in text]

@@ -92,7 +92,7 @@ def validate(
     loaded = _check_names(raw, rule, rule_note, where, report)
     _check_config_fields(raw, report)
     num_aux = _check_shapes(raw, loaded, ctx, rule, where, report)
-    _check_vocab(raw, ctx, report)
+    _check_vocab(raw, loaded, ctx, report)
     _check_aux_ids(raw, ctx, engine_release, num_aux, report)
     _check_context(raw, context_length, report)
     return report
@@ -140,13 +140,23 @@ def _check_names(
             f"one trained" + (" (no SGLang release read implements it)" if never else ""),
             "retrain without it" if never else "serve with a release that implements it and pass that release",
         )
-    loaded, skipped = {}, []
+    loaded, skipped, sources = {}, [], {}
     for name, tensor in raw.tensors.items():
         canonical = engines.loaded_name(name, rule, flags)
         if canonical is None:
             skipped.append(name)
         else:
             loaded[canonical] = tensor
+            sources.setdefault(canonical, []).append(name)
+    clashes = {canonical: names for canonical, names in sources.items() if len(names) > 1}
+    if clashes:
+        report.add(
+            "duplicate-tensor",
+            "error",
+            "several tensors load into the same parameter (which one wins depends on file order): "
+            + "; ".join(f"{' and '.join(sorted(names))} -> {canonical}" for canonical, names in sorted(clashes.items())),
+            "keep one spelling of each tensor",
+        )
     if skipped:
         layer_names = [n for n in skipped if n.startswith("layers.0.")]
         fix = (
@@ -180,6 +190,14 @@ def _check_config_fields(raw: RawCheckpoint, report: Report) -> None:
             "error",
             f"model_type is {config.get('model_type')!r}; transformers' AutoConfig needs 'llama' to read this draft",
             'set "model_type": "llama"',
+        )
+    if config.get("num_hidden_layers") != 1 and raw.layout != "speculators":
+        report.add(
+            "config-num-layers",
+            "error",
+            f"num_hidden_layers is {config.get('num_hidden_layers')!r}; an EAGLE-3 draft has exactly 1 (SGLang builds "
+            "the extra layers with random weights; transformers defaults a missing value to 32)",
+            'set "num_hidden_layers": 1',
         )
     if config.get("tie_word_embeddings"):
         report.add(
@@ -239,7 +257,7 @@ def _check_shapes(
             "error",
             "draft_vocab_size is missing: SGLang then builds lm_head over the target's whole vocabulary "
             f"({config['vocab_size']}) and ignores d2t",
-            f'set "draft_vocab_size": {len(raw.tensors["d2t"]) if "d2t" in raw.tensors else "<rows of lm_head>"}',
+            f'set "draft_vocab_size": {raw.tensors["d2t"].numel() if "d2t" in raw.tensors else "<rows of lm_head>"}',
         )
         draft_vocab = config["vocab_size"]
     served_flags = engines.enabled_flags(config) & rule.flags
@@ -314,8 +332,8 @@ def _check_dtypes(loaded: dict[str, torch.Tensor], config: dict, report: Report)
         )
 
 
-def _check_vocab(raw: RawCheckpoint, ctx: Context, report: Report) -> None:
-    d2t, t2d = raw.tensors.get("d2t"), raw.tensors.get("t2d")
+def _check_vocab(raw: RawCheckpoint, loaded: dict[str, torch.Tensor], ctx: Context, report: Report) -> None:
+    d2t, t2d = loaded.get("d2t"), loaded.get("t2d")
     if d2t is None:
         return  # reported as a missing tensor
     config = raw.config

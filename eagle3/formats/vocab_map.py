@@ -128,6 +128,9 @@ def read_d2t_t2d(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(tensors, dict) or not {"d2t", "t2d"} <= tensors.keys():
         found = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
         raise UnreadableInput(f"{path}: expected tensors 'd2t' and 't2d', found {found}")
+    for name in ("d2t", "t2d"):
+        if not isinstance(tensors[name], torch.Tensor):
+            raise UnreadableInput(f"{path}: '{name}' is a {type(tensors[name]).__name__}, not a tensor")
     return tensors["d2t"], tensors["t2d"]
 
 
@@ -155,7 +158,10 @@ def _read_tensor_file(path: Path) -> torch.Tensor | dict:
         if path.suffix == ".safetensors":
             return load_file(path)
         if path.suffix == ".npy":
-            return torch.from_numpy(np.load(path, allow_pickle=False))
+            array = np.load(path, allow_pickle=False)
+            if array.dtype.kind not in "biu":
+                raise UnreadableInput(f"{path}: holds {array.dtype} values, not integer or bool ids")
+            return torch.from_numpy(array)
         if path.suffix in (".pt", ".pth", ".bin"):
             return torch.load(path, map_location="cpu", weights_only=True)
     except (SafetensorError, ValueError, OSError, RuntimeError) as err:
@@ -177,6 +183,8 @@ def check_invariants(vocab_map: VocabMap, source: str) -> None:
         raise VocabMapError(f"{source}: d2t must be a 1-D int64 tensor, got {d2t.dtype} {list(d2t.shape)}")
     if t2d.dim() != 1 or t2d.dtype != torch.bool:
         raise VocabMapError(f"{source}: t2d must be a 1-D bool tensor, got {t2d.dtype} {list(t2d.shape)}")
+    if d2t.numel() == 0:
+        raise VocabMapError(f"{source}: the draft vocabulary is empty")
     selected = int(t2d.sum())
     if selected != d2t.numel():
         raise VocabMapError(
@@ -215,6 +223,7 @@ def analyze_d2t(d2t: torch.Tensor, t2d: torch.Tensor | None = None, target_vocab
     d2t = d2t.to(torch.int64).flatten()
     k = d2t.numel()
     if t2d is not None:
+        t2d = t2d.flatten()
         target_vocab_size = t2d.numel()
     ids = d2t + torch.arange(k)  # the offsets reading
     diffs = d2t[1:] - d2t[:-1]
@@ -224,6 +233,7 @@ def analyze_d2t(d2t: torch.Tensor, t2d: torch.Tensor | None = None, target_vocab
     nonzero = int((d2t != 0).sum())
     leading_zeros = int((torch.cumprod((d2t == 0).to(torch.int64), 0)).sum())
     offsets_distinct = int(torch.unique(ids).numel()) == k
+    negative = bool((ids < 0).any())
     offsets_sorted = bool((ids[1:] > ids[:-1]).all())
     in_range = None
     if target_vocab_size is not None:
@@ -257,6 +267,8 @@ def analyze_d2t(d2t: torch.Tensor, t2d: torch.Tensor | None = None, target_vocab
         encoding, verdict = "absolute", "absolute ids: d2t[i] itself is the target id (SGLang adds i again)"
     elif agreement is False:
         encoding, verdict = "invalid", "neither reading agrees with t2d: d2t and t2d come from different maps"
+    elif negative:
+        encoding, verdict = "invalid", "invalid: i + d2t[i] is negative for some draft ids"
     elif in_range is False:
         absolute_fits = bool(((d2t >= 0) & (d2t < target_vocab_size)).all())
         encoding = "absolute" if absolute_fits and strictly_increasing else "invalid"

@@ -1,0 +1,75 @@
+import dataclasses
+import math
+import time
+
+import torch
+from fixtures_tiny import micro_target  # noqa: F401
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagle3.engines.tiny import HELD_OUT_TOKENS, MICRO, build_tiny_target, corpus_ids, tiny_model
+from eagle3.formats.manifest import read_manifest
+
+# Contents end in a space and a newline, where a merge across the turn boundary would show.
+CONVERSATION = [
+    {"role": "user", "content": "What does assert do? "},
+    {"role": "assistant", "content": "It raises AssertionError:\n"},
+]
+
+
+def test_loads_with_plain_auto_classes(micro_target):
+    model = AutoModelForCausalLM.from_pretrained(micro_target)
+    tokenizer = AutoTokenizer.from_pretrained(micro_target)
+    assert model.config.vocab_size == MICRO.vocab_size and not model.config.tie_word_embeddings
+    assert tokenizer.eos_token == "<|end|>" and tokenizer.bos_token == "<|bos|>" and tokenizer.pad_token == "<|pad|>"
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert read_manifest(micro_target)["kind"] == "tiny-target"
+
+
+def test_chat_template_ends_every_turn_with_end(micro_target):
+    tokenizer = AutoTokenizer.from_pretrained(micro_target)
+    text = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|bos|><|user|>\nWhat does assert do? <|end|>\n"
+        "<|assistant|>\nIt raises AssertionError:\n<|end|>\n<|assistant|>\n"
+    )
+
+
+def test_conversation_tokens_are_the_concatenation_of_its_turns(micro_target):
+    tokenizer = AutoTokenizer.from_pretrained(micro_target)
+    pieces = ["<|bos|>"] + [f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in CONVERSATION]
+    per_turn = [token for piece in pieces for token in tokenizer.encode(piece, add_special_tokens=False)]
+    whole = tokenizer.apply_chat_template(CONVERSATION, return_dict=True)["input_ids"]
+    assert whole == per_turn
+    assert whole.count(tokenizer.eos_token_id) == len(CONVERSATION)
+
+
+def held_out_loss(model, tokenizer) -> float:
+    windows = corpus_ids(tokenizer)[-HELD_OUT_TOKENS:].view(-1, MICRO.seq_len)  # [windows, seq]
+    with torch.no_grad():
+        return model(input_ids=windows, labels=windows).loss.item()
+
+
+def test_trained_model_predicts_held_out_text_far_better_than_chance(micro_target):
+    tokenizer = AutoTokenizer.from_pretrained(micro_target)
+    trained = held_out_loss(AutoModelForCausalLM.from_pretrained(micro_target), tokenizer)
+    torch.manual_seed(0)
+    untrained = held_out_loss(tiny_model(MICRO, tokenizer), tokenizer)
+    assert trained < 0.75 * math.log(MICRO.vocab_size)
+    assert trained < untrained - 1.0
+
+
+def test_same_inputs_reuse_the_cache_and_a_changed_recipe_rebuilds(tmp_path):
+    quick, out, lines = dataclasses.replace(MICRO, max_steps=5), tmp_path / "target", []
+    build_tiny_target(out, quick, progress=lines.append)
+    first = read_manifest(out)
+    assert first["steps"] == 5 and first["recipe"] == dataclasses.asdict(quick)
+
+    start = time.perf_counter()
+    build_tiny_target(out, quick, progress=lines.append)
+    assert time.perf_counter() - start < 2.0
+    assert "reusing the cached" in lines[-1] and read_manifest(out) == first
+
+    build_tiny_target(out, dataclasses.replace(quick, seed=1), progress=lines.append)
+    rebuilt = read_manifest(out)
+    assert rebuilt["content_hash"] != first["content_hash"] and rebuilt["recipe"]["seed"] == 1
+    assert not list(tmp_path.glob(".target.*"))  # no temporary siblings left behind
