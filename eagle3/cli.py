@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         add_config_arguments(data_commands.add_parser(name, help=text)).set_defaults(handler=handler)
 
+    tiny = commands.add_parser("make-tiny-target", help="build (or reuse) the tiny CPU target model")
+    tiny.add_argument("out", type=Path)
+    tiny.add_argument("--micro", action="store_true", help="the smaller, faster variant the tests use")
+    tiny.set_defaults(handler=run_make_tiny_target)
+
     vocab = commands.add_parser("vocab", help="the draft vocabulary map")
     vocab_commands = vocab.add_subparsers(dest="vocab_command", required=True)
     build = vocab_commands.add_parser("build", help="build d2t/t2d from the regenerated training split")
@@ -89,6 +94,14 @@ def load_run_config(args: argparse.Namespace):
     return load_config(args.config, args.overrides)
 
 
+def run_make_tiny_target(args: argparse.Namespace) -> int:
+    from eagle3.engines.tiny import MICRO, TINY, build_tiny_target
+
+    out = build_tiny_target(args.out, MICRO if args.micro else TINY)
+    print(f"tiny target ready at {out}")
+    return EXIT_OK
+
+
 def run_regenerate(args: argparse.Namespace) -> int:
     from eagle3.data.regenerate import regenerate
 
@@ -98,8 +111,13 @@ def run_regenerate(args: argparse.Namespace) -> int:
 
 def run_capture(args: argparse.Namespace) -> int:
     from eagle3.data.capture import capture
+    from eagle3.engines.sglang_capture import run_on_node
 
-    capture(load_run_config(args))
+    config = load_run_config(args)
+    if config.data.capture_engine == "sglang":
+        run_on_node(config, args.config, args.overrides, log=print)
+    else:
+        capture(config)
     return EXIT_OK
 
 

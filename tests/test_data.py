@@ -14,7 +14,6 @@ from eagle3.data.targets import DataMismatch
 from eagle3.data.vocab import build_vocab, count_loss_tokens
 from eagle3.formats.manifest import read_data_capture, read_manifest
 from eagle3.formats.vocab_map import load_vocab_map, read_stats
-from fixtures_tiny import micro_target  # noqa: F401
 from test_config import KIMI, TINY
 
 

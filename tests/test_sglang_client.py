@@ -7,7 +7,6 @@ import pytest
 from eagle3.config import load_config
 from eagle3.data.regenerate import EngineError, read_samples, regenerate
 from fake_sglang import FakeSGLang, answer_for
-from fixtures_tiny import micro_target  # noqa: F401
 from test_config import TINY
 
 

@@ -3,7 +3,7 @@ import math
 import time
 
 import torch
-from fixtures_tiny import micro_target  # noqa: F401
+from fixtures_tiny import one_torch_thread
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3.engines.tiny import HELD_OUT_TOKENS, MICRO, build_tiny_target, corpus_ids, tiny_model
@@ -60,16 +60,17 @@ def test_trained_model_predicts_held_out_text_far_better_than_chance(micro_targe
 
 def test_same_inputs_reuse_the_cache_and_a_changed_recipe_rebuilds(tmp_path):
     quick, out, lines = dataclasses.replace(MICRO, max_steps=5), tmp_path / "target", []
-    build_tiny_target(out, quick, progress=lines.append)
-    first = read_manifest(out)
-    assert first["steps"] == 5 and first["recipe"] == dataclasses.asdict(quick)
+    with one_torch_thread():
+        build_tiny_target(out, quick, progress=lines.append)
+        first = read_manifest(out)
+        assert first["steps"] == 5 and first["recipe"] == dataclasses.asdict(quick)
 
-    start = time.perf_counter()
-    build_tiny_target(out, quick, progress=lines.append)
-    assert time.perf_counter() - start < 2.0
-    assert "reusing the cached" in lines[-1] and read_manifest(out) == first
+        start = time.perf_counter()
+        build_tiny_target(out, quick, progress=lines.append)
+        assert time.perf_counter() - start < 2.0
+        assert "reusing the cached" in lines[-1] and read_manifest(out) == first
 
-    build_tiny_target(out, dataclasses.replace(quick, seed=1), progress=lines.append)
+        build_tiny_target(out, dataclasses.replace(quick, seed=1), progress=lines.append)
     rebuilt = read_manifest(out)
     assert rebuilt["content_hash"] != first["content_hash"] and rebuilt["recipe"]["seed"] == 1
     assert not list(tmp_path.glob(".target.*"))  # no temporary siblings left behind

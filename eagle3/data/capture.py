@@ -75,10 +75,11 @@ class LocalCapture:
             ids[row, : len(seq)] = torch.tensor(seq)
             attention[row, : len(seq)] = 1
         out = self.model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
-        batch = {
-            "aux_hidden": torch.cat([out.hidden_states[k + 1] for k in self.aux_layers], dim=-1),  # [B, T, n_aux * H]
-            "last_hidden": self._norm_io[self.last_hidden],  # [B, T, H]
-        }
+        batch = {}
+        if "aux_hidden" in self.kinds:
+            batch["aux_hidden"] = torch.cat([out.hidden_states[k + 1] for k in self.aux_layers], dim=-1)  # [B, T, n_aux * H]
+        if "last_hidden" in self.kinds:
+            batch["last_hidden"] = self._norm_io[self.last_hidden]  # [B, T, H]
         return [{kind: batch[kind][row, : len(seq)] for kind in self.kinds} for row, seq in enumerate(sequences)]
 
 

@@ -62,7 +62,7 @@ class TinyRecipe:
 TINY = TinyRecipe(name="tiny", vocab_size=2048, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, seq_len=128, batch_size=32,
                   train_seconds=150.0, max_steps=100_000, learning_rate=3e-3, seed=0)
-# For tests: the same family, ~15 s on 2 idle cores, held-out loss ~2.9 (ln 512 = 6.2). Bound by steps, not
+# For tests: the same family, ~15 s on one core, held-out loss ~2.9 (ln 512 = 6.2). Bound by steps, not
 # time, so that a loaded CI machine makes it slower rather than worse; the time cap only stops a runaway.
 MICRO = TinyRecipe(name="micro", vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, seq_len=64, batch_size=16,
