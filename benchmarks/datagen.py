@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from eagle3.config import load_config
-from eagle3.data.capture import capture, human_bytes, projected_bytes
+from eagle3.data.capture import capture
+from eagle3.data.storage import human_bytes, projected_bytes
 from eagle3.data.regenerate import read_samples, regenerate
 from eagle3.engines.tiny import TINY, build_tiny_target
 from eagle3.formats.manifest import read_manifest

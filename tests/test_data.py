@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3.config import load_config
-from eagle3.data.capture import StorageError, capture, check_dataset, check_storage
+from eagle3.data.capture import capture, check_dataset
+from eagle3.data.storage import StorageError, check_storage
 from eagle3.data.regenerate import read_samples, regenerate
 from eagle3.data.shards import read_dataset
 from eagle3.data.targets import DataMismatch

@@ -74,3 +74,12 @@ def test_s3_source_over_http(tmp_path, monkeypatch):
             load_prompts("s3://eagle3-prompts/missing.jsonl")
     finally:
         server.stop()
+
+
+def test_reasoning_is_kept_apart_from_the_answer():
+    from eagle3.data.conversation import assistant_message
+
+    assert assistant_message("<think>\nweigh options\n</think>\n\nAnswer.") == {
+        "role": "assistant", "content": "Answer.", "reasoning_content": "weigh options"
+    }
+    assert assistant_message("Plain answer.") == {"role": "assistant", "content": "Plain answer."}

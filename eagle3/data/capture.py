@@ -9,7 +9,6 @@ lm_head(last_hidden) directly. The manifest records which one was stored.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +20,6 @@ from eagle3.data.regenerate import REGEN_DIR, read_samples
 from eagle3.data.shards import (
     KINDS,
     CapturedSample,
-    bytes_per_token,
     partial_file,
     read_partial,
     shard_file,
@@ -31,14 +29,11 @@ from eagle3.data.shards import (
 from eagle3.data.targets import check_same, load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.manifest import code_version, read_manifest, write_manifest
+from eagle3.data.storage import check_storage, projected_bytes
 from eagle3.progress import Progress
 
 Log = Callable[[str], None]
 HIDDEN_DIR = "hidden"
-
-
-class StorageError(Eagle3Error):
-    """The projected dataset does not fit on the disk."""
 
 
 class LocalCapture:
@@ -81,39 +76,6 @@ class LocalCapture:
         if "last_hidden" in self.kinds:
             batch["last_hidden"] = self._norm_io[self.last_hidden]  # [B, T, H]
         return [{kind: batch[kind][row, : len(seq)] for kind in self.kinds} for row, seq in enumerate(sequences)]
-
-
-def projected_bytes(config: PipelineConfig, tokens: int) -> tuple[int, int]:
-    per_token = bytes_per_token(len(config.data.aux_layers), config.target.hidden_size)
-    return per_token, per_token * tokens
-
-
-def check_storage(config: PipelineConfig, tokens: int, directory: Path, log: Log) -> None:
-    """Print the projection and refuse to start when it exceeds the free space (with the numbers)."""
-    per_token, total = projected_bytes(config, tokens)
-    existing = directory
-    while not existing.exists():
-        existing = existing.parent
-    free = shutil.disk_usage(existing).free
-    log(
-        f"capture: {per_token:,} bytes per token ({len(config.data.aux_layers)} aux + 1 last state x "
-        f"{config.target.hidden_size} x bf16) x {tokens:,} tokens = {human_bytes(total)}; "
-        f"{human_bytes(free)} free at {existing}"
-    )
-    if total > free:
-        raise StorageError(
-            f"the dataset needs {human_bytes(total)} ({tokens:,} tokens x {per_token:,} bytes) but only "
-            f"{human_bytes(free)} is free at {existing}: free space, lower data.num_samples or data.max_length, "
-            "or point run.dir at a larger disk"
-        )
-
-
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if count < 1000 or unit == "TB":
-            return f"{count:,.1f} {unit}"
-        count /= 1000
-    return f"{count:,.1f} TB"
 
 
 def regenerated_manifest(config: PipelineConfig) -> dict:

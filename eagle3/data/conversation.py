@@ -39,6 +39,18 @@ def chat_template_hash(tokenizer) -> str:
     return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
 
 
+THINK_END = "</think>"
+
+
+def assistant_message(text: str) -> dict:
+    """A reply as a chat message; a thinking target's reasoning is kept as reasoning_content (chat
+    templates that support thinking read it from there). The ids always keep it, as generated."""
+    if THINK_END not in text:
+        return {"role": "assistant", "content": text}
+    reasoning, _, answer = text.partition(THINK_END)
+    return {"role": "assistant", "content": answer.lstrip("\n"), "reasoning_content": reasoning.replace("<think>", "").strip()}
+
+
 class SampleBuilder:
     """Builds one sample turn by turn: the prompt for each reply is exactly the stored ids so far.
 
@@ -82,7 +94,7 @@ class SampleBuilder:
         self.ids += reply
         self.mask += [1] * len(reply)
         self.covered += self.tokenizer.decode(reply, skip_special_tokens=False)
-        self.messages.append({"role": "assistant", "content": self.tokenizer.decode(reply, skip_special_tokens=True)})
+        self.messages.append(assistant_message(self.tokenizer.decode(reply, skip_special_tokens=True)))
 
     def sample(self, max_length: int) -> Sample:
         return Sample(input_ids=self.ids[:max_length], loss_mask=self.mask[:max_length], conversation=self.messages)

@@ -27,6 +27,7 @@ import httpx
 from eagle3.config import PipelineConfig
 from eagle3.data.conversation import SampleBuilder, chat_template_hash
 from eagle3.data.prompts import Prompt, load_prompts, split_heldout, write_prompts
+from eagle3.data.storage import log_projection
 from eagle3.data.targets import load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error
 from eagle3.formats.manifest import code_version, write_manifest
@@ -220,6 +221,7 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
     write_prompts(data_dir / HELDOUT_FILE, heldout)
     train = train[: config.data.num_samples]
     log(f"regenerate: {len(train)} training prompts, {len(heldout)} held out for the benchmark")
+    log_projection(config, log)
     if len(train) < config.data.num_samples:
         log(f"regenerate: the source holds only {len(train)} training prompts (data.num_samples is {config.data.num_samples})")
 

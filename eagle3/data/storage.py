@@ -1,0 +1,60 @@
+"""Storage budget: what a captured dataset costs on disk, checked before any work starts."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from eagle3.config import PipelineConfig
+from eagle3.data.shards import bytes_per_token
+from eagle3.errors import Eagle3Error
+
+Log = Callable[[str], None]
+
+
+class StorageError(Eagle3Error):
+    """The projected dataset does not fit on the disk."""
+
+
+def projected_bytes(config: PipelineConfig, tokens: int) -> tuple[int, int]:
+    per_token = bytes_per_token(len(config.data.aux_layers), config.target.hidden_size)
+    return per_token, per_token * tokens
+
+
+def check_storage(config: PipelineConfig, tokens: int, directory: Path, log: Log) -> None:
+    """Print the projection and refuse to start when it exceeds the free space (with the numbers)."""
+    per_token, total = projected_bytes(config, tokens)
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    log(
+        f"capture: {per_token:,} bytes per token ({len(config.data.aux_layers)} aux + 1 last state x "
+        f"{config.target.hidden_size} x bf16) x {tokens:,} tokens = {human_bytes(total)}; "
+        f"{human_bytes(free)} free at {existing}"
+    )
+    if total > free:
+        raise StorageError(
+            f"the dataset needs {human_bytes(total)} ({tokens:,} tokens x {per_token:,} bytes) but only "
+            f"{human_bytes(free)} is free at {existing}: free space, lower data.num_samples or data.max_length, "
+            "or point run.dir at a larger disk"
+        )
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:,.1f} {unit}"
+        count /= 1000
+    return f"{count:,.1f} TB"
+
+
+def log_projection(config: PipelineConfig, log: Log) -> None:
+    """Before regeneration: the upper bound for the configured dataset (every sample at max_length)."""
+    tokens = config.data.num_samples * config.data.max_length
+    per_token, total = projected_bytes(config, tokens)
+    log(
+        f"storage: capture will store {per_token:,} bytes per token; {config.data.num_samples:,} samples x up to "
+        f"{config.data.max_length:,} tokens = up to {human_bytes(total)} under {config.stage_dir('data')}"
+    )
