@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from eagle3.errors import UnreadableInput
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
@@ -60,6 +62,16 @@ def atomic_directory(final: Path, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def read_json(path: Path, missing: str) -> object:
+    """Parse a JSON file; a missing or malformed file is a one-line UnreadableInput naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UnreadableInput(f"{path}: {missing}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UnreadableInput(f"{path}: not valid JSON ({err})") from None
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

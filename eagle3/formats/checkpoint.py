@@ -30,7 +30,7 @@ from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.formats import engines
 from eagle3.formats.manifest import write_manifest
 from eagle3.formats.vocab_map import VocabMap, VocabMapError, check_invariants
-from eagle3.fsutil import atomic_directory
+from eagle3.fsutil import atomic_directory, read_json
 
 Layout = Literal["native", "sglang", "speculators"]
 LAYOUTS = ("native", "sglang", "speculators")
@@ -170,12 +170,7 @@ def read_checkpoint(path: Path) -> RawCheckpoint:
     if not path.is_dir():
         raise UnreadableInput(f"{path}: {'no such directory' if not path.exists() else 'not a directory'}")
     config_path = path / CONFIG_FILE
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise UnreadableInput(f"{config_path}: missing (a draft checkpoint needs config.json)") from None
-    except json.JSONDecodeError as err:
-        raise UnreadableInput(f"{config_path}: not valid JSON ({err})") from None
+    config = read_json(config_path, "missing (a draft checkpoint needs config.json)")
     problems = config_type_problems(config)
     if problems:
         raise UnreadableInput(f"{config_path}: {'; '.join(problems)}")
@@ -477,11 +472,26 @@ def sglang_config(cfg: DraftConfig, family: str, release: str | None) -> dict:
     except ValueError as err:
         raise ConversionError(str(err)) from None
     config = {
+        **llama_layer_fields(cfg),
         "architectures": ["LlamaForCausalLMEagle3"],
+        "target_hidden_size": cfg.target_hidden_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
+        PROVENANCE_KEY: _provenance(cfg, family, release),
+    }
+    config.update({flag: True for flag in cfg.flags()})
+    return config
+
+
+def llama_layer_fields(cfg: DraftConfig) -> dict:
+    """The one decoder layer as a Llama config: shared by the sglang config and speculators'
+    transformer_layer_config."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "torch_dtype": cfg.torch_dtype,
         "hidden_size": cfg.hidden_size,
-        "target_hidden_size": cfg.target_hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
@@ -493,13 +503,7 @@ def sglang_config(cfg: DraftConfig, family: str, release: str | None) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "hidden_act": cfg.hidden_act,
         "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
-        PROVENANCE_KEY: _provenance(cfg, family, release),
     }
-    config.update({flag: True for flag in cfg.flags()})
-    return config
 
 
 def speculators_config(cfg: DraftConfig) -> dict:
@@ -515,23 +519,7 @@ def speculators_config(cfg: DraftConfig) -> dict:
             ],
             "verifier": {"name_or_path": None, "architectures": []},
         },
-        "transformer_layer_config": {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size,
-            "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.head_dim,
-            "num_hidden_layers": 1,
-            "rms_norm_eps": cfg.rms_norm_eps,
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": cfg.rope_scaling,
-            "max_position_embeddings": cfg.max_position_embeddings,
-            "hidden_act": cfg.hidden_act,
-            "vocab_size": cfg.vocab_size,
-            "torch_dtype": cfg.torch_dtype,
-        },
+        "transformer_layer_config": llama_layer_fields(cfg),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": engines.vllm_ids(cfg.aux_layers),

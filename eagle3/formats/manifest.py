@@ -10,7 +10,7 @@ from pathlib import Path
 
 import eagle3
 from eagle3.errors import UnreadableInput
-from eagle3.fsutil import atomic_write_json, sha256_file
+from eagle3.fsutil import atomic_write_json, read_json, sha256_file
 
 MANIFEST_FILE = "manifest.json"
 
@@ -58,12 +58,7 @@ def read_data_capture(path: Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / MANIFEST_FILE
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UnreadableInput(f"{path}: no such data manifest") from None
-    except json.JSONDecodeError as err:
-        raise UnreadableInput(f"{path}: not valid JSON ({err})") from None
+    manifest = read_json(path, "no such data manifest")
     if not isinstance(manifest, dict) or not isinstance(manifest.get("target") or {}, dict):
         raise UnreadableInput(f"{path}: not a dataset manifest (expected a JSON object)")
     capture, target = manifest.get("capture") or {}, manifest.get("target") or {}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import UnreadableInput
 from eagle3.formats.engines import ARCHITECTURE_FAMILY
+from eagle3.fsutil import read_json
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,7 @@ def read_target_info(path: Path) -> TargetInfo:
     """Read a target directory's (or file's) config.json; multimodal configs nest it in text_config."""
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise UnreadableInput(f"{config_path}: no such file (expected the target's config.json)") from None
-    except json.JSONDecodeError as err:
-        raise UnreadableInput(f"{config_path}: not valid JSON ({err})") from None
+    config = read_json(config_path, "no such file (expected the target's config.json)")
     if not isinstance(config, dict) or not isinstance(config.get("text_config", {}), dict):
         raise UnreadableInput(f"{config_path}: expected a JSON object (with an optional text_config object)")
     architectures = config.get("architectures") or [None]
