@@ -37,6 +37,7 @@ class TargetSection(Section):
     num_hidden_layers: int = Field(gt=1)
     hidden_size: int = Field(gt=0)
     vocab_size: int = Field(gt=0)
+    weight_prefix: str = Field(default="", description="name prefix of the target's tensors, e.g. 'language_model.'")
 
 
 class DataSection(Section):
@@ -113,7 +114,8 @@ class TrainingSection(Section):
     grad_clip: float = Field(default=1.0, gt=0.0)
     nproc_per_node: int = Field(default=1, ge=1)
     nnodes: int = Field(default=1, ge=1)
-    fsdp: bool = False
+    eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0, description="share of samples kept out for evaluation")
+    init_from: Path | None = Field(default=None, description="warm start from this native draft checkpoint")
     eval_every: int = Field(default=100, gt=0)
     save_every: int = Field(default=100, gt=0)
     keep_last: int = Field(default=2, ge=1)

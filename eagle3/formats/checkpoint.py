@@ -568,9 +568,23 @@ def save_native_draft(
     source: str | None = None,
 ) -> Path:
     """Write a checked draft in the given layout, atomically (nothing at `dst` unless it all worked)."""
+    with atomic_directory(Path(dst), overwrite=overwrite) as tmp:
+        write_draft_files(draft, tmp, to, target_family, engine_release, source)
+    return Path(dst)
+
+
+def write_draft_files(
+    draft: NativeDraft,
+    directory: Path,
+    to: Layout,
+    target_family: str | None = None,
+    engine_release: str | None = None,
+    source: str | None = None,
+) -> None:
+    """Check a draft and write its weights, config and manifest into an existing directory."""
     if to not in LAYOUTS:
         raise ConversionError(f"unknown layout {to!r}; choose one of {', '.join(LAYOUTS)}")
-    check_native(draft, Path(source or dst))
+    check_native(draft, Path(source or directory))
     family = target_family or draft.config.target_family
     if to == "sglang":
         if family is None:
@@ -582,11 +596,9 @@ def save_native_draft(
         config = native_config(draft.config.model_copy(update={"target_family": family}))
     names = tensor_names(to, list(draft.tensors))
     tensors = {names[canonical]: tensor.contiguous() for canonical, tensor in draft.tensors.items()}
-    with atomic_directory(Path(dst), overwrite=overwrite) as tmp:
-        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        write_manifest(tmp, kind=f"draft-{to}", fields={"layout": to, "source": source, "engine_release": engine_release})
-    return Path(dst)
+    save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    write_manifest(directory, kind=f"draft-{to}", fields={"layout": to, "source": source, "engine_release": engine_release})
 
 
 def convert(

@@ -1,0 +1,1 @@
+"""The EAGLE-3 draft module and its training-time-test loss."""

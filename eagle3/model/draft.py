@@ -1,0 +1,152 @@
+"""The EAGLE-3 draft as SGLang serves it (llama_eagle3.py), in plain torch.
+
+    hidden  = fc(cat(aux states))                           [B, T, H]   fused target features
+    x       = cat(input_layernorm(embed(token)), hidden_norm(hidden))   [B, T, 2H]
+    h       = hidden + o_proj(attention(x))                 residual from the hidden stream
+    h       = h + mlp(post_attention_layernorm(h))          SwiGLU
+    logits  = lm_head(norm(h))                              [B, T, draft_vocab]
+h (before `norm`) is what the next drafting step feeds back as its hidden stream.
+
+Module names equal the canonical tensor names (`fc`, `midlayer.*`, `norm`, `lm_head`), so the state
+dict is the native/sglang layout. `embed_tokens` is the target's, frozen, and never exported.
+Attention takes its keys and values from a list of blocks with an explicit mask, which is how one
+module serves training-time test (TTT), offline simulation and the reference server alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3.errors import Eagle3Error
+from eagle3.formats.checkpoint import DraftConfig
+
+UNSUPPORTED_FLAGS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama RoPE (rotate-half). x [B, heads, T, d], positions [T] (or [B, T])."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))  # [d/2]
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # [..., T, d]
+    if cos.dim() == 3:  # per-batch positions -> broadcast over heads
+        cos, sin = cos[:, None], sin[:, None]
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim, self.theta = cfg.num_attention_heads, cfg.num_key_value_heads, d, cfg.rope_theta
+        self.q_proj = nn.Linear(2 * h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, 2H] -> rotated q [B, heads, T, d] and the new block's k, v [B, kv_heads, T, d]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(q, positions, self.theta), rotate(k, positions, self.theta), v
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, Tq, d]; keys/values [B, kv_heads, Tk, d]; mask [Tq, Tk] or [B, 1, Tq, Tk], True = visible."""
+        repeat = self.heads // self.kv_heads
+        keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, heads, Tq, d]
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor):
+        super().__init__()
+        flags = [flag for flag in UNSUPPORTED_FLAGS if getattr(cfg, flag)]
+        if flags or cfg.rope_scaling:
+            raise Eagle3Error(f"the draft model implements the plain EAGLE-3 head; unsupported: {flags or ['rope_scaling']}")
+        self.config = cfg
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_tokens, freeze=True)  # the target's, [V, H]
+        self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def hot_token_ids(self) -> torch.Tensor:
+        """[draft_vocab] the target id each head row predicts, read the way SGLang reads d2t."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def project(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """One drafting step's new block: tokens [B, T], hidden [B, T, H] -> (q, k, v) for attention."""
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), layer.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        return layer.self_attn.project(x, positions)
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual from the hidden stream, then the MLP. Returns (pre-norm output [B, T, H], logits)."""
+        layer = self.midlayer
+        h = hidden + attended
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h, self.lm_head(self.norm(h))
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """Canonical tensors (the native layout), without the target's embedding."""
+        return {name: t.detach().clone() for name, t in self.state_dict().items() if not name.startswith("embed_tokens")}
+
+
+def causal_mask(length: int, device=None) -> torch.Tensor:
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+
+
+def init_weights(model: Eagle3Draft, seed: int) -> None:
+    """Deterministic init of the trainable weights (Llama's normal(0, 0.02); norms at 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.startswith("embed_tokens"):
+            continue
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)

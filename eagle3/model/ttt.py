@@ -1,0 +1,127 @@
+"""Training-time test (TTT) and chain drafting, with one alignment (DESIGN §3):
+
+    step 0, index t:  f_t = fc(aux_t) with embed(x_{t+1})  ->  predicts x_{t+2}
+    step k, index t:  h^{k-1}_t (the draft's own pre-norm output) with embed(x_{t+1+k})  ->  x_{t+2+k}
+
+Step k of the chain rooted at t sits at sequence position t + k. Its attention sees what inference
+sees: the step-0 entries of every index s <= t (the prefix, built from target features) and the
+chain's own entries of steps 1..k at index t. Training feeds the true tokens x_{t+1+k}; drafting
+feeds the draft's own predictions. The simulator and the reference server draft with
+`draft_chain`, so training and serving cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eagle3.model.draft import Eagle3Draft, causal_mask
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, i] <- x[:, i + n] along dim 1, zero-filled at the end."""
+    out = torch.zeros_like(x)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def ttt_mask(length: int, blocks: int, device=None) -> torch.Tensor:
+    """[T, blocks * T]: block 0 causal (the prefix), later blocks diagonal (the chain's own entries)."""
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal_mask(length, device)] + [eye] * (blocks - 1), dim=1)
+
+
+def ttt_forward(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """aux [B, T, n_aux * TH], input_ids [B, T] -> draft logits [B, T, draft_vocab] for each step."""
+    length = input_ids.shape[1]
+    index = torch.arange(length, device=input_ids.device)
+    hidden = model.fc(aux)  # [B, T, H]
+    keys, values, logits = [], [], []
+    for k in range(steps):
+        q, new_k, new_v = model.project(shift_left(input_ids, 1 + k), hidden, index + k)
+        keys.append(new_k)
+        values.append(new_v)
+        mask = ttt_mask(length, k + 1, input_ids.device)
+        attended = model.midlayer.self_attn.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+        hidden, step_logits = model.finish(hidden, attended)
+        logits.append(step_logits)
+    return logits
+
+
+@dataclass
+class StepStats:
+    """Per-step sums over the local batch; the trainer all-reduces them before normalising."""
+
+    loss_sum: torch.Tensor  # [K] soft cross-entropy summed over valid positions (differentiable)
+    correct: torch.Tensor  # [K] top-1 agreement with the target's argmax
+    count: torch.Tensor  # [K] valid positions
+
+
+def ttt_stats(
+    step_logits: list[torch.Tensor],
+    target_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    model: Eagle3Draft,
+) -> StepStats:
+    """Soft cross-entropy against the target's distribution restricted to the draft vocabulary.
+
+    target_logits [B, T, V]: position i predicts token i + 1. Step k at index t predicts x_{t+2+k},
+    so its target is row t+1+k, valid when x_{t+2+k} is a generated (loss-masked) token and the
+    target's argmax there lies inside the draft vocabulary.
+    """
+    hot = model.hot_token_ids()  # [Dv] target id of each draft row
+    in_draft = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=hot.device)
+    in_draft[hot] = True
+    losses, correct, count = [], [], []
+    for k, logits in enumerate(step_logits):
+        target = shift_left(target_logits, 1 + k)  # [B, T, V]
+        argmax = target.argmax(-1)  # [B, T]
+        valid = shift_left(loss_mask, 2 + k).bool() & in_draft[argmax]
+        p = F.softmax(target[..., hot].float(), dim=-1)  # [B, T, Dv]
+        log_q = F.log_softmax(logits.float(), dim=-1)
+        per_position = -(p * log_q).sum(-1)  # [B, T]
+        losses.append((per_position * valid).sum())
+        correct.append(((hot[logits.argmax(-1)] == argmax) & valid).sum())
+        count.append(valid.sum())
+    return StepStats(torch.stack(losses), torch.stack(correct).float(), torch.stack(count).float())
+
+
+@torch.no_grad()
+def draft_chain(model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[int]:
+    """Propose `steps` target ids after a verified prefix.
+
+    aux [P, n_aux * TH]: target features of positions 0..P-1; tokens [P + 1]: x_0..x_P, where x_P is
+    the last verified token (the bonus token). Returns the drafts for x_{P+1} .. x_{P+steps}.
+    """
+    length = aux.shape[0]
+    hidden = model.fc(aux[None])  # [1, P, H]
+    q, key, value = model.project(tokens[None, 1:], hidden, torch.arange(length))
+    attention = model.midlayer.self_attn
+    hidden, logits = model.finish(hidden, attention.attend(q, key, value, causal_mask(length)))
+    hot = model.hot_token_ids()
+    hidden, token = hidden[:, -1:], hot[logits[0, -1].argmax()]
+    keys, values, drafts = [key], [value], [int(token)]
+    for j in range(1, steps):
+        q, key, value = model.project(token.view(1, 1), hidden, torch.tensor([length - 1 + j]))
+        keys.append(key)
+        values.append(value)
+        visible = torch.ones(1, length + j, dtype=torch.bool)
+        hidden, logits = model.finish(hidden, attention.attend(q, torch.cat(keys, 2), torch.cat(values, 2), visible))
+        token = hot[logits[0, -1].argmax()]
+        drafts.append(int(token))
+    return drafts
+
+
+class TTTModel(torch.nn.Module):
+    """The unrolled draft as one module, so DDP sees a forward call and syncs gradients."""
+
+    def __init__(self, draft: Eagle3Draft, steps: int):
+        super().__init__()
+        self.draft, self.steps = draft, steps
+
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        return ttt_forward(self.draft, aux, input_ids, self.steps)

@@ -1,0 +1,76 @@
+"""Where draft weights come from: the target's embedding and head (read tensor by tensor through the
+safetensors index, never the whole target), native checkpoints, and served checkpoints read the way
+SGLang's loader reads them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from eagle3.errors import UnreadableInput
+from eagle3.formats import engines
+from eagle3.formats.checkpoint import NativeDraft, read_checkpoint, to_native
+from eagle3.model.draft import Eagle3Draft, init_weights
+
+TARGET_HEAD = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+
+def read_target_tensors(target_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read named tensors from a (sharded) safetensors checkpoint through its index."""
+    target_dir = Path(target_dir)
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        single = target_dir / "model.safetensors"
+        with safe_open(single, framework="pt") as f:
+            weight_map = {name: single.name for name in f.keys()}
+    missing = [name for name in names if name not in weight_map]
+    if missing:
+        raise UnreadableInput(f"{target_dir}: the target has no tensor(s) {missing} (check target.weight_prefix)")
+    tensors = {}
+    for name in names:
+        with safe_open(target_dir / weight_map[name], framework="pt") as f:
+            tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def target_head(target_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{"embed": [V, H], "norm": [H], "lm_head": [V, H]} of the target, as float32."""
+    tensors = read_target_tensors(target_dir, [prefix + name for name in TARGET_HEAD.values()])
+    return {key: tensors[prefix + name].float() for key, name in TARGET_HEAD.items()}
+
+
+def draft_from_native(draft: NativeDraft, embed: torch.Tensor) -> Eagle3Draft:
+    model = Eagle3Draft(draft.config, embed)
+    model.load_state_dict({**draft.tensors, "embed_tokens.weight": embed}, strict=True)
+    return model.float()
+
+
+def draft_as_served(path: Path, release: str | None, embed: torch.Tensor, seed: int = 0) -> Eagle3Draft:
+    """A draft loaded the way SGLang's loader for `release` loads it: tensors it would skip keep their
+    random initialisation, and d2t is read as offsets (hot_token_id = d2t + arange)."""
+    raw = read_checkpoint(Path(path))
+    config = to_native(_with_known_names(raw), engine_release=release).config
+    model = Eagle3Draft(config, embed)
+    init_weights(model, seed)
+    rule, _ = engines.loader_rule(release)
+    flags = engines.enabled_flags(raw.config)
+    state = {}
+    for name, tensor in raw.tensors.items():
+        canonical = engines.loaded_name(name, rule, flags)
+        if canonical is not None and canonical != "t2d":
+            state[canonical] = tensor.float() if tensor.is_floating_point() else tensor
+    model.load_state_dict(state, strict=False)
+    return model.float()
+
+
+def _with_known_names(raw):
+    """The config only: tensors are loaded separately under the loader's rules."""
+    from dataclasses import replace
+
+    expected = {"d2t": raw.tensors["d2t"], "t2d": raw.tensors.get("t2d", torch.zeros(0, dtype=torch.bool))}
+    return replace(raw, tensors=expected)

@@ -1,0 +1,1 @@
+"""The draft trainer (`python -m eagle3.train`, also under torchrun)."""

@@ -1,0 +1,25 @@
+"""python -m eagle3.train --config C [--set section.field=value ...]   (also under torchrun)"""
+
+import argparse
+import sys
+
+from eagle3.config import load_config
+from eagle3.errors import Eagle3Error
+from eagle3.train.trainer import Trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        Trainer(load_config(args.config, args.overrides)).run()
+    except Eagle3Error as err:
+        print(f"eagle3 train: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

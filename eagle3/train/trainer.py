@@ -1,0 +1,327 @@
+"""The draft trainer: one loop under plain `python` and under `torchrun` (DDP; gloo on CPU, nccl on GPU).
+
+Loss normalisation (DESIGN §3): per TTT step, the sum over valid positions divided by the global
+count of valid positions (all-reduced), steps weighted decay**k. DDP averages gradients over ranks,
+so each rank's loss is scaled by the world size: 1 rank and N ranks on the same global batch give
+the same loss and the same update.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from eagle3.config import PipelineConfig
+from eagle3.data.capture import HIDDEN_DIR, check_dataset
+from eagle3.errors import Eagle3Error
+from eagle3.formats.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
+from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
+from eagle3.formats.vocab_map import load_vocab_map
+from eagle3.fsutil import atomic_directory
+from eagle3.model.draft import Eagle3Draft, init_weights
+from eagle3.model.ttt import TTTModel, ttt_stats
+from eagle3.model.weights import target_head
+from eagle3.train.data import TrainingData
+
+Log = Callable[[str], None]
+STATE_FILE = "trainer_state.pt"
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def setup_distributed() -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return Dist(rank=dist.get_rank(), world=world, device=device)
+
+
+def draft_config(config: PipelineConfig) -> DraftConfig:
+    target, draft = config.target, config.draft
+    return DraftConfig(
+        hidden_size=target.hidden_size,  # SGLang swaps in the target's embedding: sizes must match
+        target_hidden_size=target.hidden_size,
+        intermediate_size=draft.intermediate_size,
+        num_attention_heads=draft.num_attention_heads,
+        num_key_value_heads=draft.num_key_value_heads,
+        head_dim=target.hidden_size // draft.num_attention_heads,
+        rms_norm_eps=draft.rms_norm_eps,
+        rope_theta=draft.rope_theta,
+        max_position_embeddings=draft.max_position_embeddings,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=config.vocab.draft_vocab_size,
+        torch_dtype=draft.torch_dtype,
+        aux_layers=list(config.data.aux_layers),
+        target_num_hidden_layers=target.num_hidden_layers,
+        target_family=target.family,
+    )
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup, then cosine decay to 10 % of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    def __init__(self, config: PipelineConfig, log: Log = print):
+        self.config = config
+        self.dist = setup_distributed()
+        self.log = log if self.dist.main else (lambda line: None)  # one voice, not one per rank
+        train = config.training
+        if train.batch_size % self.dist.world:
+            raise Eagle3Error(f"training.batch_size {train.batch_size} must be a multiple of the {self.dist.world} ranks")
+        dataset = config.stage_dir("data") / HIDDEN_DIR
+        if not (dataset / MANIFEST_FILE).exists():
+            raise Eagle3Error(f"{dataset}: no captured dataset here; run `eagle3 data capture` first")
+        check_dataset(config, read_manifest(dataset))
+        self.data = TrainingData(dataset, train.seq_len, train.eval_fraction)
+        self.head = target_head(Path(config.target.path), config.target.weight_prefix)
+        self.model = self.build_model()
+        self.ttt = TTTModel(self.model, train.ttt_steps).to(self.dist.device)
+        self.wrapped = torch.nn.parallel.DistributedDataParallel(self.ttt) if self.dist.world > 1 else self.ttt
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=train.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, train.warmup_steps, train.max_steps)
+        )
+        self.out = config.stage_dir("train")
+        self.stop_requested = False
+        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self.best: float | None = None
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def build_model(self) -> Eagle3Draft:
+        cfg = draft_config(self.config)
+        vocab_map = load_vocab_map(self.config.stage_dir("vocab"))
+        model = Eagle3Draft(cfg, self.head["embed"])
+        init_weights(model, self.config.training.seed)
+        with torch.no_grad():
+            model.d2t.copy_(vocab_map.d2t)
+            model.t2d.copy_(vocab_map.t2d)
+            model.lm_head.weight.copy_(self.head["lm_head"][model.hot_token_ids()])  # the target's rows
+        if self.config.training.init_from is not None:
+            self.warm_start(model, Path(self.config.training.init_from))
+        return model
+
+    def warm_start(self, model: Eagle3Draft, path: Path) -> None:
+        previous = load_native(path)
+        for name in ("d2t", "t2d"):
+            if not torch.equal(previous.tensors[name], getattr(model, name)):
+                raise Eagle3Error(
+                    f"cannot warm start from {path}: its vocab map differs from this run's ({name}); "
+                    "rebuild the vocab map from the same data or train from scratch"
+                )
+        if previous.config.model_copy(update={"target_family": None}) != model.config.model_copy(update={"target_family": None}):
+            raise Eagle3Error(f"cannot warm start from {path}: its architecture differs from draft/target in the config")
+        model.load_state_dict({**previous.tensors, "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
+        self.log(f"train: warm start from {path}")
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> Path:
+        self.resume()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        train = self.config.training
+        started, tokens = time.monotonic(), 0
+        while self.step < train.max_steps:
+            batches = self.data.batches(self.epoch, train.batch_size, train.seed)
+            if not batches:
+                raise Eagle3Error(f"the dataset has fewer training samples than one batch ({train.batch_size})")
+            while self.batch_in_epoch < len(batches) and self.step < train.max_steps:
+                refs = batches[self.batch_in_epoch][self.dist.rank :: self.dist.world]
+                metrics = self.train_step(refs)
+                self.step += 1
+                self.batch_in_epoch += 1
+                tokens += metrics.pop("tokens")
+                metrics.update(tokens_per_s=tokens / (time.monotonic() - started), lr=self.scheduler.get_last_lr()[0])
+                self.record({"step": self.step, **metrics})
+                if self.step % train.eval_every == 0 or self.step == train.max_steps:
+                    self.evaluate()
+                if self.step % train.save_every == 0 or self.step == train.max_steps:
+                    self.save_checkpoint()
+                if self._stop_everywhere():
+                    self.save_checkpoint()
+                    self.log(f"train: stopped by SIGTERM at step {self.step}; resume continues from here")
+                    return self.latest_checkpoint()
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        return self.save_final()
+
+    def target_logits(self, last: torch.Tensor) -> torch.Tensor:
+        """[B, T, V] from the stored last hidden state (post-norm, or pre-norm through the target's norm)."""
+        if self.config.data.last_hidden == "pre_norm":
+            last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-6) * self.head["norm"]
+        return last @ self.head["lm_head"].T
+
+    def losses(self, batch: dict[str, torch.Tensor]):
+        batch = {k: v.to(self.dist.device) for k, v in batch.items()}
+        step_logits = self.wrapped(batch["aux"], batch["input_ids"])
+        stats = ttt_stats(step_logits, self.target_logits(batch["last"]), batch["input_ids"], batch["loss_mask"], self.model)
+        counts = self.dist.sum(stats.count.detach().clone()).clamp_min(1)
+        weights = self.config.training.ttt_step_decay ** torch.arange(len(step_logits), dtype=torch.float32)
+        loss = (weights * stats.loss_sum / counts).sum()
+        return loss, stats, counts
+
+    def train_step(self, refs) -> dict:
+        self.wrapped.train()
+        batch = self.data.collate(refs)
+        loss, stats, counts = self.losses(batch)
+        (loss * self.dist.world).backward()  # DDP averages over ranks; the loss is already global
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**self.step_metrics(stats, counts), "tokens": int(batch["loss_mask"].numel())}
+
+    def step_metrics(self, stats, counts: torch.Tensor) -> dict:
+        sums = self.dist.sum(torch.stack([stats.loss_sum.detach(), stats.correct]))
+        weights = self.config.training.ttt_step_decay ** torch.arange(counts.numel(), dtype=torch.float32)
+        step_loss = sums[0] / counts
+        return {
+            "loss": float((weights * step_loss).sum()),
+            "step_loss": [round(float(x), 5) for x in step_loss],
+            "step_acc": [round(float(x), 5) for x in sums[1] / counts],
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> None:
+        refs = self.data.eval[self.dist.rank :: self.dist.world]
+        if not self.data.eval:
+            return
+        self.wrapped.eval()
+        totals = None
+        for start in range(0, max(len(refs), 1), self.config.training.batch_size):
+            chunk = refs[start : start + self.config.training.batch_size]
+            if not chunk:
+                break
+            _, stats, _ = self.losses(self.data.collate(chunk))
+            part = torch.stack([stats.loss_sum, stats.correct, stats.count])
+            totals = part if totals is None else totals + part
+        totals = self.dist.sum(totals if totals is not None else torch.zeros(3, self.config.training.ttt_steps))
+        counts = totals[2].clamp_min(1)
+        weights = self.config.training.ttt_step_decay ** torch.arange(counts.numel(), dtype=torch.float32)
+        loss = float((weights * totals[0] / counts).sum())
+        self.record({"step": self.step, "eval_loss": loss, "eval_step_acc": [round(float(x), 5) for x in totals[1] / counts]})
+        if self.best is None or loss < self.best:
+            self.best = loss
+            self.write_checkpoint(self.out / "best", with_state=False)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.out / "checkpoints" / f"step-{step:07d}"
+
+    def write_checkpoint(self, path: Path, with_state: bool = True) -> None:
+        """Rank 0 writes atomically: the native draft, plus optimizer/scheduler/data position/RNG."""
+        if self.dist.main:
+            with atomic_directory(path, overwrite=True) as tmp:
+                write_draft_files(NativeDraft(self.model.config, self.model.export_state()), tmp, "native")
+                if with_state:
+                    torch.save(self.trainer_state(), tmp / STATE_FILE)
+        self.dist.barrier()
+
+    def trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "best": self.best,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+
+    def save_checkpoint(self) -> None:
+        self.write_checkpoint(self.checkpoint_dir(self.step))
+        if self.dist.main:
+            for old in sorted((self.out / "checkpoints").glob("step-*"))[: -self.config.training.keep_last]:
+                for file in old.iterdir():
+                    file.unlink()
+                old.rmdir()
+
+    def latest_checkpoint(self) -> Path | None:
+        found = sorted((self.out / "checkpoints").glob("step-*"))
+        return found[-1] if found else None
+
+    def resume(self) -> None:
+        latest = self.latest_checkpoint()
+        if latest is None:
+            return
+        draft = load_native(latest)
+        self.model.load_state_dict({**draft.tensors, "embed_tokens.weight": self.model.embed_tokens.weight}, strict=True)
+        state = torch.load(latest / STATE_FILE, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        self.step, self.epoch, self.batch_in_epoch, self.best = state["step"], state["epoch"], state["batch_in_epoch"], state["best"]
+        if self.dist.main:
+            self.truncate_metrics()
+        self.log(f"train: resumed from {latest} at step {self.step}")
+
+    def save_final(self) -> Path:
+        final = self.out / "final"
+        self.write_checkpoint(final, with_state=False)
+        self.log(f"train: {self.step} steps done; final draft at {final}, best (eval loss {self.best}) at {self.out / 'best'}")
+        return final
+
+    # -- metrics and signals --------------------------------------------------------------------
+
+    def record(self, metrics: dict) -> None:
+        if not self.dist.main:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / METRICS_FILE, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if "eval_loss" in metrics or metrics["step"] % 10 == 0 or metrics["step"] == 1:
+            self.log("train: " + json.dumps(metrics))
+
+    def truncate_metrics(self) -> None:
+        """Drop lines written after the checkpoint we resume from, so the curve has no duplicates."""
+        path = self.out / METRICS_FILE
+        if path.exists():
+            lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+            path.write_text("".join(line + "\n" for line in lines))
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def _stop_everywhere(self) -> bool:
+        flag = self.dist.sum(torch.tensor([1.0 if self.stop_requested else 0.0]))
+        return bool(flag.item() > 0)

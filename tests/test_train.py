@@ -1,0 +1,203 @@
+"""The draft, its TTT alignment, and the trainer on the micro target: DDP equivalence, exact resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from eagle3.config import load_config
+from eagle3.data.capture import capture
+from eagle3.data.regenerate import regenerate
+from eagle3.data.vocab import build_vocab
+from eagle3.errors import Eagle3Error
+from eagle3.formats.checkpoint import DraftConfig, convert, load_native, save_native_draft
+from eagle3.formats.vocab_map import build_vocab_map
+from eagle3.model.draft import Eagle3Draft, init_weights
+from eagle3.model.ttt import draft_chain, ttt_forward, ttt_stats
+from eagle3.model.weights import draft_as_served, draft_from_native, target_head
+from eagle3.train.trainer import Trainer
+from test_config import TINY
+from test_data import micro_overrides
+
+TRAIN = ["data.num_samples=64", "training.batch_size=8", "training.seq_len=96", "training.warmup_steps=5",
+         "training.eval_every=10", "training.save_every=2", "training.ttt_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def micro_data(tmp_path_factory, micro_target):
+    """Regenerated, captured and vocab-mapped micro data, shared by the trainer tests."""
+    run_dir = tmp_path_factory.mktemp("train-data")
+    config = load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN)
+    quiet = lambda line: None  # noqa: E731
+    regenerate(config, log=quiet)
+    capture(config, log=quiet)
+    build_vocab(config, log=quiet)
+    return run_dir, micro_overrides(run_dir, micro_target) + TRAIN
+
+
+def run_copy(micro_data, tmp_path, name, extra=()):
+    """A run directory that shares the data stage's outputs but trains on its own."""
+    run_dir, overrides = micro_data
+    target = tmp_path / name
+    target.mkdir()
+    for stage in ("data", "vocab"):
+        os.symlink(run_dir / stage, target / stage)
+    return [*overrides, f"run.dir={target}", *extra], target
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_draft(vocab=16, seed=0):
+    config = DraftConfig(hidden_size=32, target_hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+                         max_position_embeddings=64, vocab_size=vocab, draft_vocab_size=vocab, torch_dtype="float32",
+                         aux_layers=[0, 1, 2], target_num_hidden_layers=4)
+    model = Eagle3Draft(config, torch.randn(vocab, 32, generator=torch.Generator().manual_seed(seed)))
+    init_weights(model, seed)
+    return model  # d2t all zero: draft row i predicts target id i
+
+
+class TestAlignment:
+    """DESIGN §3: step 0 at t reads f_t and x_{t+1} and predicts x_{t+2}; step k shifts by k."""
+
+    def test_targets_and_masks_by_hand(self):
+        x = torch.tensor([[10, 11, 12, 13, 14, 15]])
+        mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+        target_logits = torch.zeros(1, 6, 16)
+        for i in range(5):
+            target_logits[0, i, x[0, i + 1]] = 10.0  # row i predicts token i + 1
+        model = tiny_draft()
+
+        def one_hot(shift):  # draft logits whose argmax at index t is x[t + shift]
+            logits = torch.zeros(1, 6, 16)
+            for t in range(6 - shift):
+                logits[0, t, x[0, t + shift]] = 10.0
+            return logits
+
+        right = ttt_stats([one_hot(2), one_hot(3)], target_logits, x, mask, model)
+        assert right.count.tolist() == [4, 3]  # step 0: t in 0..3 (x_2..x_5); step 1: t in 0..2 (x_3..x_5)
+        assert right.correct.tolist() == [4, 3]
+        off_by_one = ttt_stats([one_hot(1), one_hot(2)], target_logits, x, mask, model)
+        assert off_by_one.correct.tolist() == [0, 0]
+
+    def test_no_step_sees_the_future(self):
+        model = tiny_draft()
+        aux, ids = torch.randn(1, 10, 96), torch.randint(0, 16, (1, 10))
+        base = ttt_forward(model, aux, ids, 3)
+        t = 4
+        for k in range(3):
+            future_ids = ids.clone()
+            future_ids[0, t + 2 + k :] = (future_ids[0, t + 2 + k :] + 1) % 16
+            future_aux = aux.clone()
+            future_aux[0, t + 1 :] += 1.0
+            changed = ttt_forward(model, future_aux, future_ids, 3)
+            assert torch.allclose(changed[k][0, t], base[k][0, t], atol=1e-5), k
+            own_input = ids.clone()
+            own_input[0, t + 1 + k] = (own_input[0, t + 1 + k] + 1) % 16
+            assert not torch.allclose(ttt_forward(model, aux, own_input, 3)[k][0, t], base[k][0, t])
+
+    def test_training_computes_exactly_what_chain_drafting_serves(self):
+        model = tiny_draft(seed=3)
+        aux, ids = torch.randn(12, 96), torch.randint(0, 16, (12,))
+        t = 6  # the chain rooted at t: prefix features 0..t, last verified token x_{t+1}
+        drafts = draft_chain(model, aux[: t + 1], ids[: t + 2], steps=3)
+        teacher = torch.cat([ids[: t + 2], torch.tensor(drafts[:2])])[None]  # feed the chain's own drafts
+        steps = ttt_forward(model, aux[None, : teacher.shape[1]], teacher, 3)
+        assert [int(s[0, t].argmax()) for s in steps] == drafts
+
+
+@pytest.fixture(scope="module")
+def trained(micro_data, tmp_path_factory):
+    overrides, run_dir = run_copy(micro_data, tmp_path_factory.mktemp("trained"), "run", ["training.max_steps=40"])
+    Trainer(load_config(TINY, overrides), log=lambda line: None).run()
+    return overrides, run_dir
+
+
+def test_loss_falls_and_accuracy_rises(trained):
+    _, run_dir = trained
+    lines = [m for m in metrics(run_dir) if "loss" in m]
+    first, last = lines[0], lines[-1]
+    assert last["loss"] < 0.8 * first["loss"]
+    assert last["step_acc"][0] > first["step_acc"][0] + 0.2
+    evals = [m for m in metrics(run_dir) if "eval_loss" in m]
+    assert len(evals) == 4 and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert (run_dir / "train" / "best" / "model.safetensors").exists()
+    assert len(list((run_dir / "train" / "checkpoints").glob("step-*"))) == 2  # keep_last
+
+
+def test_export_to_sglang_and_back_gives_identical_logits(trained, micro_target):
+    _, run_dir = trained
+    final = run_dir / "train" / "final"
+    convert(final, run_dir / "export-sglang", to="sglang", engine_release="0.5.13")
+    embed = target_head(micro_target)["embed"]
+    trained_model = draft_from_native(load_native(final), embed)
+    served = draft_as_served(run_dir / "export-sglang", "0.5.13", embed)
+    aux, ids = torch.randn(1, 20, 3 * 64), torch.randint(0, 512, (1, 20))
+    for a, b in zip(ttt_forward(trained_model, aux, ids, 3), ttt_forward(served, aux, ids, 3)):
+        assert torch.equal(a, b)
+
+
+def test_warm_start_refuses_another_vocab_map(trained, micro_data, tmp_path):
+    _, run_dir = trained
+    final = run_dir / "train" / "final"
+    same_vocab, _ = run_copy(micro_data, tmp_path, "warm", [f"training.init_from={final}", "training.max_steps=2"])
+    Trainer(load_config(TINY, same_vocab), log=lambda line: None).run()  # accepted
+    other = load_native(final)
+    other_map, _ = build_vocab_map(torch.arange(512, 0, -1), other.tensors["d2t"].numel())
+    other.tensors.update(d2t=other_map.d2t, t2d=other_map.t2d)
+    save_native_draft(other, tmp_path / "other-vocab", to="native")
+    refused, _ = run_copy(micro_data, tmp_path, "refused", [f"training.init_from={tmp_path / 'other-vocab'}"])
+    with pytest.raises(Eagle3Error, match="its vocab map differs from this run's"):
+        Trainer(load_config(TINY, refused), log=lambda line: None)
+
+
+def train_command(overrides, nproc=None):
+    entry = ["-m", "eagle3.train", "--config", str(TINY), *[f"--set={o}" for o in overrides]]
+    if nproc is None:
+        return [sys.executable, *entry]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *entry]
+
+
+def test_two_ranks_equal_one_rank_on_the_same_global_batch(micro_data, tmp_path):
+    steps = ["training.max_steps=6", "training.save_every=100", "training.eval_every=100"]
+    single, single_dir = run_copy(micro_data, tmp_path, "single", steps)
+    double, double_dir = run_copy(micro_data, tmp_path, "double", steps)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for command in (train_command(single), train_command(double, nproc=2)):
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+    one = [m for m in metrics(single_dir) if "loss" in m]
+    two = [m for m in metrics(double_dir) if "loss" in m]
+    assert len(one) == len(two) == 6
+    for a, b in zip(one, two):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+        assert a["step_acc"] == pytest.approx(b["step_acc"], abs=1e-6)
+
+
+def test_resume_after_sigterm_reproduces_the_uninterrupted_curve(micro_data, tmp_path):
+    steps = ["training.max_steps=16", "training.eval_every=100"]
+    whole, whole_dir = run_copy(micro_data, tmp_path, "whole", steps)
+    Trainer(load_config(TINY, whole), log=lambda line: None).run()
+    split, split_dir = run_copy(micro_data, tmp_path, "split", steps)
+    process = subprocess.Popen(train_command(split), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list((split_dir / "train" / "checkpoints").glob("step-0000004")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-2000:]
+    assert "stopped by SIGTERM" in out
+    stopped_at = len([m for m in metrics(split_dir) if "loss" in m])
+    Trainer(load_config(TINY, split), log=lambda line: None).run()
+    a = [m for m in metrics(whole_dir) if "loss" in m]
+    b = [m for m in metrics(split_dir) if "loss" in m]
+    assert stopped_at < 16 and [m["step"] for m in b] == list(range(1, 17))
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-6), x["step"]
