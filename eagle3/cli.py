@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     build = vocab_commands.add_parser("build", help="build d2t/t2d from the regenerated training split")
     add_config_arguments(build).set_defaults(handler=run_vocab_build)
 
+    simulate = add_config_arguments(
+        commands.add_parser("simulate", help="offline acceptance: replay chain drafting on the held-out prompts")
+    )
+    simulate.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
+    simulate.set_defaults(handler=run_simulate)
+
     config = commands.add_parser("config", help="validate a pipeline config and print it resolved")
     config.add_argument("path", type=Path)
     config.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
@@ -125,6 +131,14 @@ def run_vocab_build(args: argparse.Namespace) -> int:
     from eagle3.data.vocab import build_vocab
 
     build_vocab(load_run_config(args))
+    return EXIT_OK
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from eagle3.bench.simulate import simulate
+
+    config = load_run_config(args)
+    simulate(config, args.checkpoint or config.stage_dir("export") / "sglang")
     return EXIT_OK
 
 

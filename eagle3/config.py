@@ -114,6 +114,7 @@ class TrainingSection(Section):
     grad_clip: float = Field(default=1.0, gt=0.0)
     nproc_per_node: int = Field(default=1, ge=1)
     nnodes: int = Field(default=1, ge=1)
+    fsdp: bool = Field(default=False, description="shard weights, gradients and optimizer state (FSDP2) instead of DDP")
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0, description="share of samples kept out for evaluation")
     init_from: Path | None = Field(default=None, description="warm start from this native draft checkpoint")
     eval_every: int = Field(default=100, gt=0)

@@ -201,3 +201,24 @@ def test_resume_after_sigterm_reproduces_the_uninterrupted_curve(micro_data, tmp
     assert stopped_at < 16 and [m["step"] for m in b] == list(range(1, 17))
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-6), x["step"]
+
+
+def test_fsdp_on_two_ranks_equals_one_rank_and_resumes(micro_data, tmp_path):
+    base = ["training.save_every=3", "training.eval_every=100"]
+    single, single_dir = run_copy(micro_data, tmp_path, "single", [*base, "training.max_steps=6"])
+    first_half, sharded_dir = run_copy(micro_data, tmp_path, "fsdp", [*base, "training.fsdp=true", "training.max_steps=3"])
+    # Stop at 3, then resume to 6 (the 5 warmup steps make the schedule the same for both lengths).
+    second_half = [*first_half, "training.max_steps=6"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for command in (train_command(single), train_command(first_half, nproc=2), train_command(second_half, nproc=2)):
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+    one = [m for m in metrics(single_dir) if "loss" in m]
+    two = [m for m in metrics(sharded_dir) if "loss" in m]
+    assert [m["step"] for m in two] == list(range(1, 7))
+    for a, b in zip(one, two):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+    final = load_native(sharded_dir / "train" / "final")
+    reference = load_native(single_dir / "train" / "final")
+    for name, tensor in reference.tensors.items():
+        torch.testing.assert_close(final.tensors[name], tensor, atol=1e-4, rtol=1e-3)

@@ -17,6 +17,7 @@ class TargetInfo:
     vocab_size: int
     family: str | None  # the SGLang model file, None when the architecture is not in our table
     architecture: str | None
+    rms_norm_eps: float
 
 
 def read_target_info(path: Path) -> TargetInfo:
@@ -37,4 +38,5 @@ def read_target_info(path: Path) -> TargetInfo:
         vocab_size=int(text["vocab_size"]),
         family=ARCHITECTURE_FAMILY.get(architectures[0]),
         architecture=architectures[0],
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
     )

@@ -19,12 +19,21 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
 
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import HIDDEN_DIR, check_dataset
 from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
+from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
@@ -34,6 +43,7 @@ from eagle3.train.data import TrainingData
 
 Log = Callable[[str], None]
 STATE_FILE = "trainer_state.pt"
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -112,10 +122,14 @@ class Trainer:
             raise Eagle3Error(f"{dataset}: no captured dataset here; run `eagle3 data capture` first")
         check_dataset(config, read_manifest(dataset))
         self.data = TrainingData(dataset, train.seq_len, train.eval_fraction)
-        self.head = target_head(Path(config.target.path), config.target.weight_prefix)
+        self.head = target_head(Path(config.target.path), config.target.weight_prefix)  # CPU; logits use copies on device
+        self.target_norm = self.head["norm"].to(self.dist.device)
+        self.target_eps = read_target_info(Path(config.target.path)).rms_norm_eps
+        self.target_lm_head = self.head["lm_head"].to(self.dist.device)  # [V, H]
         self.model = self.build_model()
         self.ttt = TTTModel(self.model, train.ttt_steps).to(self.dist.device)
-        self.wrapped = torch.nn.parallel.DistributedDataParallel(self.ttt) if self.dist.world > 1 else self.ttt
+        self.fsdp = train.fsdp and self.dist.world > 1
+        self.wrapped = self.distribute(self.ttt)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=train.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -154,6 +168,37 @@ class Trainer:
         model.load_state_dict({**previous.tensors, "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
         self.log(f"train: warm start from {path}")
 
+    def distribute(self, module: TTTModel) -> torch.nn.Module:
+        """DDP replicates; FSDP2 shards the draft as one unit (its forward runs through helper methods,
+        so only the root's hooks see every call) — grads and AdamW state are sharded across ranks."""
+        if self.dist.world == 1:
+            return module
+        if self.fsdp:
+            fully_shard(module)
+            return module
+        return torch.nn.parallel.DistributedDataParallel(module)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Full canonical tensors (a collective under FSDP: every rank calls it)."""
+        if not self.fsdp:
+            return self.model.export_state()
+        full = get_model_state_dict(self.ttt, options=FULL_STATE)
+        return {k.removeprefix("draft."): v for k, v in full.items() if not k.startswith("draft.embed_tokens")}
+
+    def optimizer_state(self) -> dict:
+        return get_optimizer_state_dict(self.ttt, self.optimizer, options=FULL_STATE) if self.fsdp else self.optimizer.state_dict()
+
+    def load_states(self, tensors: dict[str, torch.Tensor], optimizer: dict | None) -> None:
+        if self.fsdp:
+            options = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(self.ttt, {f"draft.{k}": v for k, v in tensors.items()}, options=options)
+            if optimizer is not None:
+                set_optimizer_state_dict(self.ttt, self.optimizer, optimizer, options=options)
+            return
+        self.model.load_state_dict({**tensors, "embed_tokens.weight": self.model.embed_tokens.weight}, strict=True)
+        if optimizer is not None:
+            self.optimizer.load_state_dict(optimizer)
+
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> Path:
@@ -187,12 +232,14 @@ class Trainer:
     def target_logits(self, last: torch.Tensor) -> torch.Tensor:
         """[B, T, V] from the stored last hidden state (post-norm, or pre-norm through the target's norm)."""
         if self.config.data.last_hidden == "pre_norm":
-            last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-6) * self.head["norm"]
-        return last @ self.head["lm_head"].T
+            last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.target_eps) * self.target_norm
+        return last @ self.target_lm_head.T
 
     def losses(self, batch: dict[str, torch.Tensor]):
         batch = {k: v.to(self.dist.device) for k, v in batch.items()}
-        step_logits = self.wrapped(batch["aux"], batch["input_ids"])
+        cuda = self.dist.device.type == "cuda"
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # bf16 matmuls on GPU; fp32 on CPU
+            step_logits = self.wrapped(batch["aux"], batch["input_ids"])
         stats = ttt_stats(step_logits, self.target_logits(batch["last"]), batch["input_ids"], batch["loss_mask"], self.model)
         counts = self.dist.sum(stats.count.detach().clone()).clamp_min(1)
         weights = self.config.training.ttt_step_decay ** torch.arange(len(step_logits), dtype=torch.float32)
@@ -249,12 +296,15 @@ class Trainer:
         return self.out / "checkpoints" / f"step-{step:07d}"
 
     def write_checkpoint(self, path: Path, with_state: bool = True) -> None:
-        """Rank 0 writes atomically: the native draft, plus optimizer/scheduler/data position/RNG."""
+        """Every rank gathers, rank 0 writes atomically: the native draft, plus optimizer/scheduler/data
+        position/RNG."""
+        tensors = self.model_state()
+        state = self.trainer_state() if with_state else None
         if self.dist.main:
             with atomic_directory(path, overwrite=True) as tmp:
-                write_draft_files(NativeDraft(self.model.config, self.model.export_state()), tmp, "native")
-                if with_state:
-                    torch.save(self.trainer_state(), tmp / STATE_FILE)
+                write_draft_files(NativeDraft(self.model.config, tensors), tmp, "native")
+                if state is not None:
+                    torch.save(state, tmp / STATE_FILE)
         self.dist.barrier()
 
     def trainer_state(self) -> dict:
@@ -263,7 +313,7 @@ class Trainer:
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "best": self.best,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer_state(),
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
         }
@@ -285,9 +335,8 @@ class Trainer:
         if latest is None:
             return
         draft = load_native(latest)
-        self.model.load_state_dict({**draft.tensors, "embed_tokens.weight": self.model.embed_tokens.weight}, strict=True)
         state = torch.load(latest / STATE_FILE, map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_states(draft.tensors, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step, self.epoch, self.batch_in_epoch, self.best = state["step"], state["epoch"], state["batch_in_epoch"], state["best"]

@@ -1,0 +1,1 @@
+"""Acceptance measurement: the offline simulator (and, later, the serving benchmark)."""
