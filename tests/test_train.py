@@ -25,7 +25,7 @@ from test_config import TINY
 from test_data import micro_overrides
 
 TRAIN = ["data.num_samples=64", "training.batch_size=8", "training.seq_len=96", "training.warmup_steps=5",
-         "training.eval_every=10", "training.save_every=2", "training.ttt_steps=3"]
+         "training.eval_every=10", "training.save_every=2", "training.ttt_steps=3", "benchmark.num_prompts=8"]
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +128,8 @@ def test_loss_falls_and_accuracy_rises(trained):
     assert last["step_acc"][0] > first["step_acc"][0] + 0.2
     evals = [m for m in metrics(run_dir) if "eval_loss" in m]
     assert len(evals) == 4 and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    # Simulated accept length on held-out samples: well above the never-accepted baseline n/(n-1).
+    assert evals[-1]["eval_accept_length"] > 1.5 and evals[-1]["eval_accept_length"] > evals[0]["eval_accept_length"]
     assert (run_dir / "train" / "best" / "model.safetensors").exists()
     assert len(list((run_dir / "train" / "checkpoints").glob("step-*"))) == 2  # keep_last
 

@@ -37,7 +37,8 @@ from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
-from eagle3.model.ttt import TTTModel, ttt_stats
+from eagle3.bench.simulate import replay
+from eagle3.model.ttt import TTTModel, draft_chain, ttt_stats
 from eagle3.model.weights import target_head
 from eagle3.train.data import TrainingData
 
@@ -269,6 +270,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> None:
+        """Held-out loss, per-step accuracy and simulated accept length; the best draft by accept length is kept."""
         refs = self.data.eval[self.dist.rank :: self.dist.world]
         if not self.data.eval:
             return
@@ -285,10 +287,35 @@ class Trainer:
         counts = totals[2].clamp_min(1)
         weights = self.config.training.ttt_step_decay ** torch.arange(counts.numel(), dtype=torch.float32)
         loss = float((weights * totals[0] / counts).sum())
-        self.record({"step": self.step, "eval_loss": loss, "eval_step_acc": [round(float(x), 5) for x in totals[1] / counts]})
-        if self.best is None or loss < self.best:
-            self.best = loss
+        accept = self.simulated_accept_length(refs[: self.config.benchmark.num_prompts])
+        self.record({"step": self.step, "eval_loss": loss, "eval_step_acc": [round(float(x), 5) for x in totals[1] / counts],
+                     "eval_accept_length": accept})
+        if self.best is None or accept > self.best:
+            self.best = accept
             self.write_checkpoint(self.out / "best", with_state=False)
+
+    def simulated_accept_length(self, refs) -> float:
+        """Chain drafting replayed over each eval sample's first reply, with its stored target features:
+        for greedy data (temperature 0) the stored reply is the target's own greedy continuation."""
+        if self.fsdp:
+            self.ttt.unshard()
+        counts = torch.zeros(2)  # completion tokens, verify steps
+        for ref in refs:
+            sample = self.data.readers[ref.shard].sample(ref.index)
+            mask = sample.loss_mask[: ref.length].tolist()
+            if 1 not in mask:
+                continue
+            start = mask.index(1)
+            end = mask.index(0, start) if 0 in mask[start:] else len(mask)
+            seq = sample.input_ids[:end].long()
+            aux = sample.aux_hidden[:end].float().to(self.dist.device)
+            steps = self.config.serving.num_steps
+            result = replay(seq.tolist(), start, lambda p: draft_chain(self.model, aux[:p], seq[: p + 1], steps), steps)
+            counts += torch.tensor([result.completion_tokens, result.verify_ct], dtype=torch.float32)
+        if self.fsdp:
+            self.ttt.reshard()
+        counts = self.dist.sum(counts)
+        return float(counts[0] / counts[1]) if counts[1] > 0 else 1.0
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -347,7 +374,7 @@ class Trainer:
     def save_final(self) -> Path:
         final = self.out / "final"
         self.write_checkpoint(final, with_state=False)
-        self.log(f"train: {self.step} steps done; final draft at {final}, best (eval loss {self.best}) at {self.out / 'best'}")
+        self.log(f"train: {self.step} steps done; final draft at {final}, best (simulated accept length {self.best}) at {self.out / 'best'}")
         return final
 
     # -- metrics and signals --------------------------------------------------------------------
