@@ -224,3 +224,22 @@ def test_fsdp_on_two_ranks_equals_one_rank_and_resumes(micro_data, tmp_path):
     reference = load_native(single_dir / "train" / "final")
     for name, tensor in reference.tensors.items():
         torch.testing.assert_close(final.tensors[name], tensor, atol=1e-4, rtol=1e-3)
+
+
+def test_absolute_d2t_simulates_at_baseline(trained, micro_target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from eagle3.bench.simulate import simulate
+
+    overrides, run_dir = trained
+    config = load_config(TINY, [*overrides, "benchmark.num_prompts=6", "benchmark.max_new_tokens=24"])
+    good = convert(run_dir / "train" / "final", tmp_path / "good", to="sglang", engine_release="0.5.13")
+    served = simulate(config, good, log=lambda line: None)
+    broken = convert(run_dir / "train" / "final", tmp_path / "absolute", to="sglang", engine_release="0.5.13")
+    tensors = load_file(broken / "model.safetensors")
+    tensors["d2t"] = tensors["d2t"] + torch.arange(tensors["d2t"].numel())  # absolute ids: the classic mistake
+    save_file(tensors, broken / "model.safetensors")
+    baseline = simulate(config, broken, log=lambda line: None)
+    n = served.completion_tokens / len(served.rows)
+    assert served.accept_length > 1.3
+    assert baseline.accept_length < 1.1 * n / (n - 1)  # ~ never accepted

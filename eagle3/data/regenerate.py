@@ -63,8 +63,9 @@ class LocalGenerator:
         self.model = AutoModelForCausalLM.from_pretrained(model_path).eval()
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         config = self.model.generation_config
-        self.eos = config.eos_token_id
-        self.pad = config.pad_token_id if config.pad_token_id is not None else self.eos
+        eos = config.eos_token_id
+        self.eos = set(eos) if isinstance(eos, list) else {eos}  # some targets end turns with several ids
+        self.pad = config.pad_token_id if config.pad_token_id is not None else min(self.eos)
 
     def generate(self, prompts: list[list[int]]) -> list[Generation]:
         torch = self.torch
@@ -85,14 +86,15 @@ class LocalGenerator:
                 top_p=None,
                 top_k=None,
                 pad_token_id=self.pad,
-                eos_token_id=self.eos,
+                eos_token_id=sorted(self.eos),
             )
         return [self._trim(row[width:].tolist()) for row in out]
 
     def _trim(self, generated: list[int]) -> Generation:
         """Cut at the first EOS (kept: the draft learns to end turns) and drop the padding after it."""
-        if self.eos in generated:
-            return Generation(generated[: generated.index(self.eos) + 1], "stop")
+        for position, token in enumerate(generated):
+            if token in self.eos:
+                return Generation(generated[: position + 1], "stop")
         return Generation(generated, "length")
 
 

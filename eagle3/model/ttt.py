@@ -95,21 +95,26 @@ def draft_chain(model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, ste
     """Propose `steps` target ids after a verified prefix.
 
     aux [P, n_aux * TH]: target features of positions 0..P-1; tokens [P + 1]: x_0..x_P, where x_P is
-    the last verified token (the bonus token). Returns the drafts for x_{P+1} .. x_{P+steps}.
+    the last verified token (the bonus token). Returns the drafts for x_{P+1} .. x_{P+steps}; a draft
+    outside the target vocabulary (a d2t that is not offsets) ends the chain, the rest are -1.
     """
-    length = aux.shape[0]
+    length, device = aux.shape[0], aux.device
+    tokens = tokens.to(device)
     hidden = model.fc(aux[None])  # [1, P, H]
-    q, key, value = model.project(tokens[None, 1:], hidden, torch.arange(length))
+    q, key, value = model.project(tokens[None, 1:], hidden, torch.arange(length, device=device))
     attention = model.midlayer.self_attn
-    hidden, logits = model.finish(hidden, attention.attend(q, key, value, causal_mask(length)))
+    hidden, logits = model.finish(hidden, attention.attend(q, key, value, causal_mask(length, device)))
     hot = model.hot_token_ids()
+    vocab = model.embed_tokens.num_embeddings
     hidden, token = hidden[:, -1:], hot[logits[0, -1].argmax()]
     keys, values, drafts = [key], [value], [int(token)]
     for j in range(1, steps):
-        q, key, value = model.project(token.view(1, 1), hidden, torch.tensor([length - 1 + j]))
+        if not 0 <= int(token) < vocab:  # a broken d2t maps outside the vocabulary: nothing after it can match
+            return drafts + [-1] * (steps - len(drafts))
+        q, key, value = model.project(token.view(1, 1), hidden, torch.tensor([length - 1 + j], device=device))
         keys.append(key)
         values.append(value)
-        visible = torch.ones(1, length + j, dtype=torch.bool)
+        visible = torch.ones(1, length + j, dtype=torch.bool, device=device)
         hidden, logits = model.finish(hidden, attention.attend(q, torch.cat(keys, 2), torch.cat(values, 2), visible))
         token = hot[logits[0, -1].argmax()]
         drafts.append(int(token))

@@ -5,6 +5,7 @@ SGLang's loader reads them."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from safetensors import safe_open
 
 from eagle3.errors import UnreadableInput
 from eagle3.formats import engines
-from eagle3.formats.checkpoint import NativeDraft, read_checkpoint, to_native
+from eagle3.formats.checkpoint import DraftConfig, NativeDraft, read_checkpoint, to_native
 from eagle3.model.draft import Eagle3Draft, init_weights
 
 TARGET_HEAD = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
@@ -54,7 +55,9 @@ def draft_as_served(path: Path, release: str | None, embed: torch.Tensor, seed: 
     """A draft loaded the way SGLang's loader for `release` loads it: tensors it would skip keep their
     random initialisation, and d2t is read as offsets (hot_token_id = d2t + arange)."""
     raw = read_checkpoint(Path(path))
-    config = to_native(_with_known_names(raw), engine_release=release).config
+    if "d2t" not in raw.tensors:
+        raise UnreadableInput(f"{path}: no d2t tensor; SGLang would serve the target's whole vocabulary")
+    config = served_config(raw, release)
     model = Eagle3Draft(config, embed)
     init_weights(model, seed)
     rule, _ = engines.loader_rule(release)
@@ -68,9 +71,20 @@ def draft_as_served(path: Path, release: str | None, embed: torch.Tensor, seed: 
     return model.float()
 
 
-def _with_known_names(raw):
-    """The config only: tensors are loaded separately under the loader's rules."""
-    from dataclasses import replace
-
-    expected = {"d2t": raw.tensors["d2t"], "t2d": raw.tensors.get("t2d", torch.zeros(0, dtype=torch.bool))}
-    return replace(raw, tensors=expected)
+def served_config(raw, release: str | None) -> DraftConfig:
+    """The architecture, with the aux layers the target engine captures for these ids on this release
+    (not the ones the draft was trained on: a mismatch must show up as low acceptance)."""
+    config_only = replace(raw, tensors={"d2t": raw.tensors["d2t"]})  # tensors load under the loader's rules
+    config = to_native(config_only, engine_release=release).config
+    if raw.layout != "sglang":
+        return config
+    ids = (raw.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    capture = engines.sglang_capture(ids, config.target_family, release, config.target_num_hidden_layers)
+    if capture.status != "known":
+        raise UnreadableInput(f"{raw.path}: cannot tell which layers SGLang captures: {capture.explanation}")
+    if len(capture.layers) != len(config.aux_layers):
+        raise UnreadableInput(
+            f"{raw.path}: SGLang captures {len(capture.layers)} aux states ({capture.explanation}) but fc expects "
+            f"{len(config.aux_layers)}; `eagle3 validate` names the cause"
+        )
+    return config.model_copy(update={"aux_layers": list(capture.layers)})

@@ -1,0 +1,261 @@
+"""The offline acceptance simulator on the micro target: equal to a brute-force speculative decoding
+loop, counted the way SGLang counts (DESIGN §3), and fed drafts loaded the way SGLang loads them."""
+
+import itertools
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from eagle3.bench.simulate import AcceptanceResult, replay, simulate_prompt, target_greedy
+from eagle3.cli import main
+from eagle3.config import load_config
+from eagle3.data.conversation import prompt_ids
+from eagle3.data.prompts import pydoc_prompt_turns
+from eagle3.data.targets import load_tokenizer
+from eagle3.formats.checkpoint import DraftConfig, NativeDraft, save_native_draft
+from eagle3.formats.vocab_map import build_vocab_map
+from eagle3.model.draft import Eagle3Draft, init_weights
+from eagle3.model.ttt import draft_chain
+from eagle3.model.weights import draft_as_served, target_head
+from fixtures_tiny import one_torch_thread
+from test_config import TINY
+from test_data import micro_overrides
+
+AUX_LAYERS = [0, 1, 2]
+NEWLINE = 204  # the micro target's "\n": its greedy continuations repeat it, so a draft proposing it is often right
+CONFIG = DraftConfig(
+    hidden_size=64, target_hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, vocab_size=512,
+    draft_vocab_size=128, torch_dtype="float32", aux_layers=AUX_LAYERS, target_num_hidden_layers=4,
+    target_family="llama",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with one_torch_thread():  # many tiny forwards: a second OpenMP thread only waits when the cores are shared
+        yield
+
+
+@pytest.fixture(scope="module")
+def micro(micro_target):
+    """The target, three rendered pydoc prompts (one continues with newlines only), and a vocab map
+    counted over their greedy continuations (ids below 256, so that absolute ids + arange stay in range)."""
+    model = AutoModelForCausalLM.from_pretrained(micro_target, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(str(micro_target))
+    turns = [t for i, t in enumerate(itertools.islice(pydoc_prompt_turns(), 60)) if i in (0, 20, 50)]
+    prompts = [prompt_ids(tokenizer, messages, False) for messages in turns]
+    eos = model.generation_config.eos_token_id
+    seqs = [p + target_greedy(model, p, 24, eos) for p in prompts]
+    counts = torch.bincount(torch.tensor(sum(seqs, [])), minlength=512)
+    counts[256:] = 0
+    vocab_map, _ = build_vocab_map(counts, CONFIG.draft_vocab_size)
+    embed = target_head(micro_target)["embed"]
+    return dict(model=model, prompts=prompts, seqs=seqs, eos=eos, vocab_map=vocab_map, embed=embed,
+                turns=turns, path=micro_target)
+
+
+def random_draft(micro, seed: int = 1) -> Eagle3Draft:
+    """Llama init scaled to std 0.1, so that every part of the network moves the drafts."""
+    model = Eagle3Draft(CONFIG, micro["embed"])
+    init_weights(model, seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight") and not name.startswith("embed_tokens"):
+                param.mul_(5.0)
+        model.d2t.copy_(micro["vocab_map"].d2t)
+        model.t2d.copy_(micro["vocab_map"].t2d)
+    return model.eval()
+
+
+def constant_draft(micro, token: int) -> Eagle3Draft:
+    """Every head row predicts `token` (offsets: i + d2t[i] == token)."""
+    model = random_draft(micro)
+    model.d2t.copy_(token - torch.arange(CONFIG.draft_vocab_size))
+    return model
+
+
+def lens_draft(micro) -> Eagle3Draft:
+    """A draft that reads the target: fc passes the output of layer 2 through, attention and MLP add
+    nothing, and norm + lm_head are the target's (its rows for the draft vocabulary). At index t it
+    predicts the target's guess for x_{t+1} from one layer early, so it depends on the features and is
+    right on repeats; features shifted by one position would make it right far more often."""
+    model = random_draft(micro)
+    head = target_head(micro["path"])
+    hidden = CONFIG.hidden_size
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.weight[:, 2 * hidden :] = torch.eye(hidden)  # aux = cat(layer 0, layer 1, layer 2)
+        model.midlayer.self_attn.o_proj.weight.zero_()
+        model.midlayer.mlp.down_proj.weight.zero_()
+        model.norm.weight.copy_(head["norm"])
+        model.lm_head.weight.copy_(head["lm_head"][model.hot_token_ids()])
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The simulator equals speculative decoding done the slow way
+
+
+@torch.no_grad()
+def brute_force(draft, model, prompt, max_new_tokens, num_steps, eos):
+    """Chain speculative decoding without a precomputed continuation: every verify step runs the target
+    on the growing sequence (features for the draft) and on sequence + drafts (its greedy tokens)."""
+
+    def forward(ids):
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+        return out.logits[0], torch.cat([out.hidden_states[k + 1][0] for k in AUX_LAYERS], dim=-1)
+
+    seq = list(prompt)
+    seq.append(int(forward(seq)[0][-1].argmax()))  # prefill
+    completion, verify_ct, correct, histogram = 1, 0, 0, [0] * (num_steps + 1)
+
+    def finished():
+        return seq[-1] == eos or completion == max_new_tokens
+
+    while not finished():
+        _, aux = forward(seq)  # [P + 1, 3H]; the last verified token's own features are not used
+        drafts = draft_chain(draft, aux[:-1], torch.tensor(seq), num_steps)
+        logits, _ = forward(seq + drafts)
+        greedy = logits[len(seq) - 1 :].argmax(-1).tolist()  # [num_steps + 1] the target's token after each
+        accepted = 0
+        while accepted < num_steps and drafts[accepted] == greedy[accepted]:
+            accepted += 1
+        appended = 0
+        for token in greedy[: accepted + 1]:  # SGLang appends one by one and stops at the finish
+            seq.append(token)
+            completion, appended = completion + 1, appended + 1
+            if finished():
+                break
+        verify_ct, correct = verify_ct + 1, correct + appended - 1
+        histogram[appended - 1] += 1
+    return completion, verify_ct, correct, histogram
+
+
+@pytest.mark.parametrize("kind", ["random", "newline", "lens"])
+@pytest.mark.parametrize("num_steps", [1, 3, 5])
+@pytest.mark.parametrize("eos", ["target", NEWLINE])
+def test_simulator_equals_brute_force_speculative_decoding(micro, kind, num_steps, eos):
+    draft = {"random": random_draft, "newline": lambda m: constant_draft(m, NEWLINE), "lens": lens_draft}[kind](micro)
+    eos_id = micro["eos"] if eos == "target" else eos  # "\n" as EOS: requests that finish on a draft token
+    rows = []
+    for prompt in micro["prompts"]:
+        row = simulate_prompt(draft, micro["model"], AUX_LAYERS, prompt, 13, num_steps, eos_id)
+        expected = brute_force(draft, micro["model"], prompt, 13, num_steps, eos_id)
+        assert (row.completion_tokens, row.verify_ct, row.correct_drafts, row.histogram) == expected
+        rows.append(row)
+    if kind != "random" and eos == "target":
+        assert sum(sum(row.histogram[1:]) for row in rows) > 0  # the comparison covered accepted drafts
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Counting as DESIGN §3 states it
+
+
+def test_a_never_accepted_draft_gives_n_over_n_minus_1(micro):
+    seen = set(sum(micro["seqs"], []))
+    absent = next(token for token in range(512) if token not in seen)
+    draft = constant_draft(micro, absent)
+    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 13, 3, micro["eos"]) for p in micro["prompts"]]
+    for row in rows:
+        n = row.completion_tokens
+        assert n == 13 and row.verify_ct == n - 1 and row.correct_drafts == 0 and row.histogram == [n - 1, 0, 0, 0]
+    result = AcceptanceResult(3, rows)
+    assert result.accept_length == pytest.approx(39 / 36) and result.accept_rate == 0.0
+    assert result.histogram == [36, 0, 0, 0]
+    assert json.loads(json.dumps(result.to_dict()))["prompts"][0]["histogram"] == [12, 0, 0, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Right drafts raise the accept length (the replay with drafts taken from the answer)
+
+
+def test_oracle_drafts_and_the_finish_inside_a_verify_step():
+    seq = list(range(100, 105)) + list(range(10))  # a 5-token prompt, a 10-token continuation
+
+    def oracle(right: int):
+        return lambda p: (seq[p + 1 : p + 1 + right] + [-1] * 4)[:3]
+
+    full = replay(seq, 5, oracle(3), 3)  # 1 from prefill, then 4 + 4 + 1 (finish after the bonus's place)
+    assert (full.completion_tokens, full.verify_ct, full.correct_drafts, full.histogram) == (10, 3, 6, [1, 0, 0, 2])
+    half = replay(seq, 5, oracle(1), 3)  # 1, then 2 per step
+    assert (half.completion_tokens, half.verify_ct, half.correct_drafts, half.histogram) == (10, 5, 4, [1, 4, 0, 0])
+    never = replay(seq, 5, oracle(0), 3)
+    assert (never.verify_ct, never.correct_drafts, never.histogram) == (9, 0, [9, 0, 0, 0])
+    lengths = [AcceptanceResult(3, [row]).accept_length for row in (full, half, never)]
+    assert lengths == [10 / 3, 10 / 5, 10 / 9]
+    # 8 tokens: 1, then 4, then the last 3 drafts are right but the request finishes on the third:
+    # SGLang emits 3 tokens and counts 2 correct drafts (the finish cuts the accept index).
+    cut = replay(seq[:13], 5, oracle(3), 3)
+    assert (cut.completion_tokens, cut.verify_ct, cut.correct_drafts, cut.histogram) == (8, 2, 5, [0, 0, 1, 1])
+    assert replay(seq[:6], 5, oracle(3), 3).verify_ct == 0  # one token: prefill only
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Drafts loaded the way SGLang loads them
+
+
+def chains(draft, micro, num_steps=3):
+    """The chain drafts at every verified position of the first prompt's greedy sequence."""
+    seq, start = micro["seqs"][0], len(micro["prompts"][0])
+    out = micro["model"](torch.tensor([seq]), output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[k + 1][0] for k in AUX_LAYERS], dim=-1)
+    return [draft_chain(draft, aux[:p], torch.tensor(seq[: p + 1]), num_steps) for p in range(start, len(seq))]
+
+
+def rewrite(src, dst, edit):
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    save_file(edit(tensors), dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@torch.no_grad()
+def test_served_drafts_follow_the_loader_rules(micro, tmp_path):
+    draft = random_draft(micro)  # seed 1: the loader's random init (seed 0) differs from it
+    native = NativeDraft(CONFIG, draft.export_state())
+    exported = save_native_draft(native, tmp_path / "sglang", to="sglang", engine_release="0.5.13")
+    expected = chains(draft, micro)
+    assert chains(draft_as_served(exported, "0.5.13", micro["embed"]), micro) == expected
+
+    absolute = rewrite(exported, tmp_path / "absolute", lambda t: {**t, "d2t": t["d2t"] + torch.arange(t["d2t"].numel())})
+    assert chains(draft_as_served(absolute, "0.5.13", micro["embed"]), micro) != expected
+
+    renamed = rewrite(exported, tmp_path / "renamed", lambda t: {k.replace("midlayer.", "layers.0."): v for k, v in t.items()})
+    assert chains(draft_as_served(renamed, "0.5.11", micro["embed"]), micro) != expected  # layers.0.* skipped
+    assert chains(draft_as_served(renamed, "0.5.12", micro["embed"]), micro) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. The stage, end to end through the command line
+
+
+def test_simulate_command_writes_the_result(micro, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    overrides = micro_overrides(run_dir, micro["path"]) + ["benchmark.num_prompts=2", "benchmark.max_new_tokens=10"]
+    config = load_config(TINY, overrides)
+    (run_dir / "data").mkdir(parents=True)
+    lines = [json.dumps({"id": str(i), "messages": messages}) for i, messages in enumerate(micro["turns"])]
+    (run_dir / "data" / "heldout.jsonl").write_text("\n".join(lines) + "\n")
+    draft = lens_draft(micro)
+    save_native_draft(NativeDraft(CONFIG, draft.export_state()), run_dir / "export" / "sglang", to="sglang",
+                      engine_release="0.5.13")
+
+    args = ["simulate", "--config", str(TINY)] + [a for o in overrides for a in ("--set", o)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "accept length" in out and "accept rate" in out and "histogram" in out
+
+    saved = json.loads((run_dir / "bench" / "simulated.json").read_text())
+    assert {"accept_length", "accept_rate", "histogram", "prompts", "verify_ct", "completion_tokens",
+            "correct_drafts", "num_steps", "num_prompts", "checkpoint", "engine_release", "max_new_tokens"} <= set(saved)
+    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 10, config.serving.num_steps, micro["eos"])
+            for p in micro["prompts"][:2]]
+    expected = AcceptanceResult(config.serving.num_steps, rows).to_dict()
+    assert {key: saved[key] for key in expected} == expected
+    assert saved["num_prompts"] == 2 and len(saved["histogram"]) == config.serving.num_steps + 1
+    assert saved["correct_drafts"] > 0  # the exported lens draft is right on the newline run
