@@ -3,6 +3,8 @@
 import argparse
 import sys
 
+import torch.distributed as dist
+
 from eagle3.config import load_config
 from eagle3.errors import Eagle3Error
 from eagle3.train.trainer import Trainer
@@ -18,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     except Eagle3Error as err:
         print(f"eagle3 train: {err}", file=sys.stderr)
         return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()  # a gloo group left to the interpreter's exit can abort the process
     return 0
 
 

@@ -38,7 +38,7 @@ from eagle3.formats.vocab_map import load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.bench.simulate import replay
-from eagle3.model.ttt import TTTModel, draft_chain, ttt_stats
+from eagle3.model.ttt import TTTModel, draft_chain, ttt_forward, ttt_stats
 from eagle3.model.weights import target_head
 from eagle3.train.data import TrainingData
 
@@ -236,70 +236,74 @@ class Trainer:
             last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.target_eps) * self.target_norm
         return last @ self.target_lm_head.T
 
-    def losses(self, batch: dict[str, torch.Tensor]):
+    def step_stats(self, batch: dict[str, torch.Tensor], train: bool):
+        """Per-step sums for a local batch. Evaluation calls the draft directly: no wrapper hooks, no
+        collectives, so ranks with different numbers of eval batches cannot deadlock."""
         batch = {k: v.to(self.dist.device) for k, v in batch.items()}
         cuda = self.dist.device.type == "cuda"
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # bf16 matmuls on GPU; fp32 on CPU
-            step_logits = self.wrapped(batch["aux"], batch["input_ids"])
-        stats = ttt_stats(step_logits, self.target_logits(batch["last"]), batch["input_ids"], batch["loss_mask"], self.model)
-        counts = self.dist.sum(stats.count.detach().clone()).clamp_min(1)
-        weights = self.config.training.ttt_step_decay ** torch.arange(len(step_logits), dtype=torch.float32)
-        loss = (weights * stats.loss_sum / counts).sum()
-        return loss, stats, counts
+            if train:
+                step_logits = self.wrapped(batch["aux"], batch["input_ids"])
+            else:
+                step_logits = ttt_forward(self.model, batch["aux"], batch["input_ids"], self.config.training.ttt_steps)
+        return ttt_stats(step_logits, self.target_logits(batch["last"]), batch["input_ids"], batch["loss_mask"], self.model)
+
+    def step_weights(self) -> torch.Tensor:
+        return self.config.training.ttt_step_decay ** torch.arange(self.config.training.ttt_steps, dtype=torch.float32)
 
     def train_step(self, refs) -> dict:
         self.wrapped.train()
         batch = self.data.collate(refs)
-        loss, stats, counts = self.losses(batch)
-        (loss * self.dist.world).backward()  # DDP averages over ranks; the loss is already global
+        stats = self.step_stats(batch, train=True)
+        counts = self.dist.sum(stats.count.detach().clone()).clamp_min(1)  # global valid positions per step
+        loss = (self.step_weights() * stats.loss_sum / counts).sum()
+        (loss * self.dist.world).backward()  # DDP/FSDP average over ranks; the loss is already global
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {**self.step_metrics(stats, counts), "tokens": int(batch["loss_mask"].numel())}
-
-    def step_metrics(self, stats, counts: torch.Tensor) -> dict:
         sums = self.dist.sum(torch.stack([stats.loss_sum.detach(), stats.correct]))
-        weights = self.config.training.ttt_step_decay ** torch.arange(counts.numel(), dtype=torch.float32)
         step_loss = sums[0] / counts
         return {
-            "loss": float((weights * step_loss).sum()),
+            "loss": float((self.step_weights() * step_loss).sum()),
             "step_loss": [round(float(x), 5) for x in step_loss],
             "step_acc": [round(float(x), 5) for x in sums[1] / counts],
+            "tokens": int(batch["loss_mask"].numel()),
         }
 
     @torch.no_grad()
     def evaluate(self) -> None:
         """Held-out loss, per-step accuracy and simulated accept length; the best draft by accept length is kept."""
-        refs = self.data.eval[self.dist.rank :: self.dist.world]
         if not self.data.eval:
             return
+        refs = self.data.eval[self.dist.rank :: self.dist.world]
         self.wrapped.eval()
-        totals = None
-        for start in range(0, max(len(refs), 1), self.config.training.batch_size):
-            chunk = refs[start : start + self.config.training.batch_size]
-            if not chunk:
-                break
-            _, stats, _ = self.losses(self.data.collate(chunk))
-            part = torch.stack([stats.loss_sum, stats.correct, stats.count])
-            totals = part if totals is None else totals + part
-        totals = self.dist.sum(totals if totals is not None else torch.zeros(3, self.config.training.ttt_steps))
+        if self.fsdp:
+            self.ttt.unshard()  # every rank, once: the direct calls below see full weights
+        try:
+            totals = torch.zeros(3, self.config.training.ttt_steps)  # loss sum, correct, count
+            for start in range(0, len(refs), self.config.training.batch_size):
+                stats = self.step_stats(self.data.collate(refs[start : start + self.config.training.batch_size]), train=False)
+                totals += torch.stack([stats.loss_sum, stats.correct, stats.count]).cpu()
+            accept = self.replay_counts(refs[: self.config.benchmark.num_prompts])
+        finally:
+            if self.fsdp:
+                self.ttt.reshard()
+        totals, accept = self.dist.sum(totals), self.dist.sum(accept)
         counts = totals[2].clamp_min(1)
-        weights = self.config.training.ttt_step_decay ** torch.arange(counts.numel(), dtype=torch.float32)
-        loss = float((weights * totals[0] / counts).sum())
-        accept = self.simulated_accept_length(refs[: self.config.benchmark.num_prompts])
-        self.record({"step": self.step, "eval_loss": loss, "eval_step_acc": [round(float(x), 5) for x in totals[1] / counts],
-                     "eval_accept_length": accept})
-        if self.best is None or accept > self.best:
-            self.best = accept
+        accept_length = float(accept[0] / accept[1]) if accept[1] > 0 else 1.0
+        self.record({"step": self.step, "eval_loss": float((self.step_weights() * totals[0] / counts).sum()),
+                     "eval_step_acc": [round(float(x), 5) for x in totals[1] / counts], "eval_accept_length": accept_length})
+        if self.best is None or accept_length > self.best:
+            self.best = accept_length
             self.write_checkpoint(self.out / "best", with_state=False)
 
-    def simulated_accept_length(self, refs) -> float:
-        """Chain drafting replayed over each eval sample's first reply, with its stored target features:
-        for greedy data (temperature 0) the stored reply is the target's own greedy continuation."""
-        if self.fsdp:
-            self.ttt.unshard()
-        counts = torch.zeros(2)  # completion tokens, verify steps
+    def replay_counts(self, refs) -> torch.Tensor:
+        """[completion tokens, verify steps] of chain drafting replayed over each eval sample's first
+        reply with its stored target features: for greedy data (temperature 0) the stored reply is the
+        target's own greedy continuation."""
+        counts = torch.zeros(2)
+        steps = self.config.serving.num_steps
         for ref in refs:
             sample = self.data.readers[ref.shard].sample(ref.index)
             mask = sample.loss_mask[: ref.length].tolist()
@@ -309,13 +313,9 @@ class Trainer:
             end = mask.index(0, start) if 0 in mask[start:] else len(mask)
             seq = sample.input_ids[:end].long()
             aux = sample.aux_hidden[:end].float().to(self.dist.device)
-            steps = self.config.serving.num_steps
             result = replay(seq.tolist(), start, lambda p: draft_chain(self.model, aux[:p], seq[: p + 1], steps), steps)
             counts += torch.tensor([result.completion_tokens, result.verify_ct], dtype=torch.float32)
-        if self.fsdp:
-            self.ttt.reshard()
-        counts = self.dist.sum(counts)
-        return float(counts[0] / counts[1]) if counts[1] > 0 else 1.0
+        return counts
 
     # -- checkpoints ----------------------------------------------------------------------------
 
