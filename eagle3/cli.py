@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
     simulate.set_defaults(handler=run_simulate)
 
+    serve = commands.add_parser("serve", help="the reference server: SGLang's HTTP API with chain speculative decoding")
+    serve.add_argument("--target", type=Path, required=True, help="target model directory (transformers)")
+    serve.add_argument("--draft", type=Path, help="served draft checkpoint (sglang layout); none = plain greedy")
+    serve.add_argument("--num-steps", type=int, default=3, help="draft tokens proposed per verify step")
+    serve.add_argument("--engine-release", help="SGLang release whose loader and aux-id rules to apply")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, required=True)
+    serve.set_defaults(handler=run_serve)
+
     config = commands.add_parser("config", help="validate a pipeline config and print it resolved")
     config.add_argument("path", type=Path)
     config.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
@@ -201,6 +210,16 @@ def render_report(report) -> str:
     verdict = "valid" if report.ok else "NOT valid"
     lines.append(f"{verdict}: {errors} error(s), {warnings} warning(s), {unknowns} check(s) not run for lack of input")
     return "\n".join(lines)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from eagle3.serve.reference import create_app
+
+    app = create_app(args.target, args.draft, num_steps=args.num_steps, engine_release=args.engine_release)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return EXIT_OK
 
 
 def run_config(args: argparse.Namespace) -> int:

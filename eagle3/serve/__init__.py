@@ -1,0 +1,1 @@
+"""Serving: the reference server (SGLang's HTTP API subset on a transformers target)."""

@@ -1,0 +1,241 @@
+"""The reference server over real HTTP (uvicorn on 127.0.0.1, httpx): greedy output unchanged by the
+draft, counts equal to the simulator's, SGLang's meta_info keys, and drafts loaded by SGLang's rules."""
+
+import contextlib
+import json
+import shutil
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from eagle3.bench.simulate import simulate_prompt, target_greedy
+from eagle3.cli import main
+from eagle3.data.targets import load_tokenizer
+from eagle3.formats.checkpoint import NativeDraft, save_native_draft
+from eagle3.model.weights import draft_as_served
+from eagle3.serve.reference import create_app
+from fixtures_tiny import one_torch_thread
+from test_simulate import CONFIG, NEWLINE, lens_draft, micro, rewrite  # noqa: F401  (micro: the module fixture)
+
+STEPS, RELEASE, MAX_NEW = 3, "0.5.13", 24
+BASE_KEYS = {"prompt_tokens", "completion_tokens", "finish_reason", "e2e_latency"}
+SPEC_KEYS = {"spec_verify_ct", "spec_accept_length", "spec_accept_rate", "spec_num_correct_drafts",
+             "spec_correct_drafts_histogram"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with one_torch_thread():  # tiny forwards: a second OpenMP thread only waits when the cores are shared
+        yield
+
+
+@contextlib.contextmanager
+def serving(*args, **kwargs):
+    """create_app(*args, **kwargs) under uvicorn on a free port, in a thread; yields an httpx client."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(*args, **kwargs), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=120) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def generate(client, max_new_tokens=MAX_NEW, **body) -> dict:
+    body = {**body, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    response = client.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.fixture(scope="module")
+def drafts(micro, tmp_path_factory):
+    """The lens draft with its feature path scaled by 1e-3: the final norm undoes the scale, so it drafts
+    like the lens when its layer loads, while the random init of a skipped layer (std 0.02) outweighs
+    it. Exported as SGLang 0.5.13 would read it; plus the same with absolute d2t and with layers.0.* names."""
+    root = tmp_path_factory.mktemp("drafts")
+    draft = lens_draft(micro)
+    with torch.no_grad():
+        draft.fc.weight.mul_(1e-3)
+    good = save_native_draft(NativeDraft(CONFIG, draft.export_state()), root / "good", to="sglang", engine_release=RELEASE)
+    absolute = rewrite(good, root / "absolute", lambda t: {**t, "d2t": t["d2t"] + torch.arange(t["d2t"].numel())})
+    renamed = rewrite(good, root / "renamed", lambda t: {k.replace("midlayer.", "layers.0."): v for k, v in t.items()})
+    return {"good": good, "absolute": absolute, "renamed": renamed}
+
+
+@pytest.fixture(scope="module")
+def plain(micro):
+    with serving(micro["path"]) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def speculative(micro, drafts):
+    with serving(micro["path"], drafts["good"], num_steps=STEPS, engine_release=RELEASE) as client:
+        yield client
+
+
+def requests(micro):
+    """The rendered pydoc prompts as ids, and two plain texts (one continues with a token outside the draft vocab)."""
+    return [{"input_ids": p} for p in micro["prompts"]] + [{"text": "import os\n"}, {"text": "The"}]
+
+
+def prompt_of(micro, request) -> list[int]:
+    if "input_ids" in request:
+        return request["input_ids"]
+    return load_tokenizer(str(micro["path"]))(request["text"], add_special_tokens=False)["input_ids"]
+
+
+def test_greedy_output_is_the_targets_with_and_without_the_draft(micro, plain, speculative):
+    accepted = 0
+    for request in requests(micro):
+        base, spec = generate(plain, **request), generate(speculative, **request)
+        expected = target_greedy(micro["model"], prompt_of(micro, request), MAX_NEW, micro["eos"])
+        assert base["output_ids"] == spec["output_ids"] == expected
+        assert base["text"] == spec["text"] == load_tokenizer(str(micro["path"])).decode(expected, skip_special_tokens=True)
+        accepted += spec["meta_info"]["spec_num_correct_drafts"]
+    assert accepted > 0  # the draft was right, so acceptance and the bonus token were exercised
+
+
+@pytest.mark.parametrize("max_new_tokens", [2, 5, 24])
+def test_served_counts_equal_the_simulators(micro, drafts, speculative, max_new_tokens):
+    served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
+    for request in requests(micro):
+        meta = generate(speculative, max_new_tokens, **request)["meta_info"]
+        row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, request),
+                              max_new_tokens, STEPS, micro["eos"])
+        assert (meta["completion_tokens"], meta["spec_verify_ct"], meta["spec_num_correct_drafts"],
+                meta["spec_correct_drafts_histogram"]) == (row.completion_tokens, row.verify_ct, row.correct_drafts, row.histogram)
+        assert meta["spec_accept_length"] == row.completion_tokens / row.verify_ct
+        assert meta["spec_accept_rate"] == row.correct_drafts / (row.verify_ct * STEPS)
+
+
+def test_meta_info_keys_and_counting(micro, plain, speculative):
+    prompt = micro["prompts"][0]
+    base = generate(plain, input_ids=prompt)["meta_info"]
+    assert set(base) == BASE_KEYS  # no spec_* key without a draft
+    assert base["prompt_tokens"] == len(prompt) and base["completion_tokens"] == MAX_NEW
+    assert base["finish_reason"] == {"type": "length", "length": MAX_NEW} and base["e2e_latency"] > 0
+
+    meta = generate(speculative, input_ids=prompt)["meta_info"]
+    assert set(meta) == BASE_KEYS | SPEC_KEYS
+    histogram, verify_ct = meta["spec_correct_drafts_histogram"], meta["spec_verify_ct"]
+    assert len(histogram) == STEPS + 1 and sum(histogram) == verify_ct
+    assert meta["spec_num_correct_drafts"] == sum(a * n for a, n in enumerate(histogram))
+    # the prefill token is a completion token but no verify step: each step emits correct drafts + 1
+    assert meta["completion_tokens"] == MAX_NEW == 1 + verify_ct + meta["spec_num_correct_drafts"]
+    assert meta["spec_accept_length"] == MAX_NEW / verify_ct
+    assert meta["spec_accept_rate"] == meta["spec_num_correct_drafts"] / (verify_ct * STEPS)
+
+    one = generate(speculative, 1, input_ids=prompt)  # prefill only: no verify step, so no spec_* key
+    assert set(one["meta_info"]) == BASE_KEYS and len(one["output_ids"]) == one["meta_info"]["completion_tokens"] == 1
+
+
+def test_eos_ids_from_the_generation_config_end_the_request(micro, drafts, tmp_path):
+    """Several EOS ids, one of them "\\n": requests stop on the prefill token or inside a verify step."""
+    target = shutil.copytree(micro["path"], tmp_path / "target")
+    generation = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [micro["eos"], NEWLINE]}))
+    served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
+    stops = []
+    with serving(target, drafts["good"], num_steps=STEPS, engine_release=RELEASE) as client:
+        for request in requests(micro):
+            out, prompt = generate(client, **request), prompt_of(micro, request)
+            meta = out["meta_info"]
+            assert out["output_ids"] == target_greedy(micro["model"], prompt, MAX_NEW, NEWLINE)
+            if out["output_ids"][-1] == NEWLINE:
+                assert meta["finish_reason"] == {"type": "stop", "matched": NEWLINE}
+                stops.append(meta["completion_tokens"])
+            row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt, MAX_NEW, STEPS, NEWLINE)
+            assert meta["completion_tokens"] == row.completion_tokens and meta.get("spec_verify_ct", 0) == row.verify_ct
+            if row.verify_ct == 0:
+                assert set(meta) == BASE_KEYS  # a draft, but no verify step: no spec_* key
+            else:
+                assert meta["spec_correct_drafts_histogram"] == row.histogram
+    assert 1 in stops and max(stops) > 1  # stopped on the prefill token, and inside the verify steps
+
+
+def served_counts(client, micro) -> list[tuple[int, int, int]]:
+    """(completion_tokens, verify_ct, correct drafts) per request."""
+    metas = [generate(client, **request)["meta_info"] for request in requests(micro)]
+    return [(m["completion_tokens"], m["spec_verify_ct"], m["spec_num_correct_drafts"]) for m in metas]
+
+
+def accept_length(counts) -> float:
+    return sum(c for c, _, _ in counts) / sum(v for _, v, _ in counts)
+
+
+BASELINE = MAX_NEW / (MAX_NEW - 1)  # a draft that is never accepted: n / (n - 1), not 1.0
+
+
+def test_absolute_d2t_serves_at_the_baseline(micro, drafts, speculative):
+    with serving(micro["path"], drafts["absolute"], num_steps=STEPS, engine_release=RELEASE) as client:
+        counts = served_counts(client, micro)
+    assert BASELINE <= accept_length(counts) <= 1.05 * BASELINE < 1.3 < accept_length(served_counts(speculative, micro))
+
+
+def test_layers_0_names_are_skipped_up_to_0_5_11(micro, drafts, speculative):
+    """The renamed draft's layer keeps its random init under 0.5.11 (chance hits only), loads under 0.5.12."""
+    with serving(micro["path"], drafts["renamed"], num_steps=STEPS, engine_release="0.5.11") as client:
+        assert BASELINE <= accept_length(served_counts(client, micro)) <= 1.05 * BASELINE
+    with serving(micro["path"], drafts["renamed"], num_steps=STEPS, engine_release="0.5.12") as client:
+        served = served_counts(client, micro)
+    assert served == served_counts(speculative, micro) and accept_length(served) > 1.3
+
+
+def test_server_info_model_info_and_health(micro, drafts, plain):
+    with serving(micro["path"], drafts["good"], num_steps=STEPS, engine_release=RELEASE) as client:
+        assert client.get("/health").status_code == 200
+        info = client.get("/server_info").json()
+        assert info["version"] == RELEASE and info["speculative_num_steps"] == STEPS
+        assert "avg_spec_accept_length" not in info["internal_states"][0]  # no verify step yet
+        assert client.get("/health_generate").status_code == 200
+        metas = [generate(client, n, input_ids=p)["meta_info"] for n, p in zip((24, 9, 1), micro["prompts"])]
+        assert client.get("/health_generate").status_code == 200  # health checks do not count
+        average = client.get("/server_info").json()["internal_states"][0]["avg_spec_accept_length"]
+        assert average == sum(m["completion_tokens"] for m in metas) / sum(m.get("spec_verify_ct", 0) for m in metas)
+        assert client.get("/get_model_info").json() == {
+            "model_path": str(micro["path"]), "is_generation": True, "draft_model_path": str(drafts["good"])}
+    info = plain.get("/server_info").json()
+    assert info["version"] == "reference" and info["internal_states"] == [{}]
+    assert plain.get("/get_model_info").json()["draft_model_path"] is None
+    assert plain.get("/health_generate").status_code == 200
+
+
+def test_requests_the_server_cannot_serve_are_refused(micro, plain):
+    prompt = micro["prompts"][0]
+    sampled = plain.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0.7}})
+    assert sampled.status_code == 400 and "temperature" in sampled.json()["error"]["message"]
+    default = plain.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}})
+    assert default.status_code == 400 and "temperature" in default.json()["error"]["message"]  # SGLang's default is 1.0
+    for body in ({"sampling_params": {"temperature": 0}}, {"text": ["a", "b"], "sampling_params": {"temperature": 0}},
+                 {"input_ids": [9999], "sampling_params": {"temperature": 0}},
+                 {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 0}}):
+        response = plain.post("/generate", json=body)
+        assert response.status_code == 400, body
+
+
+def test_serve_command_runs_uvicorn(micro, drafts, monkeypatch):
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append((app, kwargs)))
+    args = ["serve", "--target", str(micro["path"]), "--draft", str(drafts["good"]), "--num-steps", "2",
+            "--engine-release", RELEASE, "--port", "30123"]
+    assert main(args) == 0
+    (app, kwargs), = calls
+    assert kwargs["host"] == "127.0.0.1" and kwargs["port"] == 30123
+    paths = {route.path for route in app.routes}
+    assert {"/generate", "/health", "/health_generate", "/get_model_info", "/server_info"} <= paths
