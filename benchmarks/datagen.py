@@ -14,7 +14,7 @@ from pathlib import Path
 from eagle3.config import load_config
 from eagle3.data.capture import capture
 from eagle3.data.storage import human_bytes, projected_bytes
-from eagle3.data.regenerate import read_samples, regenerate
+from eagle3.data.regenerate import read_regenerated, regenerate
 from eagle3.engines.tiny import TINY, build_tiny_target
 from eagle3.formats.manifest import read_manifest
 
@@ -41,7 +41,7 @@ def main() -> None:
         quiet = lambda line: None  # noqa: E731
         regen_s = timed(regenerate, config, log=quiet)
         capture_s = timed(capture, config, log=quiet)
-        records = list(read_samples(config.stage_dir("data") / "regen"))
+        records = list(read_regenerated(config.stage_dir("data") / "regen"))
         tokens = sum(len(r["input_ids"]) for r in records)
         generated = sum(sum(r["loss_mask"]) for r in records)
         dataset = read_manifest(config.stage_dir("data") / "hidden")

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eagle3.config import load_config
 from eagle3.data.capture import capture, check_dataset
 from eagle3.data.storage import StorageError, check_storage
-from eagle3.data.regenerate import read_samples, regenerate
+from eagle3.data.regenerate import read_regenerated, read_samples, regenerate
 from eagle3.data.shards import read_dataset
 from eagle3.data.targets import DataMismatch
 from eagle3.data.vocab import build_vocab, count_loss_tokens
@@ -168,3 +168,32 @@ def test_cli_commands_run_the_stages(micro_run, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "eagle3.cli", "data", "capture", *args, "--set=data.thinking=true"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "thinking" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_capture_recomputes_what_no_longer_matches(micro_run, tmp_path):
+    config, _ = micro_run
+    hidden = config.stage_dir("data") / "hidden"
+    other = load_config(TINY, micro_overrides(config.run.dir, config.target.path) + ["data.aux_layers=[0, 2]"])
+    capture(other, log=lambda line: None)
+    sample = next(read_dataset(hidden))
+    assert sample.aux_hidden.shape[1] == 2 * 64  # recaptured at the new layers, not reused
+    lines = []
+    capture(config, log=lines.append)  # back to [0, 1, 2]: recaptured again, then reusable
+    assert next(read_dataset(hidden)).aux_hidden.shape[1] == 3 * 64
+    capture(config, log=lines.append)
+    assert "(3 reused)" in lines[-1]
+
+
+def test_a_changed_split_never_leaks_into_later_stages(micro_target, tmp_path):
+    overrides = micro_overrides(tmp_path / "run", micro_target)
+    regenerate(load_config(TINY, overrides), log=lambda line: None)
+    smaller = load_config(TINY, overrides + ["data.num_samples=10", "data.heldout_fraction=0.5"])
+    lines = []
+    regenerate(smaller, log=lines.append)
+    heldout = {json.loads(line)["id"] for line in (tmp_path / "run" / "data" / "heldout.jsonl").read_text().splitlines()}
+    current = list(read_regenerated(smaller.stage_dir("data") / "regen"))
+    assert len(current) == 10 and not {r["id"] for r in current} & heldout
+    assert any("ignoring" in line for line in lines)
+    assert read_manifest(smaller.stage_dir("data") / "regen")["samples"] == 10
+    capture(smaller, log=lambda line: None)
+    assert {s.id for s in read_dataset(smaller.stage_dir("data") / "hidden")} == {r["id"] for r in current}

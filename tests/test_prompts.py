@@ -83,3 +83,23 @@ def test_reasoning_is_kept_apart_from_the_answer():
         "role": "assistant", "content": "Answer.", "reasoning_content": "weigh options"
     }
     assert assistant_message("Plain answer.") == {"role": "assistant", "content": "Plain answer."}
+
+
+def test_a_template_that_rewrites_history_ends_the_sample_cleanly(micro_target):
+    from transformers import AutoTokenizer
+
+    from eagle3.data.conversation import SampleBuilder, TemplateMismatch
+
+    tokenizer = AutoTokenizer.from_pretrained(micro_target)
+    # Renders only the last two messages: once a turn is added, earlier text disappears.
+    tokenizer.chat_template = "{% for m in messages[-2:] %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}" \
+                              "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    builder = SampleBuilder(tokenizer, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], thinking=False)
+    first = builder.next_prompt()
+    builder.add_reply(tokenizer("x", add_special_tokens=False)["input_ids"])
+    with pytest.raises(TemplateMismatch):
+        builder.next_prompt()
+    assert builder.next_prompt() is None
+    sample = builder.sample(max_length=100)
+    assert [m["role"] for m in sample.conversation] == ["user", "assistant"]  # no dangling user turn
+    assert sample.input_ids[: len(first)] == first and sum(sample.loss_mask) == len(sample.input_ids) - len(first)

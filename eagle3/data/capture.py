@@ -16,12 +16,13 @@ import torch
 
 from eagle3.config import PipelineConfig
 from eagle3.data.conversation import chat_template_hash
-from eagle3.data.regenerate import REGEN_DIR, read_samples
+from eagle3.data.regenerate import REGEN_DIR, read_regenerated
 from eagle3.data.shards import (
     KINDS,
     CapturedSample,
     partial_file,
     read_partial,
+    read_stamp,
     shard_file,
     write_partial,
     write_shard,
@@ -102,52 +103,78 @@ def capture(config: PipelineConfig, log: Log = print, passes: list | None = None
 
     Work runs as passes, each started, run over the unfinished shards and stopped before the next one
     (on the GPU node two SGLang engines cannot share the GPUs). A pass that returns every kind writes
-    final shards; otherwise each kind goes to a partial file, merged once all passes are done.
+    final shards; otherwise each kind goes to a partial file, merged once all passes are done. Every
+    file is stamped with its sample ids and the capture settings: on a re-run, a file is reused only
+    when its stamp matches what would be computed now.
     """
     regen_manifest = regenerated_manifest(config)
-    records = sorted(read_samples(config.stage_dir("data") / REGEN_DIR), key=lambda r: r["id"])
+    records = sorted(read_regenerated(config.stage_dir("data") / REGEN_DIR), key=lambda r: r["id"])
     out = config.stage_dir("data") / HIDDEN_DIR
-    tokens = sum(len(r["input_ids"]) for r in records)
-    check_storage(config, tokens, out, log)
-    out.mkdir(parents=True, exist_ok=True)
-    passes = passes or [LocalCapture(config.target.path, config.data.aux_layers, config.data.last_hidden)]
     per_shard = config.data.shard_samples
     shards = [records[i : i + per_shard] for i in range(0, len(records), per_shard)]
-    pending = [k for k in range(len(shards)) if not shard_file(out, k).exists()]  # atomic writes: complete
+    settings = capture_settings(config)
+    stamps = [{"sample_ids": [r["id"] for r in shard], **settings} for shard in shards]
+    pending = [k for k in range(len(shards)) if not is_current(shard_file(out, k), stamps[k])]
+    check_storage(config, sum(len(r["input_ids"]) for k in pending for r in shards[k]), out, log)
+    out.mkdir(parents=True, exist_ok=True)
+    passes = passes or [LocalCapture(config.target.path, config.data.aux_layers, config.data.last_hidden)]
     for capture_pass in passes:
-        todo = [k for k in pending if not all(partial_file(out, k, kind).exists() for kind in capture_pass.kinds)]
-        todo = [k for k in todo if not shard_file(out, k).exists()]
+        todo = [k for k in pending if not all(is_current(partial_file(out, k, kind), stamps[k]) for kind in capture_pass.kinds)]
         if todo:
-            run_pass(capture_pass, [(k, shards[k]) for k in todo], out, config.data.batch_size, log)
+            run_pass(capture_pass, [(k, shards[k], stamps[k]) for k in todo], out, config.data.batch_size, log)
     for k in pending:
-        if not shard_file(out, k).exists():
-            merge_partials(out, k, shards[k])
+        if not is_current(shard_file(out, k), stamps[k]):
+            merge_partials(out, k, shards[k], stamps[k])
     for stale in out.glob("shard-*.safetensors"):
         if int(stale.name[len("shard-") :][:5]) >= len(shards):
             stale.unlink()  # left by an earlier, larger capture into the same directory
-    fields = dataset_fields(config, regen_manifest, passes[0].release, records)
-    write_manifest(out, kind="dataset", fields=fields)
-    log(f"capture: {len(records)} samples, {tokens} tokens in {len(shards)} shard(s) at {out}")
+    release = next((p.release for p in passes if p.release), None) or recorded_release(out, len(shards))
+    write_manifest(out, kind="dataset", fields=dataset_fields(config, regen_manifest, release, records))
+    log(f"capture: {len(records)} samples in {len(shards)} shard(s) at {out} ({len(shards) - len(pending)} reused)")
     return out
 
 
-def run_pass(capture_pass, shards: list[tuple[int, list[dict]]], out: Path, batch_size: int, log: Log) -> None:
+def capture_settings(config: PipelineConfig) -> dict:
+    """What the stored rows depend on besides the samples themselves."""
+    return {
+        "target": target_identity(config.target),
+        "aux_layers": list(config.data.aux_layers),
+        "last_hidden": config.data.last_hidden,
+        "engine": config.data.capture_engine,
+    }
+
+
+def is_current(path: Path, stamp: dict) -> bool:
+    if not path.exists():
+        return False
+    recorded = read_stamp(path)
+    return recorded is not None and {k: v for k, v in recorded.items() if k != "engine_release"} == stamp
+
+
+def recorded_release(out: Path, count: int) -> str | None:
+    """The engine release stamped on the shards, when every pass was resumed (none started now)."""
+    releases = {(read_stamp(shard_file(out, k)) or {}).get("engine_release") for k in range(count)}
+    return releases.pop() if len(releases) == 1 else None
+
+
+def run_pass(capture_pass, shards: list[tuple[int, list[dict], dict]], out: Path, batch_size: int, log: Log) -> None:
     name = "+".join(capture_pass.kinds)
-    progress = Progress(f"capture ({name})", total=sum(len(s) for _, s in shards), unit="samples", log=log)
+    progress = Progress(f"capture ({name})", total=sum(len(s) for _, s, _ in shards), unit="samples", log=log)
     capture_pass.start(log)
     try:
-        for index, shard in shards:
+        for index, shard, stamp in shards:
             states = []
             for start in range(0, len(shard), batch_size):
                 batch = shard[start : start + batch_size]
                 states += capture_pass.states([r["input_ids"] for r in batch])
                 progress.advance(len(batch), tokens=sum(len(r["input_ids"]) for r in batch))
             check_rows(shard, states)
+            stamped = {**stamp, "engine_release": capture_pass.release}
             if set(capture_pass.kinds) == set(KINDS):
-                write_shard(shard_file(out, index), [captured(r, s) for r, s in zip(shard, states)])
+                write_shard(shard_file(out, index), [captured(r, s) for r, s in zip(shard, states)], stamped)
             else:
                 for kind in capture_pass.kinds:
-                    write_partial(partial_file(out, index, kind), [s[kind] for s in states])
+                    write_partial(partial_file(out, index, kind), [s[kind] for s in states], stamped)
     finally:
         capture_pass.stop()
 
@@ -170,10 +197,12 @@ def captured(record: dict, state: dict[str, torch.Tensor]) -> CapturedSample:
     )
 
 
-def merge_partials(out: Path, index: int, shard: list[dict]) -> None:
+def merge_partials(out: Path, index: int, shard: list[dict], stamp: dict) -> None:
     parts = {kind: read_partial(partial_file(out, index, kind)) for kind in KINDS}
-    samples = [captured(r, {kind: parts[kind][i] for kind in KINDS}) for i, r in enumerate(shard)]
-    write_shard(shard_file(out, index), samples)
+    states = [{kind: parts[kind][i] for kind in KINDS} for i in range(len(shard))]
+    check_rows(shard, states)
+    release = (read_stamp(partial_file(out, index, KINDS[0])) or {}).get("engine_release")
+    write_shard(shard_file(out, index), [captured(r, s) for r, s in zip(shard, states)], {**stamp, "engine_release": release})
     for kind in KINDS:
         partial_file(out, index, kind).unlink()
 

@@ -42,6 +42,10 @@ def chat_template_hash(tokenizer) -> str:
 THINK_END = "</think>"
 
 
+class TemplateMismatch(Eagle3Error):
+    """The chat template would show the engine other ids for earlier turns than the ones stored."""
+
+
 def assistant_message(text: str) -> dict:
     """A reply as a chat message; a thinking target's reasoning is kept as reasoning_content (chat
     templates that support thinking read it from there). The ids always keep it, as generated."""
@@ -70,20 +74,24 @@ class SampleBuilder:
         self.covered = ""  # the text the ids so far decode to
 
     def next_prompt(self) -> list[int] | None:
-        """Ids to generate the next reply from (after the next user turn), or None when done."""
+        """Ids to generate the next reply from (after the next user turn), or None when done.
+        Raises TemplateMismatch (and ends the sample where it stands) when the template rewrites history."""
+        pending = []
         while self.remaining:
-            turn = self.remaining.pop(0)
-            self.messages.append(turn)
-            if turn["role"] == "user":
+            pending.append(self.remaining.pop(0))
+            if pending[-1]["role"] == "user":
                 break
         else:
             return None
-        rendered = render(self.tokenizer, self.messages, self.thinking, generation_prompt=True)
+        messages = self.messages + pending
+        rendered = render(self.tokenizer, messages, self.thinking, generation_prompt=True)
         if not rendered.startswith(self.covered):
-            raise Eagle3Error(
+            self.remaining = []
+            raise TemplateMismatch(
                 "the chat template renders earlier turns differently once a later turn is added; "
-                "multi-turn samples cannot be stored consistently with this template"
+                "the sample ends before that turn"
             )
+        self.messages = messages
         piece = encode(self.tokenizer, rendered[len(self.covered) :])
         self.ids += piece
         self.mask += [0] * len(piece)

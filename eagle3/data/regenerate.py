@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,17 +26,18 @@ from typing import Callable
 import httpx
 
 from eagle3.config import PipelineConfig
-from eagle3.data.conversation import SampleBuilder, chat_template_hash
+from eagle3.data.conversation import SampleBuilder, TemplateMismatch, chat_template_hash
 from eagle3.data.prompts import Prompt, load_prompts, split_heldout, write_prompts
 from eagle3.data.storage import log_projection
 from eagle3.data.targets import load_tokenizer, target_identity
-from eagle3.errors import Eagle3Error
+from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.manifest import code_version, write_manifest
 from eagle3.fsutil import atomic_write_json
 from eagle3.progress import Progress
 
 Log = Callable[[str], None]
 REGEN_DIR = "regen"
+IDS_FILE = "sample_ids.json"
 HELDOUT_FILE = "heldout.jsonl"
 MALFORMED_FILE = "malformed.json"
 
@@ -189,19 +191,29 @@ def shard_path(directory: Path, index: int) -> Path:
 
 
 def read_done(directory: Path) -> set[str]:
-    """Ids of samples already written. A line cut short by a crash is removed so appends stay valid."""
+    """Ids of samples already written. A line cut short by a crash is cut off so appends stay valid."""
     done = set()
     for path in sorted(directory.glob("samples-*.jsonl")):
         data = path.read_bytes()
         complete = data[: data.rfind(b"\n") + 1]
         if len(complete) != len(data):
-            path.write_bytes(complete)
+            os.truncate(path, len(complete))
         done.update(json.loads(line)["id"] for line in complete.splitlines() if line.strip())
     return done
 
 
+def read_regenerated(directory: Path):
+    """Yield the samples of the current training split (ids in sample_ids.json); records left by an
+    earlier run with another split or size are ignored."""
+    try:
+        current = set(json.loads((Path(directory) / IDS_FILE).read_text()))
+    except FileNotFoundError:
+        raise UnreadableInput(f"{directory}: no finished regeneration here; run `eagle3 data regenerate` first") from None
+    return (record for record in read_samples(directory) if record["id"] in current)
+
+
 def read_samples(directory: Path):
-    """Yield every regenerated sample record, shard by shard."""
+    """Yield every sample record written in a regeneration directory, shard by shard."""
     for path in sorted(Path(directory).glob("samples-*.jsonl")):
         with open(path) as f:
             for line in f:
@@ -241,8 +253,13 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
         append_records(out, [(index, record) for (index, _), record in zip(batch, records)], config.data.shard_samples)
         progress.advance(len(batch), tokens=sum(len(r["input_ids"]) for r in records))
 
-    samples = tokens = loss_tokens = 0
-    for record in read_samples(out):
+    atomic_write_json(out / IDS_FILE, sorted(p.id for p in train))
+    stale = len(read_done(out) - {p.id for p in train})
+    if stale:
+        log(f"regenerate: ignoring {stale} sample(s) written by an earlier run for prompts outside this split")
+    samples = tokens = loss_tokens = ended_early = 0
+    for record in read_regenerated(out):
+        ended_early += bool(record.get("ended_early"))
         samples += 1
         tokens += len(record["input_ids"])
         loss_tokens += sum(record["loss_mask"])
@@ -264,6 +281,7 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
             "heldout_prompts": len(heldout),
             "malformed_lines": len(prompt_set.malformed),
             "duplicate_prompts": prompt_set.duplicates,
+            "ended_early": ended_early,
             "code_version": code_version(),
         },
     )
@@ -275,11 +293,16 @@ def generate_batch(generator, tokenizer, prompts: list[Prompt], config: Pipeline
     """Run every prompt of the batch turn by turn; each round sends one prompt per unfinished sample."""
     max_length = config.data.max_length
     builders = {p.id: SampleBuilder(tokenizer, list(p.turns), config.data.thinking) for p in prompts}
+    ended_early: set[str] = set()
     active = dict(builders)
     while active:
         requests = {}
         for pid, builder in active.items():
-            ids = builder.next_prompt()
+            try:
+                ids = builder.next_prompt()
+            except TemplateMismatch:
+                ended_early.add(pid)
+                continue
             if ids is not None and len(ids) < max_length:  # no room left: the sample ends here
                 requests[pid] = ids
         if not requests:
@@ -290,9 +313,10 @@ def generate_batch(generator, tokenizer, prompts: list[Prompt], config: Pipeline
     records = []
     for prompt in prompts:
         sample = builders[prompt.id].sample(max_length)
-        records.append(
-            {"id": prompt.id, "conversation": sample.conversation, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask}
-        )
+        record = {"id": prompt.id, "conversation": sample.conversation, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask}
+        if prompt.id in ended_early:
+            record["ended_early"] = True  # the template rewrote history: later turns were dropped
+        records.append(record)
     return records
 
 

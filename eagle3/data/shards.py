@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from eagle3.fsutil import atomic_write_bytes
@@ -35,16 +35,25 @@ def partial_file(directory: Path, index: int, kind: str) -> Path:
     return Path(directory) / f"shard-{index:05d}.{kind}.safetensors"
 
 
-def write_partial(path: Path, rows: list[torch.Tensor]) -> None:
+def write_partial(path: Path, rows: list[torch.Tensor], stamp: dict) -> None:
     lengths = torch.tensor([0] + [r.shape[0] for r in rows], dtype=torch.int64)
     tensors = {"rows": torch.cat(rows).to(STORED_DTYPE), "offsets": torch.cumsum(lengths, 0)}
-    atomic_write_bytes(path, save(tensors))
+    atomic_write_bytes(path, save(tensors, metadata={"stamp": json.dumps(stamp)}))
 
 
 def read_partial(path: Path) -> list[torch.Tensor]:
     with safe_open(path, framework="pt") as f:
         rows, offsets = f.get_tensor("rows"), f.get_tensor("offsets").tolist()
     return [rows[a:b] for a, b in zip(offsets, offsets[1:])]
+
+
+def read_stamp(path: Path) -> dict | None:
+    """What a shard or partial file was made from (sample ids and capture settings); None if unreadable."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return json.loads((f.metadata() or {}).get("stamp", "null"))
+    except (OSError, ValueError, SafetensorError):
+        return None
 
 
 def bytes_per_token(num_aux: int, hidden: int) -> int:
@@ -61,7 +70,7 @@ class CapturedSample:
     last_hidden: torch.Tensor  # [T, H]
 
 
-def write_shard(path: Path, samples: list[CapturedSample]) -> None:
+def write_shard(path: Path, samples: list[CapturedSample], stamp: dict) -> None:
     lengths = torch.tensor([0] + [s.input_ids.numel() for s in samples], dtype=torch.int64)
     tensors = {
         "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int32),
@@ -70,7 +79,8 @@ def write_shard(path: Path, samples: list[CapturedSample]) -> None:
         "last_hidden": torch.cat([s.last_hidden for s in samples]).to(STORED_DTYPE),
         "offsets": torch.cumsum(lengths, 0),
     }
-    atomic_write_bytes(path, save(tensors, metadata={"sample_ids": json.dumps([s.id for s in samples])}))
+    metadata = {"sample_ids": json.dumps([s.id for s in samples]), "stamp": json.dumps(stamp)}
+    atomic_write_bytes(path, save(tensors, metadata=metadata))
 
 
 class ShardReader:
