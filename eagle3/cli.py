@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConversionError as err:
         print(f"eagle3: cannot convert: {err}", file=sys.stderr)
         return EXIT_PROBLEMS
-    except (Eagle3Error, FileExistsError, ValueError) as err:
+    except (Eagle3Error, OSError, ValueError) as err:  # OSError: a path the user gave that cannot be read
         print(f"eagle3: {err}", file=sys.stderr)
         return EXIT_UNREADABLE
 

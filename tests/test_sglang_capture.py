@@ -4,6 +4,7 @@ engine arguments are the real code."""
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,3 +96,46 @@ def test_an_unsupported_release_is_refused_before_any_engine_starts(tmp_path, mi
 def test_pre_norm_is_refused_for_sglang_capture():
     with pytest.raises(Exception, match="SGLang returns the last hidden state after the final norm"):
         load_config(TINY, ["data.capture_engine=sglang", "data.last_hidden=pre_norm"])
+
+
+def test_sigterm_to_the_cli_stops_the_node_process_group(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    node_python = tmp_path / "node-python"
+    pid_file = tmp_path / "child.pid"
+    node_python.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nsleep 300 &\nwait\n")
+    node_python.chmod(0o755)
+    cli = subprocess.Popen([sys.executable, "-m", "eagle3.cli", "data", "capture", "--config", str(TINY),
+                            f"--set=run.dir={tmp_path / 'run'}", "--set=data.capture_engine=sglang",
+                            f"--set=data.sglang_python={node_python}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    group = int(pid_file.read_text())
+    cli.send_signal(signal.SIGTERM)
+    assert cli.wait(timeout=60) == 128 + signal.SIGTERM
+    time.sleep(0.2)
+    assert live_members(group) == []  # the engine and its workers are gone (zombies awaiting a reaper aside)
+
+
+def live_members(group: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_a_missing_node_python_is_one_line(tmp_path):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "eagle3.cli", "data", "capture", "--config", str(TINY),
+                             f"--set=run.dir={tmp_path}", "--set=data.capture_engine=sglang",
+                             "--set=data.sglang_python=/nonexistent/python"], capture_output=True, text=True)
+    assert result.returncode == 2 and "data.sglang_python" in result.stderr and "Traceback" not in result.stderr

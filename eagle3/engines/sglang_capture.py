@@ -104,15 +104,33 @@ def run_on_node(config: PipelineConfig, config_path: str, overrides: list[str], 
     """Run the node command in its own process group; Ctrl-C or a failure never leaves it behind."""
     command = node_command(config, config_path, overrides)
     log(f"capture: running {' '.join(command)}")
-    process = subprocess.Popen(command, start_new_session=True)
+    try:
+        process = subprocess.Popen(command, start_new_session=True)
+    except OSError as err:
+        raise Eagle3Error(f"cannot start {command[0]} (data.sglang_python): {err.strerror}") from None
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the finally below runs
     try:
         code = process.wait()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait()
+            stop_group(process)
     if code != 0:
         raise Eagle3Error(f"SGLang capture exited with status {code}: {' '.join(command)}")
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """TERM the process group (the engine and its workers), then KILL what is left after the grace."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,13 +38,11 @@ class RMSNorm(nn.Module):
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama RoPE (rotate-half). x [B, heads, T, d], positions [T] (or [B, T])."""
+    """Llama RoPE (rotate-half). x [B, heads, T, d], positions [T]."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))  # [d/2]
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # [..., T, d]
-    if cos.dim() == 3:  # per-batch positions -> broadcast over heads
-        cos, sin = cos[:, None], sin[:, None]
+    angles = positions.to(torch.float32)[:, None] * inv_freq  # [T, d/2]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # [T, d]
     half = d // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)

@@ -76,12 +76,14 @@ def ttt_stats(
     hot = model.hot_token_ids()  # [Dv] target id of each draft row
     in_draft = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=hot.device)
     in_draft[hot] = True
+    # Reduce the [B, T, V] logits once; the steps only shift these small tensors.
+    target_argmax = target_logits.argmax(-1)  # [B, T]
+    target_hot = F.softmax(target_logits[..., hot].float(), dim=-1)  # [B, T, Dv]
     losses, correct, count = [], [], []
     for k, logits in enumerate(step_logits):
-        target = shift_left(target_logits, 1 + k)  # [B, T, V]
-        argmax = target.argmax(-1)  # [B, T]
+        argmax = shift_left(target_argmax, 1 + k)  # [B, T]: row t+1+k predicts x_{t+2+k}
         valid = shift_left(loss_mask, 2 + k).bool() & in_draft[argmax]
-        p = F.softmax(target[..., hot].float(), dim=-1)  # [B, T, Dv]
+        p = shift_left(target_hot, 1 + k)  # [B, T, Dv]
         log_q = F.log_softmax(logits.float(), dim=-1)
         per_position = -(p * log_q).sum(-1)  # [B, T]
         losses.append((per_position * valid).sum())

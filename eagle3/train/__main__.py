@@ -9,6 +9,8 @@ from eagle3.config import load_config
 from eagle3.errors import Eagle3Error
 from eagle3.train.trainer import Trainer
 
+STOPPED_BY_SIGTERM = 143  # 128 + SIGTERM: a clean stop with a checkpoint saved, but not a finished run
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__)
@@ -16,14 +18,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args(argv)
     try:
-        Trainer(load_config(args.config, args.overrides)).run()
-    except Eagle3Error as err:
+        trainer = Trainer(load_config(args.config, args.overrides))
+        trainer.run()
+    except (Eagle3Error, OSError) as err:
         print(f"eagle3 train: {err}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()  # a gloo group left to the interpreter's exit can abort the process
-    return 0
+    return STOPPED_BY_SIGTERM if trainer.stopped else 0
 
 
 if __name__ == "__main__":

@@ -138,6 +138,7 @@ class Trainer:
         )
         self.out = config.stage_dir("train")
         self.stop_requested = False
+        self.stopped = False  # True when SIGTERM ended the run before max_steps
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.best: float | None = None
 
@@ -146,6 +147,12 @@ class Trainer:
     def build_model(self) -> Eagle3Draft:
         cfg = draft_config(self.config)
         vocab_map = load_vocab_map(self.config.stage_dir("vocab"))
+        if (vocab_map.draft_vocab_size, vocab_map.target_vocab_size) != (cfg.draft_vocab_size, cfg.vocab_size):
+            raise Eagle3Error(
+                f"the vocab map in {self.config.stage_dir('vocab')} is {vocab_map.draft_vocab_size} of "
+                f"{vocab_map.target_vocab_size} ids; the config asks for {cfg.draft_vocab_size} of {cfg.vocab_size}: "
+                "run `eagle3 vocab build` again"
+            )
         model = Eagle3Draft(cfg, self.head["embed"])
         init_weights(model, self.config.training.seed)
         with torch.no_grad():
@@ -213,11 +220,12 @@ class Trainer:
                 raise Eagle3Error(f"the dataset has fewer training samples than one batch ({train.batch_size})")
             while self.batch_in_epoch < len(batches) and self.step < train.max_steps:
                 refs = batches[self.batch_in_epoch][self.dist.rank :: self.dist.world]
+                lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
                 metrics = self.train_step(refs)
                 self.step += 1
                 self.batch_in_epoch += 1
                 tokens += metrics.pop("tokens")
-                metrics.update(tokens_per_s=tokens / (time.monotonic() - started), lr=self.scheduler.get_last_lr()[0])
+                metrics.update(tokens_per_s=tokens / (time.monotonic() - started), lr=lr)
                 self.record({"step": self.step, **metrics})
                 if self.step % train.eval_every == 0 or self.step == train.max_steps:
                     self.evaluate()
@@ -226,6 +234,7 @@ class Trainer:
                 if self._stop_everywhere():
                     self.save_checkpoint()
                     self.log(f"train: stopped by SIGTERM at step {self.step}; resume continues from here")
+                    self.stopped = True
                     return self.latest_checkpoint()
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         return self.save_final()
@@ -262,13 +271,14 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = self.dist.sum(torch.stack([stats.loss_sum.detach(), stats.correct]))
+        local_tokens = torch.full_like(stats.correct, float(batch["loss_mask"].numel()))
+        sums = self.dist.sum(torch.stack([stats.loss_sum.detach(), stats.correct, local_tokens]))
         step_loss = sums[0] / counts
         return {
             "loss": float((self.step_weights() * step_loss).sum()),
             "step_loss": [round(float(x), 5) for x in step_loss],
             "step_acc": [round(float(x), 5) for x in sums[1] / counts],
-            "tokens": int(batch["loss_mask"].numel()),
+            "tokens": int(sums[2][0]),  # every rank's tokens
         }
 
     @torch.no_grad()
@@ -285,17 +295,21 @@ class Trainer:
             for start in range(0, len(refs), self.config.training.batch_size):
                 stats = self.step_stats(self.data.collate(refs[start : start + self.config.training.batch_size]), train=False)
                 totals += torch.stack([stats.loss_sum, stats.correct, stats.count]).cpu()
-            accept = self.replay_counts(refs[: self.config.benchmark.num_prompts])
+            accept = self.replay_counts(self.data.eval[: self.config.benchmark.num_prompts][self.dist.rank :: self.dist.world])
         finally:
             if self.fsdp:
                 self.ttt.reshard()
         totals, accept = self.dist.sum(totals), self.dist.sum(accept)
         counts = totals[2].clamp_min(1)
         accept_length = float(accept[0] / accept[1]) if accept[1] > 0 else 1.0
+        step_acc = totals[1] / counts
         self.record({"step": self.step, "eval_loss": float((self.step_weights() * totals[0] / counts).sum()),
-                     "eval_step_acc": [round(float(x), 5) for x in totals[1] / counts], "eval_accept_length": accept_length})
-        if self.best is None or accept_length > self.best:
-            self.best = accept_length
+                     "eval_step_acc": [round(float(x), 5) for x in step_acc], "eval_accept_length": accept_length})
+        # Replaying stored replies measures acceptance only when they are the target's greedy choice;
+        # for sampled data the weighted per-step accuracy decides instead.
+        score = accept_length if self.config.data.temperature == 0 else float((self.step_weights() * step_acc).sum())
+        if self.best is None or score > self.best:
+            self.best = score
             self.write_checkpoint(self.out / "best", with_state=False)
 
     def replay_counts(self, refs) -> torch.Tensor:
@@ -392,7 +406,7 @@ class Trainer:
         """Drop lines written after the checkpoint we resume from, so the curve has no duplicates."""
         path = self.out / METRICS_FILE
         if path.exists():
-            lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+            lines = [line for line in path.read_text().splitlines() if _step_of(line) <= self.step]
             path.write_text("".join(line + "\n" for line in lines))
 
     def _on_sigterm(self, signum, frame) -> None:
@@ -401,3 +415,11 @@ class Trainer:
     def _stop_everywhere(self) -> bool:
         flag = self.dist.sum(torch.tensor([1.0 if self.stop_requested else 0.0]))
         return bool(flag.item() > 0)
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics line; a line torn by a crash counts as past every checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
