@@ -1,6 +1,7 @@
 """python -m eagle3.train --config C [--set section.field=value ...]   (also under torchrun)"""
 
 import argparse
+import os
 import sys
 
 import torch.distributed as dist
@@ -20,13 +21,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(load_config(args.config, args.overrides))
         trainer.run()
+        code = STOPPED_BY_SIGTERM if trainer.stopped else 0
     except (Eagle3Error, OSError) as err:
         print(f"eagle3 train: {err}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()  # a gloo group left to the interpreter's exit can abort the process
-    return STOPPED_BY_SIGTERM if trainer.stopped else 0
+        code = 2
+    if dist.is_initialized():
+        leave_process_group(code)
+    return code
+
+
+def leave_process_group(code: int) -> None:
+    """Leave together, then exit without the interpreter's teardown: gloo and FSDP background threads
+    destroyed during teardown abort the process now and then ("terminate called without an active
+    exception"), turning a finished run into a failed one."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
