@@ -139,6 +139,12 @@ class ServingSection(Section):
     eagle_topk: int = Field(default=1, ge=1)
     num_draft_tokens: int | None = Field(default=None, description="None = num_steps + 1 (chain drafting)")
     extra_args: list[str] = []
+    ssh_host: str | None = Field(default=None, description="launcher ssh: the host to ssh to (None = host)")
+    srun_args: list[str] = Field(default=[], description="launcher srun: arguments before the command, e.g. [--nodes=1]")
+    health_timeout_s: float = Field(default=1800.0, gt=0.0, description="how long the server may take to become healthy")
+    log_dir: Path | None = Field(default=None, description="server logs (None = run.dir/logs)")
+    gpu_free_mib: int = Field(default=2048, gt=0, description="after a stop, wait until every GPU uses less than this")
+    gpu_free_timeout_s: float = Field(default=600.0, gt=0.0, description="how long to wait for the GPUs' memory")
 
     @field_validator("release")
     @classmethod

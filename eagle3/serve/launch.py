@@ -1,0 +1,258 @@
+"""Launch a serving engine (SGLang, or the reference server) locally, over ssh or through srun; wait
+until it serves; validate the draft against the release it reports; stop it and wait for the GPUs.
+
+The server runs in its own process group, so a stop takes its workers with it. Every log line names
+the endpoint and the launcher in effect (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from eagle3.config import PipelineConfig
+from eagle3.errors import Eagle3Error
+from eagle3.formats.engines import parse_release
+
+LOG_TAIL_LINES = 40
+GPU_QUERY = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+
+
+class LaunchError(Eagle3Error):
+    """A server that did not start, did not become healthy, or serves a draft it would serve wrongly."""
+
+
+def _flag(arg: str) -> str:
+    return arg.split("=", 1)[0].replace("_", "-")
+
+
+def sglang_command(config: PipelineConfig, target_path, draft_path) -> list[str]:
+    s = config.serving
+    command = [config.data.sglang_python, "-m", "sglang.launch_server", "--model-path", str(target_path)]
+    if draft_path is not None:
+        command += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_path),
+                    "--speculative-num-steps", str(s.num_steps), "--speculative-eagle-topk", str(s.eagle_topk),
+                    "--speculative-num-draft-tokens", str(s.num_draft_tokens)]
+    command += ["--tp", str(s.tp), "--host", s.host, "--port", str(s.port), "--context-length", str(s.context_length)]
+    extra = {_flag(a) for a in s.extra_args if a.startswith("--")}
+    if "--speculative-algorithm" in extra:
+        raise LaunchError(
+            f"serving.extra_args {s.extra_args} sets --speculative-algorithm; the launcher sets it (EAGLE3 for an "
+            "EAGLE-3 draft: EAGLE would serve it with the wrong fc input and no aux states); remove it")
+    clash = sorted(extra & {a for a in command if a.startswith("--")})
+    if clash:
+        raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets from the "
+                          "serving section; set the field instead")
+    return command + list(s.extra_args)
+
+
+def reference_command(config: PipelineConfig, target_path, draft_path) -> list[str]:
+    s = config.serving
+    command = [sys.executable, "-m", "eagle3.cli", "serve", "--target", str(target_path)]
+    command += ["--draft", str(draft_path)] if draft_path is not None else []
+    command += ["--num-steps", str(s.num_steps)]
+    command += ["--engine-release", s.release] if s.release else []
+    return command + ["--host", s.host, "--port", str(s.port)]
+
+
+def wrap(command: list[str], launcher: str, ssh_host: str | None = None, srun_args: list[str] = ()) -> list[str]:
+    if launcher == "local":
+        return list(command)
+    if launcher == "ssh":
+        if not ssh_host:
+            raise LaunchError("launcher ssh needs a host (serving.ssh_host or serving.host)")
+        # -tt: the remote command gets a terminal, so killing the local ssh hangs it up on the node too
+        return ["ssh", "-tt", ssh_host, shlex.join(command)]
+    if launcher == "srun":
+        return ["srun", *srun_args, *command]
+    raise LaunchError(f"unknown launcher {launcher!r}; use local, ssh or srun")
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process is left in the group (Linux /proc; PID 1 may not reap orphans)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # exited meanwhile
+        state, _ppid, group = text[text.rindex(")") + 2:].split()[:3]
+        if int(group) == pgid and state not in "ZX":
+            return True
+    return False
+
+
+class Server:
+    """One server process group; `with Server(...) as s:` starts it and always stops it."""
+
+    def __init__(self, command: list[str], host: str, port: int, log_dir: Path, log: Callable[[str], None] = print,
+                 label: str = "", gpu_query: list[str] | None = GPU_QUERY, gpu_free_mib: int = 2048,
+                 gpu_free_timeout_s: float = 600.0, grace_s: float = 30.0):
+        self.command, self.url, self.log_dir = command, f"http://{host}:{port}", Path(log_dir)
+        self.label = label or f"endpoint {self.url}, launcher {command[0]}"
+        self._log, self.gpu_query, self.gpu_free_mib = log, gpu_query, gpu_free_mib
+        self.gpu_free_timeout_s, self.grace_s = gpu_free_timeout_s, grace_s
+        self.process: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self.release: str | None = None
+
+    def log(self, message: str) -> None:
+        self._log(f"[{self.label}] {message}")
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S") + f".{time.time_ns() // 1_000_000 % 1000:03d}"
+        self.log_path = self.log_dir / f"server-{self.url.rsplit(':', 1)[1]}-{stamp}.log"
+        self.log(f"starting: {shlex.join(self.command)} (log {self.log_path})")
+        with open(self.log_path, "ab") as out:
+            try:
+                self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
+            except OSError as err:
+                raise LaunchError(f"[{self.label}] cannot start {self.command[0]}: {err.strerror}") from None
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines)).rstrip() or "(the log is empty)"
+
+    def _fail(self, reason: str) -> LaunchError:
+        self.stop()
+        return LaunchError(f"[{self.label}] {reason}; last lines of {self.log_path}:\n{self.tail()}")
+
+    def wait_healthy(self, deadline_s: float, interval_s: float = 1.0, request_timeout_s: float = 10.0) -> str:
+        """Poll /health_generate until it answers 200; return the release from /server_info."""
+        self.log(f"waiting up to {deadline_s:.0f} s for {self.url}/health_generate")
+        start = time.monotonic()
+        deadline = start + deadline_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise self._fail(f"the server exited with status {code} before it became healthy")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._fail(f"the server was not healthy after {deadline_s:.0f} s")
+            try:
+                if httpx.get(f"{self.url}/health_generate", timeout=min(request_timeout_s, remaining)).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass  # not listening yet, or busy loading
+            time.sleep(min(interval_s, max(deadline - time.monotonic(), 0)))
+        try:
+            info = httpx.get(f"{self.url}/server_info", timeout=request_timeout_s).raise_for_status().json()
+        except (httpx.HTTPError, ValueError) as err:
+            raise self._fail(f"healthy, but /server_info failed: {err}") from None
+        if not info.get("version"):
+            raise self._fail(f"/server_info has no version: {info}")
+        self.release = str(info["version"])  # SGLang's own __version__: it selects the loader rules
+        self.log(f"healthy after {time.monotonic() - start:.1f} s; the server reports version {self.release}")
+        return self.release
+
+    def stop(self) -> None:
+        """TERM the group, KILL what is left after the grace, then wait for the GPUs' memory."""
+        if (process := self.process) is None:
+            return
+        pgid, self.process = process.pid, None
+        self.log(f"stopping process group {pgid}")
+        for sig, wait_s in ((signal.SIGTERM, self.grace_s), (signal.SIGKILL, 30.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            end = time.monotonic() + wait_s
+            while process.poll() is None or group_alive(pgid):
+                if time.monotonic() > end:
+                    break
+                time.sleep(0.1)
+            else:
+                break
+            self.log(f"process group {pgid} still alive {wait_s:.0f} s after {sig.name}")
+        process.wait()
+        self.wait_gpus_free()
+
+    def wait_gpus_free(self) -> None:
+        if self.gpu_query is None:
+            return
+        if self.gpu_query[0] == "nvidia-smi" and shutil.which("nvidia-smi") is None:
+            self.log("nvidia-smi not found here: not waiting for GPU memory")
+            return
+        end = time.monotonic() + self.gpu_free_timeout_s
+        while True:
+            try:
+                out = subprocess.run(self.gpu_query, capture_output=True, text=True, timeout=60, check=True).stdout
+                used = [int(v) for v in out.split()]
+            except (OSError, subprocess.SubprocessError, ValueError) as err:
+                self.log(f"cannot read GPU memory ({shlex.join(self.gpu_query)}: {err}): not waiting for it")
+                return
+            if all(u < self.gpu_free_mib for u in used):
+                self.log(f"GPU memory used (MiB) {used}: below {self.gpu_free_mib}, free")
+                return
+            if time.monotonic() > end:
+                raise LaunchError(f"[{self.label}] GPU memory still in use {self.gpu_free_timeout_s:.0f} s after the stop: "
+                                  f"{used} MiB (threshold {self.gpu_free_mib}); find the process holding it")
+            time.sleep(2.0)
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None] = print, role: str = "candidate") -> Server:
+    s = config.serving
+    build = sglang_command if s.engine == "sglang" else reference_command
+    ssh_host = s.ssh_host or s.host
+    command = wrap(build(config, target, draft), s.launcher, ssh_host, s.srun_args)
+    via = {"local": "local", "ssh": f"ssh {ssh_host}", "srun": "srun"}[s.launcher]
+    return Server(command, s.host, s.port, s.log_dir or config.run.dir / "logs", log,
+                  label=f"{role} {s.engine} endpoint http://{s.host}:{s.port}, launcher {via}",
+                  gpu_query=wrap(GPU_QUERY, s.launcher, ssh_host, s.srun_args),
+                  gpu_free_mib=s.gpu_free_mib, gpu_free_timeout_s=s.gpu_free_timeout_s)
+
+
+def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[str], None] = print,
+                        role: str = "candidate") -> Server:
+    """Start the server, wait until healthy, validate the draft for the live release; return it running."""
+    from eagle3.formats.validate import validate
+
+    if draft is not None and not Path(draft).is_dir():
+        raise LaunchError(f"draft {draft}: no such directory; nothing was launched")
+    server = server_for(config, target, draft, log, role)
+    server.start()
+    try:
+        live = server.wait_healthy(config.serving.health_timeout_s)
+        if draft is None:
+            server.log("no draft: nothing to validate")
+            return server
+        release = live if config.serving.engine == "sglang" else config.serving.release
+        try:
+            parse_release(release) if release else None
+        except ValueError as err:
+            raise LaunchError(f"[{server.label}] {err}: cannot pick SGLang's loader rules") from None
+        if config.serving.release and release != config.serving.release:
+            server.log(f"the server reports {live}, the config says {config.serving.release}: validating for {live}")
+        local_target = Path(target) if Path(target).is_dir() else None  # a hub id on the node is not read here
+        if local_target is None:
+            server.log(f"target {target} is not a directory here: checks against the target are left unknown")
+        report = validate(Path(draft), engine="sglang", engine_release=release, target=local_target,
+                          context_length=config.serving.context_length)
+    except BaseException:
+        server.stop()
+        raise
+    errors = report.of("error")
+    if errors:
+        server.stop()
+        listed = "\n".join(f"  {p.code}: {p.message} (fix: {p.fix})" for p in errors)
+        raise LaunchError(f"[{server.label}] the draft {draft} would be served wrongly by SGLang {release}:\n{listed}")
+    server.log(f"draft {draft} validated for SGLang {release or '(strictest rules)'}")
+    return server

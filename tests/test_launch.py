@@ -1,0 +1,287 @@
+"""Launching servers: command lines for every launcher, health waits with deadlines, log tails on failure,
+stops that leave no process of the group behind, and validation against the live release before any
+benchmark. Real processes on 127.0.0.1; the reference server stands in for SGLang."""
+
+import os
+import shlex
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from drafts import write_draft
+from eagle3.config import load_config
+from eagle3.serve.launch import (
+    GPU_QUERY, LaunchError, Server, launch_and_validate, reference_command, server_for, sglang_command, wrap,
+)
+from test_config import TINY
+
+RELEASE = "0.5.13"
+MICRO_DRAFT = dict(hidden_size=64, target_hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=512,
+                   draft_vocab_size=64, torch_dtype="float32", max_position_embeddings=512)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def config_for(tmp_path, *overrides):
+    return load_config(TINY, [f"run.dir={tmp_path}", f"serving.port={free_port()}", "serving.context_length=512",
+                              *overrides])
+
+
+def live_members(pgid: int) -> list[int]:
+    """Processes of the group that are not zombies (PID 1 here may not reap orphans)."""
+    pids = []
+    for path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        state, _, group = text[text.rindex(")") + 2:].split()[:3]
+        if int(group) == pgid and state != "Z":
+            pids.append(int(path.parent.name))
+    return pids
+
+
+def python_server(tmp_path, code: str, logs: list) -> Server:
+    return Server([sys.executable, "-c", code], "127.0.0.1", free_port(), tmp_path / "logs", logs.append,
+                  label="test endpoint, launcher local", gpu_query=None, grace_s=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command lines
+
+
+def test_sglang_command_with_and_without_a_draft(tmp_path):
+    config = config_for(tmp_path, "serving.engine=sglang", "serving.tp=8", "serving.num_steps=4",
+                        "data.sglang_python=/opt/sglang/bin/python",
+                        "serving.extra_args=[--trust-remote-code, --mem-fraction-static, '0.85']")
+    s = config.serving
+    command = sglang_command(config, "/models/kimi", "/drafts/d1")
+    assert command == [
+        "/opt/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/kimi",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/drafts/d1",
+        "--speculative-num-steps", "4", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5",
+        "--tp", "8", "--host", "127.0.0.1", "--port", str(s.port), "--context-length", "512",
+        "--trust-remote-code", "--mem-fraction-static", "0.85"]
+    plain = sglang_command(config, "/models/kimi", None)
+    assert plain == command[:5] + command[15:]  # the same without the five speculative flags
+    assert not [a for a in plain if "speculative" in a]
+
+
+@pytest.mark.parametrize("extra", [["--speculative-algorithm", "EAGLE"], ["--speculative-algorithm=EAGLE"],
+                                   ["--speculative_algorithm", "EAGLE3"]])
+def test_extra_args_never_set_the_algorithm(tmp_path, extra):
+    config = config_for(tmp_path, "serving.engine=sglang", f"serving.extra_args={extra}")
+    for draft in ("/drafts/d1", None):
+        with pytest.raises(LaunchError, match="--speculative-algorithm"):
+            sglang_command(config, "/models/kimi", draft)
+
+
+def test_extra_args_may_not_repeat_a_flag_the_launcher_sets(tmp_path):
+    config = config_for(tmp_path, "serving.engine=sglang", "serving.extra_args=[--port=1234]")
+    with pytest.raises(LaunchError, match="repeats --port"):
+        sglang_command(config, "/models/kimi", "/drafts/d1")
+
+
+def test_reference_command(tmp_path):
+    config = config_for(tmp_path)
+    assert reference_command(config, "/t", "/d") == [
+        sys.executable, "-m", "eagle3.cli", "serve", "--target", "/t", "--draft", "/d", "--num-steps", "3",
+        "--engine-release", RELEASE, "--host", "127.0.0.1", "--port", str(config.serving.port)]
+    unreleased = config_for(tmp_path, "serving.release=null")
+    command = reference_command(unreleased, "/t", None)
+    assert "--draft" not in command and "--engine-release" not in command
+
+
+def test_launchers_wrap_the_command(tmp_path):
+    command = ["python", "-m", "sglang.launch_server", "--model-path", "/models/my target", "--port", "30000"]
+    assert wrap(command, "local") == command
+    ssh = wrap(command, "ssh", "gpu-node-1")
+    assert ssh[:3] == ["ssh", "-tt", "gpu-node-1"] and len(ssh) == 4 and shlex.split(ssh[3]) == command
+    assert wrap(command, "srun", srun_args=["--nodes=1", "--gres=gpu:8"]) == ["srun", "--nodes=1", "--gres=gpu:8", *command]
+    with pytest.raises(LaunchError, match="needs a host"):
+        wrap(command, "ssh", None)
+
+
+def test_server_for_names_endpoint_and_launcher(tmp_path):
+    config = config_for(tmp_path, "serving.engine=sglang", "serving.launcher=ssh", "serving.host=10.0.0.5",
+                        "serving.ssh_host=gpu-node-1")
+    lines = []
+    server = server_for(config, "/models/kimi", "/drafts/d1", lines.append)
+    assert server.command[:3] == ["ssh", "-tt", "gpu-node-1"] and "sglang.launch_server" in server.command[3]
+    assert server.url == f"http://10.0.0.5:{config.serving.port}" and server.log_dir == tmp_path / "logs"
+    assert server.gpu_query == ["ssh", "-tt", "gpu-node-1", shlex.join(GPU_QUERY)]
+    server.log("hello")
+    assert lines == [f"[candidate sglang endpoint http://10.0.0.5:{config.serving.port}, launcher ssh gpu-node-1] hello"]
+    srun = server_for(config_for(tmp_path, "serving.launcher=srun", "serving.srun_args=[-N1]"), "/t", None)
+    assert srun.command[:2] == ["srun", "-N1"] and "launcher srun" in srun.label
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+def test_a_server_that_never_serves_fails_at_the_deadline(tmp_path):
+    logs = []
+    server = python_server(tmp_path, "import time; print('loading', flush=True); time.sleep(60)", logs)
+    server.start()
+    pgid, start = server.process.pid, time.monotonic()
+    with pytest.raises(LaunchError, match="not healthy after 2 s") as err:
+        server.wait_healthy(2, interval_s=0.2)
+    assert 2 <= time.monotonic() - start < 15
+    assert "loading" in str(err.value) and server.process is None and not live_members(pgid)
+    assert all(line.startswith("[test endpoint, launcher local] ") for line in logs)
+
+
+def test_a_server_that_exits_at_start_fails_with_its_log_tail(tmp_path):
+    logs = []
+    code = "import sys\nfor i in range(100): print('line', i)\nprint('boom: bad flag'); sys.exit(3)"
+    server = python_server(tmp_path, code, logs)
+    server.start()
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        server.wait_healthy(60, interval_s=0.2)
+    message = str(err.value)
+    assert time.monotonic() - start < 10 and "exited with status 3" in message and "boom: bad flag" in message
+    assert "line 61" in message and "line 60\n" not in message  # the last 40 lines, no more
+
+
+def test_stop_kills_the_whole_group(tmp_path):
+    logs = []
+    server = Server(["sh", "-c", "sleep 300 & sleep 300"], "127.0.0.1", free_port(), tmp_path / "logs", logs.append,
+                    label="test endpoint, launcher local", grace_s=5)
+    with server:
+        pgid = server.process.pid
+        deadline = time.monotonic() + 10
+        while len(live_members(pgid)) < 3 and time.monotonic() < deadline:  # sh and two sleeps
+            time.sleep(0.05)
+        assert len(live_members(pgid)) == 3 and pgid != os.getpgid(0)
+    assert not live_members(pgid) and server.process is None
+    assert any("nvidia-smi not found" in line for line in logs) or any("GPU memory" in line for line in logs)
+    server.stop()  # a second stop is harmless
+
+
+def test_stop_kills_what_ignores_term(tmp_path):
+    logs = []
+    server = Server(["sh", "-c", "trap '' TERM; sleep 300 & sleep 300"], "127.0.0.1", free_port(), tmp_path, logs.append,
+                    gpu_query=None, grace_s=1)
+    server.start()
+    pgid = server.process.pid
+    time.sleep(0.3)
+    server.stop()
+    assert not live_members(pgid) and any("still alive 1 s after SIGTERM" in line for line in logs)
+
+
+def fake_nvidia_smi(tmp_path, readings: list[str]) -> Path:
+    """An nvidia-smi that answers the memory query with the next reading on each call (then the last)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for i, reading in enumerate(readings):
+        (bin_dir / f"reading{i}").write_text(reading)
+    script = bin_dir / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\nd={bin_dir}\nn=$(cat $d/calls 2>/dev/null || echo 0)\necho $((n+1)) > $d/calls\n"
+                      f"[ $n -ge {len(readings)} ] && n={len(readings) - 1}\ncat $d/reading$n\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def test_stop_waits_for_gpu_memory(tmp_path, monkeypatch):
+    bin_dir = fake_nvidia_smi(tmp_path, ["80000\n79000\n", "30000\n100\n", "500\n20\n"])
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(time, "sleep", lambda s, real=time.sleep: real(min(s, 0.05)))
+    logs = []
+    server = Server(["sleep", "300"], "127.0.0.1", free_port(), tmp_path / "logs", logs.append, label="e", gpu_free_mib=1024)
+    server.start()
+    server.stop()
+    assert (bin_dir / "calls").read_text().strip() == "3" and "[e] GPU memory used (MiB) [500, 20]: below 1024" in logs[-1]
+
+    (bin_dir / "calls").unlink()
+    stuck = Server(["sleep", "300"], "127.0.0.1", free_port(), tmp_path / "logs", logs.append, label="e",
+                   gpu_free_mib=10, gpu_free_timeout_s=0.2)
+    stuck.start()
+    with pytest.raises(LaunchError, match=r"GPU memory still in use .* \[500, 20\] MiB"):
+        stuck.stop()
+
+
+def test_no_nvidia_smi_is_skipped_and_said(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # sleep is found by its full path
+    logs = []
+    server = Server(["/bin/sleep", "300"], "127.0.0.1", free_port(), tmp_path / "logs", logs.append, label="e")
+    with server:
+        pass
+    assert logs[-1] == "[e] nvidia-smi not found here: not waiting for GPU memory"
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference server for the micro target, validated against the release it reports
+
+
+@pytest.fixture(scope="module")
+def micro_drafts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("launch-drafts")
+    good = write_draft(root / "good", layout="sglang", release=RELEASE, **MICRO_DRAFT)
+    absolute = root / "absolute"
+    absolute.mkdir()
+    for path in good.iterdir():
+        (absolute / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(absolute / "model.safetensors")
+    tensors["d2t"] = tensors["d2t"] + torch.arange(tensors["d2t"].numel())  # target ids instead of offsets
+    save_file(tensors, absolute / "model.safetensors", metadata={"format": "pt"})
+    return {"good": good, "absolute": absolute}
+
+
+def test_reference_server_becomes_healthy_and_reports_its_release(tmp_path, micro_target):
+    config = config_for(tmp_path)
+    logs = []
+    with server_for(config, micro_target, None, logs.append) as server:
+        assert server.wait_healthy(120, interval_s=0.2) == RELEASE
+        info = httpx.get(f"{server.url}/get_model_info", timeout=10).json()
+        assert info["model_path"] == str(micro_target) and info["draft_model_path"] is None
+        pgid = server.process.pid
+    assert not live_members(pgid)
+    label = f"[candidate reference endpoint http://127.0.0.1:{config.serving.port}, launcher local] "
+    assert logs and all(line.startswith(label) for line in logs)
+    assert any(f"reports version {RELEASE}" in line for line in logs)
+    assert any(p.name.startswith("server-") for p in (tmp_path / "logs").iterdir())
+
+
+def test_launch_and_validate_passes_a_good_draft(tmp_path, micro_target, micro_drafts):
+    config = config_for(tmp_path)
+    logs = []
+    server = launch_and_validate(config, micro_target, micro_drafts["good"], logs.append)
+    try:
+        assert server.release == RELEASE and server.process.poll() is None
+        info = httpx.get(f"{server.url}/get_model_info", timeout=10).json()
+        assert info["draft_model_path"] == str(micro_drafts["good"])
+        assert any(f"validated for SGLang {RELEASE}" in line for line in logs)
+    finally:
+        server.stop()
+
+
+def test_launch_and_validate_refuses_absolute_d2t_and_stops_the_server(tmp_path, micro_target, micro_drafts):
+    config = config_for(tmp_path)
+    logs = []
+    with pytest.raises(LaunchError) as err:
+        launch_and_validate(config, micro_target, micro_drafts["absolute"], logs.append)
+    assert "d2t-absolute" in str(err.value) and str(micro_drafts["absolute"]) in str(err.value)
+    pgid = int(next(line for line in logs if "stopping process group" in line).rsplit(" ", 1)[1])
+    assert not live_members(pgid)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{config.serving.port}/health", timeout=5)
+
+
+def test_launch_and_validate_refuses_a_missing_draft_before_launching(tmp_path, micro_target):
+    logs = []
+    with pytest.raises(LaunchError, match="no such directory; nothing was launched"):
+        launch_and_validate(config_for(tmp_path), micro_target, tmp_path / "nope", logs.append)
+    assert logs == []
