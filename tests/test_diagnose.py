@@ -1,0 +1,71 @@
+"""The train–serve diagnosis names the cause of a served accept length below the simulated one."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from drafts import write_draft
+from eagle3.bench.diagnose import diagnose
+from eagle3.data.conversation import chat_template_hash
+from eagle3.data.targets import load_tokenizer
+
+MICRO = dict(hidden_size=64, target_hidden_size=64, head_dim=16, vocab_size=512, draft_vocab_size=64)
+
+
+@pytest.fixture
+def setup(tmp_path, micro_target):
+    data = tmp_path / "data"
+    data.mkdir()
+    manifest = {"kind": "dataset", "target": {"family": "llama", "num_hidden_layers": 4, "hidden_size": 64},
+                "capture": {"aux_layers": [0, 1, 2]},
+                "chat_template_sha256": chat_template_hash(load_tokenizer(str(micro_target)))}
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.13", **MICRO)
+    return draft, micro_target, data
+
+
+def by_name(diagnosis):
+    return {check.name: check for check in diagnosis.checks}
+
+
+def test_a_good_draft_passes_every_check(setup):
+    draft, target, data = setup
+    result = diagnose(draft, "0.5.13", target, data, simulated=2.0, served=1.98, longest_request=300)
+    assert result.failed == [] and all(c.status == "passed" for c in result.checks)
+    assert "simulated 2.0, served 1.98" in result.render()
+
+
+def test_absolute_d2t_is_named(setup):
+    draft, target, data = setup
+    tensors = load_file(draft / "model.safetensors")
+    tensors["d2t"] = tensors["d2t"] + torch.arange(64)
+    save_file(tensors, draft / "model.safetensors")
+    result = diagnose(draft, "0.5.13", target, data, simulated=2.0, served=1.02, longest_request=300)
+    assert [c.name for c in result.failed] == ["d2t encoding (offsets)"]
+    assert "d2t-absolute" in by_name(result)["d2t encoding (offsets)"].evidence and result.gap == pytest.approx(0.49)
+
+
+def test_layers_0_names_under_0_5_11_are_named(setup):
+    draft, target, data = setup
+    tensors = {name.replace("midlayer.", "layers.0."): t for name, t in load_file(draft / "model.safetensors").items()}
+    save_file(tensors, draft / "model.safetensors")
+    result = diagnose(draft, "0.5.11", target, data, simulated=2.0, served=1.02, longest_request=300)
+    assert "tensors the release would skip" in [c.name for c in result.failed]
+    assert diagnose(draft, "0.5.12", target, data, simulated=2.0, served=2.0, longest_request=300).failed == []
+
+
+def test_other_template_and_short_context_are_named(setup):
+    draft, target, data = setup
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["chat_template_sha256"] = "0" * 64
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    result = diagnose(draft, "0.5.13", target, data, simulated=2.0, served=1.5, longest_request=100_000)
+    assert {c.name for c in result.failed} == {"chat template of data vs server", "max_position_embeddings vs prompt lengths"}
+
+
+def test_missing_inputs_are_unknown(setup):
+    draft, target, data = setup
+    result = diagnose(draft, None, target, data, simulated=None, served=1.5)
+    assert by_name(result)["max_position_embeddings vs prompt lengths"].status == "unknown"
