@@ -81,6 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
     simulate.set_defaults(handler=run_simulate)
 
+    bench = commands.add_parser("bench", help="serving benchmark: accept length, throughput, latency from a live server")
+    bench.add_argument("--url", required=True, help="the server under test (SGLang /generate protocol)")
+    bench.add_argument("--prompts", type=Path, help="JSONL of input_ids / text / messages (default with --config: held-out)")
+    bench.add_argument("--tokenizer", help="model directory whose chat template renders `messages` (default: target.path)")
+    bench.add_argument("--baseline-url", help="the same target without a draft: speedup and output identity")
+    bench.add_argument("--max-new-tokens", type=int, help="default: benchmark.max_new_tokens, or 128 without --config")
+    bench.add_argument("--concurrency", type=int, help="requests in flight (default: benchmark.concurrency)")
+    bench.add_argument("--out", type=Path, help="result JSON (default with --config: run.dir/bench/served.json)")
+    bench.add_argument("--config", type=Path, help="pipeline config: defaults and the held-out prompts")
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    bench.set_defaults(handler=run_bench)
+
     serve = commands.add_parser("serve", help="the reference server: SGLang's HTTP API with chain speculative decoding")
     serve.add_argument("--target", type=Path, required=True, help="target model directory (transformers)")
     serve.add_argument("--draft", type=Path, help="served draft checkpoint (sglang layout); none = plain greedy")
@@ -149,6 +161,37 @@ def run_simulate(args: argparse.Namespace) -> int:
     config = load_run_config(args)
     simulate(config, args.checkpoint or config.stage_dir("export") / "sglang")
     return EXIT_OK
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from eagle3.bench.client import DEFAULT_MAX_NEW_TOKENS, load_prompt_file, render_table, run_benchmark
+    from eagle3.config import BenchmarkSection
+    from eagle3.data.targets import load_tokenizer
+    from eagle3.fsutil import atomic_write_json
+
+    if args.config is None and (args.prompts is None or args.overrides):
+        raise ValueError("bench: give --prompts FILE, or --config (held-out prompts and defaults); --set needs --config")
+    config = load_run_config(args) if args.config is not None else None
+    settings = config.benchmark if config else BenchmarkSection(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, num_prompts=1)
+    tokenizer_path = args.tokenizer or (config.target.path if config else None)
+    tokenizer = load_tokenizer(str(tokenizer_path)) if tokenizer_path else None
+    thinking = config.data.thinking if config else False
+    if args.prompts is not None:
+        prompts = load_prompt_file(args.prompts, tokenizer, thinking)
+    else:
+        from eagle3.bench.simulate import heldout_prompt_ids
+
+        prompts = heldout_prompt_ids(config, tokenizer)
+    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is refused, not replaced)
+    result = run_benchmark(args.url, prompts, pick(args.max_new_tokens, settings.max_new_tokens),
+                           pick(args.concurrency, settings.concurrency), settings.request_timeout_s, settings.retries,
+                           baseline_url=args.baseline_url)
+    print("\n".join(render_table(result)))
+    out = args.out or (config.stage_dir("bench") / "served.json" if config else None)
+    if out is not None:
+        atomic_write_json(out, result)
+        print(f"bench: wrote {out}")
+    return EXIT_PROBLEMS if result["mismatches"] else EXIT_OK
 
 
 def run_inspect(args: argparse.Namespace) -> int:

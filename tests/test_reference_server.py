@@ -4,9 +4,6 @@ draft, counts equal to the simulator's, SGLang's meta_info keys, and drafts load
 import contextlib
 import json
 import shutil
-import socket
-import threading
-import time
 
 import httpx
 import pytest
@@ -18,6 +15,7 @@ from eagle3.cli import main
 from eagle3.data.targets import load_tokenizer
 from eagle3.formats.checkpoint import NativeDraft, save_native_draft
 from eagle3.model.weights import draft_as_served
+from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
 from fixtures_tiny import one_torch_thread
 from test_simulate import CONFIG, NEWLINE, lens_draft, micro, rewrite  # noqa: F401  (micro: the module fixture)
@@ -36,23 +34,10 @@ def one_thread():
 
 @contextlib.contextmanager
 def serving(*args, **kwargs):
-    """create_app(*args, **kwargs) under uvicorn on a free port, in a thread; yields an httpx client."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(*args, **kwargs), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.started, "uvicorn did not start"
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=120) as client:
+    """create_app(*args, **kwargs) served on a free port; yields an httpx client."""
+    with serve_in_thread(create_app(*args, **kwargs)) as (url, _):
+        with httpx.Client(base_url=url, timeout=120) as client:
             yield client
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 def generate(client, max_new_tokens=MAX_NEW, **body) -> dict:

@@ -1,0 +1,97 @@
+"""Serving benchmark on the tiny (or micro) target, CPU: a draft trained quickly by the pipeline itself
+(regenerate, capture, vocab, train, export to SGLang 0.5.13's layout), two reference servers in-process
+(no draft, and the draft), the benchmark client against both on the held-out prompts, and the offline
+simulator on the same prompts. Prints decode tokens/s with and without the draft, accept length and speedup.
+
+    python benchmarks/serve.py [--target tiny|micro] [--steps 120] [--prompts 16] [--max-new-tokens 64]
+                               [--concurrency 4] [--retrain]
+
+The trained run is kept in runs/bench-serve-<target>/ and reused (pass --retrain to train again). The
+reference server recomputes the whole sequence at every forward (no KV cache) and serves one request at a
+time, so the speedup measures this CPU setup, not what SGLang will do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from eagle3.bench.client import render_table, run_benchmark
+from eagle3.bench.simulate import heldout_prompt_ids, simulate
+from eagle3.config import load_config
+from eagle3.data.capture import capture
+from eagle3.data.regenerate import regenerate
+from eagle3.data.targets import load_tokenizer
+from eagle3.data.vocab import build_vocab
+from eagle3.engines.tiny import MICRO, TINY, build_tiny_target
+from eagle3.formats.checkpoint import convert
+from eagle3.serve.inprocess import serve_in_thread
+from eagle3.serve.reference import create_app
+from eagle3.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+RELEASE = "0.5.13"
+SIZES = {"tiny": ["target.hidden_size=128", "target.vocab_size=2048", "vocab.draft_vocab_size=1024"],
+         "micro": ["target.hidden_size=64", "target.vocab_size=512", "vocab.draft_vocab_size=128"]}
+
+
+def trained_draft(config, steps: int, log) -> Path:
+    """Export of a draft trained by the pipeline (run.dir/export/sglang), built once and then reused."""
+    exported = config.stage_dir("export") / "sglang"
+    if exported.is_dir():
+        log(f"reusing the trained draft at {exported} (--retrain to train again)")
+        return exported
+    for stage, function in (("regenerate", regenerate), ("capture", capture), ("vocab", build_vocab)):
+        start = time.perf_counter()
+        function(config, log=lambda line: None)
+        log(f"{stage}: {time.perf_counter() - start:.0f} s")
+    start = time.perf_counter()
+    Trainer(config, log=lambda line: None).run()
+    log(f"train: {steps} steps in {time.perf_counter() - start:.0f} s")
+    return convert(config.stage_dir("train") / "best", exported, to="sglang", engine_release=RELEASE)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=("tiny", "micro"), default="tiny")
+    parser.add_argument("--steps", type=int, default=120, help="training steps of the quick draft")
+    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts to benchmark")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--retrain", action="store_true", help="train the draft again")
+    args = parser.parse_args()
+    target = build_tiny_target(ROOT / "runs" / "targets" / args.target, MICRO if args.target == "micro" else TINY)
+    run_dir = ROOT / "runs" / f"bench-serve-{args.target}"
+    if args.retrain:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    overrides = [f"run.dir={run_dir}", f"target.path={target}", *SIZES[args.target], "data.num_samples=128",
+                 "data.max_new_tokens=64", "data.max_length=160", f"training.max_steps={args.steps}",
+                 "training.batch_size=8", "training.seq_len=160", "training.warmup_steps=10",
+                 f"training.eval_every={max(args.steps // 3, 1)}", "training.save_every=1000",
+                 f"benchmark.num_prompts={args.prompts}", f"benchmark.max_new_tokens={args.max_new_tokens}",
+                 f"serving.release={RELEASE}"]
+    config = load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides)
+    draft = trained_draft(config, args.steps, print)
+    prompts = heldout_prompt_ids(config, load_tokenizer(str(target)))
+    simulated = simulate(config, draft, log=lambda line: None, prompts=prompts)
+    steps = config.serving.num_steps
+    with serve_in_thread(create_app(target)) as (plain, _), \
+            serve_in_thread(create_app(target, draft, num_steps=steps, engine_release=RELEASE)) as (speculative, _):
+        result = run_benchmark(speculative, prompts, args.max_new_tokens, args.concurrency, timeout_s=600, retries=2,
+                               baseline_url=plain, log=lambda line: None)
+    print(f"{args.target} target, draft {draft}, {len(prompts)} held-out prompts, max_new_tokens "
+          f"{args.max_new_tokens}, {args.concurrency} concurrent, {steps} draft steps, torch threads {torch.get_num_threads()}")
+    print("\n".join(render_table(result)))
+    print(f"decode tokens/s without draft  {result['baseline']['output_tokens_per_s']:8.1f}")
+    print(f"decode tokens/s with draft     {result['output_tokens_per_s']:8.1f}")
+    print(f"accept length (served)         {result['accept_length']:8.3f}")
+    print(f"accept length (simulated)      {simulated.accept_length:8.3f}")
+    print(f"speedup (wall time ratio)      {result['speedup']:8.2f}x   outputs identical: {result['mismatches'] == 0}")
+
+
+if __name__ == "__main__":
+    main()

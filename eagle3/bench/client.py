@@ -1,0 +1,237 @@
+"""Serving benchmark: SGLang's `/generate` (greedy, token ids in) over a prompt set with bounded concurrency,
+counted exactly as DESIGN §3 and the simulator count, so served and simulated numbers compare.
+
+Every request is retried with backoff on connection errors, timeouts and 5xx; a request still failing after
+its retries (or a server that dies mid-run) raises BenchmarkError naming the lost prompt indices: there is
+never an average over fewer prompts than asked for. Result (JSON-ready dict):
+
+    url, server_version                  the server and its /server_info `version`
+    num_prompts, max_new_tokens, concurrency
+    draft_tokens_per_step                 accept-rate denominator per verify step: /server_info
+                                          speculative_num_draft_tokens - 1, else speculative_num_steps, else None
+    prompt_tokens, completion_tokens      Σ over prompts
+    verify_ct, correct_drafts             Σ spec_verify_ct, Σ spec_num_correct_drafts (None if not reported)
+    accept_length                         Σ completion_tokens / Σ verify_ct; None without a draft (no spec_* keys)
+    accept_rate                           Σ correct / (Σ verify_ct × draft_tokens_per_step), else Σ(spec_accept_rate
+                                          × verify_ct) / Σ verify_ct; None without a draft
+    histogram                             Σ spec_correct_drafts_histogram (pre-0.5.12: spec_accept_histogram) or None
+    wall_s, output_tokens_per_s           first request sent .. last answer; Σ completion_tokens / wall_s
+    latency_s                             {p50, p90, p99, mean, max}: end to end, client-measured, retries included
+    retried_requests                      requests that needed more than one attempt (each counted once)
+    prompts                               [{index, prompt_tokens, completion_tokens, verify_ct, accept_length,
+                                            latency_s, attempts}] in prompt order
+    baseline                              None, or {url, server_version, wall_s, output_tokens_per_s, latency_s,
+                                            completion_tokens} of the same prompts on the no-draft server
+    speedup                               baseline wall_s / wall_s (None without a baseline)
+    mismatches, mismatched_prompts        prompts whose outputs differ from the baseline's (None without one)
+
+Prompt files (`load_prompt_file`): JSONL, one object per line, any of
+    {"input_ids": [1, 2, ...]}            sent as is
+    {"text": "..."}                       sent as `text` (the server tokenizes it)
+    {"messages": [{"role", "content"}]}   OpenAI chat, rendered with the tokenizer's chat template (needs one)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from itertools import zip_longest
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import numpy as np
+
+from eagle3.data.conversation import prompt_ids
+from eagle3.errors import Eagle3Error, UnreadableInput
+from eagle3.progress import Progress
+
+Log = Callable[[str], None]
+Prompt = list[int] | str
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+class BenchmarkError(Eagle3Error):
+    """Requests lost after their retries: the benchmark reports nothing rather than a smaller average."""
+
+    def __init__(self, message: str, lost: list[int] = ()):
+        super().__init__(message)
+        self.lost = list(lost)
+
+
+def load_prompt_file(path: Path, tokenizer=None, thinking: bool = False) -> list[Prompt]:
+    prompts = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UnreadableInput(f"{path}:{number}: not JSON ({err.msg})") from None
+        record = record if isinstance(record, dict) else {}
+        ids, text, messages = record.get("input_ids"), record.get("text"), record.get("messages")
+        if isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids):
+            prompts.append(ids)
+        elif isinstance(text, str) and text:
+            prompts.append(text)
+        elif isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages):
+            if tokenizer is None:
+                raise UnreadableInput(f"{path}:{number}: `messages` need a tokenizer for the chat template (--tokenizer)")
+            prompts.append(prompt_ids(tokenizer, messages, thinking))
+        else:
+            raise UnreadableInput(f"{path}:{number}: give `input_ids` (non-empty list of ids), `text` or `messages`")
+    if not prompts:
+        raise UnreadableInput(f"{path}: holds no prompt")
+    return prompts
+
+
+async def call(client: httpx.AsyncClient, url: str, body: dict | None, retries: int, backoff_s: float) -> tuple[dict, int]:
+    """GET (body None) or POST one endpoint -> (JSON answer, attempts); retries transport errors and 5xx."""
+    failures = []
+    for attempt in range(retries + 1):
+        try:
+            response = await (client.get(url) if body is None else client.post(url, json=body))
+        except httpx.TransportError as err:  # refused, dropped, timed out
+            failures.append(type(err).__name__)
+        else:
+            if response.status_code == 200:
+                return response.json(), attempt + 1
+            if response.status_code < 500:
+                raise BenchmarkError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
+            failures.append(f"HTTP {response.status_code}")
+        if attempt < retries:
+            await asyncio.sleep(backoff_s * 2**attempt * (0.5 + random.random()))
+    raise BenchmarkError(f"{url}: failed {len(failures)} times ({', '.join(failures[-3:])})")
+
+
+async def run_server(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, timeout_s: float,
+                     retries: int, backoff_s: float, log: Log) -> tuple[dict, list, float]:
+    """(/server_info, per prompt (answer, latency_s, attempts) or the exception, wall_s)."""
+    limit, progress = asyncio.Semaphore(concurrency), Progress(f"bench {url}", total=len(prompts), unit="requests", log=log)
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0}
+    limits = httpx.Limits(max_connections=max(concurrency, 10))
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        info, _ = await call(client, f"{url}/server_info", None, retries, backoff_s)
+
+        async def one(prompt: Prompt):
+            async with limit:
+                body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "sampling_params": sampling}
+                start = time.perf_counter()
+                answer, attempts = await call(client, f"{url}/generate", body, retries, backoff_s)
+                if not isinstance((answer.get("meta_info") or {}).get("completion_tokens"), int):
+                    raise BenchmarkError(f"{url}/generate: answer without meta_info.completion_tokens")
+                progress.advance(1, tokens=answer["meta_info"]["completion_tokens"])
+                return answer, time.perf_counter() - start, attempts
+
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
+        return info, outcomes, time.perf_counter() - start
+
+
+def ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans = []
+    for i in indices:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def measure(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, timeout_s: float, retries: int,
+            backoff_s: float, log: Log) -> tuple[dict, list, float]:
+    url = url.rstrip("/")
+    log(f"bench: {len(prompts)} prompts on {url} ({concurrency} concurrent, max_new_tokens {max_new_tokens})")
+    info, outcomes, wall = asyncio.run(run_server(url, prompts, max_new_tokens, concurrency, timeout_s, retries, backoff_s, log))
+    lost = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, BaseException)]
+    if lost:
+        last = outcomes[lost[-1]]
+        reason = str(last) if isinstance(last, BenchmarkError) else f"{type(last).__name__}: {last}"
+        raise BenchmarkError(f"{url}: {len(lost)} of {len(prompts)} requests lost after {retries} retries: prompt "
+                             f"indices [{ranges(lost)}] (last: {reason}); no partial result is reported", lost)
+    return info, outcomes, wall
+
+
+def latency(values: list[float]) -> dict:
+    p50, p90, p99 = np.percentile(values, [50, 90, 99]).tolist()
+    return {"p50": p50, "p90": p90, "p99": p99, "mean": float(np.mean(values)), "max": max(values)}
+
+
+def summarize(url: str, info: dict, outcomes: list, wall: float) -> dict:
+    metas = [answer["meta_info"] for answer, _, _ in outcomes]
+    spec = [m for m in metas if m.get("spec_verify_ct")]
+    completion, verify = sum(m["completion_tokens"] for m in metas), sum(m["spec_verify_ct"] for m in spec)
+    draft_tokens = info.get("speculative_num_draft_tokens")
+    per_step = draft_tokens - 1 if isinstance(draft_tokens, int) and draft_tokens > 1 else info.get("speculative_num_steps")
+    correct = sum(m["spec_num_correct_drafts"] for m in spec) if all("spec_num_correct_drafts" in m for m in spec) else None
+    if not verify:
+        rate = None
+    elif correct is not None and per_step:
+        rate = correct / (verify * per_step)
+    else:
+        rate = sum(m.get("spec_accept_rate", 0.0) * m["spec_verify_ct"] for m in spec) / verify
+    hists = [m.get("spec_correct_drafts_histogram", m.get("spec_accept_histogram")) for m in spec]
+    hists = [h for h in hists if h is not None]
+    rows = [{"index": i, "prompt_tokens": m.get("prompt_tokens"), "completion_tokens": m["completion_tokens"],
+             "verify_ct": m.get("spec_verify_ct", 0), "latency_s": lat, "attempts": attempts,
+             "accept_length": m["completion_tokens"] / m["spec_verify_ct"] if m.get("spec_verify_ct") else None}
+            for i, (m, (_, lat, attempts)) in enumerate(zip(metas, outcomes))]
+    return {
+        "url": url, "server_version": info.get("version"), "num_prompts": len(rows), "draft_tokens_per_step": per_step,
+        "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in rows), "completion_tokens": completion,
+        "verify_ct": verify, "correct_drafts": correct if verify else None,
+        "accept_length": completion / verify if verify else None, "accept_rate": rate,
+        "histogram": [sum(c) for c in zip_longest(*hists, fillvalue=0)] if hists else None,
+        "wall_s": wall, "output_tokens_per_s": completion / wall, "latency_s": latency([r["latency_s"] for r in rows]),
+        "retried_requests": sum(r["attempts"] > 1 for r in rows), "prompts": rows,
+    }
+
+
+def run_benchmark(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, timeout_s: float,
+                  retries: int, baseline_url: str | None = None, log: Log = print, backoff_s: float = 0.5) -> dict:
+    if not prompts or min(max_new_tokens, concurrency) < 1 or retries < 0 or timeout_s <= 0:
+        raise ValueError(f"bench: needs prompts ({len(prompts)}), max_new_tokens ({max_new_tokens}) and concurrency "
+                         f"({concurrency}) >= 1, retries ({retries}) >= 0 and timeout_s ({timeout_s}) > 0")
+    args = (max_new_tokens, concurrency, timeout_s, retries, backoff_s, log)
+    info, outcomes, wall = measure(url, prompts, *args)
+    result = {**summarize(url.rstrip("/"), info, outcomes, wall), "max_new_tokens": max_new_tokens,
+              "concurrency": concurrency, "baseline": None, "speedup": None, "mismatches": None, "mismatched_prompts": None}
+    if baseline_url:
+        base_info, base_outcomes, base_wall = measure(baseline_url, prompts, *args)
+        base = summarize(baseline_url.rstrip("/"), base_info, base_outcomes, base_wall)
+        if base["verify_ct"]:
+            log(f"bench: WARNING: baseline {baseline_url} reports spec_* keys: it serves a draft too")
+        mismatched = [i for i, (a, b) in enumerate(zip(outcomes, base_outcomes))
+                      if a[0].get("output_ids", a[0].get("text")) != b[0].get("output_ids", b[0].get("text"))]
+        keys = ("url", "server_version", "wall_s", "output_tokens_per_s", "latency_s", "completion_tokens")
+        result.update(baseline={k: base[k] for k in keys}, speedup=base_wall / wall,
+                      mismatches=len(mismatched), mismatched_prompts=mismatched)
+    return result
+
+
+def render_table(result: dict) -> list[str]:
+    lines = [f"served: {result['url']} (version {result['server_version']}), {result['num_prompts']} prompts, "
+             f"{result['concurrency']} concurrent, max_new_tokens {result['max_new_tokens']}"]
+    if result["accept_length"] is None:
+        lines.append("  accept length  none: the server reports no verify step (no draft loaded)")
+    else:
+        lines.append(f"  accept length  {result['accept_length']:.3f}  ({result['completion_tokens']} completion tokens / "
+                     f"{result['verify_ct']} verify steps)")
+        if result["accept_rate"] is not None:
+            lines.append(f"  accept rate    {result['accept_rate']:.3f}  (correct drafts / (verify steps x "
+                         f"{result['draft_tokens_per_step']}))")
+        if result["histogram"] is not None:
+            lines.append(f"  histogram      {' '.join(f'{a}:{n}' for a, n in enumerate(result['histogram']))}")
+    lat = result["latency_s"]
+    lines.append(f"  throughput     {result['output_tokens_per_s']:.1f} output tokens/s ({result['completion_tokens']} "
+                 f"tokens in {result['wall_s']:.2f} s, {result['retried_requests']} requests retried)")
+    lines.append(f"  latency        p50 {lat['p50']:.3f} s  p90 {lat['p90']:.3f} s  p99 {lat['p99']:.3f} s")
+    if result["baseline"] is not None:
+        base = result["baseline"]
+        same = "identical" if not result["mismatches"] else f"DIFFER for prompts [{ranges(result['mismatched_prompts'])}]"
+        lines.append(f"  baseline       {base['output_tokens_per_s']:.1f} output tokens/s in {base['wall_s']:.2f} s "
+                     f"({base['url']}); speedup {result['speedup']:.2f}x; outputs {same}")
+    return lines
