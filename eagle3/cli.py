@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
     simulate.set_defaults(handler=run_simulate)
 
+    diagnose = add_config_arguments(
+        commands.add_parser("diagnose", help="why served acceptance falls short of the simulated one: a checklist")
+    )
+    diagnose.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
+    diagnose.add_argument("--engine-version", help="the live release (default: serving.release)")
+    diagnose.set_defaults(handler=run_diagnose)
+
     bench = commands.add_parser("bench", help="serving benchmark: accept length, throughput, latency from a live server")
     bench.add_argument("--url", required=True, help="the server under test (SGLang /generate protocol)")
     bench.add_argument("--prompts", type=Path, help="JSONL of input_ids / text / messages (default with --config: held-out)")
@@ -161,6 +168,30 @@ def run_simulate(args: argparse.Namespace) -> int:
     config = load_run_config(args)
     simulate(config, args.checkpoint or config.stage_dir("export") / "sglang")
     return EXIT_OK
+
+
+def run_diagnose(args: argparse.Namespace) -> int:
+    """Reads run.dir/bench/simulated.json and served.json (written by `simulate` and `bench`)."""
+    from eagle3.bench.diagnose import diagnose
+    from eagle3.data.capture import HIDDEN_DIR
+    from eagle3.fsutil import read_json
+
+    config = load_run_config(args)
+    bench = config.stage_dir("bench")
+    simulated = read_json(bench / "simulated.json", "missing: run `eagle3 simulate` first")
+    served = read_json(bench / "served.json", "missing: run `eagle3 bench --config …` first")
+    longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])), default=None)
+    result = diagnose(
+        args.checkpoint or config.stage_dir("export") / "sglang",
+        args.engine_version or config.serving.release,
+        Path(config.target.path),
+        config.stage_dir("data") / HIDDEN_DIR,
+        simulated.get("accept_length"),
+        served.get("accept_length"),
+        longest,
+    )
+    print(result.render())
+    return EXIT_PROBLEMS if result.failed else EXIT_OK
 
 
 def run_bench(args: argparse.Namespace) -> int:

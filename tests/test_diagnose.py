@@ -69,3 +69,27 @@ def test_missing_inputs_are_unknown(setup):
     draft, target, data = setup
     result = diagnose(draft, None, target, data, simulated=None, served=1.5)
     assert by_name(result)["max_position_embeddings vs prompt lengths"].status == "unknown"
+
+
+def test_cli_reads_the_bench_results_and_exits_1_on_a_failed_check(setup, tmp_path, capsys):
+    from eagle3.cli import main
+    from test_config import TINY
+
+    draft, target, data = setup
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "hidden").symlink_to(data)
+    (run / "export").mkdir()
+    (run / "export" / "sglang").symlink_to(draft)
+    (run / "bench").mkdir()
+    (run / "bench" / "simulated.json").write_text(json.dumps({"accept_length": 2.0}))
+    (run / "bench" / "served.json").write_text(json.dumps(
+        {"accept_length": 1.9, "prompts": [{"prompt_tokens": 20, "completion_tokens": 64}]}))
+    sets = [f"run.dir={run}", f"target.path={target}", "target.hidden_size=64", "target.vocab_size=512",
+            "vocab.draft_vocab_size=64", "serving.release=0.5.13"]
+    args = ["diagnose", "--config", str(TINY), *[f"--set={s}" for s in sets]]
+    assert main(args) == 0 and "[passed ] d2t encoding (offsets)" in capsys.readouterr().out
+    tensors = load_file(draft / "model.safetensors")
+    tensors["d2t"] = tensors["d2t"] + torch.arange(64)
+    save_file(tensors, draft / "model.safetensors")
+    assert main(args) == 1 and "[failed ] d2t encoding (offsets)" in capsys.readouterr().out
