@@ -1,0 +1,1 @@
+"""Draft registry, promotion gate and rollback."""

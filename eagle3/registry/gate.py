@@ -1,0 +1,77 @@
+"""The promotion gate: a pure function of the candidate's metrics, production's (if any) and the gate
+config. A candidate is promoted only when every rule passes; each failed rule is a named reason.
+
+Rules (DESIGN §3, "Promotion and rollback"), all applying to a first deployment except the comparison
+with production:
+- near-baseline: the acceptance rate is below `gate.min_accept_rate`;
+- regression: the accept length is below production's x (1 - production_tolerance);
+- train-serve mismatch: simulated and served accept lengths differ by more than sim_serve_tolerance
+  (the diagnosis, when given, is attached to the decision);
+- lost requests: the benchmark lost any request, so its numbers cannot be trusted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from eagle3.config import GateSection
+
+
+@dataclass(frozen=True)
+class Metrics:
+    accept_length: float | None  # served: Σ completion / Σ verify steps; None without a draft
+    accept_rate: float | None
+    simulated_accept_length: float | None = None
+    lost_requests: int = 0
+
+
+@dataclass(frozen=True)
+class Reason:
+    rule: str
+    message: str
+
+
+@dataclass
+class Decision:
+    promote: bool
+    reasons: list[Reason] = field(default_factory=list)  # why not, when rejected
+    diagnosis: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        if self.promote:
+            return "promote: every gate rule passed"
+        return "reject: " + "; ".join(f"{r.rule}: {r.message}" for r in self.reasons)
+
+
+def decide(candidate: Metrics, production: Metrics | None, gate: GateSection, diagnosis: dict | None = None) -> Decision:
+    reasons = []
+    if candidate.lost_requests:
+        reasons.append(Reason("lost-requests", f"the benchmark lost {candidate.lost_requests} request(s)"))
+    if candidate.accept_length is None or candidate.accept_rate is None:
+        reasons.append(Reason("no-speculation", "the served run reported no speculative decoding (no spec_* metrics)"))
+    elif candidate.accept_rate < gate.min_accept_rate:
+        reasons.append(Reason(
+            "near-baseline",
+            f"acceptance rate {candidate.accept_rate:.3f} is below the floor {gate.min_accept_rate:.3f} "
+            f"(accept length {candidate.accept_length:.3f})",
+        ))
+    if production is not None and production.accept_length and candidate.accept_length is not None:
+        floor = production.accept_length * (1 - gate.production_tolerance)
+        if candidate.accept_length < floor:
+            reasons.append(Reason(
+                "regression",
+                f"accept length {candidate.accept_length:.3f} is below production's {production.accept_length:.3f} "
+                f"x (1 - {gate.production_tolerance}) = {floor:.3f}",
+            ))
+    simulated, served = candidate.simulated_accept_length, candidate.accept_length
+    if simulated and served is not None and abs(served - simulated) / simulated > gate.sim_serve_tolerance:
+        reasons.append(Reason(
+            "train-serve-mismatch",
+            f"served accept length {served:.3f} differs from the simulated {simulated:.3f} by more than "
+            f"{gate.sim_serve_tolerance:.0%}: see the diagnosis",
+        ))
+    mismatch = any(r.rule == "train-serve-mismatch" for r in reasons)
+    return Decision(promote=not reasons, reasons=reasons, diagnosis=diagnosis if mismatch else None)
