@@ -20,8 +20,10 @@ def answer_for(input_ids: list[int], length: int = 6) -> list[int]:
 
 
 class FakeSGLang:
-    def __init__(self, version: str = "0.5.23"):
+    def __init__(self, version: str = "0.5.23", spec_meta: dict | None = None):
         self.version = version
+        self.spec_meta = spec_meta or {}  # spec_* keys added to every answer's meta_info
+        self.bodies: list[dict] = []  # every /generate request body, in arrival order
         self.faults: list[str] = []  # consumed one per /generate request: "500", "drop", "slow", "ok"
         self.fail_after: int | None = None  # answer this many requests, then 500 forever
         self.slow_s = 2.0
@@ -70,6 +72,8 @@ class FakeSGLang:
 
             def do_POST(self):
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.bodies.append(request)
                 fault = fake._next_fault()
                 if fault == "drop":
                     self.close_connection = True
@@ -87,7 +91,8 @@ class FakeSGLang:
                 output = answer_for(ids, request["sampling_params"]["max_new_tokens"])
                 with fake.lock:
                     fake.answered.append(tuple(ids))
-                meta = {"finish_reason": {"type": "stop"}, "prompt_tokens": len(ids), "completion_tokens": len(output)}
+                meta = {"finish_reason": {"type": "stop"}, "prompt_tokens": len(ids), "completion_tokens": len(output),
+                        **fake.spec_meta}
                 self._send(200, {"text": "", "output_ids": output, "meta_info": meta})
 
         return Handler

@@ -2,17 +2,15 @@
 accept length equal to the simulator's, SGLang's histogram, no-draft servers, baseline identity and speedup,
 lost requests named (never a smaller average), retries counted once, and `eagle3 bench` end to end."""
 
-import contextlib
 import itertools
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from eagle3.serve.inprocess import serve_in_thread
+from fake_sglang import FakeSGLang
 from eagle3.bench.client import BenchmarkError, load_prompt_file, render_table, run_benchmark
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.cli import main
@@ -125,47 +123,13 @@ def test_a_server_that_dies_mid_run_names_the_lost_prompts(micro):
     assert f"{len(lost)} of {len(prompts)} requests lost" in str(caught.value)
 
 
-@contextlib.contextmanager
-def stand_in(statuses):
-    """A tiny http.server speaking /server_info and /generate; statuses: the HTTP status of each POST in turn."""
-    posts = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def reply(self, status, body):
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self.reply(200, {"version": "0.5.11"})  # no speculative_num_steps: the weighted per-request rate
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            posts.append(body)
-            status = next(statuses, 200)
-            meta = {"prompt_tokens": len(body["input_ids"]), "completion_tokens": 5, "spec_verify_ct": 2,
-                    "spec_num_correct_drafts": 2, "spec_accept_rate": 1 / 3, "spec_accept_histogram": [1, 0, 1, 0]}
-            self.reply(status, {"output_ids": [7] * 5, "meta_info": meta} if status == 200 else {"error": "boom"})
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", posts
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 def test_a_500_then_ok_is_retried_and_counted_once():
-    with stand_in(iter([500])) as (url, posts):
-        result = run_benchmark(url, [[1, 2, 3], [4, 5]], 5, 1, **FAST)
+    # A pre-0.5.12 server (histogram under its old name) without speculative_num_steps in /server_info.
+    spec = {"spec_verify_ct": 2, "spec_num_correct_drafts": 2, "spec_accept_rate": 1 / 3, "spec_accept_histogram": [1, 0, 1, 0]}
+    with FakeSGLang(version="0.5.11", spec_meta=spec) as server:
+        server.faults = ["500"]
+        result = run_benchmark(server.url, [[1, 2, 3], [4, 5]], 5, 1, **FAST)
+    posts = server.bodies
     assert len(posts) == 3 and result["num_prompts"] == 2 and result["retried_requests"] == 1
     assert [p["attempts"] for p in result["prompts"]] == [2, 1]
     assert result["completion_tokens"] == 10 and result["verify_ct"] == 4 and result["accept_length"] == 2.5
@@ -175,10 +139,11 @@ def test_a_500_then_ok_is_retried_and_counted_once():
 
 
 def test_a_request_failing_all_its_retries_is_named():
-    with stand_in(iter([200, 500, 500, 500])) as (url, posts):
+    with FakeSGLang(spec_meta={"spec_verify_ct": 2, "spec_num_correct_drafts": 2}) as server:
+        server.faults = ["ok", "500", "500", "500"]
         with pytest.raises(BenchmarkError, match=r"1 of 2 requests lost after 2 retries: prompt indices \[1\]"):
-            run_benchmark(url, [[1], [2]], 5, 1, **FAST)
-    assert len(posts) == 4
+            run_benchmark(server.url, [[1], [2]], 5, 1, **FAST)
+    assert len(server.bodies) == 4
 
 
 def test_prompt_file_formats(micro, tmp_path):
