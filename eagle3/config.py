@@ -121,10 +121,72 @@ class TrainingSection(Section):
     save_every: int = Field(default=100, gt=0)
     keep_last: int = Field(default=2, ge=1)
     seed: int = 0
+    launcher: Literal["local", "ssh", "srun"] = Field(
+        default="local", description="how training starts: here, one ssh per host in training.hosts, or one srun step")
+    hosts: list[str] = Field(default=[], description="launcher ssh: one host per node, each starting one torchrun")
+    rdzv_endpoint: str | None = Field(
+        default=None,
+        description="several nodes: host:port of the c10d rendezvous, reachable from every node (e.g. the first host)")
+    srun_args: list[str] = Field(
+        default=[], description="launcher srun: arguments before the command, e.g. [--gres=gpu:8]; the launcher sets "
+        "--nodes and --ntasks-per-node itself (one torchrun per node)")
+    python: str = Field(default="python", description="the python on the nodes for launchers ssh and srun")
+    stop_grace_s: float = Field(
+        default=20.0, gt=0.0, description="after SIGTERM the trainer finishes its step and saves a checkpoint; what is "
+        "still alive after this is killed (keep it under Prefect's 30 s between a cancel's SIGTERM and SIGKILL)")
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _host_and_port(cls, value: str | None) -> str | None:
+        host, _, port = (value or "").rpartition(":")
+        if value is not None and not (host and port.isdigit()):
+            raise ValueError(f"'{value}' is not host:port; write it like node-1:29500")
+        return value
+
+    @model_validator(mode="after")
+    def _launcher_reaches_every_node(self) -> TrainingSection:
+        if self.nnodes > 1 and self.launcher == "local":
+            raise ValueError(f"training.nnodes {self.nnodes} needs training.launcher ssh (with one training.hosts "
+                             "entry per node) or srun; local starts one node")
+        if self.launcher == "ssh" and len(self.hosts) != self.nnodes:
+            raise ValueError(f"training.launcher ssh needs one training.hosts entry per node: {len(self.hosts)} "
+                             f"hosts for training.nnodes {self.nnodes}")
+        if self.launcher != "ssh" and self.hosts:
+            raise ValueError(f"training.hosts is for training.launcher ssh, not {self.launcher}; remove it")
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError(f"training.nnodes {self.nnodes} needs training.rdzv_endpoint host:port, the rendezvous "
+                             "every node's torchrun joins (e.g. the first node, port 29500)")
+        counts = sorted({option_name(a) for a in self.srun_args} & SRUN_COUNT_OPTIONS)
+        if counts:
+            raise ValueError(f"training.srun_args sets {', '.join(counts)}; the launcher sets the node and task "
+                             "counts from training.nnodes (one torchrun per node): remove them")
+        return self
+
+
+SRUN_COUNT_OPTIONS = {"-N", "--nodes", "-n", "--ntasks", "--ntasks-per-node"}
+
+
+def option_name(arg: str) -> str:
+    """The option an argument sets: `--nodes=2` -> --nodes, `-N2` -> -N (a short option's value may be attached)."""
+    if arg.startswith("-") and not arg.startswith("--"):
+        return arg[:2]
+    return arg.split("=", 1)[0]
 
 
 class ExportSection(Section):
     layouts: list[Literal["sglang", "speculators"]] = Field(default=["sglang"], min_length=1)
+    waive: list[str] = Field(
+        default=[], description="validation problem codes accepted on purpose (e.g. a false positive); each is "
+        "logged and recorded in the export's validation.json")
+    fault: Literal["absolute-d2t"] | None = Field(
+        default=None, description="demo and tests only: write the served export's d2t as absolute ids (the bug "
+        "the pipeline exists to catch), to exercise the gate; the validator refuses it unless its codes are waived")
+
+    @model_validator(mode="after")
+    def _sglang_first(self) -> ExportSection:
+        if "sglang" not in self.layouts:
+            raise ValueError(f"export.layouts {self.layouts} must include sglang: it is the layout that is served")
+        return self
 
 
 class ServingSection(Section):
@@ -175,6 +237,8 @@ class BenchmarkSection(Section):
     concurrency: int = Field(default=4, ge=1)
     request_timeout_s: float = Field(default=600.0, gt=0.0)
     retries: int = Field(default=2, ge=0)
+    baseline: bool = Field(default=True, description="also measure the target without a draft (speedup); on the GPU "
+                           "node that is one more server start")
 
 
 class GateSection(Section):
@@ -199,6 +263,20 @@ class RegistrySection(Section):
         return self
 
 
+class ProductionSection(Section):
+    """The production endpoint (DESIGN §4): `managed` - the pipeline restarts it with the promoted draft (or, on
+    rollback, the previous one) and re-measures it; `external` - the pipeline moves the registry pointer and
+    reports, someone else restarts the server."""
+
+    mode: Literal["managed", "external"] = "managed"
+    host: str = "127.0.0.1"
+    port: int = Field(default=30001, gt=0, lt=65536)
+    keep_serving: bool = Field(
+        default=True, description="leave the managed production server running after the run (false: stop it "
+        "once re-measured, as the CPU demo does)")
+    state_dir: Path = Field(default=Path("runs/production"), description="managed: the server's pid file and logs")
+
+
 class PipelineConfig(Section):
     run: RunSection
     target: TargetSection
@@ -211,6 +289,7 @@ class PipelineConfig(Section):
     benchmark: BenchmarkSection
     gate: GateSection = GateSection()
     registry: RegistrySection
+    production: ProductionSection = ProductionSection()
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineConfig:

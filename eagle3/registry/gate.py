@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from eagle3.config import GateSection
+from eagle3.errors import Eagle3Error
 
 
 @dataclass(frozen=True)
@@ -75,3 +76,11 @@ def decide(candidate: Metrics, production: Metrics | None, gate: GateSection, di
         ))
     mismatch = any(r.rule == "train-serve-mismatch" for r in reasons)
     return Decision(promote=not reasons, reasons=reasons, diagnosis=diagnosis if mismatch else None)
+
+
+class GateRejected(Eagle3Error):
+    """The candidate failed the gate (or production failed its check after a promotion): roll back."""
+
+    def __init__(self, decision: Decision):
+        super().__init__(decision.summary())
+        self.decision = decision

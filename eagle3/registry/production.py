@@ -1,0 +1,109 @@
+"""The production endpoint (DESIGN §4), `managed` or `external`; every log line says which one is in effect.
+
+managed:  the pipeline owns the production server. It stops it before the candidate needs the node, and then
+          serves a registry version again - the promoted one, or on rejection / rollback the previous one - and
+          re-measures it with the same benchmark as the candidate. The server outlives the run (its process
+          group is recorded in state_dir/server.json) unless production.keep_serving is false.
+external: someone else runs production. The pipeline only moves the registry pointer and says what to restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from eagle3.config import PipelineConfig
+from eagle3.deploy import benchmark_heldout, measure_server
+from eagle3.fsutil import atomic_write_json, read_json
+from eagle3.procs import ProcessTree, group_alive
+
+Log = Callable[[str], None]
+STATE_FILE = "server.json"
+
+
+class Production:
+    def __init__(self, config: PipelineConfig, registry, log: Log = print):
+        p = config.production
+        self.config, self.registry, self.mode = config, registry, p.mode
+        self.url = f"http://{p.host}:{p.port}"
+        self.state = Path(p.state_dir) / STATE_FILE
+        # the production server is the serving section's engine and launcher on the production endpoint
+        self.serving_config = config.model_copy(
+            update={"serving": config.serving.model_copy(update={"host": p.host, "port": p.port})})
+        self._log = log
+
+    def log(self, message: str) -> None:
+        self._log(f"[production {self.mode} {self.url}] {message}")
+
+    def release_node(self) -> None:
+        """managed: stop the production server so the candidate can have the node's GPUs."""
+        if self.mode == "external":
+            self.log("external: left alone (it runs elsewhere)")
+            return
+        recorded = self.recorded()
+        if recorded is None:
+            self.log("no managed production server is running")
+            return
+        self.log(f"stopping production (version {recorded['version']}, process group {recorded['pgid']}) for the candidate")
+        ProcessTree.of_group(recorded["pgid"]).stop(grace_s=30.0, log=self.log)
+        self.state.unlink()
+
+    def serve(self, version: str | None, why: str) -> dict | None:
+        """Serve `version` on the production endpoint and re-measure it; return the served result (None if external
+        or there is no version)."""
+        if self.mode == "external":
+            self.log(f"external: registry production is {version} ({why}); restart the production server with "
+                     f"that version's sglang export - the pipeline does not restart it")
+            return None
+        if version is None:
+            self.log(f"no production version in the registry ({why}): nothing to serve")
+            return None
+        self.release_node()
+        draft = self.registry.fetch(version, "sglang", Path(self.config.production.state_dir) / "drafts" / version)
+        self.log(f"serving version {version} ({why}) from {draft}")
+        keep = self.config.production.keep_serving
+        result = measure_server(self.serving_config, draft, self.log, role=f"production {version}",
+                                keep_running=keep)
+        if keep:
+            atomic_write_json(self.state, {"version": version, "pgid": result.pop("pgid"), "url": self.url,
+                                           "started": time.time()})
+        else:
+            self.log("stopped after the re-measure: production.keep_serving is false")
+        return result
+
+    def remeasure(self, version: str | None) -> dict | None:
+        """Measure production as it is meant to serve: managed - served again from the registry; external - where
+        it runs."""
+        if self.mode == "managed":
+            return self.serve(version, "re-measure")
+        self.log(f"external: measuring it where it serves (registry production is {version})")
+        return benchmark_heldout(self.serving_config, self.url, self._log)
+
+    def recorded(self) -> dict | None:
+        if not self.state.is_file():
+            return None
+        recorded = read_json(self.state, "")
+        if not group_alive(recorded["pgid"]):
+            self.log(f"the recorded server (process group {recorded['pgid']}) is no longer running")
+            self.state.unlink()
+            return None
+        return recorded
+
+    def check(self, version: str | None, measured: dict | None, tolerance: float) -> str | None:
+        """A loud warning when production no longer reaches its recorded accept length; None when it does."""
+        if version is None or measured is None:
+            return None
+        recorded = (self.registry.manifest(version).get("metrics") or {}).get("served", {}).get("accept_length")
+        now = measured.get("accept_length")
+        if recorded is None:
+            return None
+        if now is None or now < recorded * (1 - tolerance):
+            warning = (f"PRODUCTION SHORTFALL: version {version} now measures accept length {now} against its "
+                       f"recorded {recorded:.3f} (tolerance {tolerance:.0%}): the target, the server or the prompts "
+                       "changed since it was promoted; investigate before the next promotion")
+            self.log(warning)
+            return warning
+        self.log(f"version {version} measures accept length {now:.3f}, recorded {recorded:.3f}: as promoted")
+        return None
+
