@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install test demo clean
+.PHONY: install test demo demo-rollback clean
 
 install: $(VENV)/.installed
 
@@ -21,11 +21,18 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(PY) -m pytest -q
 
+# The whole pipeline on the CPU: tiny target, data, vocab, training, export, simulation, servers, gate, registry.
 demo: install
-	$(VENV)/bin/eagle3 config configs/tiny-cpu.yaml > /dev/null
-	@echo "configs/tiny-cpu.yaml is valid."
-	@echo "make demo: the end-to-end pipeline (data -> train -> serve -> gate) is not available yet;"
-	@echo "today the format tools are: eagle3 inspect | convert | validate (see README.md)."
+	$(VENV)/bin/eagle3 make-tiny-target runs/targets/tiny
+	$(VENV)/bin/eagle3 run configs/tiny-cpu.yaml
+
+# The same with the seed's bug slipped past the validator on purpose (absolute d2t, its checks waived): the gate
+# must reject the draft, production must keep serving, and the run must end RolledBack (exit 3) naming the cause.
+BROKEN_EXPORT = --set export.fault=absolute-d2t --set 'export.waive=[d2t-absolute]'
+demo-rollback: install
+	$(VENV)/bin/eagle3 make-tiny-target runs/targets/tiny
+	$(VENV)/bin/eagle3 run configs/tiny-cpu.yaml $(BROKEN_EXPORT); status=$$?; \
+	if [ $$status -eq 3 ]; then echo "make demo-rollback: RolledBack, as intended"; else exit 1; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,127 @@
+"""Deployment steps between the export and the decision: measure a draft on a live server the way production
+will serve it, turn the measurements into the gate's inputs, and describe a candidate version for the registry.
+
+On the GPU node one model fits at a time (DESIGN §4): the no-draft baseline server and the candidate server run
+one after the other, each stopped (and the GPUs' memory awaited) before the next starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Callable
+
+from eagle3.bench.client import BenchmarkError, run_benchmark
+from eagle3.bench.diagnose import diagnose
+from eagle3.bench.simulate import heldout_prompt_ids
+from eagle3.config import PipelineConfig
+from eagle3.data.capture import HIDDEN_DIR
+from eagle3.data.targets import load_tokenizer
+from eagle3.formats.checkpoint import convert
+from eagle3.formats.manifest import code_version
+from eagle3.fsutil import atomic_write_json
+from eagle3.registry.gate import Metrics
+from eagle3.serve.launch import launch_and_validate
+
+Log = Callable[[str], None]
+SERVED_FILE = "served.json"
+
+
+def benchmark_heldout(config: PipelineConfig, url: str, log: Log) -> dict:
+    """The benchmark of the held-out prompts on a serving `url`. Requests lost after their retries give a result
+    with `lost_requests` (the gate rejects it) instead of numbers."""
+    prompts = heldout_prompt_ids(config, load_tokenizer(config.target.path))
+    b = config.benchmark
+    try:
+        return run_benchmark(url, prompts, b.max_new_tokens, b.concurrency, b.request_timeout_s, b.retries,
+                             log=log) | {"lost_requests": 0}
+    except BenchmarkError as err:
+        if not err.lost:
+            raise
+        log(f"{url}: {err}")
+        return {"url": url, "accept_length": None, "accept_rate": None, "lost_requests": len(err.lost), "error": str(err)}
+
+
+def measure_server(config: PipelineConfig, draft: Path | None, log: Log, role: str, keep_running: bool = False) -> dict:
+    """Launch (and validate the draft for the live release), benchmark, stop - or, with `keep_running`, leave the
+    server up and return its process group as `pgid`."""
+    server = launch_and_validate(config, config.target.path, draft, log, role=role)
+    try:
+        result = benchmark_heldout(config, server.url, log) | {"server_version": server.release}
+    except BaseException:
+        server.stop()
+        raise
+    if keep_running:
+        result["pgid"] = server.process.pid
+    else:
+        server.stop()
+    return result
+
+
+def measure_candidate(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
+    """The candidate's served result (run.dir/bench/served.json), with a no-draft baseline's throughput and the
+    speedup when `benchmark.baseline` is set."""
+    baseline = measure_server(config, None, log, role="baseline (no draft)") if config.benchmark.baseline else None
+    result = measure_server(config, draft, log, role="candidate")
+    if baseline is not None and not baseline["lost_requests"] and not result["lost_requests"]:
+        result.update(baseline={k: baseline[k] for k in ("url", "wall_s", "output_tokens_per_s", "latency_s")},
+                      speedup=baseline["wall_s"] / result["wall_s"])
+    atomic_write_json(config.stage_dir("bench") / SERVED_FILE, result)
+    return result
+
+
+def candidate_metrics(served: dict, simulated_accept_length: float | None) -> Metrics:
+    return Metrics(accept_length=served.get("accept_length"), accept_rate=served.get("accept_rate"),
+                   simulated_accept_length=simulated_accept_length, lost_requests=served.get("lost_requests", 0))
+
+
+def diagnosis_of(config: PipelineConfig, draft: Path, served: dict, simulated_accept_length: float | None) -> dict:
+    """The train-serve checklist (which contract the served draft breaks), for the decision's record."""
+    longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])),
+                  default=None)
+    return diagnose(draft, served.get("server_version") or config.serving.release, Path(config.target.path),
+                    config.stage_dir("data") / HIDDEN_DIR, simulated_accept_length, served.get("accept_length"),
+                    longest).to_dict()
+
+
+def registry_metrics(served: dict, simulated_accept_length: float | None) -> dict:
+    """The metrics block of a registry manifest (keys read back by eagle3.registry.registry.metrics_of)."""
+    keys = ("accept_length", "accept_rate", "histogram", "output_tokens_per_s", "lost_requests", "server_version",
+            "speedup")
+    return {"served": {k: served.get(k) for k in keys}, "simulated": {"accept_length": simulated_accept_length},
+            "engine_release": served.get("server_version")}
+
+
+def retrain_overrides(config: PipelineConfig, registry, log: Log = print) -> list[str]:
+    """A retrain is a fresh run (new run directory: the prompt source is read anew) warm-started from the
+    production draft, converted back to the trainer's layout."""
+    run_dir = config.run.dir / f"retrain-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    overrides = [f"run.dir={run_dir}"]
+    pointer, _ = registry.production()
+    if pointer is None:
+        log("retrain: the registry has no production draft: training from scratch")
+        return overrides
+    served = registry.fetch(pointer["version"], "sglang", run_dir / "warm-start" / "sglang")
+    native = convert(served, run_dir / "warm-start" / "native", to="native", target_family=config.target.family,
+                     engine_release=config.serving.release, target_num_layers=config.target.num_hidden_layers)
+    log(f"retrain: warm start from production version {pointer['version']} ({native}) in {run_dir}")
+    return overrides + [f"training.init_from={native}"]
+
+
+def version_id(config: PipelineConfig, export_fingerprint: str) -> str:
+    """<run name>-<UTC time>-<export hash>: sortable by time, distinct per export."""
+    return f"{config.run.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{export_fingerprint[:8]}"
+
+
+def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served: dict, simulated: float | None,
+                   parent: str | None, flow_run: str | None = None) -> dict:
+    """What a version's manifest says of where it came from and what it measured."""
+    return {
+        "config": config.model_dump(mode="json"),
+        "config_sha256": hashlib.sha256(config.model_dump_json().encode()).hexdigest(),
+        "inputs": fingerprints,  # stage -> content hash of its manifest (data, vocab, training, export)
+        "code_version": code_version(),
+        "metrics": registry_metrics(served, simulated),
+        "lineage": {"parent": parent, "init_from": str(config.training.init_from or "") or None, "flow_run": flow_run},
+    }

@@ -1,0 +1,88 @@
+"""Export stage: the trained draft (run.dir/train/best) written in every configured layout, and the served
+(sglang) layout validated against what SGLang will do with it - the target, the layers the data captured, the
+release and the context length - before any server starts. Problems fail the stage by name, except codes the
+config waives on purpose (`export.waive`), which are logged and recorded.
+
+Writes run.dir/export/<layout>/ and run.dir/export/validation.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.config import PipelineConfig
+from eagle3.data.capture import HIDDEN_DIR
+from eagle3.errors import Eagle3Error
+from eagle3.formats.checkpoint import WEIGHTS_FILE, convert
+from eagle3.formats.manifest import MANIFEST_FILE, read_manifest, write_manifest
+from eagle3.formats.target import read_target_info
+from eagle3.formats.validate import Report, validate
+from eagle3.fsutil import atomic_write_json
+
+Log = Callable[[str], None]
+VALIDATION_FILE = "validation.json"
+
+
+class ExportInvalid(Eagle3Error):
+    """The served export has validation errors: SGLang would serve it wrongly."""
+
+    def __init__(self, message: str, problems: list[dict]):
+        super().__init__(message)
+        self.problems = problems
+
+
+def export_draft(config: PipelineConfig, log: Log = print) -> dict:
+    """Export and validate; return {dirs: {layout: path}, validation: the report with `waived` problems}."""
+    source = config.stage_dir("train") / "best"
+    out = config.stage_dir("export")
+    target = Path(config.target.path)
+    num_layers = read_target_info(target).num_hidden_layers if target.is_dir() else config.target.num_hidden_layers
+    dirs = {}
+    for layout in config.export.layouts:
+        dirs[layout] = convert(source, out / layout, to=layout, target_family=config.target.family,
+                               engine_release=config.serving.release, target_num_layers=num_layers, overwrite=True)
+        log(f"export: {layout} layout for SGLang {config.serving.release or '(release unknown)'} -> {dirs[layout]}")
+    if config.export.fault == "absolute-d2t":
+        log("export: WARNING: export.fault=absolute-d2t: writing the served d2t as absolute ids (demo of the gate)")
+        make_d2t_absolute(dirs["sglang"])
+    report = validate(dirs["sglang"], engine_release=config.serving.release, target=target if target.is_dir() else None,
+                      data_manifest=config.stage_dir("data") / HIDDEN_DIR / MANIFEST_FILE,
+                      context_length=config.serving.context_length)
+    validation = checked(report, config.export.waive, log)
+    atomic_write_json(out / VALIDATION_FILE, validation)
+    return {"dirs": {layout: str(path) for layout, path in dirs.items()}, "validation": validation}
+
+
+def checked(report: Report, waive: list[str], log: Log) -> dict:
+    """The report as a dict with waived errors moved aside; raises ExportInvalid on any other error."""
+    result = report.to_dict()
+    problems = result["problems"]
+    result["waived"] = [p for p in problems if p["severity"] == "error" and p["code"] in waive]
+    result["problems"] = [p for p in problems if p not in result["waived"]]
+    for problem in result["waived"]:
+        log(f"export: WARNING: waived by export.waive: {problem['code']}: {problem['message']}")
+    errors = [p for p in result["problems"] if p["severity"] == "error"]
+    result["ok"] = not errors
+    if errors:
+        listed = "\n".join(f"  {p['code']}: {p['message']} (fix: {p['fix']})" for p in errors)
+        raise ExportInvalid(f"the export {report.path} would be served wrongly by SGLang "
+                            f"{report.engine_release or '(strictest rules)'}; no server was started:\n{listed}", errors)
+    log(f"export: {report.path} valid for SGLang {report.engine_release or '(strictest rules)'} "
+        f"({len(report.of('warning'))} warning(s), {len(report.of('unknown'))} check(s) not run)")
+    return result
+
+
+def make_d2t_absolute(directory: Path) -> None:
+    """Rewrite d2t from offsets to absolute target ids (d2t[i] + i), keeping the manifest's hashes true."""
+    weights = directory / WEIGHTS_FILE
+    tensors = load_file(weights)
+    d2t = tensors["d2t"]  # [draft_vocab] offsets: target id = i + d2t[i]
+    tensors["d2t"] = d2t + torch.arange(d2t.numel(), dtype=d2t.dtype)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    manifest = read_manifest(directory)
+    write_manifest(directory, kind=manifest["kind"],
+                   fields={k: manifest[k] for k in ("layout", "source", "engine_release")} | {"fault": "absolute-d2t"})

@@ -1,0 +1,81 @@
+"""The `eagle3` flow: data -> vocab -> train -> export -> simulate -> serve + measure -> gate -> promote / roll back.
+
+Ends Completed (promoted), Completed named RolledBack (the gate, or production's check after the promotion,
+rejected the candidate; the message gives the reasons), or Failed (an error). Runs for one registry never overlap:
+they hold a global concurrency limit of 1, taken strictly. Modes: `full`; `retrain` (a fresh run directory,
+warm start from the production draft); `benchmark` (re-measure production only).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import flow
+from prefect.concurrency.sync import concurrency
+from prefect.states import Completed, Failed
+from prefect.transactions import transaction
+
+from eagle3.registry.gate import GateRejected
+from tasks.bench import measure_served, simulate_acceptance
+from tasks.data import capture_hidden_states, regenerate_answers
+from tasks.deploy import (
+    check_gate,
+    promote,
+    publish_candidate,
+    record_rejection,
+    release_production,
+    remeasure,
+    report_decision,
+    serve_production,
+    verify_production,
+)
+from tasks.export import export_and_validate
+from tasks.run import ensure_registry_limit, load_run_config, registry_limit_name
+from tasks.train import train_draft
+from tasks.vocab import build_vocab_map
+
+__all__ = ["eagle3", "ensure_registry_limit"]
+
+
+@flow(name="eagle3")
+def eagle3(config: str, overrides: list[str] | None = None, mode: Literal["full", "retrain", "benchmark"] = "full"):
+    run_config, overrides = load_run_config(config, overrides or [], mode)
+    with concurrency(registry_limit_name(run_config.registry), occupy=1, strict=True):
+        if mode == "benchmark":
+            return remeasure_production(run_config)
+        return train_and_deploy(run_config, config, overrides)
+
+
+def train_and_deploy(config, config_path: str, overrides: list[str]):
+    regenerated = regenerate_answers(config)
+    dataset = capture_hidden_states(config, config_path, overrides, regenerated)
+    vocab = build_vocab_map(config, regenerated)
+    trained = train_draft(config, config_path, overrides, dataset, vocab)
+    exported = export_and_validate(config, trained)
+    simulated = simulate_acceptance(config, exported)
+    before = release_production(config)
+    version = None
+    try:
+        served = measure_served(config, exported, simulated)
+        fingerprints = {name: out["fingerprint"] for name, out in
+                        (("data", dataset), ("vocab", vocab), ("train", trained), ("export", exported))}
+        version = publish_candidate(config, fingerprints, exported, served, simulated, before)
+        with transaction():
+            decision = check_gate(config, version, exported, served, simulated, before)
+            promote(config, version, before)
+            production = verify_production(config, version)
+    except GateRejected as rejected:
+        record_rejection(config, version, rejected)
+        production = serve_production(config, before, f"candidate {version} rejected")
+        report_decision(config, version, rejected.decision, before, production)
+        return Completed(name="RolledBack", message=rejected.decision.summary())
+    except BaseException:
+        serve_production(config, before, "the run failed")  # production serves again before the failure is reported
+        raise
+    report_decision(config, version, decision, before, production)
+    return version
+
+
+def remeasure_production(config):
+    production = remeasure(config)
+    return Failed(message=production["warning"]) if production["warning"] else production

@@ -1,0 +1,48 @@
+"""`eagle3 run CONFIG [--set section.field=value ...] [--mode full|retrain|benchmark]`: the eagle3 flow run in this
+process, on the Prefect API configured (PREFECT_API_URL) or else an ephemeral one, then a summary table.
+
+Exit status: 0 promoted (or benchmark done), 3 rolled back, 1 failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Before Prefect is imported: the first start of an ephemeral API migrates its database (~30 s on 2 cores, longer
+# than Prefect's default start-up timeout), and there is no network for telemetry (DESIGN §6).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+EXIT_PROMOTED, EXIT_FAILED, EXIT_ROLLED_BACK = 0, 1, 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eagle3 run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser.add_argument("--mode", choices=("full", "retrain", "benchmark"), default="full")
+    args = parser.parse_args(argv)
+
+    from eagle3.config import load_config
+    from eagle3.errors import Eagle3Error
+    from flows.eagle3 import eagle3, ensure_registry_limit
+    from flows.summary import summary
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except Eagle3Error as err:
+        print(f"eagle3 run: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    ensure_registry_limit(args.config, args.overrides)
+    state = eagle3(args.config, args.overrides, args.mode, return_state=True)
+    print(summary(state, config))
+    if state.is_failed() or state.is_crashed() or state.is_cancelled():
+        return EXIT_FAILED
+    return EXIT_ROLLED_BACK if state.name == "RolledBack" else EXIT_PROMOTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

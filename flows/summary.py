@@ -1,0 +1,45 @@
+"""The end-of-run table `eagle3 run` prints: stage times, accept lengths, the decision, where the artifacts are."""
+
+from __future__ import annotations
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.sorting import TaskRunSort
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+from eagle3.config import PipelineConfig
+from eagle3.deploy import SERVED_FILE
+from eagle3.bench.simulate import RESULT_FILE
+from eagle3.fsutil import read_json
+
+
+def stage_rows(flow_run_id) -> list[tuple[str, str, float]]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                     sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+    return [(run.name.rsplit("-", 1)[0], run.state_name or "",
+             (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0) for run in runs]
+
+
+def accept_lengths(config: PipelineConfig) -> tuple[float | None, float | None]:
+    bench = config.stage_dir("bench")
+    simulated = read_json(bench / RESULT_FILE, "") if (bench / RESULT_FILE).is_file() else {}
+    served = read_json(bench / SERVED_FILE, "") if (bench / SERVED_FILE).is_file() else {}
+    return simulated.get("accept_length"), served.get("accept_length")
+
+
+def summary(state, config: PipelineConfig) -> str:
+    flow_run_id = state.state_details.flow_run_id
+    lines = ["", f"{'stage':24s} {'state':10s} {'seconds':>8s}"]
+    rows = stage_rows(flow_run_id)
+    lines += [f"{name:24s} {state_name:10s} {seconds:8.1f}" for name, state_name, seconds in rows]
+    lines.append(f"{'total (task work)':24s} {'':10s} {sum(r[2] for r in rows):8.1f}")
+    simulated, served = accept_lengths(config)
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines += ["", f"accept length: simulated {fmt(simulated)}, served {fmt(served)}",
+              f"decision: {state.name}" + (f" - {state.message}" if state.message else ""),
+              f"flow run {flow_run_id}: artifacts (data, vocab, training, export-validation, acceptance, decision) "
+              f"are in the Prefect API at {PREFECT_API_URL.value() or 'the ephemeral API (PREFECT_HOME)'}; see them with "
+              f"`prefect server start` and {PREFECT_UI_URL.value() or 'http://127.0.0.1:4200'}/runs/flow-run/{flow_run_id}",
+              f"outputs: {config.run.dir}"]
+    return "\n".join(lines)

@@ -1,0 +1,31 @@
+"""Acceptance: offline (simulated) and served (the candidate on a live server), reported side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from eagle3.bench.simulate import RESULT_FILE, simulate
+from eagle3.config import PipelineConfig
+from eagle3.deploy import measure_candidate
+from eagle3.fsutil import read_json
+from eagle3.report import acceptance_report
+from tasks.common import cached, log_to_run, stage_output
+
+
+@task(**cached("simulate"))
+def simulate_acceptance(config: PipelineConfig, exported: dict) -> dict:
+    simulate(config, Path(exported["path"]), log=log_to_run())
+    out = config.stage_dir("bench") / RESULT_FILE
+    return stage_output(out, result=read_json(out, ""))
+
+
+@task(name="measure-candidate", cache_policy=NO_CACHE)
+def measure_served(config: PipelineConfig, exported: dict, simulated: dict) -> dict:
+    served = measure_candidate(config, Path(exported["path"]), log=log_to_run())
+    create_markdown_artifact(key="acceptance", markdown=acceptance_report(simulated["result"], served),
+                             description="simulated vs served accept length, histogram, per prompt, speedup")
+    return served

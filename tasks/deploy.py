@@ -1,0 +1,135 @@
+"""Deployment: free the node, publish the candidate, gate it, promote or roll back, and serve production again.
+
+`promote` runs inside the flow's transaction; its rollback hook moves the registry pointer back when a later step
+of the transaction (the production check) fails. None of these tasks retries inside the transaction: the HTTP and
+S3 clients retry in their own bodies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
+from prefect.events import emit_event
+from prefect.transactions import get_transaction
+
+from eagle3.config import PipelineConfig
+from eagle3.deploy import candidate_metrics, diagnosis_of, version_fields, version_id
+from eagle3.registry.gate import Decision, GateRejected, Reason, decide
+from eagle3.registry.production import Production
+from eagle3.registry.registry import metrics_of, open_registry
+from eagle3.report import decision_report
+from tasks.common import log_to_run
+
+
+def flow_run_id() -> str | None:
+    context = FlowRunContext.get()
+    return str(context.flow_run.id) if context and context.flow_run else None
+
+
+@task(name="release-production", cache_policy=NO_CACHE)
+def release_production(config: PipelineConfig) -> str | None:
+    """Stop a managed production server (the node holds one model); return the production version."""
+    registry = open_registry(config.registry, log=log_to_run())
+    Production(config, registry, log_to_run()).release_node()
+    return registry.production_version()
+
+
+@task(name="publish-candidate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
+def publish_candidate(config: PipelineConfig, fingerprints: dict, exported: dict, served: dict, simulated: dict,
+                      production: str | None) -> str:
+    registry = open_registry(config.registry, log=log_to_run())
+    version = version_id(config, exported["fingerprint"])
+    fields = version_fields(config, fingerprints, served, simulated["result"]["accept_length"], production, flow_run_id())
+    registry.publish(version, {layout: Path(path) for layout, path in exported["dirs"].items()}, fields)
+    return version
+
+
+@task(name="gate", cache_policy=NO_CACHE)
+def check_gate(config: PipelineConfig, version: str, exported: dict, served: dict, simulated: dict,
+               production: str | None) -> Decision:
+    """The gate's decision; a rejection raises GateRejected with the train-serve diagnosis attached."""
+    registry = open_registry(config.registry, log=log_to_run())
+    simulated_length = simulated["result"]["accept_length"]
+    baseline = metrics_of(registry.manifest(production)) if production else None
+    decision = decide(candidate_metrics(served, simulated_length), baseline, config.gate)
+    log_to_run()(f"gate: {decision.summary()}")
+    if not decision.promote:
+        decision.diagnosis = diagnosis_of(config, Path(exported["path"]), served, simulated_length)
+        raise GateRejected(decision)
+    return decision
+
+
+@task(name="promote", cache_policy=NO_CACHE)
+def promote(config: PipelineConfig, version: str, production: str | None) -> None:
+    registry = open_registry(config.registry, log=log_to_run())
+    registry.promote(version, expected=production, reasons=["every gate rule passed"], by="pipeline", run=flow_run_id())
+    get_transaction().set("promotion", {"registry": config.registry, "version": version, "previous": production})
+
+
+@promote.on_rollback
+def restore_pointer(transaction) -> None:
+    """A step after the promotion failed: production is the previous version again."""
+    promotion = transaction.get("promotion")
+    registry = open_registry(promotion["registry"])
+    registry.rollback(to=promotion["previous"], expected=promotion["version"], by="pipeline", run=flow_run_id(),
+                      reasons=[f"rolled back {promotion['version']}: a later step of the promotion failed"])
+
+
+@task(name="serve-production", cache_policy=NO_CACHE)
+def serve_production(config: PipelineConfig, version: str | None, why: str) -> dict:
+    """Serve `version` on the production endpoint (managed) and re-measure it against its recorded numbers."""
+    log = log_to_run()
+    production = Production(config, open_registry(config.registry, log=log), log)
+    return checked(production, version, production.serve(version, why), config)
+
+
+@task(name="verify-production", cache_policy=NO_CACHE)
+def verify_production(config: PipelineConfig, version: str) -> dict:
+    """After the promotion: production serves the new version at the accept length it was promoted on, or rolls back."""
+    served = serve_production.fn(config, version, "promoted")
+    if served["warning"]:
+        raise GateRejected(Decision(False, [Reason("production-check", served["warning"])]))
+    return served
+
+
+@task(name="record-rejection", cache_policy=NO_CACHE)
+def record_rejection(config: PipelineConfig, version: str | None, rejection: GateRejected) -> None:
+    registry = open_registry(config.registry, log=log_to_run())
+    registry.record("rejected", version, [f"{r.rule}: {r.message}" for r in rejection.decision.reasons],
+                    by="pipeline", run=flow_run_id())
+
+
+@task(name="report-decision", cache_policy=NO_CACHE)
+def report_decision(config: PipelineConfig, version: str | None, decision: Decision, before: str | None,
+                    production: dict) -> None:
+    """The decision artifact and event."""
+    registry = open_registry(config.registry, log=log_to_run())
+    outcome = "promoted" if decision.promote else "rolled back"
+    text = decision_report(outcome, version, [vars(r) for r in decision.reasons], decision.diagnosis,
+                           registry.location, before, registry.production_version(), production["measured"],
+                           production["warning"])
+    create_markdown_artifact(key="decision", markdown=text, description=f"{outcome}: {decision.summary()}")
+    emit_event(event=f"eagle3.draft.{'promoted' if decision.promote else 'rolled-back'}",
+               resource={"prefect.resource.id": f"eagle3.draft.{version}", "prefect.resource.name": str(version)},
+               payload={"version": version, "production": registry.production_version(),
+                        "reasons": [f"{r.rule}: {r.message}" for r in decision.reasons]})
+
+
+@task(name="remeasure-production", cache_policy=NO_CACHE)
+def remeasure(config: PipelineConfig) -> dict:
+    """The benchmark deployment: production measured again (managed: restarted and measured; external: measured
+    where it serves) and compared with its recorded numbers."""
+    log = log_to_run()
+    registry = open_registry(config.registry, log=log)
+    production = Production(config, registry, log)
+    version = registry.production_version()
+    return checked(production, version, production.remeasure(version), config)
+
+
+def checked(production: Production, version: str | None, measured: dict | None, config: PipelineConfig) -> dict:
+    return {"version": version, "measured": measured,
+            "warning": production.check(version, measured, config.gate.production_tolerance)}

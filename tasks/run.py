@@ -1,0 +1,43 @@
+"""Run set-up: the config for this mode, and the registry's global concurrency limit (one run per registry)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.exceptions import ObjectNotFound
+
+from eagle3.config import PipelineConfig, RegistrySection, load_config
+from eagle3.deploy import retrain_overrides
+from eagle3.registry.registry import open_registry, registry_location
+from tasks.common import log_to_run
+
+
+def registry_limit_name(section: RegistrySection) -> str:
+    """One limit per registry location (a path or s3://bucket/prefix), in Prefect's allowed characters."""
+    return "eagle3-registry-" + hashlib.sha256(registry_location(section).encode()).hexdigest()[:16]
+
+
+def ensure_registry_limit(config: str, overrides: list[str] | None = None) -> str:
+    """Create the registry's limit (1 slot) when missing; return its name. The infra script and `eagle3 run` call it."""
+    name = registry_limit_name(load_config(config, overrides or []).registry)
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    return name
+
+
+@task(name="load-config", cache_policy=NO_CACHE)
+def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[PipelineConfig, list[str]]:
+    """The validated config and the overrides the stages see (a retrain adds its run directory and warm start)."""
+    run_config = load_config(config, overrides)
+    if mode == "retrain":
+        overrides = overrides + retrain_overrides(run_config, open_registry(run_config.registry, log=log_to_run()),
+                                                  log_to_run())
+        run_config = load_config(config, overrides)
+    return run_config, overrides

@@ -1,0 +1,126 @@
+"""The `eagle3` flow on the micro target under one session-scoped Prefect test server: a full run promotes and
+its artifacts read back; a broken export (absolute d2t) ends RolledBack with production unchanged and re-measured;
+a re-run skips finished stages through the cache; two runs for one registry never overlap."""
+
+import threading
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+from prefect.testing.utilities import prefect_test_harness
+
+from eagle3.registry.registry import open_registry
+from eagle3.config import load_config
+from flows.eagle3 import eagle3, ensure_registry_limit
+from test_config import TINY
+from test_data import micro_overrides
+
+CONFIG = str(TINY)
+BROKEN = ["export.fault=absolute-d2t", "export.waive=[d2t-absolute]"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def micro_run_overrides(run_dir, target) -> list[str]:
+    """The tiny config shrunk to the micro target: a full flow run in well under a minute on 2 cores."""
+    return micro_overrides(run_dir, target) + [
+        "training.max_steps=30", "training.batch_size=8", "training.seq_len=96", "training.warmup_steps=5",
+        "training.eval_every=15", "training.save_every=15", "benchmark.num_prompts=4", "benchmark.max_new_tokens=24",
+        "benchmark.concurrency=2", f"serving.port={free_port()}", f"production.port={free_port()}",
+        f"registry.path={run_dir / 'registry'}", f"production.state_dir={run_dir / 'production'}",
+        f"serving.log_dir={run_dir / 'logs'}", "gate.min_accept_rate=0.05",
+    ]
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """One throwaway Prefect server for the session; task results (the cache) kept in a temporary directory."""
+    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: tmp_path_factory.mktemp("prefect-results")}):
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+
+
+@pytest.fixture(scope="module")
+def micro_flow(prefect_api, tmp_path_factory, micro_target):
+    run_dir = tmp_path_factory.mktemp("micro-flow")
+    overrides = micro_run_overrides(run_dir, micro_target)
+    ensure_registry_limit(CONFIG, overrides)
+    state = eagle3(CONFIG, overrides, return_state=True)
+    return overrides, state
+
+
+def task_states(flow_run_id) -> dict[str, str]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name.rsplit("-", 1)[0]: run.state_name for run in runs}
+
+
+def artifacts(flow_run_id) -> dict[str, str]:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts()
+    return {a.key: a.data for a in found if a.flow_run_id == flow_run_id and a.key}
+
+
+def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
+    overrides, state = micro_flow
+    assert state.is_completed() and state.name == "Completed", state.message
+    version = state.result()
+    config = load_config(CONFIG, overrides)
+    pointer, _ = open_registry(config.registry).production()
+    assert pointer["version"] == version
+    found = artifacts(state.state_details.flow_run_id)
+    assert {"data", "vocab", "training", "export-validation", "acceptance", "decision"} <= set(found)
+    assert found["decision"].startswith("# Decision: promoted") and version in found["decision"]
+    assert "accept length" in found["acceptance"] and "coverage" in found["vocab"]
+
+
+def test_a_broken_export_rolls_back_and_production_keeps_serving(micro_flow):
+    overrides, first = micro_flow
+    state = eagle3(CONFIG, overrides + BROKEN, return_state=True)
+    assert state.is_completed() and state.name == "RolledBack", state.message
+    assert "near-baseline" in state.message
+    config = load_config(CONFIG, overrides)
+    registry = open_registry(config.registry)
+    pointer, _ = registry.production()
+    assert pointer["version"] == first.result()  # unchanged
+    assert [e["event"] for e in registry.history()][-1] == "rejected"
+    decision = artifacts(state.state_details.flow_run_id)["decision"]
+    assert "rolled back" in decision and "d2t encoding (offsets)" in decision  # the cause, named
+    assert "PRODUCTION SHORTFALL" not in decision and "Production re-measured" in decision
+    stages = task_states(state.state_details.flow_run_id)
+    assert stages["train"] == "Cached" and stages["export"] == "Completed"  # only what the change touches re-ran
+
+
+def test_a_rerun_with_unchanged_inputs_skips_finished_stages(micro_flow):
+    overrides, _ = micro_flow
+    state = eagle3(CONFIG, overrides, return_state=True)
+    stages = task_states(state.state_details.flow_run_id)
+    for stage in ("regenerate", "capture", "vocab", "train", "export", "simulate"):
+        assert stages[stage] == "Cached", stages
+
+
+def test_two_runs_for_one_registry_do_not_overlap(micro_flow):
+    overrides, _ = micro_flow
+    states = []
+    runs = [threading.Thread(target=lambda: states.append(eagle3(CONFIG, overrides, "benchmark", return_state=True)))
+            for _ in range(2)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert all(s.is_completed() for s in states), [s.message for s in states]
+    with get_client(sync_client=True) as client:
+        spans = sorted((r.start_time, r.end_time) for s in states
+                       for r in [client.read_flow_run(s.state_details.flow_run_id)])
+        measured = [client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[s.state_details.flow_run_id])))
+                    for s in states]
+    windows = sorted((r.start_time, r.end_time) for runs_ in measured for r in runs_ if r.name.startswith("remeasure"))
+    assert len(windows) == 2 and windows[0][1] <= windows[1][0], windows  # one after the other
+    assert spans[0][0] < spans[1][1]
