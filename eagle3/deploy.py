@@ -110,8 +110,9 @@ def retrain_overrides(config: PipelineConfig, registry, log: Log = print) -> lis
 
 
 def version_id(config: PipelineConfig, export_fingerprint: str) -> str:
-    """<run name>-<UTC time>-<export hash>: sortable by time, distinct per export."""
-    return f"{config.run.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{export_fingerprint[:8]}"
+    """<run name>-<export hash>: one version per export, so a re-run of the same export re-verifies it instead of
+    publishing a copy."""
+    return f"{config.run.name}-{export_fingerprint[:16]}"
 
 
 def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served: dict, simulated: float | None,

@@ -52,27 +52,26 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     report = validate(dirs["sglang"], engine_release=config.serving.release, target=target if target.is_dir() else None,
                       data_manifest=config.stage_dir("data") / HIDDEN_DIR / MANIFEST_FILE,
                       context_length=config.serving.context_length)
-    validation = checked(report, config.export.waive, log)
-    atomic_write_json(out / VALIDATION_FILE, validation)
-    return {"dirs": {layout: str(path) for layout, path in dirs.items()}, "validation": validation}
-
-
-def checked(report: Report, waive: list[str], log: Log) -> dict:
-    """The report as a dict with waived errors moved aside; raises ExportInvalid on any other error."""
-    result = report.to_dict()
-    problems = result["problems"]
-    result["waived"] = [p for p in problems if p["severity"] == "error" and p["code"] in waive]
-    result["problems"] = [p for p in problems if p not in result["waived"]]
-    for problem in result["waived"]:
-        log(f"export: WARNING: waived by export.waive: {problem['code']}: {problem['message']}")
-    errors = [p for p in result["problems"] if p["severity"] == "error"]
-    result["ok"] = not errors
+    validation = with_waivers(report, config.export.waive, log)
+    atomic_write_json(out / VALIDATION_FILE, validation)  # the checklist is kept whether the export passed or not
+    errors = [p for p in validation["problems"] if p["severity"] == "error"]
     if errors:
         listed = "\n".join(f"  {p['code']}: {p['message']} (fix: {p['fix']})" for p in errors)
         raise ExportInvalid(f"the export {report.path} would be served wrongly by SGLang "
                             f"{report.engine_release or '(strictest rules)'}; no server was started:\n{listed}", errors)
     log(f"export: {report.path} valid for SGLang {report.engine_release or '(strictest rules)'} "
         f"({len(report.of('warning'))} warning(s), {len(report.of('unknown'))} check(s) not run)")
+    return {"dirs": {layout: str(path) for layout, path in dirs.items()}, "validation": validation}
+
+
+def with_waivers(report: Report, waive: list[str], log: Log) -> dict:
+    """The report as a dict, with the errors `export.waive` names moved to `waived` (and logged)."""
+    result = report.to_dict()
+    result["waived"] = [p for p in result["problems"] if p["severity"] == "error" and p["code"] in waive]
+    result["problems"] = [p for p in result["problems"] if p not in result["waived"]]
+    result["ok"] = not any(p["severity"] == "error" for p in result["problems"])
+    for problem in result["waived"]:
+        log(f"export: WARNING: waived by export.waive: {problem['code']}: {problem['message']}")
     return result
 
 

@@ -94,9 +94,10 @@ def acceptance_report(simulated: dict, served: dict) -> str:
 def decision_report(outcome: str, version: str, reasons: list[dict], diagnosis: dict | None, registry: str,
                     production_before: str | None, production_after: str | None, remeasured: dict | None,
                     warning: str | None) -> str:
+    where = lambda v: f"`{v}` (`{registry}/versions/{v}/`)" if v else "none"  # noqa: E731
     parts = [f"# Decision: {outcome}",
-             f"Candidate version `{version}` in registry `{registry}`.",
-             f"Production before: `{production_before}`; production now: `{production_after}`."]
+             f"Candidate version {where(version)}.",
+             f"Production before: {where(production_before)}; production now: {where(production_after)}."]
     if reasons:
         parts.append("## Why\n\n" + "\n".join(f"- **{r['rule']}**: {r['message']}" for r in reasons))
     if diagnosis:

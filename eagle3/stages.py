@@ -4,7 +4,9 @@ package source; an installed wheel has no git SHA). Unchanged inputs give the sa
 a changed input changes the key of its stage and, through the fingerprints, of every stage downstream.
 
 The run directory carries a random token made the first time it is used, and every key includes it: a deleted
-or replaced run directory never reuses results that described the old one.
+or replaced run directory never reuses results that described the old one. Each finished output records the key
+it was made under (a marker beside it): when a run with other inputs has overwritten it since, the key is not
+offered to the cache, so the stage runs again instead of handing on files that changed under it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig
 from eagle3.formats.manifest import MANIFEST_FILE, code_version
-from eagle3.fsutil import sha256_file
+from eagle3.fsutil import atomic_write_bytes, sha256_file
 
 TOKEN_FILE = ".run-token"
 
@@ -29,6 +31,17 @@ STAGE_INPUTS = {
     "train": ("run", "draft", "training"),
     "export": ("run", "target", "export", "serving.release", "serving.context_length"),
     "simulate": ("run", "target", "serving.release", "serving.num_steps", "benchmark"),
+}
+
+
+# stage -> its output under run.dir (what the marker sits beside)
+STAGE_OUTPUTS = {
+    "regenerate": "data/regen",
+    "capture": "data/hidden",
+    "vocab": "vocab",
+    "train": "train/best",
+    "export": "export/sglang",
+    "simulate": "bench/simulated.json",
 }
 
 
@@ -63,6 +76,24 @@ def stage_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str:
                "upstream": list(upstream), "code": code_version()}
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
     return f"eagle3-{stage}-{digest[:40]}"
+
+
+def marker(config: PipelineConfig, stage: str) -> Path:
+    output = config.run.dir / STAGE_OUTPUTS[stage]
+    return output.parent / f".{output.name}.stage-key"
+
+
+def cache_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str | None:
+    """The key to offer the cache, or None when the stage's output was last made under another key."""
+    key = stage_key(stage, config, upstream)
+    made = marker(config, stage)
+    return None if made.is_file() and made.read_text().strip() != key else key
+
+
+def record_key(stage: str, config: PipelineConfig, upstream: list[str]) -> Path:
+    """Mark the stage's fresh output with the key it was made under; return the output."""
+    atomic_write_bytes(marker(config, stage), (stage_key(stage, config, upstream) + "\n").encode())
+    return config.run.dir / STAGE_OUTPUTS[stage]
 
 
 def fingerprint(path: Path) -> str:

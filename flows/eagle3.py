@@ -47,15 +47,15 @@ def eagle3(config: str, overrides: list[str] | None = None, mode: Literal["full"
 
 
 def train_and_deploy(config, config_path: str, overrides: list[str]):
-    regenerated = regenerate_answers(config)
-    dataset = capture_hidden_states(config, config_path, overrides, regenerated)
-    vocab = build_vocab_map(config, regenerated)
-    trained = train_draft(config, config_path, overrides, dataset, vocab)
-    exported = export_and_validate(config, trained)
-    simulated = simulate_acceptance(config, exported)
-    before = release_production(config)
+    before = release_production(config)  # managed on the node: every stage below needs its GPUs (DESIGN §4)
     version = None
     try:
+        regenerated = regenerate_answers(config)
+        dataset = capture_hidden_states(config, config_path, overrides, regenerated)
+        vocab = build_vocab_map(config, regenerated)
+        trained = train_draft(config, config_path, overrides, dataset, vocab)
+        exported = export_and_validate(config, trained)
+        simulated = simulate_acceptance(config, exported)
         served = measure_served(config, exported, simulated)
         fingerprints = {name: out["fingerprint"] for name, out in
                         (("data", dataset), ("vocab", vocab), ("train", trained), ("export", exported))}
@@ -65,11 +65,11 @@ def train_and_deploy(config, config_path: str, overrides: list[str]):
             promote(config, version, before)
             production = verify_production(config, version)
     except GateRejected as rejected:
-        record_rejection(config, version, rejected)
         production = serve_production(config, before, f"candidate {version} rejected")
+        record_rejection(config, version, rejected, served, production)
         report_decision(config, version, rejected.decision, before, production)
         return Completed(name="RolledBack", message=rejected.decision.summary())
-    except BaseException:
+    except Exception:  # not a cancellation: the 30 s Prefect leaves before SIGKILL would not load a target
         serve_production(config, before, "the run failed")  # production serves again before the failure is reported
         raise
     report_decision(config, version, decision, before, production)

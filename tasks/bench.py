@@ -13,14 +13,14 @@ from eagle3.config import PipelineConfig
 from eagle3.deploy import measure_candidate
 from eagle3.fsutil import read_json
 from eagle3.report import acceptance_report
-from tasks.common import cached, log_to_run, stage_output
+from tasks.common import cached, finished, log_to_run
 
 
 @task(**cached("simulate"))
 def simulate_acceptance(config: PipelineConfig, exported: dict) -> dict:
     simulate(config, Path(exported["path"]), log=log_to_run())
-    out = config.stage_dir("bench") / RESULT_FILE
-    return stage_output(out, result=read_json(out, ""))
+    return finished("simulate", config, {"exported": exported},
+                    result=read_json(config.stage_dir("bench") / RESULT_FILE, ""))
 
 
 @task(name="measure-candidate", cache_policy=NO_CACHE)

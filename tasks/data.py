@@ -13,12 +13,13 @@ from eagle3.data.regenerate import regenerate
 from eagle3.engines.sglang_capture import run_on_node
 from eagle3.formats.manifest import read_manifest
 from eagle3.report import data_report
-from tasks.common import cached, log_to_run, stage_output
+from tasks.common import cached, finished, log_to_run
 
 
 @task(**cached("regenerate"))
 def regenerate_answers(config: PipelineConfig) -> dict:
-    return stage_output(regenerate(config, log=log_to_run()))
+    regenerate(config, log=log_to_run())
+    return finished("regenerate", config, {})
 
 
 @task(**cached("capture"))
@@ -31,4 +32,4 @@ def capture_hidden_states(config: PipelineConfig, config_path: str, overrides: l
     dataset = config.stage_dir("data") / HIDDEN_DIR
     create_markdown_artifact(key="data", markdown=data_report(read_manifest(regenerated["path"]), read_manifest(dataset)),
                              description="samples, tokens, bytes and malformed prompt lines")
-    return stage_output(dataset)
+    return finished("capture", config, {"regenerated": regenerated})

@@ -43,6 +43,9 @@ def publish_candidate(config: PipelineConfig, fingerprints: dict, exported: dict
                       production: str | None) -> str:
     registry = open_registry(config.registry, log=log_to_run())
     version = version_id(config, exported["fingerprint"])
+    if version in registry.versions():
+        log_to_run()(f"registry: version {version} (this export) is already published: not uploading it again")
+        return version
     fields = version_fields(config, fingerprints, served, simulated["result"]["accept_length"], production, flow_run_id())
     registry.publish(version, {layout: Path(path) for layout, path in exported["dirs"].items()}, fields)
     return version
@@ -66,6 +69,9 @@ def check_gate(config: PipelineConfig, version: str, exported: dict, served: dic
 @task(name="promote", cache_policy=NO_CACHE)
 def promote(config: PipelineConfig, version: str, production: str | None) -> None:
     registry = open_registry(config.registry, log=log_to_run())
+    if version == production:
+        log_to_run()(f"registry: {version} is production already (a re-run of the same export): nothing to move")
+        return
     registry.promote(version, expected=production, reasons=["every gate rule passed"], by="pipeline", run=flow_run_id())
     get_transaction().set("promotion", {"registry": config.registry, "version": version, "previous": production})
 
@@ -73,7 +79,9 @@ def promote(config: PipelineConfig, version: str, production: str | None) -> Non
 @promote.on_rollback
 def restore_pointer(transaction) -> None:
     """A step after the promotion failed: production is the previous version again."""
-    promotion = transaction.get("promotion")
+    promotion = transaction.get("promotion", None)
+    if promotion is None:  # the pointer was not moved
+        return
     registry = open_registry(promotion["registry"])
     registry.rollback(to=promotion["previous"], expected=promotion["version"], by="pipeline", run=flow_run_id(),
                       reasons=[f"rolled back {promotion['version']}: a later step of the promotion failed"])
@@ -97,10 +105,16 @@ def verify_production(config: PipelineConfig, version: str) -> dict:
 
 
 @task(name="record-rejection", cache_policy=NO_CACHE)
-def record_rejection(config: PipelineConfig, version: str | None, rejection: GateRejected) -> None:
+def record_rejection(config: PipelineConfig, version: str | None, rejection: GateRejected, served: dict,
+                     production: dict) -> None:
+    """History records the rejection with both measurements: the candidate's and production's, served again."""
     registry = open_registry(config.registry, log=log_to_run())
+    measured = production["measured"] or {}
+    both = {"candidate": {k: served.get(k) for k in ("accept_length", "accept_rate", "lost_requests")},
+            "production": {"version": production["version"], "accept_length": measured.get("accept_length"),
+                           "accept_rate": measured.get("accept_rate"), "warning": production["warning"]}}
     registry.record("rejected", version, [f"{r.rule}: {r.message}" for r in rejection.decision.reasons],
-                    by="pipeline", run=flow_run_id())
+                    by="pipeline", run=flow_run_id(), extra=both)
 
 
 @task(name="report-decision", cache_policy=NO_CACHE)

@@ -9,7 +9,7 @@ from eagle3.config import PipelineConfig
 from eagle3.export import VALIDATION_FILE, export_draft
 from eagle3.fsutil import read_json
 from eagle3.report import validation_report
-from tasks.common import cached, log_to_run, stage_output
+from tasks.common import cached, finished, log_to_run
 
 
 @task(**cached("export"))
@@ -21,4 +21,4 @@ def export_and_validate(config: PipelineConfig, trained: dict) -> dict:
         if validation.is_file():
             create_markdown_artifact(key="export-validation", markdown=validation_report(read_json(validation, "")),
                                      description="what SGLang will do with the served export")
-    return stage_output(exported["dirs"]["sglang"], dirs=exported["dirs"])
+    return finished("export", config, {"trained": trained}, dirs=exported["dirs"])

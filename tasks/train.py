@@ -11,7 +11,7 @@ from eagle3.config import PipelineConfig
 from eagle3.report import training_report
 from eagle3.train.launch import terminate_on_sigterm, train
 from eagle3.train.trainer import METRICS_FILE
-from tasks.common import cached, log_to_run, stage_output
+from tasks.common import cached, finished, log_to_run
 
 
 @task(**cached("train"))
@@ -27,4 +27,4 @@ def train_draft(config: PipelineConfig, config_path: str, overrides: list[str], 
     records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines() if line.strip()]
     create_markdown_artifact(key="training", markdown=training_report(records),
                              description="loss and per-position accuracy by step; evaluation")
-    return stage_output(out / "best")
+    return finished("train", config, {"dataset": dataset, "vocab": vocab})

@@ -1,17 +1,22 @@
 """The `eagle3` flow on the micro target under one session-scoped Prefect test server: a full run promotes and
 its artifacts read back; a broken export (absolute d2t) ends RolledBack with production unchanged and re-measured;
-a re-run skips finished stages through the cache; two runs for one registry never overlap."""
+validation problems fail the run before any server; a re-run skips finished stages through the cache; two runs
+for one registry never overlap. And the production endpoint, managed and external."""
 
+import socket
 import threading
 
+import httpx
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 from prefect.testing.utilities import prefect_test_harness
 
-from eagle3.registry.registry import open_registry
 from eagle3.config import load_config
+from eagle3.procs import group_alive
+from eagle3.registry.production import Production
+from eagle3.registry.registry import open_registry
 from flows.eagle3 import eagle3, ensure_registry_limit
 from test_config import TINY
 from test_data import micro_overrides
@@ -21,8 +26,6 @@ BROKEN = ["export.fault=absolute-d2t", "export.waive=[d2t-absolute]"]
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -81,6 +84,14 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     assert "accept length" in found["acceptance"] and "coverage" in found["vocab"]
 
 
+def test_a_rerun_with_unchanged_inputs_skips_finished_stages(micro_flow):
+    overrides, _ = micro_flow
+    state = eagle3(CONFIG, overrides, return_state=True)
+    stages = task_states(state.state_details.flow_run_id)
+    for stage in ("regenerate", "capture", "vocab", "train", "export", "simulate"):
+        assert stages[stage] == "Cached", stages
+
+
 def test_a_broken_export_rolls_back_and_production_keeps_serving(micro_flow):
     overrides, first = micro_flow
     state = eagle3(CONFIG, overrides + BROKEN, return_state=True)
@@ -98,12 +109,13 @@ def test_a_broken_export_rolls_back_and_production_keeps_serving(micro_flow):
     assert stages["train"] == "Cached" and stages["export"] == "Completed"  # only what the change touches re-ran
 
 
-def test_a_rerun_with_unchanged_inputs_skips_finished_stages(micro_flow):
+def test_an_output_overwritten_by_other_inputs_is_made_again_not_taken_from_the_cache(micro_flow):
     overrides, _ = micro_flow
+    eagle3(CONFIG, overrides + BROKEN, return_state=True)  # overwrites export/sglang with a broken d2t
     state = eagle3(CONFIG, overrides, return_state=True)
     stages = task_states(state.state_details.flow_run_id)
-    for stage in ("regenerate", "capture", "vocab", "train", "export", "simulate"):
-        assert stages[stage] == "Cached", stages
+    assert stages["train"] == "Cached" and stages["export"] == "Completed" and stages["simulate"] == "Completed"
+    assert state.name == "Completed", state.message  # the same draft again: a new version, as good as production
 
 
 def test_two_runs_for_one_registry_do_not_overlap(micro_flow):
@@ -124,3 +136,63 @@ def test_two_runs_for_one_registry_do_not_overlap(micro_flow):
     windows = sorted((r.start_time, r.end_time) for runs_ in measured for r in runs_ if r.name.startswith("remeasure"))
     assert len(windows) == 2 and windows[0][1] <= windows[1][0], windows  # one after the other
     assert spans[0][0] < spans[1][1]
+
+
+def test_validation_problems_fail_the_run_before_any_server_starts(micro_flow):
+    overrides, _ = micro_flow
+    registry = open_registry(load_config(CONFIG, overrides).registry)
+    before = registry.production_version()
+    state = eagle3(CONFIG, overrides + ["export.fault=absolute-d2t"], return_state=True)
+    assert state.is_failed() and "d2t-absolute" in state.message and "no server was started" in state.message
+    stages = task_states(state.state_details.flow_run_id)
+    assert stages["export"] == "Failed" and "measure-candidate" not in stages
+    assert stages["serve-production"] == "Completed"  # the failed run left production serving
+    assert "NOT valid" in artifacts(state.state_details.flow_run_id)["export-validation"]
+    assert registry.production_version() == before
+
+
+def test_a_managed_production_server_outlives_the_run_until_released(micro_flow, tmp_path):
+    overrides, first = micro_flow
+    config = load_config(CONFIG, overrides + ["production.keep_serving=true", f"production.state_dir={tmp_path}"])
+    lines = []
+    production = Production(config, open_registry(config.registry), lines.append)
+    measured = production.serve(first.result(), "test")
+    recorded = production.recorded()
+    try:
+        assert recorded["version"] == first.result() and group_alive(recorded["pgid"])
+        assert httpx.get(f"{production.url}/health", timeout=10).status_code == 200
+        assert production.check(first.result(), measured, 0.05) is None  # measures what it was promoted on
+        assert "PRODUCTION SHORTFALL" in production.check(first.result(), {"accept_length": 1.0}, 0.05)
+    finally:
+        production.release_node()
+    assert not group_alive(recorded["pgid"]) and production.recorded() is None
+    assert all(line.startswith(f"[production managed {production.url}]") for line in lines)
+
+
+def test_an_external_production_is_reported_not_restarted(micro_flow, tmp_path):
+    overrides, first = micro_flow
+    config = load_config(CONFIG, overrides + ["production.mode=external", f"production.state_dir={tmp_path}"])
+    lines = []
+    production = Production(config, open_registry(config.registry), lines.append)
+    production.release_node()
+    assert production.serve(first.result(), "promoted") is None and not list(tmp_path.iterdir())
+    assert "external" in lines[0] and first.result() in lines[1] and "does not restart it" in lines[1]
+
+
+def test_a_failure_after_the_promotion_rolls_the_pointer_back(micro_flow):
+    overrides, _ = micro_flow
+    config = load_config(CONFIG, overrides)
+    registry = open_registry(config.registry)
+    before = registry.production_version()
+    with socket.socket() as taken:  # the production server cannot bind its port: verify-production fails
+        taken.bind((config.production.host, config.production.port))
+        taken.listen()
+        # another layout list: a new export (a new candidate version) of the same draft, so the gate passes
+        state = eagle3(CONFIG, overrides + ["export.layouts=[sglang, speculators]"], return_state=True)
+    assert state.is_failed(), state.message
+    stages = task_states(state.state_details.flow_run_id)
+    # Prefect marks the transaction's committed-then-undone tasks RolledBack
+    assert (stages["gate"], stages["promote"], stages["verify-production"]) == ("RolledBack", "RolledBack", "Failed")
+    events = [e["event"] for e in registry.history()][-2:]
+    assert events == ["promoted", "rolled-back"]  # the promote task's rollback hook
+    assert registry.production_version() == before

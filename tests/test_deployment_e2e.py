@@ -1,0 +1,305 @@
+"""The operator's path, end to end, on the micro config:
+
+- a real `prefect server start` on 127.0.0.1 (SQLite in a temporary PREFECT_HOME);
+- `infra/setup.sh` (work pool `gpu-node`, the registry's concurrency limit, the deployments of prefect.yaml);
+- `infra/worker.sh`, a process worker in its own process group;
+- `prefect deployment run eagle3/full --watch`;
+- the final state and the decision artifact, read through the API;
+- the decision on the flow run's pages of the Prefect UI, rendered in headless chromium.
+
+The UI (V2, React, the default in Prefect 3.9) lists a run's artifacts on `/v2/runs/flow-run/ID?tab=Artifacts` as cards
+(key, description) and renders a markdown artifact's text on its own page, `/v2/artifacts/artifact/ID`, which the
+card links to: the test follows that link. Select it with `pytest -m e2e`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from browser import render_until, require_chromium
+from test_flow import micro_run_overrides
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+VENV = Path(sys.prefix)  # the project's virtualenv, the one running the tests
+PREFECT = str(Path(sys.executable).parent / "prefect")
+CONFIG = "configs/tiny-cpu.yaml"  # relative: the flow run resolves it in the checkout (the pull step)
+SERVER_START_S = 120  # a fresh database is migrated first
+RUN_TIMEOUT_S = 150
+DECISION = re.compile(r"Decision:\W*(promoted|rolled back)", re.IGNORECASE)
+
+
+class Phases:
+    """Wall time of each phase, printed with the test's output."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.monotonic() - start
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+
+
+class Processes:
+    """Background processes, each in its own process group; `stop()` ends the groups and then every process that
+    carries this test's marker in its environment (the flow run's process starts its own session, and so do the
+    servers and trainers it launches), so nothing outlives the test."""
+
+    def __init__(self, env: dict[str, str], marker: tuple[str, str], logs: Path) -> None:
+        self.env, self.marker, self.logs = env, marker, logs
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, name: str, command: list[str], cwd: Path) -> tuple[subprocess.Popen, Path]:
+        log = self.logs / f"{name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(command, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.started.append(proc)
+        return proc, log
+
+    def stop(self) -> list[str]:
+        for proc in reversed(self.started):
+            stop_group(proc.pid, lambda proc=proc: proc.poll() is not None)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        return self.sweep()
+
+    def sweep(self) -> list[str]:
+        needle = f"{self.marker[0]}={self.marker[1]}".encode()
+        killed = []
+        for entry in Path("/proc").glob("[0-9]*"):
+            pid = int(entry.name)
+            if pid == os.getpid():
+                continue
+            try:
+                if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                    continue
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                pgid = os.getpgid(pid)
+            except (OSError, ProcessLookupError):
+                continue
+            killed.append(f"{pid}: {command[:160]}")
+            if pgid == os.getpgrp():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            else:
+                stop_group(pgid, lambda pid=pid: not Path(f"/proc/{pid}").exists(), grace_s=3)
+        return killed
+
+
+def stop_group(pgid: int, gone, grace_s: float = 10.0) -> None:
+    """SIGTERM to the group, SIGKILL to whatever is left after `grace_s`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not gone():
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """A `prefect server start` of its own (port, PREFECT_HOME, SQLite); torn down with everything started under it."""
+    require_chromium()  # before minutes are spent on a run whose page cannot be checked
+    tmp_path = tmp_path_factory.mktemp("e2e")
+    port = free_port()
+    marker = ("EAGLE3_E2E_TEST", uuid.uuid4().hex)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    env.update({
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",  # `--port` alone leaves the UI calling the API on 4200
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",  # no weekly retrain runs waiting in the pool
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "EAGLE3_VENV": str(VENV),
+        marker[0]: marker[1],
+    })
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    processes = Processes(env, marker, logs)
+    phases = Phases()
+    try:
+        with phases("server start"):
+            server, server_log = processes.start("server", [PREFECT, "server", "start"], cwd=tmp_path)
+            base = f"http://127.0.0.1:{port}"
+            wait_healthy(base, server, server_log)
+        yield {"base": base, "api": f"{base}/api", "env": env, "processes": processes, "phases": phases,
+               "logs": logs, "tmp": tmp_path}
+    finally:
+        with phases("teardown"):
+            leftovers = processes.stop()
+        print(f"phases: {phases}")
+        if leftovers:
+            print("killed at teardown (still running after the server and the worker stopped):", *leftovers, sep="\n  ")
+
+
+def wait_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"prefect server start exited {server.returncode}:\n{tail(log)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/api/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    pytest.fail(f"no /api/health from the Prefect server within {SERVER_START_S} s:\n{tail(log)}")
+
+
+def run(command: list[str], env: dict[str, str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL, check=False)
+    except subprocess.TimeoutExpired as err:
+        output = f"{err.stdout or ''}{err.stderr or ''}"
+        pytest.fail(f"{' '.join(command[:4])} … did not finish in {timeout_s:.0f} s:\n{output}")
+
+
+def api(server: dict, method: str, path: str, body: dict | None = None):
+    response = httpx.request(method, f"{server['api']}{path}", json=body, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def test_full_deployment_runs_on_a_worker_and_the_ui_shows_its_decision(prefect_server, micro_target):
+    server, phases, env = prefect_server, prefect_server["phases"], prefect_server["env"]
+    tmp_path = server["tmp"]
+    overrides = micro_run_overrides(tmp_path / "run", micro_target)
+    server["overrides"] = overrides  # the cancellation test reuses this run's data through the cache
+
+    # What an operator runs once: the pool, the registry's limit and the deployments, for this config.
+    with phases("setup.sh"):
+        sets = [arg for item in overrides for arg in ("--set", item)]
+        setup = run([str(REPO / "infra" / "setup.sh"), CONFIG, *sets], env, cwd=tmp_path, timeout_s=180)
+    assert setup.returncode == 0, f"infra/setup.sh failed:\n{setup.stdout}\n{setup.stderr}"
+
+    pool = api(server, "GET", "/work_pools/gpu-node")
+    assert (pool["type"], pool["concurrency_limit"]) == ("process", 1)
+    deployments = {d["name"]: d for d in api(server, "POST", "/deployments/filter", {})}
+    assert set(deployments) == {"full", "retrain", "benchmark"}
+    assert {d["entrypoint"] for d in deployments.values()} == {"flows.eagle3.eagle3"}
+    assert {d["work_pool_name"] for d in deployments.values()} == {"gpu-node"}
+    assert {name: d["parameters"]["mode"] for name, d in deployments.items()} == \
+        {"full": "full", "retrain": "retrain", "benchmark": "benchmark"}
+    assert [s["schedule"]["cron"] for s in deployments["retrain"]["schedules"]] == ["0 3 * * 1"]
+    assert not deployments["full"]["schedules"] and not deployments["benchmark"]["schedules"]
+    assert deployments["full"]["pull_steps"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO.resolve())}}]
+
+    with phases("worker start"):
+        worker, worker_log = server["processes"].start("worker", [str(REPO / "infra" / "worker.sh")], cwd=tmp_path)
+        server["worker"] = (worker, worker_log)
+
+    with phases("deployment run --watch"):
+        watched = run([PREFECT, "deployment", "run", "eagle3/full", "--param", f"config={CONFIG}",
+                       "--param", f"overrides={json.dumps(overrides)}",
+                       "--watch", "--watch-timeout", str(RUN_TIMEOUT_S)],
+                      env, cwd=tmp_path, timeout_s=RUN_TIMEOUT_S + 30)
+    context = (f"\n--- deployment run:\n{watched.stdout[-4000:]}\n{watched.stderr[-2000:]}"
+               f"\n--- worker:\n{tail(worker_log)}")
+    assert worker.poll() is None, f"the worker exited {worker.returncode}{context}"
+
+    runs = api(server, "POST", "/flow_runs/filter",
+               {"flow_runs": {"deployment_id": {"any_": [deployments["full"]["id"]]}}})
+    assert len(runs) == 1, f"{len(runs)} runs of eagle3/full{context}"
+    flow_run = runs[0]
+    assert flow_run["state_type"] == "COMPLETED", f"{flow_run['state_name']}: {flow_run['state']['message']}{context}"
+    assert watched.returncode == 0, context  # --watch exits 0 for any Completed state, RolledBack included
+    assert flow_run["parameters"] == {"config": CONFIG, "overrides": overrides, "mode": "full"}
+
+    artifacts = api(server, "POST", "/artifacts/filter",
+                    {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}, "key": {"any_": ["decision"]}}})
+    assert len(artifacts) == 1, f"decision artifacts of the run: {artifacts}"
+    artifact = artifacts[0]
+    assert artifact["type"] == "markdown"
+    decision = DECISION.search(artifact["data"])
+    assert decision, f"no 'Decision: promoted|rolled back' in the artifact:\n{artifact['data']}"
+    decided = decision.group(1).lower()
+    print(f"decision: {decided} (state {flow_run['state_name']!r})")
+    assert (decided, flow_run["state_name"]) in {("promoted", "Completed"), ("rolled back", "RolledBack")}, \
+        f"the artifact says {decided!r}, the run ended {flow_run['state_name']!r}"
+
+    # The UI: the run's Artifacts tab lists the decision and links to its page, which renders the markdown.
+    with phases("ui render"):
+        run_url = f"{server['base']}/v2/runs/flow-run/{flow_run['id']}?tab=Artifacts"
+        dom, text = render_until(run_url, timeout_s=90, expect=(flow_run["name"], flow_run["state_name"], "decision"))
+        link = f"/v2/artifacts/artifact/{artifact['id']}"
+        assert f'href="{link}"' in dom, \
+            f"the Artifacts tab of {run_url} has no link to {link}; page text:\n{text[:3000]}"
+        _, page = render_until(f"{server['base']}{link}", timeout_s=90, expect=("Decision:",))
+    shown = DECISION.search(page)
+    assert shown and shown.group(1).lower() == decided, f"the artifact page does not say {decided!r}:\n{page[:3000]}"
+
+
+def trainers(run_dir: Path) -> list[str]:
+    """Live processes training into `run_dir` (the trainer's command line names its config overrides)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if "eagle3.train" in command and f"run.dir={run_dir}" in command and state not in "ZX":
+            found.append(f"{entry.name}: {command[:120]}")
+    return found
+
+
+def test_cancelling_a_run_through_the_api_while_training_leaves_no_trainer(prefect_server):
+    server, phases, env = prefect_server, prefect_server["phases"], prefect_server["env"]
+    if "worker" not in server:
+        pytest.skip("needs the deployments and the worker of the previous test")
+    worker, worker_log = server["worker"]
+    run_dir = Path(next(o for o in server["overrides"] if o.startswith("run.dir=")).split("=", 1)[1])
+    overrides = server["overrides"] + ["training.max_steps=100000"]  # data cached; training runs on and on
+    with phases("cancel while training"):
+        started = run([PREFECT, "deployment", "run", "eagle3/full", "--param", f"config={CONFIG}",
+                       "--param", f"overrides={json.dumps(overrides)}"], env, cwd=server["tmp"], timeout_s=60)
+        assert started.returncode == 0, started.stdout + started.stderr
+        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
+        deadline = time.monotonic() + 120
+        while not trainers(run_dir):
+            state = api(server, "GET", f"/flow_runs/{flow_run_id}")["state_type"]
+            assert state in ("SCHEDULED", "PENDING", "RUNNING") and time.monotonic() < deadline, \
+                f"no trainer started (run {state}):\n{tail(worker_log)}"
+            time.sleep(0.5)
+        api(server, "POST", f"/flow_runs/{flow_run_id}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
+        while (state := api(server, "GET", f"/flow_runs/{flow_run_id}")["state_type"]) != "CANCELLED":
+            assert time.monotonic() < deadline + 60, f"the run is {state}, not CANCELLED:\n{tail(worker_log)}"
+            time.sleep(0.5)
+    assert not trainers(run_dir), f"trainer processes outlived the cancelled run:\n{tail(worker_log)}"
+    assert worker.poll() is None, f"the worker exited {worker.returncode}:\n{tail(worker_log)}"
