@@ -98,14 +98,14 @@ def retrain_overrides(config: PipelineConfig, registry, log: Log = print) -> lis
     production draft, converted back to the trainer's layout."""
     run_dir = config.run.dir / f"retrain-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     overrides = [f"run.dir={run_dir}"]
-    pointer, _ = registry.production()
-    if pointer is None:
+    production = registry.production_version()
+    if production is None:
         log("retrain: the registry has no production draft: training from scratch")
         return overrides
-    served = registry.fetch(pointer["version"], "sglang", run_dir / "warm-start" / "sglang")
+    served = registry.fetch(production, "sglang", run_dir / "warm-start" / "sglang")
     native = convert(served, run_dir / "warm-start" / "native", to="native", target_family=config.target.family,
                      engine_release=config.serving.release, target_num_layers=config.target.num_hidden_layers)
-    log(f"retrain: warm start from production version {pointer['version']} ({native}) in {run_dir}")
+    log(f"retrain: warm start from production version {production} ({native}) in {run_dir}")
     return overrides + [f"training.init_from={native}"]
 
 

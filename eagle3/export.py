@@ -39,6 +39,7 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     """Export and validate; return {dirs: {layout: path}, validation: the report with `waived` problems}."""
     source = config.stage_dir("train") / "best"
     out = config.stage_dir("export")
+    (out / VALIDATION_FILE).unlink(missing_ok=True)  # never report an earlier export's checklist as this one's
     target = Path(config.target.path)
     num_layers = read_target_info(target).num_hidden_layers if target.is_dir() else config.target.num_hidden_layers
     dirs = {}

@@ -1,12 +1,17 @@
-"""Stage identities for caching: a stage's key is a content hash of what it reads - the config sections it
-uses, the fingerprints (manifest hashes) of the stage outputs it consumes, and the code version (a hash of the
-package source; an installed wheel has no git SHA). Unchanged inputs give the same key (the stage is skipped);
-a changed input changes the key of its stage and, through the fingerprints, of every stage downstream.
+"""Stage identities for caching: a stage's key is a content hash of what it reads - the config fields it uses,
+the content of the target and of the prompt source, the fingerprints (manifest hashes) of the stage outputs it
+consumes, and the code version (a hash of the package source; an installed wheel has no git SHA). Unchanged
+inputs give the same key (the stage is skipped); a changed input changes the key of its stage and, through the
+fingerprints, of every stage downstream. Operational fields (ports, concurrency, retries, launchers) are in no key.
 
 The run directory carries a random token made the first time it is used, and every key includes it: a deleted
-or replaced run directory never reuses results that described the old one. Each finished output records the key
-it was made under (a marker beside it): when a run with other inputs has overwritten it since, the key is not
-offered to the cache, so the stage runs again instead of handing on files that changed under it.
+or replaced run directory never reuses results that described the old one.
+
+Each output is marked with the key it was made under (a file beside it): "in progress" while the stage runs,
+the key once it finished. The cache is offered a key only when the output is there and finished under that very
+key (or the stage never ran here): a run with other inputs that overwrote the output, or that failed half way,
+makes the stage run again. And a stage that resumes from what its directory holds (regeneration by prompt,
+training from checkpoints) starts afresh when its inputs changed, instead of resuming work made for others.
 """
 
 from __future__ import annotations
@@ -14,25 +19,34 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
+from typing import Callable
 
 from eagle3.config import PipelineConfig
+from eagle3.data.targets import target_identity
 from eagle3.formats.manifest import MANIFEST_FILE, code_version
 from eagle3.fsutil import atomic_write_bytes, sha256_file
 
 TOKEN_FILE = ".run-token"
+IN_PROGRESS = "in-progress "
 
-# stage -> the config sections (or dotted fields) whose values decide its output
+# stage -> the config fields (sections or dotted fields) that decide its output
 STAGE_INPUTS = {
-    "regenerate": ("run", "target", "data"),
-    "capture": ("run", "target", "data"),
-    "vocab": ("run", "vocab"),
-    "train": ("run", "draft", "training"),
-    "export": ("run", "target", "export", "serving.release", "serving.context_length"),
-    "simulate": ("run", "target", "serving.release", "serving.num_steps", "benchmark"),
+    "regenerate": ("data.prompts", "data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length",
+                   "data.temperature", "data.thinking", "data.heldout_fraction"),
+    "capture": ("data.aux_layers", "data.last_hidden", "data.capture_engine"),
+    "vocab": ("vocab",),
+    "train": ("draft", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
+              "training.warmup_steps", "training.max_steps", "training.batch_size", "training.seq_len",
+              "training.grad_clip", "training.eval_fraction", "training.init_from", "training.eval_every",
+              "training.seed", "serving.num_steps", "benchmark.num_prompts", "benchmark.max_new_tokens"),
+    "export": ("export", "serving.release", "serving.context_length", "target.family", "target.num_hidden_layers"),
+    "simulate": ("serving.release", "serving.num_steps", "benchmark.max_new_tokens", "benchmark.num_prompts",
+                 "data.thinking"),
 }
-
+READS_TARGET = ("regenerate", "capture")  # the target's config and tokenizer content are in their keys
 
 # stage -> its output under run.dir (what the marker sits beside)
 STAGE_OUTPUTS = {
@@ -43,6 +57,8 @@ STAGE_OUTPUTS = {
     "export": "export/sglang",
     "simulate": "bench/simulated.json",
 }
+# stage -> what it resumes from (cleared when its inputs changed); the other stages rewrite their output whole
+RESUMES_FROM = {"regenerate": ("data/regen",), "train": ("train",)}
 
 
 def run_token(run_dir: Path) -> str:
@@ -67,33 +83,67 @@ def config_inputs(config: PipelineConfig, stage: str) -> dict:
         for part in dotted.split("."):
             node = node[part]
         picked[dotted] = node
+    if stage in READS_TARGET:
+        picked["target"] = target_identity(config.target)
+    if stage == "regenerate":
+        picked["prompt_source"] = prompt_source_hash(config.data.prompts)
     return picked
 
 
+def prompt_source_hash(source: str) -> str:
+    """A local prompt file by content; `builtin:` sources and s3:// URIs by name (an S3 object is read anew by a
+    retrain, which runs in a fresh run directory)."""
+    path = Path(source)
+    return sha256_file(path) if path.is_file() else source
+
+
 def stage_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str:
-    """The cache key of `stage` given the fingerprints of the outputs it consumes."""
+    """The key of `stage` given the fingerprints of the outputs it consumes."""
     payload = {"stage": stage, "run_token": run_token(config.run.dir), "config": config_inputs(config, stage),
                "upstream": list(upstream), "code": code_version()}
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
     return f"eagle3-{stage}-{digest[:40]}"
 
 
+def output_of(config: PipelineConfig, stage: str) -> Path:
+    return config.run.dir / STAGE_OUTPUTS[stage]
+
+
 def marker(config: PipelineConfig, stage: str) -> Path:
-    output = config.run.dir / STAGE_OUTPUTS[stage]
+    output = output_of(config, stage)
     return output.parent / f".{output.name}.stage-key"
 
 
-def cache_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str | None:
-    """The key to offer the cache, or None when the stage's output was last made under another key."""
-    key = stage_key(stage, config, upstream)
+def recorded_key(config: PipelineConfig, stage: str) -> str | None:
     made = marker(config, stage)
-    return None if made.is_file() and made.read_text().strip() != key else key
+    return made.read_text().strip() if made.is_file() else None
 
 
-def record_key(stage: str, config: PipelineConfig, upstream: list[str]) -> Path:
-    """Mark the stage's fresh output with the key it was made under; return the output."""
+def cache_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str | None:
+    """The key to offer the cache, or None when the output is not what that key describes."""
+    key = stage_key(stage, config, upstream)
+    recorded = recorded_key(config, stage)
+    if recorded is None and not output_of(config, stage).exists():
+        return key  # never ran here
+    return key if recorded == key and output_of(config, stage).exists() else None
+
+
+def begin(stage: str, config: PipelineConfig, upstream: list[str], log: Callable[[str], None]) -> None:
+    """Before the stage runs: clear what it would resume from if that was made for other inputs; mark it running."""
+    key = stage_key(stage, config, upstream)
+    recorded = recorded_key(config, stage)
+    if recorded is not None and recorded.removeprefix(IN_PROGRESS) != key:
+        for relative in RESUMES_FROM.get(stage, ()):
+            if (config.run.dir / relative).exists():
+                log(f"{stage}: its inputs changed since {config.run.dir / relative} was made: starting it afresh")
+                shutil.rmtree(config.run.dir / relative)
+    atomic_write_bytes(marker(config, stage), (IN_PROGRESS + key + "\n").encode())
+
+
+def finish(stage: str, config: PipelineConfig, upstream: list[str]) -> Path:
+    """Mark the stage's output finished under its key; return the output."""
     atomic_write_bytes(marker(config, stage), (stage_key(stage, config, upstream) + "\n").encode())
-    return config.run.dir / STAGE_OUTPUTS[stage]
+    return output_of(config, stage)
 
 
 def fingerprint(path: Path) -> str:

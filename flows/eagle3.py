@@ -55,7 +55,7 @@ def train_and_deploy(config, config_path: str, overrides: list[str]):
         vocab = build_vocab_map(config, regenerated)
         trained = train_draft(config, config_path, overrides, dataset, vocab)
         exported = export_and_validate(config, trained)
-        simulated = simulate_acceptance(config, exported)
+        simulated = simulate_acceptance(config, exported, regenerated)
         served = measure_served(config, exported, simulated)
         fingerprints = {name: out["fingerprint"] for name, out in
                         (("data", dataset), ("vocab", vocab), ("train", trained), ("export", exported))}
@@ -65,12 +65,13 @@ def train_and_deploy(config, config_path: str, overrides: list[str]):
             promote(config, version, before)
             production = verify_production(config, version)
     except GateRejected as rejected:
+        record_rejection(config, version, rejected, served, before)
         production = serve_production(config, before, f"candidate {version} rejected")
-        record_rejection(config, version, rejected, served, production)
         report_decision(config, version, rejected.decision, before, production)
         return Completed(name="RolledBack", message=rejected.decision.summary())
     except Exception:  # not a cancellation: the 30 s Prefect leaves before SIGKILL would not load a target
-        serve_production(config, before, "the run failed")  # production serves again before the failure is reported
+        # production serves again; should that fail too, its task run says why and the run's error stays the first one
+        serve_production(config, before, "the run failed", return_state=True)
         raise
     report_decision(config, version, decision, before, production)
     return version

@@ -28,6 +28,19 @@ def accept_lengths(config: PipelineConfig) -> tuple[float | None, float | None]:
     return simulated.get("accept_length"), served.get("accept_length")
 
 
+def ui_url() -> str:
+    return PREFECT_UI_URL.value() or PREFECT_API_URL.value().removesuffix("/").removesuffix("/api")
+
+
+def decision(state) -> str:
+    if state.name == "RolledBack":
+        return f"rolled back - {state.message}"
+    if state.is_completed():
+        result = state.result()
+        return f"promoted {result}" if isinstance(result, str) else "production re-measured"
+    return f"{state.name} - {state.message}"
+
+
 def summary(state, config: PipelineConfig) -> str:
     flow_run_id = state.state_details.flow_run_id
     lines = ["", f"{'stage':24s} {'state':10s} {'seconds':>8s}"]
@@ -37,9 +50,10 @@ def summary(state, config: PipelineConfig) -> str:
     simulated, served = accept_lengths(config)
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     lines += ["", f"accept length: simulated {fmt(simulated)}, served {fmt(served)}",
-              f"decision: {state.name}" + (f" - {state.message}" if state.message else ""),
-              f"flow run {flow_run_id}: artifacts (data, vocab, training, export-validation, acceptance, decision) "
-              f"are in the Prefect API at {PREFECT_API_URL.value() or 'the ephemeral API (PREFECT_HOME)'}; see them with "
-              f"`prefect server start` and {PREFECT_UI_URL.value() or 'http://127.0.0.1:4200'}/runs/flow-run/{flow_run_id}",
+              f"decision: {decision(state)}",
+              f"artifacts (data, vocab, training, export-validation, acceptance, decision) of flow run {flow_run_id}: "
+              + (f"{ui_url()}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts" if PREFECT_API_URL.value() else
+                 f"kept in the Prefect database under PREFECT_HOME; run `prefect server start` and open "
+                 f"http://127.0.0.1:4200/v2/runs/flow-run/{flow_run_id}?tab=Artifacts"),
               f"outputs: {config.run.dir}"]
     return "\n".join(lines)

@@ -13,14 +13,17 @@ from eagle3.config import PipelineConfig
 from eagle3.deploy import measure_candidate
 from eagle3.fsutil import read_json
 from eagle3.report import acceptance_report
-from tasks.common import cached, finished, log_to_run
+from tasks.common import cached, log_to_run, run_stage
 
 
 @task(**cached("simulate"))
-def simulate_acceptance(config: PipelineConfig, exported: dict) -> dict:
-    simulate(config, Path(exported["path"]), log=log_to_run())
-    return finished("simulate", config, {"exported": exported},
-                    result=read_json(config.stage_dir("bench") / RESULT_FILE, ""))
+def simulate_acceptance(config: PipelineConfig, exported: dict, regenerated: dict) -> dict:
+    """`regenerated`: the held-out prompts it replays come from that stage."""
+    def work() -> dict:
+        simulate(config, Path(exported["path"]), log=log_to_run())
+        return {"result": read_json(config.stage_dir("bench") / RESULT_FILE, "")}
+
+    return run_stage("simulate", config, {"exported": exported, "regenerated": regenerated}, work)
 
 
 @task(name="measure-candidate", cache_policy=NO_CACHE)

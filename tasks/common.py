@@ -1,11 +1,13 @@
-"""What every stage task shares: the run logger as the library's `log`, and cache options from content hashes."""
+"""What every stage task shares: the run logger as the library's `log`, and caching on content hashes."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prefect import get_run_logger
 
 from eagle3.config import PipelineConfig
-from eagle3.stages import cache_key, fingerprint, record_key
+from eagle3.stages import begin, cache_key, finish, fingerprint
 
 
 def log_to_run():
@@ -20,7 +22,7 @@ def upstream_fingerprints(parameters: dict) -> list[str]:
 
 
 def cached(stage: str) -> dict:
-    """Task options: cache on eagle3.stages' content-hash key (config sections, upstream fingerprints, code)."""
+    """Task options: cache on eagle3.stages' content-hash key (config fields, upstream fingerprints, code)."""
 
     def key(context, parameters: dict) -> str | None:
         return cache_key(stage, parameters["config"], upstream_fingerprints(parameters))
@@ -28,8 +30,12 @@ def cached(stage: str) -> dict:
     return {"cache_key_fn": key, "persist_result": True, "name": stage}
 
 
-def finished(stage: str, config: PipelineConfig, upstream: dict, **extra) -> dict:
-    """A stage's result - where its output is and its content hash (the next stage's cache input) - with the
-    output marked by the key it was made under. `upstream`: the task's stage-output parameters, by name."""
-    path = record_key(stage, config, upstream_fingerprints(upstream))
+def run_stage(stage: str, config: PipelineConfig, upstream: dict, work: Callable[[], dict | None]) -> dict:
+    """Run a cached stage's work between its in-progress and finished marks; return where its output is, its
+    content hash (the next stage's cache input) and what `work` adds. `upstream`: the task's stage-output
+    parameters, by name."""
+    fingerprints = upstream_fingerprints(upstream)
+    begin(stage, config, fingerprints, log_to_run())
+    extra = work() or {}
+    path = finish(stage, config, fingerprints)
     return {"path": str(path), "fingerprint": fingerprint(path), **extra}

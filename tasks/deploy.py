@@ -34,8 +34,9 @@ def flow_run_id() -> str | None:
 def release_production(config: PipelineConfig) -> str | None:
     """Stop a managed production server (the node holds one model); return the production version."""
     registry = open_registry(config.registry, log=log_to_run())
+    version = registry.production_version()  # read first: a registry that cannot be read leaves production up
     Production(config, registry, log_to_run()).release_node()
-    return registry.production_version()
+    return version
 
 
 @task(name="publish-candidate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
@@ -72,8 +73,9 @@ def promote(config: PipelineConfig, version: str, production: str | None) -> Non
     if version == production:
         log_to_run()(f"registry: {version} is production already (a re-run of the same export): nothing to move")
         return
-    registry.promote(version, expected=production, reasons=["every gate rule passed"], by="pipeline", run=flow_run_id())
+    # staged before the write: a write that lands but whose answer is lost must still be rolled back
     get_transaction().set("promotion", {"registry": config.registry, "version": version, "previous": production})
+    registry.promote(version, expected=production, reasons=["every gate rule passed"], by="pipeline", run=flow_run_id())
 
 
 @promote.on_rollback
@@ -83,6 +85,8 @@ def restore_pointer(transaction) -> None:
     if promotion is None:  # the pointer was not moved
         return
     registry = open_registry(promotion["registry"])
+    if registry.production_version() != promotion["version"]:
+        return  # the promotion's write never landed
     registry.rollback(to=promotion["previous"], expected=promotion["version"], by="pipeline", run=flow_run_id(),
                       reasons=[f"rolled back {promotion['version']}: a later step of the promotion failed"])
 
@@ -106,15 +110,14 @@ def verify_production(config: PipelineConfig, version: str) -> dict:
 
 @task(name="record-rejection", cache_policy=NO_CACHE)
 def record_rejection(config: PipelineConfig, version: str | None, rejection: GateRejected, served: dict,
-                     production: dict) -> None:
-    """History records the rejection with both measurements: the candidate's and production's, served again."""
+                     production: str | None) -> None:
+    """History records the rejection with the candidate's measurement. Production must still be what it was
+    before the run: a rollback hook that failed is an error here, not a line in a log."""
     registry = open_registry(config.registry, log=log_to_run())
-    measured = production["measured"] or {}
-    both = {"candidate": {k: served.get(k) for k in ("accept_length", "accept_rate", "lost_requests")},
-            "production": {"version": production["version"], "accept_length": measured.get("accept_length"),
-                           "accept_rate": measured.get("accept_rate"), "warning": production["warning"]}}
+    registry.require_production(production, f"after rejecting {version}")
+    measured = {k: served.get(k) for k in ("accept_length", "accept_rate", "lost_requests")}
     registry.record("rejected", version, [f"{r.rule}: {r.message}" for r in rejection.decision.reasons],
-                    by="pipeline", run=flow_run_id(), extra=both)
+                    by="pipeline", run=flow_run_id(), extra={"candidate": measured})
 
 
 @task(name="report-decision", cache_policy=NO_CACHE)

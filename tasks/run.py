@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from eagle3.config import PipelineConfig, RegistrySection, load_config
 from eagle3.deploy import retrain_overrides
@@ -28,7 +29,8 @@ def ensure_registry_limit(config: str, overrides: list[str] | None = None) -> st
         try:
             client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            with contextlib.suppress(ObjectAlreadyExists):  # another first run created it meanwhile: that one will do
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
     return name
 
 

@@ -1,4 +1,4 @@
-"""Training stage: torchrun in its own process group; its log streams here, its metrics drive a progress artifact."""
+"""Training stage: torchrun in its own process groups; its log streams here, its metrics drive a progress artifact."""
 
 from __future__ import annotations
 
@@ -11,20 +11,22 @@ from eagle3.config import PipelineConfig
 from eagle3.report import training_report
 from eagle3.train.launch import terminate_on_sigterm, train
 from eagle3.train.trainer import METRICS_FILE
-from tasks.common import cached, finished, log_to_run
+from tasks.common import cached, log_to_run, run_stage
 
 
 @task(**cached("train"))
 def train_draft(config: PipelineConfig, config_path: str, overrides: list[str], dataset: dict, vocab: dict) -> dict:
-    progress = create_progress_artifact(0.0, key="training-progress", description="training steps done (%)")
+    def work() -> None:
+        progress = create_progress_artifact(0.0, key="training-progress", description="training steps done (%)")
 
-    def on_metrics(record: dict) -> None:
-        if "loss" in record:
-            update_progress_artifact(progress, 100.0 * record["step"] / config.training.max_steps)
+        def on_metrics(record: dict) -> None:
+            if "loss" in record:
+                update_progress_artifact(progress, 100.0 * record["step"] / config.training.max_steps)
 
-    with terminate_on_sigterm():  # a cancelled flow run takes torchrun's whole process group with it
-        out = train(config, config_path, overrides, log=log_to_run(), on_metrics=on_metrics)
-    records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines() if line.strip()]
-    create_markdown_artifact(key="training", markdown=training_report(records),
-                             description="loss and per-position accuracy by step; evaluation")
-    return finished("train", config, {"dataset": dataset, "vocab": vocab})
+        with terminate_on_sigterm():  # a cancelled flow run takes the trainers' process groups with it
+            out = train(config, config_path, overrides, log=log_to_run(), on_metrics=on_metrics)
+        records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines() if line.strip()]
+        create_markdown_artifact(key="training", markdown=training_report(records),
+                                 description="loss and per-position accuracy by step; evaluation")
+
+    return run_stage("train", config, {"dataset": dataset, "vocab": vocab}, work)

@@ -117,3 +117,10 @@ def test_convert_refusal_exits_1_with_the_cause(native_draft, tmp_path):
                     "--target-family", "qwen3_5")
     assert result.returncode == 1 and "qwen3_5" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_run_refuses_a_bad_config_in_one_line_before_starting_prefect(tmp_path):
+    result = eagle3("run", tmp_path / "missing.yaml")
+    assert result.returncode == 1 and result.stderr.strip() == f"eagle3 run: {tmp_path / 'missing.yaml'}: no such config file"
+    result = eagle3("run", "configs/tiny-cpu.yaml", "--set", "training.max_stepz=3")
+    assert result.returncode == 1 and "training.max_stepz (from --set): unknown field" in result.stderr

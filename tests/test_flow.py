@@ -96,7 +96,7 @@ def test_a_broken_export_rolls_back_and_production_keeps_serving(micro_flow):
     overrides, first = micro_flow
     state = eagle3(CONFIG, overrides + BROKEN, return_state=True)
     assert state.is_completed() and state.name == "RolledBack", state.message
-    assert "near-baseline" in state.message
+    assert "near-baseline" in state.message and "likely cause (train-serve checklist): d2t encoding" in state.message
     config = load_config(CONFIG, overrides)
     registry = open_registry(config.registry)
     pointer, _ = registry.production()
@@ -149,6 +149,9 @@ def test_validation_problems_fail_the_run_before_any_server_starts(micro_flow):
     assert stages["serve-production"] == "Completed"  # the failed run left production serving
     assert "NOT valid" in artifacts(state.state_details.flow_run_id)["export-validation"]
     assert registry.production_version() == before
+    # the failed run overwrote export/sglang: the next run makes it again instead of taking the cached result
+    again = eagle3(CONFIG, overrides, return_state=True)
+    assert task_states(again.state_details.flow_run_id)["export"] == "Completed" and again.is_completed()
 
 
 def test_a_managed_production_server_outlives_the_run_until_released(micro_flow, tmp_path):

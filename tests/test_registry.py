@@ -151,6 +151,8 @@ def test_promote_keeps_previous_and_rollback_restores_it(registry, exports, tmp_
     back = registry.rollback(["served accept length regressed after restart"], by="cli", expected="v2")
     assert (back["version"], back["previous"], back["event"]) == ("v1", "v2", "rolled-back")
     assert registry.production()[0] == back
+    with pytest.raises(RegistryError, match="itself reached by rolling back v2; name the version"):
+        registry.rollback(["again"], by="cli")  # never back to the rejected v2 without naming it
     with pytest.raises(RegistryError, match="already production"):
         registry.promote("v1", "v1", ["again"], by="cli")
 

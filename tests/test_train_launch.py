@@ -176,7 +176,15 @@ def test_metrics_follower_waits_for_the_file(tmp_path):
     assert follower.poll() == [{"step": 1}]
 
 
-def test_terminate_on_sigterm_raises_once_and_restores_the_default():
+@pytest.fixture
+def default_sigterm():
+    """SIGTERM's default action for the test (a Prefect flow run earlier in the session leaves its own handler)."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_terminate_on_sigterm_raises_once_and_restores_the_default(default_sigterm):
     with pytest.raises(Terminated) as err, terminate_on_sigterm():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises before this ends
@@ -195,7 +203,7 @@ def test_terminate_on_sigterm_keeps_a_handler_already_in_place():
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_terminate_on_sigterm_refuses_another_thread():
+def test_terminate_on_sigterm_refuses_another_thread(default_sigterm):
     errors = []
 
     def enter():

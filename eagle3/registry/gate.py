@@ -44,7 +44,9 @@ class Decision:
     def summary(self) -> str:
         if self.promote:
             return "promote: every gate rule passed"
-        return "reject: " + "; ".join(f"{r.rule}: {r.message}" for r in self.reasons)
+        text = "reject: " + "; ".join(f"{r.rule}: {r.message}" for r in self.reasons)
+        failed = (self.diagnosis or {}).get("failed")
+        return text + (f"; likely cause (train-serve checklist): {', '.join(failed)}" if failed else "")
 
 
 def decide(candidate: Metrics, production: Metrics | None, gate: GateSection, diagnosis: dict | None = None) -> Decision:

@@ -17,9 +17,11 @@ from eagle3.config import PipelineConfig
 from eagle3.deploy import benchmark_heldout, measure_server
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.procs import ProcessTree, group_alive
+from eagle3.serve.launch import GPU_QUERY, wait_gpus_free
 
 Log = Callable[[str], None]
 STATE_FILE = "server.json"
+STOP_GRACE_S = 20.0  # under the 30 s a cancelled flow run has between SIGTERM and SIGKILL
 
 
 class Production:
@@ -37,7 +39,7 @@ class Production:
         self._log(f"[production {self.mode} {self.url}] {message}")
 
     def release_node(self) -> None:
-        """managed: stop the production server so the candidate can have the node's GPUs."""
+        """managed: stop the production server and wait for the GPUs' memory, so the run can have the node."""
         if self.mode == "external":
             self.log("external: left alone (it runs elsewhere)")
             return
@@ -45,9 +47,11 @@ class Production:
         if recorded is None:
             self.log("no managed production server is running")
             return
-        self.log(f"stopping production (version {recorded['version']}, process group {recorded['pgid']}) for the candidate")
-        ProcessTree.of_group(recorded["pgid"]).stop(grace_s=30.0, log=self.log)
+        self.log(f"stopping production (version {recorded['version']}, process group {recorded['pgid']})")
+        ProcessTree.of_group(recorded["pgid"]).stop(grace_s=STOP_GRACE_S, log=self.log)
         self.state.unlink()
+        s = self.config.serving
+        wait_gpus_free(GPU_QUERY, s.gpu_free_mib, s.gpu_free_timeout_s, self.log)
 
     def serve(self, version: str | None, why: str) -> dict | None:
         """Serve `version` on the production endpoint and re-measure it; return the served result (None if external
@@ -57,17 +61,19 @@ class Production:
                      f"that version's sglang export - the pipeline does not restart it")
             return None
         if version is None:
+            self.release_node()  # e.g. a rejected first deployment that verify-production had started
             self.log(f"no production version in the registry ({why}): nothing to serve")
             return None
-        self.release_node()
+        # fetched before the running server stops: an unreachable registry must not leave production down
         draft = self.registry.fetch(version, "sglang", Path(self.config.production.state_dir) / "drafts" / version)
+        self.release_node()
         self.log(f"serving version {version} ({why}) from {draft}")
         keep = self.config.production.keep_serving
         result = measure_server(self.serving_config, draft, self.log, role=f"production {version}",
                                 keep_running=keep)
         if keep:
             atomic_write_json(self.state, {"version": version, "pgid": result.pop("pgid"), "url": self.url,
-                                           "started": time.time()})
+                                           "boot_id": boot_id(), "started": time.time()})
         else:
             self.log("stopped after the re-measure: production.keep_serving is false")
         return result
@@ -84,6 +90,10 @@ class Production:
         if not self.state.is_file():
             return None
         recorded = read_json(self.state, "")
+        if recorded.get("boot_id") != boot_id():  # the machine restarted: that process id may be anyone's now
+            self.log(f"the recorded server (process group {recorded['pgid']}) ran before the last reboot: forgotten")
+            self.state.unlink()
+            return None
         if not group_alive(recorded["pgid"]):
             self.log(f"the recorded server (process group {recorded['pgid']}) is no longer running")
             self.state.unlink()
@@ -107,3 +117,6 @@ class Production:
         self.log(f"version {version} measures accept length {now:.3f}, recorded {recorded:.3f}: as promoted")
         return None
 
+
+def boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()

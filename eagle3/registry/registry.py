@@ -195,6 +195,15 @@ class Registry:
         pointer, _ = self.production()
         return pointer["version"] if pointer else None
 
+    def require_production(self, version: str | None, when: str) -> None:
+        """Raise unless production is `version` (None: no production version)."""
+        now = self.production_version()
+        if now != version:
+            raise RegistryError(
+                f"{when}: production in {self.location} is {now}, but should be {version} (a rollback did not take "
+                f"effect); restore it with `eagle3 registry rollback --to {version}` and check `eagle3 registry history`"
+                if version else f"{when}: production in {self.location} is {now}, but the run expected none")
+
     def promote(self, version: str, expected: str | None, reasons: list[str], by: str, run: str | None = None,
                 event: str = "promoted", extra: dict | None = None) -> dict:
         """Point production at `version`, provided production is still `expected` (the version the caller
@@ -217,6 +226,11 @@ class Registry:
             raise RegistryError(f"registry {self.location} has no production pointer: there is nothing to roll back")
         if expected is not None and current["version"] != expected:
             raise self._conflict(current)
+        if to is None and current.get("event") == "rolled-back":
+            # its `previous` is the version that was rolled back (a rejected draft): never return to it unasked
+            raise RegistryError(
+                f"production {current['version']} in {self.location} was itself reached by rolling back "
+                f"{current.get('previous')}; name the version to roll back to with --to VERSION (see history)")
         target = to or current.get("previous")
         if target is not None:
             self.manifest(target)

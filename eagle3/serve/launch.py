@@ -82,7 +82,7 @@ class Server:
 
     def __init__(self, command: list[str], host: str, port: int, log_dir: Path, log: Callable[[str], None] = print,
                  label: str = "", gpu_query: list[str] | None = GPU_QUERY, gpu_free_mib: int = 2048,
-                 gpu_free_timeout_s: float = 600.0, grace_s: float = 30.0):
+                 gpu_free_timeout_s: float = 600.0, grace_s: float = 20.0):
         self.command, self.url, self.log_dir = command, f"http://{host}:{port}", Path(log_dir)
         self.label = label or f"endpoint {self.url}, launcher {command[0]}"
         self._log, self.gpu_query, self.gpu_free_mib = log, gpu_query, gpu_free_mib
@@ -151,26 +151,7 @@ class Server:
         self.wait_gpus_free()
 
     def wait_gpus_free(self) -> None:
-        if self.gpu_query is None:
-            return
-        if self.gpu_query[0] == "nvidia-smi" and shutil.which("nvidia-smi") is None:
-            self.log("nvidia-smi not found here: not waiting for GPU memory")
-            return
-        end = time.monotonic() + self.gpu_free_timeout_s
-        while True:
-            try:
-                out = subprocess.run(self.gpu_query, capture_output=True, text=True, timeout=60, check=True).stdout
-                used = [int(v) for v in out.split()]
-            except (OSError, subprocess.SubprocessError, ValueError) as err:
-                self.log(f"cannot read GPU memory ({shlex.join(self.gpu_query)}: {err}): not waiting for it")
-                return
-            if all(u < self.gpu_free_mib for u in used):
-                self.log(f"GPU memory used (MiB) {used}: below {self.gpu_free_mib}, free")
-                return
-            if time.monotonic() > end:
-                raise LaunchError(f"[{self.label}] GPU memory still in use {self.gpu_free_timeout_s:.0f} s after the stop: "
-                                  f"{used} MiB (threshold {self.gpu_free_mib}); find the process holding it")
-            time.sleep(2.0)
+        wait_gpus_free(self.gpu_query, self.gpu_free_mib, self.gpu_free_timeout_s, self.log, f"[{self.label}] ")
 
     def __enter__(self) -> Server:
         self.start()
@@ -178,6 +159,32 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def wait_gpus_free(query: list[str] | None, free_mib: int, timeout_s: float, log: Callable[[str], None],
+                   label: str = "") -> None:
+    """After a stop on the GPU node: wait until every GPU uses less than `free_mib` (DESIGN §4: one model at a time).
+    No query, or no nvidia-smi here, is no wait."""
+    if query is None:
+        return
+    if query[0] == "nvidia-smi" and shutil.which("nvidia-smi") is None:
+        log("nvidia-smi not found here: not waiting for GPU memory")
+        return
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            out = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True).stdout
+            used = [int(v) for v in out.split()]
+        except (OSError, subprocess.SubprocessError, ValueError) as err:
+            log(f"cannot read GPU memory ({shlex.join(query)}: {err}): not waiting for it")
+            return
+        if all(u < free_mib for u in used):
+            log(f"GPU memory used (MiB) {used}: below {free_mib}, free")
+            return
+        if time.monotonic() > end:
+            raise LaunchError(f"{label}GPU memory still in use {timeout_s:.0f} s after the stop: {used} MiB "
+                              f"(threshold {free_mib}); find the process holding it")
+        time.sleep(2.0)
 
 
 def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None] = print, role: str = "candidate") -> Server:

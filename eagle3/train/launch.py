@@ -32,7 +32,7 @@ from typing import BinaryIO
 from eagle3.config import PipelineConfig
 from eagle3.errors import Eagle3Error
 from eagle3.procs import ProcessTree, timestamp
-from eagle3.serve.launch import wrap
+from eagle3.serve.launch import GPU_QUERY, wait_gpus_free, wrap
 from eagle3.train.__main__ import STOPPED_BY_SIGTERM
 from eagle3.train.trainer import METRICS_FILE
 
@@ -215,6 +215,8 @@ def train(config: PipelineConfig, config_path: Path | str, overrides: list[str],
             tree.stop(config.training.stop_grace_s, log)
             for reader in readers:
                 reader.join(timeout=5.0)  # a pipe still held open by a stranger must not hold us
+    if config.training.launcher == "local":  # the next stage's server needs this node's GPUs (DESIGN §4)
+        wait_gpus_free(GPU_QUERY, config.serving.gpu_free_mib, config.serving.gpu_free_timeout_s, log, "train: ")
     if code == 0:
         log(f"train: done; best/, final/ and {METRICS_FILE} in {train_dir}")
         return train_dir
