@@ -152,14 +152,9 @@ def run_regenerate(args: argparse.Namespace) -> int:
 
 
 def run_capture(args: argparse.Namespace) -> int:
-    from eagle3.data.capture import capture
-    from eagle3.engines.sglang_capture import run_on_node
+    from eagle3.data.capture import capture_with_engine
 
-    config = load_run_config(args)
-    if config.data.capture_engine == "sglang":
-        run_on_node(config, args.config, args.overrides, log=print)
-    else:
-        capture(config)
+    capture_with_engine(load_run_config(args), args.config, args.overrides)
     return EXIT_OK
 
 

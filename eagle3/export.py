@@ -8,6 +8,7 @@ Writes run.dir/export/<layout>/ and run.dir/export/validation.json.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -68,9 +69,10 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
 def with_waivers(report: Report, waive: list[str], log: Log) -> dict:
     """The report as a dict, with the errors `export.waive` names moved to `waived` (and logged)."""
     result = report.to_dict()
-    result["waived"] = [p for p in result["problems"] if p["severity"] == "error" and p["code"] in waive]
+    kept = report.errors(waive)
+    result["waived"] = [asdict(p) for p in report.of("error") if p not in kept]
     result["problems"] = [p for p in result["problems"] if p not in result["waived"]]
-    result["ok"] = not any(p["severity"] == "error" for p in result["problems"])
+    result["ok"] = not kept
     for problem in result["waived"]:
         log(f"export: WARNING: waived by export.waive: {problem['code']}: {problem['message']}")
     return result

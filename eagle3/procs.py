@@ -8,13 +8,17 @@ be found by walking down from the launcher.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from eagle3.errors import Eagle3Error
 
 
 def process_table() -> dict[int, tuple[str, int, int]]:
@@ -106,3 +110,34 @@ class ProcessTree:
                 return False
             time.sleep(0.1)
         return True
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived inside `terminate_on_sigterm()`; uncaught, the process exits with status 143 like a
+    process the signal ended."""
+
+
+@contextlib.contextmanager
+def terminate_on_sigterm() -> Iterator[None]:
+    """Make SIGTERM raise `Terminated` while the block runs, so `finally` blocks (the trainer's stop) run.
+
+    Only the default action is replaced: it ends the process on the spot and leaves the trainer running. A
+    Python handler already in place is kept (Prefect's flow engine raises its own TerminationSignal, and reports
+    a cancel by it), and so is an ignored SIGTERM. Must be entered in the main thread, where Python runs handlers.
+    """
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    if threading.current_thread() is not threading.main_thread():
+        raise Eagle3Error("terminate_on_sigterm() must be entered in the main thread: Python runs signal handlers "
+                          "only there; start training from the main thread")
+
+    def raise_terminated(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the first one's stop short
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -9,7 +9,8 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from eagle3.config import PipelineConfig
 from eagle3.report import training_report
-from eagle3.train.launch import terminate_on_sigterm, train
+from eagle3.procs import terminate_on_sigterm
+from eagle3.train.launch import train
 from eagle3.train.trainer import METRICS_FILE
 from tasks.common import cached, log_to_run, run_stage
 

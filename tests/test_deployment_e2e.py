@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 from browser import render_until, require_chromium
-from test_flow import micro_run_overrides
+from test_flow import free_port, micro_run_overrides
 
 pytestmark = pytest.mark.e2e
 
@@ -59,12 +58,6 @@ class Phases:
 
     def __str__(self) -> str:
         return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tail(path: Path, lines: int = 60) -> str:

@@ -20,15 +20,10 @@ from eagle3.registry.registry import open_registry
 from flows.eagle3 import eagle3, ensure_registry_limit
 from test_config import TINY
 from test_data import micro_overrides
+from test_launch import free_port
 
 CONFIG = str(TINY)
 BROKEN = ["export.fault=absolute-d2t", "export.waive=[d2t-absolute]"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def micro_run_overrides(run_dir, target) -> list[str]:

@@ -20,17 +20,15 @@ from test_train import metrics, micro_data, run_copy  # noqa: F401  (micro_data:
 
 from eagle3.config import load_config
 from eagle3.errors import ConfigError, Eagle3Error
-from eagle3.procs import ProcessTree, group_alive, process_table
+from eagle3.procs import ProcessTree, Terminated, group_alive, process_table, terminate_on_sigterm
 from eagle3.train.launch import (
     MetricsFollower,
-    Terminated,
     TrainingFailed,
     TrainingStopped,
     child_env,
     failure_message,
     launch_commands,
     stopped_by_sigterm,
-    terminate_on_sigterm,
     train,
 )
 
@@ -302,7 +300,8 @@ def test_a_failing_trainer_raises_with_its_own_error_line(tmp_path, micro_target
 CANCELLED_FLOW = """
 import json, sys
 from eagle3.config import load_config
-from eagle3.train.launch import terminate_on_sigterm, train
+from eagle3.procs import terminate_on_sigterm
+from eagle3.train.launch import train
 
 config_path, *overrides = sys.argv[1:]
 with terminate_on_sigterm():

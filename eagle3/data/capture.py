@@ -29,6 +29,7 @@ from eagle3.data.shards import (
 )
 from eagle3.data.targets import check_same, load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error, UnreadableInput
+from eagle3.engines.sglang_capture import run_on_node
 from eagle3.formats.manifest import code_version, read_manifest, write_manifest
 from eagle3.data.storage import check_storage, projected_bytes
 from eagle3.progress import Progress
@@ -132,6 +133,15 @@ def capture(config: PipelineConfig, log: Log = print, passes: list | None = None
     write_manifest(out, kind="dataset", fields=dataset_fields(config, regen_manifest, release, records))
     log(f"capture: {len(records)} samples in {len(shards)} shard(s) at {out} ({len(shards) - len(pending)} reused)")
     return out
+
+
+def capture_with_engine(config: PipelineConfig, config_path: str | Path, overrides: list[str], log: Log = print) -> Path:
+    """Capture with `data.capture_engine`: here (transformers), or SGLang on the GPU node - a subprocess in the
+    node's SGLang environment that reads the same config file and overrides. Returns the dataset directory."""
+    if config.data.capture_engine == "sglang":
+        run_on_node(config, str(config_path), overrides, log=log)
+        return config.stage_dir("data") / HIDDEN_DIR
+    return capture(config, log=log)
 
 
 def capture_settings(config: PipelineConfig) -> dict:

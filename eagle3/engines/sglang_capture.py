@@ -17,8 +17,6 @@ Run on the node:  python -m eagle3.engines.sglang_capture --config C [--set sect
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import subprocess
 import sys
 from typing import Callable
@@ -28,8 +26,10 @@ import torch
 from eagle3.config import PipelineConfig
 from eagle3.errors import Eagle3Error
 from eagle3.formats import engines
+from eagle3.procs import ProcessTree, terminate_on_sigterm
 
 SUPPORTED_RELEASES = engines.ReleaseRange("0.5.23", "0.5.23")
+STOP_GRACE_S = 20.0  # under the 30 s a cancelled flow run has between SIGTERM and SIGKILL
 
 
 def engine_args(config: PipelineConfig, kind: str, release: str) -> dict:
@@ -108,29 +108,13 @@ def run_on_node(config: PipelineConfig, config_path: str, overrides: list[str], 
         process = subprocess.Popen(command, start_new_session=True)
     except OSError as err:
         raise Eagle3Error(f"cannot start {command[0]} (data.sglang_python): {err.strerror}") from None
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the finally below runs
     try:
-        code = process.wait()
+        with terminate_on_sigterm():  # so the stop below runs
+            code = process.wait()
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        if process.poll() is None:
-            stop_group(process)
+        ProcessTree([process]).stop(STOP_GRACE_S, log)
     if code != 0:
         raise Eagle3Error(f"SGLang capture exited with status {code}: {' '.join(command)}")
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
-def stop_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """TERM the process group (the engine and its workers), then KILL what is left after the grace."""
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,10 @@ class Report:
     def of(self, severity: str) -> list[Problem]:
         return [p for p in self.problems if p.severity == severity]
 
+    def errors(self, waived: list[str] = ()) -> list[Problem]:
+        """The errors, less those whose codes are waived on purpose (`export.waive`)."""
+        return [p for p in self.of("error") if p.code not in waived]
+
     @property
     def ok(self) -> bool:
         return not self.of("error")

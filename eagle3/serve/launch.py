@@ -229,7 +229,7 @@ def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[st
     except BaseException:
         server.stop()
         raise
-    errors = [p for p in report.of("error") if p.code not in config.export.waive]
+    errors = report.errors(config.export.waive)
     if errors:
         server.stop()
         listed = "\n".join(f"  {p.code}: {p.message} (fix: {p.fix})" for p in errors)
