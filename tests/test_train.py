@@ -18,6 +18,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig, convert, load_native, save_native_draft
 from eagle3.formats.vocab_map import build_vocab_map
 from eagle3.model.draft import Eagle3Draft, init_weights
+from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import draft_chain, ttt_forward, ttt_stats
 from eagle3.model.weights import draft_as_served, draft_from_native, target_head
 from eagle3.train.trainer import Trainer
@@ -70,9 +71,10 @@ class TestAlignment:
     def test_targets_and_masks_by_hand(self):
         x = torch.tensor([[10, 11, 12, 13, 14, 15]])
         mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
-        target_logits = torch.zeros(1, 6, 16)
+        last = torch.zeros(1, 6, 16)
         for i in range(5):
-            target_logits[0, i, x[0, i + 1]] = 10.0  # row i predicts token i + 1
+            last[0, i, x[0, i + 1]] = 10.0  # row i predicts token i + 1 (through an identity head)
+        teacher = TeacherHead(torch.eye(16), torch.arange(16))(last)
         model = tiny_draft()
 
         def one_hot(shift):  # draft logits whose argmax at index t is x[t + shift]
@@ -81,10 +83,10 @@ class TestAlignment:
                 logits[0, t, x[0, t + shift]] = 10.0
             return logits
 
-        right = ttt_stats([one_hot(2), one_hot(3)], target_logits, x, mask, model)
+        right = ttt_stats([one_hot(2), one_hot(3)], teacher, mask, model)
         assert right.count.tolist() == [4, 3]  # step 0: t in 0..3 (x_2..x_5); step 1: t in 0..2 (x_3..x_5)
         assert right.correct.tolist() == [4, 3]
-        off_by_one = ttt_stats([one_hot(1), one_hot(2)], target_logits, x, mask, model)
+        off_by_one = ttt_stats([one_hot(1), one_hot(2)], teacher, mask, model)
         assert off_by_one.correct.tolist() == [0, 0]
 
     def test_no_step_sees_the_future(self):

@@ -71,6 +71,32 @@ class Attention(nn.Module):
         repeat = self.heads // self.kv_heads
         keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, heads, Tq, d]
+        return self.output(out)
+
+    def attend_ttt(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """Training-time test, step k: q [B, heads, T, d]; keys/values k + 1 blocks [B, kv_heads, T, d].
+
+        Block 0 (the prefix, built from target features) is seen causally; block j >= 1 (the chain's own
+        step j) only at the query's own index. Scoring the causal block plus one diagonal per later block
+        is T^2 + k*T entries per head, where a dense mask over all blocks scores (k + 1) * T^2. Query heads
+        are grouped over their kv head, so keys and values are never repeated.
+        """
+        b, _, t, d = q.shape
+        grouped = q.view(b, self.kv_heads, self.heads // self.kv_heads, t, d)  # [B, kv, group, T, d]
+        scale = d**-0.5
+        prefix = grouped @ keys[0].unsqueeze(2).transpose(-1, -2) * scale  # [B, kv, group, T, T]
+        scores = [prefix.masked_fill(~causal_mask(t, q.device), float("-inf"))]
+        if len(keys) > 1:
+            own_keys, own_values = torch.stack(keys[1:], dim=3), torch.stack(values[1:], dim=3)  # [B, kv, T, k, d]
+            scores.append(torch.einsum("bgrtd,bgtkd->bgrtk", grouped, own_keys) * scale)  # [B, kv, group, T, k]
+        weights = torch.cat(scores, dim=-1).softmax(-1, dtype=torch.float32).to(q.dtype)  # [B, kv, group, T, T + k]
+        out = weights[..., :t] @ values[0].unsqueeze(2)  # [B, kv, group, T, d]
+        if len(keys) > 1:
+            out = out + torch.einsum("bgrtk,bgtkd->bgrtd", weights[..., t:], own_values)
+        return self.output(out.reshape(b, self.heads, t, d))
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, heads, T, d] -> o_proj over the concatenated heads, [B, T, H]."""
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
@@ -129,8 +155,9 @@ class Eagle3Draft(nn.Module):
         return h, self.lm_head(self.norm(h))
 
     def export_state(self) -> dict[str, torch.Tensor]:
-        """Canonical tensors (the native layout), without the target's embedding."""
-        return {name: t.detach().clone() for name, t in self.state_dict().items() if not name.startswith("embed_tokens")}
+        """Canonical tensors (the native layout) on the CPU, without the target's embedding."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.state_dict().items()
+                if not name.startswith("embed_tokens")}
 
 
 def causal_mask(length: int, device=None) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.model.draft import Eagle3Draft, causal_mask
+from eagle3.model.teacher import Teacher
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -26,12 +27,6 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     if n < x.shape[1]:
         out[:, : x.shape[1] - n] = x[:, n:]
     return out
-
-
-def ttt_mask(length: int, blocks: int, device=None) -> torch.Tensor:
-    """[T, blocks * T]: block 0 causal (the prefix), later blocks diagonal (the chain's own entries)."""
-    eye = torch.eye(length, dtype=torch.bool, device=device)
-    return torch.cat([causal_mask(length, device)] + [eye] * (blocks - 1), dim=1)
 
 
 def ttt_forward(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -44,9 +39,7 @@ def ttt_forward(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, 
         q, new_k, new_v = model.project(shift_left(input_ids, 1 + k), hidden, index + k)
         keys.append(new_k)
         values.append(new_v)
-        mask = ttt_mask(length, k + 1, input_ids.device)
-        attended = model.midlayer.self_attn.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
-        hidden, step_logits = model.finish(hidden, attended)
+        hidden, step_logits = model.finish(hidden, model.midlayer.self_attn.attend_ttt(q, keys, values))
         logits.append(step_logits)
     return logits
 
@@ -60,30 +53,19 @@ class StepStats:
     count: torch.Tensor  # [K] valid positions
 
 
-def ttt_stats(
-    step_logits: list[torch.Tensor],
-    target_logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    model: Eagle3Draft,
-) -> StepStats:
+def ttt_stats(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor, model: Eagle3Draft) -> StepStats:
     """Soft cross-entropy against the target's distribution restricted to the draft vocabulary.
 
-    target_logits [B, T, V]: position i predicts token i + 1. Step k at index t predicts x_{t+2+k},
-    so its target is row t+1+k, valid when x_{t+2+k} is a generated (loss-masked) token and the
-    target's argmax there lies inside the draft vocabulary.
+    Teacher row i predicts token i + 1. Step k at index t predicts x_{t+2+k}, so its target is row
+    t+1+k, valid when x_{t+2+k} is a generated (loss-masked) token and the target's argmax there lies
+    inside the draft vocabulary.
     """
     hot = model.hot_token_ids()  # [Dv] target id of each draft row
-    in_draft = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=hot.device)
-    in_draft[hot] = True
-    # Reduce the [B, T, V] logits once; the steps only shift these small tensors.
-    target_argmax = target_logits.argmax(-1)  # [B, T]
-    target_hot = F.softmax(target_logits[..., hot].float(), dim=-1)  # [B, T, Dv]
     losses, correct, count = [], [], []
     for k, logits in enumerate(step_logits):
-        argmax = shift_left(target_argmax, 1 + k)  # [B, T]: row t+1+k predicts x_{t+2+k}
-        valid = shift_left(loss_mask, 2 + k).bool() & in_draft[argmax]
-        p = shift_left(target_hot, 1 + k)  # [B, T, Dv]
+        argmax = shift_left(teacher.argmax, 1 + k)  # [B, T]: row t+1+k predicts x_{t+2+k}
+        valid = shift_left(loss_mask, 2 + k).bool() & shift_left(teacher.in_draft, 1 + k)
+        p = shift_left(teacher.probs, 1 + k)  # [B, T, Dv]
         log_q = F.log_softmax(logits.float(), dim=-1)
         per_position = -(p * log_q).sum(-1)  # [B, T]
         losses.append((per_position * valid).sum())

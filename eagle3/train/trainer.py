@@ -8,25 +8,15 @@ the same loss and the same update.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import fully_shard
 
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import HIDDEN_DIR, check_dataset
@@ -34,51 +24,19 @@ from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
 from eagle3.formats.target import read_target_info
-from eagle3.formats.vocab_map import load_vocab_map
+from eagle3.formats.vocab_map import VocabMap, load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.bench.simulate import replay
+from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import TTTModel, draft_chain, ttt_forward, ttt_stats
 from eagle3.model.weights import target_head
 from eagle3.train.data import TrainingData
+from eagle3.train.parallel import Dist, Parallel, setup_distributed
 
 Log = Callable[[str], None]
 STATE_FILE = "trainer_state.pt"
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 METRICS_FILE = "metrics.jsonl"
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(tensor)
-        return tensor
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-
-def setup_distributed() -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    return Dist(rank=dist.get_rank(), world=world, device=device)
 
 
 def draft_config(config: PipelineConfig) -> DraftConfig:
@@ -110,10 +68,17 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def autocast(device: torch.device):
+    """bf16 matmuls on a GPU; float32 on the CPU (runs here, tests)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class Trainer:
-    def __init__(self, config: PipelineConfig, log: Log = print):
+    """`dist` defaults to this process's device and process group (tests pass their own device)."""
+
+    def __init__(self, config: PipelineConfig, log: Log = print, dist: Dist | None = None):
         self.config = config
-        self.dist = setup_distributed()
+        self.dist = dist or setup_distributed()
         self.log = log if self.dist.main else (lambda line: None)  # one voice, not one per rank
         train = config.training
         if train.batch_size % self.dist.world:
@@ -123,14 +88,14 @@ class Trainer:
             raise Eagle3Error(f"{dataset}: no captured dataset here; run `eagle3 data capture` first")
         check_dataset(config, read_manifest(dataset))
         self.data = TrainingData(dataset, train.seq_len, train.eval_fraction)
-        self.head = target_head(Path(config.target.path), config.target.weight_prefix)  # CPU; logits use copies on device
-        self.target_norm = self.head["norm"].to(self.dist.device)
-        self.target_eps = read_target_info(Path(config.target.path)).rms_norm_eps
-        self.target_lm_head = self.head["lm_head"].to(self.dist.device)  # [V, H]
-        self.model = self.build_model()
-        self.ttt = TTTModel(self.model, train.ttt_steps).to(self.dist.device)
-        self.fsdp = train.fsdp and self.dist.world > 1
-        self.wrapped = self.distribute(self.ttt)
+        head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
+        vocab_map = self.read_vocab_map()
+        self.model = self.build_model(head["embed"], head["lm_head"], vocab_map)
+        self.teacher = self.build_teacher(head, vocab_map)
+        self.ttt = TTTModel(self.model, train.ttt_steps)
+        self.parallel = Parallel(self.dist, train.fsdp)
+        self.wrapped = self.parallel.wrap(self.ttt)
+        self.step_weights = train.ttt_step_decay ** torch.arange(train.ttt_steps, dtype=torch.float32, device=self.dist.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=train.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -144,29 +109,44 @@ class Trainer:
 
     # -- set-up ---------------------------------------------------------------------------------
 
-    def build_model(self) -> Eagle3Draft:
-        cfg = draft_config(self.config)
-        vocab_map = load_vocab_map(self.config.stage_dir("vocab"))
-        if (vocab_map.draft_vocab_size, vocab_map.target_vocab_size) != (cfg.draft_vocab_size, cfg.vocab_size):
+    def read_vocab_map(self) -> VocabMap:
+        cfg, vocab_map = self.config.vocab, load_vocab_map(self.config.stage_dir("vocab"))
+        sizes = (cfg.draft_vocab_size, self.config.target.vocab_size)
+        if (vocab_map.draft_vocab_size, vocab_map.target_vocab_size) != sizes:
             raise Eagle3Error(
                 f"the vocab map in {self.config.stage_dir('vocab')} is {vocab_map.draft_vocab_size} of "
-                f"{vocab_map.target_vocab_size} ids; the config asks for {cfg.draft_vocab_size} of {cfg.vocab_size}: "
+                f"{vocab_map.target_vocab_size} ids; the config asks for {sizes[0]} of {sizes[1]}: "
                 "run `eagle3 vocab build` again"
             )
-        model = Eagle3Draft(cfg, self.head["embed"])
-        init_weights(model, self.config.training.seed)
+        return vocab_map
+
+    def build_model(self, embed: torch.Tensor, lm_head: torch.Tensor, vocab_map: VocabMap) -> Eagle3Draft:
+        """The draft, made on this process's device (no CPU copy of the weights to move)."""
+        device = self.dist.device
+        with torch.device(device):
+            model = Eagle3Draft(draft_config(self.config), embed.to(device))
+        init_weights(model, self.config.training.seed)  # from a CPU generator: the same draft on any device
         with torch.no_grad():
             model.d2t.copy_(vocab_map.d2t)
             model.t2d.copy_(vocab_map.t2d)
-            model.lm_head.weight.copy_(self.head["lm_head"][model.hot_token_ids()])  # the target's rows
+            model.lm_head.weight.copy_(lm_head[vocab_map.target_ids()])  # the target's rows
         if self.config.training.init_from is not None:
-            self.warm_start(model, Path(self.config.training.init_from))
+            self.warm_start(model, vocab_map, Path(self.config.training.init_from))
         return model
 
-    def warm_start(self, model: Eagle3Draft, path: Path) -> None:
+    def build_teacher(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> TeacherHead:
+        """The target's head on the device, bf16 on a GPU (its matmuls run in bf16 there anyway)."""
+        device = self.dist.device
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        pre_norm = self.config.data.last_hidden == "pre_norm"
+        norm = head["norm"].to(device, dtype) if pre_norm else None
+        eps = read_target_info(Path(self.config.target.path)).rms_norm_eps
+        return TeacherHead(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps)
+
+    def warm_start(self, model: Eagle3Draft, vocab_map: VocabMap, path: Path) -> None:
         previous = load_native(path)
         for name in ("d2t", "t2d"):
-            if not torch.equal(previous.tensors[name], getattr(model, name)):
+            if not torch.equal(previous.tensors[name], getattr(vocab_map, name)):
                 raise Eagle3Error(
                     f"cannot warm start from {path}: its vocab map differs from this run's ({name}); "
                     "rebuild the vocab map from the same data or train from scratch"
@@ -175,37 +155,6 @@ class Trainer:
             raise Eagle3Error(f"cannot warm start from {path}: its architecture differs from draft/target in the config")
         model.load_state_dict({**previous.tensors, "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
         self.log(f"train: warm start from {path}")
-
-    def distribute(self, module: TTTModel) -> torch.nn.Module:
-        """DDP replicates; FSDP2 shards the draft as one unit (its forward runs through helper methods,
-        so only the root's hooks see every call) — grads and AdamW state are sharded across ranks."""
-        if self.dist.world == 1:
-            return module
-        if self.fsdp:
-            fully_shard(module)
-            return module
-        return torch.nn.parallel.DistributedDataParallel(module)
-
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """Full canonical tensors (a collective under FSDP: every rank calls it)."""
-        if not self.fsdp:
-            return self.model.export_state()
-        full = get_model_state_dict(self.ttt, options=FULL_STATE)
-        return {k.removeprefix("draft."): v for k, v in full.items() if not k.startswith("draft.embed_tokens")}
-
-    def optimizer_state(self) -> dict:
-        return get_optimizer_state_dict(self.ttt, self.optimizer, options=FULL_STATE) if self.fsdp else self.optimizer.state_dict()
-
-    def load_states(self, tensors: dict[str, torch.Tensor], optimizer: dict | None) -> None:
-        if self.fsdp:
-            options = StateDictOptions(full_state_dict=True, strict=False)
-            set_model_state_dict(self.ttt, {f"draft.{k}": v for k, v in tensors.items()}, options=options)
-            if optimizer is not None:
-                set_optimizer_state_dict(self.ttt, self.optimizer, optimizer, options=options)
-            return
-        self.model.load_state_dict({**tensors, "embed_tokens.weight": self.model.embed_tokens.weight}, strict=True)
-        if optimizer is not None:
-            self.optimizer.load_state_dict(optimizer)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -221,7 +170,7 @@ class Trainer:
             while self.batch_in_epoch < len(batches) and self.step < train.max_steps:
                 refs = batches[self.batch_in_epoch][self.dist.rank :: self.dist.world]
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
-                metrics = self.train_step(refs)
+                metrics = self.step_metrics(self.train_step(self.data.collate(refs)))
                 self.step += 1
                 self.batch_in_epoch += 1
                 tokens += metrics.pop("tokens")
@@ -231,7 +180,7 @@ class Trainer:
                     self.evaluate()
                 if self.step % train.save_every == 0 or self.step == train.max_steps:
                     self.save_checkpoint()
-                if self._stop_everywhere():
+                if self.stop_everywhere():
                     self.save_checkpoint()
                     self.log(f"train: stopped by SIGTERM at step {self.step}; resume continues from here")
                     self.stopped = True
@@ -239,46 +188,43 @@ class Trainer:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         return self.save_final()
 
-    def target_logits(self, last: torch.Tensor) -> torch.Tensor:
-        """[B, T, V] from the stored last hidden state (post-norm, or pre-norm through the target's norm)."""
-        if self.config.data.last_hidden == "pre_norm":
-            last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.target_eps) * self.target_norm
-        return last @ self.target_lm_head.T
-
     def step_stats(self, batch: dict[str, torch.Tensor], train: bool):
-        """Per-step sums for a local batch. Evaluation calls the draft directly: no wrapper hooks, no
-        collectives, so ranks with different numbers of eval batches cannot deadlock."""
-        batch = {k: v.to(self.dist.device) for k, v in batch.items()}
-        cuda = self.dist.device.type == "cuda"
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):  # bf16 matmuls on GPU; fp32 on CPU
+        """Per-step sums for a local batch (CPU tensors from `collate`), on the device. Evaluation calls
+        the draft directly: no wrapper hooks, no collectives, so ranks with different numbers of eval
+        batches cannot deadlock."""
+        batch = {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+        teacher = self.teacher(batch["last"])
+        with autocast(self.dist.device):
             if train:
                 step_logits = self.wrapped(batch["aux"], batch["input_ids"])
             else:
                 step_logits = ttt_forward(self.model, batch["aux"], batch["input_ids"], self.config.training.ttt_steps)
-        return ttt_stats(step_logits, self.target_logits(batch["last"]), batch["input_ids"], batch["loss_mask"], self.model)
+        return ttt_stats(step_logits, teacher, batch["loss_mask"], self.model)
 
-    def step_weights(self) -> torch.Tensor:
-        return self.config.training.ttt_step_decay ** torch.arange(self.config.training.ttt_steps, dtype=torch.float32)
-
-    def train_step(self, refs) -> dict:
+    def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One optimizer step on this rank's share of a global batch. Returns the global sums
+        [loss sum, correct, valid positions, tokens] x [K] on the device."""
         self.wrapped.train()
-        batch = self.data.collate(refs)
         stats = self.step_stats(batch, train=True)
-        counts = self.dist.sum(stats.count.detach().clone()).clamp_min(1)  # global valid positions per step
-        loss = (self.step_weights() * stats.loss_sum / counts).sum()
+        counts = self.dist.sum(stats.count.detach().clone())  # global valid positions per step
+        loss = (self.step_weights * stats.loss_sum / counts.clamp_min(1)).sum()
         (loss * self.dist.world).backward()  # DDP/FSDP average over ranks; the loss is already global
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         local_tokens = torch.full_like(stats.correct, float(batch["loss_mask"].numel()))
-        sums = self.dist.sum(torch.stack([stats.loss_sum.detach(), stats.correct, local_tokens]))
-        step_loss = sums[0] / counts
+        return torch.cat([self.dist.sum(torch.stack([stats.loss_sum.detach(), stats.correct, local_tokens])), counts[None]])
+
+    def step_metrics(self, sums: torch.Tensor) -> dict:
+        """The step's numbers on the host (one device-to-host copy)."""
+        loss_sum, correct, tokens, counts = sums.cpu()
+        step_loss = loss_sum / counts.clamp_min(1)
         return {
-            "loss": float((self.step_weights() * step_loss).sum()),
+            "loss": float((self.step_weights.cpu() * step_loss).sum()),
             "step_loss": [round(float(x), 5) for x in step_loss],
-            "step_acc": [round(float(x), 5) for x in sums[1] / counts],
-            "tokens": int(sums[2][0]),  # every rank's tokens
+            "step_acc": [round(float(x), 5) for x in correct / counts.clamp_min(1)],
+            "tokens": int(tokens[0]),  # every rank's tokens
         }
 
     @torch.no_grad()
@@ -286,37 +232,40 @@ class Trainer:
         """Held-out loss, per-step accuracy and simulated accept length; the best draft by accept length is kept."""
         if not self.data.eval:
             return
-        refs = self.data.eval[self.dist.rank :: self.dist.world]
         self.wrapped.eval()
-        if self.fsdp:
-            self.ttt.unshard()  # every rank, once: the direct calls below see full weights
-        try:
-            totals = torch.zeros(3, self.config.training.ttt_steps)  # loss sum, correct, count
-            for start in range(0, len(refs), self.config.training.batch_size):
-                stats = self.step_stats(self.data.collate(refs[start : start + self.config.training.batch_size]), train=False)
-                totals += torch.stack([stats.loss_sum, stats.correct, stats.count]).cpu()
-            accept = self.replay_counts(self.data.eval[: self.config.benchmark.num_prompts][self.dist.rank :: self.dist.world])
-        finally:
-            if self.fsdp:
-                self.ttt.reshard()
-        totals, accept = self.dist.sum(totals), self.dist.sum(accept)
+        with self.parallel.unsharded(self.ttt):  # every rank, once: the direct calls see full weights
+            totals, accept = self.eval_sums()
+        totals, accept = self.dist.sum(totals).cpu(), self.dist.sum(accept).cpu()
         counts = totals[2].clamp_min(1)
         accept_length = float(accept[0] / accept[1]) if accept[1] > 0 else 1.0
         step_acc = totals[1] / counts
-        self.record({"step": self.step, "eval_loss": float((self.step_weights() * totals[0] / counts).sum()),
+        weights = self.step_weights.cpu()
+        self.record({"step": self.step, "eval_loss": float((weights * totals[0] / counts).sum()),
                      "eval_step_acc": [round(float(x), 5) for x in step_acc], "eval_accept_length": accept_length})
         # Replaying stored replies measures acceptance only when they are the target's greedy choice;
         # for sampled data the weighted per-step accuracy decides instead.
-        score = accept_length if self.config.data.temperature == 0 else float((self.step_weights() * step_acc).sum())
+        score = accept_length if self.config.data.temperature == 0 else float((weights * step_acc).sum())
         if self.best is None or score > self.best:
             self.best = score
             self.write_checkpoint(self.out / "best", with_state=False)
+
+    def eval_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's [loss sum, correct, count] x [K] over its eval slice and its replayed
+        [completion tokens, verify steps], on the device."""
+        batch_size = self.config.training.batch_size
+        refs = self.data.eval[self.dist.rank :: self.dist.world]
+        totals = torch.zeros(3, self.config.training.ttt_steps, device=self.dist.device)
+        for start in range(0, len(refs), batch_size):
+            stats = self.step_stats(self.data.collate(refs[start : start + batch_size]), train=False)
+            totals += torch.stack([stats.loss_sum, stats.correct, stats.count])
+        replayed = self.data.eval[: self.config.benchmark.num_prompts][self.dist.rank :: self.dist.world]
+        return totals, self.replay_counts(replayed)
 
     def replay_counts(self, refs) -> torch.Tensor:
         """[completion tokens, verify steps] of chain drafting replayed over each eval sample's first
         reply with its stored target features: for greedy data (temperature 0) the stored reply is the
         target's own greedy continuation."""
-        counts = torch.zeros(2)
+        completion, verify_ct = 0, 0
         steps = self.config.serving.num_steps
         for ref in refs:
             sample = self.data.readers[ref.shard].sample(ref.index)
@@ -328,8 +277,8 @@ class Trainer:
             seq = sample.input_ids[:end].long()
             aux = sample.aux_hidden[:end].float().to(self.dist.device)
             result = replay(seq.tolist(), start, lambda p: draft_chain(self.model, aux[:p], seq[: p + 1], steps), steps)
-            counts += torch.tensor([result.completion_tokens, result.verify_ct], dtype=torch.float32)
-        return counts
+            completion, verify_ct = completion + result.completion_tokens, verify_ct + result.verify_ct
+        return torch.tensor([completion, verify_ct], dtype=torch.float32, device=self.dist.device)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -339,7 +288,7 @@ class Trainer:
     def write_checkpoint(self, path: Path, with_state: bool = True) -> None:
         """Every rank gathers, rank 0 writes atomically: the native draft, plus optimizer/scheduler/data
         position/RNG."""
-        tensors = self.model_state()
+        tensors = self.parallel.full_state(self.ttt)
         state = self.trainer_state() if with_state else None
         if self.dist.main:
             with atomic_directory(path, overwrite=True) as tmp:
@@ -354,7 +303,7 @@ class Trainer:
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "best": self.best,
-            "optimizer": self.optimizer_state(),
+            "optimizer": self.parallel.optimizer_state(self.ttt, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
         }
@@ -377,7 +326,7 @@ class Trainer:
             return
         draft = load_native(latest)
         state = torch.load(latest / STATE_FILE, map_location="cpu", weights_only=True)
-        self.load_states(draft.tensors, state["optimizer"])
+        self.parallel.load(self.ttt, self.optimizer, draft.tensors, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step, self.epoch, self.batch_in_epoch, self.best = state["step"], state["epoch"], state["batch_in_epoch"], state["best"]
@@ -412,9 +361,10 @@ class Trainer:
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
 
-    def _stop_everywhere(self) -> bool:
-        flag = self.dist.sum(torch.tensor([1.0 if self.stop_requested else 0.0]))
-        return bool(flag.item() > 0)
+    def stop_everywhere(self) -> bool:
+        """Whether any rank got SIGTERM (every rank calls this each step, so all stop at the same step)."""
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.dist.device)
+        return bool(self.dist.sum(flag).item() > 0)
 
 
 def _step_of(line: str) -> float:

@@ -1,0 +1,60 @@
+"""The target's next-token distribution the draft learns from, computed compactly from its last hidden state.
+
+Training needs two things per position: the target's argmax over its whole vocabulary (a position
+counts only when that token is in the draft vocabulary, and accuracy compares against it) and its
+softmax over the draft-vocabulary ids. Full [B, T, V] logits are never made: at Kimi-K2.5's 163,840
+ids, 8 x 4,096 tokens would take 10.7 GB in bf16. The argmax runs over lm_head's rows chunk by chunk
+([B, T, TEACHER_CHUNK_ROWS] at a time) and the distribution needs only the draft rows ([B, T, Dv]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+TEACHER_CHUNK_ROWS = 8192  # lm_head rows scored at once for the argmax
+
+
+@dataclass
+class Teacher:
+    argmax: torch.Tensor  # [B, T] the target's greedy next token (row i predicts token i + 1)
+    in_draft: torch.Tensor  # [B, T] bool: that token is in the draft vocabulary
+    probs: torch.Tensor  # [B, T, Dv] float32 softmax over the draft-vocabulary logits
+
+
+class TeacherHead:
+    """The target's head on the trainer's device: every row for the argmax, the draft rows for the
+    distribution. `norm` (the target's final norm weight) is applied first when the stored last hidden
+    state is taken before it."""
+
+    def __init__(self, lm_head: torch.Tensor, hot: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-6):
+        self.lm_head = lm_head  # [V, H]
+        self.hot_rows = lm_head.index_select(0, hot)  # [Dv, H]
+        self.in_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device).index_fill_(0, hot, True)
+        self.norm, self.eps = norm, eps
+
+    @torch.no_grad()
+    def __call__(self, last: torch.Tensor) -> Teacher:
+        """last [B, T, H] -> the teacher for those positions."""
+        if self.norm is not None:
+            last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+        argmax = chunked_argmax(last, self.lm_head, TEACHER_CHUNK_ROWS)
+        probs = F.softmax((last @ self.hot_rows.T).float(), dim=-1)  # [B, T, Dv]
+        return Teacher(argmax=argmax, in_draft=self.in_draft[argmax], probs=probs)
+
+
+def chunked_argmax(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """argmax over x @ weight.T (x [..., H], weight [V, H]) without making the [..., V] logits.
+    Ties keep the lower id, as torch.argmax does."""
+    best_value, best_index = None, None
+    for start in range(0, weight.shape[0], rows):
+        value, index = (x @ weight[start : start + rows].T).max(-1)  # [...]
+        if best_value is None:
+            best_value, best_index = value, index
+            continue
+        better = value > best_value
+        best_value = torch.where(better, value, best_value)
+        best_index = torch.where(better, index + start, best_index)
+    return best_index

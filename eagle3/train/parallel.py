@@ -1,0 +1,134 @@
+"""Where a trainer process runs and how its model is spread over the processes.
+
+One device per process, chosen once: `cuda:LOCAL_RANK` whenever CUDA exists (under plain `python` and
+under torchrun alike), the CPU otherwise. Every tensor the trainer makes lives there, and collectives
+only ever see tensors on it: NCCL has no CPU all_reduce, so a CPU tensor there fails an 8-GPU run at
+its first step. Parallelism (none, DDP, FSDP2) stays in `Parallel`, out of the training loop.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+DRAFT_PREFIX = "draft."  # the TTT wrapper holds the draft as `draft`
+EMBEDDING = "embed_tokens."  # the target's, frozen: never saved with the draft
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) in place; the one place the trainer reduces, so the one place to check devices."""
+        if tensor.device != self.device:
+            raise RuntimeError(
+                f"a collective got a tensor on {tensor.device}, this rank runs on {self.device}: make it on the "
+                "rank's device (NCCL cannot reduce CPU tensors)"
+            )
+        if self.world > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def process_device(local_rank: int, cuda: bool) -> torch.device:
+    return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
+def setup_distributed() -> Dist:
+    """The process's device from LOCAL_RANK, and the process group when torchrun started several."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = process_device(local, cuda)
+    if cuda:
+        torch.cuda.set_device(device)
+    if world == 1:
+        return Dist(device=device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return Dist(rank=dist.get_rank(), world=world, device=device)
+
+
+class Parallel:
+    """none (one process), DDP (replicas) or FSDP2 (weights, gradients and AdamW state sharded).
+
+    FSDP2 shards the TTT module as one unit: the draft's forward runs through helper methods, so only
+    the root's hooks see every call.
+    """
+
+    def __init__(self, dist_: Dist, fsdp: bool):
+        self.dist = dist_
+        self.kind = "none" if dist_.world == 1 else "fsdp" if fsdp else "ddp"
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.kind == "fsdp":
+            fully_shard(module)
+            return module
+        if self.kind == "ddp":
+            device_ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
+            return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+        return module
+
+    def full_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The draft's full tensors on the CPU, by canonical name (a collective under FSDP: every rank calls it)."""
+        if self.kind != "fsdp":
+            return module.draft.export_state()
+        state = get_model_state_dict(module, options=FULL_STATE)
+        return {k.removeprefix(DRAFT_PREFIX): v for k, v in state.items() if not k.startswith(DRAFT_PREFIX + EMBEDDING)}
+
+    def optimizer_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        if self.kind == "fsdp":
+            return get_optimizer_state_dict(module, optimizer, options=FULL_STATE)
+        return optimizer.state_dict()
+
+    def load(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+             optimizer_state: dict | None) -> None:
+        """Load full (canonical, embedding-free) tensors and, when given, the full optimizer state."""
+        named = {DRAFT_PREFIX + k: v for k, v in tensors.items()}
+        if self.kind == "fsdp":
+            options = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(module, named, options=options)
+            if optimizer_state is not None:
+                set_optimizer_state_dict(module, optimizer, optimizer_state, options=options)
+            return
+        missing, unexpected = module.load_state_dict(named, strict=False)
+        wrong = [k for k in missing if not k.startswith(DRAFT_PREFIX + EMBEDDING)] + unexpected
+        if wrong:
+            raise KeyError(f"draft state does not match the model: {wrong}")
+        if optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
+
+    @contextmanager
+    def unsharded(self, module: torch.nn.Module) -> Iterator[None]:
+        """Full weights on every rank for direct calls outside the wrapper (evaluation, drafting)."""
+        if self.kind != "fsdp":
+            yield
+            return
+        module.unshard()
+        try:
+            yield
+        finally:
+            module.reshard()
