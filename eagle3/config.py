@@ -38,6 +38,9 @@ class TargetSection(Section):
     hidden_size: int = Field(gt=0)
     vocab_size: int = Field(gt=0)
     weight_prefix: str = Field(default="", description="name prefix of the target's tensors, e.g. 'language_model.'")
+    config_file: Path | None = Field(
+        default=None, description="the target's config.json where target.path is no local model directory (a hub "
+        "id, or a path only the GPU node has): `eagle3 plan` sizes the target from it")
 
 
 class DataSection(Section):
@@ -277,6 +280,12 @@ class ProductionSection(Section):
     state_dir: Path = Field(default=Path("runs/production"), description="managed: the server's pid file and logs")
 
 
+class NodeSection(Section):
+    """The GPU machine the stages run on; `eagle3 plan` sizes every stage against it."""
+
+    gpu_memory_gib: float = Field(default=141.0, gt=0.0, description="memory of one GPU (141 for an H200)")
+
+
 class PipelineConfig(Section):
     run: RunSection
     target: TargetSection
@@ -290,6 +299,7 @@ class PipelineConfig(Section):
     gate: GateSection = GateSection()
     registry: RegistrySection
     production: ProductionSection = ProductionSection()
+    node: NodeSection = NodeSection()
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineConfig:

@@ -13,6 +13,7 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from eagle3.config import PipelineConfig, RegistrySection, load_config
 from eagle3.deploy import retrain_overrides
+from eagle3.plan import require_fit
 from eagle3.registry.registry import open_registry, registry_location
 from tasks.common import log_to_run
 
@@ -38,6 +39,7 @@ def ensure_registry_limit(config: str, overrides: list[str] | None = None) -> st
 def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[PipelineConfig, list[str]]:
     """The validated config and the overrides the stages see (a retrain adds its run directory and warm start)."""
     run_config = load_config(config, overrides)
+    require_fit(run_config, config)  # refused before any stage when a GPU stage would not fit
     if mode == "retrain":
         overrides = overrides + retrain_overrides(run_config, open_registry(run_config.registry, log=log_to_run()),
                                                   log_to_run())

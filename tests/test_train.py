@@ -17,8 +17,9 @@ from eagle3.data.vocab import build_vocab
 from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig, convert, load_native, save_native_draft
 from eagle3.formats.vocab_map import build_vocab_map
-from eagle3.model.draft import Eagle3Draft, init_weights
-from eagle3.model.teacher import TeacherHead
+from eagle3.model import draft as draft_module
+from eagle3.model.draft import Eagle3Draft, causal_mask, init_weights
+from eagle3.model.teacher import TeacherHead, chunked_argmax
 from eagle3.model.ttt import draft_chain, ttt_forward, ttt_stats
 from eagle3.model.weights import draft_as_served, draft_from_native, target_head
 from eagle3.train.trainer import Trainer
@@ -55,10 +56,11 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
 
 
-def tiny_draft(vocab=16, seed=0):
+def tiny_draft(vocab=16, seed=0, draft_vocab=None):
     config = DraftConfig(hidden_size=32, target_hidden_size=32, intermediate_size=64, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
-                         max_position_embeddings=64, vocab_size=vocab, draft_vocab_size=vocab, torch_dtype="float32",
+                         max_position_embeddings=64, vocab_size=vocab, draft_vocab_size=draft_vocab or vocab,
+                         torch_dtype="float32",
                          aux_layers=[0, 1, 2], target_num_hidden_layers=4)
     model = Eagle3Draft(config, torch.randn(vocab, 32, generator=torch.Generator().manual_seed(seed)))
     init_weights(model, seed)
@@ -116,6 +118,65 @@ class TestAlignment:
         teacher = torch.cat([ids[: t + 2], torch.tensor(drafts[:2])])[None]  # feed the chain's own drafts
         steps = ttt_forward(model, aux[None, : teacher.shape[1]], teacher, 3)
         assert [int(s[0, t].argmax()) for s in steps] == drafts
+
+
+def dense_ttt_attention(attention, q, keys, values):
+    """The reference: every block scored under one [T, (k + 1) * T] mask (causal block, then diagonals)."""
+    length = q.shape[2]
+    mask = torch.cat([causal_mask(length)] + [torch.eye(length, dtype=torch.bool)] * (len(keys) - 1), dim=1)
+    return attention.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+@pytest.mark.parametrize("chunk", [4, 256])  # several query chunks (the last one short), and one
+def test_ttt_attention_equals_the_dense_mask_with_its_gradients(blocks, chunk, monkeypatch):
+    monkeypatch.setattr(draft_module, "TTT_QUERY_CHUNK", chunk)
+    attention = tiny_draft().midlayer.self_attn.double()
+    generator = torch.Generator().manual_seed(blocks)
+    q = torch.randn(2, 4, 9, 8, dtype=torch.float64, generator=generator, requires_grad=True)  # 4 heads over 2 kv heads
+    keys = [torch.randn(2, 2, 9, 8, dtype=torch.float64, generator=generator, requires_grad=True) for _ in range(blocks)]
+    values = [torch.randn(2, 2, 9, 8, dtype=torch.float64, generator=generator, requires_grad=True) for _ in range(blocks)]
+    compact = attention.attend_ttt(q, keys, values)
+    dense = dense_ttt_attention(attention, q, keys, values)
+    torch.testing.assert_close(compact, dense, rtol=0, atol=1e-12)
+    leaves = [q, *keys, *values]
+    for a, b in zip(torch.autograd.grad(compact.sum(), leaves), torch.autograd.grad(dense.sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_chunked_argmax_equals_argmax_and_keeps_the_lowest_id_on_ties():
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(3, 5, 16, generator=generator), torch.randn(37, 16, generator=generator)
+    weight[30] = weight[4]  # a tie across chunks: the lower id wins, as in torch.argmax
+    x[0, 0] = weight[4] * 10
+    for rows in (1, 5, 8, 37, 64):
+        assert torch.equal(chunked_argmax(x, weight, rows), (x @ weight.T).argmax(-1))
+    assert chunked_argmax(x, weight, 8)[0, 0] == 4
+
+
+def test_compact_teacher_gives_the_loss_of_full_vocabulary_logits():
+    """The compact teacher against the full [B, T, V] logits it replaces: argmax over V, softmax over the draft rows."""
+    model = tiny_draft(vocab=40, draft_vocab=16)
+    hot = torch.tensor(sorted(torch.randperm(40, generator=torch.Generator().manual_seed(1))[:16].tolist()))
+    with torch.no_grad():
+        model.d2t.copy_(hot - torch.arange(16))
+    generator = torch.Generator().manual_seed(2)
+    last, lm_head = torch.randn(2, 12, 32, generator=generator), torch.randn(40, 32, generator=generator)
+    loss_mask, ids = torch.ones(2, 12, dtype=torch.long), torch.randint(0, 40, (2, 12), generator=generator)
+    step_logits = ttt_forward(model, torch.randn(2, 12, 96, generator=generator), ids, 3)
+    compact = ttt_stats(step_logits, TeacherHead(lm_head, hot)(last), loss_mask, model)
+    full = last @ lm_head.T  # [B, T, V]
+    argmax, probs = full.argmax(-1), full[..., hot].softmax(-1)
+    in_draft = torch.zeros(40, dtype=torch.bool)
+    in_draft[hot] = True
+    for k, logits in enumerate(step_logits):
+        valid = torch.zeros(2, 12, dtype=torch.bool)
+        valid[:, : 12 - 2 - k] = in_draft[argmax[:, 1 + k : 11]]  # row t+1+k teaches step k at t
+        loss = (-(probs[:, 1 + k : 12 - 1] * logits[:, : 12 - 2 - k].log_softmax(-1)).sum(-1) * valid[:, : 12 - 2 - k]).sum()
+        torch.testing.assert_close(compact.loss_sum[k], loss, rtol=1e-6, atol=1e-5)
+        assert compact.count[k] == valid.sum()
+        correct = (hot[logits.argmax(-1)] == torch.nn.functional.pad(argmax[:, 1 + k :], (0, 1 + k))) & valid
+        assert compact.correct[k] == correct.sum()
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig
 
 UNSUPPORTED_FLAGS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output")
+TTT_QUERY_CHUNK = 512  # query rows per attention call in training-time test
 
 
 class RMSNorm(nn.Module):
@@ -69,36 +70,30 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, heads, Tq, d]; keys/values [B, kv_heads, Tk, d]; mask [Tq, Tk] or [B, 1, Tq, Tk], True = visible."""
         repeat = self.heads // self.kv_heads
+        # Repeated kv heads rather than enable_gqa: with a mask, enable_gqa sends CUDA to the math kernel,
+        # which materialises the scores.
         keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, heads, Tq, d]
-        return self.output(out)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
     def attend_ttt(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         """Training-time test, step k: q [B, heads, T, d]; keys/values k + 1 blocks [B, kv_heads, T, d].
 
         Block 0 (the prefix, built from target features) is seen causally; block j >= 1 (the chain's own
-        step j) only at the query's own index. Scoring the causal block plus one diagonal per later block
-        is T^2 + k*T entries per head, where a dense mask over all blocks scores (k + 1) * T^2. Query heads
-        are grouped over their kv head, so keys and values are never repeated.
+        step j) only at the query's own index. A dense mask over all blocks scores (k + 1) * T^2 entries.
+        Here queries go in chunks of TTT_QUERY_CHUNK rows, each attending to the prefix up to its last row
+        and to its own rows of the later blocks: about T^2 / 2 + k * chunk * T entries, the same softmax
+        over the same keys, and the fused attention kernels keep no score matrix.
         """
-        b, _, t, d = q.shape
-        grouped = q.view(b, self.kv_heads, self.heads // self.kv_heads, t, d)  # [B, kv, group, T, d]
-        scale = d**-0.5
-        prefix = grouped @ keys[0].unsqueeze(2).transpose(-1, -2) * scale  # [B, kv, group, T, T]
-        scores = [prefix.masked_fill(~causal_mask(t, q.device), float("-inf"))]
-        if len(keys) > 1:
-            own_keys, own_values = torch.stack(keys[1:], dim=3), torch.stack(values[1:], dim=3)  # [B, kv, T, k, d]
-            scores.append(torch.einsum("bgrtd,bgtkd->bgrtk", grouped, own_keys) * scale)  # [B, kv, group, T, k]
-        weights = torch.cat(scores, dim=-1).softmax(-1, dtype=torch.float32).to(q.dtype)  # [B, kv, group, T, T + k]
-        out = weights[..., :t] @ values[0].unsqueeze(2)  # [B, kv, group, T, d]
-        if len(keys) > 1:
-            out = out + torch.einsum("bgrtk,bgtkd->bgrtd", weights[..., t:], own_values)
-        return self.output(out.reshape(b, self.heads, t, d))
-
-    def output(self, out: torch.Tensor) -> torch.Tensor:
-        """[B, heads, T, d] -> o_proj over the concatenated heads, [B, T, H]."""
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        length, chunks = q.shape[2], []
+        for start in range(0, length, TTT_QUERY_CHUNK):
+            end = min(start + TTT_QUERY_CHUNK, length)
+            chunk_keys = torch.cat([keys[0][:, :, :end]] + [k[:, :, start:end] for k in keys[1:]], dim=2)
+            chunk_values = torch.cat([values[0][:, :, :end]] + [v[:, :, start:end] for v in values[1:]], dim=2)
+            mask = ttt_chunk_mask(start, end, len(keys) - 1, q.device)
+            chunks.append(self.attend(q[:, :, start:end], chunk_keys, chunk_values, mask))  # [B, rows, H]
+        return torch.cat(chunks, dim=1)
 
 
 class MLP(nn.Module):
@@ -162,6 +157,15 @@ class Eagle3Draft(nn.Module):
 
 def causal_mask(length: int, device=None) -> torch.Tensor:
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()
+
+
+def ttt_chunk_mask(start: int, end: int, own_blocks: int, device=None) -> torch.Tensor:
+    """[rows, end + own_blocks * rows] for query rows start..end-1: the prefix causally, then each later
+    block's entry at the row's own index."""
+    rows = end - start
+    prefix = torch.ones(rows, end, dtype=torch.bool, device=device).tril(diagonal=start)
+    own = torch.eye(rows, dtype=torch.bool, device=device)
+    return torch.cat([prefix] + [own] * own_blocks, dim=1)
 
 
 def init_weights(model: Eagle3Draft, seed: int) -> None:

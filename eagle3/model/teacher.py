@@ -26,8 +26,8 @@ class Teacher:
 
 class TeacherHead:
     """The target's head on the trainer's device: every row for the argmax, the draft rows for the
-    distribution. `norm` (the target's final norm weight) is applied first when the stored last hidden
-    state is taken before it."""
+    distribution. `norm` (the target's final norm weight, float32) is applied first when the stored last
+    hidden state is taken before it."""
 
     def __init__(self, lm_head: torch.Tensor, hot: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-6):
         self.lm_head = lm_head  # [V, H]
@@ -38,8 +38,10 @@ class TeacherHead:
     @torch.no_grad()
     def __call__(self, last: torch.Tensor) -> Teacher:
         """last [B, T, H] -> the teacher for those positions."""
+        last = last.float()
         if self.norm is not None:
             last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+        last = last.to(self.lm_head.dtype)  # bf16 on a GPU, like the head
         argmax = chunked_argmax(last, self.lm_head, TEACHER_CHUNK_ROWS)
         probs = F.softmax((last @ self.hot_rows.T).float(), dim=-1)  # [B, T, Dv]
         return Teacher(argmax=argmax, in_draft=self.in_draft[argmax], probs=probs)

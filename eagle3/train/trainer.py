@@ -139,7 +139,7 @@ class Trainer:
         device = self.dist.device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         pre_norm = self.config.data.last_hidden == "pre_norm"
-        norm = head["norm"].to(device, dtype) if pre_norm else None
+        norm = head["norm"].to(device) if pre_norm else None
         eps = read_target_info(Path(self.config.target.path)).rms_norm_eps
         return TeacherHead(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps)
 

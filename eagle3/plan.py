@@ -1,0 +1,198 @@
+"""The memory plan: per-GPU memory of every GPU stage, before anything starts (`eagle3 plan`).
+
+Stages: the regeneration server, hidden-state capture, training and serving. Target weights come from
+the target's safetensors files (exact) or its config.json (estimated: architecture, dtype,
+quantization); the training step is measured by running the trainer's own step on storage-less tensors
+(eagle3/train/memory.py); the rest is counted from the config. A config whose stage does not fit
+`node.gpu_memory_gib` is refused before any work, naming the stage and the knob to turn.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3.config import PipelineConfig
+from eagle3.errors import ConfigError, UnreadableInput
+from eagle3.formats.target import KV_CACHE_BYTES, TargetSize, read_target_size
+
+GIB = 2**30
+RUNTIME_RESERVE_GIB = 5.0  # CUDA context, NCCL buffers, allocator fragmentation, SGLang's CUDA graphs
+
+
+@dataclass
+class StagePlan:
+    name: str
+    gpus: int  # GPUs the stage spreads over (tensor parallel or data parallel)
+    parts: dict[str, float] = field(default_factory=dict)  # GiB per GPU by component
+    knob: str = ""  # what to turn when it does not fit
+    unknown: str | None = None  # why it could not be sized
+
+    @property
+    def per_gpu_gib(self) -> float | None:
+        return None if self.unknown else round(sum(self.parts.values()), 2)
+
+
+@dataclass
+class MemoryPlan:
+    gpu_memory_gib: float
+    stages: list[StagePlan]
+    target: TargetSize | None
+    target_note: str
+
+    def fits(self, stage: StagePlan) -> bool | None:
+        return None if stage.per_gpu_gib is None else stage.per_gpu_gib <= self.gpu_memory_gib
+
+    @property
+    def all_fit(self) -> bool:
+        return all(self.fits(stage) is not False for stage in self.stages)
+
+    def refusals(self) -> list[str]:
+        return [f"{stage.name} needs {stage.per_gpu_gib:.1f} GiB per GPU, over node.gpu_memory_gib "
+                f"{self.gpu_memory_gib:g}: {stage.knob}" for stage in self.stages if self.fits(stage) is False]
+
+    def to_dict(self) -> dict:
+        return {
+            "gpu_memory_gib": self.gpu_memory_gib,
+            "fits": self.all_fit,
+            "target": {"weights_gib": _gib(self.target.weight_bytes) if self.target else None, "note": self.target_note},
+            "stages": [{"name": s.name, "per_gpu_gib": s.per_gpu_gib, "fits": self.fits(s), "gpus": s.gpus,
+                        "parts": s.parts, "knob": s.knob, "unknown": s.unknown} for s in self.stages],
+        }
+
+    def table(self) -> list[str]:
+        lines = [f"target: {self.target_note}", f"GPU memory: {self.gpu_memory_gib:g} GiB (node.gpu_memory_gib)"]
+        for stage in self.stages:
+            if stage.unknown:
+                lines.append(f"{stage.name:<11} unknown: {stage.unknown}")
+                continue
+            verdict = "fits" if self.fits(stage) else f"DOES NOT FIT: {stage.knob}"
+            lines.append(f"{stage.name:<11} {stage.per_gpu_gib:8.1f} GiB per GPU on {stage.gpus} GPU(s)  {verdict}")
+            width = max(len(name) for name in stage.parts)
+            lines += [f"    {name:<{width}} {gib:8.2f}" for name, gib in stage.parts.items()]
+        return lines
+
+
+def _gib(n: float) -> float:
+    return round(n / GIB, 2)
+
+
+def target_size(config: PipelineConfig) -> tuple[TargetSize | None, str]:
+    """The target's size from its directory, else from target.config_file; (None, why) when neither is here."""
+    path = Path(config.target.path)
+    source = path if (path / "config.json").is_file() else config.target.config_file
+    if source is None:
+        return None, (f"{path} is not a local model directory and target.config_file is not set: "
+                      "the stages that hold the target cannot be sized")
+    try:
+        size = read_target_size(Path(source))
+    except UnreadableInput as err:
+        return None, str(err)
+    return size, f"{_gib(size.weight_bytes)} GiB of weights ({size.weights_from})"
+
+
+def plan_memory(config: PipelineConfig) -> MemoryPlan:
+    size, note = target_size(config)
+    stages = [regeneration_stage(config, size), capture_stage(config, size), training_stage(config), serving_stage(config, size)]
+    return MemoryPlan(config.node.gpu_memory_gib, stages, size, note)
+
+
+def target_parts(size: TargetSize, tp: int, tokens: int) -> dict[str, float]:
+    """The target's weights and KV cache for `tokens` in flight, per GPU at tensor parallelism `tp`."""
+    kv = size.kv_bytes_per_token / (tp if size.kv_split_by_tp else 1)
+    return {f"target weights (/{tp})": _gib(size.weight_bytes / tp), f"KV cache, {tokens:,} tokens": _gib(tokens * kv)}
+
+
+def regeneration_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
+    data = config.data
+    sglang = data.engine == "sglang"
+    tp, in_flight, knob = (config.serving.tp, data.concurrency, "data.concurrency") if sglang else (1, data.batch_size, "data.batch_size")
+    stage = StagePlan("regenerate", tp, knob=f"lower {knob} ({in_flight} requests of up to {data.max_length} tokens)")
+    if size is None:
+        stage.unknown = "target size unknown"
+        return stage
+    stage.parts = {**target_parts(size, tp, in_flight * data.max_length), "runtime reserve": RUNTIME_RESERVE_GIB}
+    return stage
+
+
+def capture_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
+    """One capture batch: the target's forward with KV for the batch, and its features before they leave the GPU."""
+    data = config.data
+    tp = config.serving.tp if data.capture_engine == "sglang" else 1
+    stage = StagePlan("capture", tp, knob=f"lower data.batch_size ({data.batch_size} sequences per forward)")
+    if size is None:
+        stage.unknown = "target size unknown"
+        return stage
+    tokens = data.batch_size * data.max_length
+    features = tokens * (len(data.aux_layers) + 1) * config.target.hidden_size * 2  # aux + last, bf16
+    stage.parts = {**target_parts(size, tp, tokens), "captured features (bf16)": _gib(features),
+                   "runtime reserve": RUNTIME_RESERVE_GIB}
+    return stage
+
+
+def training_stage(config: PipelineConfig) -> StagePlan:
+    from eagle3.train.memory import training_step_peak_bytes  # torch's fake tensors: only when planning
+    from eagle3.train.trainer import draft_config
+
+    train, target = config.training, config.target
+    world = train.nproc_per_node * train.nnodes
+    per_rank = math.ceil(train.batch_size / world)
+    cfg = draft_config(config)
+    params = trainable_parameters(config)
+    shards = world if train.fsdp else 1
+    embedding = target.vocab_size * target.hidden_size
+    stage = StagePlan("train", world, knob=(
+        f"lower training.batch_size ({per_rank} sequences per GPU now) or training.seq_len ({train.seq_len})"
+        + ("" if train.fsdp or world == 1 else ", or set training.fsdp true")))
+    step = training_step_peak_bytes(cfg, per_rank, train.seq_len, train.ttt_steps, config.data.last_hidden == "pre_norm")
+    stage.parts = {
+        f"draft weights, fp32 ({params / 1e9:.2f} B trainable)": _gib(4 * params),
+        f"AdamW moments, fp32 (/{shards})": _gib(8 * params / shards),
+        "target embedding, fp32, frozen": _gib(4 * embedding),
+        "teacher head, bf16 (all rows + draft rows)": _gib(2 * embedding + 2 * config.vocab.draft_vocab_size * target.hidden_size),
+        f"batch on the GPU ({per_rank} x {train.seq_len} tokens)": _gib(
+            per_rank * train.seq_len * ((len(config.data.aux_layers) + 1) * target.hidden_size * 4 + 16)),
+        f"training step, measured (TTT {train.ttt_steps}: activations, teacher, gradients)": _gib(step),
+        "runtime reserve": RUNTIME_RESERVE_GIB,
+    }
+    if train.fsdp and world > 1:  # FSDP2 keeps its own shard of the weights beside the gathered ones
+        stage.parts[f"FSDP weight shards, fp32 (/{world})"] = _gib(4 * (params + embedding) / world)
+    return stage
+
+
+def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
+    """The target with the draft at serving.tp: one request of the full context must fit next to the weights."""
+    serving, draft = config.serving, config.draft
+    stage = StagePlan("serve", serving.tp, knob=f"lower serving.context_length ({serving.context_length}) or raise serving.tp")
+    if size is None:
+        stage.unknown = "target size unknown"
+        return stage
+    head_dim = config.target.hidden_size // draft.num_attention_heads
+    draft_kv = 2 * draft.num_key_value_heads * head_dim * KV_CACHE_BYTES / serving.tp  # one layer
+    stage.parts = {
+        **target_parts(size, serving.tp, serving.context_length),
+        f"draft weights, bf16 (/{serving.tp})": _gib(2 * trainable_parameters(config) / serving.tp),
+        "draft KV cache": _gib(serving.context_length * draft_kv),
+        "runtime reserve": RUNTIME_RESERVE_GIB,
+    }
+    return stage
+
+
+def trainable_parameters(config: PipelineConfig) -> int:
+    """fc, one decoder layer (attention over [embedding, hidden] inputs, SwiGLU MLP, three norms), norm, lm_head."""
+    hidden, draft = config.target.hidden_size, config.draft
+    head_dim = hidden // draft.num_attention_heads
+    attention = 2 * hidden * (draft.num_attention_heads + 2 * draft.num_key_value_heads) * head_dim
+    attention += draft.num_attention_heads * head_dim * hidden
+    return (len(config.data.aux_layers) * hidden * hidden + attention + 3 * hidden * draft.intermediate_size
+            + 4 * hidden + config.vocab.draft_vocab_size * hidden)
+
+
+def require_fit(config: PipelineConfig, source: str | Path) -> MemoryPlan:
+    """The plan, or a one-line ConfigError naming the first stage that does not fit and its knob."""
+    plan = plan_memory(config)
+    refusals = plan.refusals()
+    if refusals:
+        raise ConfigError(f"{source}: {refusals[0]} (eagle3 plan {source} shows every stage)")
+    return plan

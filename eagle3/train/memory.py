@@ -1,0 +1,71 @@
+"""Memory of one training step, measured by running the trainer's own step on tensors without storage.
+
+torch's FakeTensorMode gives tensors shapes, dtypes and devices but no data, so the real teacher, TTT
+forward, loss and backward run at full size (a Kimi-sized draft at 4,096 tokens) in seconds on any
+machine, and every allocation they make is counted here. bf16 autocast stands in for the GPU's (the
+trainer's policy: bf16 matmuls, float32 norms and softmaxes); attention takes the fused path, which
+keeps no score matrix, as CUDA's kernels do. Parameters and inputs are made before counting starts:
+the plan adds them itself.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from eagle3.formats.checkpoint import DraftConfig
+from eagle3.model.draft import Eagle3Draft
+from eagle3.model.teacher import TeacherHead
+from eagle3.model.ttt import ttt_forward, ttt_stats
+
+
+class AllocationPeak(TorchDispatchMode):
+    """Counts the bytes of every storage an op creates while they are alive; keeps the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.current = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.count(tensor.untyped_storage())
+        return out
+
+    def count(self, storage) -> None:
+        if storage in self.seen:
+            return
+        size = storage.nbytes()
+        self.seen[storage] = size
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self.release, size)
+
+    def release(self, size: int) -> None:
+        self.current -= size
+
+
+def training_step_peak_bytes(cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> int:
+    """Peak bytes one rank allocates during a step on `sequences` x `seq_len` tokens: teacher outputs,
+    TTT activations, loss, gradients, and the transients between them (not the weights or the batch)."""
+    with FakeTensorMode():
+        model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
+        hot = torch.arange(cfg.draft_vocab_size)
+        norm = torch.empty(cfg.hidden_size) if pre_norm else None
+        teacher_head = TeacherHead(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16), hot, norm)
+        aux = torch.empty(sequences, seq_len, len(cfg.aux_layers) * cfg.target_hidden_size)
+        last = torch.empty(sequences, seq_len, cfg.target_hidden_size)
+        ids = torch.zeros(sequences, seq_len, dtype=torch.long)
+        loss_mask = torch.ones(sequences, seq_len, dtype=torch.long)
+        with AllocationPeak() as tracker:
+            teacher = teacher_head(last)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                step_logits = ttt_forward(model, aux, ids, ttt_steps)
+            ttt_stats(step_logits, teacher, loss_mask, model).loss_sum.sum().backward()
+    return tracker.peak
