@@ -2,11 +2,12 @@
 
 1. The tiny config on this CPU: TTT training tokens/s and peak resident memory.
 2. A Kimi-K2.5-sized draft (hidden 7168, 64 heads / 8 kv, intermediate 18432, draft vocab 32000,
-   3 aux layers): one bf16 forward + backward of the TTT unroll at a short sequence, without optimizer
-   state, plus an analytic memory estimate of a full AdamW step (which does not fit in 24 GiB here).
-3. On a GPU, when present: the full step and model FLOPs utilisation.
+   3 aux layers) through the trainer's step (teacher, TTT forward, loss, backward, AdamW, bf16 autocast),
+   beside the step memory eagle3 plan measures for it on storage-less tensors. Here: a short sequence
+   (the full step needs ~80 GiB). On a GPU: seq 4,096, TTT 7, 2 sequences (the Kimi config's share per
+   GPU), with tokens/s, MFU and the measured peak against the plan's.
 
-    python benchmarks/train_throughput.py [--seq 64] [--steps 20]
+    python benchmarks/train_throughput.py [--seq N] [--ttt K] [--batch B] [--steps 20]
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 
 from eagle3.formats.checkpoint import DraftConfig
 from eagle3.model.draft import Eagle3Draft, init_weights
-from eagle3.model.ttt import ttt_forward
+from eagle3.model.teacher import TeacherHead
+from eagle3.model.ttt import ttt_forward, ttt_stats
+from eagle3.train.memory import training_step_peak_bytes
 
 KIMI = dict(hidden=7168, heads=64, kv_heads=8, intermediate=18432, draft_vocab=32000, vocab=163840, aux=3)
 
@@ -67,50 +70,82 @@ def tiny(steps: int) -> None:
           f"{batch * seq * steps / seconds:,.0f} tokens/s, {seconds / steps * 1000:.0f} ms/step, peak RSS {peak_rss_gib():.2f} GiB")
 
 
-def kimi_estimate(params: int, seq: int, ttt: int) -> None:
-    gib = 2**30
-    weights = params * 2  # bf16
-    grads = params * 2
-    adam = params * 4 * 3  # fp32 master copy + two moments
-    activations_per_token = ttt * (2 * KIMI["hidden"] * 12 + KIMI["draft_vocab"] * 2 * 2)  # rough: layer + logits
-    print(f"Kimi-sized draft: {params / 1e9:.2f} B trainable parameters (+ frozen {KIMI['vocab'] * KIMI['hidden'] / 1e9:.2f} B embedding)")
-    print(f"  full AdamW step, analytic: weights {weights / gib:.1f} GiB + grads {grads / gib:.1f} GiB + "
-          f"optimizer {adam / gib:.1f} GiB + embedding {KIMI['vocab'] * KIMI['hidden'] * 2 / gib:.1f} GiB "
-          f"= {(weights + grads + adam + KIMI['vocab'] * KIMI['hidden'] * 2) / gib:.1f} GiB before activations "
-          f"(~{activations_per_token * 2 / 2**20:.1f} MiB activations per token at TTT {ttt})")
-
-
-def kimi(seq: int, ttt: int, device: str) -> None:
-    dtype = torch.bfloat16
-    model = draft(**KIMI, dtype=dtype).to(device)
+def kimi_step(seq: int, ttt: int, batch: int, device: str, steps: int) -> None:
+    """The trainer's step (teacher, TTT forward, loss, backward, AdamW) on a Kimi-shaped draft, next to
+    the memory eagle3 plan measures for it on storage-less tensors."""
+    config = kimi_config()
+    estimate = training_step_peak_bytes(config, batch, seq, ttt, pre_norm=False)
+    print(f"Kimi-sized draft, batch {batch} x {seq}, TTT {ttt}: eagle3 plan's measured step {estimate / 2**30:.1f} GiB "
+          "(activations, teacher, gradients; weights and optimizer apart)")
+    dev = torch.device(device)
+    with torch.device(dev):
+        model = Eagle3Draft(config, torch.zeros(KIMI["vocab"], KIMI["hidden"]))
     params = trainable(model)
-    kimi_estimate(params, seq, ttt)
-    aux = torch.randn(1, seq, KIMI["aux"] * KIMI["hidden"], dtype=dtype, device=device)
-    ids = torch.randint(0, KIMI["vocab"], (1, seq), device=device)
+    teacher = TeacherHead(torch.randn(KIMI["vocab"], KIMI["hidden"], dtype=torch.bfloat16, device=dev) * 0.02,
+                          torch.arange(KIMI["draft_vocab"], device=dev))
+    # AdamW's 7.7 GB of moments only on a GPU: with them the step does not fit this 24 GiB machine.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4) if dev.type == "cuda" else None
+    aux = torch.randn(batch, seq, KIMI["aux"] * KIMI["hidden"], device=dev)
+    last = torch.randn(batch, seq, KIMI["hidden"], device=dev)
+    ids = torch.randint(0, KIMI["vocab"], (batch, seq), device=dev)
+    mask = torch.ones(batch, seq, dtype=torch.long, device=dev)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
+
+    def step() -> None:
+        with autocast:
+            logits = ttt_forward(model, aux, ids, ttt)
+        ttt_stats(logits, teacher(last), mask, model).loss_sum.sum().backward()
+        if optimizer is not None:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+
+    step()  # warm-up: kernels chosen, AdamW state made
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    if dev.type == "cuda":
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    loss = sum(l.float().logsumexp(-1).mean() for l in ttt_forward(model, aux, ids, ttt))
-    loss.backward()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    flops = step_flops(params, seq, ttt)
-    print(f"  bf16 forward + backward, seq {seq}, TTT {ttt} on {device}: {seconds:.2f} s, {seq * ttt / seconds:,.0f} "
-          f"token-steps/s, {flops / seconds / 1e9:,.1f} GFLOP/s, peak RSS {peak_rss_gib():.1f} GiB")
-    if device == "cuda":
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        optimizer.step()
-        torch.cuda.synchronize()
-        print(f"  full step on GPU: peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; "
-              f"MFU at 989 TFLOP/s bf16: {flops / seconds / 989e12:.1%}")
+    for _ in range(steps):
+        step()
+    sync()
+    seconds = (time.perf_counter() - start) / steps
+    flops = step_flops(params, batch * seq, ttt) + teacher_flops(batch * seq)
+    print(f"  {device}: {seconds:.2f} s/step, {batch * seq / seconds:,.0f} tokens/s, {flops / seconds / 1e12:.1f} TFLOP/s "
+          f"({params / 1e9:.2f} B trainable), peak RSS {peak_rss_gib():.1f} GiB")
+    if dev.type == "cuda":
+        step_peak = (torch.cuda.max_memory_allocated() - before) / 2**30
+        print(f"  GPU: step peak {step_peak:.1f} GiB above the weights and optimizer (plan: {estimate / 2**30:.1f} GiB), "
+              f"total peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; MFU at 989 TFLOP/s bf16: "
+              f"{flops / seconds / 989e12:.1%}")
+
+
+def kimi_config() -> DraftConfig:
+    return DraftConfig(
+        hidden_size=KIMI["hidden"], target_hidden_size=KIMI["hidden"], intermediate_size=KIMI["intermediate"],
+        num_attention_heads=KIMI["heads"], num_key_value_heads=KIMI["kv_heads"], head_dim=KIMI["hidden"] // KIMI["heads"],
+        rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=262144, vocab_size=KIMI["vocab"],
+        draft_vocab_size=KIMI["draft_vocab"], torch_dtype="bfloat16", aux_layers=list(range(KIMI["aux"])),
+        target_num_hidden_layers=61,
+    )
+
+
+def teacher_flops(tokens: int) -> float:
+    """Full-vocabulary argmax plus the draft rows' logits."""
+    return 2.0 * tokens * KIMI["hidden"] * (KIMI["vocab"] + KIMI["draft_vocab"])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=20)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=None, help="Kimi step tokens per sequence (default 4096 on a GPU, 64 here)")
+    parser.add_argument("--ttt", type=int, default=None, help="TTT steps (default 7 on a GPU, 2 here)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 2 on a GPU, 1 here)")
+    parser.add_argument("--steps", type=int, default=20, help="timed tiny steps")
     args = parser.parse_args()
     tiny(args.steps)
-    kimi(args.seq, 3, "cuda" if torch.cuda.is_available() else "cpu")
+    gpu = torch.cuda.is_available()
+    kimi_step(args.seq or (4096 if gpu else 64), args.ttt or (7 if gpu else 2), args.batch or (2 if gpu else 1),
+              "cuda" if gpu else "cpu", steps=5 if gpu else 1)
 
 
 if __name__ == "__main__":

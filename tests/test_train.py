@@ -154,6 +154,14 @@ def test_chunked_argmax_equals_argmax_and_keeps_the_lowest_id_on_ties():
     assert chunked_argmax(x, weight, 8)[0, 0] == 4
 
 
+def test_a_bf16_teacher_head_takes_float32_hidden_states():
+    """On a GPU the trainer keeps the target's head in bf16 while the batch arrives in float32."""
+    head = TeacherHead(torch.randn(40, 32).bfloat16(), torch.arange(0, 40, 3), torch.ones(32), 1e-6)
+    teacher = head(torch.randn(2, 5, 32))
+    assert teacher.argmax.shape == (2, 5) and teacher.probs.dtype == torch.float32
+    torch.testing.assert_close(teacher.probs.sum(-1), torch.ones(2, 5))
+
+
 def test_compact_teacher_gives_the_loss_of_full_vocabulary_logits():
     """The compact teacher against the full [B, T, V] logits it replaces: argmax over V, softmax over the draft rows."""
     model = tiny_draft(vocab=40, draft_vocab=16)

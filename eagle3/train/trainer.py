@@ -159,6 +159,7 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> Path:
+        self.log(f"train: {self.dist.world} process(es), rank 0 on {self.dist.device} ({self.parallel.kind})")
         self.resume()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         train = self.config.training

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU smoke test of the trainer (not CI): the tiny pipeline's data, then DDP and FSDP2 training on
-# every visible GPU with nccl and bf16 autocast, then the offline simulator on the exported draft.
+# GPU smoke test of the trainer (not CI): the tiny pipeline's data, one-process training on cuda:0, DDP and
+# FSDP2 training on every visible GPU (one GPU too) with nccl and bf16 autocast, the offline simulator on the
+# exported draft, then the Kimi-shaped draft's step with its memory against the plan's.
 #   infra/gpu-smoke/train.sh [RUN_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -14,8 +15,14 @@ SET=(--config configs/tiny-cpu.yaml --set "run.dir=$RUN" --set target.path=runs/
 "$EAGLE3" data regenerate "${SET[@]}"
 "$EAGLE3" vocab build "${SET[@]}"
 "$EAGLE3" data capture "${SET[@]}"
+# One process without torchrun must take cuda:0 (it used to train on the CPU whenever WORLD_SIZE was 1).
+"$PY" -m eagle3.train "${SET[@]}" --set training.max_steps=50 --set training.batch_size=16 | tee "$RUN/single-gpu.log"
+grep -q "on cuda:0" "$RUN/single-gpu.log" || { echo "train.sh: one-process training did not run on cuda:0" >&2; exit 1; }
+rm -rf "$RUN/train"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$GPUS" -m eagle3.train "${SET[@]}" --set training.max_steps=200
 rm -rf "$RUN/train"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$GPUS" -m eagle3.train "${SET[@]}" --set training.max_steps=200 --set training.fsdp=true
 "$EAGLE3" convert "$RUN/train/best" "$RUN/export/sglang" --to sglang --engine-version 0.5.13 --overwrite
 "$EAGLE3" simulate "${SET[@]}"
+# The Kimi-shaped draft's step at seq 4,096, TTT 7, 2 sequences: tokens/s, MFU, peak memory against eagle3 plan's.
+"$PY" benchmarks/train_throughput.py --steps 5
