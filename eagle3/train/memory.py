@@ -32,6 +32,9 @@ class AllocationPeak(TorchDispatchMode):
         self.current = self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for tensor in tree_flatten((args, kwargs))[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage() not in self.seen:
+                self.seen[tensor.untyped_storage()] = 0  # made before counting began (weights, inputs): not ours
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
@@ -39,6 +42,7 @@ class AllocationPeak(TorchDispatchMode):
         return out
 
     def count(self, storage) -> None:
+        """A storage first seen as an op's output is new (a view of an earlier one shares its storage)."""
         if storage in self.seen:
             return
         size = storage.nbytes()
