@@ -1,0 +1,99 @@
+"""`eagle3 plan`: the per-GPU memory of each GPU stage, and the refusal of a config that does not fit."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eagle3 import cli
+from eagle3.config import load_config
+from eagle3.errors import ConfigError
+from eagle3.formats.target import read_target_size
+from eagle3.model.teacher import TeacherHead
+from eagle3.model.ttt import ttt_forward, ttt_stats
+from eagle3.plan import plan_memory, require_fit
+from eagle3.train.memory import AllocationPeak, training_step_peak_bytes
+from test_config import TINY
+from test_train import tiny_draft
+
+KIMI = Path(__file__).parent.parent / "configs" / "kimi-k25-8xh200.yaml"
+TOO_BIG = ["training.seq_len=65536", "training.batch_size=512"]
+
+
+def test_the_kimi_config_fits_the_node(capsys):
+    assert cli.main(["plan", str(KIMI), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is True and plan["gpu_memory_gib"] == 141
+    stages = {stage["name"]: stage for stage in plan["stages"]}
+    assert list(stages) == ["regenerate", "capture", "train", "serve"]
+    for stage in stages.values():
+        assert stage["fits"] is True and 0 < stage["per_gpu_gib"] <= 141 and stage["gpus"] == 8
+    assert stages["serve"]["parts"]["target weights (/8)"] == pytest.approx(553.39 / 8, rel=1e-3)
+
+
+def test_a_config_that_does_not_fit_is_refused_in_one_line_naming_stage_and_knob(capsys):
+    args = [arg for item in TOO_BIG for arg in ("--set", item)]
+    assert cli.main(["plan", str(KIMI), *args, "--json"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "train needs" in err and "node.gpu_memory_gib 141" in err and "training.batch_size (64 sequences per GPU" in err
+    assert cli.main(["config", str(KIMI), *args]) == 2  # `eagle3 config` refuses it too, before printing anything
+    captured = capsys.readouterr()
+    assert captured.out == "" and "train needs" in captured.err and len(captured.err.strip().splitlines()) == 1
+    with pytest.raises(ConfigError, match="train needs .* lower training.batch_size"):  # the flow's load-config
+        require_fit(load_config(KIMI, TOO_BIG), KIMI)
+
+
+def test_the_training_stage_grows_with_the_batch_and_lists_its_parts():
+    small_plan, large_plan = (plan_memory(load_config(KIMI, [f"training.batch_size={n}"])) for n in (8, 64))
+    small, large = small_plan.stages[2], large_plan.stages[2]
+    step = "training step, measured (TTT 7: activations, teacher, gradients)"
+    assert 7 * small.parts[step] < large.parts[step] < 8 * small.parts[step]  # 8 vs 1 sequence, one set of gradients
+    assert small_plan.fits(small) is True and large_plan.fits(large) is False
+    assert large_plan.refusals() == [f"train needs {large.per_gpu_gib:.1f} GiB per GPU, over node.gpu_memory_gib 141: "
+                                     "lower training.batch_size (8 sequences per GPU now) or training.seq_len (4096)"]
+
+
+def test_kimi_weights_are_estimated_from_its_config():
+    size = read_target_size(Path(__file__).parent.parent / "configs" / "targets" / "kimi-k25.json")
+    assert size.num_parameters == pytest.approx(1.03e12, rel=0.01)  # 1 T total, routed experts INT4 in groups of 32
+    assert size.weight_bytes / 2**30 == pytest.approx(553, rel=0.01)  # ~595 GB on disk
+    assert size.kv_bytes_per_token == (512 + 64) * 61 * 2 and not size.kv_split_by_tp  # MLA's latent, every TP rank
+
+
+def test_a_target_on_disk_is_sized_from_its_files(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    save_file({"w": torch.zeros(1000)}, tmp_path / "model.safetensors")
+    size = read_target_size(tmp_path)
+    assert size.weight_bytes == (tmp_path / "model.safetensors").stat().st_size and size.weights_from == "safetensors files"
+    assert size.kv_bytes_per_token == 2 * 2 * 16 * 4 * 2 and size.kv_split_by_tp
+
+
+def test_a_missing_target_leaves_its_stages_unknown_not_fitting():
+    plan = plan_memory(load_config(TINY, ["target.path=/nonexistent/target"]))
+    assert [stage.name for stage in plan.stages if stage.unknown] == ["regenerate", "capture", "serve"]
+    assert plan.all_fit and plan.fits(plan.stages[2]) is True
+
+
+def test_the_dry_run_counts_what_the_real_step_allocates():
+    """Storage-less tensors take the same kernels and sizes as real ones: the counts agree exactly."""
+    model = tiny_draft(vocab=40, draft_vocab=16)
+    head = TeacherHead(torch.randn(40, 32).bfloat16(), torch.arange(16))
+    aux, last = torch.randn(2, 24, 96), torch.randn(2, 24, 32)
+    ids, mask = torch.randint(0, 40, (2, 24)), torch.ones(2, 24, dtype=torch.long)
+    with AllocationPeak() as real:
+        teacher = head(last)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = ttt_forward(model, aux, ids, 3)
+        ttt_stats(logits, teacher, mask, model).loss_sum.sum().backward()
+    assert training_step_peak_bytes(model.config, 2, 24, 3, pre_norm=False) == real.peak
+
+
+def test_a_view_of_an_existing_weight_is_not_an_allocation():
+    weight = torch.randn(1000, 100)
+    with AllocationPeak() as tracker:
+        weight[:10].sum()
+    assert tracker.peak < 1000  # the slice shares the weight's 400 kB; only the scalar result is new
