@@ -16,6 +16,8 @@ from pathlib import Path
 from eagle3.config import PipelineConfig
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.formats.target import KV_CACHE_BYTES, TargetSize, read_target_size
+from eagle3.train.memory import trainable_parameters, training_step_peak_bytes
+from eagle3.train.trainer import draft_config
 
 GIB = 2**30
 RUNTIME_RESERVE_GIB = 5.0  # CUDA context, NCCL buffers, allocator fragmentation, SGLang's CUDA graphs
@@ -132,14 +134,11 @@ def capture_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
 
 
 def training_stage(config: PipelineConfig) -> StagePlan:
-    from eagle3.train.memory import training_step_peak_bytes  # torch's fake tensors: only when planning
-    from eagle3.train.trainer import draft_config
-
     train, target = config.training, config.target
     world = train.nproc_per_node * train.nnodes
     per_rank = math.ceil(train.batch_size / world)
     cfg = draft_config(config)
-    params = trainable_parameters(config)
+    params = trainable_parameters(cfg)
     shards = world if train.fsdp else 1
     embedding = target.vocab_size * target.hidden_size
     stage = StagePlan("train", world, knob=(
@@ -172,21 +171,11 @@ def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     draft_kv = 2 * draft.num_key_value_heads * head_dim * KV_CACHE_BYTES / serving.tp  # one layer
     stage.parts = {
         **target_parts(size, serving.tp, serving.context_length),
-        f"draft weights, bf16 (/{serving.tp})": _gib(2 * trainable_parameters(config) / serving.tp),
+        f"draft weights, bf16 (/{serving.tp})": _gib(2 * trainable_parameters(draft_config(config)) / serving.tp),
         "draft KV cache": _gib(serving.context_length * draft_kv),
         "runtime reserve": RUNTIME_RESERVE_GIB,
     }
     return stage
-
-
-def trainable_parameters(config: PipelineConfig) -> int:
-    """fc, one decoder layer (attention over [embedding, hidden] inputs, SwiGLU MLP, three norms), norm, lm_head."""
-    hidden, draft = config.target.hidden_size, config.draft
-    head_dim = hidden // draft.num_attention_heads
-    attention = 2 * hidden * (draft.num_attention_heads + 2 * draft.num_key_value_heads) * head_dim
-    attention += draft.num_attention_heads * head_dim * hidden
-    return (len(config.data.aux_layers) * hidden * hidden + attention + 3 * hidden * draft.intermediate_size
-            + 4 * hidden + config.vocab.draft_vocab_size * hidden)
 
 
 def require_fit(config: PipelineConfig, source: str | Path) -> MemoryPlan:

@@ -55,6 +55,13 @@ class AllocationPeak(TorchDispatchMode):
         self.current -= size
 
 
+def trainable_parameters(cfg: DraftConfig) -> int:
+    """Counted on a draft built on the meta device: exact, and nothing allocated."""
+    with torch.device("meta"):
+        model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def training_step_peak_bytes(cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> int:
     """Peak bytes one rank allocates during a step on `sequences` x `seq_len` tokens: teacher outputs,
     TTT activations, loss, gradients, and the transients between them (not the weights or the batch)."""

@@ -228,7 +228,6 @@ class Trainer:
             "tokens": int(tokens[0]),  # every rank's tokens
         }
 
-    @torch.no_grad()
     def evaluate(self) -> None:
         """Held-out loss, per-step accuracy and simulated accept length; the best draft by accept length is kept."""
         if not self.data.eval:
@@ -250,6 +249,7 @@ class Trainer:
             self.best = score
             self.write_checkpoint(self.out / "best", with_state=False)
 
+    @torch.no_grad()
     def eval_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's [loss sum, correct, count] x [K] over its eval slice and its replayed
         [completion tokens, verify steps], on the device."""
