@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from eagle3.model.draft import Eagle3Draft, causal_mask
 from eagle3.model.teacher import Teacher
@@ -61,15 +60,19 @@ def ttt_stats(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torc
     inside the draft vocabulary.
     """
     hot = model.hot_token_ids()  # [Dv] target id of each draft row
+    length = loss_mask.shape[1]
     losses, correct, count = [], [], []
     for k, logits in enumerate(step_logits):
-        argmax = shift_left(teacher.argmax, 1 + k)  # [B, T]: row t+1+k predicts x_{t+2+k}
-        valid = shift_left(loss_mask, 2 + k).bool() & shift_left(teacher.in_draft, 1 + k)
-        p = shift_left(teacher.probs, 1 + k)  # [B, T, Dv]
-        log_q = F.log_softmax(logits.float(), dim=-1)
-        per_position = -(p * log_q).sum(-1)  # [B, T]
+        n = max(length - 2 - k, 0)  # indices t that have a token x_{t+2+k}; views below, no shifted copies
+        argmax = teacher.argmax[:, 1 + k : 1 + k + n]  # [B, n]: row t+1+k predicts x_{t+2+k}
+        valid = loss_mask[:, 2 + k :].bool() & teacher.in_draft[:, 1 + k : 1 + k + n]
+        p = teacher.probs[:, 1 + k : 1 + k + n]  # [B, n, Dv]
+        z = logits[:, :n].float()  # [B, n, Dv]
+        # -(p * log_softmax(z)).sum(-1) = logsumexp(z) - p.z, as p sums to 1: autograd keeps z alone,
+        # not log_softmax's output and a product as well (~14 bytes per draft id and token less).
+        per_position = torch.logsumexp(z, dim=-1) - (p * z).sum(-1)  # [B, n]
         losses.append((per_position * valid).sum())
-        correct.append(((hot[logits.argmax(-1)] == argmax) & valid).sum())
+        correct.append(((hot[z.argmax(-1)] == argmax) & valid).sum())
         count.append(valid.sum())
     return StepStats(torch.stack(losses), torch.stack(correct).float(), torch.stack(count).float())
 
