@@ -314,7 +314,6 @@ def run_flow(args: argparse.Namespace) -> int:
 
 def run_config(args: argparse.Namespace) -> int:
     from eagle3.config import load_config
-
     from eagle3.plan import require_fit
 
     config = load_config(args.path, args.overrides)
