@@ -27,14 +27,17 @@ from eagle3.train.memory import training_step_peak_bytes
 KIMI = dict(hidden=7168, heads=64, kv_heads=8, intermediate=18432, draft_vocab=32000, vocab=163840, aux=3)
 
 
-def draft(hidden, heads, kv_heads, intermediate, draft_vocab, vocab, aux, dtype) -> Eagle3Draft:
-    config = DraftConfig(
+def draft_config(hidden, heads, kv_heads, intermediate, draft_vocab, vocab, aux) -> DraftConfig:
+    return DraftConfig(
         hidden_size=hidden, target_hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=hidden // heads, rms_norm_eps=1e-6, rope_theta=10000.0,
         max_position_embeddings=4096, vocab_size=vocab, draft_vocab_size=draft_vocab, torch_dtype="bfloat16",
         aux_layers=list(range(aux)), target_num_hidden_layers=aux + 2,
     )
-    model = Eagle3Draft(config, torch.zeros(vocab, hidden, dtype=dtype))
+
+
+def draft(dtype, **shape) -> Eagle3Draft:
+    model = Eagle3Draft(draft_config(**shape), torch.zeros(shape["vocab"], shape["hidden"], dtype=dtype))
     init_weights(model, 0)
     return model.to(dtype)
 
@@ -53,7 +56,7 @@ def peak_rss_gib() -> float:
 
 
 def tiny(steps: int) -> None:
-    model = draft(128, 4, 2, 512, 1024, 2048, 3, torch.float32)
+    model = draft(torch.float32, hidden=128, heads=4, kv_heads=2, intermediate=512, draft_vocab=1024, vocab=2048, aux=3)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     batch, seq, ttt = 16, 256, 4
     aux, ids = torch.randn(batch, seq, 3 * 128), torch.randint(0, 2048, (batch, seq))
@@ -73,7 +76,7 @@ def tiny(steps: int) -> None:
 def kimi_step(seq: int, ttt: int, batch: int, device: str, steps: int) -> None:
     """The trainer's step (teacher, TTT forward, loss, backward, AdamW) on a Kimi-shaped draft, next to
     the memory eagle3 plan measures for it on storage-less tensors."""
-    config = kimi_config()
+    config = draft_config(**KIMI)
     estimate = training_step_peak_bytes(config, batch, seq, ttt, pre_norm=False)
     print(f"Kimi-sized draft, batch {batch} x {seq}, TTT {ttt}: eagle3 plan's measured step {estimate / 2**30:.1f} GiB "
           "(activations, teacher, gradients; weights and optimizer apart)")
@@ -118,16 +121,6 @@ def kimi_step(seq: int, ttt: int, batch: int, device: str, steps: int) -> None:
         print(f"  GPU: step peak {step_peak:.1f} GiB above the weights and optimizer (plan: {estimate / 2**30:.1f} GiB), "
               f"total peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; MFU at 989 TFLOP/s bf16: "
               f"{flops / seconds / 989e12:.1%}")
-
-
-def kimi_config() -> DraftConfig:
-    return DraftConfig(
-        hidden_size=KIMI["hidden"], target_hidden_size=KIMI["hidden"], intermediate_size=KIMI["intermediate"],
-        num_attention_heads=KIMI["heads"], num_key_value_heads=KIMI["kv_heads"], head_dim=KIMI["hidden"] // KIMI["heads"],
-        rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=262144, vocab_size=KIMI["vocab"],
-        draft_vocab_size=KIMI["draft_vocab"], torch_dtype="bfloat16", aux_layers=list(range(KIMI["aux"])),
-        target_num_hidden_layers=61,
-    )
 
 
 def teacher_flops(tokens: int) -> float:

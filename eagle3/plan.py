@@ -162,16 +162,15 @@ def training_stage(config: PipelineConfig) -> StagePlan:
 
 def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     """The target with the draft at serving.tp: one request of the full context must fit next to the weights."""
-    serving, draft = config.serving, config.draft
+    serving, draft = config.serving, draft_config(config)
     stage = StagePlan("serve", serving.tp, knob=f"lower serving.context_length ({serving.context_length}) or raise serving.tp")
     if size is None:
         stage.unknown = "target size unknown"
         return stage
-    head_dim = config.target.hidden_size // draft.num_attention_heads
-    draft_kv = 2 * draft.num_key_value_heads * head_dim * KV_CACHE_BYTES / serving.tp  # one layer
+    draft_kv = 2 * draft.num_key_value_heads * draft.head_dim * KV_CACHE_BYTES / serving.tp  # one layer
     stage.parts = {
         **target_parts(size, serving.tp, serving.context_length),
-        f"draft weights, bf16 (/{serving.tp})": _gib(2 * trainable_parameters(draft_config(config)) / serving.tp),
+        f"draft weights, bf16 (/{serving.tp})": _gib(2 * trainable_parameters(draft) / serving.tp),
         "draft KV cache": _gib(serving.context_length * draft_kv),
         "runtime reserve": RUNTIME_RESERVE_GIB,
     }

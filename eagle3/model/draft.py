@@ -149,6 +149,10 @@ class Eagle3Draft(nn.Module):
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h, self.lm_head(self.norm(h))
 
+    def load_draft_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load canonical tensors (every one but the target's embedding, which stays); strict otherwise."""
+        self.load_state_dict({**tensors, "embed_tokens.weight": self.embed_tokens.weight}, strict=True)
+
     def export_state(self) -> dict[str, torch.Tensor]:
         """Canonical tensors (the native layout) on the CPU, without the target's embedding."""
         return {name: t.detach().to("cpu", copy=True) for name, t in self.state_dict().items()

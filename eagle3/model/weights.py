@@ -47,7 +47,7 @@ def target_head(target_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def draft_from_native(draft: NativeDraft, embed: torch.Tensor) -> Eagle3Draft:
     model = Eagle3Draft(draft.config, embed)
-    model.load_state_dict({**draft.tensors, "embed_tokens.weight": embed}, strict=True)
+    model.load_draft_state(draft.tensors)
     return model.float()
 
 

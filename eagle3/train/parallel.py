@@ -55,15 +55,11 @@ class Dist:
             dist.barrier()
 
 
-def process_device(local_rank: int, cuda: bool) -> torch.device:
-    return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-
-
 def setup_distributed() -> Dist:
     """The process's device from LOCAL_RANK, and the process group when torchrun started several."""
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
-    device = process_device(local, cuda)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if world == 1:
@@ -107,17 +103,13 @@ class Parallel:
     def load(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
              optimizer_state: dict | None) -> None:
         """Load full (canonical, embedding-free) tensors and, when given, the full optimizer state."""
-        named = {DRAFT_PREFIX + k: v for k, v in tensors.items()}
         if self.kind == "fsdp":
             options = StateDictOptions(full_state_dict=True, strict=False)
-            set_model_state_dict(module, named, options=options)
+            set_model_state_dict(module, {DRAFT_PREFIX + k: v for k, v in tensors.items()}, options=options)
             if optimizer_state is not None:
                 set_optimizer_state_dict(module, optimizer, optimizer_state, options=options)
             return
-        missing, unexpected = module.load_state_dict(named, strict=False)
-        wrong = [k for k in missing if not k.startswith(DRAFT_PREFIX + EMBEDDING)] + unexpected
-        if wrong:
-            raise KeyError(f"draft state does not match the model: {wrong}")
+        module.draft.load_draft_state(tensors)
         if optimizer_state is not None:
             optimizer.load_state_dict(optimizer_state)
 

@@ -153,7 +153,7 @@ class Trainer:
                 )
         if previous.config.model_copy(update={"target_family": None}) != model.config.model_copy(update={"target_family": None}):
             raise Eagle3Error(f"cannot warm start from {path}: its architecture differs from draft/target in the config")
-        model.load_state_dict({**previous.tensors, "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
+        model.load_draft_state(previous.tensors)
         self.log(f"train: warm start from {path}")
 
     # -- the loop -------------------------------------------------------------------------------
