@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install test demo demo-rollback clean
+.PHONY: install test conformance demo demo-rollback clean
 
 install: $(VENV)/.installed
 
@@ -20,6 +20,11 @@ $(VENV)/.installed: pyproject.toml
 
 test: install
 	$(PY) -m pytest -q
+
+# SGLang's own code from its published releases, run on the CPU against ours (tests/conformance/README.md).
+# Fetches the releases once into ~/.cache/eagle3/sglang (EAGLE3_SGLANG_CACHE); skips when the index is unreachable.
+conformance: install
+	$(PY) -m pytest -q -m "sglang or sglang_server" tests/conformance
 
 # The whole pipeline on the CPU: tiny target, data, vocab, training, export, simulation, servers, gate, registry.
 demo: install

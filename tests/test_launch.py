@@ -3,6 +3,7 @@ stops that leave no process of the group behind, and validation against the live
 benchmark. Real processes on 127.0.0.1; the reference server stands in for SGLang."""
 
 import os
+import re
 import shlex
 import socket
 import stat
@@ -71,7 +72,7 @@ def test_sglang_command_with_and_without_a_draft(tmp_path):
         "/opt/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/kimi",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/drafts/d1",
         "--speculative-num-steps", "4", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5",
-        "--tp", "8", "--host", "127.0.0.1", "--port", str(s.port), "--context-length", "512",
+        "--tp-size", "8", "--host", "127.0.0.1", "--port", str(s.port), "--context-length", "512",
         "--trust-remote-code", "--mem-fraction-static", "0.85"]
     plain = sglang_command(config, "/models/kimi", None)
     assert plain == command[:5] + command[15:]  # the same without the five speculative flags
@@ -87,9 +88,17 @@ def test_extra_args_never_set_the_algorithm(tmp_path, extra):
             sglang_command(config, "/models/kimi", draft)
 
 
-def test_extra_args_may_not_repeat_a_flag_the_launcher_sets(tmp_path):
-    config = config_for(tmp_path, "serving.engine=sglang", "serving.extra_args=[--port=1234]")
-    with pytest.raises(LaunchError, match="repeats --port"):
+@pytest.mark.parametrize("extra, named", [
+    ("--port=1234", "--port (= --port)"),
+    ("--tp-size", "--tp-size (= --tp-size)"),
+    ("--tensor-parallel-size", "--tensor-parallel-size (= --tp-size)"),
+    ("--tp", "--tp (= --tp-size)"),  # an argparse abbreviation sets the same field
+    ("--context-len", "--context-len (= --context-length)"),
+    ("--model", "--model (= --model-path)"),
+])
+def test_extra_args_may_not_repeat_a_flag_the_launcher_sets(tmp_path, extra, named):
+    config = config_for(tmp_path, "serving.engine=sglang", f"serving.extra_args=['{extra}', '4']")
+    with pytest.raises(LaunchError, match=re.escape(f"repeats {named}")):
         sglang_command(config, "/models/kimi", "/drafts/d1")
 
 

@@ -31,8 +31,34 @@ class LaunchError(Eagle3Error):
     """A server that did not start, did not become healthy, or serves a draft it would serve wrongly."""
 
 
+# Every spelling SGLang's parser accepts for each flag the launcher sets (read from its releases'
+# `ServerArgs.add_cli_args`; tests/conformance checks the table against each release's parser).
+LAUNCHER_FLAGS = {
+    "--model-path": ("--model-path", "--model"),
+    "--speculative-algorithm": ("--speculative-algorithm",),
+    "--speculative-draft-model-path": ("--speculative-draft-model-path", "--speculative-draft-model"),
+    "--speculative-num-steps": ("--speculative-num-steps",),
+    "--speculative-eagle-topk": ("--speculative-eagle-topk",),
+    "--speculative-num-draft-tokens": ("--speculative-num-draft-tokens",),
+    "--tp-size": ("--tp-size", "--tensor-parallel-size"),
+    "--host": ("--host",),
+    "--port": ("--port",),
+    "--context-length": ("--context-length",),
+}
+
+
 def _flag(arg: str) -> str:
     return arg.split("=", 1)[0].replace("_", "-")
+
+
+def _launcher_flag_for(arg: str) -> str | None:
+    """The launcher's flag that `arg` would set: one of its spellings, or an abbreviation of one (argparse
+    accepts any unambiguous prefix of a long option, so `--tp` or `--context-len` set the same field)."""
+    flag = _flag(arg)
+    for canonical, spellings in LAUNCHER_FLAGS.items():
+        if any(spelling.startswith(flag) for spelling in spellings):
+            return canonical
+    return None
 
 
 def sglang_command(config: PipelineConfig, target_path, draft_path) -> list[str]:
@@ -42,13 +68,14 @@ def sglang_command(config: PipelineConfig, target_path, draft_path) -> list[str]
         command += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_path),
                     "--speculative-num-steps", str(s.num_steps), "--speculative-eagle-topk", str(s.eagle_topk),
                     "--speculative-num-draft-tokens", str(s.num_draft_tokens)]
-    command += ["--tp", str(s.tp), "--host", s.host, "--port", str(s.port), "--context-length", str(s.context_length)]
-    extra = {_flag(a) for a in s.extra_args if a.startswith("--")}
-    if "--speculative-algorithm" in extra:
+    command += ["--tp-size", str(s.tp), "--host", s.host, "--port", str(s.port),
+                "--context-length", str(s.context_length)]
+    extra_flags = [a for a in s.extra_args if a.startswith("--")]
+    if any(_launcher_flag_for(a) == "--speculative-algorithm" for a in extra_flags):
         raise LaunchError(
             f"serving.extra_args {s.extra_args} sets --speculative-algorithm; the launcher sets it (EAGLE3 for an "
             "EAGLE-3 draft: EAGLE would serve it with the wrong fc input and no aux states); remove it")
-    clash = sorted(extra & {a for a in command if a.startswith("--")})
+    clash = sorted({f"{_flag(a)} (= {_launcher_flag_for(a)})" for a in extra_flags if _launcher_flag_for(a)})
     if clash:
         raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets from the "
                           "serving section; set the field instead")

@@ -1,0 +1,41 @@
+"""The SGLang conformance suite: SGLang's own code, from its published releases, run against ours.
+
+Selected with `make conformance` (`pytest -m "sglang or sglang_server" tests/conformance`); the default
+`pytest` run leaves it out (it fetches ~1.5 GB once into the cache, see releases.py). Each release's
+probe runs once per test module in a child process; tests compare its answers with the project's code.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import releases  # noqa: E402
+
+
+def pytest_collection_modifyitems(items):
+    here = Path(__file__).parent
+    for item in items:
+        if Path(item.fspath).is_relative_to(here) and "sglang_server" not in item.keywords:
+            item.add_marker(pytest.mark.sglang)
+
+
+@pytest.fixture(scope="session")
+def run_sglang():
+    """run_sglang(release, probe, job) -> the probe's answer; skips when the package index is unreachable."""
+    answers: dict = {}
+
+    def run(release: str, probe: str, job: dict) -> dict:
+        key = (release, probe, repr(job))
+        if key not in answers:
+            try:
+                answers[key] = releases.run_inside(release, probe, job)
+            except releases.IndexUnreachable as err:
+                pytest.skip(f"SGLang {release} cannot be fetched: {err}")
+        return answers[key]
+
+    return run

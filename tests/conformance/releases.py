@@ -1,0 +1,125 @@
+"""SGLang's published releases, unpacked for running their CPU-side code here.
+
+Each release is the wheel from the package index (`pip download --no-deps sglang==X`), unzipped, plus
+the exact pins its metadata gives for the packages whose versions its imports depend on (transformers
+registers config classes SGLang registers again; xgrammar and tvm-ffi are compiled against each
+other), plus one shared directory of the pure-Python packages its imports need. Nothing is installed
+into the project's environment. Code runs in a child process per release (two releases of one package
+cannot share an interpreter) with `inside/` first on its path: see `inside/run.py`.
+
+The cache lives outside the clone (`EAGLE3_SGLANG_CACHE`, default ~/.cache/eagle3/sglang) so CI runs
+on one machine reuse it; a release is complete only once its marker is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+# Both sides of every rule boundary: 0.5.11 | 0.5.12 (loader renames, spec v2 keys) | 0.5.13 (DeepSeek
+# aux ids) | 0.5.16 | 0.5.17 (norm_before_fc) | newest read.
+RELEASES = ("0.5.11", "0.5.12", "0.5.13", "0.5.16", "0.5.17", "0.5.23")
+PINNED = ("transformers", "xgrammar", "apache-tvm-ffi")  # taken at the release's own `==` pin
+HERE = Path(__file__).parent
+INSIDE = HERE / "inside"
+SHARED_REQUIREMENTS = HERE / "requirements-sglang.txt"
+NETWORK_ERRORS = ("NewConnectionError", "Temporary failure in name resolution", "Could not fetch URL", "ProxyError",
+                  "Max retries exceeded", "Network is unreachable")
+RESULT_PREFIX = "EAGLE3-PROBE-RESULT "  # the child's answer line (SGLang's imports print warnings on stdout)
+
+
+class IndexUnreachable(RuntimeError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EAGLE3_SGLANG_CACHE", Path.home() / ".cache" / "eagle3" / "sglang"))
+
+
+def _pip(*args: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stdout.splitlines()[-5:] + result.stderr.splitlines()[-10:])
+        if any(marker in tail for marker in NETWORK_ERRORS):
+            raise IndexUnreachable(f"the package index is unreachable: {tail}")
+        raise RuntimeError(f"pip {' '.join(args)} failed:\n{tail}")
+
+
+def _install_once(directory: Path, fill) -> Path:
+    """Fill `directory` through a temporary sibling, renamed into place only when complete."""
+    if directory.is_dir():
+        return directory
+    partial = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    fill(partial)
+    partial.rename(directory)
+    return directory
+
+
+def _unpack_release(release: str, into: Path) -> None:
+    wheels = into / "wheel"
+    _pip("download", "--no-deps", "--quiet", f"sglang=={release}", "-d", str(wheels))
+    (wheel,) = wheels.glob("sglang-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(into / "site")
+    shutil.rmtree(wheels)
+    pins = _release_pins(into / "site")
+    # transformers with its dependencies (tokenizers and huggingface_hub move with it); the rest alone.
+    _pip("install", "--quiet", "--target", str(into / "pins"), pins["transformers"])
+    _pip("install", "--quiet", "--no-deps", "--target", str(into / "pins"),
+         *(pins[name] for name in PINNED if name != "transformers" and name in pins))
+
+
+def _release_pins(site: Path) -> dict[str, str]:
+    (metadata,) = site.glob("sglang-*.dist-info/METADATA")
+    pins = {}
+    for line in metadata.read_text().splitlines():
+        match = re.match(r"Requires-Dist: ([A-Za-z0-9_.-]+)\s*(==[^;\s]+)\s*$", line)
+        if match and match.group(1).lower() in PINNED:
+            pins[match.group(1).lower()] = match.group(1) + match.group(2)
+    if "transformers" not in pins:
+        raise RuntimeError(f"{metadata} pins no transformers release; add how to choose one to tests/conformance")
+    return pins
+
+
+def _install_shared(into: Path) -> None:
+    _pip("install", "--quiet", "--no-deps", "--target", str(into), "-r", str(SHARED_REQUIREMENTS))
+
+
+def prepare(release: str) -> list[Path]:
+    """The sys.path entries that run `release` here (downloading what is missing)."""
+    root = cache_root()
+    release_dir = _install_once(root / release, lambda into: _unpack_release(release, into))
+    shared = _install_once(root / ("shared-" + _digest(SHARED_REQUIREMENTS.read_text())),
+                           _install_shared)
+    return [INSIDE, release_dir / "site", release_dir / "pins", shared]
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def run_inside(release: str, probe: str, job: dict, timeout: float = 900) -> dict:
+    """Run `inside/<probe>.py`'s `run(job)` under SGLang `release`; return its JSON answer."""
+    path = os.pathsep.join(str(p) for p in prepare(release))
+    env = {**os.environ, "PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, str(INSIDE / "run.py"), probe], input=json.dumps(job), capture_output=True, text=True,
+        env=env, timeout=timeout,
+    )
+    answer = [line for line in result.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if result.returncode != 0 or not answer:
+        raise RuntimeError(f"SGLang {release} probe {probe} failed (exit {result.returncode}):\n"
+                           + "\n".join(result.stderr.splitlines()[-30:]))
+    return json.loads(answer[-1].removeprefix(RESULT_PREFIX))
+
