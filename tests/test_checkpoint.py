@@ -170,6 +170,30 @@ def test_conversion_refuses_what_a_loader_would_skip_or_misread(tmp_path, mutate
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
 
+def test_sglang_layers_0_names_convert_to_the_layout_every_release_loads(tmp_path):
+    """SGLang >= 0.5.12 loads layers.0.*, and validate prescribes this conversion for 0.5.11."""
+    src = _sglang_with(tmp_path, lambda t: t.update(
+        {n.replace("midlayer.", "layers.0."): t.pop(n) for n in [n for n in t if n.startswith("midlayer.")]}))
+    convert(src, tmp_path / "out", to="sglang", engine_release="0.5.11")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    original = load_file(tmp_path / "sglang" / "model.safetensors")
+    assert not [n for n in written if n.startswith("layers.")]
+    assert torch.equal(written["midlayer.self_attn.q_proj.weight"], original["layers.0.self_attn.q_proj.weight"])
+
+
+def test_a_head_no_loader_reads_is_refused_with_its_name(tmp_path):
+    src = _sglang_with(tmp_path, lambda t: t.update({"model.lm_head.weight": t.pop("lm_head.weight")}))
+    with pytest.raises(ConversionError, match="model.lm_head.weight.*the head is named lm_head.weight"):
+        convert(src, tmp_path / "out", to="native")
+
+
+def test_one_weight_under_two_names_is_refused(tmp_path):
+    src = _sglang_with(tmp_path, lambda t: t.update({"layers.0.mlp.up_proj.weight": t["midlayer.mlp.up_proj.weight"].clone()}))
+    with pytest.raises(ConversionError, match="layers.0.mlp.up_proj.weight and midlayer.mlp.up_proj.weight|"
+                                              "midlayer.mlp.up_proj.weight and layers.0.mlp.up_proj.weight"):
+        convert(src, tmp_path / "out", to="native")
+
+
 def test_embed_tokens_from_speculators_is_dropped_not_refused(tmp_path):
     spec = _speculators_draft(tmp_path, norm_before_residual=False)
     tensors = load_file(spec / "model.safetensors")

@@ -72,6 +72,31 @@ def test_layers_0_names_are_skipped_up_to_0_5_11(good):
     assert "skipped-tensor" not in codes(report) and "missing-tensor" not in codes(report)
 
 
+def test_a_head_named_model_lm_head_is_dropped_by_every_release(good):
+    edit_tensors(good["path"], lambda t: t.update({"model.lm_head.weight": t.pop("lm_head.weight")}))
+    for release in ("0.5.11", "0.5.13", "0.5.23"):
+        report = run(good, engine_release=release)
+        skipped = next(p for p in report.problems if p.code == "skipped-tensor")
+        assert "model.lm_head.weight" in skipped.message and "rename model.lm_head.weight to lm_head.weight" in skipped.fix
+        assert "lm_head.weight" in next(p for p in report.problems if p.code == "missing-tensor").message
+
+
+@pytest.mark.parametrize(("top", "nested", "field"), [
+    ({}, {"fc_norm": True}, "eagle_config.fc_norm"),
+    ({}, {"use_aux_norm": True}, "eagle_config.use_aux_norm"),
+    ({}, {"norm_output": True}, "eagle_config.norm_output"),
+    ({"norm_before_fc": True}, {"norm_before_fc": False}, "eagle_config.norm_before_fc"),
+])
+def test_switches_where_sglang_does_not_read_them_are_refused(good, top, nested, field):
+    config = json.loads((good["path"] / "config.json").read_text())
+    config.update(top)
+    config["eagle_config"].update(nested)
+    (good["path"] / "config.json").write_text(json.dumps(config))
+    report = run(good, engine_release="0.5.23")
+    (problem,) = [p for p in report.problems if p.code == "flag-misplaced"]
+    assert problem.message.startswith(field) and "top level" in problem.fix
+
+
 def test_missing_required_tensor(good):
     edit_tensors(good["path"], lambda t: t.pop("midlayer.hidden_norm.weight"))
     assert codes(run(good)) == {"missing-tensor"}
@@ -156,9 +181,19 @@ def test_weights_not_in_the_declared_dtype_is_a_warning(good):
 def test_draft_vocab_size_disagrees_or_is_missing(good):
     edit_config(good["path"], draft_vocab_size=100)
     assert {"draft-vocab-size", "shape-mismatch"} == codes(run(good))
-    edit_config(good["path"], draft_vocab_size=None)
-    report = run(good)
-    assert "draft-vocab-size" in codes(report) and "ignores d2t" in report.of("error")[0].message
+
+
+
+def test_a_missing_or_null_draft_vocab_size_says_what_sglang_does(good):
+    """Read from SGLang's loader (tests/conformance/test_loader.py runs it): a missing key fails at
+    construction, null with a draft-vocabulary head fails the loader's assertion."""
+    edit_config(good["path"], draft_vocab_size=None)  # removes the key
+    (error,) = [p for p in run(good).of("error") if p.code == "draft-vocab-size"]
+    assert "AttributeError" in error.message and error.fix == 'set "draft_vocab_size": 64'
+    config = json.loads((good["path"] / "config.json").read_text())
+    (good["path"] / "config.json").write_text(json.dumps({**config, "draft_vocab_size": None}))
+    (error,) = [p for p in run(good).of("error") if p.code == "draft-vocab-size"]
+    assert "fails an assertion on this 64-row head" in error.message
 
 
 @pytest.mark.parametrize(

@@ -391,20 +391,33 @@ def _draft_config(fields: dict, where: Path) -> DraftConfig:
 
 
 def _rename(raw: RawCheckpoint, layout: str) -> dict[str, torch.Tensor]:
-    """Layout names -> canonical names; a tensor with no place in the table is refused, never dropped."""
+    """Layout names -> canonical names; a tensor with no place in the layout is refused, never dropped.
+
+    An sglang checkpoint is read the way the newest release's loader reads it (`layers.0.*` and
+    `aux_norm_*` included); the written sglang layout is the one every release loads."""
     inverse = {name: canonical for canonical, name in tensor_names(layout, list(raw.tensors)).items()}
-    tensors, unknown = {}, []
+    flags = engines.enabled_flags(raw.config)
+    tensors, unknown, sources = {}, [], {}
     for name, tensor in raw.tensors.items():
-        if name == "embed_tokens.weight":
+        if name.removeprefix("model.") == "embed_tokens.weight":
             continue  # the target's embedding; the serving engine uses its own copy
-        if name in inverse:
-            tensors[inverse[name]] = tensor
-        else:
+        canonical = (engines.loaded_name(name, engines.NEWEST_LOADER_RULE, flags) if layout == "sglang"
+                     else inverse.get(name))
+        if canonical is None:
             unknown.append(name)
+        else:
+            tensors[canonical] = tensor
+            sources.setdefault(canonical, []).append(name)
     if unknown:
+        head = " (SGLang's loader drops model.lm_head.weight: the head is named lm_head.weight)" if (
+            "model.lm_head.weight" in unknown) else ""
         raise ConversionError(
             f"{raw.path}: tensors with no place in the {layout} layout (a loader would drop them): {sorted(unknown)}"
+            + head
         )
+    clashes = sorted(" and ".join(names) for names in sources.values() if len(names) > 1)
+    if clashes:
+        raise ConversionError(f"{raw.path}: several tensors name the same weight: {'; '.join(clashes)}; keep one")
     return tensors
 
 

@@ -39,7 +39,8 @@ class ReleaseRange:
 
 # ---------------------------------------------------------------------------------------------
 # The draft loader (llama_eagle3.py `load_weights`). A checkpoint name is looked up as-is or with a
-# `model.` prefix; a name that matches no parameter is dropped without a word.
+# `model.` prefix; a name that matches no parameter is dropped without a word. Every rule here is
+# proven against the releases' own loader by tests/conformance/test_loader.py.
 
 # Tensors of the one decoder layer, under the layer prefix.
 LAYER_TENSORS = (
@@ -54,8 +55,11 @@ LAYER_TENSORS = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
 )
-# Tensors outside the layer. embed_tokens is optional: SGLang replaces it with the target's.
-TOP_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight")
+# Tensors of the draft's inner `model` module, outside the layer. embed_tokens is optional: SGLang
+# replaces it with the target's.
+MODEL_TENSORS = ("fc.weight", "norm.weight", "embed_tokens.weight")
+HEAD_TENSOR = "lm_head.weight"  # outside `model`: `model.lm_head.weight` matches no parameter and is dropped
+TOP_TENSORS = (*MODEL_TENSORS, HEAD_TENSOR)
 VOCAB_TENSORS = ("d2t", "t2d")  # d2t becomes hot_token_id = d2t + arange; t2d is read and ignored
 CANONICAL_LAYER_PREFIX = "midlayer"
 
@@ -67,7 +71,9 @@ FLAG_CONFIG_KEYS = {
     "norm_before_fc": ("norm_before_fc",),
     "norm_before_residual": ("norm_before_residual",),
 }
-FLAG_TENSOR_PREFIXES = {"fc_norm": ("fc_norm.", "aux_norm_"), "norm_before_fc": ("input_norm.",)}
+FLAG_TENSOR_PREFIXES = {"fc_norm": ("fc_norm.",), "norm_before_fc": ("input_norm.",)}
+# SpecForge's older names for the per-aux norms, renamed by the loader from 0.5.12 on.
+LEGACY_FC_NORM_NAMES = {"aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.", "aux_norm_high.": "fc_norm.2."}
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class DraftLoaderRule:
     layer_prefixes: tuple[str, ...]  # spellings of the decoder layer the loader accepts
     flags: frozenset[str]  # architecture switches this release implements
     fixed_num_aux: int | None  # fc input width hard-coded as fixed_num_aux x target_hidden
+    legacy_names: bool = False  # aux_norm_{low,mid,high} load as fc_norm.{0,1,2}
 
 
 SGLANG_LOADER_RULES = (
@@ -83,7 +90,7 @@ SGLANG_LOADER_RULES = (
     DraftLoaderRule(ReleaseRange("0.0.0", "0.5.11"), ("midlayer",), frozenset(), 3),
     # 0.5.12: module `layers`, legacy map midlayer -> layers.0; fc_norm, norm_output, num_aux_hidden_states.
     DraftLoaderRule(
-        ReleaseRange("0.5.12", "0.5.16"), ("midlayer", "layers.0"), frozenset({"fc_norm", "norm_output"}), None
+        ReleaseRange("0.5.12", "0.5.16"), ("midlayer", "layers.0"), frozenset({"fc_norm", "norm_output"}), None, True
     ),
     # 0.5.17: adds input_norm (norm_before_fc).
     DraftLoaderRule(
@@ -91,9 +98,11 @@ SGLANG_LOADER_RULES = (
         ("midlayer", "layers.0"),
         frozenset({"fc_norm", "norm_output", "norm_before_fc"}),
         None,
+        True,
     ),
 )
 STRICTEST_LOADER_RULE = SGLANG_LOADER_RULES[0]
+NEWEST_LOADER_RULE = SGLANG_LOADER_RULES[-1]
 
 
 def loader_rule(release: str | None) -> tuple[DraftLoaderRule, str]:
@@ -107,25 +116,60 @@ def loader_rule(release: str | None) -> tuple[DraftLoaderRule, str]:
     return STRICTEST_LOADER_RULE, f"release {release} is not in the table: checked against the strictest loader (≤ 0.5.11)"
 
 
-def enabled_flags(config: dict) -> set[str]:
-    """Architecture switches a draft config turns on (top level or nested in eagle_config)."""
+# Where SGLang reads each switch: fc_norm / use_aux_norm and norm_output from the top level of the
+# config only; norm_before_fc from eagle_config when it is given there (it wins), else the top level.
+TOP_LEVEL_ONLY_KEYS = ("fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
+NESTED_FIRST_KEYS = ("norm_before_fc",)
+
+
+def flag_setting(config: dict, key: str):
+    """A switch's value as SGLang reads it."""
     nested = config.get("eagle_config") or {}
-    return {
-        flag
-        for flag, keys in FLAG_CONFIG_KEYS.items()
-        if any(config.get(key) or nested.get(key) for key in keys)
-    }
+    if key in NESTED_FIRST_KEYS and key in nested:
+        return nested[key]
+    return config.get(key)
+
+
+def enabled_flags(config: dict) -> set[str]:
+    """Architecture switches a draft config turns on, read where SGLang reads them."""
+    return {flag for flag, keys in FLAG_CONFIG_KEYS.items() if any(flag_setting(config, key) for key in keys)}
+
+
+def misplaced_flags(config: dict) -> list[str]:
+    """Switch settings SGLang does not read the way a writer of the config meant them, as sentences."""
+    nested = config.get("eagle_config") or {}
+    found = [
+        f"eagle_config.{key} is {nested[key]!r} but SGLang reads {key} only at the top level (where it is "
+        f"{config.get(key)!r})"
+        for key in TOP_LEVEL_ONLY_KEYS
+        if key in nested and bool(nested[key]) != bool(config.get(key))
+    ]
+    found += [
+        f"eagle_config.{key} is {nested[key]!r} and overrides the top-level {key} ({config[key]!r}) in SGLang"
+        for key in NESTED_FIRST_KEYS
+        if key in nested and key in config and bool(nested[key]) != bool(config[key])
+    ]
+    return found
 
 
 def loaded_name(name: str, rule: DraftLoaderRule, flags: set[str]) -> str | None:
     """The canonical (midlayer.*) name a checkpoint tensor loads as, or None if the loader drops it."""
-    name = name.removeprefix("model.")
+    if name.startswith("model."):
+        # The loader also tries `model.` + name, so the prefix is optional inside the draft's `model`
+        # module; the head lives outside it.
+        name = name.removeprefix("model.")
+        if name == HEAD_TENSOR:
+            return None
     if name in TOP_TENSORS or name in VOCAB_TENSORS:
         return name
     for prefix in rule.layer_prefixes:
         rest = name.removeprefix(prefix + ".")
         if rest != name and rest in LAYER_TENSORS:
             return f"{CANONICAL_LAYER_PREFIX}.{rest}"
+    if rule.legacy_names:
+        for legacy, new in LEGACY_FC_NORM_NAMES.items():
+            if name.startswith(legacy):
+                name = new + name.removeprefix(legacy)
     for flag, prefixes in FLAG_TENSOR_PREFIXES.items():
         if flag in rule.flags and flag in flags and name.startswith(prefixes):
             return name

@@ -162,12 +162,12 @@ def _check_names(
             "keep one spelling of each tensor",
         )
     if skipped:
-        layer_names = [n for n in skipped if n.startswith("layers.0.")]
-        fix = (
-            f"rename layers.0.* to midlayer.* ({CONVERT_HINT})"
-            if layer_names
-            else "remove them, or serve with a release whose loader uses them"
-        )
+        if "model.lm_head.weight" in skipped:
+            fix = "rename model.lm_head.weight to lm_head.weight (the head is outside the draft's `model` module)"
+        elif any(n.startswith("layers.0.") for n in skipped):
+            fix = f"rename layers.0.* to midlayer.* ({CONVERT_HINT})"
+        else:
+            fix = "remove them, or serve with a release whose loader uses them"
         report.add(
             "skipped-tensor",
             "error",
@@ -180,6 +180,15 @@ def _check_names(
 
 def _check_config_fields(raw: RawCheckpoint, report: Report) -> None:
     config = raw.config
+    for sentence in engines.misplaced_flags(config):
+        report.add(
+            "flag-misplaced",
+            "error",
+            f"{sentence}: the draft would be served with a different architecture than the config says, and the "
+            "tensors of the switch that is off would be dropped",
+            "write each switch once, at the top level of config.json (fc_norm, use_aux_norm, norm_output, "
+            "norm_before_fc), and remove it from eagle_config",
+        )
     architectures = config.get("architectures") or []
     if raw.layout == "speculators" or "LlamaForCausalLMEagle3" not in architectures:
         report.add(
@@ -256,13 +265,7 @@ def _check_shapes(
             "train with 3 aux layers or serve with SGLang ≥ 0.5.12",
         )
     if draft_vocab is None:
-        report.add(
-            "draft-vocab-size",
-            "error",
-            "draft_vocab_size is missing: SGLang then builds lm_head over the target's whole vocabulary "
-            f"({config['vocab_size']}) and ignores d2t",
-            f'set "draft_vocab_size": {raw.tensors["d2t"].numel() if "d2t" in raw.tensors else "<rows of lm_head>"}',
-        )
+        _report_draft_vocab_size(raw, loaded, report)
         draft_vocab = config["vocab_size"]
     served_flags = engines.enabled_flags(config) & rule.flags
     expected = draft_shapes(
@@ -315,6 +318,22 @@ def _check_shapes(
             "build the vocab map with the target's tokenizer",
         )
     return num_aux
+
+
+def _report_draft_vocab_size(raw: RawCheckpoint, loaded: dict[str, torch.Tensor], report: Report) -> None:
+    """What SGLang does without a draft_vocab_size (LlamaForCausalLMEagle3, every release read)."""
+    vocab, head = raw.config["vocab_size"], loaded.get("lm_head.weight")
+    rows = head.shape[0] if head is not None else None
+    if "draft_vocab_size" not in raw.config:
+        consequence = "SGLang fails while building the draft (AttributeError: the config has no draft_vocab_size)"
+    elif rows is not None and rows != vocab:
+        consequence = (f"draft_vocab_size is null: SGLang sizes lm_head for the target's whole vocabulary ({vocab} rows) "
+                       f"and its loader fails an assertion on this {rows}-row head")
+    else:
+        consequence = (f"draft_vocab_size is null: SGLang serves a {vocab}-row head over the whole vocabulary and still "
+                       "maps its rows through d2t (hot_token_id = d2t + arange)")
+    size = raw.tensors["d2t"].numel() if "d2t" in raw.tensors else "<rows of lm_head>"
+    report.add("draft-vocab-size", "error", consequence, f'set "draft_vocab_size": {size}')
 
 
 def _check_dtypes(loaded: dict[str, torch.Tensor], config: dict, report: Report) -> None:

@@ -13,6 +13,7 @@ on one machine reuse it; a release is complete only once its marker is written.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -54,14 +55,17 @@ def _pip(*args: str) -> None:
 
 
 def _install_once(directory: Path, fill) -> Path:
-    """Fill `directory` through a temporary sibling, renamed into place only when complete."""
-    if directory.is_dir():
-        return directory
-    partial = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    fill(partial)
-    partial.rename(directory)
+    """Fill `directory` through a temporary sibling, renamed into place only when complete; a lock keeps
+    concurrent test processes from filling it twice."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not directory.is_dir():
+            partial = directory.with_name(directory.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+            fill(partial)
+            partial.rename(directory)
     return directory
 
 

@@ -8,13 +8,7 @@ import importlib
 import json
 import sys
 
-import placeholders
-
-RESULT_PREFIX = "EAGLE3-PROBE-RESULT "
-# Packages with no usable CPU build on the package index, imported at module level by SGLang but never
-# called on the tested paths: torchvision (its wheels are CUDA builds that fail beside the CPU torch) and
-# sgl_kernel (a CUDA extension; 0.5.16 onwards import it unconditionally).
-placeholders.install(("torchvision", "sgl_kernel"))
+RESULT_PREFIX = "EAGLE3-PROBE-RESULT "  # placeholders are installed by sitecustomize.py beside this file
 
 
 def main() -> None:
