@@ -78,6 +78,9 @@ def served_config(raw, release: str | None) -> DraftConfig:
     config = to_native(config_only, engine_release=release).config
     if raw.layout != "sglang":
         return config
+    # A switch the release does not implement is not built: its tensors are dropped with the rest.
+    rule, _ = engines.loader_rule(release)
+    config = config.model_copy(update={flag: False for flag in config.flags() if flag not in rule.flags})
     ids = (raw.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     capture = engines.sglang_capture(ids, config.target_family, release, config.target_num_hidden_layers)
     if capture.status != "known":

@@ -16,7 +16,8 @@ Which SGLang code runs, in the order a request meets it:
    - spec v2 (the default for topk 1; the only EAGLE path from 0.5.13): `process_batch_result_decode`. Its
      `_resolve_spec_overlap_token_ids` (<= 0.5.12) / `_resolve_spec_v2_tokens` (>= 0.5.13) counts
      `spec_verify_ct`, the correct (accepted) drafts and the histogram on the Req, then the loop appends the
-     whole accepted run to `req.output_ids` and runs `check_finished(n)` / `update_finish_state(n)` once;
+     whole accepted run to `req.output_ids` and runs the finish check once over the n new tokens:
+     `Req.check_finished(n)` (<= 0.5.12) / `Req.update_finish_state(n)` (>= 0.5.13);
    - spec v1 (0.5.11, 0.5.12 with --disable-overlap-schedule): `EagleVerifyInput.verify` appends token by
      token with `req.check_finished()` after each and counts on the Req; then `process_batch_result_decode`'s
      v1 branch. The `GenerationBatchResult` is built from the verify output as `EAGLEWorker` builds it;
@@ -61,6 +62,7 @@ import importlib.util
 import inspect
 import json
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -102,18 +104,17 @@ def _tiny_model(directory: str) -> tuple[str, str]:
     return target, draft
 
 
-def _server_args(num_steps: int):
+def _server_args(num_steps: int, directory: str):
     """The release's own ServerArgs for EAGLE3 chain decoding, published process-wide like a scheduler does."""
     from sglang.srt import server_args as sa_module
 
-    with tempfile.TemporaryDirectory() as directory:
-        target, draft = _tiny_model(directory)
-        args = sa_module.ServerArgs(
-            model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
-            speculative_num_steps=num_steps, speculative_eagle_topk=1, speculative_num_draft_tokens=num_steps + 1,
-            device="cpu", skip_tokenizer_init=True,
-            decode_log_interval=1 << 30,  # the periodic decode log never comes round (see module docstring)
-        )
+    target, draft = _tiny_model(directory)
+    args = sa_module.ServerArgs(
+        model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+        speculative_num_steps=num_steps, speculative_eagle_topk=1, speculative_num_draft_tokens=num_steps + 1,
+        device="cpu", skip_tokenizer_init=True,
+        decode_log_interval=1 << 30,  # the periodic decode log never comes round (see module docstring)
+    )
     try:
         from sglang.srt import runtime_context  # 0.5.23: config bags and ranks live in a runtime context
     except ImportError:
@@ -172,6 +173,9 @@ class _TreeCache:
         self.token_to_kv_pool_allocator = allocator
         self.released_rids = []
 
+    def supports_mamba(self):  # asked before releasing a finished request (0.5.23): a plain KV cache
+        return False
+
 
 def _record_kv_cache(module, tree_cache: _TreeCache) -> None:
     """In the namespace of the module that processes results, replace the mem_cache.common helpers that free
@@ -188,13 +192,14 @@ def _record_kv_cache(module, tree_cache: _TreeCache) -> None:
 
 
 class _ToDetokenizer:
-    """Stands for the scheduler -> detokenizer socket: keeps what the scheduler sends."""
+    """Stands for the scheduler -> detokenizer socket: keeps what the scheduler sends, pickled at send time
+    as the socket's send_pyobj does (the Req's lists it carries keep changing afterwards)."""
 
     def __init__(self):
         self.sent = []
 
     def send_output(self, obj, *args, **kwargs):
-        self.sent.append(obj)
+        self.sent.append(pickle.loads(pickle.dumps(obj)))
 
     send_pyobj = send_output
 
@@ -537,11 +542,16 @@ def _answer(drive: dict, response: dict | None) -> dict:
 
 
 def run(job: dict) -> dict:
+    with tempfile.TemporaryDirectory() as directory:  # the model configs are read again when publishing
+        return _run(job, directory)
+
+
+def _run(job: dict, directory: str) -> dict:
     started = time.perf_counter()
     _stand_ins()
     import sglang
 
-    server_args = _server_args(job["num_steps"])
+    server_args = _server_args(job["num_steps"], directory)
     setup_s = time.perf_counter() - started
     components = importlib.util.find_spec("sglang.srt.managers.scheduler_components") is not None  # 0.5.13 on
     paths = ["v2"]

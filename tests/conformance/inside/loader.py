@@ -299,6 +299,7 @@ def _report(model: torch.nn.Module, path: str, yielded: list) -> dict:
             "norm_before_fc": getattr(inner, "norm_before_fc", None),
             "has_fc_norm": getattr(inner, "fc_norm", None) is not None,
             "has_input_norm": getattr(inner, "input_norm", None) is not None,
+            "norm_output": getattr(inner, "norm_output", None),
         },
         "yielded": yielded,
     }
