@@ -249,6 +249,12 @@ def captured_inputs(ids: list[int] | None, rule: AuxIdRule, num_layers: int) -> 
     raise ValueError(f"unknown shift rule {rule.shift!r}")
 
 
+# With two-batch overlap (`--enable-two-batch-overlap`) these model files run only the layers below
+# `first_k_dense_replace` in the loop that captures aux states and hand the rest to the overlap
+# executor, which captures nothing: every release read (0.5.11-0.5.23; tests/conformance runs it).
+TWO_BATCH_OVERLAP_LOSES_CAPTURE = _DEEPSEEK
+
+
 def _capture_under(ids: list[int] | None, rule: AuxIdRule, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     reachable = num_layers if rule.captures_last_output else num_layers - 1
     inputs = captured_inputs(ids, rule, num_layers)
@@ -285,7 +291,11 @@ def sglang_capture(ids: list[int] | None, family: str | None, release: str | Non
     ids_text = "no ids (the default)" if ids is None else f"ids {ids}"
     explanation = f"{family} on {where} captures the outputs of layers {list(layers)} for {ids_text}"
     if lost:
-        explanation += f"; input index(es) {list(lost)} are never reached by the capture loop"
+        explanation += (f"; input index(es) {list(lost)} are never reached by the capture loop (the draft gets fewer "
+                        "states than its fc expects; DeepSeek files from 0.5.17 fail at the first forward instead)")
+    inputs = captured_inputs(ids, rules[0], num_layers)
+    if len(set(inputs)) < len(inputs):
+        explanation += f"; the loop captures a repeated layer once (inputs {inputs})"
     return Capture("known", layers, explanation, lost)
 
 

@@ -429,7 +429,9 @@ def _check_aux_ids(raw: RawCheckpoint, ctx: Context, release: str | None, num_au
         )
     if -1 in capture.layers:
         report.add(
-            "aux-ids-invalid", "error", f"aux ids {ids}: SGLang would capture the embeddings (input of layer 0)",
+            "aux-ids-invalid", "error",
+            f"aux ids {ids}: SGLang would capture the input of layer 0, the embeddings (0.5.13's DeepSeek/Kimi and "
+            "0.5.13-0.5.17's glm4_moe_lite files fail at the first forward instead)",
             CONVERT_HINT,
         )
     if num_aux is not None and len(capture.layers) != num_aux:

@@ -20,7 +20,7 @@ import httpx
 
 from eagle3.config import PipelineConfig
 from eagle3.errors import Eagle3Error
-from eagle3.formats.engines import parse_release
+from eagle3.formats.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
 from eagle3.procs import ProcessTree, timestamp
 
 LOG_TAIL_LINES = 40
@@ -45,6 +45,7 @@ LAUNCHER_FLAGS = {
     "--port": ("--port",),
     "--context-length": ("--context-length",),
 }
+TWO_BATCH_OVERLAP_FLAG = "--enable-two-batch-overlap"
 
 
 def _flag(arg: str) -> str:
@@ -75,6 +76,12 @@ def sglang_command(config: PipelineConfig, target_path, draft_path) -> list[str]
         raise LaunchError(
             f"serving.extra_args {s.extra_args} sets --speculative-algorithm; the launcher sets it (EAGLE3 for an "
             "EAGLE-3 draft: EAGLE would serve it with the wrong fc input and no aux states); remove it")
+    overlap = [a for a in extra_flags if TWO_BATCH_OVERLAP_FLAG.startswith(_flag(a)) and len(_flag(a)) > len("--enable-t")]
+    if draft_path is not None and overlap and config.target.family in TWO_BATCH_OVERLAP_LOSES_CAPTURE:
+        raise LaunchError(
+            f"serving.extra_args sets {overlap[0]}: with two-batch overlap SGLang's {config.target.family} model file "
+            "captures aux hidden states only below first_k_dense_replace (every release read), so the EAGLE3 draft "
+            "would get fewer states than it was trained on; remove it for the speculative server")
     clash = sorted({f"{_flag(a)} (= {_launcher_flag_for(a)})" for a in extra_flags if _launcher_flag_for(a)})
     if clash:
         raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets from the "
