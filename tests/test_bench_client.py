@@ -53,11 +53,11 @@ def test_served_accept_length_equals_the_simulators(micro, drafts, draft_url):
     result = run_benchmark(draft_url, bench_prompts(micro), MAX_NEW, 2, **FAST)
     served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
     rows = [simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, r), MAX_NEW,
-                            STEPS, micro["eos"]) for r in requests(micro)]
+                            STEPS, frozenset({micro["eos"]}), RELEASE) for r in requests(micro)]
     simulated = sum(r.completion_tokens for r in rows) / sum(r.verify_ct for r in rows)
     assert result["accept_length"] == pytest.approx(simulated, rel=0.02) and result["accept_length"] > 1.3
     assert [(p["completion_tokens"], p["verify_ct"]) for p in result["prompts"]] == [(r.completion_tokens, r.verify_ct) for r in rows]
-    assert sum(result["histogram"]) == result["verify_ct"] and len(result["histogram"]) == STEPS + 1
+    assert sum(result["histogram"]) == result["verify_ct"] and len(result["histogram"]) <= STEPS + 1
     assert result["correct_drafts"] == sum(r.correct_drafts for r in rows)
     assert result["accept_rate"] == result["correct_drafts"] / (result["verify_ct"] * STEPS)
     assert result["server_version"] == RELEASE and result["draft_tokens_per_step"] == STEPS

@@ -10,7 +10,8 @@ import pytest
 import torch
 import uvicorn
 
-from eagle3.bench.simulate import simulate_prompt, target_greedy
+from eagle3.bench.counting import correct_drafts_of
+from eagle3.bench.simulate import simulate_prompt
 from eagle3.cli import main
 from eagle3.data.targets import load_tokenizer
 from eagle3.formats.checkpoint import NativeDraft, save_native_draft
@@ -18,12 +19,13 @@ from eagle3.model.weights import draft_as_served
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
 from fixtures_tiny import one_torch_thread
-from test_simulate import CONFIG, NEWLINE, lens_draft, micro, rewrite  # noqa: F401  (micro: the module fixture)
+from test_simulate import CONFIG, NEWLINE, greedy_reply, lens_draft, micro, rewrite  # noqa: F401  (micro: the module fixture)
 
 STEPS, RELEASE, MAX_NEW = 3, "0.5.13", 24
 BASE_KEYS = {"prompt_tokens", "completion_tokens", "finish_reason", "e2e_latency"}
-SPEC_KEYS = {"spec_verify_ct", "spec_accept_length", "spec_accept_rate", "spec_num_correct_drafts",
-             "spec_correct_drafts_histogram"}
+SPEC_KEYS = {"spec_verify_ct", "spec_accept_length", "spec_accept_rate", "spec_num_correct_drafts",  # 0.5.13's
+             "spec_num_proposed_drafts", "spec_correct_drafts_histogram",
+             "spec_accepted_drafts", "spec_proposed_drafts", "spec_accept_histogram"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,14 +84,14 @@ def requests(micro):
 def prompt_of(micro, request) -> list[int]:
     if "input_ids" in request:
         return request["input_ids"]
-    return load_tokenizer(str(micro["path"]))(request["text"], add_special_tokens=False)["input_ids"]
+    return load_tokenizer(str(micro["path"]))(request["text"])["input_ids"]  # the tokenizer's defaults, as SGLang
 
 
 def test_greedy_output_is_the_targets_with_and_without_the_draft(micro, plain, speculative):
     accepted = 0
     for request in requests(micro):
         base, spec = generate(plain, **request), generate(speculative, **request)
-        expected = target_greedy(micro["model"], prompt_of(micro, request), MAX_NEW, micro["eos"])
+        expected = greedy_reply(micro["model"], prompt_of(micro, request), MAX_NEW, micro["eos"])
         assert base["output_ids"] == spec["output_ids"] == expected
         assert base["text"] == spec["text"] == load_tokenizer(str(micro["path"])).decode(expected, skip_special_tokens=True)
         accepted += spec["meta_info"]["spec_num_correct_drafts"]
@@ -102,7 +104,7 @@ def test_served_counts_equal_the_simulators(micro, drafts, speculative, max_new_
     for request in requests(micro):
         meta = generate(speculative, max_new_tokens, **request)["meta_info"]
         row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, request),
-                              max_new_tokens, STEPS, micro["eos"])
+                              max_new_tokens, STEPS, frozenset({micro["eos"]}), RELEASE)
         assert (meta["completion_tokens"], meta["spec_verify_ct"], meta["spec_num_correct_drafts"],
                 meta["spec_correct_drafts_histogram"]) == (row.completion_tokens, row.verify_ct, row.correct_drafts, row.histogram)
         assert meta["spec_accept_length"] == row.completion_tokens / row.verify_ct
@@ -119,10 +121,13 @@ def test_meta_info_keys_and_counting(micro, plain, speculative):
     meta = generate(speculative, input_ids=prompt)["meta_info"]
     assert set(meta) == BASE_KEYS | SPEC_KEYS
     histogram, verify_ct = meta["spec_correct_drafts_histogram"], meta["spec_verify_ct"]
-    assert len(histogram) == STEPS + 1 and sum(histogram) == verify_ct
+    assert len(histogram) <= STEPS + 1 and histogram[-1] > 0 and sum(histogram) == verify_ct
     assert meta["spec_num_correct_drafts"] == sum(a * n for a, n in enumerate(histogram))
-    # the prefill token is a completion token but no verify step: each step emits correct drafts + 1
-    assert meta["completion_tokens"] == MAX_NEW == 1 + verify_ct + meta["spec_num_correct_drafts"]
+    assert meta["spec_accepted_drafts"] == meta["spec_num_correct_drafts"] and meta["spec_accept_histogram"] == histogram
+    assert meta["spec_num_proposed_drafts"] == meta["spec_proposed_drafts"] == verify_ct * STEPS
+    # the prefill token is a completion token but no verify step: each step emits correct drafts + 1, but the
+    # last run may cross the cap, and its drafts past it count as correct without being emitted
+    assert meta["completion_tokens"] == MAX_NEW <= 1 + verify_ct + meta["spec_num_correct_drafts"]
     assert meta["spec_accept_length"] == MAX_NEW / verify_ct
     assert meta["spec_accept_rate"] == meta["spec_num_correct_drafts"] / (verify_ct * STEPS)
 
@@ -141,11 +146,12 @@ def test_eos_ids_from_the_generation_config_end_the_request(micro, drafts, tmp_p
         for request in requests(micro):
             out, prompt = generate(client, **request), prompt_of(micro, request)
             meta = out["meta_info"]
-            assert out["output_ids"] == target_greedy(micro["model"], prompt, MAX_NEW, NEWLINE)
+            assert out["output_ids"] == greedy_reply(micro["model"], prompt, MAX_NEW, NEWLINE)
             if out["output_ids"][-1] == NEWLINE:
                 assert meta["finish_reason"] == {"type": "stop", "matched": NEWLINE}
                 stops.append(meta["completion_tokens"])
-            row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt, MAX_NEW, STEPS, NEWLINE)
+            row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt, MAX_NEW, STEPS,
+                                  frozenset({micro["eos"], NEWLINE}), RELEASE)
             assert meta["completion_tokens"] == row.completion_tokens and meta.get("spec_verify_ct", 0) == row.verify_ct
             if row.verify_ct == 0:
                 assert set(meta) == BASE_KEYS  # a draft, but no verify step: no spec_* key
@@ -157,7 +163,7 @@ def test_eos_ids_from_the_generation_config_end_the_request(micro, drafts, tmp_p
 def served_counts(client, micro) -> list[tuple[int, int, int]]:
     """(completion_tokens, verify_ct, correct drafts) per request."""
     metas = [generate(client, **request)["meta_info"] for request in requests(micro)]
-    return [(m["completion_tokens"], m["spec_verify_ct"], m["spec_num_correct_drafts"]) for m in metas]
+    return [(m["completion_tokens"], m["spec_verify_ct"], correct_drafts_of(m)) for m in metas]
 
 
 def accept_length(counts) -> float:
@@ -192,7 +198,9 @@ def test_server_info_model_info_and_health(micro, drafts, plain):
         metas = [generate(client, n, input_ids=p)["meta_info"] for n, p in zip((24, 9, 1), micro["prompts"])]
         assert client.get("/health_generate").status_code == 200  # health checks do not count
         average = client.get("/server_info").json()["internal_states"][0]["avg_spec_accept_length"]
-        assert average == sum(m["completion_tokens"] for m in metas) / sum(m.get("spec_verify_ct", 0) for m in metas)
+        # SGLang's server-wide figure: accepted tokens per verify step (correct drafts + the bonus), no prefill
+        verify_ct = sum(m.get("spec_verify_ct", 0) for m in metas)
+        assert average == (sum(m.get("spec_num_correct_drafts", 0) for m in metas) + verify_ct) / verify_ct
         assert client.get("/get_model_info").json() == {
             "model_path": str(micro["path"]), "is_generation": True, "draft_model_path": str(drafts["good"])}
     info = plain.get("/server_info").json()

@@ -41,6 +41,12 @@ def one_thread():
         yield
 
 
+def greedy_reply(model, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    """The target's greedy reply: its continuation up to EOS (kept) or max_new_tokens."""
+    continuation = target_greedy(model, prompt, max_new_tokens)
+    return continuation[: continuation.index(eos) + 1] if eos in continuation else continuation
+
+
 @pytest.fixture(scope="module")
 def micro(micro_target):
     """The target, three rendered pydoc prompts (one continues with newlines only), and a vocab map
@@ -50,7 +56,7 @@ def micro(micro_target):
     turns = [t for i, t in enumerate(itertools.islice(pydoc_prompt_turns(), 60)) if i in (0, 20, 50)]
     prompts = [prompt_ids(tokenizer, messages, False) for messages in turns]
     eos = model.generation_config.eos_token_id
-    seqs = [p + target_greedy(model, p, 24, eos) for p in prompts]
+    seqs = [p + greedy_reply(model, p, 24, eos) for p in prompts]
     counts = torch.bincount(torch.tensor(sum(seqs, [])), minlength=512)
     counts[256:] = 0
     vocab_map, _ = build_vocab_map(counts, CONFIG.draft_vocab_size)
@@ -125,15 +131,14 @@ def brute_force(draft, model, prompt, max_new_tokens, num_steps, eos):
         accepted = 0
         while accepted < num_steps and drafts[accepted] == greedy[accepted]:
             accepted += 1
-        appended = 0
-        for token in greedy[: accepted + 1]:  # SGLang appends one by one and stops at the finish
+        for token in greedy[: accepted + 1]:  # the run is emitted up to the finish (EOS checked first)
             seq.append(token)
-            completion, appended = completion + 1, appended + 1
+            completion += 1
             if finished():
                 break
-        verify_ct, correct = verify_ct + 1, correct + appended - 1
-        histogram[appended - 1] += 1
-    return completion, verify_ct, correct, histogram
+        verify_ct, correct = verify_ct + 1, correct + accepted  # every accepted draft counts, past the finish too
+        histogram[accepted] += 1
+    return completion, verify_ct, correct, histogram[: max((i for i, n in enumerate(histogram) if n), default=-1) + 1]
 
 
 @pytest.mark.parametrize("kind", ["random", "newline", "lens"])
@@ -144,7 +149,7 @@ def test_simulator_equals_brute_force_speculative_decoding(micro, kind, num_step
     eos_id = micro["eos"] if eos == "target" else eos  # "\n" as EOS: requests that finish on a draft token
     rows = []
     for prompt in micro["prompts"]:
-        row = simulate_prompt(draft, micro["model"], AUX_LAYERS, prompt, 13, num_steps, eos_id)
+        row = simulate_prompt(draft, micro["model"], AUX_LAYERS, prompt, 13, num_steps, frozenset({eos_id}), None)
         expected = brute_force(draft, micro["model"], prompt, 13, num_steps, eos_id)
         assert (row.completion_tokens, row.verify_ct, row.correct_drafts, row.histogram) == expected
         rows.append(row)
@@ -160,14 +165,15 @@ def test_a_never_accepted_draft_gives_n_over_n_minus_1(micro):
     seen = set(sum(micro["seqs"], []))
     absent = next(token for token in range(512) if token not in seen)
     draft = constant_draft(micro, absent)
-    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 13, 3, micro["eos"]) for p in micro["prompts"]]
+    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 13, 3, frozenset({micro["eos"]}), None)
+            for p in micro["prompts"]]
     for row in rows:
         n = row.completion_tokens
-        assert n == 13 and row.verify_ct == n - 1 and row.correct_drafts == 0 and row.histogram == [n - 1, 0, 0, 0]
+        assert n == 13 and row.verify_ct == n - 1 and row.correct_drafts == 0 and row.histogram == [n - 1]
     result = AcceptanceResult(3, rows)
     assert result.accept_length == pytest.approx(39 / 36) and result.accept_rate == 0.0
-    assert result.histogram == [36, 0, 0, 0]
-    assert json.loads(json.dumps(result.to_dict()))["prompts"][0]["histogram"] == [12, 0, 0, 0]
+    assert result.histogram == [36]  # SGLang's histogram grows only as far as a step reached
+    assert json.loads(json.dumps(result.to_dict()))["prompts"][0]["histogram"] == [12]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,24 +181,27 @@ def test_a_never_accepted_draft_gives_n_over_n_minus_1(micro):
 
 
 def test_oracle_drafts_and_the_finish_inside_a_verify_step():
-    seq = list(range(100, 105)) + list(range(10))  # a 5-token prompt, a 10-token continuation
+    prompt = list(range(100, 105))
+    seq = prompt + list(range(10, 23))  # a 5-token prompt, a 13-token greedy continuation (no EOS)
 
     def oracle(right: int):
         return lambda p: (seq[p + 1 : p + 1 + right] + [-1] * 4)[:3]
 
-    full = replay(seq, 5, oracle(3), 3)  # 1 from prefill, then 4 + 4 + 1 (finish after the bonus's place)
-    assert (full.completion_tokens, full.verify_ct, full.correct_drafts, full.histogram) == (10, 3, 6, [1, 0, 0, 2])
-    half = replay(seq, 5, oracle(1), 3)  # 1, then 2 per step
-    assert (half.completion_tokens, half.verify_ct, half.correct_drafts, half.histogram) == (10, 5, 4, [1, 4, 0, 0])
-    never = replay(seq, 5, oracle(0), 3)
-    assert (never.verify_ct, never.correct_drafts, never.histogram) == (9, 0, [9, 0, 0, 0])
-    lengths = [AcceptanceResult(3, [row]).accept_length for row in (full, half, never)]
-    assert lengths == [10 / 3, 10 / 5, 10 / 9]
-    # 8 tokens: 1, then 4, then the last 3 drafts are right but the request finishes on the third:
-    # SGLang emits 3 tokens and counts 2 correct drafts (the finish cuts the accept index).
-    cut = replay(seq[:13], 5, oracle(3), 3)
-    assert (cut.completion_tokens, cut.verify_ct, cut.correct_drafts, cut.histogram) == (8, 2, 5, [0, 0, 1, 1])
-    assert replay(seq[:6], 5, oracle(3), 3).verify_ct == 0  # one token: prefill only
+    def run(right: int, max_new: int, eos=frozenset(), release=None):
+        row = replay(seq, 5, oracle(right), 3, max_new, eos, release)
+        return row.completion_tokens, row.verify_ct, row.correct_drafts, row.histogram
+
+    # 1 from prefill, then runs of 4: the third crosses the cap of 10 and still counts its 3 drafts
+    assert run(3, 10) == (10, 3, 9, [0, 0, 0, 3])
+    assert run(1, 10) == (10, 5, 5, [0, 5])  # 1, then 2 per step
+    assert run(0, 10) == (10, 9, 0, [9])
+    assert run(3, 1) == (1, 0, 0, [])  # one token: prefill only
+    # EOS (token 16, the 7th completion token) inside a run that crosses the cap of 8: up to 0.5.17 the cap
+    # is checked first and the tokens after the EOS are kept; from 0.5.18 the EOS finishes the request
+    assert run(3, 8, frozenset({16}), "0.5.17") == (8, 2, 6, [0, 0, 0, 2])
+    assert run(3, 8, frozenset({16}), "0.5.18") == (7, 2, 6, [0, 0, 0, 2])
+    assert [AcceptanceResult(3, [replay(seq, 5, oracle(r), 3, 10, frozenset(), None)]).accept_length
+            for r in (3, 1, 0)] == [10 / 3, 10 / 5, 10 / 9]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,9 +262,9 @@ def test_simulate_command_writes_the_result(micro, tmp_path, capsys):
     saved = json.loads((run_dir / "bench" / "simulated.json").read_text())
     assert {"accept_length", "accept_rate", "histogram", "prompts", "verify_ct", "completion_tokens",
             "correct_drafts", "num_steps", "num_prompts", "checkpoint", "engine_release", "max_new_tokens"} <= set(saved)
-    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 10, config.serving.num_steps, micro["eos"])
-            for p in micro["prompts"][:2]]
+    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 10, config.serving.num_steps,
+                            frozenset({micro["eos"]}), config.serving.release) for p in micro["prompts"][:2]]
     expected = AcceptanceResult(config.serving.num_steps, rows).to_dict()
     assert {key: saved[key] for key in expected} == expected
-    assert saved["num_prompts"] == 2 and len(saved["histogram"]) == config.serving.num_steps + 1
+    assert saved["num_prompts"] == 2 and len(saved["histogram"]) <= config.serving.num_steps + 1
     assert saved["correct_drafts"] > 0  # the exported lens draft is right on the newline run

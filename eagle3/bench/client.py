@@ -10,7 +10,7 @@ never an average over fewer prompts than asked for. Result (JSON-ready dict):
     draft_tokens_per_step                 accept-rate denominator per verify step: /server_info
                                           speculative_num_draft_tokens - 1, else speculative_num_steps, else None
     prompt_tokens, completion_tokens      Σ over prompts
-    verify_ct, correct_drafts             Σ spec_verify_ct, Σ spec_num_correct_drafts (None if not reported)
+    verify_ct, correct_drafts             Σ spec_verify_ct, Σ spec_num_correct_drafts (pre-0.5.12: spec_accepted_drafts)
     accept_length                         Σ completion_tokens / Σ verify_ct; None without a draft (no spec_* keys)
     accept_rate                           Σ correct / (Σ verify_ct × draft_tokens_per_step), else Σ(spec_accept_rate
                                           × verify_ct) / Σ verify_ct; None without a draft
@@ -44,6 +44,7 @@ from typing import Callable
 import httpx
 import numpy as np
 
+from eagle3.bench.counting import correct_drafts_of, histogram_of
 from eagle3.data.conversation import prompt_ids
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.progress import Progress
@@ -166,14 +167,15 @@ def summarize(url: str, info: dict, outcomes: list, wall: float) -> dict:
     completion, verify = sum(m["completion_tokens"] for m in metas), sum(m["spec_verify_ct"] for m in spec)
     draft_tokens = info.get("speculative_num_draft_tokens")
     per_step = draft_tokens - 1 if isinstance(draft_tokens, int) and draft_tokens > 1 else info.get("speculative_num_steps")
-    correct = sum(m["spec_num_correct_drafts"] for m in spec) if all("spec_num_correct_drafts" in m for m in spec) else None
+    corrects = [correct_drafts_of(m) for m in spec]
+    correct = sum(corrects) if None not in corrects else None
     if not verify:
         rate = None
     elif correct is not None and per_step:
         rate = correct / (verify * per_step)
     else:
         rate = sum(m.get("spec_accept_rate", 0.0) * m["spec_verify_ct"] for m in spec) / verify
-    hists = [m.get("spec_correct_drafts_histogram", m.get("spec_accept_histogram")) for m in spec]
+    hists = [histogram_of(m) for m in spec]
     hists = [h for h in hists if h is not None]
     rows = [{"index": i, "prompt_tokens": m.get("prompt_tokens"), "completion_tokens": m["completion_tokens"],
              "verify_ct": m.get("spec_verify_ct", 0), "latency_s": lat, "attempts": attempts,

@@ -1,10 +1,9 @@
 """Offline acceptance simulator: chain speculative decoding replayed over the target's greedy output.
 
 For a greedy target the accepted tokens are exactly its greedy continuation, so one target pass over
-prompt + continuation gives every feature the draft needs. Counting follows SGLang (DESIGN §3):
-the first completion token comes from prefill (no verify step); each verify step emits the accepted
-drafts plus the bonus token; when the request finishes mid-step (EOS or max_new_tokens) only the
-tokens up to the finish are emitted and the step counts emitted - 1 correct drafts.
+prompt + continuation gives every feature the draft needs. The continuation runs num_steps tokens past
+max_new_tokens and past EOS, because a verify step can accept drafts there, and SGLang counts them.
+The request grows, finishes and counts as the served release does (`eagle3.bench.counting`):
 
     accept_length = Σ completion_tokens / Σ verify_ct
     accept_rate   = Σ correct_drafts / (Σ verify_ct × num_steps)
@@ -12,17 +11,20 @@ tokens up to the finish are emitted and the step counts emitted - 1 correct draf
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from eagle3.bench.counting import SpecRequest
 from eagle3.config import PipelineConfig
 from eagle3.data.conversation import prompt_ids as render_prompt_ids
 from eagle3.data.prompts import load_prompts
 from eagle3.data.regenerate import HELDOUT_FILE
-from eagle3.data.targets import load_tokenizer
+from eagle3.data.targets import eos_ids_of, load_tokenizer
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.draft import Eagle3Draft
@@ -39,7 +41,7 @@ class PromptResult:
     completion_tokens: int
     verify_ct: int
     correct_drafts: int
-    histogram: list[int]  # [num_steps + 1]: verify steps by number of correct drafts
+    histogram: list[int]  # verify steps by number of correct drafts, as long as the largest number seen
 
 
 @dataclass
@@ -61,7 +63,7 @@ class AcceptanceResult:
 
     @property
     def histogram(self) -> list[int]:
-        return [sum(column) for column in zip(*(row.histogram for row in self.rows))] or [0] * (self.num_steps + 1)
+        return [sum(column) for column in zip_longest(*(row.histogram for row in self.rows), fillvalue=0)]
 
     @property
     def accept_length(self) -> float | None:  # None like SGLang's absent keys: no verify step at all
@@ -85,13 +87,14 @@ class AcceptanceResult:
         }
 
 
-def target_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
-    """The target's greedy continuation, ending with EOS (kept) or after max_new_tokens."""
+def target_greedy(model, prompt_ids: list[int], length: int) -> list[int]:
+    """`length` tokens of the target's greedy continuation, not stopping at EOS."""
     ids = torch.tensor([prompt_ids])  # [1, T]
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         temperature=None, top_p=None, top_k=None, eos_token_id=eos_id, pad_token_id=eos_id)
-    continuation = out[0, len(prompt_ids):].tolist()
-    return continuation[: continuation.index(eos_id) + 1] if eos_id in continuation else continuation
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=None, do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0,
+                  max_new_tokens=length, min_new_tokens=None)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt_ids):].tolist()
 
 
 def aux_features(model, seq: list[int], aux_layers: list[int]) -> torch.Tensor:
@@ -100,30 +103,33 @@ def aux_features(model, seq: list[int], aux_layers: list[int]) -> torch.Tensor:
     return torch.cat([out.hidden_states[k + 1][0] for k in aux_layers], dim=-1).float()
 
 
-def replay(seq: list[int], prompt_len: int, propose: Callable[[int], list[int]], num_steps: int) -> PromptResult:
-    """Count chain drafting over a known greedy sequence; propose(P) drafts x_{P+1}.. after verified x_P."""
-    emitted_total = min(1, len(seq) - prompt_len)  # the prefill token
-    verify_ct, correct, histogram = 0, 0, [0] * (num_steps + 1)
+def replay(seq: list[int], prompt_len: int, propose: Callable[[int], list[int]], num_steps: int,
+           max_new_tokens: int, eos_ids: frozenset[int], release: str | None) -> PromptResult:
+    """Count chain drafting over a known greedy sequence; propose(P) drafts x_{P+1}.. after the verified
+    x_P. The simulator's sequence runs num_steps tokens past where any request can finish; a shorter one
+    (a stored reply, in the trainer's estimate) cuts the last runs where it ends."""
+    request = SpecRequest(max_new_tokens, eos_ids, release)
+    request.add_token(seq[prompt_len])  # the prefill's token: no verify step
     p = prompt_len  # index of the last verified token
-    while p + 1 < len(seq):
-        drafts, remaining = propose(p), len(seq) - 1 - p
+    while request.finish is None:
+        drafts, most = propose(p), min(num_steps, len(seq) - p - 2)  # leave room for the bonus token
         accepted = 0
-        while accepted < min(num_steps, remaining) and drafts[accepted] == seq[p + 1 + accepted]:
+        while accepted < most and drafts[accepted] == seq[p + 1 + accepted]:
             accepted += 1
-        emitted = min(accepted + 1, remaining)  # accepted drafts + bonus, cut where the request finishes
-        emitted_total, verify_ct, correct = emitted_total + emitted, verify_ct + 1, correct + emitted - 1
-        histogram[emitted - 1] += 1
-        p += emitted
-    return PromptResult(emitted_total, verify_ct, correct, histogram)
+        run = seq[p + 1 : p + 2 + accepted]  # accepted drafts + the bonus token
+        request.add_verify(run)
+        p += len(run)
+    return PromptResult(len(request.output), request.verify_ct, request.correct, request.histogram)
 
 
 @torch.no_grad()
 def simulate_prompt(draft: Eagle3Draft, target_model, aux_layers: list[int], prompt_ids: list[int],
-                    max_new_tokens: int, num_steps: int, eos_id: int | None) -> PromptResult:
-    seq = list(prompt_ids) + target_greedy(target_model, list(prompt_ids), max_new_tokens, eos_id)
+                    max_new_tokens: int, num_steps: int, eos_ids: frozenset[int], release: str | None) -> PromptResult:
+    seq = list(prompt_ids) + target_greedy(target_model, list(prompt_ids), max_new_tokens + num_steps)
     aux = aux_features(target_model, seq, aux_layers)  # [T, n_aux * H]
     tokens = torch.tensor(seq)  # [T]
-    return replay(seq, len(prompt_ids), lambda p: draft_chain(draft, aux[:p], tokens[: p + 1], num_steps), num_steps)
+    propose = lambda p: draft_chain(draft, aux[:p], tokens[: p + 1], num_steps)  # noqa: E731
+    return replay(seq, len(prompt_ids), propose, num_steps, max_new_tokens, eos_ids, release)
 
 
 def heldout_prompt_ids(config: PipelineConfig, tokenizer) -> list[list[int]]:
@@ -156,11 +162,12 @@ def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print, prompts
         target = AutoModelForCausalLM.from_pretrained(config.target.path, dtype=torch.float32).eval()
         draft = draft_as_served(Path(checkpoint), config.serving.release, target_head(config.target.path)["embed"]).eval()
         prompts = prompts if prompts is not None else heldout_prompt_ids(config, load_tokenizer(config.target.path))
-        eos_id, num_steps = target.generation_config.eos_token_id, config.serving.num_steps
+        eos_ids, num_steps = frozenset(eos_ids_of(target)), config.serving.num_steps
         progress = Progress("simulate", total=len(prompts), unit="prompts", log=log)
         rows = []
         for ids in prompts:
-            rows.append(simulate_prompt(draft, target, draft.config.aux_layers, ids, config.benchmark.max_new_tokens, num_steps, eos_id))
+            rows.append(simulate_prompt(draft, target, draft.config.aux_layers, ids, config.benchmark.max_new_tokens,
+                                        num_steps, eos_ids, config.serving.release))
             progress.advance(1, tokens=rows[-1].completion_tokens)
     result = AcceptanceResult(num_steps, rows)
     for line in render_table(result):

@@ -29,7 +29,7 @@ from eagle3.config import PipelineConfig
 from eagle3.data.conversation import SampleBuilder, TemplateMismatch, chat_template_hash
 from eagle3.data.prompts import Prompt, load_prompts, split_heldout, write_prompts
 from eagle3.data.storage import log_projection
-from eagle3.data.targets import load_tokenizer, target_identity
+from eagle3.data.targets import eos_ids_of, load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.manifest import code_version, write_manifest
 from eagle3.fsutil import atomic_write_json
@@ -65,8 +65,7 @@ class LocalGenerator:
         self.model = AutoModelForCausalLM.from_pretrained(model_path).eval()
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         config = self.model.generation_config
-        eos = config.eos_token_id
-        self.eos = set(eos) if isinstance(eos, list) else {eos}  # some targets end turns with several ids
+        self.eos = set(eos_ids_of(self.model))  # some targets end turns with several ids
         self.pad = config.pad_token_id if config.pad_token_id is not None else min(self.eos)
 
     def generate(self, prompts: list[list[int]]) -> list[Generation]:

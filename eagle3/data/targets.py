@@ -25,6 +25,13 @@ def load_tokenizer(path: str):
         raise UnreadableInput(f"{path}: cannot load the target's tokenizer ({str(err).splitlines()[0]})") from None
 
 
+def eos_ids_of(model) -> frozenset[int]:
+    """The token ids that end the target's turn (generation config first, as SGLang reads them)."""
+    eos = model.generation_config.eos_token_id
+    eos = model.config.eos_token_id if eos is None else eos
+    return frozenset() if eos is None else frozenset(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
 def files_hash(directory: Path, names: tuple[str, ...]) -> str | None:
     digest, found = hashlib.sha256(), False
     for name in names:

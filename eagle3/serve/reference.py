@@ -4,10 +4,9 @@ decoding on a transformers target (DESIGN §4), counted the way SGLang counts (D
 Per request: the prefill forward gives the first completion token (no verify step). Each verify step:
 the draft proposes S tokens with `draft_chain` from the target's aux features of the verified prefix;
 the target runs ONE forward over prefix + drafts; the longest agreeing prefix of drafts is accepted,
-plus the target's own next token (the bonus). Tokens are appended one by one and the request stops at
-EOS or max_new_tokens, so a step that finishes early emits fewer tokens and counts emitted - 1 correct
-drafts (the finish rule of `eagle3.bench.simulate.replay`). The target recomputes the whole sequence
-each forward (no KV cache): slow, but nothing to get wrong. Greedy only.
+plus the target's own next token (the bonus). The request grows, finishes and counts as the release it
+stands for does (`eagle3.bench.counting`, proven against SGLang's own code). The target recomputes the
+whole sequence each forward (no KV cache): slow, but nothing to get wrong. Greedy only.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from eagle3.bench.counting import SpecRequest, server_accept_length
 from eagle3.model.draft import Eagle3Draft
 from eagle3.model.ttt import draft_chain
 from eagle3.model.weights import draft_as_served, target_head
@@ -38,17 +38,12 @@ class BadRequest(ValueError):
 class Served:
     target: torch.nn.Module
     tokenizer: object
-    eos_ids: set[int]
+    eos_ids: frozenset[int]
     draft: Eagle3Draft | None
     num_steps: int
-    totals: list[int] = field(default_factory=lambda: [0, 0])  # [Σ completion_tokens, Σ verify_ct] with a draft
+    release: str | None  # the SGLang release whose finish rule and meta_info keys this server follows
+    totals: list[int] = field(default_factory=lambda: [0, 0])  # [Σ correct drafts, Σ verify_ct] with a draft
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def eos_ids_of(model) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    eos = model.config.eos_token_id if eos is None else eos
-    return set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
 @torch.no_grad()
@@ -60,19 +55,16 @@ def target_forward(served: Served, ids: list[int]) -> tuple[torch.Tensor, torch.
     return out.logits[0].argmax(-1), aux
 
 
-def decode(served: Served, prompt: list[int], max_new_tokens: int) -> dict:
-    """Greedy (speculative when a draft is loaded) decoding of one request -> output ids and counts."""
-    seq, vocab = list(prompt), served.target.config.vocab_size
-    greedy, aux = target_forward(served, seq)  # prefill: [P], aux [P, n_aux * H]
-    seq.append(int(greedy[-1]))
-    verify_ct, correct, histogram = 0, 0, [0] * (served.num_steps + 1)
-
-    def finished() -> bool:
-        return seq[-1] in served.eos_ids or len(seq) - len(prompt) >= max_new_tokens
-
-    while not finished():
+def decode(served: Served, prompt: list[int], max_new_tokens: int) -> SpecRequest:
+    """Greedy (speculative when a draft is loaded) decoding of one request, grown and counted as SGLang does."""
+    request = SpecRequest(max_new_tokens, served.eos_ids, served.release)
+    vocab = served.target.config.vocab_size
+    greedy, aux = target_forward(served, prompt)  # prefill: [P], aux [P, n_aux * H]
+    request.add_token(int(greedy[-1]))
+    while request.finish is None:
+        seq = prompt + request.output  # the verified tokens
         if served.draft is None:
-            seq.append(int(target_forward(served, seq)[0][-1]))
+            request.add_token(int(target_forward(served, seq)[0][-1]))
             continue
         drafts = draft_chain(served.draft, aux, torch.tensor(seq), served.num_steps)  # x_{P+1} .. x_{P+S}
         valid = next((i for i, t in enumerate(drafts) if not 0 <= t < vocab), len(drafts))  # out of vocab: never right
@@ -81,17 +73,10 @@ def decode(served: Served, prompt: list[int], max_new_tokens: int) -> dict:
         accepted = 0
         while accepted < valid and drafts[accepted] == proposals[accepted]:
             accepted += 1
-        emitted = 0
-        for token in proposals[: accepted + 1]:  # accepted drafts + bonus, appended one by one
-            seq.append(token)
-            emitted += 1
-            if finished():
-                break
-        aux = aux[: len(seq) - 1]  # features of the verified prefix x_0 .. x_{P'-1} (causal: drafts after it don't matter)
-        verify_ct, correct, histogram[emitted - 1] = verify_ct + 1, correct + emitted - 1, histogram[emitted - 1] + 1
-    output = seq[len(prompt) :]
-    finish = "length" if len(output) >= max_new_tokens else "stop"  # SGLang checks the length first
-    return {"output_ids": output, "verify_ct": verify_ct, "correct": correct, "histogram": histogram, "finish": finish}
+        request.add_verify(proposals[: accepted + 1])  # accepted drafts + bonus
+        # features of the verified prefix x_0 .. x_{P'-1} (causal: the drafts after it don't matter)
+        aux = aux[: len(seq) + accepted]
+    return request
 
 
 def parse_request(served: Served, body: dict) -> tuple[list[int], int]:
@@ -109,7 +94,7 @@ def parse_request(served: Served, body: dict) -> tuple[list[int], int]:
     if isinstance(body.get("input_ids"), list) and body["input_ids"] and all(type(t) is int for t in body["input_ids"]):
         ids = body["input_ids"]
     elif isinstance(body.get("text"), str) and body["text"]:
-        ids = served.tokenizer(body["text"], add_special_tokens=False)["input_ids"]
+        ids = served.tokenizer(body["text"])["input_ids"]  # the tokenizer's defaults, as SGLang encodes text
     else:
         raise BadRequest("give `text` (one string) or `input_ids` (one non-empty list of token ids); batches are not served")
     if not ids or not all(0 <= t < served.target.config.vocab_size for t in ids):
@@ -121,30 +106,19 @@ def generate(served: Served, body: dict, count: bool = True) -> dict:
     start = time.perf_counter()  # end to end, as SGLang measures it: waiting for the lock included
     ids, max_new_tokens = parse_request(served, body)
     with served.lock:  # one model on the CPU: one request at a time
-        result = decode(served, ids, max_new_tokens)
-        completion, verify_ct = len(result["output_ids"]), result["verify_ct"]
+        request = decode(served, ids, max_new_tokens)
         if served.draft is not None and count:  # health checks stay out of avg_spec_accept_length
-            served.totals = [served.totals[0] + completion, served.totals[1] + verify_ct]
-    finish = {"type": result["finish"]}
-    finish.update({"matched": result["output_ids"][-1]} if result["finish"] == "stop" else {"length": max_new_tokens})
-    meta = {"prompt_tokens": len(ids), "completion_tokens": completion, "finish_reason": finish,
-            "e2e_latency": time.perf_counter() - start}
-    if served.draft is not None and verify_ct > 0:  # SGLang reports no spec_* key without a verify step
-        meta.update({
-            "spec_verify_ct": verify_ct,
-            "spec_accept_length": completion / verify_ct,
-            "spec_accept_rate": result["correct"] / (verify_ct * served.num_steps),
-            "spec_num_correct_drafts": result["correct"],
-            "spec_correct_drafts_histogram": result["histogram"],
-        })
-    text = served.tokenizer.decode(result["output_ids"], skip_special_tokens=True)
-    return {"text": text, "output_ids": result["output_ids"], "meta_info": meta}
+            served.totals = [served.totals[0] + request.correct, served.totals[1] + request.verify_ct]
+    meta = {"prompt_tokens": len(ids), "completion_tokens": len(request.output), "finish_reason": request.finish,
+            "e2e_latency": time.perf_counter() - start, **request.meta_info(served.num_steps)}
+    text = served.tokenizer.decode(request.output, skip_special_tokens=True)
+    return {"text": text, "output_ids": request.output, "meta_info": meta}
 
 
 def load(target_dir: Path, draft_dir: Path | None, num_steps: int, engine_release: str | None) -> Served:
     from transformers import AutoModelForCausalLM
 
-    from eagle3.data.targets import load_tokenizer
+    from eagle3.data.targets import eos_ids_of, load_tokenizer
 
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps}: chain drafting needs at least one step")
@@ -152,7 +126,7 @@ def load(target_dir: Path, draft_dir: Path | None, num_steps: int, engine_releas
     draft = None
     if draft_dir is not None:
         draft = draft_as_served(Path(draft_dir), engine_release, target_head(Path(target_dir))["embed"]).eval()
-    return Served(target, load_tokenizer(str(target_dir)), eos_ids_of(target), draft, num_steps)
+    return Served(target, load_tokenizer(str(target_dir)), eos_ids_of(target), draft, num_steps, engine_release)
 
 
 def create_app(target_dir, draft_dir=None, num_steps: int = 3, engine_release: str | None = None) -> FastAPI:
@@ -186,8 +160,8 @@ def create_app(target_dir, draft_dir=None, num_steps: int = 3, engine_release: s
 
     @app.get("/server_info")
     def server_info():
-        completion, verify_ct = served.totals
-        state = {"avg_spec_accept_length": completion / verify_ct} if served.draft is not None and verify_ct else {}
+        correct, verify_ct = served.totals
+        state = {"avg_spec_accept_length": server_accept_length(correct, verify_ct)} if verify_ct else {}
         return {"version": engine_release or "reference", "internal_states": [state], "speculative_num_steps": num_steps}
 
     return app

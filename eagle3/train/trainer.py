@@ -277,7 +277,9 @@ class Trainer:
             end = mask.index(0, start) if 0 in mask[start:] else len(mask)
             seq = sample.input_ids[:end].long()
             aux = sample.aux_hidden[:end].float().to(self.dist.device)
-            result = replay(seq.tolist(), start, lambda p: draft_chain(self.model, aux[:p], seq[: p + 1], steps), steps)
+            propose = lambda p: draft_chain(self.model, aux[:p], seq[: p + 1], steps)  # noqa: E731
+            # the stored reply ends the request: it finishes by length where the reply ends
+            result = replay(seq.tolist(), start, propose, steps, end - start, frozenset(), self.config.serving.release)
             completion, verify_ct = completion + result.completion_tokens, verify_ct + result.verify_ct
         return torch.tensor([completion, verify_ct], dtype=torch.float32, device=self.dist.device)
 

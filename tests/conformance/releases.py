@@ -24,9 +24,10 @@ import sys
 import zipfile
 from pathlib import Path
 
-# Both sides of every rule boundary: 0.5.11 | 0.5.12 (loader renames, spec v2 keys) | 0.5.13 (DeepSeek
-# aux ids) | 0.5.16 | 0.5.17 (norm_before_fc) | newest read.
-RELEASES = ("0.5.11", "0.5.12", "0.5.13", "0.5.16", "0.5.17", "0.5.23")
+# Both sides of every rule boundary: 0.5.11 | 0.5.12 (loader renames, spec key names) | 0.5.13 (DeepSeek
+# aux ids) ... 0.5.16 | 0.5.17 (norm_before_fc, gpt_oss ids) | 0.5.18 (EOS checked before the length cap)
+# ... 0.5.20 | 0.5.21 (pre-0.5.12 key aliases gone) ... the newest read.
+RELEASES = ("0.5.11", "0.5.12", "0.5.13", "0.5.16", "0.5.17", "0.5.18", "0.5.20", "0.5.21", "0.5.23")
 PINNED = ("transformers", "xgrammar", "apache-tvm-ffi")  # taken at the release's own `==` pin
 HERE = Path(__file__).parent
 INSIDE = HERE / "inside"

@@ -1,0 +1,100 @@
+"""How SGLang grows, finishes and counts one request under chain speculative decoding, by release.
+
+The reference server and the simulator count through `SpecRequest`, so their numbers are SGLang's;
+tests/conformance/test_counting.py feeds the same token runs to each release's own scheduler and
+tokenizer-manager code and compares every field. Read there (DESIGN §3, Acceptance):
+
+- A verify step yields a run: the accepted drafts, then the target's bonus token. The whole run is
+  appended and the finish is checked once over it; tokens past the finish are not emitted.
+- Every accepted draft counts as correct, on the finishing step too, also past EOS or the length cap.
+- Up to 0.5.17 the length cap is checked first (an EOS inside a run that crosses max_new_tokens ends the
+  request as "length", keeping the tokens after the EOS); from 0.5.18 a stop token is checked first.
+- spec_accept_length = completion_tokens / verify steps (the prefill token included);
+  spec_accept_rate = correct drafts / (verify steps x num_steps); the histogram is indexed by the
+  drafts accepted in a step and grows only as far as needed. No spec_* key without a verify step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eagle3.formats.engines import parse_release
+
+EOS_FIRST_FROM = (0, 5, 18)  # Req.update_finish_state checks stop tokens before the length cap
+NEW_KEYS_FROM = (0, 5, 12)  # spec_num_correct_drafts, spec_num_proposed_drafts, spec_correct_drafts_histogram
+OLD_KEYS_UNTIL = (0, 5, 20)  # spec_accepted_drafts, spec_proposed_drafts, spec_accept_histogram (aliases from 0.5.12)
+
+
+def _release(release: str | None) -> tuple[int, int, int]:
+    """An unknown release counts as the newest rule read."""
+    return parse_release(release) if release else (9999, 0, 0)
+
+
+@dataclass
+class SpecRequest:
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    release: str | None = None
+    output: list[int] = field(default_factory=list)
+    finish: dict | None = None  # SGLang's finish_reason once finished
+    verify_ct: int = 0
+    correct: int = 0
+    histogram: list[int] = field(default_factory=list)  # verify steps by drafts accepted
+
+    def add_token(self, token: int) -> None:
+        """The prefill's token, or one step of plain decoding: no verify step."""
+        self._append([token])
+
+    def add_verify(self, run: list[int]) -> None:
+        """One verify step: `run` is the accepted drafts followed by the bonus token."""
+        accepted = len(run) - 1
+        self.verify_ct += 1
+        self.correct += accepted
+        self.histogram += [0] * (accepted + 1 - len(self.histogram))
+        self.histogram[accepted] += 1
+        self._append(run)
+
+    def _append(self, tokens: list[int]) -> None:
+        start, cap = len(self.output), self.max_new_tokens
+        self.output += tokens
+        stop = next((start + i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), None)  # kept length
+        if stop is not None and _release(self.release) >= EOS_FIRST_FROM and stop <= cap:
+            self._finish(stop, {"type": "stop", "matched": self.output[stop - 1]})
+        elif len(self.output) >= cap:
+            self._finish(cap, {"type": "length", "length": cap})
+        elif stop is not None:
+            self._finish(stop, {"type": "stop", "matched": self.output[stop - 1]})
+
+    def _finish(self, kept: int, reason: dict) -> None:
+        del self.output[kept:]
+        self.finish = reason
+
+    def meta_info(self, num_steps: int) -> dict:
+        """The spec_* keys SGLang's tokenizer manager adds for this release ({} without a verify step)."""
+        if not self.verify_ct:
+            return {}
+        release, proposed = _release(self.release), self.verify_ct * num_steps
+        meta = {"spec_verify_ct": self.verify_ct, "spec_accept_length": len(self.output) / self.verify_ct,
+                "spec_accept_rate": self.correct / proposed}
+        if release >= NEW_KEYS_FROM:
+            meta |= {"spec_num_correct_drafts": self.correct, "spec_num_proposed_drafts": proposed,
+                     "spec_correct_drafts_histogram": list(self.histogram)}
+        if release <= OLD_KEYS_UNTIL:
+            meta |= {"spec_accepted_drafts": self.correct, "spec_proposed_drafts": proposed,
+                     "spec_accept_histogram": list(self.histogram)}
+        return meta
+
+
+def correct_drafts_of(meta: dict) -> int | None:
+    """A request's correct drafts under either release's key name."""
+    return meta.get("spec_num_correct_drafts", meta.get("spec_accepted_drafts"))
+
+
+def histogram_of(meta: dict) -> list[int] | None:
+    return meta.get("spec_correct_drafts_histogram", meta.get("spec_accept_histogram"))
+
+
+def server_accept_length(correct: int, verify_ct: int) -> float:
+    """/server_info's avg_spec_accept_length: accepted tokens per verify step, the bonus included
+    (correct drafts + 1 per step; the prefill token is no part of it)."""
+    return (correct + verify_ct) / verify_ct

@@ -1,0 +1,97 @@
+"""How a request grows, finishes and is counted: each release's own scheduler and tokenizer-manager code
+(inside/counting.py) against `SpecRequest` (the reference server's and the simulator's counting) and the
+simulator's replay, on the same verify runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3.bench.counting import SpecRequest, server_accept_length
+from eagle3.bench.simulate import replay
+from releases import RELEASES
+
+NUM_STEPS, EOS, PROMPT, PREFILL = 3, 1, [5, 6, 7], 10
+# name -> (verify runs: accepted drafts then the bonus token, max_new_tokens)
+CASES = {
+    "cap-at-a-step-boundary": ([[11, 12, 13, 14], [15, 16, 17]], 8),
+    "run-crosses-the-cap": ([[11, 12, 13, 14], [15, 16, 17, 18]], 7),
+    "eos-inside-a-run": ([[11, 12], [13, EOS, 15, 16], [17]], 50),
+    "eos-inside-a-run-that-crosses-the-cap": ([[11, 12, 13, 14], [EOS, 16, 17, 18]], 7),
+    "cap-before-the-eos": ([[11, 12, 13, 14], [15, 16, EOS, 18]], 6),
+    "eos-exactly-at-the-cap": ([[11, 12, 13, 14], [15, 16, EOS, 18]], 8),
+    "prefill-only": ([[11, 12, 13, 14]], 1),
+    "short-accepts": ([[11], [12, 13], [14], [15]], 5),
+    "never-accepted": ([[11], [12], [13], [14], [15]], 5),
+    "eos-as-the-bonus": ([[11, 12, 13, EOS], [15]], 20),
+}
+EOS_ON_PREFILL = "eos-on-prefill"
+
+
+def job() -> dict:
+    requests = [{"name": name, "prompt_ids": PROMPT, "prefill_token": PREFILL, "verify_steps": runs,
+                 "max_new_tokens": cap, "eos_token_ids": [EOS]} for name, (runs, cap) in CASES.items()]
+    requests.append({"name": EOS_ON_PREFILL, "prompt_ids": PROMPT, "prefill_token": EOS,
+                     "verify_steps": [[11, 12, 13, 14]], "max_new_tokens": 10, "eos_token_ids": [EOS]})
+    return {"num_steps": NUM_STEPS, "requests": requests}
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def counted(request, run_sglang):
+    answer = run_sglang(request.param, "counting", job())
+    return request.param, dict(zip([r["name"] for r in job()["requests"]], answer["requests"]))
+
+
+def ours(release: str, name: str) -> SpecRequest:
+    runs, cap = CASES.get(name, ([[11, 12, 13, 14]], 10))
+    request = SpecRequest(cap, frozenset({EOS}), release)
+    request.add_token(EOS if name == EOS_ON_PREFILL else PREFILL)
+    for run in runs:
+        if request.finish is not None:
+            break
+        request.add_verify(run)
+    return request
+
+
+@pytest.mark.parametrize("name", [*CASES, EOS_ON_PREFILL])
+def test_output_finish_and_every_spec_key_equal_sglangs(counted, name):
+    release, answers = counted
+    theirs, request = answers[name], ours(release, name)
+    assert request.output == theirs["output_ids"], f"SGLang {release} emits {theirs['output_ids']}"
+    assert len(request.output) == theirs["completion_tokens"]
+    assert request.finish == theirs["finish_reason"]
+    assert request.verify_ct == theirs["verify_steps_used"]
+    spec = {key: value for key, value in theirs.items() if key.startswith("spec_")}
+    assert request.meta_info(NUM_STEPS) == spec, f"SGLang {release}'s meta_info"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_simulators_replay_counts_the_same(counted, name):
+    """The same runs replayed: a greedy sequence holding them, and drafts that agree exactly as far as
+    each run's accepted part (then a token that is never right)."""
+    release, answers = counted
+    runs, cap = CASES[name]
+    seq = PROMPT + [PREFILL] + [t for run in runs for t in run] + [999] * (NUM_STEPS + 1)
+    starts, p = {}, len(PROMPT)
+    for run in runs:
+        starts[p] = run
+        p += len(run)
+
+    def propose(p: int) -> list[int]:
+        return (starts[p][:-1] + [-1] * NUM_STEPS)[:NUM_STEPS]
+
+    row = replay(seq, len(PROMPT), propose, NUM_STEPS, cap, frozenset({EOS}), release)
+    theirs = answers[name]
+    assert (row.completion_tokens, row.verify_ct) == (theirs["completion_tokens"], theirs["verify_steps_used"])
+    assert row.correct_drafts == theirs.get("spec_num_correct_drafts", theirs.get("spec_accepted_drafts", 0))
+    assert row.histogram == theirs.get("spec_correct_drafts_histogram", theirs.get("spec_accept_histogram", []))
+
+
+def test_the_server_wide_accept_length_is_accepted_tokens_per_verify_step(counted):
+    """/server_info's avg_spec_accept_length: the scheduler's counters (raw accept lengths, the bonus
+    included, past a finish too) over its verify steps; no prefill token."""
+    release, answers = counted
+    for name in CASES:
+        counters, request = answers[name]["server_counters"], ours(release, name)
+        accepted = counters.get("spec_num_accept_tokens", counters.get("spec_num_accepted_tokens"))
+        if request.verify_ct:
+            assert accepted / counters["spec_num_forward_ct"] == server_accept_length(request.correct, request.verify_ct)
