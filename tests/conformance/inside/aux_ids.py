@@ -399,7 +399,7 @@ def _patched(inner, handed_off, replaced):
 
 
 class _ResidualStreamStandIn:
-    """0.5.23's `layer_boundary.residual.batch` for layers that return complete values: nothing is owed,
+    """0.5.21-0.5.23's `layer_boundary.residual.batch` for layers that return complete values: nothing is owed,
     so completing is the identity and the final norm's capture gets the stream's sum (what its docstring
     says it captures: "the same updated residual")."""
 
@@ -415,6 +415,13 @@ class _ResidualStreamStandIn:
     def final_norm(hidden_states, forward_batch, layernorm, capture=None, **kwargs):
         if capture is not None:
             capture(hidden_states.clone())
+        return hidden_states
+
+    @staticmethod
+    def norm(hidden_states, forward_batch, layernorm, capture_output=None, **kwargs):
+        """0.5.21's name for final_norm; its capture is `capture_output`."""
+        if capture_output is not None:
+            capture_output(hidden_states.clone())
         return hidden_states
 
     @staticmethod
