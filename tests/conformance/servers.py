@@ -8,6 +8,7 @@ start-up in every SGLang process (for the EAGLE3 server, which has no CPU path o
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from contextlib import contextmanager
@@ -24,9 +25,15 @@ START_TIMEOUT_S = 600.0
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port low enough for the ports SGLang derives from it (its gRPC port is port + 10000)."""
+    for port in random.sample(range(20000, 50000), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-50000")
 
 
 @contextmanager

@@ -50,18 +50,27 @@ def kernels_site() -> Path:
     return Path(site)
 
 
+def _sglang_import(node: ast.stmt) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] == "sglang" for alias in node.names)
+    return node.level > 0 or (node.module or "").split(".")[0] == "sglang"
+
+
 def definitions_from(path: Path, names: tuple[str, ...], namespace: dict) -> dict:
-    """Execute only the top-level definitions `names` of the SGLang source file `path` (compiled from the
-    file itself, so tracebacks, line numbers and Triton's source lookup point into the wheel) in `namespace`,
-    which stands for the module-level names they use. The file's imports are not run: they bind the newer
-    release's own modules, which do not exist beside an older release's package."""
+    """Run the top-level definitions `names` of the SGLang source file `path`, after the file's own imports
+    of other packages (torch, triton, enum), in `namespace`, which supplies the module-level names they use
+    besides. The code is compiled from the file itself, so tracebacks, line numbers and Triton's source
+    lookup point into the wheel. The file's imports of sglang are not run: they bind the newer release's own
+    modules, which do not exist beside an older release's package."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    imports = [node for node in tree.body
+               if isinstance(node, (ast.Import, ast.ImportFrom)) and not _sglang_import(node)]
     chosen = [node for node in tree.body
               if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names]
     missing = set(names) - {node.name for node in chosen}
     if missing:
         raise RuntimeError(f"{path} defines no {sorted(missing)}")
-    exec(compile(ast.Module(body=chosen, type_ignores=[]), str(path), "exec"), namespace)
+    exec(compile(ast.Module(body=imports + chosen, type_ignores=[]), str(path), "exec"), namespace)
     return namespace
 
 
@@ -74,28 +83,37 @@ def spec_tree() -> dict:
     machine (the only platform whose path in that file is Triton)."""
     global _SPEC_TREE
     if _SPEC_TREE is None:
-        import torch
-        import triton
-        import triton.language as tl
-
         path = kernels_site() / "sglang" / "kernels" / "ops" / "speculative" / "spec_tree.py"
         flags = {"_is_cuda": False, "_is_hip": False, "_is_musa": False, "_is_npu": False, "_is_cpu": False,
                  "_is_xpu": True}
-        namespace = {"__name__": "eagle3_sglang_kernels.spec_tree", "torch": torch, "triton": triton, "tl": tl,
-                     **flags}
+        namespace = {"__name__": "eagle3_sglang_kernels.spec_tree", **flags}
         _SPEC_TREE = definitions_from(path, ("TreeMaskMode", "sgl_build_tree_kernel_efficient_triton",
                                              "verify_tree_greedy_kernel_triton", "sgl_build_tree_kernel_triton",
                                              "verify_tree_greedy_triton", "verify_tree_greedy_func"), namespace)
     return _SPEC_TREE
 
 
+def on_branch(module_name: str, function: str, **flags):
+    """`function` of the already imported SGLang module `module_name`, defined again from the module's own
+    source over a copy of its globals in which the platform flags `flags` are set: the same code, taking the
+    branch SGLang takes on that platform (its Triton kernel launch, under the interpreter here)."""
+    module = sys.modules[module_name]
+    return definitions_from(Path(module.__file__), (function,), {**vars(module), **flags})[function]
+
+
 def _torch_cpu_synchronize():
+    """torch.cpu.synchronize under a name of its own: torch.compile keys its handlers by function and refuses
+    one function registered as both torch.cuda.synchronize and torch.cpu.synchronize."""
     import torch
 
-    return torch.cpu.synchronize
+    def synchronize(device=None):
+        torch.cpu.synchronize(device)
+
+    return synchronize
 
 
 EAGLE_UTILS = "sglang.srt.speculative.eagle_utils"
+CACHE_LOCS = "sglang.srt.speculative.triton_ops.cache_locs"
 NEWER = "wheel:sglang.kernels.ops.speculative.spec_tree"
 
 REDIRECT_SETS: dict[str, tuple[Redirect, ...]] = {
@@ -112,6 +130,11 @@ REDIRECT_SETS: dict[str, tuple[Redirect, ...]] = {
                  "off CUDA and NPU this release's greedy verify returns its inputs unchanged (no error, wrong "
                  "counts); newer releases verify with verify_tree_greedy_triton on XPU (same arguments, result)",
                  lambda: spec_tree()["verify_tree_greedy_func"]),
+        Redirect(CACHE_LOCS, "assign_extend_cache_locs_func",
+                 f"{CACHE_LOCS}.assign_extend_cache_locs_func (its CUDA branch)",
+                 "off CUDA, HIP, MUSA and NPU it returns None (the verify pass then writes the KV cache at "
+                 "cache[None]); on CUDA it launches this release's own Triton kernel assign_extend_cache_locs",
+                 lambda: on_branch(CACHE_LOCS, "assign_extend_cache_locs_func", _is_cuda=True)),
     ),
 }
 
