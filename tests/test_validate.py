@@ -97,6 +97,16 @@ def test_switches_where_sglang_does_not_read_them_are_refused(good, top, nested,
     assert problem.message.startswith(field) and "top level" in problem.fix
 
 
+def test_sglangs_mla_draft_is_named_and_checked_where_it_can_be(good):
+    edit_config(good["path"], architectures=["Eagle3DeepseekV2ForCausalLM"])
+    report = run(good, engine_release="0.5.13")
+    assert report.ok and codes(report, "unknown") == {"architecture-unchecked"}
+    assert "Eagle3DeepseekV2ForCausalLM" in report.of("unknown")[0].message
+    assert "config-architecture" in codes(run(good, engine_release="0.5.11"))  # not in that release
+    edit_tensors(good["path"], lambda t: t.update(d2t=t["d2t"] + torch.arange(t["d2t"].numel())))
+    assert "d2t-absolute" in codes(run(good, engine_release="0.5.13"))  # the vocab map is still checked
+
+
 def test_missing_required_tensor(good):
     edit_tensors(good["path"], lambda t: t.pop("midlayer.hidden_norm.weight"))
     assert codes(run(good)) == {"missing-tensor"}

@@ -116,6 +116,12 @@ def loader_rule(release: str | None) -> tuple[DraftLoaderRule, str]:
     return STRICTEST_LOADER_RULE, f"release {release} is not in the table: checked against the strictest loader (≤ 0.5.11)"
 
 
+# SGLang's second EAGLE-3 draft architecture: one DeepSeek-V2 (MLA) decoder layer, for Kimi-K2.5 and
+# DeepSeek targets (models/kimi_k25_eagle3.py, from 0.5.12 on). Its loader is not in these tables.
+MLA_DRAFT_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+MLA_DRAFT_FROM = (0, 5, 12)
+
+
 # Where SGLang reads each switch: fc_norm / use_aux_norm and norm_output from the top level of the
 # config only; norm_before_fc from eagle_config when it is given there (it wins), else the top level.
 TOP_LEVEL_ONLY_KEYS = ("fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")

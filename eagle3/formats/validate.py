@@ -91,6 +91,9 @@ def validate(
         )
         return report
     ctx = _context(raw, target, data_manifest, target_family)
+    if engines.MLA_DRAFT_ARCHITECTURE in (raw.config.get("architectures") or []):
+        _report_mla_draft(raw, ctx, engine_release, context_length, report)
+        return report
     rule, rule_note = engines.loader_rule(engine_release)
     where = f"SGLang {engine_release}" if engine_release else "SGLang ≤ 0.5.11 (strictest; no release given)"
     loaded = _check_names(raw, rule, rule_note, where, report)
@@ -100,6 +103,24 @@ def validate(
     _check_aux_ids(raw, ctx, engine_release, num_aux, report)
     _check_context(raw, context_length, report)
     return report
+
+
+def _report_mla_draft(raw: RawCheckpoint, ctx: Context, release: str | None, context_length: int | None,
+                      report: Report) -> None:
+    """SGLang's MLA draft: what does not depend on the draft's layer is checked; its tensors are not."""
+    name = engines.MLA_DRAFT_ARCHITECTURE
+    if release is not None and engines.parse_release(release) < engines.MLA_DRAFT_FROM:
+        report.add("config-architecture", "error", f"architectures is [{name}]; SGLang {release} does not have it "
+                   "(it ships from 0.5.12, models/kimi_k25_eagle3.py)", "serve with SGLang >= 0.5.12")
+    report.add("architecture-unchecked", "unknown",
+               f"{name} (one DeepSeek-V2 MLA decoder layer, SGLang >= 0.5.12) is served by SGLang, but this project "
+               "checks the tensor names and shapes of LlamaForCausalLMEagle3 drafts only: they were not checked",
+               "check its tensors by hand against models/kimi_k25_eagle3.py of the release you serve")
+    _check_vocab(raw, {n: t for n, t in raw.tensors.items() if n in engines.VOCAB_TENSORS}, ctx, report)
+    ids = _nested_ids(raw.config) or raw.config.get("eagle_aux_hidden_state_layer_ids")
+    num_aux = len(ids) if ids else 3  # how models/kimi_k25_eagle3.py sizes its fc
+    _check_aux_ids(raw, ctx, release, num_aux, report)
+    _check_context(raw, context_length, report)
 
 
 def _eagle_shaped(raw: RawCheckpoint) -> bool:
