@@ -1,0 +1,1 @@
+"""The SGLang conformance suite (a package, so its conftest does not shadow tests/conftest.py)."""
