@@ -2,7 +2,8 @@
 
 Selected with `make conformance` (`pytest -m "sglang or sglang_server" tests/conformance`); the default
 `pytest` run leaves it out (it fetches ~1.5 GB once into the cache, see releases.py). Each release's
-probe runs once per test module in a child process; tests compare its answers with the project's code.
+probe runs once per test module, in that release's child process; tests compare its answers with the
+project's code.
 """
 
 from __future__ import annotations
@@ -26,16 +27,22 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def run_sglang():
-    """run_sglang(release, probe, job) -> the probe's answer; skips when the package index is unreachable."""
+    """run_sglang(release, probe, job) -> the probe's answer, from one child process per release; skips
+    when the package index is unreachable."""
+    children: dict[str, releases.ReleaseProcess] = {}
     answers: dict = {}
 
     def run(release: str, probe: str, job: dict) -> dict:
         key = (release, probe, repr(job))
         if key not in answers:
-            try:
-                answers[key] = releases.run_inside(release, probe, job)
-            except releases.IndexUnreachable as err:
-                pytest.skip(f"SGLang {release} cannot be fetched: {err}")
+            if release not in children:
+                try:
+                    children[release] = releases.ReleaseProcess(release)
+                except releases.IndexUnreachable as err:
+                    pytest.skip(f"SGLang {release} cannot be fetched: {err}")
+            answers[key] = children[release].run(probe, job)
         return answers[key]
 
-    return run
+    yield run
+    for child in children.values():
+        child.close()

@@ -4,8 +4,8 @@ Each release is the wheel from the package index (`pip download --no-deps sglang
 the exact pins its metadata gives for the packages whose versions its imports depend on (transformers
 registers config classes SGLang registers again; xgrammar and tvm-ffi are compiled against each
 other), plus one shared directory of the pure-Python packages its imports need. Nothing is installed
-into the project's environment. Code runs in a child process per release (two releases of one package
-cannot share an interpreter) with `inside/` first on its path: see `inside/run.py`.
+into the project's environment. Code runs in one child process per release (two releases of one
+package cannot share an interpreter) with `inside/` first on its path: see `inside/run.py`.
 
 The cache lives outside the clone (`EAGLE3_SGLANG_CACHE`, default ~/.cache/eagle3/sglang) so CI runs
 on one machine reuse it; a release is complete only once its marker is written.
@@ -21,6 +21,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import zipfile
 from pathlib import Path
 
@@ -113,18 +115,45 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def run_inside(release: str, probe: str, job: dict, timeout: float = 900) -> dict:
-    """Run `inside/<probe>.py`'s `run(job)` under SGLang `release`; return its JSON answer."""
-    path = os.pathsep.join(str(p) for p in prepare(release))
-    env = {**os.environ, "PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, str(INSIDE / "run.py"), probe], input=json.dumps(job), capture_output=True, text=True,
-        env=env, timeout=timeout,
-    )
-    answer = [line for line in result.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if result.returncode != 0 or not answer:
-        raise RuntimeError(f"SGLang {release} probe {probe} failed (exit {result.returncode}):\n"
-                           + "\n".join(result.stderr.splitlines()[-30:]))
-    return json.loads(answer[-1].removeprefix(RESULT_PREFIX))
+class ReleaseProcess:
+    """A child process running `release` for the whole test session: SGLang's imports, most of a probe's
+    time, are paid once. Each `run` sends one probe's job; `inside/run.py` answers it on one line."""
 
+    def __init__(self, release: str, timeout_s: float = 900):
+        path = os.pathsep.join(str(p) for p in prepare(release))
+        env = {**os.environ, "PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        self.release, self.timeout_s = release, timeout_s
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: SGLang's warnings never block it
+        self.process = subprocess.Popen([sys.executable, str(INSIDE / "run.py")], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env)
+
+    def run(self, probe: str, job: dict) -> dict:
+        self.process.stdin.write(json.dumps({"probe": probe, "job": job}) + "\n")
+        self.process.stdin.flush()
+        watchdog = threading.Timer(self.timeout_s, self.process.kill)  # a hung probe ends as a failure
+        watchdog.start()
+        try:
+            reply = next((line for line in self.process.stdout if line.startswith(RESULT_PREFIX)), None)
+        finally:
+            watchdog.cancel()
+        if reply is None:
+            raise RuntimeError(f"SGLang {self.release} probe {probe}: the child exited ({self.process.wait()}):\n"
+                               + self._stderr_tail())
+        answer = json.loads(reply.removeprefix(RESULT_PREFIX))
+        if "error" in answer:
+            raise RuntimeError(f"SGLang {self.release} probe {probe} raised:\n{answer['error']}")
+        return answer["answer"]
+
+    def _stderr_tail(self, lines: int = 30) -> str:
+        self.stderr.seek(0)
+        return "\n".join(self.stderr.read().splitlines()[-lines:])
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.stderr.close()

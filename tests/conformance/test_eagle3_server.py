@@ -1,0 +1,203 @@
+"""SGLang's own EAGLE3 server, from published releases, on the CPU, serving our exported draft on the micro
+target: greedy output identical to the target's alone, every spec_* meta_info field equal to the reference
+server's with the same draft and release, accept length equal to the simulator's, per request and through
+the serving benchmark.
+
+SGLang's EAGLE3 worker has no CPU path in these releases. It runs here unmodified with Triton's interpreter
+(TRITON_INTERPRET=1: SGLang's own Triton kernels run on the CPU, slowly), the Triton attention backend, and
+the redirects below (inside/cpu_redirects.py, installed in every SGLang process by sitecustomize): each
+replaces one entry point that has no CPU build by an SGLang function, never by code of this project's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import releases
+from eagle3.bench.client import run_benchmark
+from eagle3.bench.counting import correct_drafts_of
+from eagle3.bench.simulate import AcceptanceResult, simulate_prompt
+from eagle3.data.conversation import prompt_ids
+from eagle3.data.prompts import pydoc_prompt_turns
+from eagle3.data.targets import eos_ids_of, load_tokenizer
+from eagle3.formats.checkpoint import NativeDraft, save_native_draft
+from eagle3.model.weights import draft_as_served
+from eagle3.serve.inprocess import serve_in_thread
+from eagle3.serve.reference import create_app
+from fixtures_tiny import one_torch_thread
+from servers import CPU_FLAGS, sglang_server
+from test_simulate import CONFIG, lens_draft, micro  # noqa: F401  (micro: the module fixture)
+
+pytestmark = pytest.mark.sglang_server
+
+EAGLE_RELEASES = ("0.5.11", "0.5.13")  # spec v1 (overlap off), spec v2 (its only EAGLE worker)
+KERNELS_RELEASE = "0.5.23"  # the newest read: its XPU path holds SGLang's Triton tree-build and greedy-verify
+STEPS = 3
+NUM_PROMPTS, MAX_NEW, CONCURRENCY = 8, 16, 8  # ~1 min of interpreted serving on two cores
+BENCH_PROMPTS, BENCH_MAX_NEW = 4, 16  # other prompts than the requests', all at once
+
+# Every SGLang entry point the EAGLE3 server on the CPU takes from elsewhere, one line each: what is
+# replaced -> by which SGLang function: why. inside/cpu_redirects.py implements exactly these ("wheel:" is
+# the 0.5.23 wheel's file, run on its XPU branch; "(its CUDA branch)" is the release's own function with
+# the CUDA platform flag set, i.e. its own Triton kernel launch). A redirect whose module a release lacks
+# is not installed there (0.5.11 has no triton_ops.cache_locs; its v1 worker never calls that function).
+REDIRECTS = [
+    "torch.cuda.synchronize -> torch.cpu.synchronize: the EAGLE3 draft's set_embed and the workers synchronize "
+    "CUDA, which the CPU build of torch refuses",
+    "sglang.srt.speculative.eagle_utils.sgl_build_tree_kernel_efficient -> "
+    "wheel:sglang.kernels.ops.speculative.spec_tree.sgl_build_tree_kernel_triton: the tree build calls the "
+    "sgl_kernel CUDA op, unbound off CUDA (NameError); newer releases build the same tree with this kernel on XPU",
+    "sglang.srt.speculative.eagle_utils.verify_tree_greedy_func -> "
+    "wheel:sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func (its XPU branch): off CUDA and NPU "
+    "it returns its inputs unchanged, no error and wrong counts; newer releases verify with "
+    "verify_tree_greedy_triton on XPU",
+    "sglang.srt.speculative.triton_ops.cache_locs.assign_extend_cache_locs_func -> "
+    "sglang.srt.speculative.triton_ops.cache_locs.assign_extend_cache_locs_func (its CUDA branch): off CUDA, "
+    "HIP, MUSA and NPU it returns None and the verify pass writes the KV cache at cache[None]; on CUDA it "
+    "launches the release's own Triton kernel assign_extend_cache_locs",
+]
+
+
+def _swap(flags: tuple[str, ...], name: str, value: str) -> tuple[str, ...]:
+    i = flags.index(name)
+    return (*flags[: i + 1], value, *flags[i + 2 :])
+
+
+# The plain CPU flags, except: Triton attention (the EAGLE draft backends exist for triton, not torch_native,
+# and its kernels run under the interpreter); one KV split in Triton's decode attention (8 by default: eight
+# interpreted programs per head instead of one, same attention); a KV pool of 4096 tokens (sized from free
+# host memory otherwise: ~15 M tokens, half a minute to allocate); the draft's context length (512, shorter
+# than the target's 2048, which SGLang refuses for a draft).
+EAGLE_FLAGS = (*_swap(CPU_FLAGS, "--attention-backend", "triton"), "--triton-attention-num-kv-splits", "1",
+               "--max-total-tokens", "4096", "--context-length", str(CONFIG.max_position_embeddings),
+               "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(STEPS),
+               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1))
+
+
+def cpu_redirects():
+    """inside/cpu_redirects.py, loaded by path (inside/ is no package of this process)."""
+    spec = importlib.util.spec_from_file_location("eagle3_cpu_redirects", releases.INSIDE / "cpu_redirects.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def replaced_by(line: str) -> str:
+    """'what -> by: why' -> 'what -> by' (as the server log names an installed redirect)."""
+    return line.split(": ", 1)[0]
+
+
+def installed_in(release: str) -> set[str]:
+    """The redirects whose module exists in `release` (torch's always does)."""
+    site = releases.prepare(release)[1]
+
+    def exists(module: str) -> bool:
+        return module.split(".")[0] == "torch" or (site / (module.replace(".", "/") + ".py")).is_file()
+
+    return {replaced_by(line) for line in REDIRECTS if exists(line.split(" -> ")[0].rsplit(".", 1)[0])}
+
+
+def test_the_named_redirects_are_the_redirect_set():
+    redirects = cpu_redirects().REDIRECT_SETS["eagle3-cpu"]
+    assert [r.line() for r in redirects] == [replaced_by(line) for line in REDIRECTS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with one_torch_thread():  # our side's tiny forwards; the SGLang server is another process
+        yield
+
+
+def bodies(micro, start: int, count: int) -> list[dict]:
+    tokenizer = load_tokenizer(str(micro["path"]))
+    turns = itertools.islice(pydoc_prompt_turns(), start, start + count)
+    return [{"input_ids": prompt_ids(tokenizer, messages, False)} for messages in turns]
+
+
+def answers(url: str, requests: list[dict], concurrency: int) -> list[dict]:
+    sampling = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    with httpx.Client(base_url=url, timeout=600) as client, ThreadPoolExecutor(concurrency) as pool:
+        replies = list(pool.map(lambda body: client.post("/generate", json={**body, "sampling_params": sampling}),
+                                requests))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
+    return [r.json() for r in replies]
+
+
+def spec_fields(meta: dict) -> dict:
+    return {key: value for key, value in meta.items() if key.startswith("spec_")}
+
+
+@pytest.fixture(scope="module")
+def exported(micro, tmp_path_factory):
+    """export(release) -> our lens draft (fc scaled by 1e-3, as in test_reference_server: often accepted on
+    the micro target) exported as that release reads it."""
+    draft = lens_draft(micro)
+    with torch.no_grad():
+        draft.fc.weight.mul_(1e-3)
+    root = tmp_path_factory.mktemp("eagle3-drafts")
+    return lambda release: save_native_draft(NativeDraft(CONFIG, draft.export_state()), root / release, to="sglang",
+                                             engine_release=release)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(micro):
+    requests = bodies(micro, 0, NUM_PROMPTS)
+    with serve_in_thread(create_app(micro["path"])) as (url, _):
+        return [answer["output_ids"] for answer in answers(url, requests, 1)]
+
+
+@pytest.mark.parametrize("release", EAGLE_RELEASES)
+def test_sglangs_eagle3_server_counts_as_the_reference_server(micro, exported, plain_outputs, release, tmp_path):
+    draft_dir = exported(release)
+    requests, bench = bodies(micro, 0, NUM_PROMPTS), bodies(micro, NUM_PROMPTS, BENCH_PROMPTS)
+    with serve_in_thread(create_app(micro["path"], draft_dir, STEPS, release)) as (url, _):
+        ours = answers(url, requests, 1)
+    served_draft = draft_as_served(draft_dir, release, micro["embed"]).eval()
+    eos_ids = eos_ids_of(micro["model"])
+
+    def simulated(max_new_tokens, request):
+        return simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, request["input_ids"],
+                               max_new_tokens, STEPS, eos_ids, release)
+
+    rows = [simulated(MAX_NEW, request) for request in requests]
+    bench_rows = [simulated(BENCH_MAX_NEW, request) for request in bench]
+
+    env = {"TRITON_INTERPRET": "1", "EAGLE3_SGLANG_REDIRECTS": "eagle3-cpu",
+           "EAGLE3_SGLANG_KERNELS_SITE": str(releases.prepare(KERNELS_RELEASE)[1])}
+    started = time.monotonic()
+    with sglang_server(release, micro["path"], tmp_path, flags=EAGLE_FLAGS,
+                       extra=("--speculative-draft-model-path", str(draft_dir)), env=env) as (url, server):
+        ready = time.monotonic()
+        assert server.release == release
+        theirs = answers(url, requests, CONCURRENCY)
+        served = time.monotonic()
+        result = run_benchmark(url, [b["input_ids"] for b in bench], BENCH_MAX_NEW, BENCH_PROMPTS, timeout_s=600,
+                               retries=0, log=lambda line: None)
+        log = server.log_path.read_text(errors="replace")
+    tokens = sum(answer["meta_info"]["completion_tokens"] for answer in theirs)
+    print(f"SGLang {release} EAGLE3 on the CPU: ready in {ready - started:.0f} s; {tokens} tokens in "
+          f"{served - ready:.0f} s ({tokens / (served - ready):.2f} tokens/s, {CONCURRENCY} concurrent); benchmark "
+          f"{result['output_tokens_per_s']:.2f} tokens/s")
+
+    installed = set(re.findall(r"^EAGLE3 redirect: (.*)$", log, re.MULTILINE))
+    assert installed == installed_in(release)  # each in the scheduler, which runs the worker
+    for body, plain, ours_, theirs_, row in zip(requests, plain_outputs, ours, theirs, rows):
+        assert theirs_["output_ids"] == plain == ours_["output_ids"], f"SGLang {release} continues {body} differently"
+        meta = theirs_["meta_info"]
+        assert spec_fields(meta) == spec_fields(ours_["meta_info"])  # every spec_* key and value
+        assert (meta["completion_tokens"], meta["spec_verify_ct"]) == (row.completion_tokens, row.verify_ct)
+        assert meta["spec_accept_length"] == row.completion_tokens / row.verify_ct
+    assert sum(correct_drafts_of(answer["meta_info"]) for answer in theirs) > 0  # acceptance was exercised
+    assert result["accept_length"] == AcceptanceResult(STEPS, bench_rows).accept_length
+    assert result["prompts"] and all(p["verify_ct"] == r.verify_ct for p, r in zip(result["prompts"], bench_rows))
