@@ -371,27 +371,16 @@ def _mixin_scheduler(server_args, spec_v2: bool):
 
 def _drive_mixin(server_args, spec: dict, rid: str, spec_v2: bool) -> dict:
     """0.5.11, 0.5.12: Scheduler.process_batch_result_prefill, then process_batch_result_decode per step."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     sched = _mixin_scheduler(server_args, spec_v2)
     req = _make_req(spec, rid)
     batch = _new_batch(req, sched.req_to_token_pool, sched.token_to_kv_pool_allocator, sched.tree_cache,
                        sched.model_config, sched.enable_overlap, sched.spec_algorithm)
     assert batch.is_spec_v2 == spec_v2
 
-    batch.forward_mode = ForwardMode.EXTEND
-    sched.process_batch_result_prefill(batch, _prefill_result(req, spec["prefill_token"]))
-
-    stride, used = server_args.speculative_num_draft_tokens, 0
-    for step in spec["verify_steps"]:
-        if req.finished():
-            break
-        batch.forward_mode = ForwardMode.DECODE
-        result = _v2_result(step, stride) if spec_v2 else _v1_verify(server_args, batch, req, step)
-        sched.process_batch_result_decode(batch, result)
-        used += 1
-    if spec_v2 and spec.get("overlap_tail") and req.finished() and used < len(spec["verify_steps"]):
-        sched.process_batch_result_decode(batch, _v2_result(spec["verify_steps"][used], stride))
+    stride = server_args.speculative_num_draft_tokens
+    verify = (lambda step: _v2_result(step, stride)) if spec_v2 else (
+        lambda step: _v1_verify(server_args, batch, req, step))
+    used = _feed(sched, batch, req, spec, verify, overlap_tail=spec_v2 and spec.get("overlap_tail"))
     return dict(req=req, sent=sched.send_to_detokenizer.sent, verify_steps_used=used,
                 kv_released=sched.tree_cache.released_rids.count(rid), server_counters=_spec_counters(sched))
 
@@ -452,28 +441,37 @@ def _components(server_args):
 
 def _drive_components(server_args, spec: dict, rid: str) -> dict:
     """0.5.13 on: SchedulerBatchResultProcessor.process_batch_result_prefill, then _decode per step."""
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     parts = _components(server_args)
     processor = parts.processor
     req = _make_req(spec, rid)
     batch = _new_batch(req, processor.req_to_token_pool, parts.allocator, parts.tree_cache, parts.model_config,
                        processor.enable_overlap, parts.spec_algorithm)
 
+    stride = server_args.speculative_num_draft_tokens
+    used = _feed(processor, batch, req, spec, lambda step: _v2_result(step, stride),
+                 overlap_tail=spec.get("overlap_tail"))
+    return dict(req=req, sent=parts.to_detokenizer.sent, verify_steps_used=used,
+                kv_released=parts.tree_cache.released_rids.count(rid), server_counters=_spec_counters(parts.reporter))
+
+
+def _feed(processor, batch, req, spec: dict, verify_result, overlap_tail: bool) -> int:
+    """The release's prefill processing, then its decode processing of each verify step while the request
+    is unfinished (plus, with `overlap_tail`, one step more, as the overlap scheduler runs it); returns the
+    verify steps the request used."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
     batch.forward_mode = ForwardMode.EXTEND
     processor.process_batch_result_prefill(batch, _prefill_result(req, spec["prefill_token"]))
-
-    stride, used = server_args.speculative_num_draft_tokens, 0
+    used = 0
     for step in spec["verify_steps"]:
         if req.finished():
             break
         batch.forward_mode = ForwardMode.DECODE
-        processor.process_batch_result_decode(batch, _v2_result(step, stride))
+        processor.process_batch_result_decode(batch, verify_result(step))
         used += 1
-    if spec.get("overlap_tail") and req.finished() and used < len(spec["verify_steps"]):
-        processor.process_batch_result_decode(batch, _v2_result(spec["verify_steps"][used], stride))
-    return dict(req=req, sent=parts.to_detokenizer.sent, verify_steps_used=used,
-                kv_released=parts.tree_cache.released_rids.count(rid), server_counters=_spec_counters(parts.reporter))
+    if overlap_tail and req.finished() and used < len(spec["verify_steps"]):
+        processor.process_batch_result_decode(batch, verify_result(spec["verify_steps"][used]))
+    return used
 
 
 def _spec_counters(holder) -> dict:
