@@ -1,8 +1,8 @@
 """SGLang's own server from a published release, on this machine's CPU, under the project's launcher.
 
 The server runs unmodified (`python -m sglang.launch_server`) with the release on its path (releases.py)
-and the flags that keep it on the CPU. `redirects` names an entry of inside/cpu_redirects.py to apply at
-start-up in every SGLang process (for the EAGLE3 server, which has no CPU path of its own).
+and the flags that keep it on the CPU. `env` reaches every SGLang process; EAGLE3_SGLANG_REDIRECTS there
+names a set of inside/cpu_redirects.py to install at start-up (the EAGLE3 server has no CPU path of its own).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ and sgl_kernel ops (tree build, greedy verify) that have no CPU build. A redirec
 those entry points, each by an SGLang implementation that runs here: its Triton kernels under Triton's
 interpreter (TRITON_INTERPRET=1), or its own code for another platform. No replacement is a computation of
 this project's: each is a function taken from an SGLang wheel as published (the served release's own, or a
-newer release's where the served one has none; see `kernels_site`), located by file and name.
+newer release's where the served one has none; see `kernels_site`), located by file and name, and run on the
+branch SGLang takes on the platform that has that path (XPU or CUDA: the platform flags of its module). The one
+wrapper here, `_torch_cpu_synchronize`, only gives torch's own no-op CPU synchronize a name of its own.
 
 A set is applied in every SGLang process (the scheduler is a spawned process) by sitecustomize when
 EAGLE3_SGLANG_REDIRECTS names it: each redirect is installed right after its module is first imported,
@@ -80,7 +82,7 @@ _SPEC_TREE: dict | None = None
 def spec_tree() -> dict:
     """sglang/kernels/ops/speculative/spec_tree.py of the kernels wheel, on its XPU path: the two Triton
     kernels, their launchers and the dispatching verify_tree_greedy_func, with the platform flags of an XPU
-    machine (the only platform whose path in that file is Triton)."""
+    machine (whose path there is those Triton kernels)."""
     global _SPEC_TREE
     if _SPEC_TREE is None:
         path = kernels_site() / "sglang" / "kernels" / "ops" / "speculative" / "spec_tree.py"
@@ -119,8 +121,9 @@ NEWER = "wheel:sglang.kernels.ops.speculative.spec_tree"
 REDIRECT_SETS: dict[str, tuple[Redirect, ...]] = {
     "eagle3-cpu": (
         Redirect("torch.cuda", "synchronize", "torch.cpu.synchronize",
-                 "the EAGLE3 draft's set_embed/set_embed_and_head and the workers synchronize CUDA, which this "
-                 "torch has not; torch's own CPU synchronize is its no-op counterpart",
+                 "LlamaForCausalLM.set_embed / set_embed_and_head, through which the EAGLE worker hands the "
+                 "target's embedding (and head) to the draft, synchronize CUDA, which the CPU build of torch "
+                 "refuses; torch's own CPU synchronize is its no-op counterpart",
                  _torch_cpu_synchronize, after="torch"),  # torch.cpu exists once torch is imported
         Redirect(EAGLE_UTILS, "sgl_build_tree_kernel_efficient", f"{NEWER}.sgl_build_tree_kernel_triton",
                  "build_tree_kernel_efficient calls sgl_kernel's CUDA tree build, unbound off CUDA (NameError); "
