@@ -161,7 +161,10 @@ def run_regenerate(args: argparse.Namespace) -> int:
 def run_capture(args: argparse.Namespace) -> int:
     from eagle3.data.capture import capture_with_engine
 
-    capture_with_engine(load_run_config(args), args.config, args.overrides)
+    from eagle3.config import resolved_config_file
+
+    config = load_run_config(args)
+    capture_with_engine(config, resolved_config_file(config))
     return EXIT_OK
 
 
@@ -183,7 +186,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 def run_diagnose(args: argparse.Namespace) -> int:
     """Reads run.dir/bench/simulated.json and served.json (written by `simulate` and `bench`)."""
     from eagle3.bench.diagnose import diagnose
-    from eagle3.data.capture import HIDDEN_DIR
+    from eagle3.data.capture import dataset_dir
     from eagle3.fsutil import read_json
 
     config = load_run_config(args)
@@ -195,7 +198,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
         args.checkpoint or config.stage_dir("export") / "sglang",
         args.engine_version or config.serving.release,
         Path(config.target.path),
-        config.stage_dir("data") / HIDDEN_DIR,
+        dataset_dir(config),
         simulated.get("accept_length"),
         served.get("accept_length"),
         longest,
@@ -220,7 +223,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.prompts is not None:
         prompts = load_prompt_file(args.prompts, tokenizer, thinking)
     else:
-        from eagle3.bench.simulate import heldout_prompt_ids
+        from eagle3.data.regenerate import heldout_prompt_ids
 
         prompts = heldout_prompt_ids(config, tokenizer)
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is refused, not replaced)

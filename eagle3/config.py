@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eagle3.errors import ConfigError
 from eagle3.formats.engines import sglang_default_inputs
+from eagle3.formats.target import read_target_info
+from eagle3.fsutil import atomic_write_bytes
 
 STAGES = ("data", "vocab", "train", "export", "bench")
 
@@ -61,11 +63,13 @@ class DataSection(Section):
         default="post_norm", description="the target's last hidden state before or after its final norm"
     )
     capture_engine: Literal["local", "sglang"] = Field(
-        default="local", description="hidden-state capture: transformers here, or SGLang on the GPU node"
+        default="local", description="the target-feature backend, for capture and for online training: transformers "
+        "here (local), or SGLang's model runner in each torchrun rank on the GPU node (sglang)"
     )
     sglang_python: str = Field(default="python", description="the python of the GPU node's SGLang environment")
     sglang_engine_args: dict[str, Any] = Field(
-        default={}, description="extra sglang.Engine arguments for capture, e.g. trust_remote_code, mem_fraction_static"
+        default={}, description="extra SGLang ServerArgs fields for the feature backend, e.g. trust_remote_code, "
+        "mem_fraction_static"
     )
     batch_size: int = Field(default=16, gt=0, description="sequences per forward (engine local)")
     shard_samples: int = Field(default=256, gt=0, description="samples per output shard")
@@ -107,6 +111,9 @@ class DraftSection(Section):
 
 
 class TrainingSection(Section):
+    features: Literal["online", "offline"] = Field(
+        default="offline", description="online: the trainer computes the target's features batch by batch and "
+        "nothing is stored; offline: they are captured to data/hidden first and read back")
     ttt_steps: int = Field(default=7, ge=1)
     ttt_step_decay: float = Field(default=0.8, gt=0.0, le=1.0)
     learning_rate: float = Field(gt=0.0)
@@ -352,6 +359,33 @@ def sglang_default_aux_layers(num_layers: int) -> list[int]:
     The input of layer i is the output of layer i - 1.
     """
     return [i - 1 for i in sglang_default_inputs(num_layers)]
+
+
+RESOLVED_FILE = "config.resolved.yaml"
+
+
+def resolved_config_file(config: PipelineConfig) -> Path:
+    """Write the run's one resolved config (every default filled in, the target's facts checked) under run.dir and
+    return its path: trainers and node commands read this file, never the YAML plus overrides again, so every
+    process of a run sees the same config. Written atomically; rewritten on every run."""
+    check_target_facts(config)
+    text = "# resolved by eagle3 at load-config: defaults filled in; edit the source config, not this file\n"
+    text += yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    path = config.run.dir / RESOLVED_FILE
+    atomic_write_bytes(path, text.encode())
+    return path
+
+
+def check_target_facts(config: PipelineConfig) -> None:
+    """When the target is a local model directory, its config.json must agree with the target section."""
+    path = Path(config.target.path)
+    if not (path / "config.json").is_file():
+        return  # a hub id or a path only the GPU node has: `eagle3 plan` reads target.config_file instead
+    info = read_target_info(path)
+    wrong = [f"target.{key} is {getattr(config.target, key)} but {path / 'config.json'} says {getattr(info, key)}"
+             for key in ("num_hidden_layers", "hidden_size", "vocab_size") if getattr(config.target, key) != getattr(info, key)]
+    if wrong:
+        raise ConfigError("; ".join(wrong) + ": correct the config (the target's own file is what the engines read)")
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:

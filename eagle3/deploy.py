@@ -14,9 +14,9 @@ from typing import Callable
 
 from eagle3.bench.client import BenchmarkError, run_benchmark
 from eagle3.bench.diagnose import diagnose
-from eagle3.bench.simulate import heldout_prompt_ids
+from eagle3.data.regenerate import heldout_prompt_ids
 from eagle3.config import PipelineConfig
-from eagle3.data.capture import HIDDEN_DIR
+from eagle3.data.capture import dataset_dir
 from eagle3.data.targets import load_tokenizer
 from eagle3.formats.checkpoint import convert
 from eagle3.formats.manifest import code_version
@@ -81,7 +81,7 @@ def diagnosis_of(config: PipelineConfig, draft: Path, served: dict, simulated_ac
     longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])),
                   default=None)
     return diagnose(draft, served.get("server_version") or config.serving.release, Path(config.target.path),
-                    config.stage_dir("data") / HIDDEN_DIR, simulated_accept_length, served.get("accept_length"),
+                    dataset_dir(config), simulated_accept_length, served.get("accept_length"),
                     longest).to_dict()
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.config import PipelineConfig
-from eagle3.data.capture import HIDDEN_DIR
+from eagle3.data.capture import dataset_dir
 from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import WEIGHTS_FILE, convert
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest, write_manifest
@@ -52,7 +52,7 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
         log("export: WARNING: export.fault=absolute-d2t: writing the served d2t as absolute ids (demo of the gate)")
         make_d2t_absolute(dirs["sglang"])
     report = validate(dirs["sglang"], engine_release=config.serving.release, target=target if target.is_dir() else None,
-                      data_manifest=config.stage_dir("data") / HIDDEN_DIR / MANIFEST_FILE,
+                      data_manifest=dataset_dir(config) / MANIFEST_FILE,
                       context_length=config.serving.context_length)
     validation = with_waivers(report, config.export.waive, log)
     atomic_write_json(out / VALIDATION_FILE, validation)  # the checklist is kept whether the export passed or not

@@ -39,23 +39,23 @@ __all__ = ["eagle3", "ensure_registry_limit"]
 
 @flow(name="eagle3")
 def eagle3(config: str, overrides: list[str] | None = None, mode: Literal["full", "retrain", "benchmark"] = "full"):
-    run_config, overrides = load_run_config(config, overrides or [], mode)
+    run_config, resolved = load_run_config(config, overrides or [], mode)
     with concurrency(registry_limit_name(run_config.registry), occupy=1, strict=True):
         if mode == "benchmark":
             return remeasure_production(run_config)
-        return train_and_deploy(run_config, config, overrides)
+        return train_and_deploy(run_config, resolved)
 
 
-def train_and_deploy(config, config_path: str, overrides: list[str]):
+def train_and_deploy(config, resolved: str):
     before = release_production(config)  # managed on the node: every stage below needs its GPUs (DESIGN §4)
     version = None
     try:
         regenerated = regenerate_answers(config)
-        dataset = capture_hidden_states(config, config_path, overrides, regenerated)
+        dataset = capture_hidden_states(config, resolved, regenerated)
         vocab = build_vocab_map(config, regenerated)
-        trained = train_draft(config, config_path, overrides, dataset, vocab)
+        trained = train_draft(config, resolved, dataset, vocab)
         exported = export_and_validate(config, trained)
-        simulated = simulate_acceptance(config, exported, regenerated)
+        simulated = simulate_acceptance(config, exported, dataset)
         served = measure_served(config, exported, simulated)
         fingerprints = {name: out["fingerprint"] for name, out in
                         (("data", dataset), ("vocab", vocab), ("train", trained), ("export", exported))}

@@ -1,4 +1,5 @@
-"""Data stage: the target regenerates the answers, then its hidden states are captured."""
+"""Data stage: the target regenerates the answers, then the training data set is made (hidden states captured, or
+token shards only when training computes the features online) with the held-out features the simulator replays."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def regenerate_answers(config: PipelineConfig) -> dict:
 
 
 @task(**cached("capture"))
-def capture_hidden_states(config: PipelineConfig, config_path: str, overrides: list[str], regenerated: dict) -> dict:
+def capture_hidden_states(config: PipelineConfig, resolved: str, regenerated: dict) -> dict:
     def work() -> None:
-        dataset = read_manifest(capture_with_engine(config, config_path, overrides, log=log_to_run()))
+        dataset = read_manifest(capture_with_engine(config, resolved, log=log_to_run()))
         create_markdown_artifact(key="data", markdown=data_report(read_manifest(regenerated["path"]), dataset),
                                  description="samples, tokens, bytes and malformed prompt lines")
 

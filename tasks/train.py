@@ -16,7 +16,7 @@ from tasks.common import cached, log_to_run, run_stage
 
 
 @task(**cached("train"))
-def train_draft(config: PipelineConfig, config_path: str, overrides: list[str], dataset: dict, vocab: dict) -> dict:
+def train_draft(config: PipelineConfig, resolved: str, dataset: dict, vocab: dict) -> dict:
     def work() -> None:
         progress = create_progress_artifact(0.0, key="training-progress", description="training steps done (%)")
 
@@ -25,7 +25,7 @@ def train_draft(config: PipelineConfig, config_path: str, overrides: list[str], 
                 update_progress_artifact(progress, 100.0 * record["step"] / config.training.max_steps)
 
         with terminate_on_sigterm():  # a cancelled flow run takes the trainers' process groups with it
-            out = train(config, config_path, overrides, log=log_to_run(), on_metrics=on_metrics)
+            out = train(config, resolved, log=log_to_run(), on_metrics=on_metrics)
         records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines() if line.strip()]
         create_markdown_artifact(key="training", markdown=training_report(records),
                                  description="loss and per-position accuracy by step; evaluation")

@@ -11,7 +11,6 @@ The request grows, finishes and counts as the served release does (`eagle3.bench
 
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -21,10 +20,11 @@ import torch
 
 from eagle3.bench.counting import SpecRequest
 from eagle3.config import PipelineConfig
-from eagle3.data.conversation import prompt_ids as render_prompt_ids
-from eagle3.data.prompts import load_prompts
-from eagle3.data.regenerate import HELDOUT_FILE
-from eagle3.data.targets import eos_ids_of, load_tokenizer
+from eagle3.data.capture import HELDOUT_DIR
+from eagle3.data.regenerate import greedy_length, target_greedy
+from eagle3.data.shards import StoredSample, read_dataset
+from eagle3.data.targets import target_eos_ids
+from eagle3.engines.features import local_device
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.draft import Eagle3Draft
@@ -87,16 +87,6 @@ class AcceptanceResult:
         }
 
 
-def target_greedy(model, prompt_ids: list[int], length: int) -> list[int]:
-    """`length` tokens of the target's greedy continuation, not stopping at EOS."""
-    ids = torch.tensor([prompt_ids])  # [1, T]
-    config = copy.deepcopy(model.generation_config)
-    config.update(eos_token_id=None, do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0,
-                  max_new_tokens=length, min_new_tokens=None)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, len(prompt_ids):].tolist()
-
-
 def aux_features(model, seq: list[int], aux_layers: list[int]) -> torch.Tensor:
     """[T, n_aux * H] float32: the outputs of decoder layers `aux_layers` (HF hidden_states[k + 1])."""
     out = model(torch.tensor([seq]), output_hidden_states=True)
@@ -132,16 +122,6 @@ def simulate_prompt(draft: Eagle3Draft, target_model, aux_layers: list[int], pro
     return replay(seq, len(prompt_ids), propose, num_steps, max_new_tokens, eos_ids, release)
 
 
-def heldout_prompt_ids(config: PipelineConfig, tokenizer) -> list[list[int]]:
-    path = config.stage_dir("data") / HELDOUT_FILE
-    if not path.is_file():
-        raise UnreadableInput(f"{path}: no held-out prompts; run the data stage first (eagle3 data regenerate)")
-    prompts = load_prompts(str(path), limit=config.benchmark.num_prompts).prompts
-    if not prompts:
-        raise UnreadableInput(f"{path}: holds no usable prompt")
-    return [render_prompt_ids(tokenizer, list(p.turns), config.data.thinking) for p in prompts]
-
-
 def render_table(result: AcceptanceResult) -> list[str]:
     if result.verify_ct == 0:
         return [f"simulate: {len(result.rows)} prompts, no verify step (every continuation is one token)"]
@@ -154,21 +134,46 @@ def render_table(result: AcceptanceResult) -> list[str]:
     ]
 
 
-def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print, prompts: list[list[int]] | None = None) -> AcceptanceResult:
-    """Simulate the served draft at `checkpoint` on the held-out prompts (or the given prompt ids)."""
-    from transformers import AutoModelForCausalLM
+def replay_stored(draft: Eagle3Draft, sample: StoredSample, num_steps: int, max_new_tokens: int,
+                  eos_ids: frozenset[int], release: str | None) -> PromptResult:
+    """Replay one stored held-out greedy sequence (loss_mask marks the continuation) with its stored features."""
+    mask = sample.loss_mask.bool()
+    prompt_len = int(mask.long().argmax())
+    seq = sample.input_ids.long()  # [T]
+    device = next(draft.parameters()).device
+    aux = sample.aux_hidden.to(device, torch.float32)  # [T, n_aux * H]
+    propose = lambda p: draft_chain(draft, aux[:p], seq[: p + 1].to(device), num_steps)  # noqa: E731
+    return replay(seq.tolist(), prompt_len, propose, num_steps, max_new_tokens, eos_ids, release)
 
-    with torch.no_grad():
-        target = AutoModelForCausalLM.from_pretrained(config.target.path, dtype=torch.float32).eval()
-        draft = draft_as_served(Path(checkpoint), config.serving.release, target_head(config.target.path)["embed"]).eval()
-        prompts = prompts if prompts is not None else heldout_prompt_ids(config, load_tokenizer(config.target.path))
-        eos_ids, num_steps = frozenset(eos_ids_of(target)), config.serving.num_steps
-        progress = Progress("simulate", total=len(prompts), unit="prompts", log=log)
-        rows = []
-        for ids in prompts:
-            rows.append(simulate_prompt(draft, target, draft.config.aux_layers, ids, config.benchmark.max_new_tokens,
-                                        num_steps, eos_ids, config.serving.release))
-            progress.advance(1, tokens=rows[-1].completion_tokens)
+
+def heldout_samples(config: PipelineConfig) -> list[StoredSample]:
+    """The held-out greedy sequences with their features (the data stage's data/heldout), long enough for the
+    benchmark's max_new_tokens and the serving steps."""
+    directory = config.stage_dir("data") / HELDOUT_DIR
+    samples = list(read_dataset(directory))
+    if not samples:
+        raise UnreadableInput(f"{directory}: no held-out features; run the data stage (eagle3 data capture)")
+    wanted = greedy_length(config)
+    short = [s.id for s in samples if int(s.loss_mask.sum()) < wanted]
+    if short:
+        raise UnreadableInput(f"{directory}: {len(short)} held-out sequence(s) continue fewer than {wanted} tokens "
+                              "(benchmark.max_new_tokens + serving.num_steps): run the data stage again")
+    return samples
+
+
+@torch.no_grad()
+def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print) -> AcceptanceResult:
+    """Simulate the served draft at `checkpoint` on the held-out greedy sequences; no target is loaded."""
+    device = local_device()
+    draft = draft_as_served(Path(checkpoint), config.serving.release, target_head(config.target.path)["embed"])
+    draft = draft.to(device).eval()
+    samples = heldout_samples(config)
+    eos_ids, num_steps = target_eos_ids(config.target.path), config.serving.num_steps
+    progress = Progress("simulate", total=len(samples), unit="prompts", log=log)
+    rows = []
+    for sample in samples:
+        rows.append(replay_stored(draft, sample, num_steps, config.benchmark.max_new_tokens, eos_ids, config.serving.release))
+        progress.advance(1, tokens=rows[-1].completion_tokens)
     result = AcceptanceResult(num_steps, rows)
     for line in render_table(result):
         log(line)

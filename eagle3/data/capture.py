@@ -1,14 +1,21 @@
-"""Hidden-state capture: the target's aux hidden states (and its last hidden state) for every
-regenerated sample, stored as bf16 shards under `run.dir/data/hidden/`.
+"""The data set the trainer reads, and the held-out features the simulator replays, made with a target-feature backend.
 
-Convention (DESIGN §3): aux layer k is the output of decoder layer k, i.e. HF hidden_states[k + 1].
-The last hidden state is the input (`pre_norm`) or the output (`post_norm`, the default) of the
-target's final norm; `post_norm` is what the target's lm_head reads, so target logits are
-lm_head(last_hidden) directly. The manifest records which one was stored.
+- `training.features offline`: the target's features of every regenerated sample, stored as bf16 shards under
+  `run.dir/data/hidden/` (57,344 bytes per token at Kimi-K2.5's size: see eagle3/data/storage.py).
+- `training.features online`: token shards only, under `run.dir/data/tokens/` (5 bytes per token); the trainer
+  computes the features batch by batch and no hidden state is stored. Hidden-state capture is skipped.
+- Both: the target's greedy continuations of the held-out benchmark prompts with their features, under
+  `run.dir/data/heldout/`, so the acceptance simulator needs no target (200 prompts x ~2.5 k tokens at Kimi's size:
+  ~29 GB).
+
+Convention (DESIGN §3): aux layer k is the output of decoder layer k, i.e. HF hidden_states[k + 1]. The last hidden
+state is the input (`pre_norm`) or the output (`post_norm`, the default) of the target's final norm. Features go from
+the backend's device through pinned host memory straight to their place in the shard file (eagle3/data/shards.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable
 
@@ -16,68 +23,24 @@ import torch
 
 from eagle3.config import PipelineConfig
 from eagle3.data.conversation import chat_template_hash
-from eagle3.data.regenerate import REGEN_DIR, read_regenerated
-from eagle3.data.shards import (
-    KINDS,
-    CapturedSample,
-    partial_file,
-    read_partial,
-    read_stamp,
-    shard_file,
-    write_partial,
-    write_shard,
-)
-from eagle3.data.targets import check_same, load_tokenizer, target_identity
-from eagle3.errors import Eagle3Error, UnreadableInput
-from eagle3.engines.sglang_capture import run_on_node
-from eagle3.formats.manifest import code_version, read_manifest, write_manifest
+from eagle3.data.regenerate import REGEN_DIR, read_greedy, read_regenerated
+from eagle3.data.shards import ShardWriter, read_stamp, shard_file
 from eagle3.data.storage import check_storage, projected_bytes
+from eagle3.data.targets import check_same, load_tokenizer, target_identity
+from eagle3.engines.features import FeatureBackend, Features, local_device, pad_rows, target_backend
+from eagle3.errors import Eagle3Error, UnreadableInput
+from eagle3.formats.manifest import code_version, read_manifest, write_manifest
 from eagle3.progress import Progress
 
 Log = Callable[[str], None]
 HIDDEN_DIR = "hidden"
+TOKENS_DIR = "tokens"
+HELDOUT_DIR = "heldout"
 
 
-class LocalCapture:
-    """A capture pass with transformers; hooks on the final norm give its input and output.
-
-    `kinds` selects what the pass returns; the local engine can return both in one pass."""
-
-    release = None
-
-    def __init__(self, model_path: str, aux_layers: list[int], last_hidden: str, kinds: tuple[str, ...] = KINDS):
-        self.model_path, self.aux_layers, self.last_hidden, self.kinds = model_path, aux_layers, last_hidden, kinds
-        self._norm_io: dict[str, torch.Tensor] = {}
-
-    def start(self, log: Log) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
-        self.model.model.norm.register_forward_hook(self._record_norm)
-
-    def stop(self) -> None:
-        del self.model
-
-    def _record_norm(self, module, inputs, output) -> None:
-        self._norm_io["pre_norm"], self._norm_io["post_norm"] = inputs[0], output
-
-    @torch.no_grad()
-    def states(self, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
-        """Per sequence: {"aux_hidden": [T, n_aux * H], "last_hidden": [T, H]} (the kinds asked for).
-        Right padding: causal attention keeps every real position independent of the padding after it."""
-        width = max(map(len, sequences))
-        ids = torch.zeros(len(sequences), width, dtype=torch.long)  # [B, T]
-        attention = torch.zeros_like(ids)
-        for row, seq in enumerate(sequences):
-            ids[row, : len(seq)] = torch.tensor(seq)
-            attention[row, : len(seq)] = 1
-        out = self.model(input_ids=ids, attention_mask=attention, output_hidden_states=True)
-        batch = {}
-        if "aux_hidden" in self.kinds:
-            batch["aux_hidden"] = torch.cat([out.hidden_states[k + 1] for k in self.aux_layers], dim=-1)  # [B, T, n_aux * H]
-        if "last_hidden" in self.kinds:
-            batch["last_hidden"] = self._norm_io[self.last_hidden]  # [B, T, H]
-        return [{kind: batch[kind][row, : len(seq)] for kind in self.kinds} for row, seq in enumerate(sequences)]
+def dataset_dir(config: PipelineConfig) -> Path:
+    """What the trainer reads: feature shards (offline) or token shards (online)."""
+    return config.stage_dir("data") / (TOKENS_DIR if config.training.features == "online" else HIDDEN_DIR)
 
 
 def regenerated_manifest(config: PipelineConfig) -> dict:
@@ -99,53 +62,8 @@ def regenerated_manifest(config: PipelineConfig) -> dict:
     return manifest
 
 
-def capture(config: PipelineConfig, log: Log = print, passes: list | None = None) -> Path:
-    """Capture hidden states for every regenerated sample; returns the dataset directory.
-
-    Work runs as passes, each started, run over the unfinished shards and stopped before the next one
-    (on the GPU node two SGLang engines cannot share the GPUs). A pass that returns every kind writes
-    final shards; otherwise each kind goes to a partial file, merged once all passes are done. Every
-    file is stamped with its sample ids and the capture settings: on a re-run, a file is reused only
-    when its stamp matches what would be computed now.
-    """
-    regen_manifest = regenerated_manifest(config)
-    records = sorted(read_regenerated(config.stage_dir("data") / REGEN_DIR), key=lambda r: r["id"])
-    out = config.stage_dir("data") / HIDDEN_DIR
-    per_shard = config.data.shard_samples
-    shards = [records[i : i + per_shard] for i in range(0, len(records), per_shard)]
-    settings = capture_settings(config)
-    stamps = [{"sample_ids": [r["id"] for r in shard], **settings} for shard in shards]
-    pending = [k for k in range(len(shards)) if not is_current(shard_file(out, k), stamps[k])]
-    check_storage(config, sum(len(r["input_ids"]) for k in pending for r in shards[k]), out, log)
-    out.mkdir(parents=True, exist_ok=True)
-    passes = passes or [LocalCapture(config.target.path, config.data.aux_layers, config.data.last_hidden)]
-    for capture_pass in passes:
-        todo = [k for k in pending if not all(is_current(partial_file(out, k, kind), stamps[k]) for kind in capture_pass.kinds)]
-        if todo:
-            run_pass(capture_pass, [(k, shards[k], stamps[k]) for k in todo], out, config.data.batch_size, log)
-    for k in pending:
-        if not is_current(shard_file(out, k), stamps[k]):
-            merge_partials(out, k, shards[k], stamps[k])
-    for stale in out.glob("shard-*.safetensors"):
-        if int(stale.name[len("shard-") :][:5]) >= len(shards):
-            stale.unlink()  # left by an earlier, larger capture into the same directory
-    release = next((p.release for p in passes if p.release), None) or recorded_release(out, len(shards))
-    write_manifest(out, kind="dataset", fields=dataset_fields(config, regen_manifest, release, records))
-    log(f"capture: {len(records)} samples in {len(shards)} shard(s) at {out} ({len(shards) - len(pending)} reused)")
-    return out
-
-
-def capture_with_engine(config: PipelineConfig, config_path: str | Path, overrides: list[str], log: Log = print) -> Path:
-    """Capture with `data.capture_engine`: here (transformers), or SGLang on the GPU node - a subprocess in the
-    node's SGLang environment that reads the same config file and overrides. Returns the dataset directory."""
-    if config.data.capture_engine == "sglang":
-        run_on_node(config, str(config_path), overrides, log=log)
-        return config.stage_dir("data") / HIDDEN_DIR
-    return capture(config, log=log)
-
-
 def capture_settings(config: PipelineConfig) -> dict:
-    """What the stored rows depend on besides the samples themselves."""
+    """What stored features depend on besides the samples themselves."""
     return {
         "target": target_identity(config.target),
         "aux_layers": list(config.data.aux_layers),
@@ -161,64 +79,151 @@ def is_current(path: Path, stamp: dict) -> bool:
     return recorded is not None and {k: v for k, v in recorded.items() if k != "engine_release"} == stamp
 
 
-def recorded_release(out: Path, count: int) -> str | None:
-    """The engine release stamped on the shards, when every pass was resumed (none started now)."""
-    releases = {(read_stamp(shard_file(out, k)) or {}).get("engine_release") for k in range(count)}
+def heldout_records(config: PipelineConfig) -> list[dict]:
+    """The held-out greedy sequences as samples: loss_mask marks the continuation (the prompt's end is where it starts)."""
+    return [{"id": r["id"], "input_ids": r["prompt_ids"] + r["continuation_ids"],
+             "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["continuation_ids"])}
+            for r in read_greedy(config.stage_dir("data") / REGEN_DIR)]
+
+
+def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], FeatureBackend] | None = None,
+            main: bool = True) -> Path:
+    """Make the training data set and the held-out features; returns the data set's directory.
+
+    `backend_for()` starts the feature backend (default: transformers on this machine's device), only when some
+    shard needs features. Every rank of a
+    tensor-parallel backend runs this with the same shards in the same order; only `main` writes. Each shard is
+    stamped with its sample ids and settings: on a re-run, a shard is reused when its stamp matches.
+    """
+    regen_manifest = regenerated_manifest(config)
+    records = sorted(read_regenerated(config.stage_dir("data") / REGEN_DIR), key=lambda r: r["id"])
+    online = config.training.features == "online"
+    out = dataset_dir(config)
+    settings = capture_settings(config)
+    jobs = shard_jobs(records, out, config.data.shard_samples, {"tokens_only": True} if online else settings)
+    sequences = heldout_records(config)
+    heldout = shard_jobs(sequences, config.stage_dir("data") / HELDOUT_DIR, max(len(sequences), 1), settings)
+    feature_jobs = heldout if online else jobs + heldout
+    if online:
+        log(f"capture: hidden-state capture skipped (training.features online: the trainer computes the features); "
+            f"{len(records)} samples stored as token shards in {out}")
+    else:
+        check_storage(config, sum(len(r["input_ids"]) for job in jobs if job[2] for r in job[1]), out, log)
+    pending = [job for job in feature_jobs if job[2]]
+    release = None
+    if online and main:
+        for path, shard, todo, stamp in jobs:
+            if todo:
+                write_shard(path, shard, stamp, None, {}, config.data.batch_size)
+    if pending:
+        backend = backend_for() if backend_for else target_backend(config, local_device())
+        release = backend.release
+        progress = Progress("capture", total=sum(len(job[1]) for job in pending), unit="samples", log=log)
+        try:
+            for path, shard, _, stamp in pending:
+                write_shard(path, shard, {**stamp, "engine_release": release}, backend, feature_widths(config),
+                            config.data.batch_size, main, progress)
+        finally:
+            backend.close()
+    if main:
+        remove_stale(out, len(jobs))
+        release = release or recorded_release([job[0] for job in feature_jobs])
+        heldout_manifest = write_manifest(config.stage_dir("data") / HELDOUT_DIR, kind="heldout",
+                                          fields=heldout_fields(config, heldout, release))
+        write_manifest(out, kind="tokens" if online else "dataset",
+                       fields=dataset_fields(config, regen_manifest, release, records, heldout_manifest))
+        log(f"capture: {len(records)} samples in {len(jobs)} shard(s) at {out} "
+            f"({sum(not job[2] for job in jobs)} reused); {len(heldout[0][1])} held-out sequences with features")
+    return out
+
+
+def shard_jobs(records: list[dict], out: Path, per_shard: int, settings: dict) -> list[tuple[Path, list[dict], bool, dict]]:
+    """(file, samples, still to write, stamp) for each shard of `records`."""
+    jobs = []
+    for k, start in enumerate(range(0, max(len(records), 1), per_shard)):
+        shard = records[start : start + per_shard]
+        stamp = {"sample_ids": [r["id"] for r in shard], **settings}
+        jobs.append((shard_file(out, k), shard, not is_current(shard_file(out, k), stamp), stamp))
+    return jobs
+
+
+def write_shard(path: Path, shard: list[dict], stamp: dict, backend: FeatureBackend | None, widths: dict[str, int],
+                batch_size: int, main: bool = True, progress: Progress | None = None) -> None:
+    """One shard, batch by batch: tokens, and the backend's features when there is a backend (`widths` names them)."""
+    lengths = [len(r["input_ids"]) for r in shard]
+    with ShardWriter(path, [r["id"] for r in shard], lengths, widths, stamp) if main else contextlib.nullcontext() as writer:
+        for start in range(0, len(shard), batch_size):
+            batch = shard[start : start + batch_size]
+            features = None
+            if backend is not None:
+                features = backend.features(pad_rows([r["input_ids"] for r in batch], [r["id"] for r in batch]))
+                check_rows(batch, features, widths)
+                features = Features(to_host(features.aux), to_host(features.last))  # one copy per batch
+            for i, record in enumerate(batch if main else []):
+                n = lengths[start + i]
+                rows = {"input_ids": torch.tensor(record["input_ids"]), "loss_mask": torch.tensor(record["loss_mask"])}
+                if features is not None:
+                    rows.update(aux_hidden=features.aux[i, :n], last_hidden=features.last[i, :n])
+                writer.write(start + i, **rows)
+            if progress is not None:
+                progress.advance(len(batch), tokens=sum(lengths[start : start + batch_size]))
+
+
+def feature_widths(config: PipelineConfig) -> dict[str, int]:
+    hidden = config.target.hidden_size
+    return {"aux_hidden": len(config.data.aux_layers) * hidden, "last_hidden": hidden}
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor copied into pinned host memory (the fast path for device-to-host copies); CPU ones as they are."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensor.device).synchronize()
+    return host
+
+
+def check_rows(batch: list[dict], features: Features, widths: dict[str, int]) -> None:
+    """The backend must give a row for every token (one that drops rows - prefix-cache hits, chunked prefill - would
+    misalign every later position), as wide as the config says."""
+    width = max(len(r["input_ids"]) for r in batch)
+    for name, tensor in (("aux_hidden", features.aux), ("last_hidden", features.last)):
+        if tuple(tensor.shape) != (len(batch), width, widths[name]):
+            raise Eagle3Error(f"the feature backend returned {name} of shape {tuple(tensor.shape)}; expected "
+                              f"{(len(batch), width, widths[name])} ({len(batch)} rows of up to {width} tokens)")
+
+
+def remove_stale(out: Path, count: int) -> None:
+    for stale in out.glob("shard-*.safetensors"):
+        if int(stale.name[len("shard-") :][:5]) >= count:
+            stale.unlink()  # left by an earlier, larger capture into the same directory
+
+
+def recorded_release(paths: list[Path]) -> str | None:
+    """The engine release stamped on the shards, when every one was reused (no backend started now)."""
+    releases = {(read_stamp(path) or {}).get("engine_release") for path in paths}
     return releases.pop() if len(releases) == 1 else None
 
 
-def run_pass(capture_pass, shards: list[tuple[int, list[dict], dict]], out: Path, batch_size: int, log: Log) -> None:
-    name = "+".join(capture_pass.kinds)
-    progress = Progress(f"capture ({name})", total=sum(len(s) for _, s, _ in shards), unit="samples", log=log)
-    capture_pass.start(log)
-    try:
-        for index, shard, stamp in shards:
-            states = []
-            for start in range(0, len(shard), batch_size):
-                batch = shard[start : start + batch_size]
-                states += capture_pass.states([r["input_ids"] for r in batch])
-                progress.advance(len(batch), tokens=sum(len(r["input_ids"]) for r in batch))
-            check_rows(shard, states)
-            stamped = {**stamp, "engine_release": capture_pass.release}
-            if set(capture_pass.kinds) == set(KINDS):
-                write_shard(shard_file(out, index), [captured(r, s) for r, s in zip(shard, states)], stamped)
-            else:
-                for kind in capture_pass.kinds:
-                    write_partial(partial_file(out, index, kind), [s[kind] for s in states], stamped)
-    finally:
-        capture_pass.stop()
+def heldout_fields(config: PipelineConfig, jobs: list, release: str | None) -> dict:
+    sequences = [r for job in jobs for r in job[1]]
+    tokens = sum(len(r["input_ids"]) for r in sequences)
+    return {"target": target_identity(config.target), "capture": capture_fields(config, release),
+            "sequences": len(sequences), "tokens": tokens, "bytes": projected_bytes(config, tokens)[1],
+            "continuation_tokens": sum(sum(r["loss_mask"]) for r in sequences), "code_version": code_version()}
 
 
-def check_rows(shard: list[dict], states: list[dict[str, torch.Tensor]]) -> None:
-    """Every kind must have one row per token: an engine that drops rows (prefix cache hits, chunked
-    prefill) would misalign every later position."""
-    for record, state in zip(shard, states):
-        for kind, tensor in state.items():
-            if tensor.shape[0] != len(record["input_ids"]):
-                raise Eagle3Error(
-                    f"sample {record['id']}: the engine returned {tensor.shape[0]} rows of {kind} for "
-                    f"{len(record['input_ids'])} tokens"
-                )
+def capture_fields(config: PipelineConfig, release: str | None) -> dict:
+    return {"aux_layers": list(config.data.aux_layers), "last_hidden": config.data.last_hidden, "dtype": "bfloat16",
+            "engine": config.data.capture_engine, "engine_release": release}
 
 
-def captured(record: dict, state: dict[str, torch.Tensor]) -> CapturedSample:
-    return CapturedSample(
-        record["id"], torch.tensor(record["input_ids"]), torch.tensor(record["loss_mask"]), state["aux_hidden"], state["last_hidden"]
-    )
-
-
-def merge_partials(out: Path, index: int, shard: list[dict], stamp: dict) -> None:
-    parts = {kind: read_partial(partial_file(out, index, kind)) for kind in KINDS}
-    states = [{kind: parts[kind][i] for kind in KINDS} for i in range(len(shard))]
-    check_rows(shard, states)
-    release = (read_stamp(partial_file(out, index, KINDS[0])) or {}).get("engine_release")
-    write_shard(shard_file(out, index), [captured(r, s) for r, s in zip(shard, states)], {**stamp, "engine_release": release})
-    for kind in KINDS:
-        partial_file(out, index, kind).unlink()
-
-
-def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | None, records: list[dict]) -> dict:
-    per_token, total = projected_bytes(config, sum(len(r["input_ids"]) for r in records))
+def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | None, records: list[dict],
+                   heldout_manifest: dict) -> dict:
+    tokens = sum(len(r["input_ids"]) for r in records)
+    online = config.training.features == "online"
+    per_token, total = projected_bytes(config, tokens)
     return {
         "target": regen_manifest["target"],
         "chat_template_sha256": regen_manifest["chat_template_sha256"],
@@ -226,26 +231,33 @@ def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | 
         "regeneration": {
             key: regen_manifest[key] for key in ("engine", "engine_release", "source", "sampling", "max_length")
         },
-        "capture": {
-            "aux_layers": list(config.data.aux_layers),
-            "last_hidden": config.data.last_hidden,
-            "dtype": "bfloat16",
-            "engine": config.data.capture_engine,
-            "engine_release": release,
-        },
+        "features": config.training.features,
+        "capture": capture_fields(config, release),
         "samples": len(records),
-        "tokens": sum(len(r["input_ids"]) for r in records),
+        "tokens": tokens,
         "loss_tokens": sum(sum(r["loss_mask"]) for r in records),
-        "bytes_per_token": per_token,
-        "bytes": total,
+        "hidden_state_bytes_per_token": 0 if online else per_token,
+        "hidden_state_bytes": 0 if online else total,
+        "heldout": {key: heldout_manifest[key] for key in ("sequences", "tokens", "bytes", "files")},
         "code_version": code_version(),
     }
 
 
 def check_dataset(config: PipelineConfig, manifest: dict) -> None:
-    """Refuse a dataset made for another target, other layers or another template than the config's."""
-    where = f"the dataset in {config.stage_dir('data') / HIDDEN_DIR}"
+    """Refuse a data set made for another target, other layers, another template or the other feature mode."""
+    where = f"the data set in {dataset_dir(config)}"
     check_same(where, manifest["target"], target_identity(config.target), ("path", "config_sha256", "tokenizer_sha256", "family"))
     check_same(where, manifest["capture"], {"aux_layers": list(config.data.aux_layers), "last_hidden": config.data.last_hidden},
                ("aux_layers", "last_hidden"))
-    check_same(where, manifest, {"thinking": config.data.thinking}, ("thinking",))
+    check_same(where, manifest, {"thinking": config.data.thinking, "features": config.training.features}, ("thinking", "features"))
+
+
+def capture_with_engine(config: PipelineConfig, resolved: Path | str, log: Log = print) -> Path:
+    """Capture with `data.capture_engine`: here (transformers), or SGLang on the GPU node - torchrun in the node's
+    SGLang environment reading the run's resolved config. Returns the training data set's directory."""
+    if config.data.capture_engine == "sglang":
+        from eagle3.engines.sglang_capture import run_on_node
+
+        run_on_node(config, resolved, log=log)
+        return dataset_dir(config)
+    return capture(config, log=log)

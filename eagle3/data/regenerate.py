@@ -15,6 +15,7 @@ most the batch in flight.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import json
 import os
@@ -27,18 +28,20 @@ import httpx
 
 from eagle3.config import PipelineConfig
 from eagle3.data.conversation import SampleBuilder, TemplateMismatch, chat_template_hash
+from eagle3.data.conversation import prompt_ids as render_prompt_ids
 from eagle3.data.prompts import Prompt, load_prompts, split_heldout, write_prompts
 from eagle3.data.storage import log_projection
 from eagle3.data.targets import eos_ids_of, load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.manifest import code_version, write_manifest
-from eagle3.fsutil import atomic_write_json
+from eagle3.fsutil import atomic_write_bytes, atomic_write_json
 from eagle3.progress import Progress
 
 Log = Callable[[str], None]
 REGEN_DIR = "regen"
 IDS_FILE = "sample_ids.json"
 HELDOUT_FILE = "heldout.jsonl"
+GREEDY_FILE = "heldout_greedy.jsonl"  # the target's greedy continuations of the benchmark's held-out prompts
 MALFORMED_FILE = "malformed.json"
 
 
@@ -91,12 +94,28 @@ class LocalGenerator:
             )
         return [self._trim(row[width:].tolist()) for row in out]
 
+    def continue_greedy(self, prompts: list[list[int]], length: int) -> list[list[int]]:
+        return [target_greedy(self.model, ids, length) for ids in prompts]
+
     def _trim(self, generated: list[int]) -> Generation:
         """Cut at the first EOS (kept: the draft learns to end turns) and drop the padding after it."""
         for position, token in enumerate(generated):
             if token in self.eos:
                 return Generation(generated[: position + 1], "stop")
         return Generation(generated, "length")
+
+
+def target_greedy(model, prompt_ids: list[int], length: int) -> list[int]:
+    """`length` tokens of the target's greedy continuation, not stopping at EOS."""
+    import torch
+
+    ids = torch.tensor([prompt_ids])  # [1, T]
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=None, do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0,
+                  max_new_tokens=length, min_new_tokens=None)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt_ids):].tolist()
 
 
 class SGLangClient:
@@ -132,20 +151,29 @@ class SGLangClient:
         return releases.pop()
 
     def generate(self, prompts: list[list[int]]) -> list[Generation]:
-        return asyncio.run(self._generate_all(prompts))
+        return asyncio.run(self._generate_all(prompts, self.sampling))
 
-    async def _generate_all(self, prompts: list[list[int]]) -> list[Generation]:
+    def continue_greedy(self, prompts: list[list[int]], length: int) -> list[list[int]]:
+        greedy = {"max_new_tokens": length, "temperature": 0.0, "ignore_eos": True}
+        generations = asyncio.run(self._generate_all(prompts, greedy))
+        short = [len(g.output_ids) for g in generations if len(g.output_ids) != length]
+        if short:
+            raise EngineError(f"greedy continuations of {length} tokens came back with {short[:3]} tokens "
+                              "(ignore_eos not honoured, or a context limit below prompt + continuation)")
+        return [g.output_ids for g in generations]
+
+    async def _generate_all(self, prompts: list[list[int]], sampling: dict) -> list[Generation]:
         limit = asyncio.Semaphore(self.concurrency)
         async with httpx.AsyncClient(timeout=self.timeout_s) as client:
 
             async def one(ids: list[int]) -> Generation:
                 async with limit:
-                    return await self._request(client, ids)
+                    return await self._request(client, ids, sampling)
 
             return await asyncio.gather(*(one(ids) for ids in prompts))
 
-    async def _request(self, client: httpx.AsyncClient, ids: list[int]) -> Generation:
-        payload = {"input_ids": ids, "sampling_params": self.sampling, "stream": False}
+    async def _request(self, client: httpx.AsyncClient, ids: list[int], sampling: dict) -> Generation:
+        payload = {"input_ids": ids, "sampling_params": sampling, "stream": False}
         failures = []
         for attempt in range(self.retries + 1):
             url = next(self.next_url)  # a retry goes to the next server
@@ -252,6 +280,7 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
         append_records(out, [(index, record) for (index, _), record in zip(batch, records)], config.data.shard_samples)
         progress.advance(len(batch), tokens=sum(len(r["input_ids"]) for r in records))
 
+    greedy = continue_heldout(config, generator, tokenizer, out / GREEDY_FILE, log)
     atomic_write_json(out / IDS_FILE, sorted(p.id for p in train))
     stale = len(read_done(out) - {p.id for p in train})
     if stale:
@@ -278,6 +307,7 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
             "tokens": tokens,
             "loss_tokens": loss_tokens,
             "heldout_prompts": len(heldout),
+            "heldout_greedy": greedy,
             "malformed_lines": len(prompt_set.malformed),
             "duplicate_prompts": prompt_set.duplicates,
             "ended_early": ended_early,
@@ -286,6 +316,53 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
     )
     log(f"regenerate: {samples} samples, {tokens} tokens ({loss_tokens} generated by the target) in {out}")
     return out
+
+
+def heldout_prompts(config: PipelineConfig, tokenizer) -> list[tuple[str, list[int]]]:
+    """The benchmark's held-out prompts (the first benchmark.num_prompts) as (id, prompt ids)."""
+    path = config.stage_dir("data") / HELDOUT_FILE
+    if not path.is_file():
+        raise UnreadableInput(f"{path}: no held-out prompts; run the data stage first (eagle3 data regenerate)")
+    prompts = load_prompts(str(path), limit=config.benchmark.num_prompts).prompts
+    if not prompts:
+        raise UnreadableInput(f"{path}: holds no usable prompt")
+    return [(p.id, render_prompt_ids(tokenizer, list(p.turns), config.data.thinking)) for p in prompts]
+
+
+def heldout_prompt_ids(config: PipelineConfig, tokenizer) -> list[list[int]]:
+    return [ids for _, ids in heldout_prompts(config, tokenizer)]
+
+
+def greedy_length(config: PipelineConfig) -> int:
+    """A verify step can accept drafts past max_new_tokens and past EOS, and SGLang counts them: the continuation
+    runs num_steps tokens further and ignores EOS."""
+    return config.benchmark.max_new_tokens + config.serving.num_steps
+
+
+def continue_heldout(config: PipelineConfig, generator, tokenizer, path: Path, log: Log) -> dict:
+    """The target's greedy continuation of every held-out benchmark prompt, once (the simulator replays drafting
+    over them: for a greedy target the accepted tokens are exactly these). Kept when already made for the same
+    prompts and length."""
+    prompts, length = heldout_prompts(config, tokenizer), greedy_length(config)
+    wanted = [{"id": pid, "prompt_ids": ids} for pid, ids in prompts]
+    if path.is_file():
+        made = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if [{"id": r["id"], "prompt_ids": r["prompt_ids"]} for r in made] == wanted and all(
+                len(r["continuation_ids"]) == length for r in made):
+            return {"prompts": len(made), "length": length}
+    continuations = generator.continue_greedy([ids for _, ids in prompts], length)
+    lines = [json.dumps({**w, "continuation_ids": c}) + "\n" for w, c in zip(wanted, continuations)]
+    atomic_write_bytes(path, "".join(lines).encode())
+    log(f"regenerate: greedy continuations of {len(lines)} held-out prompts ({length} tokens each) in {path}")
+    return {"prompts": len(lines), "length": length}
+
+
+def read_greedy(directory: Path) -> list[dict]:
+    """The held-out greedy sequences: {id, prompt_ids, continuation_ids} per prompt."""
+    path = Path(directory) / GREEDY_FILE
+    if not path.is_file():
+        raise UnreadableInput(f"{path}: no held-out greedy continuations; run `eagle3 data regenerate` again")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def generate_batch(generator, tokenizer, prompts: list[Prompt], config: PipelineConfig) -> list[dict]:

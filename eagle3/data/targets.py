@@ -4,6 +4,7 @@ was made with another target, tokenizer, chat template or layers."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from eagle3.config import TargetSection
@@ -27,8 +28,20 @@ def load_tokenizer(path: str):
 
 def eos_ids_of(model) -> frozenset[int]:
     """The token ids that end the target's turn (generation config first, as SGLang reads them)."""
-    eos = model.generation_config.eos_token_id
-    eos = model.config.eos_token_id if eos is None else eos
+    return eos_set(model.generation_config.eos_token_id, model.config.eos_token_id)
+
+
+def target_eos_ids(path: str | Path) -> frozenset[int]:
+    """eos_ids_of from the target directory's files, without loading the model."""
+    def field(name: str):
+        file = Path(path) / name
+        return json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+
+    return eos_set(field("generation_config.json"), field("config.json"))
+
+
+def eos_set(first, fallback) -> frozenset[int]:
+    eos = fallback if first is None else first
     return frozenset() if eos is None else frozenset(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 

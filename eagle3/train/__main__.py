@@ -15,7 +15,7 @@ STOPPED_BY_SIGTERM = 143  # 128 + SIGTERM: a clean stop with a checkpoint saved,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__)
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", required=True, help="the run's resolved config (run.dir/config.resolved.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args(argv)
     try:

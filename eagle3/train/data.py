@@ -1,5 +1,6 @@
-"""Training batches from the captured dataset: a deterministic, length-bucketed order that every
-rank computes alike, so a global batch is the same whatever the number of ranks."""
+"""Training batches from the data set's shards: a deterministic, length-bucketed order that every rank computes
+alike, so a global batch is the same whatever the number of ranks. Token rows come from the shards; features from a
+backend (eagle3/engines/features.py): the target itself (online) or the shards' stored columns (offline)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3.data.shards import ShardReader
+from eagle3.data.shards import STORED_DTYPE, ShardReader
+from eagle3.engines.features import Features, TokenBatch
+from eagle3.errors import Eagle3Error
 
 BUCKET_BATCHES = 16  # batches sorted by length together: less padding, order still shuffled
 
@@ -32,7 +35,7 @@ class TrainingData:
         self.readers = [ShardReader(p) for p in sorted(Path(dataset_dir).glob("shard-?????.safetensors"))]
         self.seq_len = seq_len
         refs = [
-            SampleRef(s, i, min(int(r.offsets[i + 1] - r.offsets[i]), seq_len), r.ids[i])
+            SampleRef(s, i, min(r.length(i), seq_len), r.ids[i])
             for s, r in enumerate(self.readers)
             for i in range(len(r))
         ]
@@ -50,21 +53,40 @@ class TrainingData:
             batches += [chunk[i : i + batch_size] for i in range(0, len(chunk) - batch_size + 1, batch_size)]
         return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
-    def collate(self, refs: list[SampleRef]) -> dict[str, torch.Tensor]:
-        """Right-padded tensors for a list of samples (padding has loss_mask 0)."""
-        samples = [self.readers[ref.shard].sample(ref.index) for ref in refs]
+    def tokens(self, refs: list[SampleRef]) -> tuple[TokenBatch, torch.Tensor]:
+        """Right-padded token rows of `refs` cut to seq_len, and their loss mask [B, T] (padding has mask 0)."""
+        samples = [self.readers[ref.shard].sample(ref.index, ("input_ids", "loss_mask")) for ref in refs]
         width = max(ref.length for ref in refs)
-        aux_width, hidden = samples[0].aux_hidden.shape[1], samples[0].last_hidden.shape[1]
-        batch = {
-            "input_ids": torch.zeros(len(refs), width, dtype=torch.long),  # [B, T]
-            "loss_mask": torch.zeros(len(refs), width, dtype=torch.long),
-            "aux": torch.zeros(len(refs), width, aux_width),  # [B, T, n_aux * H]
-            "last": torch.zeros(len(refs), width, hidden),  # [B, T, H]
-        }
+        ids = torch.zeros(len(refs), width, dtype=torch.long)  # [B, T]
+        loss_mask = torch.zeros(len(refs), width, dtype=torch.long)
         for row, (ref, sample) in enumerate(zip(refs, samples)):
-            n = ref.length
-            batch["input_ids"][row, :n] = sample.input_ids[:n].long()
-            batch["loss_mask"][row, :n] = sample.loss_mask[:n].long()
-            batch["aux"][row, :n] = sample.aux_hidden[:n].float()
-            batch["last"][row, :n] = sample.last_hidden[:n].float()
-        return batch
+            ids[row, : ref.length] = sample.input_ids[: ref.length].long()
+            loss_mask[row, : ref.length] = sample.loss_mask[: ref.length].long()
+        lengths = torch.tensor([ref.length for ref in refs], dtype=torch.long)
+        return TokenBatch(ids, lengths, [ref.id for ref in refs]), loss_mask
+
+
+class ShardFeatures:
+    """The `shards` feature backend: features an offline capture stored, read back by sample id (and checked to be
+    for the same tokens)."""
+
+    name = "shards"
+
+    def __init__(self, data: TrainingData, release: str | None, device: torch.device):
+        self.readers, self.release, self.device = data.readers, release, device
+        self.where = {reader.ids[i]: (reader, i) for reader in self.readers for i in range(len(reader))}
+
+    def features(self, batch: TokenBatch, rows: slice = slice(None)) -> Features:
+        mine = batch.select(rows)
+        width = mine.input_ids.shape[1]
+        stored = [self.where[sample_id][0].sample(self.where[sample_id][1]) for sample_id in mine.sample_ids]
+        aux = torch.zeros(len(stored), width, stored[0].aux_hidden.shape[1], dtype=STORED_DTYPE)  # [b, T, n_aux * H]
+        last = torch.zeros(len(stored), width, stored[0].last_hidden.shape[1], dtype=STORED_DTYPE)  # [b, T, H]
+        for row, (sample, n) in enumerate(zip(stored, mine.lengths.tolist())):
+            if not torch.equal(sample.input_ids[:n].long(), mine.input_ids[row, :n]):
+                raise Eagle3Error(f"sample {sample.id}: the stored features are for other tokens than its token row")
+            aux[row, :n], last[row, :n] = sample.aux_hidden[:n], sample.last_hidden[:n]
+        return Features(aux.to(self.device, non_blocking=True).float(), last.to(self.device, non_blocking=True).float())
+
+    def close(self) -> None:
+        self.where.clear()

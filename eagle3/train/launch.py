@@ -53,10 +53,10 @@ class TrainingStopped(Eagle3Error):
 # -- commands -----------------------------------------------------------------------------------
 
 
-def node_command(config: PipelineConfig, config_path: Path | str, overrides: list[str], python: str) -> list[str]:
+def node_command(config: PipelineConfig, resolved: Path | str, python: str) -> list[str]:
     """What runs on each node: the trainer itself, or torchrun starting nproc_per_node of them."""
     t = config.training
-    entry = ["-m", "eagle3.train", "--config", str(config_path), *(f"--set={o}" for o in overrides)]
+    entry = ["-m", "eagle3.train", "--config", str(resolved)]
     torchrun = [python, "-m", "torch.distributed.run"]
     if t.nnodes > 1:
         return [*torchrun, "--nnodes", str(t.nnodes), "--nproc-per-node", str(t.nproc_per_node),
@@ -66,12 +66,12 @@ def node_command(config: PipelineConfig, config_path: Path | str, overrides: lis
     return [python, *entry]
 
 
-def launch_commands(config: PipelineConfig, config_path: Path | str, overrides: list[str], cwd: Path) -> list[list[str]]:
+def launch_commands(config: PipelineConfig, resolved: Path | str, cwd: Path) -> list[list[str]]:
     """The local processes to start: the node command itself, one srun step, or one ssh per host."""
     t = config.training
     if t.launcher == "local":
-        return [node_command(config, config_path, overrides, sys.executable)]
-    command = node_command(config, config_path, overrides, t.python)
+        return [node_command(config, resolved, trainer_python(config))]
+    command = node_command(config, resolved, t.python)
     if t.launcher == "srun":
         # --kill-on-bad-exit: a node that fails takes the others down instead of leaving them at a collective
         counts = [f"--nodes={t.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
@@ -79,6 +79,12 @@ def launch_commands(config: PipelineConfig, config_path: Path | str, overrides: 
     # ssh runs the command from the home directory: relative paths in the config resolve against ours
     remote = ["sh", "-c", f"cd {shlex.quote(str(cwd))} && exec {shlex.join(command)}"]
     return [wrap(remote, "ssh", host) for host in t.hosts]
+
+
+def trainer_python(config: PipelineConfig) -> str:
+    """Here: this python, or the node's SGLang python when the trainer builds SGLang's model runner (online)."""
+    online_sglang = config.training.features == "online" and config.data.capture_engine == "sglang"
+    return config.data.sglang_python if online_sglang else sys.executable
 
 
 def child_env(config: PipelineConfig) -> dict[str, str]:
@@ -151,9 +157,9 @@ class MetricsFollower:
 # -- running --------------------------------------------------------------------------------------
 
 
-def train(config: PipelineConfig, config_path: Path | str, overrides: list[str], log: Log,
+def train(config: PipelineConfig, resolved: Path | str, log: Log,
           on_metrics: Callable[[dict], None] | None = None) -> Path:
-    """Train as `config` (= load_config(config_path, overrides)) says, in subprocesses; return the directory
+    """Train as `config` (= load_config(resolved), the run's resolved file) says, in subprocesses; return the directory
     with best/, final/ and metrics.jsonl.
 
     Raises TrainingStopped when the trainer stopped on SIGTERM (a re-run resumes), TrainingFailed on any other
@@ -162,7 +168,7 @@ def train(config: PipelineConfig, config_path: Path | str, overrides: list[str],
     train_dir = config.stage_dir("train")
     log_path = config.run.dir / "logs" / f"train-{timestamp()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    commands = launch_commands(config, config_path, overrides, Path.cwd())
+    commands = launch_commands(config, resolved, Path.cwd())
     prefixes = [f"[{host}] " for host in config.training.hosts] if len(commands) > 1 else [""]
     metrics = MetricsFollower(train_dir / METRICS_FILE, log)
     output: queue.Queue = queue.Queue()

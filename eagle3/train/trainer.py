@@ -19,7 +19,9 @@ from typing import Callable
 import torch
 
 from eagle3.config import PipelineConfig
-from eagle3.data.capture import HIDDEN_DIR, check_dataset
+from eagle3.data.capture import check_dataset, dataset_dir
+from eagle3.data.targets import target_eos_ids
+from eagle3.engines.features import FeatureBackend, target_backend
 from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
@@ -27,11 +29,11 @@ from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import VocabMap, load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
-from eagle3.bench.simulate import replay
+from eagle3.bench.simulate import heldout_samples, replay_stored
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import TTTModel, draft_chain, ttt_forward, ttt_stats
+from eagle3.model.ttt import TTTModel, ttt_forward, ttt_stats
 from eagle3.model.weights import target_head
-from eagle3.train.data import TrainingData
+from eagle3.train.data import SampleRef, ShardFeatures, TrainingData
 from eagle3.train.parallel import Dist, Parallel, setup_distributed
 
 Log = Callable[[str], None]
@@ -83,11 +85,15 @@ class Trainer:
         train = config.training
         if train.batch_size % self.dist.world:
             raise Eagle3Error(f"training.batch_size {train.batch_size} must be a multiple of the {self.dist.world} ranks")
-        dataset = config.stage_dir("data") / HIDDEN_DIR
+        dataset = dataset_dir(config)
         if not (dataset / MANIFEST_FILE).exists():
-            raise Eagle3Error(f"{dataset}: no captured dataset here; run `eagle3 data capture` first")
-        check_dataset(config, read_manifest(dataset))
+            raise Eagle3Error(f"{dataset}: no data set here; run `eagle3 data capture` first")
+        manifest = read_manifest(dataset)
+        check_dataset(config, manifest)
         self.data = TrainingData(dataset, train.seq_len, train.eval_fraction)
+        self.features = self.feature_backend(manifest)
+        self.heldout = heldout_samples(config)[: config.benchmark.num_prompts]
+        self.eos_ids = target_eos_ids(config.target.path)
         head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
         vocab_map = self.read_vocab_map()
         self.model = self.build_model(head["embed"], head["lm_head"], vocab_map)
@@ -108,6 +114,15 @@ class Trainer:
         self.best: float | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
+
+    def feature_backend(self, manifest: dict) -> FeatureBackend:
+        """Online: the target on this rank (tensor-parallel over the ranks with SGLang); offline: the stored shards."""
+        if self.config.training.features == "online":
+            return target_backend(self.config, self.dist.device, self.dist.rank, self.dist.world)
+        return ShardFeatures(self.data, manifest["capture"]["engine_release"], self.dist.device)
+
+    def my_rows(self) -> slice:
+        return slice(self.dist.rank, None, self.dist.world)
 
     def read_vocab_map(self) -> VocabMap:
         cfg, vocab_map = self.config.vocab, load_vocab_map(self.config.stage_dir("vocab"))
@@ -159,6 +174,12 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> Path:
+        try:
+            return self.train_loop()
+        finally:
+            self.features.close()  # the online target's memory, before the next stage needs the GPUs
+
+    def train_loop(self) -> Path:
         self.log(f"train: {self.dist.world} process(es), rank 0 on {self.dist.device} ({self.parallel.kind})")
         self.resume()
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -169,9 +190,8 @@ class Trainer:
             if not batches:
                 raise Eagle3Error(f"the dataset has fewer training samples than one batch ({train.batch_size})")
             while self.batch_in_epoch < len(batches) and self.step < train.max_steps:
-                refs = batches[self.batch_in_epoch][self.dist.rank :: self.dist.world]
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
-                metrics = self.step_metrics(self.train_step(self.data.collate(refs)))
+                metrics = self.step_metrics(self.train_step(batches[self.batch_in_epoch]))
                 self.step += 1
                 self.batch_in_epoch += 1
                 tokens += metrics.pop("tokens")
@@ -189,24 +209,28 @@ class Trainer:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         return self.save_final()
 
-    def step_stats(self, batch: dict[str, torch.Tensor], train: bool):
-        """Per-step sums for a local batch (CPU tensors from `collate`), on the device. Evaluation calls
-        the draft directly: no wrapper hooks, no collectives, so ranks with different numbers of eval
-        batches cannot deadlock."""
-        batch = {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
-        teacher = self.teacher(batch["last"])
+    def step_stats(self, refs: list[SampleRef], train: bool):
+        """Per-step sums for this rank's rows of a global batch, on the device. Every rank calls this for every
+        global batch (a tensor-parallel target computes features for all rows together). Evaluation calls the
+        draft directly: no wrapper hooks, no collectives in the draft."""
+        tokens, loss_mask = self.data.tokens(refs)
+        features = self.features.features(tokens, self.my_rows())  # this rank's rows, on the device
+        mine = tokens.select(self.my_rows())
+        ids = mine.input_ids.to(self.dist.device, non_blocking=True)  # [b, T]
+        loss_mask = loss_mask[self.my_rows(), : ids.shape[1]].to(self.dist.device, non_blocking=True)
+        teacher = self.teacher(features.last)
         with autocast(self.dist.device):
             if train:
-                step_logits = self.wrapped(batch["aux"], batch["input_ids"])
+                step_logits = self.wrapped(features.aux, ids)
             else:
-                step_logits = ttt_forward(self.model, batch["aux"], batch["input_ids"], self.config.training.ttt_steps)
-        return ttt_stats(step_logits, teacher, batch["loss_mask"], self.model)
+                step_logits = ttt_forward(self.model, features.aux, ids, self.config.training.ttt_steps)
+        return ttt_stats(step_logits, teacher, loss_mask, self.model)
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def train_step(self, refs: list[SampleRef]) -> torch.Tensor:
         """One optimizer step on this rank's share of a global batch. Returns the global sums
         [loss sum, correct, valid positions, tokens] x [K] on the device."""
         self.wrapped.train()
-        stats = self.step_stats(batch, train=True)
+        stats = self.step_stats(refs, train=True)
         counts = self.dist.sum(stats.count.detach().clone())  # global valid positions per step
         loss = (self.step_weights * stats.loss_sum / counts.clamp_min(1)).sum()
         (loss * self.dist.world).backward()  # DDP/FSDP average over ranks; the loss is already global
@@ -214,7 +238,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        local_tokens = torch.full_like(stats.correct, float(batch["loss_mask"].numel()))
+        local_tokens = torch.full_like(stats.correct, float(sum(ref.length for ref in refs[self.my_rows()])))
         return torch.cat([self.dist.sum(torch.stack([stats.loss_sum.detach(), stats.correct, local_tokens])), counts[None]])
 
     def step_metrics(self, sums: torch.Tensor) -> dict:
@@ -242,44 +266,32 @@ class Trainer:
         weights = self.step_weights.cpu()
         self.record({"step": self.step, "eval_loss": float((weights * totals[0] / counts).sum()),
                      "eval_step_acc": [round(float(x), 5) for x in step_acc], "eval_accept_length": accept_length})
-        # Replaying stored replies measures acceptance only when they are the target's greedy choice;
-        # for sampled data the weighted per-step accuracy decides instead.
-        score = accept_length if self.config.data.temperature == 0 else float((weights * step_acc).sum())
-        if self.best is None or score > self.best:
-            self.best = score
+        if self.best is None or accept_length > self.best:
+            self.best = accept_length
             self.write_checkpoint(self.out / "best", with_state=False)
 
     @torch.no_grad()
     def eval_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's [loss sum, correct, count] x [K] over its eval slice and its replayed
-        [completion tokens, verify steps], on the device."""
+        """This rank's [loss sum, correct, count] x [K] over its rows of the global eval batches, and its
+        [completion tokens, verify steps] replayed over its share of the held-out greedy sequences, on the device."""
         batch_size = self.config.training.batch_size
-        refs = self.data.eval[self.dist.rank :: self.dist.world]
         totals = torch.zeros(3, self.config.training.ttt_steps, device=self.dist.device)
-        for start in range(0, len(refs), batch_size):
-            stats = self.step_stats(self.data.collate(refs[start : start + batch_size]), train=False)
+        for start in range(0, len(self.data.eval), batch_size):
+            refs = self.data.eval[start : start + batch_size]
+            if len(refs) < self.dist.world:
+                break  # a rank without rows would have nothing to compute: the few left over are not scored
+            stats = self.step_stats(refs, train=False)
             totals += torch.stack([stats.loss_sum, stats.correct, stats.count])
-        replayed = self.data.eval[: self.config.benchmark.num_prompts][self.dist.rank :: self.dist.world]
-        return totals, self.replay_counts(replayed)
+        return totals, self.replay_counts()
 
-    def replay_counts(self, refs) -> torch.Tensor:
-        """[completion tokens, verify steps] of chain drafting replayed over each eval sample's first
-        reply with its stored target features: for greedy data (temperature 0) the stored reply is the
-        target's own greedy continuation."""
+    def replay_counts(self) -> torch.Tensor:
+        """[completion tokens, verify steps] of chain drafting replayed over this rank's held-out greedy sequences,
+        counted as the simulator and the server count them."""
         completion, verify_ct = 0, 0
-        steps = self.config.serving.num_steps
-        for ref in refs:
-            sample = self.data.readers[ref.shard].sample(ref.index)
-            mask = sample.loss_mask[: ref.length].tolist()
-            if 1 not in mask:
-                continue
-            start = mask.index(1)
-            end = mask.index(0, start) if 0 in mask[start:] else len(mask)
-            seq = sample.input_ids[:end].long()
-            aux = sample.aux_hidden[:end].float().to(self.dist.device)
-            propose = lambda p: draft_chain(self.model, aux[:p], seq[: p + 1], steps)  # noqa: E731
-            # the stored reply ends the request: it finishes by length where the reply ends
-            result = replay(seq.tolist(), start, propose, steps, end - start, frozenset(), self.config.serving.release)
+        serving = self.config.serving
+        for sample in self.heldout[self.my_rows()]:
+            result = replay_stored(self.model, sample, serving.num_steps, self.config.benchmark.max_new_tokens,
+                                   self.eos_ids, serving.release)
             completion, verify_ct = completion + result.completion_tokens, verify_ct + result.verify_ct
         return torch.tensor([completion, verify_ct], dtype=torch.float32, device=self.dist.device)
 

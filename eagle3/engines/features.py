@@ -1,0 +1,122 @@
+"""Target features: what the draft reads from the target, for a batch of token rows, as tensors on the caller's device.
+
+    aux   [B, T, n_aux * H]  outputs of the decoder layers `aux_layers` (id k = output of layer k, HF
+                             hidden_states[k + 1]), concatenated in layer order
+    last  [B, T, H]          the target's last hidden state, before (`pre_norm`) or after (`post_norm`) its final norm
+
+Backends, one interface:
+- `transformers`: the target through transformers with forward hooks on the captured layers and the final norm
+  (the tiny target, CPU tests, small targets on a GPU);
+- `sglang`: SGLang's model runner built inside each torchrun rank, the target tensor-parallel over the ranks
+  (eagle3/engines/sglang_features.py, run in the node's SGLang environment);
+- `shards`: features stored by an offline capture (eagle3/data/shards.py), read back by sample id.
+
+A batch is the same on every rank of a tensor-parallel group; `rows` picks the rows a rank keeps. Features never
+pass through Python lists: a float row turned into Python numbers costs ~15 ms per token at Kimi's width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # [B, T] int64, right-padded (padding is never read back)
+    lengths: torch.Tensor  # [B] int64 on the CPU: the real tokens of each row
+    sample_ids: list[str]  # which samples the rows are (the shards backend reads by id)
+
+    def select(self, rows: slice) -> TokenBatch:
+        lengths = self.lengths[rows]
+        width = int(lengths.max()) if len(lengths) else 0
+        return TokenBatch(self.input_ids[rows, :width], lengths, self.sample_ids[rows])
+
+
+@dataclass
+class Features:
+    aux: torch.Tensor  # [B, T, n_aux * H]
+    last: torch.Tensor  # [B, T, H]
+
+
+class FeatureBackend(Protocol):
+    name: str
+    release: str | None  # the engine release that computed the features (None: not an SGLang engine)
+
+    def features(self, batch: TokenBatch, rows: slice = slice(None)) -> Features:
+        """Features of batch rows `rows`, on the caller's device; positions past a row's length are unspecified."""
+
+    def close(self) -> None:
+        """Free the target (its GPU memory above all)."""
+
+
+def pad_rows(rows: list[list[int]], sample_ids: list[str]) -> TokenBatch:
+    """Token rows (ids are integers: lists are fine here) as a right-padded batch."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)  # [B, T]
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return TokenBatch(ids, lengths, list(sample_ids))
+
+
+class TransformersFeatures:
+    """The target through transformers; hooks record the captured layers' outputs and the final norm's input and
+    output, so one forward gives both kinds and no other layer's states are kept (output_hidden_states would hold
+    all of them). bf16 on a GPU, float32 on the CPU."""
+
+    name = "transformers"
+    release = None
+
+    def __init__(self, model_path: str, aux_layers: list[int], last_hidden: str, device: torch.device):
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        self.device, self.aux_layers, self.last_hidden = device, list(aux_layers), last_hidden
+        inner = self.model.model
+        self._seen: dict[str, torch.Tensor] = {}
+        self._hooks = [inner.layers[k].register_forward_hook(self._recorder(f"aux{k}")) for k in self.aux_layers]
+        self._hooks.append(inner.norm.register_forward_hook(self._record_norm))
+
+    def _recorder(self, key: str):
+        def record(module, inputs, output) -> None:
+            self._seen[key] = output[0] if isinstance(output, tuple) else output
+
+        return record
+
+    def _record_norm(self, module, inputs, output) -> None:
+        self._seen["pre_norm"], self._seen["post_norm"] = inputs[0], output
+
+    @torch.no_grad()
+    def features(self, batch: TokenBatch, rows: slice = slice(None)) -> Features:
+        """Right padding: causal attention keeps every real position independent of the padding after it."""
+        mine = batch.select(rows)
+        ids = mine.input_ids.to(self.device)  # [b, T]
+        positions = torch.arange(ids.shape[1], device=self.device)
+        attention = (positions[None, :] < mine.lengths.to(self.device)[:, None]).long()
+        self._seen.clear()
+        self.model.model(input_ids=ids, attention_mask=attention, use_cache=False)  # the head is never run
+        aux = torch.cat([self._seen[f"aux{k}"] for k in self.aux_layers], dim=-1)  # [b, T, n_aux * H]
+        return Features(aux=aux, last=self._seen[self.last_hidden])
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        del self.model
+
+
+def local_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def target_backend(config, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> FeatureBackend:
+    """The backend `data.capture_engine` names, for this process (`config`: a PipelineConfig)."""
+    data, target = config.data, config.target
+    if data.capture_engine == "sglang":
+        from eagle3.engines.sglang_features import SGLangFeatures  # the node's SGLang environment only
+
+        return SGLangFeatures(target.path, target.family, target.num_hidden_layers, list(data.aux_layers),
+                              data.last_hidden, tp_rank, tp_size, device, dict(data.sglang_engine_args))
+    return TransformersFeatures(target.path, list(data.aux_layers), data.last_hidden, device)
