@@ -13,7 +13,11 @@ from transformers import AutoModelForCausalLM
 from eagle3.bench.simulate import AcceptanceResult, replay, simulate_prompt, target_greedy
 from eagle3.cli import main
 from eagle3.config import load_config
+from eagle3.data.capture import HELDOUT_DIR, feature_widths, heldout_records, write_shard
 from eagle3.data.conversation import prompt_ids
+from eagle3.data.regenerate import GREEDY_FILE, REGEN_DIR, continue_heldout
+from eagle3.data.shards import shard_file
+from eagle3.engines.features import TransformersFeatures
 from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.data.targets import load_tokenizer
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, save_native_draft
@@ -244,12 +248,15 @@ def test_served_drafts_follow_the_loader_rules(micro, tmp_path):
 
 
 def test_simulate_command_writes_the_result(micro, tmp_path, capsys):
+    """The stage replays the held-out greedy sequences the data stage stored with their features (bf16): no target
+    is loaded, and the counts equal simulate_prompt's over the live target."""
     run_dir = tmp_path / "run"
     overrides = micro_overrides(run_dir, micro["path"]) + ["benchmark.num_prompts=2", "benchmark.max_new_tokens=10"]
     config = load_config(TINY, overrides)
     (run_dir / "data").mkdir(parents=True)
     lines = [json.dumps({"id": str(i), "messages": messages}) for i, messages in enumerate(micro["turns"])]
     (run_dir / "data" / "heldout.jsonl").write_text("\n".join(lines) + "\n")
+    store_heldout(config, micro)
     draft = lens_draft(micro)
     save_native_draft(NativeDraft(CONFIG, draft.export_state()), run_dir / "export" / "sglang", to="sglang",
                       engine_release="0.5.13")
@@ -268,3 +275,18 @@ def test_simulate_command_writes_the_result(micro, tmp_path, capsys):
     assert {key: saved[key] for key in expected} == expected
     assert saved["num_prompts"] == 2 and len(saved["histogram"]) <= config.serving.num_steps + 1
     assert saved["correct_drafts"] > 0  # the exported lens draft is right on the newline run
+
+
+def store_heldout(config, micro):
+    """What the data stage leaves for the simulator: greedy continuations, then their features in data/heldout."""
+    regen = config.stage_dir("data") / REGEN_DIR
+    regen.mkdir(parents=True)
+
+    class Greedy:
+        def continue_greedy(self, prompts, length):
+            return [target_greedy(micro["model"], p, length) for p in prompts]
+
+    continue_heldout(config, Greedy(), load_tokenizer(str(micro["path"])), regen / GREEDY_FILE, lambda line: None)
+    backend = TransformersFeatures(str(micro["path"]), AUX_LAYERS, "post_norm", torch.device("cpu"))
+    write_shard(shard_file(config.stage_dir("data") / HELDOUT_DIR, 0), heldout_records(config), {}, backend,
+                feature_widths(config), batch_size=4)

@@ -236,8 +236,8 @@ def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | 
         "samples": len(records),
         "tokens": tokens,
         "loss_tokens": sum(sum(r["loss_mask"]) for r in records),
-        "hidden_state_bytes_per_token": 0 if online else per_token,
-        "hidden_state_bytes": 0 if online else total,
+        "bytes_per_token": 0 if online else per_token,  # hidden states stored (online: none)
+        "bytes": 0 if online else total,
         "heldout": {key: heldout_manifest[key] for key in ("sequences", "tokens", "bytes", "files")},
         "code_version": code_version(),
     }

@@ -46,10 +46,16 @@ class FeatureBackend(Protocol):
     release: str | None  # the engine release that computed the features (None: not an SGLang engine)
 
     def features(self, batch: TokenBatch, rows: slice = slice(None)) -> Features:
-        """Features of batch rows `rows`, on the caller's device; positions past a row's length are unspecified."""
+        """Features of batch rows `rows`, on the caller's device; positions past a row's length are unspecified.
+        No rows selected: empty [0, 0, width] tensors (a tensor-parallel backend still joins the batch's forward)."""
 
     def close(self) -> None:
         """Free the target (its GPU memory above all)."""
+
+
+def empty_features(aux_width: int, hidden: int, device: torch.device) -> Features:
+    """What a rank gets when a batch has no rows for it (a last batch smaller than the ranks)."""
+    return Features(torch.zeros(0, 0, aux_width, device=device), torch.zeros(0, 0, hidden, device=device))
 
 
 def pad_rows(rows: list[list[int]], sample_ids: list[str]) -> TokenBatch:
@@ -93,6 +99,8 @@ class TransformersFeatures:
     def features(self, batch: TokenBatch, rows: slice = slice(None)) -> Features:
         """Right padding: causal attention keeps every real position independent of the padding after it."""
         mine = batch.select(rows)
+        if not len(mine.sample_ids):
+            return empty_features(len(self.aux_layers) * self.model.config.hidden_size, self.model.config.hidden_size, self.device)
         ids = mine.input_ids.to(self.device)  # [b, T]
         positions = torch.arange(ids.shape[1], device=self.device)
         attention = (positions[None, :] < mine.lengths.to(self.device)[:, None]).long()

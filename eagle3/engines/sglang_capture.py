@@ -9,13 +9,10 @@ Run on the node:  torchrun --standalone --nproc-per-node TP -m eagle3.engines.sg
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
-
-import torch
 
 from eagle3.config import PipelineConfig
 from eagle3.errors import Eagle3Error
@@ -51,16 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3.config import load_config
     from eagle3.data.capture import capture
     from eagle3.engines.features import target_backend
+    from eagle3.train.parallel import setup_distributed
 
     parser = argparse.ArgumentParser(description="capture the data stage's features with SGLang on the GPU node")
     parser.add_argument("--config", required=True, help="the run's resolved config (run.dir/config.resolved.yaml)")
     args = parser.parse_args(argv)
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    dist = setup_distributed()  # SGLang's parallel state is built on this group: the target is TP over all ranks
     try:
         config = load_config(args.config)
-        capture(config, log=print if rank == 0 else (lambda line: None),
-                backend_for=lambda: target_backend(config, device, rank, world), main=rank == 0)
+        capture(config, log=print if dist.main else (lambda line: None),
+                backend_for=lambda: target_backend(config, dist.device, dist.rank, dist.world), main=dist.main)
     except Eagle3Error as err:
         print(f"eagle3 capture: {err}", file=sys.stderr)
         return 2

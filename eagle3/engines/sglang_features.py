@@ -54,8 +54,8 @@ FIXED_ARGS = {
     "disable_overlap_schedule": True,
     "disable_cuda_graph": True,
 }
-# Settings under which a rank would not hold every token of the batch, or not the whole model.
-REFUSED_ARGS = {"enable_dp_attention": True, "pp_size": 1, "dp_size": 1}
+# Values engine_args may not change: otherwise a rank would not run every token of the batch, or not the whole model.
+REQUIRED_ARGS = {"enable_dp_attention": False, "pp_size": 1, "dp_size": 1}
 
 
 class SGLangFeatures:
@@ -63,17 +63,19 @@ class SGLangFeatures:
 
     def __init__(self, model_path: str, family: str, num_hidden_layers: int, aux_layers: list[int],
                  last_hidden: str, tp_rank: int, tp_size: int, device, engine_args: dict | None = None):
+        if last_hidden != "post_norm":
+            raise Eagle3Error(f"last_hidden '{last_hidden}': SGLang's model forward returns the state after the final "
+                              "norm only; use last_hidden: post_norm (or the transformers backend for pre_norm)")
+        if not aux_layers:
+            raise Eagle3Error("aux_layers is empty: name the decoder layers whose outputs the draft reads")
+        check_engine_args(engine_args or {})
+        check_process_group(tp_rank, tp_size)
         import sglang
 
         self.release = sglang.__version__
         if engines.parse_release(self.release) not in SUPPORTED_RELEASES:
             raise Eagle3Error(f"SGLang {self.release} is not supported for online features (supported: "
                               f"{SUPPORTED_RELEASES}); install a supported release in the node's SGLang environment")
-        if last_hidden != "post_norm":
-            raise Eagle3Error(f"last_hidden '{last_hidden}': SGLang's model forward returns the state after the final "
-                              "norm only; use last_hidden: post_norm (or the transformers backend for pre_norm)")
-        if not aux_layers:
-            raise Eagle3Error("aux_layers is empty: name the decoder layers whose outputs the draft reads")
         try:
             ids = engines.sglang_ids_for_layers(list(aux_layers), family, self.release, num_hidden_layers)
         except ValueError as err:
@@ -81,7 +83,8 @@ class SGLangFeatures:
         self.aux_layers = list(aux_layers)
         self.device = torch.device(device)
         self.runner = build_runner(model_path, tp_rank, tp_size, self.device, dict(engine_args or {}))
-        # As ModelRunner.init_attention_backends does for an EAGLE3 target (configure_aux_hidden_state_capture).
+        # As ModelRunner.init_attention_backends does for an EAGLE3 target (configure_aux_hidden_state_capture); it
+        # runs before graph capture there, and no graph is captured here.
         self.runner.model.set_eagle3_layers_to_capture(ids)
         replace_logits_processors(self.runner.model)
         self._free_kv = self.runner.token_to_kv_pool_allocator.available_size()
@@ -92,21 +95,20 @@ class SGLangFeatures:
         gets rows `rows`, padded to their longest row."""
         lengths = [int(n) for n in batch.lengths]  # host ints: the lengths tensor lives on the CPU
         ids = batch.input_ids.to("cpu", torch.int64)  # [B, T]
-        filled = [i for i, n in enumerate(lengths) if n > 0]  # an empty row has nothing to run (SGLang refuses it)
-        last, aux = self._forward([ids[i, : lengths[i]] for i in filled])  # [N, H], [N, n_aux * H]
-        starts = dict(zip(filled, _offsets([lengths[i] for i in filled])))
+        run = [i for i, n in enumerate(lengths) if n > 0]  # an empty row has nothing to run (SGLang refuses one)
+        last, aux = self._forward([ids[i, : lengths[i]] for i in run])  # [N, H], [N, n_aux * H]
+        start = dict(zip(run, _offsets([lengths[i] for i in run])))
         keep = range(len(lengths))[rows]
-        width = max((lengths[i] for i in keep), default=0)
-        return Features(aux=_padded(aux, starts, lengths, keep, width), last=_padded(last, starts, lengths, keep, width))
+        return Features(aux=_padded(aux, keep, start, lengths), last=_padded(last, keep, start, lengths))
 
     def _forward(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One EXTEND forward of the token rows; (last [N, H], aux [N, n_aux * H]) over their tokens in row order."""
         from sglang.srt.layers.aux_hidden_states import pack_aux_hidden_states
 
-        hidden = self.runner.model_config.hidden_size
+        hidden, dtype = self.runner.model_config.hidden_size, self.runner.model_config.dtype
         if not rows:
-            empty = torch.empty(0, hidden, device=self.device)
-            return empty, torch.empty(0, len(self.aux_layers) * hidden, device=self.device)
+            empty = torch.empty(0, hidden, dtype=dtype, device=self.device)
+            return empty, torch.empty(0, len(self.aux_layers) * hidden, dtype=dtype, device=self.device)
         schedule_batch, forward_batch = prefill_batch(self.runner, rows)
         try:
             states = self.runner.forward(forward_batch).logits_output
@@ -120,8 +122,8 @@ class SGLangFeatures:
         last, aux = states.last, pack_aux_hidden_states(states.aux)  # [N, H], [N, n_aux * H]
         tokens = sum(len(r) for r in rows)
         if last.shape != (tokens, hidden) or aux.shape != (tokens, len(self.aux_layers) * hidden):
-            raise Eagle3Error(f"SGLang returned last {tuple(last.shape)} and aux {tuple(aux.shape)} for {tokens} tokens "
-                              f"of hidden size {hidden} at {len(self.aux_layers)} aux layers: a setting in "
+            raise Eagle3Error(f"SGLang returned last {tuple(last.shape)} and aux {tuple(aux.shape)} for {tokens} "
+                              f"tokens of hidden size {hidden} at {len(self.aux_layers)} aux layers: a setting in "
                               "engine_args scatters tokens over ranks or captures other layers")
         return last, aux
 
@@ -171,11 +173,6 @@ def build_runner(model_path: str, tp_rank: int, tp_size: int, device: torch.devi
     from sglang.srt.runtime_context import SpawnRanks, get_schedule, publish, spawn_world_rank
     from sglang.srt.server_args import ServerArgs
 
-    check_process_group(tp_rank, tp_size)
-    for key, allowed in REFUSED_ARGS.items():
-        if key in engine_args and engine_args[key] != allowed:
-            raise Eagle3Error(f"engine_args {key}={engine_args[key]!r}: online features need every rank to run the "
-                              f"whole model on every token (leave {key} at {allowed!r})")
     gpu_id = device.index if device.index is not None else 0
     args = {"model_path": model_path, "tp_size": tp_size, "device": device.type, **engine_args, **FIXED_ARGS}
     server_args = ServerArgs(**args)
@@ -192,6 +189,13 @@ def build_runner(model_path: str, tp_rank: int, tp_size: int, device: torch.devi
     runner.init_attention_backends()
     runner.init_cuda_graphs()
     return runner
+
+
+def check_engine_args(engine_args: dict) -> None:
+    for key, allowed in REQUIRED_ARGS.items():
+        if key in engine_args and engine_args[key] != allowed:
+            raise Eagle3Error(f"engine_args {key}={engine_args[key]!r}: online features need every rank to run the "
+                              f"whole model on every token (leave {key} at {allowed!r})")
 
 
 def check_process_group(tp_rank: int, tp_size: int) -> None:
@@ -228,7 +232,9 @@ def free_port() -> int:
 
 class NoPrefixCache:
     """The prefix cache a ScheduleBatch allocates through, with nothing cached: every row is computed whole and its
-    slots go straight back to the allocator (no radix tree: features need every token's forward)."""
+    slots go straight back to the allocator (no radix tree: features need every token's forward). It has what
+    prepare_for_extend's allocation path (mem_cache/allocation.py alloc_for_extend) reads, as the one-batch benchmark's
+    stand-in (benchmark/one_batch.py) does."""
 
     def __init__(self, runner):
         self.page_size = runner.page_size
@@ -244,6 +250,9 @@ class NoPrefixCache:
 
     def supports_mamba(self) -> bool:
         return False
+
+    def maybe_hand_to_session(self, req) -> None:  # no streaming sessions: the request keeps its row
+        pass
 
 
 def prefill_batch(runner, rows: list[torch.Tensor]):
@@ -291,10 +300,12 @@ def _offsets(lengths: list[int]) -> list[int]:
     return starts
 
 
-def _padded(flat: torch.Tensor, starts: dict[int, int], lengths: list[int], keep: range, width: int) -> torch.Tensor:
-    """Rows `keep` of the flat token states [N, D], right-padded with zeros: [len(keep), width, D] (device copies)."""
-    out = flat.new_zeros(len(keep), width, flat.shape[-1])
+def _padded(flat: torch.Tensor, keep: range, start: dict[int, int], lengths: list[int]) -> torch.Tensor:
+    """Rows `keep` of the flat token states [N, D] (row i at start[i]), right-padded with zeros to the longest of
+    them: [len(keep), T, D], by device copies."""
+    width = max((lengths[i] for i in keep), default=0)
+    out = flat.new_zeros(len(keep), width, flat.shape[-1])  # [b, T, D]
     for j, i in enumerate(keep):
         if lengths[i]:
-            out[j, : lengths[i]] = flat[starts[i] : starts[i] + lengths[i]]
+            out[j, : lengths[i]] = flat[start[i] : start[i] + lengths[i]]
     return out

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from eagle3.data.shards import STORED_DTYPE, ShardReader
-from eagle3.engines.features import Features, TokenBatch
+from eagle3.engines.features import Features, TokenBatch, empty_features
 from eagle3.errors import Eagle3Error
 
 BUCKET_BATCHES = 16  # batches sorted by length together: less padding, order still shuffled
@@ -80,6 +80,9 @@ class ShardFeatures:
         mine = batch.select(rows)
         width = mine.input_ids.shape[1]
         stored = [self.where[sample_id][0].sample(self.where[sample_id][1]) for sample_id in mine.sample_ids]
+        if not stored:
+            any_sample = self.readers[0].sample(0)
+            return empty_features(any_sample.aux_hidden.shape[1], any_sample.last_hidden.shape[1], self.device)
         aux = torch.zeros(len(stored), width, stored[0].aux_hidden.shape[1], dtype=STORED_DTYPE)  # [b, T, n_aux * H]
         last = torch.zeros(len(stored), width, stored[0].last_hidden.shape[1], dtype=STORED_DTYPE)  # [b, T, H]
         for row, (sample, n) in enumerate(zip(stored, mine.lengths.tolist())):

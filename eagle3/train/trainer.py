@@ -31,7 +31,7 @@ from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.bench.simulate import heldout_samples, replay_stored
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import TTTModel, ttt_forward, ttt_stats
+from eagle3.model.ttt import StepStats, TTTModel, ttt_forward, ttt_stats
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData
 from eagle3.train.parallel import Dist, Parallel, setup_distributed
@@ -218,6 +218,8 @@ class Trainer:
         mine = tokens.select(self.my_rows())
         ids = mine.input_ids.to(self.dist.device, non_blocking=True)  # [b, T]
         loss_mask = loss_mask[self.my_rows(), : ids.shape[1]].to(self.dist.device, non_blocking=True)
+        if not len(mine.sample_ids):  # a last eval batch smaller than the ranks: nothing of it is this rank's
+            return StepStats(*torch.zeros(3, self.config.training.ttt_steps, device=self.dist.device))
         teacher = self.teacher(features.last)
         with autocast(self.dist.device):
             if train:
@@ -278,8 +280,6 @@ class Trainer:
         totals = torch.zeros(3, self.config.training.ttt_steps, device=self.dist.device)
         for start in range(0, len(self.data.eval), batch_size):
             refs = self.data.eval[start : start + batch_size]
-            if len(refs) < self.dist.world:
-                break  # a rank without rows would have nothing to compute: the few left over are not scored
             stats = self.step_stats(refs, train=False)
             totals += torch.stack([stats.loss_sum, stats.correct, stats.count])
         return totals, self.replay_counts()
