@@ -15,6 +15,8 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig
 from eagle3.errors import ConfigError, UnreadableInput
+from eagle3.data.shards import TOKEN_BYTES
+from eagle3.data.storage import human_bytes, projected_bytes
 from eagle3.formats.target import KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.train.memory import trainable_parameters, training_step_peak_bytes
 from eagle3.train.trainer import draft_config
@@ -42,6 +44,8 @@ class MemoryPlan:
     stages: list[StagePlan]
     target: TargetSize | None
     target_note: str
+    storage: dict[str, int]  # bytes on disk, upper bounds (every sample at data.max_length)
+    features: str  # training.features: online (the target on the training GPUs) or offline
 
     def fits(self, stage: StagePlan) -> bool | None:
         return None if stage.per_gpu_gib is None else stage.per_gpu_gib <= self.gpu_memory_gib
@@ -59,12 +63,16 @@ class MemoryPlan:
             "gpu_memory_gib": self.gpu_memory_gib,
             "fits": self.all_fit,
             "target": {"weights_gib": _gib(self.target.weight_bytes) if self.target else None, "note": self.target_note},
+            "training_features": self.features,
+            "storage_bytes": self.storage,
             "stages": [{"name": s.name, "per_gpu_gib": s.per_gpu_gib, "fits": self.fits(s), "gpus": s.gpus,
                         "parts": s.parts, "knob": s.knob, "unknown": s.unknown} for s in self.stages],
         }
 
     def table(self) -> list[str]:
-        lines = [f"target: {self.target_note}", f"GPU memory: {self.gpu_memory_gib:g} GiB (node.gpu_memory_gib)"]
+        lines = [f"target: {self.target_note}", f"GPU memory: {self.gpu_memory_gib:g} GiB (node.gpu_memory_gib)",
+                 f"training features: {self.features}",
+                 "disk, at most: " + ", ".join(f"{name.replace('_', ' ')} {human_bytes(n)}" for name, n in self.storage.items())]
         for stage in self.stages:
             if stage.unknown:
                 lines.append(f"{stage.name:<11} unknown: {stage.unknown}")
@@ -96,8 +104,18 @@ def target_size(config: PipelineConfig) -> tuple[TargetSize | None, str]:
 
 def plan_memory(config: PipelineConfig) -> MemoryPlan:
     size, note = target_size(config)
-    stages = [regeneration_stage(config, size), capture_stage(config, size), training_stage(config), serving_stage(config, size)]
-    return MemoryPlan(config.node.gpu_memory_gib, stages, size, note)
+    stages = [regeneration_stage(config, size), capture_stage(config, size), training_stage(config, size),
+              serving_stage(config, size)]
+    return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, stored_bytes(config), config.training.features)
+
+
+def stored_bytes(config: PipelineConfig) -> dict[str, int]:
+    """Upper bounds of what the data stage stores: hidden states (none online) and the held-out features."""
+    data, bench = config.data, config.benchmark
+    heldout_tokens = bench.num_prompts * (data.max_length + bench.max_new_tokens + config.serving.num_steps)
+    hidden = 0 if config.training.features == "online" else data.num_samples * data.max_length
+    return {"hidden_states": projected_bytes(config, hidden)[1], "tokens": data.num_samples * data.max_length * TOKEN_BYTES,
+            "heldout_features": projected_bytes(config, heldout_tokens)[1]}
 
 
 def target_parts(size: TargetSize, tp: int, tokens: int) -> dict[str, float]:
@@ -133,7 +151,9 @@ def capture_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     return stage
 
 
-def training_stage(config: PipelineConfig) -> StagePlan:
+def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
+    """The draft's step; online, also the target on the same GPUs (tensor-parallel over the ranks, every rank
+    holding the features of the whole global batch before it keeps its rows)."""
     train, target = config.training, config.target
     world = train.nproc_per_node * train.nnodes
     per_rank = math.ceil(train.batch_size / world)
@@ -157,7 +177,28 @@ def training_stage(config: PipelineConfig) -> StagePlan:
     }
     if train.fsdp and world > 1:  # FSDP2 keeps its own shard of the weights beside the gathered ones
         stage.parts[f"FSDP weight shards, fp32 (/{world})"] = _gib(4 * (params + embedding) / world)
+    if train.features == "online":
+        if size is None:
+            stage.unknown = "online training holds the target, whose size is unknown"
+            return stage
+        stage.parts.update(online_target_parts(config, size, world))
+        stage.knob += "; or training.features offline (the target leaves the training GPUs)"
     return stage
+
+
+def online_target_parts(config: PipelineConfig, size: TargetSize, world: int) -> dict[str, float]:
+    """The target beside the trainer: its weights at TP = world, KV for one global batch, that batch's features (bf16),
+    and what SGLang's static pool (mem_fraction_static of the GPU) reserves beyond weights and KV. The target's forward
+    activations are transient and come before the draft's step, whose measured peak is already counted."""
+    tokens = config.training.batch_size * config.training.seq_len
+    parts = target_parts(size, world, tokens)
+    features = tokens * (len(config.data.aux_layers) + 1) * config.target.hidden_size * 2
+    parts[f"target features of the global batch (bf16, {tokens:,} tokens)"] = _gib(features)
+    fraction = config.data.sglang_engine_args.get("mem_fraction_static")
+    if config.data.capture_engine == "sglang" and fraction is not None:
+        reserved = float(fraction) * config.node.gpu_memory_gib - sum(parts.values())
+        parts[f"SGLang pool beyond weights and KV (mem_fraction_static {fraction})"] = round(max(reserved, 0.0), 2)
+    return parts
 
 
 def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:

@@ -259,7 +259,7 @@ def test_full_deployment_runs_on_a_worker_and_the_ui_shows_its_decision(prefect_
 
 
 def trainers(run_dir: Path) -> list[str]:
-    """Live processes training into `run_dir` (the trainer's command line names its config overrides)."""
+    """Live processes training into `run_dir` (the trainer's command line names the run's resolved config)."""
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
@@ -267,7 +267,7 @@ def trainers(run_dir: Path) -> list[str]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if "eagle3.train" in command and f"run.dir={run_dir}" in command and state not in "ZX":
+        if "eagle3.train" in command and f"{run_dir}/config.resolved.yaml" in command and state not in "ZX":
             found.append(f"{entry.name}: {command[:120]}")
     return found
 

@@ -31,6 +31,19 @@ def test_the_kimi_config_fits_the_node(capsys):
     for stage in stages.values():
         assert stage["fits"] is True and 0 < stage["per_gpu_gib"] <= 141 and stage["gpus"] == 8
     assert stages["serve"]["parts"]["target weights (/8)"] == pytest.approx(553.39 / 8, rel=1e-3)
+    # online: no hidden state on disk, and the target's eighth (plus KV and SGLang's pool) beside the draft's step
+    assert plan["training_features"] == "online" and plan["storage_bytes"]["hidden_states"] == 0
+    assert stages["train"]["parts"]["target weights (/8)"] == pytest.approx(553.39 / 8, rel=1e-3)
+    assert stages["train"]["parts"]["KV cache, 32,768 tokens"] > 0
+
+
+def test_offline_training_stores_the_hidden_states_and_frees_the_training_gpus():
+    online, offline = (plan_memory(load_config(KIMI, [f"training.features={mode}"])) for mode in ("online", "offline"))
+    assert offline.storage["hidden_states"] == 200_000 * 4096 * (4 * 7168 * 2 + 5)  # 47 TB at most
+    assert online.storage["hidden_states"] == 0 and online.storage["heldout_features"] < 1e11
+    train = {plan.features: plan.stages[2] for plan in (online, offline)}
+    assert "target weights (/8)" not in train["offline"].parts
+    assert train["online"].per_gpu_gib - train["offline"].per_gpu_gib > 553.39 / 8
 
 
 def test_a_config_that_does_not_fit_is_refused_in_one_line_naming_stage_and_knob(capsys):
@@ -39,6 +52,7 @@ def test_a_config_that_does_not_fit_is_refused_in_one_line_naming_stage_and_knob
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "train needs" in err and "node.gpu_memory_gib 141" in err and "training.batch_size (64 sequences per GPU" in err
+    assert "or training.features offline" in err
     assert cli.main(["config", str(KIMI), *args]) == 2  # `eagle3 config` refuses it too, before printing anything
     captured = capsys.readouterr()
     assert captured.out == "" and "train needs" in captured.err and len(captured.err.strip().splitlines()) == 1
@@ -47,7 +61,8 @@ def test_a_config_that_does_not_fit_is_refused_in_one_line_naming_stage_and_knob
 
 
 def test_the_training_stage_grows_with_the_batch_and_lists_its_parts():
-    small_plan, large_plan = (plan_memory(load_config(KIMI, [f"training.batch_size={n}"])) for n in (8, 64))
+    small_plan, large_plan = (plan_memory(load_config(KIMI, [f"training.batch_size={n}", "training.features=offline"]))
+                              for n in (8, 64))
     small, large = small_plan.stages[2], large_plan.stages[2]
     step = "training step, measured (TTT 7: activations, teacher, gradients)"
     assert 7 * small.parts[step] < large.parts[step] < 8 * small.parts[step]  # 8 vs 1 sequence, one set of gradients

@@ -18,7 +18,7 @@ import pytest
 from test_config import TINY
 from test_train import metrics, micro_data, run_copy  # noqa: F401  (micro_data: a fixture)
 
-from eagle3.config import load_config
+from eagle3.config import load_config, resolved_config_file
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.procs import ProcessTree, Terminated, group_alive, process_table, terminate_on_sigterm
 from eagle3.train.launch import (
@@ -39,8 +39,17 @@ def config_for(*overrides):
     return load_config(TINY, ["run.dir=/runs/r1", *overrides])
 
 
-def entry(overrides=()):
-    return ["-m", "eagle3.train", "--config", str(TINY), *(f"--set={o}" for o in overrides)]
+RESOLVED = "/runs/r1/config.resolved.yaml"
+
+
+def entry():
+    return ["-m", "eagle3.train", "--config", RESOLVED]
+
+
+def train_run(overrides, log, on_metrics=None):
+    """What the flow's train stage does: the run's resolved config file, then the launcher."""
+    config = load_config(TINY, overrides)
+    return train(config, resolved_config_file(config), log, on_metrics)
 
 
 def running(run_dir: Path) -> list[int]:
@@ -65,8 +74,8 @@ def pgid_from(lines: list[str]) -> int:
 
 
 def test_one_process_runs_the_trainer_and_several_run_torchrun_standalone():
-    assert launch_commands(config_for(), TINY, ["a.b=1"], Path("/w")) == [[sys.executable, *entry(["a.b=1"])]]
-    torchrun = launch_commands(config_for("training.nproc_per_node=4"), TINY, [], Path("/w"))
+    assert launch_commands(config_for(), RESOLVED, Path("/w")) == [[sys.executable, *entry()]]
+    torchrun = launch_commands(config_for("training.nproc_per_node=4"), RESOLVED, Path("/w"))
     assert torchrun == [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                          *entry()]]
 
@@ -75,10 +84,10 @@ def test_ssh_starts_torchrun_on_every_host_in_our_directory_with_a_rendezvous():
     config = config_for("training.nnodes=2", "training.nproc_per_node=8", "training.launcher=ssh",
                         "training.hosts=[gpu-1, gpu-2]", "training.rdzv_endpoint=gpu-1:29500",
                         "training.python=/opt/venv/bin/python")
-    commands = launch_commands(config, TINY, ["training.max_steps=9"], Path("/shared/my work"))
+    commands = launch_commands(config, RESOLVED, Path("/shared/my work"))
     torchrun = ["/opt/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-1:29500", "--rdzv-id", "tiny-cpu",
-                *entry(["training.max_steps=9"])]
+                *entry()]
     assert [c[:3] for c in commands] == [["ssh", "-tt", "gpu-1"], ["ssh", "-tt", "gpu-2"]]
     for command in commands:
         shell, flag, script = shlex.split(command[3])
@@ -88,7 +97,7 @@ def test_ssh_starts_torchrun_on_every_host_in_our_directory_with_a_rendezvous():
 def test_srun_starts_one_torchrun_per_node():
     config = config_for("training.nnodes=4", "training.launcher=srun", "training.rdzv_endpoint=node-1:29500",
                         "training.srun_args=[--gres=gpu:8, --time=12:00:00]")
-    [command] = launch_commands(config, TINY, [], Path("/w"))
+    [command] = launch_commands(config, RESOLVED, Path("/w"))
     assert command[:6] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--gres=gpu:8",
                            "--time=12:00:00"]
     assert command[6:12] == ["python", "-m", "torch.distributed.run", "--nnodes", "4", "--nproc-per-node"]
@@ -250,7 +259,7 @@ def test_a_stop_reaches_workers_in_their_own_sessions(launcher_dies_first):
 def test_train_streams_its_lines_and_every_metrics_record(micro_data, tmp_path):  # noqa: F811
     overrides, run_dir = run_copy(micro_data, tmp_path, "run", SHORT)
     lines, records = [], []
-    result = train(load_config(TINY, overrides), TINY, overrides, lines.append, records.append)
+    result = train_run(overrides, lines.append, records.append)
     assert result == run_dir / "train" and (result / "final" / "model.safetensors").exists()
     assert any(line.startswith('train: {"step": 1,') for line in lines) and "train: 6 steps done" in "\n".join(lines)
     assert records == metrics(run_dir) and [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
@@ -267,13 +276,13 @@ def test_sigterm_to_the_trainer_stops_it_resumably_and_a_rerun_resumes(micro_dat
             os.killpg(pgid_from(lines), signal.SIGTERM)  # what a scheduler's preemption does
 
     with pytest.raises(TrainingStopped, match="run it again to resume"):
-        train(load_config(TINY, overrides), TINY, overrides, lines.append, stop_at_step_2)
+        train_run(overrides, lines.append, stop_at_step_2)
     stopped_at = max(r["step"] for r in metrics(run_dir))
     assert 2 <= stopped_at < 500 and not running(run_dir)
     assert [p.name for p in (run_dir / "train" / "checkpoints").iterdir()] == [f"step-{stopped_at:07d}"]
     longer = [*overrides, f"training.max_steps={stopped_at + 3}"]
     resumed = []
-    train(load_config(TINY, longer), TINY, longer, lines.append, resumed.append)
+    train_run(longer, lines.append, resumed.append)
     assert [r["step"] for r in resumed if "loss" in r] == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
 
 
@@ -285,27 +294,28 @@ def test_a_failing_callback_stops_the_trainer_and_propagates(micro_data, tmp_pat
         raise RuntimeError("progress artifact upload failed")
 
     with pytest.raises(RuntimeError, match="upload failed"):
-        train(load_config(TINY, overrides), TINY, overrides, lines.append, broken)
+        train_run(overrides, lines.append, broken)
     assert not group_alive(pgid_from(lines)) and not running(run_dir)
 
 
 def test_a_failing_trainer_raises_with_its_own_error_line(tmp_path, micro_target):
     overrides = [f"run.dir={tmp_path}", f"target.path={micro_target}"]  # no captured dataset in it
     with pytest.raises(TrainingFailed) as err:
-        train(load_config(TINY, overrides), TINY, overrides, lambda line: None)
+        train_run(overrides, lambda line: None)
     message = str(err.value)
-    assert "exited with code 2" in message and "eagle3 train:" in message and "no captured dataset here" in message
+    assert "exited with code 2" in message and "eagle3 train:" in message and "no data set here" in message
 
 
 CANCELLED_FLOW = """
 import json, sys
-from eagle3.config import load_config
+from eagle3.config import load_config, resolved_config_file
 from eagle3.procs import terminate_on_sigterm
 from eagle3.train.launch import train
 
 config_path, *overrides = sys.argv[1:]
+config = load_config(config_path, overrides)
 with terminate_on_sigterm():
-    train(load_config(config_path, overrides), config_path, overrides, lambda line: print(line, flush=True),
+    train(config, resolved_config_file(config), lambda line: print(line, flush=True),
           lambda record: print("metrics", json.dumps(record), flush=True))
 """
 

@@ -1,0 +1,136 @@
+"""Target features: the transformers backend against the target's own hidden states, online training against
+offline on the same batch, the streamed shard writer, and a guard that no feature passes through a Python list."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.overrides import TorchFunctionMode
+from transformers import AutoModelForCausalLM
+
+from eagle3.config import load_config
+from eagle3.data.capture import capture
+from eagle3.data.regenerate import regenerate
+from eagle3.data.shards import ShardReader, ShardWriter
+from eagle3.data.vocab import build_vocab
+from eagle3.engines.features import TransformersFeatures, pad_rows
+from eagle3.errors import Eagle3Error
+from eagle3.train.trainer import Trainer
+from test_config import TINY
+from test_data import micro_overrides
+
+QUIET = lambda line: None  # noqa: E731
+ROWS = [[0, 2, 204, 38, 88, 277, 15, 9], [0, 2, 204], [0, 2, 204, 15, 479, 273]]
+
+
+class NoFeatureLists(TorchFunctionMode):
+    """Fails any `.tolist()` / `.numpy()` of a floating tensor of at least `smallest` elements: features are rows of
+    hidden-size floats, and turning them into Python numbers costs ~15 ms per token at Kimi's width."""
+
+    def __init__(self, smallest: int):
+        super().__init__()
+        self.smallest = smallest
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        tensor = args[0] if args else None
+        if (name in ("tolist", "numpy") and isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+                and tensor.numel() >= self.smallest):
+            raise AssertionError(f"{name}() of a floating tensor of shape {tuple(tensor.shape)} on a feature path")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_guard_catches_a_feature_turned_into_a_list():
+    with pytest.raises(AssertionError, match=r"tolist\(\) of a floating tensor of shape \(3, 64\)"):
+        with NoFeatureLists(smallest=64):
+            torch.zeros(3, 64).tolist()
+
+
+def test_transformers_features_are_the_targets_own_hidden_states(micro_target):
+    backend = TransformersFeatures(str(micro_target), [0, 2], "post_norm", torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(micro_target, dtype=torch.float32).eval()
+    batch = pad_rows(ROWS, ["a", "b", "c"])
+    every = backend.features(batch)
+    some = backend.features(batch, slice(1, 3))
+    assert every.aux.shape == (3, 8, 2 * 64) and every.last.shape == (3, 8, 64) and some.aux.shape == (2, 6, 128)
+    for row, ids in enumerate(ROWS):
+        with torch.no_grad():
+            states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        n = len(ids)
+        # id k = the output of decoder layer k = hidden_states[k + 1]; the last state after the final norm
+        torch.testing.assert_close(every.aux[row, :n], torch.cat([states[1][0], states[3][0]], -1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(every.last[row, :n], states[-1][0], atol=1e-5, rtol=1e-5)
+        if row:
+            torch.testing.assert_close(some.aux[row - 1, :n], every.aux[row, :n], atol=1e-5, rtol=1e-5)
+    empty = backend.features(batch, slice(3, 3))
+    assert empty.aux.shape == (0, 0, 128) and empty.last.shape == (0, 0, 64)
+
+
+@pytest.fixture(scope="module")
+def both_modes(tmp_path_factory, micro_target):
+    """The same regenerated micro data made ready for offline and for online training."""
+    configs = {}
+    for mode in ("offline", "online"):
+        run_dir = tmp_path_factory.mktemp(mode)
+        configs[mode] = load_config(TINY, micro_overrides(run_dir, micro_target) + [
+            f"training.features={mode}", "training.batch_size=4", "training.seq_len=64", "training.ttt_steps=3",
+            "training.max_steps=4", "benchmark.num_prompts=2", "benchmark.max_new_tokens=8"])
+        regenerate(configs[mode], log=QUIET)
+        with NoFeatureLists(smallest=64):  # capture, offline and online, keeps features as tensors
+            capture(configs[mode], log=QUIET)
+        build_vocab(configs[mode], log=QUIET)
+    return configs
+
+
+def test_online_stores_no_hidden_state_and_offline_does(both_modes):
+    online, offline = both_modes["online"], both_modes["offline"]
+    assert not (online.stage_dir("data") / "hidden").exists()
+    tokens = [path.name for path in (online.stage_dir("data") / "tokens").iterdir()]
+    assert "manifest.json" in tokens and any(name.startswith("shard-") for name in tokens)
+    stored = load_file(next((online.stage_dir("data") / "tokens").glob("shard-*.safetensors")))
+    assert set(stored) == {"input_ids", "loss_mask", "offsets"}
+    features = load_file(next((offline.stage_dir("data") / "hidden").glob("shard-*.safetensors")))
+    assert set(features) == {"input_ids", "loss_mask", "offsets", "aux_hidden", "last_hidden"}
+    for config in (online, offline):  # both keep the held-out greedy sequences with features for the simulator
+        assert len(list((config.stage_dir("data") / "heldout").glob("shard-*.safetensors"))) == 1
+
+
+def test_online_and_offline_give_the_same_loss_on_the_same_batch(both_modes):
+    """Offline features are stored in bf16, online ones stay float32 on the CPU: the loss agrees to bf16's rounding
+    (relative 1e-2 measured ~1e-4), and the teacher's argmax on the same positions."""
+    trainers = {mode: Trainer(config, log=QUIET) for mode, config in both_modes.items()}
+    refs = trainers["offline"].data.batches(0, 4, 0)[0]
+    assert refs == trainers["online"].data.batches(0, 4, 0)[0]
+    with NoFeatureLists(smallest=64):
+        stats = {mode: trainer.step_stats(refs, train=False) for mode, trainer in trainers.items()}
+    assert torch.equal(stats["online"].count, stats["offline"].count) and stats["online"].count.sum() > 0
+    torch.testing.assert_close(stats["online"].loss_sum, stats["offline"].loss_sum, rtol=1e-2, atol=0)
+    with NoFeatureLists(smallest=64):
+        trainers["online"].train_step(refs)  # the update path too
+
+
+def test_offline_features_are_refused_for_other_tokens(both_modes):
+    trainer = Trainer(both_modes["offline"], log=QUIET)
+    refs = trainer.data.batches(0, 4, 0)[0]
+    tokens, _ = trainer.data.tokens(refs)
+    tokens.input_ids[0, 1] += 1
+    with pytest.raises(Eagle3Error, match=f"sample {refs[0].id}: the stored features are for other tokens"):
+        trainer.features.features(tokens)
+
+
+def test_a_shard_streams_in_any_order_and_appears_only_when_complete(tmp_path):
+    aux = [torch.randn(5, 6), torch.randn(3, 6)]
+    path = tmp_path / "shard-00000.safetensors"
+    with ShardWriter(path, ["a", "b"], [5, 3], {"aux_hidden": 6, "last_hidden": 2}, {"k": 1}) as writer:
+        writer.write(1, input_ids=torch.arange(3), loss_mask=torch.ones(3), aux_hidden=aux[1], last_hidden=torch.ones(3, 2))
+        assert not path.exists()
+        writer.write(0, input_ids=torch.arange(5), loss_mask=torch.zeros(5), aux_hidden=aux[0], last_hidden=torch.ones(5, 2))
+    reader = ShardReader(path)
+    assert reader.ids == ["a", "b"] and reader.offsets.tolist() == [0, 5, 8]
+    assert torch.equal(reader.sample(1).aux_hidden, aux[1].bfloat16()) and reader.sample(0).input_ids.tolist() == list(range(5))
+    with pytest.raises(ValueError, match="1 \\(sample, column\\) pairs never written"):
+        with ShardWriter(tmp_path / "shard-00001.safetensors", ["a"], [2], {}, {}) as writer:
+            writer.write(0, input_ids=torch.arange(2))
+    with pytest.raises(ValueError, match="sample 0 has 2 tokens, got 3 rows of input_ids"):
+        with ShardWriter(tmp_path / "shard-00002.safetensors", ["a"], [2], {}, {}) as writer:
+            writer.write(0, input_ids=torch.arange(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.safetensors"]  # no partial file anywhere
