@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
+from eagle3.data.capture import dataset_dir
 from eagle3.data.targets import target_identity
 from eagle3.formats.manifest import MANIFEST_FILE, code_version
 from eagle3.fsutil import atomic_write_bytes, sha256_file
@@ -35,10 +36,12 @@ IN_PROGRESS = "in-progress "
 # stage -> the config fields (sections or dotted fields) that decide its output
 STAGE_INPUTS = {
     "regenerate": ("data.prompts", "data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length",
-                   "data.temperature", "data.thinking", "data.heldout_fraction"),
-    "capture": ("data.aux_layers", "data.last_hidden", "data.capture_engine"),
+                   "data.temperature", "data.thinking", "data.heldout_fraction",
+                   # the held-out greedy continuations: which prompts, how long
+                   "benchmark.num_prompts", "benchmark.max_new_tokens", "serving.num_steps"),
+    "capture": ("data.aux_layers", "data.last_hidden", "data.capture_engine", "training.features"),
     "vocab": ("vocab",),
-    "train": ("draft", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
+    "train": ("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
               "training.warmup_steps", "training.max_steps", "training.batch_size", "training.seq_len",
               "training.grad_clip", "training.eval_fraction", "training.init_from", "training.eval_every",
               "training.seed", "serving.num_steps", "benchmark.num_prompts", "benchmark.max_new_tokens"),
@@ -48,10 +51,9 @@ STAGE_INPUTS = {
 }
 READS_TARGET = ("regenerate", "capture")  # the target's config and tokenizer content are in their keys
 
-# stage -> its output under run.dir (what the marker sits beside)
+# stage -> its output under run.dir (what the marker sits beside); capture's depends on training.features
 STAGE_OUTPUTS = {
     "regenerate": "data/regen",
-    "capture": "data/hidden",
     "vocab": "vocab",
     "train": "train/best",
     "export": "export/sglang",
@@ -106,7 +108,7 @@ def stage_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str:
 
 
 def output_of(config: PipelineConfig, stage: str) -> Path:
-    return config.run.dir / STAGE_OUTPUTS[stage]
+    return dataset_dir(config) if stage == "capture" else config.run.dir / STAGE_OUTPUTS[stage]
 
 
 def marker(config: PipelineConfig, stage: str) -> Path:

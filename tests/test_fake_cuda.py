@@ -30,8 +30,9 @@ def test_the_model_the_teacher_and_a_training_step_live_on_the_device(micro_data
         trainer = fake_trainer(micro_data, tmp_path, device)
         assert {t.device for t in [*trainer.model.parameters(), *trainer.model.buffers()]} == {device}
         assert trainer.teacher.lm_head.device == trainer.teacher.in_draft.device == device
-        batch = trainer.data.collate(trainer.data.train[:4])  # real host tensors, as the loop makes them
-        sums = trainer.train_step(batch)  # TTT forward, teacher, loss, backward, clipping, AdamW step
+        # token rows from the shards, their stored features moved to the device, then TTT forward, teacher, loss,
+        # backward, clipping, AdamW step
+        sums = trainer.train_step(trainer.data.train[:4])
         assert sums.device == device and sums.shape == (4, trainer.config.training.ttt_steps)
         state = trainer.optimizer.state[trainer.model.fc.weight]
         assert state["exp_avg"].device == state["exp_avg_sq"].device == device

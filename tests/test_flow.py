@@ -27,8 +27,9 @@ BROKEN = ["export.fault=absolute-d2t", "export.waive=[d2t-absolute]"]
 
 
 def micro_run_overrides(run_dir, target) -> list[str]:
-    """The tiny config shrunk to the micro target: a full flow run in well under a minute on 2 cores."""
-    return micro_overrides(run_dir, target) + [
+    """The tiny config shrunk to the micro target: a full flow run in well under a minute on 2 cores. Training
+    computes the target's features online (the offline path runs in test_data, test_train and the deployment test)."""
+    return micro_overrides(run_dir, target) + ["training.features=online",
         "training.max_steps=30", "training.batch_size=8", "training.seq_len=96", "training.warmup_steps=5",
         "training.eval_every=15", "training.save_every=15", "benchmark.num_prompts=4", "benchmark.max_new_tokens=24",
         "benchmark.concurrency=2", f"serving.port={free_port()}", f"production.port={free_port()}",
@@ -77,6 +78,9 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     assert {"data", "vocab", "training", "export-validation", "acceptance", "decision"} <= set(found)
     assert found["decision"].startswith("# Decision: promoted") and version in found["decision"]
     assert "accept length" in found["acceptance"] and "coverage" in found["vocab"]
+    # online: no hidden state under the run, and the data artifact says capture was skipped
+    assert not (config.stage_dir("data") / "hidden").exists()
+    assert "hidden-state capture skipped (training.features online)" in found["data"]
 
 
 def test_a_rerun_with_unchanged_inputs_skips_finished_stages(micro_flow):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from test_config import TINY
+from test_data import micro_overrides
 from test_train import metrics, micro_data, run_copy  # noqa: F401  (micro_data: a fixture)
 
 from eagle3.config import load_config, resolved_config_file
@@ -299,7 +300,7 @@ def test_a_failing_callback_stops_the_trainer_and_propagates(micro_data, tmp_pat
 
 
 def test_a_failing_trainer_raises_with_its_own_error_line(tmp_path, micro_target):
-    overrides = [f"run.dir={tmp_path}", f"target.path={micro_target}"]  # no captured dataset in it
+    overrides = micro_overrides(tmp_path, micro_target)  # no captured dataset in it
     with pytest.raises(TrainingFailed) as err:
         train_run(overrides, lambda line: None)
     message = str(err.value)

@@ -22,7 +22,7 @@ from eagle3.bench.counting import SpecRequest
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import HELDOUT_DIR
 from eagle3.data.regenerate import greedy_length, target_greedy
-from eagle3.data.shards import StoredSample, read_dataset
+from eagle3.data.shards import ShardReader, StoredSample
 from eagle3.data.targets import target_eos_ids
 from eagle3.engines.features import local_device
 from eagle3.errors import UnreadableInput
@@ -134,6 +134,18 @@ def render_table(result: AcceptanceResult) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class HeldoutRef:
+    """One stored held-out greedy sequence, read when it is replayed (at Kimi's size a sequence's features are
+    ~150 MB: a rank reads only its share)."""
+
+    reader: ShardReader
+    index: int
+
+    def load(self) -> StoredSample:
+        return self.reader.sample(self.index)
+
+
 def replay_stored(draft: Eagle3Draft, sample: StoredSample, num_steps: int, max_new_tokens: int,
                   eos_ids: frozenset[int], release: str | None) -> PromptResult:
     """Replay one stored held-out greedy sequence (loss_mask marks the continuation) with its stored features."""
@@ -146,19 +158,20 @@ def replay_stored(draft: Eagle3Draft, sample: StoredSample, num_steps: int, max_
     return replay(seq.tolist(), prompt_len, propose, num_steps, max_new_tokens, eos_ids, release)
 
 
-def heldout_samples(config: PipelineConfig) -> list[StoredSample]:
+def heldout_samples(config: PipelineConfig) -> list[HeldoutRef]:
     """The held-out greedy sequences with their features (the data stage's data/heldout), long enough for the
     benchmark's max_new_tokens and the serving steps."""
     directory = config.stage_dir("data") / HELDOUT_DIR
-    samples = list(read_dataset(directory))
-    if not samples:
+    readers = [ShardReader(path) for path in sorted(directory.glob("shard-?????.safetensors"))]
+    refs = [HeldoutRef(reader, i) for reader in readers for i in range(len(reader))]
+    if not refs:
         raise UnreadableInput(f"{directory}: no held-out features; run the data stage (eagle3 data capture)")
     wanted = greedy_length(config)
-    short = [s.id for s in samples if int(s.loss_mask.sum()) < wanted]
+    short = [ref for ref in refs if int(ref.reader.sample(ref.index, ("input_ids", "loss_mask")).loss_mask.sum()) < wanted]
     if short:
         raise UnreadableInput(f"{directory}: {len(short)} held-out sequence(s) continue fewer than {wanted} tokens "
                               "(benchmark.max_new_tokens + serving.num_steps): run the data stage again")
-    return samples
+    return refs
 
 
 @torch.no_grad()
@@ -171,8 +184,8 @@ def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print) -> Acce
     eos_ids, num_steps = target_eos_ids(config.target.path), config.serving.num_steps
     progress = Progress("simulate", total=len(samples), unit="prompts", log=log)
     rows = []
-    for sample in samples:
-        rows.append(replay_stored(draft, sample, num_steps, config.benchmark.max_new_tokens, eos_ids, config.serving.release))
+    for ref in samples:
+        rows.append(replay_stored(draft, ref.load(), num_steps, config.benchmark.max_new_tokens, eos_ids, config.serving.release))
         progress.advance(1, tokens=rows[-1].completion_tokens)
     result = AcceptanceResult(num_steps, rows)
     for line in render_table(result):

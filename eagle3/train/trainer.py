@@ -289,8 +289,8 @@ class Trainer:
         counted as the simulator and the server count them."""
         completion, verify_ct = 0, 0
         serving = self.config.serving
-        for sample in self.heldout[self.my_rows()]:
-            result = replay_stored(self.model, sample, serving.num_steps, self.config.benchmark.max_new_tokens,
+        for ref in self.heldout[self.my_rows()]:
+            result = replay_stored(self.model, ref.load(), serving.num_steps, self.config.benchmark.max_new_tokens,
                                    self.eos_ids, serving.release)
             completion, verify_ct = completion + result.completion_tokens, verify_ct + result.verify_ct
         return torch.tensor([completion, verify_ct], dtype=torch.float32, device=self.dist.device)

@@ -7,8 +7,12 @@ Checks, each named when it fails (exit code 1):
   loss-falls   the loss over the last steps is below LOSS_RATIO x the loss over the first steps
   no-d2h       under torch.profiler no device-to-host copy is as large as one token row of features x the batch
                (features must stay on the device); skipped on the CPU, where there is no device
+A crash before the checks complete prints its traceback and exits 2.
 Figures: tokens/s of the online step (target forward + draft step) and of the target forward alone, peak GPU
 memory, the loss curve.
+
+The GPU image's python3 has torch and transformers but not pydantic (eagle3's configs): carry the wheels of
+pydantic, pydantic-core, annotated-types, typing-inspection and typing-extensions and install them first.
 
     PYTHONPATH=. python3 infra/gpu-smoke/online_train.py              # H200: ~0.5 B target, 4 x 512 tokens, 300 steps
     PYTHONPATH=. .venv/bin/python infra/gpu-smoke/online_train.py --tiny --steps 40   # CPU check of the script
@@ -22,7 +26,8 @@ import math
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -262,16 +267,19 @@ def target_forward_rate(backend: FeatureBackend, batch: TokenBatch, device: torc
     return TIMED_FORWARDS * batch.input_ids.numel() / (time.perf_counter() - started)
 
 
-def device_to_host_copies(trainer: SmokeTrainer, trace_dir: Path) -> list[tuple[int, str]]:
-    """(bytes, launching op) of every device-to-host memcpy in PROFILED_STEPS steps, largest first, read from the
-    profiler's trace (its events carry the byte counts; the Python event list does not)."""
+def profile_steps(trainer: SmokeTrainer, trace: Path) -> None:
+    """PROFILED_STEPS training steps under torch.profiler (host and CUDA activity), written as a Chrome trace:
+    its memcpy events carry byte counts, which the profiler's Python event list does not."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(PROFILED_STEPS):
             trainer.step_metrics(trainer.train_step(trainer.data.refs))
         synchronize(trainer.dist.device)
-    trace = trace_dir / "trace.json"
     profiler.export_chrome_trace(str(trace))
+
+
+def device_to_host_copies(trace: Path) -> list[tuple[int, str]]:
+    """(bytes, the op that launched it) of every device-to-host memcpy in a Chrome trace, largest first."""
     events = json.loads(trace.read_text()).get("traceEvents", [])
     ops = {e["args"]["External id"]: e["name"] for e in events
            if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
@@ -320,8 +328,9 @@ def check_no_feature_copies(copies: list[tuple[int, str]], limit: int) -> None:
 def run(args: argparse.Namespace) -> None:
     shape = TINY if args.tiny else FULL
     if args.lr is not None:
-        shape = Shape(**{**shape.__dict__, "learning_rate": args.lr})
-    device = torch.device("cuda") if torch.cuda.is_available() and not args.cpu else torch.device("cpu")
+        shape = replace(shape, learning_rate=args.lr)
+    # cuda:0, not "cuda": the trainer's collectives compare devices, and cuda:0 != cuda
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.cpu else torch.device("cpu")
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="eagle3-online-smoke-") as tmp:
         tmp = Path(tmp)
@@ -329,16 +338,15 @@ def run(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         params = build_target(shape, target_dir, device, args.seed)
         info = read_target_info(target_dir)  # what the pipeline reads of a target
-        print(f"target: {params / 1e9:.3f} B parameters ({info.architecture}, family {info.family}, {info.num_hidden_layers} "
-              f"layers, H {info.hidden_size}, vocab {info.vocab_size}), built and saved in bf16 on {device} in "
-              f"{time.perf_counter() - started:.1f} s")
+        print(f"target: {params:,} parameters ({info.architecture}, family {info.family}, "
+              f"{info.num_hidden_layers} layers, H {info.hidden_size}, vocab {info.vocab_size}), built and saved in "
+              f"bf16 on {device} in {time.perf_counter() - started:.1f} s")
 
         config = pipeline_config(shape, target_dir, tmp / "run", args.steps)
         data = FixedData(fixed_sequences(shape, args.seed))
         batch, _ = data.tokens(data.refs)
         backend = TransformersFeatures(str(target_dir), list(shape.aux_layers), config.data.last_hidden, device)
-        head = target_head(target_dir)
-        vocab_map = vocab_map_from_teacher(backend, batch, head["lm_head"], shape.draft_vocab_size)
+        vocab_map = vocab_map_from_teacher(backend, batch, target_head(target_dir)["lm_head"], shape.draft_vocab_size)
         trainer = SmokeTrainer(config, data, backend, vocab_map, device)
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         print(f"draft: {trainable / 1e6:.1f} M trainable, aux layers {list(shape.aux_layers)}, TTT {shape.ttt_steps}; "
@@ -361,15 +369,16 @@ def run(args: argparse.Namespace) -> None:
             return
         aux_width = len(shape.aux_layers) * shape.hidden_size
         limit = shape.batch * (aux_width + shape.hidden_size) * 2  # one token row of features x the batch, bf16
-        check_no_feature_copies(device_to_host_copies(trainer, tmp), limit)
+        profile_steps(trainer, tmp / "trace.json")
+        check_no_feature_copies(device_to_host_copies(tmp / "trace.json"), limit)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="H 64 target and draft: a CPU check of this script")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=None, help="override the shape's learning rate (0: a trainer "
-                                                                 "that learns nothing, to see loss-falls fail)")
+    parser.add_argument("--lr", type=float, default=None, help="override the shape's learning rate (e.g. 1e-12: a "
+                                                                 "draft that does not learn, to see loss-falls fail)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA exists")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -380,6 +389,10 @@ def main() -> int:
     except SmokeFailure as failure:
         print(f"online_train: {failure}", file=sys.stderr)
         return 1
+    except Exception:
+        traceback.print_exc()
+        print("online_train: FAILED: the run crashed (traceback above) before its checks completed", file=sys.stderr)
+        return 2
     print("online_train: all checks passed")
     return 0
 
