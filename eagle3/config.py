@@ -331,6 +331,13 @@ class PipelineConfig(Section):
                 f"data.aux_layers {layers}: every id must be in [0, {n - 2}] (id k = output of decoder "
                 f"layer k; SGLang cannot capture the last layer's output)"
             )
+        training = self.training
+        if training.features == "online" and self.data.capture_engine == "sglang" and training.nnodes > 1:
+            raise ValueError(
+                f"training.features online with data.capture_engine sglang runs the target tensor-parallel over all "
+                f"ranks of one node; training.nnodes {training.nnodes} would split it across nodes: use one node "
+                "(training.nnodes 1) or training.features offline"
+            )
         if self.vocab.draft_vocab_size > self.target.vocab_size:
             raise ValueError(
                 f"vocab.draft_vocab_size ({self.vocab.draft_vocab_size}) exceeds target.vocab_size "

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import load_config, sglang_default_aux_layers
+from eagle3.config import load_config, resolved_config_file, sglang_default_aux_layers
 from eagle3.errors import ConfigError
 
 ROOT = Path(__file__).parent.parent
@@ -106,3 +106,21 @@ def test_cli_prints_resolved_config_and_one_line_errors():
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert "gate.floor (from --set): unknown field" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_online_sglang_features_stay_on_one_node():
+    with pytest.raises(ConfigError, match="training.nnodes 2 would split it across nodes"):
+        load_config(KIMI, ["training.nnodes=2", "training.launcher=srun", "training.rdzv_endpoint=node-1:29500"])
+    assert load_config(KIMI, ["training.nnodes=2", "training.launcher=srun", "training.rdzv_endpoint=node-1:29500",
+                              "training.features=offline"]).training.nnodes == 2
+
+
+def test_the_resolved_config_reloads_as_the_same_config_and_checks_the_targets_facts(tmp_path, micro_target):
+    config = load_config(TINY, [f"run.dir={tmp_path}", f"target.path={micro_target}", "target.hidden_size=64",
+                                "target.vocab_size=512", "vocab.draft_vocab_size=128"])
+    path = resolved_config_file(config)
+    assert path == tmp_path / "config.resolved.yaml" and load_config(path) == config
+    assert "aux_layers:\n  - 0\n  - 1\n  - 2" in path.read_text()  # defaults and derived values written out
+    wrong = config.model_copy(update={"target": config.target.model_copy(update={"hidden_size": 128})})
+    with pytest.raises(ConfigError, match=f"target.hidden_size is 128 but {micro_target}/config.json says 64"):
+        resolved_config_file(wrong)

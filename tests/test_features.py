@@ -96,7 +96,7 @@ def test_online_stores_no_hidden_state_and_offline_does(both_modes):
 
 def test_online_and_offline_give_the_same_loss_on_the_same_batch(both_modes):
     """Offline features are stored in bf16, online ones stay float32 on the CPU: the loss agrees to bf16's rounding
-    (relative 1e-2 measured ~1e-4), and the teacher's argmax on the same positions."""
+    (relative 1e-2 allowed; ~2e-5 measured on the micro target), and the teacher's argmax on the same positions."""
     trainers = {mode: Trainer(config, log=QUIET) for mode, config in both_modes.items()}
     refs = trainers["offline"].data.batches(0, 4, 0)[0]
     assert refs == trainers["online"].data.batches(0, 4, 0)[0]

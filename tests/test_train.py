@@ -32,12 +32,14 @@ TRAIN = ["data.num_samples=64", "training.batch_size=8", "training.seq_len=96", 
 
 @pytest.fixture(scope="module")
 def micro_data(tmp_path_factory, micro_target):
-    """Regenerated, captured and vocab-mapped micro data, shared by the trainer tests."""
+    """Regenerated, captured (offline features and online token shards) and vocab-mapped micro data, shared by the
+    trainer tests."""
     run_dir = tmp_path_factory.mktemp("train-data")
     config = load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN)
     quiet = lambda line: None  # noqa: E731
     regenerate(config, log=quiet)
     capture(config, log=quiet)
+    capture(load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN + ["training.features=online"]), log=quiet)
     build_vocab(config, log=quiet)
     return run_dir, micro_overrides(run_dir, micro_target) + TRAIN
 
@@ -246,11 +248,13 @@ def train_command(overrides, nproc=None):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *entry]
 
 
-def test_two_ranks_equal_one_rank_on_the_same_global_batch(micro_data, tmp_path):
+def test_two_online_ranks_equal_one_offline_rank_on_the_same_global_batch(micro_data, tmp_path):
+    """Two gloo ranks computing the target's features online against one rank reading them from bf16 shards: the
+    same global batches give the same loss up to bf16's rounding of the stored features (~2e-5 measured)."""
     # batch 2 and eval every 3 steps: ranks get uneven eval slices, which must neither hang nor change the numbers
     steps = ["training.max_steps=6", "training.save_every=100", "training.eval_every=3", "training.batch_size=2"]
     single, single_dir = run_copy(micro_data, tmp_path, "single", steps)
-    double, double_dir = run_copy(micro_data, tmp_path, "double", steps)
+    double, double_dir = run_copy(micro_data, tmp_path, "double", [*steps, "training.features=online"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for command in (train_command(single), train_command(double, nproc=2)):
         result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
@@ -259,13 +263,13 @@ def test_two_ranks_equal_one_rank_on_the_same_global_batch(micro_data, tmp_path)
     two = [m for m in metrics(double_dir) if "loss" in m]
     assert len(one) == len(two) == 6
     for a, b in zip(one, two):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
-        assert a["step_acc"] == pytest.approx(b["step_acc"], abs=1e-6)
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-3), a["step"]
+        assert a["step_acc"] == pytest.approx(b["step_acc"], abs=0.02)  # a position or two may flip at this size
     evals = [[m for m in metrics(d) if "eval_loss" in m] for d in (single_dir, double_dir)]
     assert len(evals[0]) == len(evals[1]) == 2
     for a, b in zip(*evals):
-        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-4)
-        assert a["eval_accept_length"] == pytest.approx(b["eval_accept_length"], rel=1e-6)
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=2e-3)
+        assert a["eval_accept_length"] == pytest.approx(b["eval_accept_length"], rel=0.05)
 
 
 def test_resume_after_sigterm_reproduces_the_uninterrupted_curve(micro_data, tmp_path):
