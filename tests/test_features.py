@@ -1,6 +1,8 @@
 """Target features: the transformers backend against the target's own hidden states, online training against
 offline on the same batch, the streamed shard writer, and a guard that no feature passes through a Python list."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -10,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from eagle3.config import load_config
 from eagle3.data.capture import capture
 from eagle3.data.regenerate import regenerate
-from eagle3.data.shards import ShardReader, ShardWriter
+from eagle3.data.shards import ShardReader, ShardWriter, read_dataset
 from eagle3.data.vocab import build_vocab
 from eagle3.engines.features import TransformersFeatures, pad_rows
 from eagle3.errors import Eagle3Error
@@ -134,3 +136,18 @@ def test_a_shard_streams_in_any_order_and_appears_only_when_complete(tmp_path):
         with ShardWriter(tmp_path / "shard-00002.safetensors", ["a"], [2], {}, {}) as writer:
             writer.write(0, input_ids=torch.arange(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.safetensors"]  # no partial file anywhere
+
+
+def test_a_sample_rewritten_under_the_same_id_is_captured_again(tmp_path, micro_target):
+    """A shard's stamp holds its samples' tokens, not only their ids: rewritten samples are not served stale rows."""
+    config = load_config(TINY, micro_overrides(tmp_path, micro_target) + [
+        "data.num_samples=6", "benchmark.num_prompts=2", "benchmark.max_new_tokens=8"])
+    regenerate(config, log=QUIET)
+    capture(config, log=QUIET)
+    regen = config.stage_dir("data") / "regen" / "samples-00000.jsonl"
+    records = [json.loads(line) for line in regen.read_text().splitlines()]
+    records[0]["input_ids"], records[0]["loss_mask"] = records[0]["input_ids"][:-1], records[0]["loss_mask"][:-1]
+    regen.write_text("".join(json.dumps(r) + "\n" for r in records))
+    capture(config, log=QUIET)
+    stored = {s.id: s for s in read_dataset(config.stage_dir("data") / "hidden")}
+    assert stored[records[0]["id"]].input_ids.tolist() == records[0]["input_ids"]

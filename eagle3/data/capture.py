@@ -16,8 +16,10 @@ the backend's device through pinned host memory straight to their place in the s
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -91,9 +93,8 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
     """Make the training data set and the held-out features; returns the data set's directory.
 
     `backend_for()` starts the feature backend (default: transformers on this machine's device), only when some
-    shard needs features. Every rank of a
-    tensor-parallel backend runs this with the same shards in the same order; only `main` writes. Each shard is
-    stamped with its sample ids and settings: on a re-run, a shard is reused when its stamp matches.
+    shard needs features. Every rank of a tensor-parallel backend runs this with the same shards in the same order;
+    only `main` writes. On a re-run, a shard whose stamp matches (samples, their tokens, settings) is reused.
     """
     regen_manifest = regenerated_manifest(config)
     records = sorted(read_regenerated(config.stage_dir("data") / REGEN_DIR), key=lambda r: r["id"])
@@ -108,43 +109,58 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
         log(f"capture: hidden-state capture skipped (training.features online: the trainer computes the features); "
             f"{len(records)} samples stored as token shards in {out}")
     else:
-        check_storage(config, sum(len(r["input_ids"]) for job in jobs if job[2] for r in job[1]), out, log)
-    pending = [job for job in feature_jobs if job[2]]
+        check_storage(config, sum(len(r["input_ids"]) for job in jobs if job.todo for r in job.samples), out, log)
+    pending = [job for job in feature_jobs if job.todo]
     release = None
     if online and main:
-        for path, shard, todo, stamp in jobs:
-            if todo:
-                write_shard(path, shard, stamp, None, {}, config.data.batch_size)
+        for job in jobs:
+            if job.todo:
+                write_shard(job.path, job.samples, job.stamp, None, {}, config.data.batch_size)
     if pending:
         backend = backend_for() if backend_for else target_backend(config, local_device())
         release = backend.release
-        progress = Progress("capture", total=sum(len(job[1]) for job in pending), unit="samples", log=log)
+        progress = Progress("capture", total=sum(len(job.samples) for job in pending), unit="samples", log=log)
         try:
-            for path, shard, _, stamp in pending:
-                write_shard(path, shard, {**stamp, "engine_release": release}, backend, feature_widths(config),
-                            config.data.batch_size, main, progress)
+            for job in pending:
+                write_shard(job.path, job.samples, {**job.stamp, "engine_release": release}, backend,
+                            feature_widths(config), config.data.batch_size, main, progress)
         finally:
             backend.close()
     if main:
         remove_stale(out, len(jobs))
-        release = release or recorded_release([job[0] for job in feature_jobs])
+        release = release or recorded_release([job.path for job in feature_jobs])
         heldout_manifest = write_manifest(config.stage_dir("data") / HELDOUT_DIR, kind="heldout",
                                           fields=heldout_fields(config, heldout, release))
         write_manifest(out, kind="tokens" if online else "dataset",
                        fields=dataset_fields(config, regen_manifest, release, records, heldout_manifest))
         log(f"capture: {len(records)} samples in {len(jobs)} shard(s) at {out} "
-            f"({sum(not job[2] for job in jobs)} reused); {len(heldout[0][1])} held-out sequences with features")
+            f"({sum(not job.todo for job in jobs)} reused); {len(sequences)} held-out sequences with features")
     return out
 
 
-def shard_jobs(records: list[dict], out: Path, per_shard: int, settings: dict) -> list[tuple[Path, list[dict], bool, dict]]:
-    """(file, samples, still to write, stamp) for each shard of `records`."""
+class ShardJob(NamedTuple):
+    path: Path
+    samples: list[dict]
+    todo: bool  # no current shard at `path`
+    stamp: dict  # what the shard is made from
+
+
+def shard_jobs(records: list[dict], out: Path, per_shard: int, settings: dict) -> list[ShardJob]:
+    """One job per shard of `records`. The stamp holds the samples' ids and a hash of their tokens: a regeneration
+    that rewrote the samples under the same ids makes the shard again."""
     jobs = []
     for k, start in enumerate(range(0, max(len(records), 1), per_shard)):
         shard = records[start : start + per_shard]
-        stamp = {"sample_ids": [r["id"] for r in shard], **settings}
-        jobs.append((shard_file(out, k), shard, not is_current(shard_file(out, k), stamp), stamp))
+        stamp = {"sample_ids": [r["id"] for r in shard], "tokens_sha256": tokens_hash(shard), **settings}
+        jobs.append(ShardJob(shard_file(out, k), shard, not is_current(shard_file(out, k), stamp), stamp))
     return jobs
+
+
+def tokens_hash(records: list[dict]) -> str:
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update(json.dumps([record["input_ids"], record["loss_mask"]]).encode())
+    return digest.hexdigest()
 
 
 def write_shard(path: Path, shard: list[dict], stamp: dict, backend: FeatureBackend | None, widths: dict[str, int],
@@ -206,8 +222,8 @@ def recorded_release(paths: list[Path]) -> str | None:
     return releases.pop() if len(releases) == 1 else None
 
 
-def heldout_fields(config: PipelineConfig, jobs: list, release: str | None) -> dict:
-    sequences = [r for job in jobs for r in job[1]]
+def heldout_fields(config: PipelineConfig, jobs: list[ShardJob], release: str | None) -> dict:
+    sequences = [r for job in jobs for r in job.samples]
     tokens = sum(len(r["input_ids"]) for r in sequences)
     return {"target": target_identity(config.target), "capture": capture_fields(config, release),
             "sequences": len(sequences), "tokens": tokens, "bytes": projected_bytes(config, tokens)[1],
