@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from eagle3.config import PipelineConfig
+
 
 @dataclass
 class TokenBatch:
@@ -119,8 +121,8 @@ def local_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def target_backend(config, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> FeatureBackend:
-    """The backend `data.capture_engine` names, for this process (`config`: a PipelineConfig)."""
+def target_backend(config: PipelineConfig, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> FeatureBackend:
+    """The backend `data.capture_engine` names, for this process."""
     data, target = config.data, config.target
     if data.capture_engine == "sglang":
         from eagle3.engines.sglang_features import SGLangFeatures  # the node's SGLang environment only
