@@ -13,11 +13,12 @@ from eagle3.config import load_config
 from eagle3.data.capture import capture
 from eagle3.data.regenerate import regenerate
 from eagle3.data.shards import ShardReader, ShardWriter, read_dataset
+from eagle3.data.storage import log_projection
 from eagle3.data.vocab import build_vocab
 from eagle3.engines.features import TransformersFeatures, pad_rows
 from eagle3.errors import Eagle3Error
 from eagle3.train.trainer import Trainer
-from test_config import TINY
+from test_config import KIMI, TINY
 from test_data import micro_overrides
 
 QUIET = lambda line: None  # noqa: E731
@@ -151,3 +152,11 @@ def test_a_sample_rewritten_under_the_same_id_is_captured_again(tmp_path, micro_
     capture(config, log=QUIET)
     stored = {s.id: s for s in read_dataset(config.stage_dir("data") / "hidden")}
     assert stored[records[0]["id"]].input_ids.tolist() == records[0]["input_ids"]
+
+
+def test_the_storage_projection_of_an_online_run_is_zero_bytes_of_hidden_states():
+    online, offline = [], []
+    log_projection(load_config(KIMI), online.append)  # the Kimi config trains online
+    log_projection(load_config(KIMI, ["training.features=offline"]), offline.append)
+    assert "no hidden state will be stored (training.features online): 0 bytes" in online[0]
+    assert "57,349 bytes per token" in offline[0] and "47.0 TB" in offline[0]

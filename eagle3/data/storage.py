@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
-from eagle3.data.shards import bytes_per_token
+from eagle3.data.shards import TOKEN_BYTES, bytes_per_token
 from eagle3.errors import Eagle3Error
 
 Log = Callable[[str], None]
@@ -53,6 +53,10 @@ def human_bytes(count: float) -> str:
 def log_projection(config: PipelineConfig, log: Log) -> None:
     """Before regeneration: the upper bound for the configured dataset (every sample at max_length)."""
     tokens = config.data.num_samples * config.data.max_length
+    if config.training.features == "online":
+        log(f"storage: no hidden state will be stored (training.features online): 0 bytes; token shards "
+            f"{TOKEN_BYTES} bytes per token, up to {human_bytes(TOKEN_BYTES * tokens)} under {config.stage_dir('data')}")
+        return
     per_token, total = projected_bytes(config, tokens)
     log(
         f"storage: capture will store {per_token:,} bytes per token; {config.data.num_samples:,} samples x up to "
