@@ -316,10 +316,11 @@ def run_flow(args: argparse.Namespace) -> int:
 
 
 def run_config(args: argparse.Namespace) -> int:
-    from eagle3.config import load_config
+    from eagle3.config import check_local_inputs, load_config
     from eagle3.plan import require_fit
 
     config = load_config(args.path, args.overrides)
+    check_local_inputs(config)
     require_fit(config, args.path)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return EXIT_OK

@@ -6,6 +6,7 @@ the fields that are allowed, instead of silently falling back to a default.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -393,6 +394,35 @@ def check_target_facts(config: PipelineConfig) -> None:
              for key in ("num_hidden_layers", "hidden_size", "vocab_size") if getattr(config.target, key) != getattr(info, key)]
     if wrong:
         raise ConfigError("; ".join(wrong) + ": correct the config (the target's own file is what the engines read)")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def check_local_inputs(config: PipelineConfig) -> None:
+    """Before any work: every local path the config names is there, or one line naming the field, the path and the
+    fix (never a model-hub error for a directory that is missing). A target that lives only on the GPU node (or on
+    a model hub) is declared by target.config_file; its path is not checked here."""
+    target = Path(config.target.path)
+    if config.target.config_file is None or target.exists():
+        if not (target / "config.json").is_file():
+            raise ConfigError(
+                f"target.path {target}: no model directory there (no config.json); for the tiny target run "
+                f"`eagle3 make-tiny-target {target}`, otherwise point target.path at a local model directory (or set "
+                "target.config_file when the model is only on the GPU node)")
+        if not any((target / name).is_file() for name in TOKENIZER_FILES):
+            raise ConfigError(f"target.path {target}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
+                              "copy the model's tokenizer files next to its config.json")
+    prompts = config.data.prompts
+    if not prompts.startswith(("builtin:", "s3://")) and not Path(prompts).is_file():
+        raise ConfigError(f"data.prompts {prompts}: no such file; give a JSONL file, builtin:pydoc or an s3:// URI")
+    if config.registry.backend == "local":
+        existing = config.registry.path
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            raise ConfigError(f"registry.path {config.registry.path}: {existing} is not a writable directory; point "
+                              "registry.path somewhere this user can write")
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:

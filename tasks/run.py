@@ -11,7 +11,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from eagle3.config import PipelineConfig, RegistrySection, load_config, resolved_config_file
+from eagle3.config import PipelineConfig, RegistrySection, check_local_inputs, load_config, resolved_config_file
 from eagle3.deploy import retrain_overrides
 from eagle3.plan import require_fit
 from eagle3.registry.registry import open_registry, registry_location
@@ -40,6 +40,7 @@ def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[Pipel
     """The validated config (a retrain adds its run directory and warm start) and the path of its resolved file,
     which the stages' subprocesses (trainers, node commands) read."""
     run_config = load_config(config, overrides)
+    check_local_inputs(run_config)
     require_fit(run_config, config)  # refused before any stage when a GPU stage would not fit
     if mode == "retrain":
         overrides = overrides + retrain_overrides(run_config, open_registry(run_config.registry, log=log_to_run()),

@@ -1,10 +1,13 @@
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from eagle3.config import load_config, resolved_config_file, sglang_default_aux_layers
+from eagle3.config import check_local_inputs, load_config, resolved_config_file, sglang_default_aux_layers
 from eagle3.errors import ConfigError
 
 ROOT = Path(__file__).parent.parent
@@ -98,9 +101,10 @@ def test_unreadable_files(tmp_path):
         load_config(bad)
 
 
-def test_cli_prints_resolved_config_and_one_line_errors():
-    ok = subprocess.run([sys.executable, "-m", "eagle3.cli", "config", str(TINY), "--set", "run.name=x"],
-                        capture_output=True, text=True)
+def test_cli_prints_resolved_config_and_one_line_errors(micro_target):
+    target = [f"target.path={micro_target}", "target.hidden_size=64", "target.vocab_size=512", "vocab.draft_vocab_size=128"]
+    ok = subprocess.run([sys.executable, "-m", "eagle3.cli", "config", str(TINY), "--set", "run.name=x",
+                         *[arg for item in target for arg in ("--set", item)]], capture_output=True, text=True)
     assert ok.returncode == 0 and "name: x" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "eagle3.cli", "config", str(TINY), "--set", "gate.floor=1"],
                          capture_output=True, text=True)
@@ -124,3 +128,38 @@ def test_the_resolved_config_reloads_as_the_same_config_and_checks_the_targets_f
     wrong = config.model_copy(update={"target": config.target.model_copy(update={"hidden_size": 128})})
     with pytest.raises(ConfigError, match=f"target.hidden_size is 128 but {micro_target}/config.json says 64"):
         resolved_config_file(wrong)
+
+
+def test_a_missing_target_directory_stops_eagle3_run_in_one_line_before_prefect(tmp_path):
+    """No model-hub error for a local path, and no Prefect server touched: its database is never created."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    result = subprocess.run([sys.executable, "-m", "flows.run", str(TINY), "--set", "target.path=/no/such/dir"],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "target.path /no/such/dir: no model directory there" in result.stderr
+    assert "eagle3 make-tiny-target /no/such/dir" in result.stderr and "Repo id" not in result.stderr
+    assert not (tmp_path / "prefect").exists() or not list((tmp_path / "prefect").glob("*.db"))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda target, tmp: (target / "tokenizer.json").unlink() or (target / "tokenizer_config.json").unlink(),
+     "no tokenizer there"),
+    (lambda target, tmp: None, "data.prompts {tmp}/none.jsonl: no such file"),
+    (lambda target, tmp: (tmp / "file").write_text("x"), "registry.path {tmp}/file/registry: {tmp}/file is not a writable"),
+])
+def test_local_inputs_are_checked_naming_the_field_and_the_fix(micro_target, tmp_path, change, message):
+    target = tmp_path / "target"
+    shutil.copytree(micro_target, target)
+    overrides = [f"target.path={target}", "target.hidden_size=64", "target.vocab_size=512", "vocab.draft_vocab_size=128",
+                 f"registry.path={tmp_path / 'registry'}"]
+    if "prompts" in message:
+        overrides.append(f"data.prompts={tmp_path / 'none.jsonl'}")
+    if "registry" in message:
+        overrides.append(f"registry.path={tmp_path / 'file' / 'registry'}")
+    change(target, tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(message.format(tmp=tmp_path))):
+        check_local_inputs(load_config(TINY, overrides))
+
+
+def test_a_target_only_on_the_gpu_node_is_declared_by_its_config_file():
+    check_local_inputs(load_config(KIMI))  # /models/Kimi-K2.5 is not here; target.config_file says what it is
