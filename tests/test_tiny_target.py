@@ -2,11 +2,14 @@ import dataclasses
 import math
 import time
 
+import pytest
+
 import torch
 from fixtures_tiny import one_torch_thread
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3.engines.tiny import HELD_OUT_TOKENS, MICRO, build_tiny_target, corpus_ids, tiny_model
+from eagle3.engines.tiny import MICRO, build_tiny_target, corpus_ids, heldout_loss, tiny_model
+from eagle3.errors import Eagle3Error
 from eagle3.formats.manifest import read_manifest
 
 # Contents end in a space and a newline, where a merge across the turn boundary would show.
@@ -44,9 +47,7 @@ def test_conversation_tokens_are_the_concatenation_of_its_turns(micro_target):
 
 
 def held_out_loss(model, tokenizer) -> float:
-    windows = corpus_ids(tokenizer)[-HELD_OUT_TOKENS:].view(-1, MICRO.seq_len)  # [windows, seq]
-    with torch.no_grad():
-        return model(input_ids=windows, labels=windows).loss.item()
+    return heldout_loss(model, corpus_ids(tokenizer), MICRO.seq_len)
 
 
 def test_trained_model_predicts_held_out_text_far_better_than_chance(micro_target):
@@ -59,7 +60,7 @@ def test_trained_model_predicts_held_out_text_far_better_than_chance(micro_targe
 
 
 def test_same_inputs_reuse_the_cache_and_a_changed_recipe_rebuilds(tmp_path):
-    quick, out, lines = dataclasses.replace(MICRO, max_steps=5), tmp_path / "target", []
+    quick, out, lines = dataclasses.replace(MICRO, max_steps=5, max_heldout_loss=100.0), tmp_path / "target", []
     with one_torch_thread():
         build_tiny_target(out, quick, progress=lines.append)
         first = read_manifest(out)
@@ -74,3 +75,22 @@ def test_same_inputs_reuse_the_cache_and_a_changed_recipe_rebuilds(tmp_path):
     rebuilt = read_manifest(out)
     assert rebuilt["content_hash"] != first["content_hash"] and rebuilt["recipe"]["seed"] == 1
     assert not list(tmp_path.glob(".target.*"))  # no temporary siblings left behind
+
+
+def test_the_build_is_bound_by_steps_and_gives_the_same_weights_every_time(micro_target, tmp_path):
+    """The session's micro target and a second build agree bit for bit: same steps, same weights hash."""
+    first = read_manifest(micro_target)
+    assert first["steps"] == MICRO.max_steps and first["stopped_by"] == "step budget (max_steps)"
+    assert first["heldout_loss"] <= MICRO.max_heldout_loss
+    with one_torch_thread():
+        build_tiny_target(tmp_path / "again", MICRO, progress=lambda line: None)
+    again = read_manifest(tmp_path / "again")
+    assert again["files"]["model.safetensors"]["sha256"] == first["files"]["model.safetensors"]["sha256"]
+
+
+def test_a_target_above_its_loss_bar_is_refused_and_not_published(tmp_path):
+    starved = dataclasses.replace(MICRO, max_steps=5)  # what a build stopped early by a loaded machine used to be
+    with one_torch_thread(), pytest.raises(Eagle3Error, match=r"micro target's held-out loss is \d\.\d+ after 5 steps .*"
+                                                                r"above its bar 4.0: it would answer with degenerate text"):
+        build_tiny_target(tmp_path / "target", starved, progress=lambda line: None)
+    assert not (tmp_path / "target").exists() and not list(tmp_path.iterdir())

@@ -21,6 +21,7 @@ from pydoc_data.topics import topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from eagle3.errors import Eagle3Error
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from eagle3.fsutil import atomic_directory
 
@@ -52,21 +53,21 @@ class TinyRecipe:
     num_key_value_heads: int
     seq_len: int
     batch_size: int
-    train_seconds: float  # wall-clock budget; training stops at this or max_steps, whichever comes first
-    max_steps: int
+    max_steps: int  # the whole budget: a loaded machine makes the build slower, never different
+    max_heldout_loss: float  # a target above this on the held-out corpus tail is refused, never published
     learning_rate: float
     seed: int
 
 
-# ~1.3 M parameters; ~10 k tokens/s on 2 cores, loss ~3.4 after 2 minutes (DESIGN §6).
+# ~1.3 M parameters; ~11 k tokens/s on 2 cores: 450 steps in ~2.5 min, training loss ~2.5. The bar is far below
+# what a starved build reaches (47 steps: loss 6.2, every answer newlines; ln 2048 = 7.6).
 TINY = TinyRecipe(name="tiny", vocab_size=2048, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, seq_len=128, batch_size=32,
-                  train_seconds=150.0, max_steps=100_000, learning_rate=3e-3, seed=0)
-# For tests: the same family, ~15 s on one core, held-out loss ~2.9 (ln 512 = 6.2). Bound by steps, not
-# time, so that a loaded CI machine makes it slower rather than worse; the time cap only stops a runaway.
+                  max_steps=450, max_heldout_loss=4.5, learning_rate=3e-3, seed=0)
+# For tests: the same family, ~15 s on one core, held-out loss ~2.9 (ln 512 = 6.2).
 MICRO = TinyRecipe(name="micro", vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, seq_len=64, batch_size=16,
-                   train_seconds=90.0, max_steps=400, learning_rate=3e-3, seed=0)
+                   max_steps=400, max_heldout_loss=4.0, learning_rate=3e-3, seed=0)
 
 
 def corpus_text() -> str:
@@ -76,8 +77,7 @@ def corpus_text() -> str:
 def recipe_hash(recipe: TinyRecipe) -> str:
     """Hash of the build's inputs: the recipe, the corpus, and this file (which holds the training code).
 
-    The time budget makes the weights differ from machine to machine (a faster one takes more steps), so
-    the hash names what went in, not the bits that came out: the same inputs reuse the cached copy.
+    Training is bound by steps, so the same inputs give the same weights (the manifest lists their sha256).
     """
     digest = hashlib.sha256()
     digest.update(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode())
@@ -117,18 +117,15 @@ def tiny_model(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaF
 
 
 def train(model: LlamaForCausalLM, ids: torch.Tensor, recipe: TinyRecipe, progress: Callable[[str], None]) -> dict:
-    """AdamW on random corpus windows; warm-up, then cosine decay over whichever budget runs out first."""
+    """AdamW on random corpus windows for exactly max_steps; warm-up, then cosine decay."""
     generator = torch.Generator().manual_seed(recipe.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
     window = torch.arange(recipe.seq_len)  # [seq]
     model.train()
     losses: list[float] = []
     start, next_report = time.perf_counter(), 0.1
-    while True:
-        elapsed = time.perf_counter() - start
-        done = max(len(losses) / recipe.max_steps, elapsed / recipe.train_seconds)  # fraction of the budget
-        if done >= 1:
-            break
+    for step in range(recipe.max_steps):
+        done = step / recipe.max_steps  # fraction of the budget
         warmup = min(1.0, (len(losses) + 1) / WARMUP_STEPS)
         for group in optimizer.param_groups:
             group["lr"] = recipe.learning_rate * warmup * 0.5 * (1 + math.cos(math.pi * done))
@@ -140,19 +137,27 @@ def train(model: LlamaForCausalLM, ids: torch.Tensor, recipe: TinyRecipe, progre
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss.item())
-        if done >= next_report:
+        if (step + 1) / recipe.max_steps >= next_report:
             elapsed = time.perf_counter() - start
             rate = len(losses) * recipe.batch_size * recipe.seq_len / elapsed
-            progress(f"step {len(losses)}  loss {loss.item():.3f}  {rate:,.0f} tokens/s  {elapsed:.0f} s")
-            next_report = math.floor(done * 10 + 1) / 10
+            progress(f"step {len(losses)}/{recipe.max_steps}  loss {loss.item():.3f}  {rate:,.0f} tokens/s  {elapsed:.0f} s")
+            next_report = math.floor((step + 1) / recipe.max_steps * 10 + 1) / 10
     elapsed = time.perf_counter() - start
     model.eval()
     return {
         "final_loss": sum(losses[-LOSS_WINDOW:]) / len(losses[-LOSS_WINDOW:]),
         "steps": len(losses),
+        "stopped_by": "step budget (max_steps)",
         "tokens_per_second": len(losses) * recipe.batch_size * recipe.seq_len / elapsed,
         "train_wall_seconds": elapsed,
     }
+
+
+@torch.no_grad()
+def heldout_loss(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int) -> float:
+    """Mean next-token loss over the corpus tail that training never saw, in windows of seq_len."""
+    windows = ids[-HELD_OUT_TOKENS:].view(-1, seq_len)  # [windows, seq]
+    return model(input_ids=windows, labels=windows).loss.item()
 
 
 def build_tiny_target(out_dir: Path, recipe: TinyRecipe = TINY, progress: Callable[[str], None] = print) -> Path:
@@ -162,16 +167,23 @@ def build_tiny_target(out_dir: Path, recipe: TinyRecipe = TINY, progress: Callab
     if (out_dir / MANIFEST_FILE).exists() and read_manifest(out_dir).get("content_hash") == content_hash:
         progress(f"{out_dir}: reusing the cached {recipe.name} target ({content_hash[:12]})")
         return out_dir
-    progress(f"building the {recipe.name} target into {out_dir} (up to {recipe.train_seconds:.0f} s of training)")
+    progress(f"building the {recipe.name} target into {out_dir} ({recipe.max_steps} training steps)")
     torch.manual_seed(recipe.seed)
     tokenizer = train_tokenizer(corpus_text(), recipe.vocab_size)
     model = tiny_model(recipe, tokenizer)
-    stats = train(model, corpus_ids(tokenizer)[:-HELD_OUT_TOKENS], recipe, progress)
+    ids = corpus_ids(tokenizer)
+    stats = train(model, ids[:-HELD_OUT_TOKENS], recipe, progress)
+    stats["heldout_loss"] = heldout_loss(model, ids, recipe.seq_len)
+    if stats["heldout_loss"] > recipe.max_heldout_loss:
+        raise Eagle3Error(
+            f"the {recipe.name} target's held-out loss is {stats['heldout_loss']:.3f} after {stats['steps']} steps "
+            f"(training loss {stats['final_loss']:.3f}), above its bar {recipe.max_heldout_loss}: it would answer with "
+            f"degenerate text; not published to {out_dir} (raise max_steps in the recipe)")
     with atomic_directory(out_dir, overwrite=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         write_manifest(tmp, kind="tiny-target",
                        fields={"recipe": dataclasses.asdict(recipe), "content_hash": content_hash, **stats})
-    progress(f"{recipe.name} target: loss {stats['final_loss']:.3f} after {stats['steps']} steps "
+    progress(f"{recipe.name} target: loss {stats['final_loss']:.3f}, held-out {stats['heldout_loss']:.3f} after {stats['steps']} steps "
              f"({stats['tokens_per_second']:,.0f} tokens/s, {stats['train_wall_seconds']:.0f} s)")
     return out_dir
