@@ -46,6 +46,24 @@ class TargetSection(Section):
         "id, or a path only the GPU node has): `eagle3 plan` sizes the target from it")
 
 
+QUALITY_CODES = Literal["repeated-token", "looping", "empty-replies", "no-end-token", "duplicate-replies"]
+
+
+class QualitySection(Section):
+    """Thresholds on the regenerated replies (eagle3.data.quality); crossing one fails the regenerate stage."""
+
+    max_top_token_share: float = Field(default=0.3, gt=0.0, le=1.0, description="share of generated tokens that "
+                                       "one id may take")
+    min_distinct_ngram_ratio: float = Field(default=0.3, ge=0.0, lt=1.0, description="distinct 4-grams within a "
+                                            "reply, averaged over replies")
+    max_empty_share: float = Field(default=0.05, ge=0.0, le=1.0, description="replies empty or whitespace only")
+    max_hit_limit_share: float = Field(default=0.5, ge=0.0, le=1.0, description="replies that hit "
+                                       "data.max_new_tokens without an end token")
+    max_duplicate_share: float = Field(default=0.2, ge=0.0, le=1.0, description="replies identical to another")
+    waive: list[QUALITY_CODES] = Field(default=[], description="problem codes accepted on purpose: the data is "
+                                       "used, and the gate's decision says the check was waived")
+
+
 class DataSection(Section):
     prompts: str = Field(min_length=1, description="'builtin:pydoc', a JSONL path, or an s3:// URI")
     engine: Literal["local", "sglang"] = "local"
@@ -78,6 +96,7 @@ class DataSection(Section):
     concurrency: int = Field(default=32, gt=0, description="requests in flight (engine sglang)")
     retries: int = Field(default=5, ge=0)
     request_timeout_s: float = Field(default=600.0, gt=0.0)
+    quality: QualitySection = QualitySection()
 
     @model_validator(mode="after")
     def _sglang_needs_servers(self) -> DataSection:

@@ -36,7 +36,7 @@ IN_PROGRESS = "in-progress "
 # stage -> the config fields (sections or dotted fields) that decide its output
 STAGE_INPUTS = {
     "regenerate": ("data.prompts", "data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length",
-                   "data.temperature", "data.thinking", "data.heldout_fraction",
+                   "data.temperature", "data.thinking", "data.heldout_fraction", "data.quality",
                    # the held-out greedy continuations: which prompts, how long
                    "benchmark.num_prompts", "benchmark.max_new_tokens", "serving.num_steps"),
     "capture": ("data.aux_layers", "data.last_hidden", "data.capture_engine", "training.features"),
@@ -61,6 +61,9 @@ STAGE_OUTPUTS = {
 }
 # stage -> what it resumes from (cleared when its inputs changed); the other stages rewrite their output whole
 RESUMES_FROM = {"regenerate": ("data/regen",), "train": ("train",)}
+# stage -> fields whose change keeps what it resumes from: more or fewer samples of the same kind (the samples
+# already written are kept; only new ones are generated), or other quality thresholds over the same replies
+REFINES = {"regenerate": ("data.num_samples", "data.quality")}
 
 
 def run_token(run_dir: Path) -> str:
@@ -101,8 +104,18 @@ def prompt_source_hash(source: str) -> str:
 
 def stage_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str:
     """The key of `stage` given the fingerprints of the outputs it consumes."""
-    payload = {"stage": stage, "run_token": run_token(config.run.dir), "config": config_inputs(config, stage),
-               "upstream": list(upstream), "code": code_version()}
+    return keyed(stage, config_inputs(config, stage), upstream, config)
+
+
+def resume_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str:
+    """The key of what the stage resumes from: its inputs less the fields that only refine the output."""
+    inputs = {k: v for k, v in config_inputs(config, stage).items() if k not in REFINES.get(stage, ())}
+    return keyed(stage, inputs, upstream, config)
+
+
+def keyed(stage: str, inputs: dict, upstream: list[str], config: PipelineConfig) -> str:
+    payload = {"stage": stage, "run_token": run_token(config.run.dir), "config": inputs, "upstream": list(upstream),
+               "code": code_version()}
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
     return f"eagle3-{stage}-{digest[:40]}"
 
@@ -116,9 +129,15 @@ def marker(config: PipelineConfig, stage: str) -> Path:
     return output.parent / f".{output.name}.stage-key"
 
 
-def recorded_key(config: PipelineConfig, stage: str) -> str | None:
+def recorded_keys(config: PipelineConfig, stage: str) -> tuple[str | None, str | None]:
+    """(the stage key, the resume key) the output was last marked with; None where there is none."""
     made = marker(config, stage)
-    return made.read_text().strip() if made.is_file() else None
+    lines = made.read_text().splitlines() if made.is_file() else []
+    return (lines[0] if lines else None), (lines[1] if len(lines) > 1 else None)
+
+
+def recorded_key(config: PipelineConfig, stage: str) -> str | None:
+    return recorded_keys(config, stage)[0]
 
 
 def cache_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str | None:
@@ -132,20 +151,26 @@ def cache_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str | 
 
 def begin(stage: str, config: PipelineConfig, upstream: list[str], log: Callable[[str], None]) -> None:
     """Before the stage runs: clear what it would resume from if that was made for other inputs; mark it running."""
-    key = stage_key(stage, config, upstream)
-    recorded = recorded_key(config, stage)
-    if recorded is not None and recorded.removeprefix(IN_PROGRESS) != key:
+    resumes = resume_key(stage, config, upstream)
+    recorded, recorded_resumes = recorded_keys(config, stage)
+    if recorded is not None and recorded_resumes != resumes:
         for relative in RESUMES_FROM.get(stage, ()):
             if (config.run.dir / relative).exists():
                 log(f"{stage}: its inputs changed since {config.run.dir / relative} was made: starting it afresh")
                 shutil.rmtree(config.run.dir / relative)
-    atomic_write_bytes(marker(config, stage), (IN_PROGRESS + key + "\n").encode())
+    mark(stage, config, upstream, IN_PROGRESS)
 
 
 def finish(stage: str, config: PipelineConfig, upstream: list[str]) -> Path:
     """Mark the stage's output finished under its key; return the output."""
-    atomic_write_bytes(marker(config, stage), (stage_key(stage, config, upstream) + "\n").encode())
+    mark(stage, config, upstream)
     return output_of(config, stage)
+
+
+def mark(stage: str, config: PipelineConfig, upstream: list[str], prefix: str = "") -> None:
+    """The marker: the stage key (prefixed while in progress), then the resume key."""
+    text = f"{prefix}{stage_key(stage, config, upstream)}\n{resume_key(stage, config, upstream)}\n"
+    atomic_write_bytes(marker(config, stage), text.encode())
 
 
 def fingerprint(path: Path) -> str:

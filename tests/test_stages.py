@@ -2,7 +2,7 @@
 output that no longer is what its key describes."""
 
 from eagle3.config import load_config
-from eagle3.stages import IN_PROGRESS, begin, cache_key, finish, marker, stage_key
+from eagle3.stages import IN_PROGRESS, begin, cache_key, finish, recorded_key, stage_key
 from test_config import TINY
 
 
@@ -50,4 +50,20 @@ def test_changed_inputs_start_a_resuming_stage_afresh_and_a_crash_resumes(tmp_pa
     lines = []
     begin("train", other, ["d"], lines.append)
     assert not checkpoint.exists() and "its inputs changed" in lines[0]
-    assert marker(other, "train").read_text().strip() == IN_PROGRESS + stage_key("train", other, ["d"])
+    assert recorded_key(other, "train") == IN_PROGRESS + stage_key("train", other, ["d"])
+
+
+def test_more_samples_or_other_thresholds_keep_the_regenerated_samples_and_other_prompts_do_not(tmp_path):
+    """data.num_samples and data.quality change regeneration's cache key, not what it resumes from."""
+    written = tmp_path / "run" / "data" / "regen" / "samples-00000.jsonl"
+    written.parent.mkdir(parents=True)
+    written.write_text("{}\n")
+    begin("regenerate", config(tmp_path), [], print)
+    finish("regenerate", config(tmp_path), [])
+    for overrides in (["data.num_samples=5000"], ["data.num_samples=3", "data.quality.max_empty_share=0.5"]):
+        refined = config(tmp_path, *overrides)
+        assert cache_key("regenerate", refined, []) is None  # not the same output: the stage runs
+        begin("regenerate", refined, [], print)
+        assert written.is_file()  # ... and resumes from the samples already written
+    begin("regenerate", config(tmp_path, "data.temperature=0.7"), [], print)
+    assert not written.exists()

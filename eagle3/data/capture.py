@@ -25,7 +25,7 @@ import torch
 
 from eagle3.config import PipelineConfig
 from eagle3.data.conversation import chat_template_hash
-from eagle3.data.regenerate import REGEN_DIR, read_greedy, read_regenerated
+from eagle3.data.regenerate import REGEN_DIR, read_greedy, read_regenerated, training_ids
 from eagle3.data.shards import ShardWriter, read_stamp, shard_file
 from eagle3.data.storage import check_storage, projected_bytes
 from eagle3.data.targets import check_same, load_tokenizer, target_identity
@@ -97,7 +97,10 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
     only `main` writes. On a re-run, a shard whose stamp matches (samples, their tokens, settings) is reused.
     """
     regen_manifest = regenerated_manifest(config)
-    records = sorted(read_regenerated(config.stage_dir("data") / REGEN_DIR), key=lambda r: r["id"])
+    # in split order, so that more samples fill new shards and leave the full shards before them current
+    regen = config.stage_dir("data") / REGEN_DIR
+    order = {sample_id: index for index, sample_id in enumerate(training_ids(regen))}
+    records = sorted(read_regenerated(regen), key=lambda r: order[r["id"]])
     online = config.training.features == "online"
     out = dataset_dir(config)
     settings = capture_settings(config)

@@ -18,6 +18,7 @@ class Sample:
     input_ids: list[int]
     loss_mask: list[int]  # 1 on tokens the target generated (assistant turns), 0 elsewhere
     conversation: list[dict]
+    replies: list[list[int]]  # [start, end) of each generated reply in input_ids (end may pass a cut at max_length)
 
 
 def render(tokenizer, messages: list[dict], thinking: bool, generation_prompt: bool) -> str:
@@ -72,6 +73,7 @@ class SampleBuilder:
         self.ids: list[int] = []
         self.mask: list[int] = []
         self.covered = ""  # the text the ids so far decode to
+        self.replies: list[list[int]] = []
 
     def next_prompt(self) -> list[int] | None:
         """Ids to generate the next reply from (after the next user turn), or None when done.
@@ -99,10 +101,12 @@ class SampleBuilder:
         return list(self.ids)
 
     def add_reply(self, reply: list[int]) -> None:
+        self.replies.append([len(self.ids), len(self.ids) + len(reply)])
         self.ids += reply
         self.mask += [1] * len(reply)
         self.covered += self.tokenizer.decode(reply, skip_special_tokens=False)
         self.messages.append(assistant_message(self.tokenizer.decode(reply, skip_special_tokens=True)))
 
     def sample(self, max_length: int) -> Sample:
-        return Sample(input_ids=self.ids[:max_length], loss_mask=self.mask[:max_length], conversation=self.messages)
+        return Sample(input_ids=self.ids[:max_length], loss_mask=self.mask[:max_length], conversation=self.messages,
+                      replies=self.replies)
