@@ -29,6 +29,10 @@ class Section(BaseModel):
 class RunSection(Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     dir: Path
+    keep_runs: int = Field(
+        default=3, ge=1, description="retrain run directories (run.dir/retrain-*) of this registry kept, newest "
+        "first, when a promotion removes the older ones; the run that built production and running runs are never "
+        "removed")
 
 
 class TargetSection(Section):

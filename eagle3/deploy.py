@@ -8,7 +8,6 @@ one after the other, each stopped (and the GPUs' memory awaited) before the next
 from __future__ import annotations
 
 import hashlib
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +21,8 @@ from eagle3.formats.checkpoint import convert
 from eagle3.formats.manifest import code_version
 from eagle3.fsutil import atomic_write_json
 from eagle3.registry.gate import Metrics
+from eagle3.registry.registry import registry_location
+from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
 
 Log = Callable[[str], None]
@@ -96,7 +97,7 @@ def registry_metrics(served: dict, simulated_accept_length: float | None) -> dic
 def retrain_overrides(config: PipelineConfig, registry, log: Log = print) -> list[str]:
     """A retrain is a fresh run (new run directory: the prompt source is read anew) warm-started from the
     production draft, converted back to the trainer's layout."""
-    run_dir = config.run.dir / f"retrain-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    run_dir = retrain_dir(config.run.dir)
     overrides = [f"run.dir={run_dir}"]
     production = registry.production_version()
     if production is None:
@@ -107,6 +108,23 @@ def retrain_overrides(config: PipelineConfig, registry, log: Log = print) -> lis
                      engine_release=config.serving.release, target_num_layers=config.target.num_hidden_layers)
     log(f"retrain: warm start from production version {production} ({native}) in {run_dir}")
     return overrides + [f"training.init_from={native}"]
+
+
+def prune_after_promotion(config: PipelineConfig, registry, log: Log = print) -> list[dict]:
+    """Retention, once production serves the promoted version: remove this registry's retrain runs beyond the
+    newest run.keep_runs, never the one that built production (its manifest names it) nor this run. Returns the
+    removed runs ({"path", "bytes"})."""
+    protected = [config.run.dir]
+    production = registry.production_version()
+    if production is not None:
+        built = registry.manifest(production).get("config", {}).get("run", {}).get("dir")
+        if built is None:
+            log(f"retention: the manifest of production {production} names no run directory: none removed, as the "
+                "one that built it cannot be told apart")
+            return []
+        protected.append(Path(built))
+    return prune_runs(runs_base(config.run.dir), config.run.keep_runs, registry_location(config.registry),
+                      protected, log)
 
 
 def version_id(config: PipelineConfig, export_fingerprint: str) -> str:

@@ -3,6 +3,7 @@ tell what a run did and why it promoted or rolled back. Pure functions of the st
 
 from __future__ import annotations
 
+from eagle3.data.storage import human_bytes
 from eagle3.formats.inspect import render as render_inspect
 
 
@@ -103,7 +104,7 @@ def acceptance_report(simulated: dict, served: dict) -> str:
 
 def decision_report(outcome: str, version: str, reasons: list[dict], diagnosis: dict | None, registry: str,
                     production_before: str | None, production_after: str | None, remeasured: dict | None,
-                    warning: str | None) -> str:
+                    warning: str | None, removed_runs: list[dict] | None = None, keep_runs: int | None = None) -> str:
     where = lambda v: f"`{v}` (`{registry}/versions/{v}/`)" if v else "none"  # noqa: E731
     parts = [f"# Decision: {outcome}",
              f"Candidate version {where(version)}.",
@@ -121,4 +122,11 @@ def decision_report(outcome: str, version: str, reasons: list[dict], diagnosis: 
                      f"accept rate {fmt(remeasured.get('accept_rate'))}.")
     if warning:
         parts.append(f"**{warning}**")
+    if removed_runs is not None:
+        parts.append(removed_runs_section(removed_runs, keep_runs))
     return "\n\n".join(parts)
+
+
+def removed_runs_section(removed: list[dict], keep_runs: int | None) -> str:
+    lines = [f"- `{run['path']}` ({human_bytes(run['bytes'])})" for run in removed]
+    return f"## Run directories removed (run.keep_runs {keep_runs})\n\n" + ("\n".join(lines) if lines else "none")

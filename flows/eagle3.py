@@ -3,7 +3,8 @@
 Ends Completed (promoted), Completed named RolledBack (the gate, or production's check after the promotion,
 rejected the candidate; the message gives the reasons), or Failed (an error). Runs for one registry never overlap:
 they hold a global concurrency limit of 1, taken strictly. Modes: `full`; `retrain` (a fresh run directory,
-warm start from the production draft); `benchmark` (re-measure production only).
+warm start from the production draft); `benchmark` (re-measure production only). A run marks its directory in use
+while it runs; after a promotion that production serves, old retrain run directories are removed (run.keep_runs).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from prefect.states import Completed, Failed
 from prefect.transactions import transaction
 
 from eagle3.registry.gate import GateRejected
+from eagle3.runs import run_in_use
 from tasks.bench import measure_served, simulate_acceptance
+from tasks.common import log_to_run
 from tasks.data import capture_hidden_states, regenerate_answers
 from tasks.deploy import (
     check_gate,
     promote,
+    prune_old_runs,
     publish_candidate,
     record_rejection,
     release_production,
@@ -43,7 +47,8 @@ def eagle3(config: str, overrides: list[str] | None = None, mode: Literal["full"
     with concurrency(registry_limit_name(run_config.registry), occupy=1, strict=True):
         if mode == "benchmark":
             return remeasure_production(run_config)
-        return train_and_deploy(run_config, resolved)
+        with run_in_use(run_config.run.dir, log_to_run()):  # the retention of another run never removes this one
+            return train_and_deploy(run_config, resolved)
 
 
 def train_and_deploy(config, resolved: str):
@@ -73,7 +78,8 @@ def train_and_deploy(config, resolved: str):
         # production serves again; should that fail too, its task run says why and the run's error stays the first one
         serve_production(config, before, "the run failed", return_state=True)
         raise
-    report_decision(config, version, decision, before, production)
+    # outside the try: the promotion stands whatever the retention does
+    report_decision(config, version, decision, before, production, prune_old_runs(config))
     return version
 
 

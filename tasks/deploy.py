@@ -1,4 +1,5 @@
-"""Deployment: free the node, publish the candidate, gate it, promote or roll back, and serve production again.
+"""Deployment: free the node, publish the candidate, gate it, promote or roll back, serve production again, and
+after a promotion remove old retrain run directories.
 
 `promote` runs inside the flow's transaction; its rollback hook moves the registry pointer back when a later step
 of the transaction (the production check) fails. None of these tasks retries inside the transaction: the HTTP and
@@ -17,7 +18,7 @@ from prefect.events import emit_event
 from prefect.transactions import get_transaction
 
 from eagle3.config import PipelineConfig
-from eagle3.deploy import candidate_metrics, diagnosis_of, version_fields, version_id
+from eagle3.deploy import candidate_metrics, diagnosis_of, prune_after_promotion, version_fields, version_id
 from eagle3.registry.gate import Decision, GateRejected, Reason, decide
 from eagle3.registry.production import Production
 from eagle3.registry.registry import metrics_of, open_registry
@@ -120,15 +121,22 @@ def record_rejection(config: PipelineConfig, version: str | None, rejection: Gat
                     by="pipeline", run=flow_run_id(), extra={"candidate": measured})
 
 
+@task(name="prune-runs", cache_policy=NO_CACHE)
+def prune_old_runs(config: PipelineConfig) -> list[dict]:
+    """Once production serves the promoted version: remove old retrain run directories (run.keep_runs); return
+    what was removed."""
+    return prune_after_promotion(config, open_registry(config.registry, log=log_to_run()), log_to_run())
+
+
 @task(name="report-decision", cache_policy=NO_CACHE)
 def report_decision(config: PipelineConfig, version: str | None, decision: Decision, before: str | None,
-                    production: dict) -> None:
-    """The decision artifact and event."""
+                    production: dict, removed_runs: list[dict] | None = None) -> None:
+    """The decision artifact and event. `removed_runs`: what the retention removed (None: it did not run)."""
     registry = open_registry(config.registry, log=log_to_run())
     outcome = "promoted" if decision.promote else "rolled back"
     text = decision_report(outcome, version, [vars(r) for r in decision.reasons], decision.diagnosis,
                            registry.location, before, registry.production_version(), production["measured"],
-                           production["warning"])
+                           production["warning"], removed_runs, config.run.keep_runs)
     create_markdown_artifact(key="decision", markdown=text, description=f"{outcome}: {decision.summary()}")
     emit_event(event=f"eagle3.draft.{'promoted' if decision.promote else 'rolled-back'}",
                resource={"prefect.resource.id": f"eagle3.draft.{version}", "prefect.resource.name": str(version)},

@@ -32,6 +32,12 @@ def test_every_stage_lives_under_the_run_directory():
         config.stage_dir("nope")
 
 
+def test_retrain_runs_kept_defaults_to_three_and_is_at_least_one():
+    assert load_config(TINY).run.keep_runs == 3
+    with pytest.raises(ConfigError, match=r"run.keep_runs \(from --set\): Input should be greater than or equal to 1"):
+        load_config(TINY, ["run.keep_runs=0"])
+
+
 def test_override_is_applied_and_parsed_as_yaml():
     config = load_config(TINY, ["training.learning_rate=0.01", "data.aux_layers=[0, 2]", "data.thinking=true"])
     assert config.training.learning_rate == 0.01

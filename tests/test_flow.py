@@ -1,7 +1,8 @@
 """The `eagle3` flow on the micro target under one session-scoped Prefect test server: a full run promotes and
 its artifacts read back; a broken export (absolute d2t) ends RolledBack with production unchanged and re-measured;
 validation problems fail the run before any server; a re-run skips finished stages through the cache; two runs
-for one registry never overlap. And the production endpoint, managed and external."""
+for one registry never overlap; a promotion removes old retrain runs. And the production endpoint, managed and
+external."""
 
 import socket
 import threading
@@ -17,10 +18,12 @@ from eagle3.config import load_config
 from eagle3.procs import group_alive
 from eagle3.registry.production import Production
 from eagle3.registry.registry import open_registry
+from eagle3.runs import retrain_runs
 from flows.eagle3 import eagle3, ensure_registry_limit
 from test_config import TINY
 from test_data import micro_overrides
 from test_launch import free_port
+from test_runs import make_run
 
 CONFIG = str(TINY)
 BROKEN = ["export.fault=absolute-d2t", "export.waive=[d2t-absolute]"]
@@ -50,6 +53,8 @@ def prefect_api(tmp_path_factory):
 def micro_flow(prefect_api, tmp_path_factory, micro_target):
     run_dir = tmp_path_factory.mktemp("micro-flow")
     overrides = micro_run_overrides(run_dir, micro_target)
+    for day in range(4):  # earlier retrains of this registry: the promotion keeps the newest run.keep_runs (3)
+        make_run(run_dir, day, (run_dir / "registry").resolve())
     ensure_registry_limit(CONFIG, overrides)
     state = eagle3(CONFIG, overrides, return_state=True)
     return overrides, state
@@ -77,6 +82,9 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     found = artifacts(state.state_details.flow_run_id)
     assert {"data", "vocab", "training", "export-validation", "acceptance", "decision"} <= set(found)
     assert found["decision"].startswith("# Decision: promoted") and version in found["decision"]
+    oldest = config.run.dir / "retrain-20240101T000000Z"
+    assert "## Run directories removed (run.keep_runs 3)" in found["decision"] and str(oldest) in found["decision"]
+    assert not oldest.exists() and len(retrain_runs(config.run.dir)) == 3
     assert "accept length" in found["acceptance"] and "coverage" in found["vocab"]
     # online: no hidden state under the run, and the data artifact says capture was skipped
     assert not (config.stage_dir("data") / "hidden").exists()
