@@ -309,6 +309,11 @@ class ProductionSection(Section):
         default=True, description="leave the managed production server running after the run (false: stop it "
         "once re-measured, as the CPU demo does)")
     state_dir: Path = Field(default=Path("runs/production"), description="managed: the server's pid file and logs")
+    supervisor: Literal["auto", "systemd", "none"] = Field(
+        default="auto", description="managed, kept serving: systemd - the server runs in a transient systemd scope "
+        "(eagle3-production-PORT.scope), so restarting the worker leaves it running (not root: the user's systemd "
+        "manager); none - it lives in the worker's process group and a worker restart stops it; auto - systemd when "
+        "it runs here, else none")
 
 
 class NodeSection(Section):

@@ -44,10 +44,11 @@ def benchmark_heldout(config: PipelineConfig, url: str, log: Log) -> dict:
         return {"url": url, "accept_length": None, "accept_rate": None, "lost_requests": len(err.lost), "error": str(err)}
 
 
-def measure_server(config: PipelineConfig, draft: Path | None, log: Log, role: str, keep_running: bool = False) -> dict:
-    """Launch (and validate the draft for the live release), benchmark, stop - or, with `keep_running`, leave the
-    server up and return its process group as `pgid`."""
-    server = launch_and_validate(config, config.target.path, draft, log, role=role)
+def measure_server(config: PipelineConfig, draft: Path | None, log: Log, role: str, keep_running: bool = False,
+                   unit: str | None = None) -> dict:
+    """Launch (in the systemd scope `unit`, if given, and validate the draft for the live release), benchmark, stop -
+    or, with `keep_running`, leave the server up and return its process group as `pgid`."""
+    server = launch_and_validate(config, config.target.path, draft, log, role=role, unit=unit)
     try:
         result = benchmark_heldout(config, server.url, log) | {"server_version": server.release}
     except BaseException:

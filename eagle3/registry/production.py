@@ -3,7 +3,8 @@
 managed:  the pipeline owns the production server. It stops it before the candidate needs the node, and then
           serves a registry version again - the promoted one, or on rejection / rollback the previous one - and
           re-measures it with the same benchmark as the candidate. The server outlives the run (its process
-          group is recorded in state_dir/server.json) unless production.keep_serving is false.
+          group is recorded in state_dir/server.json) unless production.keep_serving is false, and, where systemd
+          runs (production.supervisor), the worker too: it runs in a transient systemd scope of its own.
 external: someone else runs production. The pipeline only moves the registry pointer and says what to restart.
 """
 
@@ -17,7 +18,7 @@ from eagle3.config import PipelineConfig
 from eagle3.deploy import benchmark_heldout, measure_server
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.procs import ProcessTree, group_alive
-from eagle3.serve.launch import GPU_QUERY, wait_gpus_free
+from eagle3.serve.launch import GPU_QUERY, LaunchError, systemd_missing, wait_gpus_free
 
 Log = Callable[[str], None]
 STATE_FILE = "server.json"
@@ -47,7 +48,8 @@ class Production:
         if recorded is None:
             self.log("no managed production server is running")
             return
-        self.log(f"stopping production (version {recorded['version']}, process group {recorded['pgid']})")
+        unit = f", systemd unit {recorded['unit']}" if recorded.get("unit") else ""
+        self.log(f"stopping production (version {recorded['version']}, process group {recorded['pgid']}{unit})")
         ProcessTree.of_group(recorded["pgid"]).stop(grace_s=STOP_GRACE_S, log=self.log)
         self.state.unlink()
         s = self.config.serving
@@ -64,19 +66,44 @@ class Production:
             self.release_node()  # e.g. a rejected first deployment that verify-production had started
             self.log(f"no production version in the registry ({why}): nothing to serve")
             return None
-        # fetched before the running server stops: an unreachable registry must not leave production down
+        # decided and fetched before the running server stops: a missing systemd that production.supervisor
+        # requires, or an unreachable registry, must not leave production down
+        keep = self.config.production.keep_serving
+        unit = self.supervisor_unit() if keep else None
         draft = self.registry.fetch(version, "sglang", Path(self.config.production.state_dir) / "drafts" / version)
         self.release_node()
         self.log(f"serving version {version} ({why}) from {draft}")
-        keep = self.config.production.keep_serving
         result = measure_server(self.serving_config, draft, self.log, role=f"production {version}",
-                                keep_running=keep)
+                                keep_running=keep, unit=unit)
         if keep:
-            atomic_write_json(self.state, {"version": version, "pgid": result.pop("pgid"), "url": self.url,
-                                           "boot_id": boot_id(), "started": time.time()})
+            atomic_write_json(self.state, {"version": version, "pgid": result.pop("pgid"), "unit": unit,
+                                           "url": self.url, "boot_id": boot_id(), "started": time.time()})
         else:
             self.log("stopped after the re-measure: production.keep_serving is false")
         return result
+
+    def supervisor_unit(self) -> str | None:
+        """The transient systemd scope the kept server runs in, so that a worker restart (systemd stops every
+        process in the worker's cgroup; a new session is no new cgroup) leaves it running; None where it lives in
+        the worker's process group."""
+        p = self.config.production
+        if p.supervisor == "none":
+            self.log("production.supervisor is none: production lives in the worker's process group; a worker "
+                     "restart stops it")
+            return None
+        missing = systemd_missing()
+        if missing is None:
+            unit = f"eagle3-production-{p.port}.scope"
+            launcher = self.config.serving.launcher
+            held = "" if launcher == "local" else f" (the local {launcher} process that holds the server on the node)"
+            self.log(f"production runs in systemd unit {unit}{held}: a worker restart leaves it running")
+            return unit
+        if p.supervisor == "systemd":
+            raise LaunchError(f"production.supervisor is systemd, but {missing}; fix that, or set "
+                              "production.supervisor to auto or none (production then stops when the worker restarts)")
+        self.log(f"no systemd here ({missing}): production lives in the worker's process group; a worker restart "
+                 "stops it")
+        return None
 
     def remeasure(self, version: str | None) -> dict | None:
         """Measure production as it is meant to serve: managed - served again from the registry; external - where

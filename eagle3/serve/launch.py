@@ -7,6 +7,7 @@ the endpoint and the launcher in effect (DESIGN §4).
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from eagle3.procs import ProcessTree, timestamp
 
 LOG_TAIL_LINES = 40
 GPU_QUERY = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+SYSTEMD_RUNNING = Path("/run/systemd/system")  # exists only when systemd is the running init (sd_booted()'s test)
 
 
 class LaunchError(Eagle3Error):
@@ -109,6 +111,38 @@ def wrap(command: list[str], launcher: str, ssh_host: str | None = None, srun_ar
     if launcher == "srun":
         return ["srun", *srun_args, *command]
     raise LaunchError(f"unknown launcher {launcher!r}; use local, ssh or srun")
+
+
+def user_runtime_dir() -> Path:
+    """The runtime directory of a non-root user, where that user's systemd manager listens: $XDG_RUNTIME_DIR, else
+    /run/user/UID."""
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.geteuid()}")
+
+
+def systemd_missing() -> str | None:
+    """Why no transient systemd unit can be started here; None when one can."""
+    if not SYSTEMD_RUNNING.is_dir():
+        return f"systemd is not running on this machine (no {SYSTEMD_RUNNING})"
+    if shutil.which("systemd-run") is None:
+        return "systemd-run is not on PATH"
+    if os.geteuid() != 0:
+        # not root: the system manager would refuse us, so the unit goes to the user's own manager (systemd-run --user)
+        socket = user_runtime_dir() / "systemd" / "private"
+        if not socket.exists():
+            return (f"no systemd user manager for uid {os.geteuid()} (no {socket}); `loginctl enable-linger USER` "
+                    "starts one at boot and keeps it running without a login")
+    return None
+
+
+def in_systemd_scope(command: list[str], unit: str) -> list[str]:
+    """`command` in the transient systemd scope `unit`. systemd-run moves itself into the scope and then execs the
+    command, so the server stays our child under the same process id (its log, process group and stop are unchanged)
+    but in a cgroup of its own, out of reach of a stop of the caller's unit (a worker restart kills its whole cgroup).
+    --collect unloads the unit when it ends, even failed, so the next start can take the name again."""
+    user = [] if os.geteuid() == 0 else ["--user"]  # not root: the user's own manager (see systemd_missing)
+    # systemd-run --user finds that manager through XDG_RUNTIME_DIR, which a system service's environment lacks
+    runtime = ["env", f"XDG_RUNTIME_DIR={user_runtime_dir()}"] if user and not os.environ.get("XDG_RUNTIME_DIR") else []
+    return [*runtime, "systemd-run", *user, "--scope", f"--unit={unit}", "--quiet", "--collect", "--", *command]
 
 
 class Server:
@@ -221,12 +255,18 @@ def wait_gpus_free(query: list[str] | None, free_mib: int, timeout_s: float, log
         time.sleep(2.0)
 
 
-def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None] = print, role: str = "candidate") -> Server:
+def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None] = print, role: str = "candidate",
+               unit: str | None = None) -> Server:
+    """The server for `config.serving`; with `unit`, its local process (the server, or the ssh / srun that holds it)
+    runs in that transient systemd scope."""
     s = config.serving
     build = sglang_command if s.engine == "sglang" else reference_command
     ssh_host = s.ssh_host or s.host
     command = wrap(build(config, target, draft), s.launcher, ssh_host, s.srun_args)
     via = {"local": "local", "ssh": f"ssh {ssh_host}", "srun": "srun"}[s.launcher]
+    if unit is not None:
+        command = in_systemd_scope(command, unit)
+        via += f", systemd unit {unit}"
     return Server(command, s.host, s.port, s.log_dir or config.run.dir / "logs", log,
                   label=f"{role} {s.engine} endpoint http://{s.host}:{s.port}, launcher {via}",
                   gpu_query=wrap(GPU_QUERY, s.launcher, ssh_host, s.srun_args),
@@ -234,14 +274,15 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
 
 
 def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[str], None] = print,
-                        role: str = "candidate") -> Server:
-    """Start the server, wait until healthy, validate the draft for the live release; return it running.
-    Error codes in `export.waive` are accepted (the export stage logged and recorded them)."""
+                        role: str = "candidate", unit: str | None = None) -> Server:
+    """Start the server (in the systemd scope `unit`, if given), wait until healthy, validate the draft for the live
+    release; return it running. Error codes in `export.waive` are accepted (the export stage logged and recorded
+    them)."""
     from eagle3.formats.validate import validate
 
     if draft is not None and not Path(draft).is_dir():
         raise LaunchError(f"draft {draft}: no such directory; nothing was launched")
-    server = server_for(config, target, draft, log, role)
+    server = server_for(config, target, draft, log, role, unit)
     server.start()
     try:
         live = server.wait_healthy(config.serving.health_timeout_s)

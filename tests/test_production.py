@@ -1,0 +1,146 @@
+"""The managed production server and its supervisor: where systemd runs, the kept server lives in a transient
+systemd scope of its own, so a worker restart (systemd stops the worker's whole cgroup) leaves it running;
+without systemd it lives in the worker's process group, and the log says so.
+
+systemd does not run on the test machines: `systemd-run` is replaced by a test double that records its
+arguments and execs the command after `--`, as the real one does for a scope. Real processes on 127.0.0.1;
+the reference server stands in for SGLang."""
+
+import json
+import os
+import shlex
+import stat
+from pathlib import Path
+
+import httpx
+import pytest
+
+import eagle3.serve.launch as launch
+from drafts import write_draft
+from eagle3.config import load_config
+from eagle3.procs import group_alive
+from eagle3.registry.production import Production
+from eagle3.registry.registry import open_registry
+from eagle3.serve.launch import LaunchError, in_systemd_scope, systemd_missing
+from test_config import TINY
+from test_data import micro_overrides
+from test_launch import MICRO_DRAFT, RELEASE, free_port
+
+HELDOUT = ["Explain what a Python list comprehension is.", "What does the len() function return?"]
+
+
+@pytest.fixture
+def production_config(tmp_path, micro_target):
+    """A managed production on the micro target that keeps serving; registry version v1 holds a good draft."""
+    def config(*overrides):
+        return load_config(TINY, micro_overrides(tmp_path / "run", micro_target) + [
+            f"registry.path={tmp_path / 'registry'}", f"production.port={free_port()}",
+            f"production.state_dir={tmp_path / 'production'}", "production.keep_serving=true",
+            f"serving.log_dir={tmp_path / 'logs'}", "serving.context_length=512", "benchmark.num_prompts=2",
+            "benchmark.max_new_tokens=8", "benchmark.concurrency=2", *overrides])
+
+    heldout = config().stage_dir("data") / "heldout.jsonl"
+    heldout.parent.mkdir(parents=True)
+    heldout.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in HELDOUT))
+    draft = write_draft(tmp_path / "export" / "sglang", layout="sglang", release=RELEASE, **MICRO_DRAFT)
+    open_registry(config().registry, log=lambda line: None).publish("v1", {"sglang": draft}, {})
+    return config
+
+
+def systemd_here(monkeypatch, tmp_path) -> Path:
+    """systemd as the running init, a user manager for a non-root user, and a `systemd-run` that writes its arguments
+    to the returned file, one a line, then execs the command after `--` (the real one execs it in the new scope)."""
+    running = tmp_path / "run-systemd-system"
+    running.mkdir()
+    monkeypatch.setattr(launch, "SYSTEMD_RUNNING", running)
+    runtime = tmp_path / "xdg-runtime"
+    (runtime / "systemd").mkdir(parents=True)
+    (runtime / "systemd" / "private").touch()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    argv = tmp_path / "systemd-run.argv"
+    script = bin_dir / "systemd-run"
+    script.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {shlex.quote(str(argv))}\n'
+                      'while [ "$1" != "--" ]; do shift; done\nshift\nexec "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return argv
+
+
+def no_systemd(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(launch, "SYSTEMD_RUNNING", tmp_path / "no-run-systemd-system")
+
+
+def test_a_kept_production_server_runs_in_a_systemd_scope_until_released(production_config, monkeypatch, tmp_path):
+    argv = systemd_here(monkeypatch, tmp_path)
+    config = production_config("production.supervisor=systemd")
+    unit = f"eagle3-production-{config.production.port}.scope"
+    lines = []
+    production = Production(config, open_registry(config.registry, log=lambda line: None), lines.append)
+    measured = production.serve("v1", "test")
+    recorded = production.recorded()
+    try:
+        assert measured["accept_length"] is not None and recorded["unit"] == unit and group_alive(recorded["pgid"])
+        seen = argv.read_text().splitlines()
+        user = ["--user"] if os.geteuid() != 0 else []  # not root: the user's own systemd manager
+        assert seen[:seen.index("--")] == [*user, "--scope", f"--unit={unit}", "--quiet", "--collect"]
+        assert seen[seen.index("--") + 1:][1:4] == ["-m", "eagle3.cli", "serve"]
+        # the recorded process group is led by the server itself: systemd-run execs it, no wrapper in between
+        assert "eagle3.cli" in Path(f"/proc/{recorded['pgid']}/cmdline").read_bytes().decode().split("\0")
+        assert httpx.get(f"{production.url}/health", timeout=10).status_code == 200
+        assert f"[production managed {production.url}] production runs in systemd unit {unit}: a worker restart " \
+               "leaves it running" in lines
+        assert any(f"launcher local, systemd unit {unit}] healthy" in line for line in lines)
+    finally:
+        production.release_node()
+    assert not group_alive(recorded["pgid"]) and production.recorded() is None
+    assert any(f"process group {recorded['pgid']}, systemd unit {unit})" in line for line in lines)
+
+
+def test_a_required_systemd_that_is_missing_fails_before_production_stops(production_config, monkeypatch, tmp_path):
+    systemd_here(monkeypatch, tmp_path)
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))  # systemd runs, but systemd-run is not on PATH
+    config = production_config("production.supervisor=systemd")
+    production = Production(config, open_registry(config.registry, log=lambda line: None), lambda line: None)
+    with pytest.raises(LaunchError, match=r"production.supervisor is systemd, but systemd-run is not on PATH; .*"
+                                          r"set production.supervisor to auto or none"):
+        production.serve("v1", "test")
+    assert not config.production.state_dir.exists()  # nothing fetched, nothing stopped, nothing started
+
+
+@pytest.mark.parametrize(("supervisor", "systemd", "unit", "said"), [
+    ("auto", False, None, "no systemd here (systemd is not running on this machine (no "),
+    ("auto", True, "eagle3-production-{port}.scope", "production runs in systemd unit eagle3-production-{port}.scope"),
+    ("none", True, None, "production.supervisor is none: production lives in the worker's process group"),
+])
+def test_the_supervisor_follows_the_config_and_the_machine(production_config, monkeypatch, tmp_path, supervisor,
+                                                           systemd, unit, said):
+    systemd_here(monkeypatch, tmp_path) if systemd else no_systemd(monkeypatch, tmp_path)
+    config = production_config(f"production.supervisor={supervisor}")
+    port = config.production.port
+    lines = []
+    production = Production(config, None, lines.append)
+    assert production.supervisor_unit() == (unit.format(port=port) if unit else None)
+    assert len(lines) == 1 and said.format(port=port) in lines[0]
+    assert lines[0].endswith("a worker restart leaves it running" if unit else "a worker restart stops it")
+
+
+def test_a_user_without_root_gets_the_user_manager(monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "SYSTEMD_RUNNING", tmp_path)
+    monkeypatch.setattr(launch.os, "geteuid", lambda: 1000)
+    tool = tmp_path / "systemd-run"
+    tool.touch(mode=0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # as in a system service's environment
+    scope = ["systemd-run", "--user", "--scope", "--unit=u.scope", "--quiet", "--collect", "--", "serve", "--port", "1"]
+    assert in_systemd_scope(["serve", "--port", "1"], "u.scope") == ["env", "XDG_RUNTIME_DIR=/run/user/1000", *scope]
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert in_systemd_scope(["serve", "--port", "1"], "u.scope") == scope
+    assert systemd_missing().startswith(f"no systemd user manager for uid 1000 (no {tmp_path}/systemd/private); "
+                                        "`loginctl enable-linger USER`")
+    (tmp_path / "systemd").mkdir()
+    (tmp_path / "systemd" / "private").touch()
+    assert systemd_missing() is None
