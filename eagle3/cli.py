@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("capture", run_capture, "capture the target's hidden states for the regenerated samples"),
     ):
         add_config_arguments(data_commands.add_parser(name, help=text)).set_defaults(handler=handler)
+    quality = add_config_arguments(data_commands.add_parser(
+        "quality", help="the data-quality report (data.quality bars) of the regenerated replies, or of the assistant "
+        "turns of a conversations file (exit 1: a bar is crossed)"))
+    quality.add_argument("--file", type=Path, help="JSONL conversations (ShareGPT or OpenAI messages) to check instead")
+    quality.set_defaults(handler=run_quality)
 
     tiny = commands.add_parser("make-tiny-target", help="build (or reuse) the tiny CPU target model")
     tiny.add_argument("out", type=Path)
@@ -156,6 +161,28 @@ def run_regenerate(args: argparse.Namespace) -> int:
 
     regenerate(load_run_config(args))
     return EXIT_OK
+
+
+def run_quality(args: argparse.Namespace) -> int:
+    from eagle3.data.conversation import encode
+    from eagle3.data.quality import describe_figures, replies_in_file, report
+    from eagle3.data.regenerate import REGEN_DIR, regenerated_replies
+    from eagle3.data.targets import load_tokenizer
+
+    config = load_run_config(args)
+    tokenizer = load_tokenizer(config.target.path)
+    if args.file is None:
+        source, limit = config.stage_dir("data") / REGEN_DIR, config.data.max_new_tokens
+        replies = regenerated_replies(source, tokenizer)
+    else:
+        source, limit = args.file, None
+        replies = replies_in_file(args.file, lambda text: encode(tokenizer, text))
+    quality = report(replies, config.data.quality, limit, tokenizer.decode)
+    print(f"{source}: {describe_figures(quality['figures'])}")
+    for problem in quality["problems"]:
+        print(f"  {'waived' if problem['waived'] else 'FAILED'} {problem['code']}: {problem['message']}")
+    print(f"data quality {'passed' if quality['passed'] else 'FAILED'}")
+    return EXIT_OK if quality["passed"] else EXIT_PROBLEMS
 
 
 def run_capture(args: argparse.Namespace) -> int:

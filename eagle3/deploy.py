@@ -11,15 +11,16 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
-from eagle3.bench.client import BenchmarkError, run_benchmark
+from eagle3.bench.client import BenchmarkError, load_prompt_file, run_benchmark
 from eagle3.bench.diagnose import diagnose
-from eagle3.data.regenerate import heldout_prompt_ids
+from eagle3.data.prompts import write_prompts
+from eagle3.data.regenerate import REGEN_DIR, benchmark_set
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
 from eagle3.data.targets import load_tokenizer
 from eagle3.formats.checkpoint import convert
-from eagle3.formats.manifest import code_version
-from eagle3.fsutil import atomic_write_json
+from eagle3.formats.manifest import code_version, read_manifest
+from eagle3.fsutil import atomic_write_json, sha256_file
 from eagle3.registry.gate import Metrics
 from eagle3.registry.registry import registry_location
 from eagle3.runs import prune_runs, retrain_dir, runs_base
@@ -27,12 +28,26 @@ from eagle3.serve.launch import launch_and_validate
 
 Log = Callable[[str], None]
 SERVED_FILE = "served.json"
+PROMPTS_LAYOUT, PROMPTS_FILE = "benchmark", "prompts.jsonl"  # a version's prompt set, published beside its layouts
 
 
-def benchmark_heldout(config: PipelineConfig, url: str, log: Log) -> dict:
-    """The benchmark of the held-out prompts on a serving `url`. Requests lost after their retries give a result
-    with `lost_requests` (the gate rejects it) instead of numbers."""
-    prompts = heldout_prompt_ids(config, load_tokenizer(config.target.path))
+def benchmark_prompts_file(config: PipelineConfig) -> Path:
+    """The run's benchmark prompt set (the first benchmark.num_prompts held-out prompts) as a file under
+    run.dir/bench/benchmark/: published with the version, so production is re-measured on the prompts it was
+    measured on."""
+    path = config.stage_dir("bench") / PROMPTS_LAYOUT / PROMPTS_FILE
+    write_prompts(path, benchmark_set(config))
+    return path
+
+
+def prompt_ids_in(config: PipelineConfig, path: Path) -> list[list[int]]:
+    """A prompt-set file's prompts rendered with the target's chat template."""
+    return load_prompt_file(path, load_tokenizer(config.target.path), config.data.thinking)
+
+
+def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log: Log) -> dict:
+    """The benchmark of `prompts` on a serving `url`. Requests lost after their retries give a result with
+    `lost_requests` (the gate rejects it) instead of numbers."""
     b = config.benchmark
     try:
         return run_benchmark(url, prompts, b.max_new_tokens, b.concurrency, b.request_timeout_s, b.retries,
@@ -44,13 +59,13 @@ def benchmark_heldout(config: PipelineConfig, url: str, log: Log) -> dict:
         return {"url": url, "accept_length": None, "accept_rate": None, "lost_requests": len(err.lost), "error": str(err)}
 
 
-def measure_server(config: PipelineConfig, draft: Path | None, log: Log, role: str, keep_running: bool = False,
-                   unit: str | None = None) -> dict:
-    """Launch (in the systemd scope `unit`, if given, and validate the draft for the live release), benchmark, stop -
-    or, with `keep_running`, leave the server up and return its process group as `pgid`."""
+def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[list[int]], log: Log, role: str,
+                   keep_running: bool = False, unit: str | None = None) -> dict:
+    """Launch (in the systemd scope `unit`, if given, and validate the draft for the live release), benchmark
+    `prompts`, stop - or, with `keep_running`, leave the server up and return its process group as `pgid`."""
     server = launch_and_validate(config, config.target.path, draft, log, role=role, unit=unit)
     try:
-        result = benchmark_heldout(config, server.url, log) | {"server_version": server.release}
+        result = benchmark_on(config, server.url, prompts, log) | {"server_version": server.release}
     except BaseException:
         server.stop()
         raise
@@ -64,8 +79,9 @@ def measure_server(config: PipelineConfig, draft: Path | None, log: Log, role: s
 def measure_candidate(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
     """The candidate's served result (run.dir/bench/served.json), with a no-draft baseline's throughput and the
     speedup when `benchmark.baseline` is set."""
-    baseline = measure_server(config, None, log, role="baseline (no draft)") if config.benchmark.baseline else None
-    result = measure_server(config, draft, log, role="candidate")
+    prompts = prompt_ids_in(config, benchmark_prompts_file(config))
+    baseline = measure_server(config, None, prompts, log, role="baseline (no draft)") if config.benchmark.baseline else None
+    result = measure_server(config, draft, prompts, log, role="candidate")
     if baseline is not None and not baseline["lost_requests"] and not result["lost_requests"]:
         result.update(baseline={k: baseline[k] for k in ("url", "wall_s", "output_tokens_per_s", "latency_s")},
                       speedup=baseline["wall_s"] / result["wall_s"])
@@ -73,9 +89,15 @@ def measure_candidate(config: PipelineConfig, draft: Path, log: Log = print) -> 
     return result
 
 
-def candidate_metrics(served: dict, simulated_accept_length: float | None) -> Metrics:
+def candidate_metrics(served: dict, simulated_accept_length: float | None, data_quality: dict) -> Metrics:
     return Metrics(accept_length=served.get("accept_length"), accept_rate=served.get("accept_rate"),
-                   simulated_accept_length=simulated_accept_length, lost_requests=served.get("lost_requests", 0))
+                   simulated_accept_length=simulated_accept_length, lost_requests=served.get("lost_requests", 0),
+                   data_problems=tuple(data_quality["problems"]))
+
+
+def data_quality_of(config: PipelineConfig) -> dict:
+    """The quality report of the run's regenerated data (its manifest's `quality`: figures, problems, passed)."""
+    return read_manifest(config.stage_dir("data") / REGEN_DIR)["quality"]
 
 
 def diagnosis_of(config: PipelineConfig, draft: Path, served: dict, simulated_accept_length: float | None) -> dict:
@@ -141,7 +163,23 @@ def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served:
         "config": config.model_dump(mode="json"),
         "config_sha256": hashlib.sha256(config.model_dump_json().encode()).hexdigest(),
         "inputs": fingerprints,  # stage -> content hash of its manifest (data, vocab, training, export)
+        "data_quality": data_quality_of(config),
+        "benchmark": prompt_set_fields(config),
         "code_version": code_version(),
         "metrics": registry_metrics(served, simulated),
         "lineage": {"parent": parent, "init_from": str(config.training.init_from or "") or None, "flow_run": flow_run},
     }
+
+
+def prompt_set_fields(config: PipelineConfig) -> dict:
+    """What a version records of the prompt set it was measured on (the file is published with it)."""
+    path = config.stage_dir("bench") / PROMPTS_LAYOUT / PROMPTS_FILE
+    return {"file": f"{PROMPTS_LAYOUT}/{PROMPTS_FILE}", "sha256": sha256_file(path),
+            "prompts": sum(1 for line in path.read_text().splitlines() if line.strip()),
+            "max_new_tokens": config.benchmark.max_new_tokens}
+
+
+def version_dirs(config: PipelineConfig, exported: dict[str, str]) -> dict[str, Path]:
+    """What a version publishes: each exported layout's directory, and the prompt set it was measured on."""
+    return {layout: Path(path) for layout, path in exported.items()} | {
+        PROMPTS_LAYOUT: config.stage_dir("bench") / PROMPTS_LAYOUT}

@@ -67,7 +67,7 @@ def train_and_deploy(config, resolved: str):
         version = publish_candidate(config, fingerprints, exported, served, simulated, before)
         with transaction():
             decision = check_gate(config, version, exported, served, simulated, before)
-            promote(config, version, before)
+            promote(config, version, before, decision.notes)
             production = verify_production(config, version)
     except GateRejected as rejected:
         record_rejection(config, version, rejected, served, before)

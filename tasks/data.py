@@ -8,16 +8,25 @@ from prefect.artifacts import create_markdown_artifact
 
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import capture_with_engine
+from eagle3.data.quality import DataQualityError
 from eagle3.data.regenerate import regenerate
 from eagle3.formats.manifest import read_manifest
-from eagle3.report import data_report
+from eagle3.report import data_report, quality_section
+from eagle3.stages import output_of
 from tasks.common import cached, log_to_run, run_stage
 
 
 @task(**cached("regenerate"))
 def regenerate_answers(config: PipelineConfig) -> dict:
     def work() -> None:
-        regenerate(config, log=log_to_run())
+        try:
+            regenerate(config, log=log_to_run())
+        except DataQualityError:  # the data artifact shows why before the run fails
+            quality = read_manifest(output_of(config, "regenerate"))["quality"]
+            failed = ", ".join(p["code"] for p in quality["problems"] if not p["waived"])
+            create_markdown_artifact(key="data", markdown="# Data\n\n" + quality_section(quality),
+                                     description=f"data quality check failed: {failed}")
+            raise
 
     return run_stage("regenerate", config, {}, work)
 

@@ -18,7 +18,15 @@ from prefect.events import emit_event
 from prefect.transactions import get_transaction
 
 from eagle3.config import PipelineConfig
-from eagle3.deploy import candidate_metrics, diagnosis_of, prune_after_promotion, version_fields, version_id
+from eagle3.deploy import (
+    candidate_metrics,
+    data_quality_of,
+    diagnosis_of,
+    prune_after_promotion,
+    version_dirs,
+    version_fields,
+    version_id,
+)
 from eagle3.registry.gate import Decision, GateRejected, Reason, decide
 from eagle3.registry.production import Production
 from eagle3.registry.registry import metrics_of, open_registry
@@ -49,7 +57,7 @@ def publish_candidate(config: PipelineConfig, fingerprints: dict, exported: dict
         log_to_run()(f"registry: version {version} (this export) is already published: not uploading it again")
         return version
     fields = version_fields(config, fingerprints, served, simulated["result"]["accept_length"], production, flow_run_id())
-    registry.publish(version, {layout: Path(path) for layout, path in exported["dirs"].items()}, fields)
+    registry.publish(version, version_dirs(config, exported["dirs"]), fields)
     return version
 
 
@@ -60,7 +68,7 @@ def check_gate(config: PipelineConfig, version: str, exported: dict, served: dic
     registry = open_registry(config.registry, log=log_to_run())
     simulated_length = simulated["result"]["accept_length"]
     baseline = metrics_of(registry.manifest(production)) if production else None
-    decision = decide(candidate_metrics(served, simulated_length), baseline, config.gate)
+    decision = decide(candidate_metrics(served, simulated_length, data_quality_of(config)), baseline, config.gate)
     log_to_run()(f"gate: {decision.summary()}")
     if not decision.promote:
         decision.diagnosis = diagnosis_of(config, Path(exported["path"]), served, simulated_length)
@@ -69,14 +77,16 @@ def check_gate(config: PipelineConfig, version: str, exported: dict, served: dic
 
 
 @task(name="promote", cache_policy=NO_CACHE)
-def promote(config: PipelineConfig, version: str, production: str | None) -> None:
+def promote(config: PipelineConfig, version: str, production: str | None, notes: list[str]) -> None:
+    """Point production at `version`; the history's reasons keep the gate's notes (checks waived on purpose)."""
     registry = open_registry(config.registry, log=log_to_run())
     if version == production:
         log_to_run()(f"registry: {version} is production already (a re-run of the same export): nothing to move")
         return
     # staged before the write: a write that lands but whose answer is lost must still be rolled back
     get_transaction().set("promotion", {"registry": config.registry, "version": version, "previous": production})
-    registry.promote(version, expected=production, reasons=["every gate rule passed"], by="pipeline", run=flow_run_id())
+    registry.promote(version, expected=production, reasons=["every gate rule passed", *notes], by="pipeline",
+                     run=flow_run_id())
 
 
 @promote.on_rollback
@@ -136,12 +146,12 @@ def report_decision(config: PipelineConfig, version: str | None, decision: Decis
     outcome = "promoted" if decision.promote else "rolled back"
     text = decision_report(outcome, version, [vars(r) for r in decision.reasons], decision.diagnosis,
                            registry.location, before, registry.production_version(), production["measured"],
-                           production["warning"], removed_runs, config.run.keep_runs)
+                           production["warning"], removed_runs, config.run.keep_runs, decision.notes)
     create_markdown_artifact(key="decision", markdown=text, description=f"{outcome}: {decision.summary()}")
     emit_event(event=f"eagle3.draft.{'promoted' if decision.promote else 'rolled-back'}",
                resource={"prefect.resource.id": f"eagle3.draft.{version}", "prefect.resource.name": str(version)},
                payload={"version": version, "production": registry.production_version(),
-                        "reasons": [f"{r.rule}: {r.message}" for r in decision.reasons]})
+                        "reasons": [f"{r.rule}: {r.message}" for r in decision.reasons], "notes": decision.notes})
 
 
 @task(name="remeasure-production", cache_policy=NO_CACHE)

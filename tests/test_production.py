@@ -18,6 +18,8 @@ import pytest
 import eagle3.serve.launch as launch
 from drafts import write_draft
 from eagle3.config import load_config
+from eagle3.deploy import PROMPTS_FILE, PROMPTS_LAYOUT
+from eagle3.fsutil import sha256_file
 from eagle3.procs import group_alive
 from eagle3.registry.production import Production
 from eagle3.registry.registry import open_registry
@@ -144,3 +146,24 @@ def test_a_user_without_root_gets_the_user_manager(monkeypatch, tmp_path):
     (tmp_path / "systemd").mkdir()
     (tmp_path / "systemd" / "private").touch()
     assert systemd_missing() is None
+
+
+def test_production_is_remeasured_on_the_prompt_set_its_version_recorded(production_config, tmp_path):
+    """A retrain measures on its own held-out prompts; production's re-measure uses the set it was promoted on."""
+    config = production_config("production.keep_serving=false", "production.supervisor=none")
+    registry = open_registry(config.registry, log=lambda line: None)
+    own = tmp_path / "v2-benchmark"
+    own.mkdir()
+    (own / PROMPTS_FILE).write_text(json.dumps({"messages": [{"role": "user", "content": "What is a tuple?"}]}) + "\n")
+    recorded = {"file": f"{PROMPTS_LAYOUT}/{PROMPTS_FILE}", "sha256": sha256_file(own / PROMPTS_FILE), "prompts": 1,
+                "max_new_tokens": 5}
+    registry.publish("v2", {"sglang": tmp_path / "export" / "sglang", PROMPTS_LAYOUT: own}, {"benchmark": recorded})
+    lines = []
+    production = Production(config, registry, lines.append)
+    measured = production.remeasure("v2")
+    assert [row["completion_tokens"] for row in measured["prompts"]] == [5]  # its one prompt, its max_new_tokens
+    assert any(f"own prompt set: 1 prompts (sha256 {recorded['sha256'][:12]}), max_new_tokens 5" in line
+               for line in lines)
+    older = production.remeasure("v1")  # published without a prompt set: this run's two held-out prompts
+    assert [row["completion_tokens"] for row in older["prompts"]] == [8, 8]
+    assert any("v1 records no prompt set" in line for line in lines)

@@ -74,6 +74,14 @@ def load_prompts(source: str, limit: int | None = None) -> PromptSet:
 
 def parse_line(line: str) -> list[dict]:
     """One JSONL record -> the system and user turns; ValueError says what is wrong with it."""
+    kept = [turn for turn in parse_turns(line) if turn["role"] in KEPT_ROLES]
+    if not any(turn["role"] == "user" for turn in kept):
+        raise ValueError("no user turn")
+    return kept
+
+
+def parse_turns(line: str) -> list[dict]:
+    """One JSONL record -> every turn as {role, content}; ValueError says what is wrong with it."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -86,10 +94,7 @@ def parse_line(line: str) -> list[dict]:
         turns = [_openai_turn(turn) for turn in record["messages"]]
     else:
         raise ValueError("neither 'conversations' (ShareGPT) nor 'messages' (OpenAI) is a list")
-    kept = [turn for turn in turns if turn["role"] in KEPT_ROLES]
-    if not any(turn["role"] == "user" for turn in kept):
-        raise ValueError("no user turn")
-    return kept
+    return turns
 
 
 def _sharegpt_turn(turn: object) -> dict:

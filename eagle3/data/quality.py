@@ -16,10 +16,13 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from eagle3.config import QualitySection
-from eagle3.errors import Eagle3Error
+from eagle3.data.prompts import parse_turns
+from eagle3.errors import Eagle3Error, UnreadableInput
 
 NGRAM = 4
 CHECK_TEMPLATE = "check the chat template and the stop tokens"
@@ -80,8 +83,24 @@ class Meter:
         }
 
 
+def replies_in_file(path: Path, encode) -> Iterator[Reply]:
+    """The assistant turns of a file of conversations (ShareGPT or OpenAI messages JSONL) as replies, tokenized
+    with `encode(text)`; whether a reply hit a token limit is not known from text."""
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                turns = parse_turns(line)
+            except ValueError as err:
+                raise UnreadableInput(f"{path}:{number}: {err}") from None
+            for turn in turns:
+                if turn["role"] == "assistant":
+                    yield Reply(tuple(encode(turn["content"])), turn["content"], None)
+
+
 def distinct_ngram_ratio(ids: tuple[int, ...]) -> float:
-    grams = [ids[i : i + NGRAM] for i in range(len(ids) - NGRAM + 1)]
+    grams = list(zip(*(ids[k:] for k in range(NGRAM))))  # zip stops at the last whole n-gram
     return len(set(grams)) / len(grams)
 
 
@@ -125,7 +144,8 @@ def report(replies, limits: QualitySection, max_new_tokens: int | None, describe
         meter.add(reply)
     figures = meter.figures()
     found = problems(figures, limits, max_new_tokens, describe)
-    return {"figures": figures, "problems": found, "passed": all(p["waived"] for p in found)}
+    return {"figures": figures, "thresholds": limits.model_dump(), "problems": found,
+            "passed": all(p["waived"] for p in found)}
 
 
 def refuse_failed(quality: dict, where: str) -> None:

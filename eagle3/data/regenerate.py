@@ -329,9 +329,8 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
 
 def check_quality(config: PipelineConfig, directory: Path, tokenizer, log: Log) -> dict:
     """The data-quality report of the regenerated replies (eagle3.data.quality), logged; waived problems named."""
-    replies = (Reply(ids, tokenizer.decode(ids, skip_special_tokens=True), finish == "length")
-               for record in read_regenerated(directory) for ids, finish in record_replies(record))
-    quality = report(replies, config.data.quality, config.data.max_new_tokens, tokenizer.decode)
+    quality = report(regenerated_replies(directory, tokenizer), config.data.quality, config.data.max_new_tokens,
+                     tokenizer.decode)
     log(f"regenerate: data quality: {describe_figures(quality['figures'])}")
     for problem in quality["problems"]:
         log(f"regenerate: data quality {'WAIVED' if problem['waived'] else 'FAILED'} ({problem['code']}): "
@@ -339,21 +338,28 @@ def check_quality(config: PipelineConfig, directory: Path, tokenizer, log: Log) 
     return quality
 
 
-def record_replies(record: dict):
-    """(ids, finish reason) of each reply of a regenerated sample (ids cut where the sample was cut at max_length)."""
-    for start, end, finish in record["replies"]:
-        yield tuple(record["input_ids"][start:end]), finish
+def regenerated_replies(directory: Path, tokenizer):
+    """Every reply of the training split's samples (ids cut where a sample was cut at max_length)."""
+    for record in read_regenerated(directory):
+        for start, end, finish in record["replies"]:
+            ids = tuple(record["input_ids"][start:end])
+            yield Reply(ids, tokenizer.decode(ids, skip_special_tokens=True), finish == "length")
 
 
 def heldout_prompts(config: PipelineConfig, tokenizer) -> list[tuple[str, list[int]]]:
     """The benchmark's held-out prompts (the first benchmark.num_prompts) as (id, prompt ids)."""
+    return [(p.id, render_prompt_ids(tokenizer, list(p.turns), config.data.thinking)) for p in benchmark_set(config)]
+
+
+def benchmark_set(config: PipelineConfig) -> list[Prompt]:
+    """The prompts the benchmark measures: the first benchmark.num_prompts held-out prompts."""
     path = config.stage_dir("data") / HELDOUT_FILE
     if not path.is_file():
         raise UnreadableInput(f"{path}: no held-out prompts; run the data stage first (eagle3 data regenerate)")
     prompts = load_prompts(str(path), limit=config.benchmark.num_prompts).prompts
     if not prompts:
         raise UnreadableInput(f"{path}: holds no usable prompt")
-    return [(p.id, render_prompt_ids(tokenizer, list(p.turns), config.data.thinking)) for p in prompts]
+    return prompts
 
 
 def heldout_prompt_ids(config: PipelineConfig, tokenizer) -> list[list[int]]:

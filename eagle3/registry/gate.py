@@ -7,7 +7,9 @@ with production:
 - regression: the accept length is below production's x (1 - production_tolerance);
 - train-serve mismatch: simulated and served accept lengths differ by more than sim_serve_tolerance
   (the diagnosis, when given, is attached to the decision);
-- lost requests: the benchmark lost any request, so its numbers cannot be trusted.
+- lost requests: the benchmark lost any request, so its numbers cannot be trusted;
+- data quality: the draft was trained on data that failed its quality check (eagle3.data.quality). A problem
+  waived on purpose (data.quality.waive) does not reject; the decision carries a note that says so.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Metrics:
     accept_rate: float | None
     simulated_accept_length: float | None = None
     lost_requests: int = 0
+    data_problems: tuple[dict, ...] = ()  # the training data's quality problems: {code, message, waived}
 
 
 @dataclass(frozen=True)
@@ -37,16 +40,18 @@ class Decision:
     promote: bool
     reasons: list[Reason] = field(default_factory=list)  # why not, when rejected
     diagnosis: dict | None = None
+    notes: list[str] = field(default_factory=list)  # what passed only because someone waived a check
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
+        notes = "".join(f" (note: {note})" for note in self.notes)
         if self.promote:
-            return "promote: every gate rule passed"
+            return "promote: every gate rule passed" + notes
         text = "reject: " + "; ".join(f"{r.rule}: {r.message}" for r in self.reasons)
         failed = (self.diagnosis or {}).get("failed")
-        return text + (f"; likely cause (train-serve checklist): {', '.join(failed)}" if failed else "")
+        return text + (f"; likely cause (train-serve checklist): {', '.join(failed)}" if failed else "") + notes
 
 
 def decide(candidate: Metrics, production: Metrics | None, gate: GateSection, diagnosis: dict | None = None) -> Decision:
@@ -76,8 +81,14 @@ def decide(candidate: Metrics, production: Metrics | None, gate: GateSection, di
             f"served accept length {served:.3f} differs from the simulated {simulated:.3f} by more than "
             f"{gate.sim_serve_tolerance:.0%}: see the diagnosis",
         ))
+    failed = [p["message"] for p in candidate.data_problems if not p["waived"]]
+    if failed:
+        reasons.append(Reason("data-quality", "the draft was trained on data that failed its quality check: "
+                              + "; ".join(failed)))
+    notes = [f"data quality check {p['code']} waived on purpose (data.quality.waive): {p['message']}"
+             for p in candidate.data_problems if p["waived"]]
     mismatch = any(r.rule == "train-serve-mismatch" for r in reasons)
-    return Decision(promote=not reasons, reasons=reasons, diagnosis=diagnosis if mismatch else None)
+    return Decision(promote=not reasons, reasons=reasons, diagnosis=diagnosis if mismatch else None, notes=notes)
 
 
 class GateRejected(Eagle3Error):

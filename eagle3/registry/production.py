@@ -15,7 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
-from eagle3.deploy import benchmark_heldout, measure_server
+from eagle3.deploy import (
+    PROMPTS_FILE,
+    PROMPTS_LAYOUT,
+    benchmark_on,
+    benchmark_prompts_file,
+    measure_server,
+    prompt_ids_in,
+)
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.procs import ProcessTree, group_alive
 from eagle3.serve.launch import GPU_QUERY, LaunchError, systemd_missing, wait_gpus_free
@@ -71,10 +78,11 @@ class Production:
         keep = self.config.production.keep_serving
         unit = self.supervisor_unit() if keep else None
         draft = self.registry.fetch(version, "sglang", Path(self.config.production.state_dir) / "drafts" / version)
+        config, prompts = self.prompt_set(version)
         self.release_node()
         self.log(f"serving version {version} ({why}) from {draft}")
-        result = measure_server(self.serving_config, draft, self.log, role=f"production {version}",
-                                keep_running=keep, unit=unit)
+        result = measure_server(config, draft, prompts, self.log, role=f"production {version}", keep_running=keep,
+                                unit=unit)
         if keep:
             atomic_write_json(self.state, {"version": version, "pgid": result.pop("pgid"), "unit": unit,
                                            "url": self.url, "boot_id": boot_id(), "started": time.time()})
@@ -111,7 +119,26 @@ class Production:
         if self.mode == "managed":
             return self.serve(version, "re-measure")
         self.log(f"external: measuring it where it serves (registry production is {version})")
-        return benchmark_heldout(self.serving_config, self.url, self._log)
+        if version is None:
+            return None
+        config, prompts = self.prompt_set(version)
+        return benchmark_on(config, self.url, prompts, self._log)
+
+    def prompt_set(self, version: str) -> tuple[PipelineConfig, list[list[int]]]:
+        """The config and prompts a version is re-measured with: the prompt set and max_new_tokens it was measured
+        on when published, so its recorded accept length is comparable (a retrain's new prompts cannot fake a
+        shortfall). A version published before versions recorded their prompts is measured on this run's."""
+        recorded = self.registry.manifest(version).get("benchmark")
+        if recorded is None:
+            self.log(f"version {version} records no prompt set (published before versions kept theirs): measured on "
+                     "this run's held-out prompts, so a shortfall may come from other prompts")
+            return self.serving_config, prompt_ids_in(self.serving_config, benchmark_prompts_file(self.serving_config))
+        fetched = self.registry.fetch(version, PROMPTS_LAYOUT, Path(self.config.production.state_dir) / "prompts" / version)
+        benchmark = self.serving_config.benchmark.model_copy(update={"max_new_tokens": recorded["max_new_tokens"]})
+        config = self.serving_config.model_copy(update={"benchmark": benchmark})
+        self.log(f"measured on version {version}'s own prompt set: {recorded['prompts']} prompts (sha256 "
+                 f"{recorded['sha256'][:12]}), max_new_tokens {recorded['max_new_tokens']}")
+        return config, prompt_ids_in(config, fetched / PROMPTS_FILE)
 
     def recorded(self) -> dict | None:
         if not self.state.is_file():

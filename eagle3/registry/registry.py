@@ -56,7 +56,8 @@ def utc_now() -> datetime:
 
 def metrics_of(manifest: dict) -> Metrics:
     """The gate's view of a version: manifest["metrics"] = {"served": {accept_length, accept_rate, histogram,
-    output_tokens_per_s, lost_requests, server_version}, "simulated": {accept_length}, "engine_release"}."""
+    output_tokens_per_s, lost_requests, server_version}, "simulated": {accept_length}, "engine_release"}, and the
+    quality problems of its training data, manifest["data_quality"]["problems"]."""
     metrics = manifest.get("metrics") or {}
     served, simulated = metrics.get("served") or {}, metrics.get("simulated") or {}
     return Metrics(
@@ -64,6 +65,7 @@ def metrics_of(manifest: dict) -> Metrics:
         accept_rate=served.get("accept_rate"),
         simulated_accept_length=simulated.get("accept_length"),
         lost_requests=served.get("lost_requests") or 0,
+        data_problems=tuple((manifest.get("data_quality") or {}).get("problems") or ()),
     )
 
 
