@@ -60,7 +60,7 @@ class QualitySection(Section):
                                        "one id may take")
     min_distinct_ngram_ratio: float = Field(default=0.3, ge=0.0, lt=1.0, description="distinct 4-grams within a "
                                             "reply, averaged over replies")
-    max_empty_share: float = Field(default=0.05, ge=0.0, le=1.0, description="replies empty or whitespace only")
+    max_empty_share: float = Field(default=0.05, ge=0.0, le=1.0, description="replies with no text: whitespace or special tokens only")
     max_hit_limit_share: float = Field(default=0.5, ge=0.0, le=1.0, description="replies that hit "
                                        "data.max_new_tokens without an end token")
     max_duplicate_share: float = Field(default=0.2, ge=0.0, le=1.0, description="replies identical to another")

@@ -80,7 +80,8 @@ def measure_candidate(config: PipelineConfig, draft: Path, log: Log = print) -> 
     """The candidate's served result (run.dir/bench/served.json), with a no-draft baseline's throughput and the
     speedup when `benchmark.baseline` is set."""
     prompts = prompt_ids_in(config, benchmark_prompts_file(config))
-    baseline = measure_server(config, None, prompts, log, role="baseline (no draft)") if config.benchmark.baseline else None
+    baseline = (measure_server(config, None, prompts, log, role="baseline (no draft)") if config.benchmark.baseline
+                else None)
     result = measure_server(config, draft, prompts, log, role="candidate")
     if baseline is not None and not baseline["lost_requests"] and not result["lost_requests"]:
         result.update(baseline={k: baseline[k] for k in ("url", "wall_s", "output_tokens_per_s", "latency_s")},

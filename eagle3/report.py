@@ -52,11 +52,13 @@ def quality_section(quality: dict) -> str:
     """The data-quality figures of the regenerated replies against their thresholds, and every problem found."""
     figures, limits = quality["figures"], quality["thresholds"]
     share = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
-    rows = [["most frequent generated id (share of tokens)", f"{figures['top_token_id']} ({share(figures['top_token_share'])})",
+    rows = [["most frequent generated id (share of tokens)",
+             f"{figures['top_token_id']} ({share(figures['top_token_share'])})",
              f"at most {share(limits['max_top_token_share'])}"],
             ["distinct 4-grams per reply", share(figures["distinct_ngram_ratio"]),
              f"at least {share(limits['min_distinct_ngram_ratio'])}"],
-            ["replies empty or whitespace only", share(figures["empty_share"]), f"at most {share(limits['max_empty_share'])}"],
+            ["replies with no text (whitespace or special tokens only)", share(figures["empty_share"]),
+             f"at most {share(limits['max_empty_share'])}"],
             ["replies that hit max_new_tokens without an end token", share(figures["hit_limit_share"]),
              f"at most {share(limits['max_hit_limit_share'])}"],
             ["replies identical to another", share(figures["duplicate_share"]),
@@ -64,8 +66,8 @@ def quality_section(quality: dict) -> str:
     verdict = "passed" if quality["passed"] else "**FAILED**"
     lines = [f"- {'waived on purpose' if p['waived'] else '**failed**'} `{p['code']}`: {p['message']}"
              for p in quality["problems"]]
-    return "\n\n".join([f"## Data quality: {verdict} ({figures['replies']:,} replies, {figures['tokens']:,} generated "
-                         "tokens)", table(["measure", "value", "threshold"], rows), *(["\n".join(lines)] if lines else [])])
+    heading = f"## Data quality: {verdict} ({figures['replies']:,} replies, {figures['tokens']:,} generated tokens)"
+    return "\n\n".join([heading, table(["measure", "value", "threshold"], rows), *(["\n".join(lines)] if lines else [])])
 
 
 def vocab_report(stats: dict, inspected: dict) -> str:

@@ -89,6 +89,11 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     # online: no hidden state under the run, and the data artifact says capture was skipped
     assert not (config.stage_dir("data") / "hidden").exists()
     assert "hidden-state capture skipped (training.features online)" in found["data"]
+    assert "## Data quality: passed" in found["data"]
+    # the version keeps its data's quality report and the prompt set it was measured on
+    manifest = open_registry(config.registry).manifest(version)
+    assert manifest["data_quality"]["passed"] and manifest["benchmark"]["prompts"] == 4
+    assert "benchmark/prompts.jsonl" in manifest["files"]
 
 
 def test_a_rerun_with_unchanged_inputs_skips_finished_stages(micro_flow):
@@ -205,4 +210,20 @@ def test_a_failure_after_the_promotion_rolls_the_pointer_back(micro_flow):
     assert (stages["gate"], stages["promote"], stages["verify-production"]) == ("RolledBack", "RolledBack", "Failed")
     events = [e["event"] for e in registry.history()][-2:]
     assert events == ["promoted", "rolled-back"]  # the promote task's rollback hook
+    assert registry.production_version() == before
+
+
+def test_data_that_fails_its_quality_check_fails_the_run_at_regenerate(micro_flow):
+    overrides, _ = micro_flow
+    registry = open_registry(load_config(CONFIG, overrides).registry)
+    before = registry.production_version()
+    # a bar the micro target's replies cannot meet: the samples written are kept (the check is a refinement), and
+    # judged again
+    state = eagle3(CONFIG, overrides + ["data.quality.max_top_token_share=0.01"], return_state=True)
+    assert state.is_failed() and "data quality check failed" in state.message, state.message
+    assert "of generated tokens are id" in state.message and "(threshold 1%)" in state.message
+    stages = task_states(state.state_details.flow_run_id)
+    assert stages["regenerate"] == "Failed" and "capture" not in stages and "publish-candidate" not in stages
+    data = artifacts(state.state_details.flow_run_id)["data"]
+    assert "## Data quality: **FAILED**" in data and "**failed** `repeated-token`" in data
     assert registry.production_version() == before

@@ -41,7 +41,7 @@ def test_healthy_replies_pass_and_every_figure_is_measured():
 @pytest.mark.parametrize(("made", "code", "evidence"), [
     (replies(*PROSE[:5], *[(7,) * 20] * 5), "repeated-token", "50% of generated tokens are id 7 '<7>'"),
     (replies(*[tuple(range(i, i + 3)) * 7 for i in range(0, 30, 3)]), "looping", "4-grams are only 17% distinct"),
-    (replies(*PROSE, text=" \n"), "empty-replies", "100% of replies are empty or whitespace only"),
+    (replies(*PROSE, text=" \n"), "empty-replies", "100% of replies hold no text, only whitespace or special tokens"),
     (replies(*PROSE, hit_limit=True), "no-end-token", "100% of replies hit max_new_tokens (96) without an end token"),
     (replies(*PROSE[:5], *[PROSE[0]] * 5), "duplicate-replies", "50% of replies repeat another reply word for word"),
 ])

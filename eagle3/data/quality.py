@@ -4,7 +4,7 @@ A draft trained on degenerate replies learns them perfectly (a target that write
 simulated accept length at the physical limit), so nothing downstream would notice. Measured per set of replies:
 - the share of generated tokens taken by the most frequent id (a target repeating one token);
 - the distinct 4-gram ratio within a reply, averaged over replies (a target looping over a phrase);
-- replies that are empty or whitespace only (a stop token the target writes first);
+- replies with no text, only whitespace or special tokens (a stop token the target writes first);
 - replies that hit max_new_tokens without an end token (a stop token the engine does not know);
 - replies identical to another reply (a target that ignores the prompt).
 Each measure has a threshold in `data.quality`; a crossed one is a problem with a code, the evidence and the
@@ -121,9 +121,9 @@ def problems(figures: dict, limits: QualitySection, max_new_tokens: int | None, 
         crossed("looping", f"a reply's {NGRAM}-grams are only {ratio:.0%} distinct on average (threshold "
                 f"{limits.min_distinct_ngram_ratio:.0%}): the target loops over the same phrase; {CHECK_TEMPLATE}")
     if figures["replies"] and figures["empty_share"] > limits.max_empty_share:
-        crossed("empty-replies", f"{figures['empty_share']:.0%} of replies are empty or whitespace only (threshold "
-                f"{limits.max_empty_share:.0%}): the target ends its turn at once; {CHECK_TEMPLATE} (a generation "
-                "prompt the target answers with its end token)")
+        crossed("empty-replies", f"{figures['empty_share']:.0%} of replies hold no text, only whitespace or special "
+                f"tokens (threshold {limits.max_empty_share:.0%}): the target writes nothing readable; "
+                f"{CHECK_TEMPLATE} (e.g. a generation prompt the target answers with its end token)")
     hit = figures["hit_limit_share"]
     if hit is not None and hit > limits.max_hit_limit_share:
         crossed("no-end-token", f"{hit:.0%} of replies hit max_new_tokens ({max_new_tokens}) without an end token "

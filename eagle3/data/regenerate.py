@@ -424,7 +424,8 @@ def generate_batch(generator, tokenizer, prompts: list[Prompt], config: Pipeline
     records = []
     for prompt in prompts:
         sample = builders[prompt.id].sample(max_length)
-        record = {"id": prompt.id, "conversation": sample.conversation, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
+        record = {"id": prompt.id, "conversation": sample.conversation, "input_ids": sample.input_ids,
+                  "loss_mask": sample.loss_mask,
                   # each reply's [start, end) in input_ids and why the engine stopped it, for the quality report
                   "replies": [[*span, finish] for span, finish in zip(sample.replies, finishes.get(prompt.id, []))]}
         if prompt.id in ended_early:

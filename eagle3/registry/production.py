@@ -133,7 +133,8 @@ class Production:
             self.log(f"version {version} records no prompt set (published before versions kept theirs): measured on "
                      "this run's held-out prompts, so a shortfall may come from other prompts")
             return self.serving_config, prompt_ids_in(self.serving_config, benchmark_prompts_file(self.serving_config))
-        fetched = self.registry.fetch(version, PROMPTS_LAYOUT, Path(self.config.production.state_dir) / "prompts" / version)
+        fetched = self.registry.fetch(version, PROMPTS_LAYOUT,
+                                      Path(self.config.production.state_dir) / "prompts" / version)
         benchmark = self.serving_config.benchmark.model_copy(update={"max_new_tokens": recorded["max_new_tokens"]})
         config = self.serving_config.model_copy(update={"benchmark": benchmark})
         self.log(f"measured on version {version}'s own prompt set: {recorded['prompts']} prompts (sha256 "
