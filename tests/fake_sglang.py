@@ -6,7 +6,9 @@ fail: HTTP 500, a dropped connection, or a reply slower than the client's timeou
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,8 +17,9 @@ EOS = 1
 
 
 def answer_for(input_ids: list[int], length: int = 6) -> list[int]:
-    seed = sum(input_ids) * 31 + len(input_ids)
-    return [10 + (seed + 7 * i) % 200 for i in range(length - 1)] + [EOS]
+    """A reply that is a function of the whole prompt, so two prompts share one as rarely as real replies do."""
+    rng = random.Random(hashlib.sha256(json.dumps(input_ids).encode()).digest())
+    return [rng.randrange(10, 500) for _ in range(length - 1)] + [EOS]
 
 
 class FakeSGLang:

@@ -30,10 +30,10 @@ def micro_overrides(run_dir, target):
         "data.max_length=96",
         "data.batch_size=8",
         "data.shard_samples=10",
-        # the micro target (held-out loss ~2.9) answers about a sixth of the prompts with newlines only: its
-        # data passes looser bars than the defaults (a degenerate target still fails them: test_quality.py)
-        "data.quality.max_empty_share=0.3",
-        "data.quality.max_duplicate_share=0.4",
+        # the micro target (held-out loss ~2.9) answers a sixth to two fifths of the prompts with newlines only,
+        # which the default bars refuse: its tests waive those two checks on purpose (a degenerate target still
+        # fails the others: test_quality.py)
+        "data.quality.waive=[empty-replies, duplicate-replies]",
     ]
 
 

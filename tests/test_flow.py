@@ -90,6 +90,8 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     assert not (config.stage_dir("data") / "hidden").exists()
     assert "hidden-state capture skipped (training.features online)" in found["data"]
     assert "## Data quality: passed" in found["data"]
+    # the micro target's tests waive two checks on purpose (test_data.micro_overrides): the decision says so
+    assert "## Checks waived on purpose" in found["decision"] and "empty-replies waived" in found["decision"]
     # the version keeps its data's quality report and the prompt set it was measured on
     manifest = open_registry(config.registry).manifest(version)
     assert manifest["data_quality"]["passed"] and manifest["benchmark"]["prompts"] == 4
