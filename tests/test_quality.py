@@ -103,7 +103,7 @@ def test_a_waiver_lets_the_data_through_and_the_manifest_says_so(degenerate_targ
     args = ["data", "quality", "--config", str(TINY)] + [f"--set={o}" for o in micro_overrides(tmp_path / "run",
                                                                                                 degenerate_target)]
     assert main([*args, f"--set={waive}"]) == 0  # the regenerated replies, judged again: waived
-    assert main(args) == 1  # the same replies under the default waivers: failed
+    assert main(args) == 1  # the same replies under the micro tests' waivers only: failed
 
 
 def test_a_conversations_file_is_checked_before_it_is_used(micro_target, tmp_path, capsys):
@@ -112,7 +112,8 @@ def test_a_conversations_file_is_checked_before_it_is_used(micro_target, tmp_pat
              for i, answer in enumerate(["Sure, here is the answer you asked for."] * 3 + ["A list holds items."])]
     conversations.write_text("".join(json.dumps(line) + "\n" for line in lines))
     overrides = [f"--set={o}" for o in micro_overrides(tmp_path / "run", micro_target)]
-    assert main(["data", "quality", "--config", str(TINY), *overrides, "--file", str(conversations)]) == 1
+    assert main(["data", "quality", "--config", str(TINY), *overrides, "--set=data.quality.waive=[]",
+                 "--file", str(conversations)]) == 1
     out = capsys.readouterr().out
     assert "4 replies" in out and "FAILED duplicate-replies: 50% of replies repeat another reply" in out
     assert "hit max_new_tokens n/a" in out  # unknown from text
