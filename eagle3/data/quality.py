@@ -45,8 +45,8 @@ class Meter:
 
     def __init__(self):
         self.counts: Counter[int] = Counter()  # generated tokens by id
-        self.replies = self.empty = self.hit_limit = self.limit_known = 0
-        self.ratios: list[float] = []
+        self.replies = self.empty = self.hit_limit = self.limit_known = self.measured_ngrams = 0
+        self.ngram_ratios = 0.0  # summed over the replies long enough to have an n-gram
         self.copies: Counter[bytes] = Counter()  # reply digest -> how many replies have exactly those ids
         self.openings: dict[bytes, tuple[int, ...]] = {}  # reply digest -> its first ids, to show a repeated one
 
@@ -54,7 +54,8 @@ class Meter:
         self.replies += 1
         self.counts.update(reply.ids)
         if len(reply.ids) >= NGRAM:
-            self.ratios.append(distinct_ngram_ratio(reply.ids))
+            self.measured_ngrams += 1
+            self.ngram_ratios += distinct_ngram_ratio(reply.ids)
         self.empty += not reply.text.strip()
         if reply.hit_limit is not None:
             self.limit_known += 1
@@ -74,7 +75,7 @@ class Meter:
             "tokens": tokens,
             "top_token_id": top_id,
             "top_token_share": top_count / max(tokens, 1),
-            "distinct_ngram_ratio": sum(self.ratios) / len(self.ratios) if self.ratios else None,
+            "distinct_ngram_ratio": self.ngram_ratios / self.measured_ngrams if self.measured_ngrams else None,
             "empty_share": self.empty / n,
             "hit_limit_share": self.hit_limit / self.limit_known if self.limit_known else None,
             "duplicate_share": (self.replies - len(self.copies)) / n,
