@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from eagle3.cli import main
 from eagle3.config import GateSection, QualitySection, load_config
 from eagle3.data.quality import Reply, report
-from eagle3.data.regenerate import regenerate
+from eagle3.data.regenerate import regenerate, regenerated_replies
+from eagle3.errors import UnreadableInput
 from eagle3.formats.manifest import read_manifest
 from eagle3.registry.gate import Metrics, decide
 from test_config import TINY
@@ -117,3 +118,13 @@ def test_a_conversations_file_is_checked_before_it_is_used(micro_target, tmp_pat
     out = capsys.readouterr().out
     assert "4 replies" in out and "FAILED duplicate-replies: 50% of replies repeat another reply" in out
     assert "hit max_new_tokens n/a" in out  # unknown from text
+
+
+def test_samples_written_without_their_replies_are_refused_by_name(tmp_path):
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    (regen / "sample_ids.json").write_text('["a"]')
+    (regen / "samples-00000.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1], "loss_mask": [1]}) + "\n")
+    with pytest.raises(UnreadableInput, match=r"sample a was written by an eagle3 that did not record its replies; "
+                                              r"remove .* and regenerate"):
+        list(regenerated_replies(regen, tokenizer=None))

@@ -341,6 +341,9 @@ def check_quality(config: PipelineConfig, directory: Path, tokenizer, log: Log) 
 def regenerated_replies(directory: Path, tokenizer):
     """Every reply of the training split's samples (ids cut where a sample was cut at max_length)."""
     for record in read_regenerated(directory):
+        if "replies" not in record:
+            raise UnreadableInput(f"{directory}: sample {record['id']} was written by an eagle3 that did not record its "
+                                  f"replies; remove {directory} and regenerate")
         for start, end, finish in record["replies"]:
             ids = tuple(record["input_ids"][start:end])
             yield Reply(ids, tokenizer.decode(ids, skip_special_tokens=True), finish == "length")
