@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.cli import main
 from eagle3.config import GateSection, QualitySection, load_config
-from eagle3.data.quality import Reply, report
+from eagle3.data.quality import Reply, replies_in_file, report
 from eagle3.data.regenerate import regenerate, regenerated_replies
 from eagle3.errors import UnreadableInput
 from eagle3.formats.manifest import read_manifest
@@ -128,3 +128,8 @@ def test_samples_written_without_their_replies_are_refused_by_name(tmp_path):
     with pytest.raises(UnreadableInput, match=r"sample a was written by an eagle3 that did not record its replies; "
                                               r"remove .* and regenerate"):
         list(regenerated_replies(regen, tokenizer=None))
+
+
+def test_a_conversations_file_that_is_not_there_is_named(tmp_path):
+    with pytest.raises(UnreadableInput, match=r"missing.jsonl: no such prompt file"):
+        list(replies_in_file(tmp_path / "missing.jsonl", encode=list))

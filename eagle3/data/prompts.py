@@ -50,7 +50,7 @@ def load_prompts(source: str, limit: int | None = None) -> PromptSet:
     elif source.startswith("s3://"):
         lines = _s3_lines(source)
     else:
-        lines = _file_lines(Path(source))
+        lines = file_lines(Path(source))
     result = PromptSet(source=source)
     seen: set[str] = set()
     for number, line in enumerate(lines, start=1):
@@ -120,7 +120,7 @@ def _openai_turn(turn: object) -> dict:
     return {"role": role, "content": content}
 
 
-def _file_lines(path: Path) -> Iterator[str]:
+def file_lines(path: Path) -> Iterator[str]:
     try:
         with open(path, encoding="utf-8") as f:
             yield from f

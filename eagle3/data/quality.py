@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.config import QualitySection
-from eagle3.data.prompts import parse_turns
+from eagle3.data.prompts import file_lines, parse_turns
 from eagle3.errors import Eagle3Error, UnreadableInput
 
 NGRAM = 4
@@ -87,17 +87,16 @@ class Meter:
 def replies_in_file(path: Path, encode) -> Iterator[Reply]:
     """The assistant turns of a file of conversations (ShareGPT or OpenAI messages JSONL) as replies, tokenized
     with `encode(text)`; whether a reply hit a token limit is not known from text."""
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                turns = parse_turns(line)
-            except ValueError as err:
-                raise UnreadableInput(f"{path}:{number}: {err}") from None
-            for turn in turns:
-                if turn["role"] == "assistant":
-                    yield Reply(tuple(encode(turn["content"])), turn["content"], None)
+    for number, line in enumerate(file_lines(Path(path)), start=1):  # a missing or non-UTF-8 file is named
+        if not line.strip():
+            continue
+        try:
+            turns = parse_turns(line)
+        except ValueError as err:
+            raise UnreadableInput(f"{path}:{number}: {err}") from None
+        for turn in turns:
+            if turn["role"] == "assistant":
+                yield Reply(tuple(encode(turn["content"])), turn["content"], None)
 
 
 def distinct_ngram_ratio(ids: tuple[int, ...]) -> float:
