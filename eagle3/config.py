@@ -18,6 +18,7 @@ from eagle3.errors import ConfigError
 from eagle3.formats.engines import sglang_default_inputs
 from eagle3.formats.target import read_target_info
 from eagle3.fsutil import atomic_write_bytes
+from eagle3.shape import DraftShape, shape_problem
 
 STAGES = ("data", "vocab", "train", "export", "bench")
 
@@ -254,15 +255,17 @@ class ServingSection(Section):
         return value
 
     @model_validator(mode="after")
-    def _chain_draft_tokens(self) -> ServingSection:
+    def _drafting_shape(self) -> ServingSection:
         if self.num_draft_tokens is None:
             self.num_draft_tokens = self.num_steps + 1
-        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(
-                f"with eagle_topk 1 (chain drafting) num_draft_tokens must be num_steps + 1 = "
-                f"{self.num_steps + 1}, got {self.num_draft_tokens}"
-            )
+        problem = shape_problem(self.num_steps, self.eagle_topk, self.num_draft_tokens)
+        if problem:
+            raise ValueError(problem)
         return self
+
+    @property
+    def shape(self) -> DraftShape:
+        return DraftShape(self.num_steps, self.eagle_topk, self.num_draft_tokens)
 
 
 class BenchmarkSection(Section):

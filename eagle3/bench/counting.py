@@ -1,4 +1,4 @@
-"""How SGLang grows, finishes and counts one request under chain speculative decoding, by release.
+"""How SGLang grows, finishes and counts one request under speculative decoding (chain or tree), by release.
 
 The reference server and the simulator count through `SpecRequest`, so their numbers are SGLang's;
 tests/conformance/test_counting.py feeds the same token runs to each release's own scheduler and
@@ -10,8 +10,9 @@ tokenizer-manager code and compares every field. Read there (DESIGN §3, Accepta
 - Up to 0.5.17 the length cap is checked first (an EOS inside a run that crosses max_new_tokens ends the
   request as "length", keeping the tokens after the EOS); from 0.5.18 a stop token is checked first.
 - spec_accept_length = completion_tokens / verify steps (the prefill token included);
-  spec_accept_rate = correct drafts / (verify steps x num_steps); the histogram is indexed by the
-  drafts accepted in a step and grows only as far as needed. No spec_* key without a verify step.
+  spec_accept_rate = correct drafts / (verify steps x (num_draft_tokens - 1)): the tree's draft nodes, which
+  for a chain are its num_steps; the histogram is indexed by the drafts accepted in a step (the accepted
+  path's length, for a tree) and grows only as far as needed. No spec_* key without a verify step.
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ class SpecRequest:
         del self.output[kept:]
         self.finish = reason
 
-    def meta_info(self, num_steps: int) -> dict:
-        """The spec_* keys SGLang's tokenizer manager adds for this release ({} without a verify step)."""
+    def meta_info(self, drafts_per_step: int) -> dict:
+        """The spec_* keys SGLang's tokenizer manager adds for this release ({} without a verify step);
+        drafts_per_step: num_draft_tokens - 1."""
         if not self.verify_ct:
             return {}
-        release, proposed = _release(self.release), self.verify_ct * num_steps
+        release, proposed = _release(self.release), self.verify_ct * drafts_per_step
         meta = {"spec_verify_ct": self.verify_ct, "spec_accept_length": len(self.output) / self.verify_ct,
                 "spec_accept_rate": self.correct / proposed}
         if release >= NEW_KEYS_FROM:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.model.draft import Eagle3Draft, causal_mask
+from eagle3.model.draft import Eagle3Draft
 from eagle3.model.teacher import Teacher
+from eagle3.model.tree import DraftShape, draft_tree
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -77,35 +78,17 @@ def ttt_stats(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torc
     return StepStats(torch.stack(losses), torch.stack(correct).float(), torch.stack(count).float())
 
 
-@torch.no_grad()
 def draft_chain(model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[int]:
-    """Propose `steps` target ids after a verified prefix.
+    """Propose `steps` target ids after a verified prefix: the tree with topk 1 (`eagle3.model.tree`).
 
     aux [P, n_aux * TH]: target features of positions 0..P-1; tokens [P + 1]: x_0..x_P, where x_P is
     the last verified token (the bonus token). Returns the drafts for x_{P+1} .. x_{P+steps}; a draft
     outside the target vocabulary (a d2t that is not offsets) ends the chain, the rest are -1.
     """
-    length, device = aux.shape[0], aux.device
-    tokens = tokens.to(device)
-    hidden = model.fc(aux[None])  # [1, P, H]
-    q, key, value = model.project(tokens[None, 1:], hidden, torch.arange(length, device=device))
-    attention = model.midlayer.self_attn
-    hidden, logits = model.finish(hidden, attention.attend(q, key, value, causal_mask(length, device)))
-    hot = model.hot_token_ids()
+    drafts = draft_tree(model, aux, tokens, DraftShape(steps)).tokens
     vocab = model.embed_tokens.num_embeddings
-    hidden, token = hidden[:, -1:], hot[logits[0, -1].argmax()]
-    keys, values, drafts = [key], [value], [int(token)]
-    for j in range(1, steps):
-        if not 0 <= int(token) < vocab:  # a broken d2t maps outside the vocabulary: nothing after it can match
-            return drafts + [-1] * (steps - len(drafts))
-        q, key, value = model.project(token.view(1, 1), hidden, torch.tensor([length - 1 + j], device=device))
-        keys.append(key)
-        values.append(value)
-        visible = torch.ones(1, length + j, dtype=torch.bool, device=device)
-        hidden, logits = model.finish(hidden, attention.attend(q, torch.cat(keys, 2), torch.cat(values, 2), visible))
-        token = hot[logits[0, -1].argmax()]
-        drafts.append(int(token))
-    return drafts
+    broken = next((i for i, t in enumerate(drafts) if not 0 <= t < vocab), steps - 1)
+    return drafts[: broken + 1] + [-1] * (steps - broken - 1)
 
 
 class TTTModel(torch.nn.Module):

@@ -1,0 +1,160 @@
+"""Tree drafting and verification as SGLang does them for EAGLE (`--speculative-eagle-topk` K,
+`--speculative-num-steps` S, `--speculative-num-draft-tokens` N); a chain is the tree with K = 1.
+
+Drafting (read from SGLang's `draft_forward`, `select_top_k_tokens`, `organize_draft_results`):
+- the draft's forward over the verified prefix gives the root's K most probable tokens (softmax over the
+  draft vocabulary); a candidate's score is the product of the probabilities along its path;
+- each of the S - 1 further steps runs K branch slots: each expands its input into K children, and the K best
+  of the K * K children by score become the next step's inputs. A slot's input carries its parent's output
+  hidden state, but its attention sees the prefix and the entries that SLOT wrote at earlier steps (SGLang keeps
+  one cache row per slot and never reorders it by parent);
+- of all K + (S - 1) * K * K candidates the N - 1 best by score form the tree, in candidate order (a parent
+  always comes before its children).
+
+Verification (SGLang's `verify_tree_greedy` and `tree_speculative_sampling_target_only` kernels): the target
+scores every node in one forward (each node sees the prefix and its ancestors). From the root, the first child
+that passes is accepted and the walk goes on from it:
+- greedy: the child whose token is the target's argmax;
+- sampling: one uniform coin per node; the children are tried in order, accumulating the target's
+  probabilities of their tokens, and the child at which the coin falls under the sum is accepted. The token
+  after the last accepted node is then sampled from the target's distribution without the children tried
+  there. Output tokens follow the target's distribution exactly (the draft's probabilities are not used).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from eagle3.model.draft import Eagle3Draft, causal_mask
+from eagle3.shape import DraftShape
+
+ROOT = -1  # the last verified token, whose children are the first drafted position
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: list[int]  # [N - 1] target ids of the draft nodes, parents before children
+    parents: list[int]  # [N - 1] each node's parent node, ROOT for the first drafted position
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> DraftTree:
+        return cls(list(tokens), list(range(ROOT, len(tokens) - 1)))
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+    def depth(self, node: int) -> int:
+        """1 for the root's children."""
+        return 0 if node == ROOT else 1 + self.depth(self.parents[node])
+
+    def pruned(self, vocab_size: int) -> DraftTree:
+        """Without nodes outside the target vocabulary (a broken d2t) and their descendants: the target never
+        emits them, so they can never be accepted."""
+        keep, index = [], {ROOT: ROOT}
+        for node, (token, parent) in enumerate(zip(self.tokens, self.parents)):
+            if 0 <= token < vocab_size and parent in index:
+                index[node] = len(keep)
+                keep.append(node)
+        return DraftTree([self.tokens[n] for n in keep], [index[self.parents[n]] for n in keep])
+
+
+def walk_greedy(tree: DraftTree, next_token: Callable[[int], int], max_depth: int) -> list[int]:
+    """The accepted nodes, root to leaf: at each node the child holding next_token(node) (the target's argmax
+    after it), at most max_depth deep."""
+    path, node = [], ROOT
+    while len(path) < max_depth:
+        wanted = next_token(node)
+        node = next((c for c in tree.children(node) if tree.tokens[c] == wanted), None)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
+def walk_sampled(tree: DraftTree, probs: Callable[[int], torch.Tensor], generator: torch.Generator,
+                 max_depth: int) -> tuple[list[int], int]:
+    """(accepted nodes, the token sampled after the last one). probs(node) [V]: the target's distribution after
+    `node` at the request's temperature."""
+    path, node, tried = [], ROOT, []
+    while len(path) < max_depth:
+        coin, mass, tried = float(torch.rand((), generator=generator)), 0.0, []
+        accepted = None
+        for child in tree.children(node):
+            mass += float(probs(node)[tree.tokens[child]])
+            if coin <= mass:
+                accepted = child
+                break
+            tried.append(tree.tokens[child])
+        if accepted is None:
+            break
+        path.append(accepted)
+        node, tried = accepted, []
+    residual = probs(node).clone()  # [V]
+    residual[tried] = 0.0  # the children rejected here; none when the walk stopped on depth or at a leaf
+    return path, int(torch.multinomial(residual, 1, generator=generator))
+
+
+@torch.no_grad()
+def draft_tree(model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape) -> DraftTree:
+    """The draft tree after a verified prefix. aux [P, n_aux * TH]: target features of positions 0..P-1;
+    tokens [P + 1]: x_0..x_P, where x_P is the last verified token."""
+    steps, topk = shape.num_steps, shape.eagle_topk
+    length, device = aux.shape[0], aux.device
+    tokens = tokens.to(device)
+    attention, hot = model.midlayer.self_attn, model.hot_token_ids()
+    vocab = model.embed_tokens.num_embeddings
+    hidden = model.fc(aux[None])  # [1, P, H]
+    q, prefix_k, prefix_v = model.project(tokens[None, 1:], hidden, torch.arange(length, device=device))
+    hidden, logits = model.finish(hidden, attention.attend(q, prefix_k, prefix_v, causal_mask(length, device)))
+    top_p, top_i = logits[0, -1].float().softmax(-1).topk(topk)  # [K]
+    scores, ids, parents = [top_p], [hot[top_i]], [torch.full((topk,), ROOT, device=device)]
+    slot_score, slot_node, slot_token = top_p, torch.arange(topk, device=device), hot[top_i]  # [K] each
+    slot_hidden = hidden[:, -1:].expand(topk, 1, -1)  # [K, 1, H]: the parent's output
+    slot_k, slot_v = [], []  # per step [K, kv_heads, 1, d]: what each slot wrote
+    for i in range(1, steps):
+        position = torch.tensor([length - 1 + i], device=device)
+        q, k, v = model.project(slot_token.clamp(0, vocab - 1).view(topk, 1), slot_hidden, position)
+        slot_k.append(k)
+        slot_v.append(v)
+        keys = torch.cat([prefix_k.expand(topk, -1, -1, -1), *slot_k], dim=2)
+        values = torch.cat([prefix_v.expand(topk, -1, -1, -1), *slot_v], dim=2)
+        visible = torch.ones(1, length + i, dtype=torch.bool, device=device)
+        out, logits = model.finish(slot_hidden, attention.attend(q, keys, values, visible))  # [K, 1, H], [K, 1, Dv]
+        child_p, child_i = logits[:, -1].float().softmax(-1).topk(topk)  # [K, K]
+        expanded = (slot_score[:, None] * child_p).flatten()  # [K * K]
+        first = sum(len(s) for s in scores)
+        scores.append(expanded)
+        ids.append(hot[child_i].flatten())
+        parents.append(slot_node.repeat_interleave(topk))
+        best = best_first(expanded)[:topk]
+        slot_score, slot_node, slot_token = expanded[best], first + best, ids[-1][best]
+        slot_hidden = out[best // topk]
+    chosen = best_first(torch.cat(scores))[: shape.drafts_per_step].sort().values
+    all_ids, all_parents = torch.cat(ids), torch.cat(parents)
+    index = {ROOT: ROOT} | {int(c): n for n, c in enumerate(chosen)}
+    return DraftTree([int(all_ids[c]) for c in chosen], [index[int(all_parents[c])] for c in chosen])
+
+
+def best_first(scores: torch.Tensor) -> torch.Tensor:
+    """Indices by descending score; ties keep the lower index first, so a parent (whose score is never below
+    its children's) is chosen before them."""
+    return torch.sort(scores, descending=True, stable=True).indices
+
+
+def tree_attention(prefix_len: int, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's verify forward over prefix + nodes: position ids [P + N] and the visibility mask
+    [P + N, P + N] (True = visible): the prefix causally, each node the whole prefix, its ancestors and itself."""
+    n = len(tree.tokens)
+    positions = list(range(prefix_len)) + [prefix_len - 1 + tree.depth(node) for node in range(n)]
+    mask = torch.zeros(prefix_len + n, prefix_len + n, dtype=torch.bool)
+    mask[:prefix_len, :prefix_len] = causal_mask(prefix_len)
+    mask[prefix_len:, :prefix_len] = True
+    for node in range(n):
+        ancestor = node
+        while ancestor != ROOT:
+            mask[prefix_len + node, prefix_len + ancestor] = True
+            ancestor = tree.parents[ancestor]
+    return torch.tensor(positions), mask
