@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from eagle3.errors import ConversionError, Eagle3Error
+from eagle3.errors import ConfigError, ConversionError, Eagle3Error
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_UNREADABLE = 0, 1, 2
 
@@ -106,10 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     bench.set_defaults(handler=run_bench)
 
-    serve = commands.add_parser("serve", help="the reference server: SGLang's HTTP API with chain speculative decoding")
+    serve = commands.add_parser("serve", help="the reference server: SGLang's HTTP API with speculative decoding "
+                                "(chains and trees, greedy and sampled)")
     serve.add_argument("--target", type=Path, required=True, help="target model directory (transformers)")
-    serve.add_argument("--draft", type=Path, help="served draft checkpoint (sglang layout); none = plain greedy")
-    serve.add_argument("--num-steps", type=int, default=3, help="draft tokens proposed per verify step")
+    serve.add_argument("--draft", type=Path, help="served draft checkpoint (sglang layout); none = plain decoding")
+    serve.add_argument("--num-steps", type=int, default=3, help="drafting steps (the tree's depth) per verify step")
+    serve.add_argument("--eagle-topk", type=int, default=1, help="branches per drafting step (1: a chain)")
+    serve.add_argument("--num-draft-tokens", type=int, help="tree nodes verified per step, the root included "
+                       "(default: num_steps + 1, the chain)")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the coins sampled requests draw")
     serve.add_argument("--engine-release", help="SGLang release whose loader and aux-id rules to apply")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, required=True)
@@ -330,8 +335,13 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from eagle3.serve.reference import create_app
+    from eagle3.shape import DraftShape
 
-    app = create_app(args.target, args.draft, num_steps=args.num_steps, engine_release=args.engine_release)
+    try:
+        shape = DraftShape(args.num_steps, args.eagle_topk, args.num_draft_tokens)
+    except ValueError as err:
+        raise ConfigError(f"--num-steps/--eagle-topk/--num-draft-tokens: {err}") from None
+    app = create_app(args.target, args.draft, shape, engine_release=args.engine_release, seed=args.seed)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return EXIT_OK
 

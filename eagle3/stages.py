@@ -44,9 +44,11 @@ STAGE_INPUTS = {
     "train": ("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
               "training.warmup_steps", "training.max_steps", "training.batch_size", "training.seq_len",
               "training.grad_clip", "training.eval_fraction", "training.init_from", "training.eval_every",
-              "training.seed", "serving.num_steps", "benchmark.num_prompts", "benchmark.max_new_tokens"),
+              "training.seed", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
+              "benchmark.num_prompts", "benchmark.max_new_tokens"),
     "export": ("export", "serving.release", "serving.context_length", "target.family", "target.num_hidden_layers"),
-    "simulate": ("serving.release", "serving.num_steps", "benchmark.max_new_tokens", "benchmark.num_prompts",
+    "simulate": ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
+                 "benchmark.max_new_tokens", "benchmark.num_prompts",
                  "data.thinking"),
 }
 READS_TARGET = ("regenerate", "capture")  # the target's config and tokenizer content are in their keys

@@ -20,6 +20,7 @@ from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.data.targets import load_tokenizer
 from eagle3.model.weights import draft_as_served
 from eagle3.serve.reference import create_app
+from eagle3.shape import DraftShape
 from test_config import TINY
 from test_data import micro_overrides
 from test_reference_server import RELEASE, STEPS, drafts, one_thread, prompt_of, requests  # noqa: F401  (fixtures)
@@ -40,7 +41,7 @@ def plain_url(micro):
 
 @pytest.fixture(scope="module")
 def draft_url(micro, drafts):
-    with serving(create_app(micro["path"], drafts["good"], num_steps=STEPS, engine_release=RELEASE)) as (url, _):
+    with serving(create_app(micro["path"], drafts["good"], shape=DraftShape(STEPS), engine_release=RELEASE)) as (url, _):
         yield url
 
 
@@ -53,7 +54,7 @@ def test_served_accept_length_equals_the_simulators(micro, drafts, draft_url):
     result = run_benchmark(draft_url, bench_prompts(micro), MAX_NEW, 2, **FAST)
     served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
     rows = [simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, r), MAX_NEW,
-                            STEPS, frozenset({micro["eos"]}), RELEASE) for r in requests(micro)]
+                            DraftShape(STEPS), frozenset({micro["eos"]}), RELEASE) for r in requests(micro)]
     simulated = sum(r.completion_tokens for r in rows) / sum(r.verify_ct for r in rows)
     assert result["accept_length"] == pytest.approx(simulated, rel=0.02) and result["accept_length"] > 1.3
     assert [(p["completion_tokens"], p["verify_ct"]) for p in result["prompts"]] == [(r.completion_tokens, r.verify_ct) for r in rows]

@@ -18,6 +18,7 @@ from eagle3.formats.checkpoint import NativeDraft, save_native_draft
 from eagle3.model.weights import draft_as_served
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
+from eagle3.shape import DraftShape
 from fixtures_tiny import one_torch_thread
 from test_simulate import CONFIG, NEWLINE, greedy_reply, lens_draft, micro, rewrite  # noqa: F401  (micro: the module fixture)
 
@@ -72,7 +73,7 @@ def plain(micro):
 
 @pytest.fixture(scope="module")
 def speculative(micro, drafts):
-    with serving(micro["path"], drafts["good"], num_steps=STEPS, engine_release=RELEASE) as client:
+    with serving(micro["path"], drafts["good"], shape=DraftShape(STEPS), engine_release=RELEASE) as client:
         yield client
 
 
@@ -104,7 +105,7 @@ def test_served_counts_equal_the_simulators(micro, drafts, speculative, max_new_
     for request in requests(micro):
         meta = generate(speculative, max_new_tokens, **request)["meta_info"]
         row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, request),
-                              max_new_tokens, STEPS, frozenset({micro["eos"]}), RELEASE)
+                              max_new_tokens, DraftShape(STEPS), frozenset({micro["eos"]}), RELEASE)
         assert (meta["completion_tokens"], meta["spec_verify_ct"], meta["spec_num_correct_drafts"],
                 meta["spec_correct_drafts_histogram"]) == (row.completion_tokens, row.verify_ct, row.correct_drafts, row.histogram)
         assert meta["spec_accept_length"] == row.completion_tokens / row.verify_ct
@@ -142,7 +143,7 @@ def test_eos_ids_from_the_generation_config_end_the_request(micro, drafts, tmp_p
     (target / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [micro["eos"], NEWLINE]}))
     served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
     stops = []
-    with serving(target, drafts["good"], num_steps=STEPS, engine_release=RELEASE) as client:
+    with serving(target, drafts["good"], shape=DraftShape(STEPS), engine_release=RELEASE) as client:
         for request in requests(micro):
             out, prompt = generate(client, **request), prompt_of(micro, request)
             meta = out["meta_info"]
@@ -150,7 +151,7 @@ def test_eos_ids_from_the_generation_config_end_the_request(micro, drafts, tmp_p
             if out["output_ids"][-1] == NEWLINE:
                 assert meta["finish_reason"] == {"type": "stop", "matched": NEWLINE}
                 stops.append(meta["completion_tokens"])
-            row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt, MAX_NEW, STEPS,
+            row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt, MAX_NEW, DraftShape(STEPS),
                                   frozenset({micro["eos"], NEWLINE}), RELEASE)
             assert meta["completion_tokens"] == row.completion_tokens and meta.get("spec_verify_ct", 0) == row.verify_ct
             if row.verify_ct == 0:
@@ -174,22 +175,22 @@ BASELINE = MAX_NEW / (MAX_NEW - 1)  # a draft that is never accepted: n / (n - 1
 
 
 def test_absolute_d2t_serves_at_the_baseline(micro, drafts, speculative):
-    with serving(micro["path"], drafts["absolute"], num_steps=STEPS, engine_release=RELEASE) as client:
+    with serving(micro["path"], drafts["absolute"], shape=DraftShape(STEPS), engine_release=RELEASE) as client:
         counts = served_counts(client, micro)
     assert BASELINE <= accept_length(counts) <= 1.05 * BASELINE < 1.3 < accept_length(served_counts(speculative, micro))
 
 
 def test_layers_0_names_are_skipped_up_to_0_5_11(micro, drafts, speculative):
     """The renamed draft's layer keeps its random init under 0.5.11 (chance hits only), loads under 0.5.12."""
-    with serving(micro["path"], drafts["renamed"], num_steps=STEPS, engine_release="0.5.11") as client:
+    with serving(micro["path"], drafts["renamed"], shape=DraftShape(STEPS), engine_release="0.5.11") as client:
         assert BASELINE <= accept_length(served_counts(client, micro)) <= 1.05 * BASELINE
-    with serving(micro["path"], drafts["renamed"], num_steps=STEPS, engine_release="0.5.12") as client:
+    with serving(micro["path"], drafts["renamed"], shape=DraftShape(STEPS), engine_release="0.5.12") as client:
         served = served_counts(client, micro)
     assert served == served_counts(speculative, micro) and accept_length(served) > 1.3
 
 
 def test_server_info_model_info_and_health(micro, drafts, plain):
-    with serving(micro["path"], drafts["good"], num_steps=STEPS, engine_release=RELEASE) as client:
+    with serving(micro["path"], drafts["good"], shape=DraftShape(STEPS), engine_release=RELEASE) as client:
         assert client.get("/health").status_code == 200
         info = client.get("/server_info").json()
         assert info["version"] == RELEASE and info["speculative_num_steps"] == STEPS
@@ -211,10 +212,10 @@ def test_server_info_model_info_and_health(micro, drafts, plain):
 
 def test_requests_the_server_cannot_serve_are_refused(micro, plain):
     prompt = micro["prompts"][0]
-    sampled = plain.post("/generate", json={"input_ids": prompt, "sampling_params": {"temperature": 0.7}})
-    assert sampled.status_code == 400 and "temperature" in sampled.json()["error"]["message"]
-    default = plain.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}})
-    assert default.status_code == 400 and "temperature" in default.json()["error"]["message"]  # SGLang's default is 1.0
+    for params, field in (({"temperature": -0.5}, "temperature"), ({"temperature": "hot"}, "temperature"),
+                          ({"temperature": 0.7, "top_p": 0.9}, "top_p"), ({"top_k": 20}, "top_k")):
+        refused = plain.post("/generate", json={"input_ids": prompt, "sampling_params": params})
+        assert refused.status_code == 400 and f"sampling_params.{field}" in refused.json()["error"]["message"]
     for body in ({"sampling_params": {"temperature": 0}}, {"text": ["a", "b"], "sampling_params": {"temperature": 0}},
                  {"input_ids": [9999], "sampling_params": {"temperature": 0}},
                  {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 0}}):
@@ -232,3 +233,60 @@ def test_serve_command_runs_uvicorn(micro, drafts, monkeypatch):
     assert kwargs["host"] == "127.0.0.1" and kwargs["port"] == 30123
     paths = {route.path for route in app.routes}
     assert {"/generate", "/health", "/health_generate", "/get_model_info", "/server_info"} <= paths
+    # a tree SGLang could not draft is refused before anything loads, naming the flags
+    assert main(args + ["--eagle-topk", "2", "--num-draft-tokens", "9"]) == 2 and len(calls) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees and sampling
+
+TREES = [DraftShape(3, 4, 8), DraftShape(2, 2, 4), DraftShape(1, 3, 3)]
+
+
+@pytest.mark.parametrize("shape", TREES, ids=lambda s: f"steps{s.num_steps}-topk{s.eagle_topk}-tokens{s.num_draft_tokens}")
+def test_a_tree_serves_the_targets_greedy_text_counted_as_the_simulator(micro, drafts, plain, shape):
+    served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
+    accepted = 0
+    with serving(micro["path"], drafts["good"], shape=shape, engine_release=RELEASE) as client:
+        info = client.get("/server_info").json()
+        assert (info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (shape.eagle_topk,
+                                                                                          shape.num_draft_tokens)
+        for request in requests(micro):
+            spec, base = generate(client, **request), generate(plain, **request)
+            assert spec["output_ids"] == base["output_ids"] and spec["text"] == base["text"]
+            meta = spec["meta_info"]
+            row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers,
+                                  prompt_of(micro, request), MAX_NEW, shape, frozenset({micro["eos"]}), RELEASE)
+            assert (meta["completion_tokens"], meta["spec_verify_ct"], meta["spec_num_correct_drafts"],
+                    meta["spec_correct_drafts_histogram"]) == (row.completion_tokens, row.verify_ct,
+                                                               row.correct_drafts, row.histogram)
+            # SGLang's denominator: every tree node but the root, per verify step
+            assert meta["spec_num_proposed_drafts"] == meta["spec_verify_ct"] * (shape.num_draft_tokens - 1)
+            assert len(meta["spec_correct_drafts_histogram"]) <= shape.num_steps + 1
+            accepted += meta["spec_num_correct_drafts"]
+    assert accepted > 0
+
+
+def test_a_wider_tree_accepts_at_least_what_its_chain_does(micro, drafts):
+    """The tree keeps the chain's path (the top-1 child at every depth scores highest), so its greedy accept
+    length can only grow."""
+    served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
+
+    def accept_length(shape):
+        rows = [simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, r),
+                                MAX_NEW, shape, frozenset({micro["eos"]}), RELEASE) for r in requests(micro)]
+        return sum(r.completion_tokens for r in rows) / sum(r.verify_ct for r in rows)
+
+    assert accept_length(DraftShape(3, 4, 16)) >= accept_length(DraftShape(3)) > 1.3
+
+
+def test_sampled_requests_answer_with_sglangs_meta_info_keys(micro, drafts):
+    with serving(micro["path"], drafts["good"], shape=DraftShape(3, 4, 8), engine_release=RELEASE) as client:
+        for request in requests(micro):
+            body = {**request, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.7}}
+            answer = client.post("/generate", json=body).json()
+            meta = answer["meta_info"]
+            assert set(meta) == BASE_KEYS | SPEC_KEYS and meta["completion_tokens"] == len(answer["output_ids"])
+            assert meta["spec_num_proposed_drafts"] == meta["spec_verify_ct"] * 7
+        default = client.post("/generate", json={"input_ids": micro["prompts"][0]})  # SGLang's default: 1.0
+        assert default.status_code == 200 and len(default.json()["output_ids"]) == 128

@@ -23,8 +23,10 @@ from eagle3.data.targets import load_tokenizer
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, save_native_draft
 from eagle3.formats.vocab_map import build_vocab_map
 from eagle3.model.draft import Eagle3Draft, init_weights
+from eagle3.model.tree import DraftTree
 from eagle3.model.ttt import draft_chain
 from eagle3.model.weights import draft_as_served, target_head
+from eagle3.shape import DraftShape
 from fixtures_tiny import one_torch_thread
 from test_config import TINY
 from test_data import micro_overrides
@@ -153,7 +155,7 @@ def test_simulator_equals_brute_force_speculative_decoding(micro, kind, num_step
     eos_id = micro["eos"] if eos == "target" else eos  # "\n" as EOS: requests that finish on a draft token
     rows = []
     for prompt in micro["prompts"]:
-        row = simulate_prompt(draft, micro["model"], AUX_LAYERS, prompt, 13, num_steps, frozenset({eos_id}), None)
+        row = simulate_prompt(draft, micro["model"], AUX_LAYERS, prompt, 13, DraftShape(num_steps), frozenset({eos_id}), None)
         expected = brute_force(draft, micro["model"], prompt, 13, num_steps, eos_id)
         assert (row.completion_tokens, row.verify_ct, row.correct_drafts, row.histogram) == expected
         rows.append(row)
@@ -169,12 +171,12 @@ def test_a_never_accepted_draft_gives_n_over_n_minus_1(micro):
     seen = set(sum(micro["seqs"], []))
     absent = next(token for token in range(512) if token not in seen)
     draft = constant_draft(micro, absent)
-    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 13, 3, frozenset({micro["eos"]}), None)
+    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 13, DraftShape(3), frozenset({micro["eos"]}), None)
             for p in micro["prompts"]]
     for row in rows:
         n = row.completion_tokens
         assert n == 13 and row.verify_ct == n - 1 and row.correct_drafts == 0 and row.histogram == [n - 1]
-    result = AcceptanceResult(3, rows)
+    result = AcceptanceResult(DraftShape(3), rows)
     assert result.accept_length == pytest.approx(39 / 36) and result.accept_rate == 0.0
     assert result.histogram == [36]  # SGLang's histogram grows only as far as a step reached
     assert json.loads(json.dumps(result.to_dict()))["prompts"][0]["histogram"] == [12]
@@ -189,7 +191,7 @@ def test_oracle_drafts_and_the_finish_inside_a_verify_step():
     seq = prompt + list(range(10, 23))  # a 5-token prompt, a 13-token greedy continuation (no EOS)
 
     def oracle(right: int):
-        return lambda p: (seq[p + 1 : p + 1 + right] + [-1] * 4)[:3]
+        return lambda p: DraftTree.chain((seq[p + 1 : p + 1 + right] + [-1] * 4)[:3])
 
     def run(right: int, max_new: int, eos=frozenset(), release=None):
         row = replay(seq, 5, oracle(right), 3, max_new, eos, release)
@@ -204,7 +206,7 @@ def test_oracle_drafts_and_the_finish_inside_a_verify_step():
     # is checked first and the tokens after the EOS are kept; from 0.5.18 the EOS finishes the request
     assert run(3, 8, frozenset({16}), "0.5.17") == (8, 2, 6, [0, 0, 0, 2])
     assert run(3, 8, frozenset({16}), "0.5.18") == (7, 2, 6, [0, 0, 0, 2])
-    assert [AcceptanceResult(3, [replay(seq, 5, oracle(r), 3, 10, frozenset(), None)]).accept_length
+    assert [AcceptanceResult(DraftShape(3), [replay(seq, 5, oracle(r), 3, 10, frozenset(), None)]).accept_length
             for r in (3, 1, 0)] == [10 / 3, 10 / 5, 10 / 9]
 
 
@@ -269,9 +271,9 @@ def test_simulate_command_writes_the_result(micro, tmp_path, capsys):
     saved = json.loads((run_dir / "bench" / "simulated.json").read_text())
     assert {"accept_length", "accept_rate", "histogram", "prompts", "verify_ct", "completion_tokens",
             "correct_drafts", "num_steps", "num_prompts", "checkpoint", "engine_release", "max_new_tokens"} <= set(saved)
-    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 10, config.serving.num_steps,
+    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 10, config.serving.shape,
                             frozenset({micro["eos"]}), config.serving.release) for p in micro["prompts"][:2]]
-    expected = AcceptanceResult(config.serving.num_steps, rows).to_dict()
+    expected = AcceptanceResult(config.serving.shape, rows).to_dict()
     assert {key: saved[key] for key in expected} == expected
     assert saved["num_prompts"] == 2 and len(saved["histogram"]) <= config.serving.num_steps + 1
     assert saved["correct_drafts"] > 0  # the exported lens draft is right on the newline run

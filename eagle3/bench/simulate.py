@@ -1,12 +1,16 @@
-"""Offline acceptance simulator: chain speculative decoding replayed over the target's greedy output.
+"""Offline acceptance simulator: greedy speculative decoding (chains and trees) replayed over the target's
+greedy output.
 
 For a greedy target the accepted tokens are exactly its greedy continuation, so one target pass over
-prompt + continuation gives every feature the draft needs. The continuation runs num_steps tokens past
-max_new_tokens and past EOS, because a verify step can accept drafts there, and SGLang counts them.
-The request grows, finishes and counts as the served release does (`eagle3.bench.counting`):
+prompt + continuation gives every feature the draft needs, and a draft tree's accepted path is the one that
+follows the continuation. The continuation runs num_steps tokens past max_new_tokens and past EOS, because a
+verify step can accept drafts there, and SGLang counts them. The request grows, finishes and counts as the
+served release does (`eagle3.bench.counting`):
 
     accept_length = Σ completion_tokens / Σ verify_ct
-    accept_rate   = Σ correct_drafts / (Σ verify_ct × num_steps)
+    accept_rate   = Σ correct_drafts / (Σ verify_ct × (num_draft_tokens - 1))
+
+Sampled decoding (temperature > 0) is measured on a server only: its acceptance depends on the coins.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from eagle3.engines.features import local_device
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.draft import Eagle3Draft
-from eagle3.model.ttt import draft_chain
+from eagle3.model.tree import DraftTree, draft_tree, walk_greedy
 from eagle3.model.weights import draft_as_served, target_head
 from eagle3.progress import Progress
+from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
 RESULT_FILE = "simulated.json"
@@ -46,7 +51,7 @@ class PromptResult:
 
 @dataclass
 class AcceptanceResult:
-    num_steps: int
+    shape: DraftShape
     rows: list[PromptResult]
 
     @property
@@ -71,12 +76,12 @@ class AcceptanceResult:
 
     @property
     def accept_rate(self) -> float | None:
-        return self.correct_drafts / (self.verify_ct * self.num_steps) if self.verify_ct else None
+        return self.correct_drafts / (self.verify_ct * self.shape.drafts_per_step) if self.verify_ct else None
 
     def to_dict(self) -> dict:
         return {
             "num_prompts": len(self.rows),
-            "num_steps": self.num_steps,
+            **asdict(self.shape),
             "completion_tokens": self.completion_tokens,
             "verify_ct": self.verify_ct,
             "correct_drafts": self.correct_drafts,
@@ -93,19 +98,17 @@ def aux_features(model, seq: list[int], aux_layers: list[int]) -> torch.Tensor:
     return torch.cat([out.hidden_states[k + 1][0] for k in aux_layers], dim=-1).float()
 
 
-def replay(seq: list[int], prompt_len: int, propose: Callable[[int], list[int]], num_steps: int,
+def replay(seq: list[int], prompt_len: int, propose: Callable[[int], DraftTree], num_steps: int,
            max_new_tokens: int, eos_ids: frozenset[int], release: str | None) -> PromptResult:
-    """Count chain drafting over a known greedy sequence; propose(P) drafts x_{P+1}.. after the verified
-    x_P. The simulator's sequence runs num_steps tokens past where any request can finish; a shorter one
-    (a stored reply, in the trainer's estimate) cuts the last runs where it ends."""
+    """Count drafting over a known greedy sequence; propose(P) drafts the tree after the verified x_P. The
+    simulator's sequence runs num_steps tokens past where any request can finish; a shorter one (a stored
+    reply, in the trainer's estimate) cuts the last runs where it ends."""
     request = SpecRequest(max_new_tokens, eos_ids, release)
     request.add_token(seq[prompt_len])  # the prefill's token: no verify step
     p = prompt_len  # index of the last verified token
     while request.finish is None:
-        drafts, most = propose(p), min(num_steps, len(seq) - p - 2)  # leave room for the bonus token
-        accepted = 0
-        while accepted < most and drafts[accepted] == seq[p + 1 + accepted]:
-            accepted += 1
+        tree, most = propose(p), min(num_steps, len(seq) - p - 2)  # leave room for the bonus token
+        accepted = len(walk_greedy(tree, lambda node: seq[p + 1 + tree.depth(node)], most))  # noqa: B023
         run = seq[p + 1 : p + 2 + accepted]  # accepted drafts + the bonus token
         request.add_verify(run)
         p += len(run)
@@ -114,12 +117,12 @@ def replay(seq: list[int], prompt_len: int, propose: Callable[[int], list[int]],
 
 @torch.no_grad()
 def simulate_prompt(draft: Eagle3Draft, target_model, aux_layers: list[int], prompt_ids: list[int],
-                    max_new_tokens: int, num_steps: int, eos_ids: frozenset[int], release: str | None) -> PromptResult:
-    seq = list(prompt_ids) + target_greedy(target_model, list(prompt_ids), max_new_tokens + num_steps)
+                    max_new_tokens: int, shape: DraftShape, eos_ids: frozenset[int], release: str | None) -> PromptResult:
+    seq = list(prompt_ids) + target_greedy(target_model, list(prompt_ids), max_new_tokens + shape.num_steps)
     aux = aux_features(target_model, seq, aux_layers)  # [T, n_aux * H]
     tokens = torch.tensor(seq)  # [T]
-    propose = lambda p: draft_chain(draft, aux[:p], tokens[: p + 1], num_steps)  # noqa: E731
-    return replay(seq, len(prompt_ids), propose, num_steps, max_new_tokens, eos_ids, release)
+    propose = lambda p: draft_tree(draft, aux[:p], tokens[: p + 1], shape)  # noqa: E731
+    return replay(seq, len(prompt_ids), propose, shape.num_steps, max_new_tokens, eos_ids, release)
 
 
 def render_table(result: AcceptanceResult) -> list[str]:
@@ -129,7 +132,7 @@ def render_table(result: AcceptanceResult) -> list[str]:
     return [
         f"simulate: {len(result.rows)} prompts, {result.completion_tokens} completion tokens, {result.verify_ct} verify steps",
         f"  accept length  {result.accept_length:.3f}  (completion tokens / verify steps)",
-        f"  accept rate    {result.accept_rate:.3f}  (correct drafts / (verify steps x {result.num_steps}))",
+        f"  accept rate    {result.accept_rate:.3f}  (correct drafts / (verify steps x {result.shape.drafts_per_step}))",
         f"  histogram      {buckets}  (verify steps by correct drafts)",
     ]
 
@@ -146,7 +149,7 @@ class HeldoutRef:
         return self.reader.sample(self.index)
 
 
-def replay_stored(draft: Eagle3Draft, sample: StoredSample, num_steps: int, max_new_tokens: int,
+def replay_stored(draft: Eagle3Draft, sample: StoredSample, shape: DraftShape, max_new_tokens: int,
                   eos_ids: frozenset[int], release: str | None) -> PromptResult:
     """Replay one stored held-out greedy sequence (loss_mask marks the continuation) with its stored features."""
     mask = sample.loss_mask.bool()
@@ -154,8 +157,8 @@ def replay_stored(draft: Eagle3Draft, sample: StoredSample, num_steps: int, max_
     seq = sample.input_ids.long()  # [T]
     device = next(draft.parameters()).device
     aux = sample.aux_hidden.to(device, torch.float32)  # [T, n_aux * H]
-    propose = lambda p: draft_chain(draft, aux[:p], seq[: p + 1].to(device), num_steps)  # noqa: E731
-    return replay(seq.tolist(), prompt_len, propose, num_steps, max_new_tokens, eos_ids, release)
+    propose = lambda p: draft_tree(draft, aux[:p], seq[: p + 1].to(device), shape)  # noqa: E731
+    return replay(seq.tolist(), prompt_len, propose, shape.num_steps, max_new_tokens, eos_ids, release)
 
 
 def heldout_samples(config: PipelineConfig) -> list[HeldoutRef]:
@@ -181,13 +184,13 @@ def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print) -> Acce
     draft = draft_as_served(Path(checkpoint), config.serving.release, target_head(config.target.path)["embed"])
     draft = draft.to(device).eval()
     samples = heldout_samples(config)
-    eos_ids, num_steps = target_eos_ids(config.target.path), config.serving.num_steps
+    eos_ids, shape = target_eos_ids(config.target.path), config.serving.shape
     progress = Progress("simulate", total=len(samples), unit="prompts", log=log)
     rows = []
     for ref in samples:
-        rows.append(replay_stored(draft, ref.load(), num_steps, config.benchmark.max_new_tokens, eos_ids, config.serving.release))
+        rows.append(replay_stored(draft, ref.load(), shape, config.benchmark.max_new_tokens, eos_ids, config.serving.release))
         progress.advance(1, tokens=rows[-1].completion_tokens)
-    result = AcceptanceResult(num_steps, rows)
+    result = AcceptanceResult(shape, rows)
     for line in render_table(result):
         log(line)
     out = config.stage_dir("bench") / RESULT_FILE

@@ -95,7 +95,8 @@ def reference_command(config: PipelineConfig, target_path, draft_path) -> list[s
     s = config.serving
     command = [sys.executable, "-m", "eagle3.cli", "serve", "--target", str(target_path)]
     command += ["--draft", str(draft_path)] if draft_path is not None else []
-    command += ["--num-steps", str(s.num_steps)]
+    command += ["--num-steps", str(s.num_steps), "--eagle-topk", str(s.eagle_topk),
+                "--num-draft-tokens", str(s.num_draft_tokens)]
     command += ["--engine-release", s.release] if s.release else []
     return command + ["--host", s.host, "--port", str(s.port)]
 

@@ -1,12 +1,15 @@
-"""The reference server: the subset of SGLang's HTTP API the pipeline uses, with real chain speculative
-decoding on a transformers target (DESIGN §4), counted the way SGLang counts (DESIGN §3).
+"""The reference server: the subset of SGLang's HTTP API the pipeline uses, with real speculative decoding
+(chains and trees, greedy and sampled) on a transformers target (DESIGN §4), counted the way SGLang counts
+(DESIGN §3).
 
 Per request: the prefill forward gives the first completion token (no verify step). Each verify step:
-the draft proposes S tokens with `draft_chain` from the target's aux features of the verified prefix;
-the target runs ONE forward over prefix + drafts; the longest agreeing prefix of drafts is accepted,
-plus the target's own next token (the bonus). The request grows, finishes and counts as the release it
-stands for does (`eagle3.bench.counting`, proven against SGLang's own code). The target recomputes the
-whole sequence each forward (no KV cache): slow, but nothing to get wrong. Greedy only.
+the draft proposes a tree (`eagle3.model.tree.draft_tree`; a chain with eagle_topk 1) from the target's aux
+features of the verified prefix; the target scores every node in ONE forward over prefix + nodes with a tree
+attention mask; the longest path that passes (greedy: the target's argmax; temperature > 0: SGLang's
+target-only speculative sampling) is accepted, plus the target's own next token (the bonus). The request
+grows, finishes and counts as the release it stands for does (`eagle3.bench.counting`, proven against
+SGLang's own code). The target recomputes the whole sequence each forward (no KV cache): slow, but nothing
+to get wrong.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from starlette.concurrency import run_in_threadpool
 
 from eagle3.bench.counting import SpecRequest, server_accept_length
 from eagle3.model.draft import Eagle3Draft
-from eagle3.model.ttt import draft_chain
+from eagle3.model.tree import ROOT, DraftTree, draft_tree, tree_attention, walk_greedy, walk_sampled
 from eagle3.model.weights import draft_as_served, target_head
+from eagle3.shape import DraftShape
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 DEFAULT_TEMPERATURE = 1.0  # SGLang's default: a request that names no temperature samples there
+GREEDY_BELOW = 1e-6  # SGLang decodes greedily (top_k 1) under this temperature
+SAMPLING_DEFAULTS = {"top_p": 1.0, "top_k": -1, "min_p": 0.0}  # what this server samples with: SGLang's defaults
 
 
 class BadRequest(ValueError):
@@ -40,54 +46,79 @@ class Served:
     tokenizer: object
     eos_ids: frozenset[int]
     draft: Eagle3Draft | None
-    num_steps: int
+    shape: DraftShape
     release: str | None  # the SGLang release whose finish rule and meta_info keys this server follows
+    generator: torch.Generator  # the coins of sampled requests, seeded at start: a rerun answers alike
     totals: list[int] = field(default_factory=lambda: [0, 0])  # [Σ correct drafts, Σ verify_ct] with a draft
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @torch.no_grad()
-def target_forward(served: Served, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ids [T] -> (greedy next token after each position [T], aux features [T, n_aux * H] or None)."""
+def target_forward(served: Served, ids: list[int], tree: DraftTree | None = None):
+    """ids [T] (+ the tree's nodes, each seeing the prefix and its ancestors) -> (logits [T + N, V] float32,
+    aux features [T + N, n_aux * H] or None)."""
     layers = served.draft.config.aux_layers if served.draft is not None else None
-    out = served.target(torch.tensor([ids]), output_hidden_states=layers is not None)
+    extra = {}
+    if tree is not None and tree.tokens:
+        positions, visible = tree_attention(len(ids), tree)
+        blocked = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+        extra = {"position_ids": positions[None], "attention_mask": blocked[None, None]}  # [1, 1, T + N, T + N]
+        ids = ids + tree.tokens
+    out = served.target(torch.tensor([ids]), output_hidden_states=layers is not None, **extra)
     aux = torch.cat([out.hidden_states[k + 1][0] for k in layers], dim=-1).float() if layers else None
-    return out.logits[0].argmax(-1), aux
+    return out.logits[0].float(), aux
 
 
-def decode(served: Served, prompt: list[int], max_new_tokens: int) -> SpecRequest:
-    """Greedy (speculative when a draft is loaded) decoding of one request, grown and counted as SGLang does."""
+def next_token(served: Served, logits: torch.Tensor, temperature: float) -> int:
+    """Plain decoding of one token from logits [V]: argmax, or a sample at the temperature."""
+    if temperature < GREEDY_BELOW:
+        return int(logits.argmax())
+    return int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=served.generator))
+
+
+def verify(served: Served, seq: list[int], aux: torch.Tensor, temperature: float) -> tuple[list[int], torch.Tensor]:
+    """One verify step after the verified `seq` (aux [len(seq) - 1, n_aux * H]): the run it yields (accepted
+    drafts + the bonus token) and the aux features of the verified prefix after it."""
+    tree = draft_tree(served.draft, aux, torch.tensor(seq), served.shape).pruned(served.target.config.vocab_size)
+    logits, aux = target_forward(served, seq, tree)  # ONE verify forward: [len(seq) + N, V]
+    row = lambda node: logits[len(seq) - 1 if node == ROOT else len(seq) + node]  # noqa: E731 (after `node`)
+    if temperature < GREEDY_BELOW:
+        path = walk_greedy(tree, lambda node: int(row(node).argmax()), served.shape.num_steps)
+        bonus = int(row(path[-1] if path else ROOT).argmax())
+    else:
+        path, bonus = walk_sampled(tree, lambda node: (row(node) / temperature).softmax(-1), served.generator,
+                                   served.shape.num_steps)
+    # features of the verified prefix: x_0 .. x_{P-1} and the accepted nodes (causal: the others don't matter)
+    return [tree.tokens[n] for n in path] + [bonus], torch.cat([aux[: len(seq)], aux[[len(seq) + n for n in path]]])
+
+
+def decode(served: Served, prompt: list[int], max_new_tokens: int, temperature: float = 0.0) -> SpecRequest:
+    """Decoding of one request (speculative when a draft is loaded), grown and counted as SGLang does."""
     request = SpecRequest(max_new_tokens, served.eos_ids, served.release)
-    vocab = served.target.config.vocab_size
-    greedy, aux = target_forward(served, prompt)  # prefill: [P], aux [P, n_aux * H]
-    request.add_token(int(greedy[-1]))
+    logits, aux = target_forward(served, prompt)  # prefill: [P, V], aux [P, n_aux * H]
+    request.add_token(next_token(served, logits[-1], temperature))
     while request.finish is None:
         seq = prompt + request.output  # the verified tokens
         if served.draft is None:
-            request.add_token(int(target_forward(served, seq)[0][-1]))
+            request.add_token(next_token(served, target_forward(served, seq)[0][-1], temperature))
             continue
-        drafts = draft_chain(served.draft, aux, torch.tensor(seq), served.num_steps)  # x_{P+1} .. x_{P+S}
-        valid = next((i for i, t in enumerate(drafts) if not 0 <= t < vocab), len(drafts))  # out of vocab: never right
-        greedy, aux = target_forward(served, seq + drafts[:valid])  # ONE verify forward over prefix + drafts
-        proposals = greedy[len(seq) - 1 :].tolist()  # [valid + 1] the target's token after x_P, x_P + d_1, ...
-        accepted = 0
-        while accepted < valid and drafts[accepted] == proposals[accepted]:
-            accepted += 1
-        request.add_verify(proposals[: accepted + 1])  # accepted drafts + bonus
-        # features of the verified prefix x_0 .. x_{P'-1} (causal: the drafts after it don't matter)
-        aux = aux[: len(seq) + accepted]
+        run, aux = verify(served, seq, aux, temperature)
+        request.add_verify(run)
     return request
 
 
-def parse_request(served: Served, body: dict) -> tuple[list[int], int]:
-    """The prompt ids and max_new_tokens of a /generate body; BadRequest names the field at fault."""
+def parse_request(served: Served, body: dict) -> tuple[list[int], int, float]:
+    """The prompt ids, max_new_tokens and temperature of a /generate body; BadRequest names the field at fault."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     params = body.get("sampling_params") or {}
     temperature = params.get("temperature", DEFAULT_TEMPERATURE)
-    if not isinstance(temperature, (int, float)) or temperature != 0:
-        raise BadRequest(f"sampling_params.temperature={temperature!r}: the reference server decodes greedily only; "
-                         f"send temperature 0 (SGLang's default, when it is missing, is {DEFAULT_TEMPERATURE})")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise BadRequest(f"sampling_params.temperature={temperature!r}: give a number >= 0 (0 decodes greedily)")
+    for name, default in SAMPLING_DEFAULTS.items():
+        if params.get(name, default) != default:
+            raise BadRequest(f"sampling_params.{name}={params[name]!r}: the reference server samples with the "
+                             f"temperature alone; leave {name} at SGLang's default {default}")
     max_new_tokens = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise BadRequest(f"sampling_params.max_new_tokens={max_new_tokens!r}: give a positive integer")
@@ -99,38 +130,39 @@ def parse_request(served: Served, body: dict) -> tuple[list[int], int]:
         raise BadRequest("give `text` (one string) or `input_ids` (one non-empty list of token ids); batches are not served")
     if not ids or not all(0 <= t < served.target.config.vocab_size for t in ids):
         raise BadRequest(f"input_ids: give at least one id, each in [0, {served.target.config.vocab_size})")
-    return ids, max_new_tokens
+    return ids, max_new_tokens, float(temperature)
 
 
 def generate(served: Served, body: dict, count: bool = True) -> dict:
     start = time.perf_counter()  # end to end, as SGLang measures it: waiting for the lock included
-    ids, max_new_tokens = parse_request(served, body)
+    ids, max_new_tokens, temperature = parse_request(served, body)
     with served.lock:  # one model on the CPU: one request at a time
-        request = decode(served, ids, max_new_tokens)
+        request = decode(served, ids, max_new_tokens, temperature)
         if served.draft is not None and count:  # health checks stay out of avg_spec_accept_length
             served.totals = [served.totals[0] + request.correct, served.totals[1] + request.verify_ct]
     meta = {"prompt_tokens": len(ids), "completion_tokens": len(request.output), "finish_reason": request.finish,
-            "e2e_latency": time.perf_counter() - start, **request.meta_info(served.num_steps)}
+            "e2e_latency": time.perf_counter() - start, **request.meta_info(served.shape.drafts_per_step)}
     text = served.tokenizer.decode(request.output, skip_special_tokens=True)
     return {"text": text, "output_ids": request.output, "meta_info": meta}
 
 
-def load(target_dir: Path, draft_dir: Path | None, num_steps: int, engine_release: str | None) -> Served:
+def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, engine_release: str | None,
+         seed: int = 0) -> Served:
     from transformers import AutoModelForCausalLM
 
     from eagle3.data.targets import eos_ids_of, load_tokenizer
 
-    if num_steps < 1:
-        raise ValueError(f"num_steps={num_steps}: chain drafting needs at least one step")
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     draft = None
     if draft_dir is not None:
         draft = draft_as_served(Path(draft_dir), engine_release, target_head(Path(target_dir))["embed"]).eval()
-    return Served(target, load_tokenizer(str(target_dir)), eos_ids_of(target), draft, num_steps, engine_release)
+    return Served(target, load_tokenizer(str(target_dir)), eos_ids_of(target), draft, shape, engine_release,
+                  torch.Generator().manual_seed(seed))
 
 
-def create_app(target_dir, draft_dir=None, num_steps: int = 3, engine_release: str | None = None) -> FastAPI:
-    served = load(Path(target_dir), draft_dir, num_steps, engine_release)
+def create_app(target_dir, draft_dir=None, shape: DraftShape = DraftShape(3), engine_release: str | None = None,
+               seed: int = 0) -> FastAPI:
+    served = load(Path(target_dir), draft_dir, shape, engine_release, seed)
     app = FastAPI(title="eagle3 reference server")
 
     @app.post("/generate")
@@ -162,6 +194,9 @@ def create_app(target_dir, draft_dir=None, num_steps: int = 3, engine_release: s
     def server_info():
         correct, verify_ct = served.totals
         state = {"avg_spec_accept_length": server_accept_length(correct, verify_ct)} if verify_ct else {}
-        return {"version": engine_release or "reference", "internal_states": [state], "speculative_num_steps": num_steps}
+        speculative = {} if draft_dir is None else {
+            "speculative_num_steps": shape.num_steps, "speculative_eagle_topk": shape.eagle_topk,
+            "speculative_num_draft_tokens": shape.num_draft_tokens}
+        return {"version": engine_release or "reference", "internal_states": [state], **speculative}
 
     return app

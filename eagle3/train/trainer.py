@@ -285,12 +285,12 @@ class Trainer:
         return totals, self.replay_counts()
 
     def replay_counts(self) -> torch.Tensor:
-        """[completion tokens, verify steps] of chain drafting replayed over this rank's held-out greedy sequences,
+        """[completion tokens, verify steps] of drafting (serving's chain or tree) replayed over this rank's held-out greedy sequences,
         counted as the simulator and the server count them."""
         completion, verify_ct = 0, 0
         serving = self.config.serving
         for ref in self.heldout[self.my_rows()]:
-            result = replay_stored(self.model, ref.load(), serving.num_steps, self.config.benchmark.max_new_tokens,
+            result = replay_stored(self.model, ref.load(), serving.shape, self.config.benchmark.max_new_tokens,
                                    self.eos_ids, serving.release)
             completion, verify_ct = completion + result.completion_tokens, verify_ct + result.verify_ct
         return torch.tensor([completion, verify_ct], dtype=torch.float32, device=self.dist.device)

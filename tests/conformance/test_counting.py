@@ -8,6 +8,7 @@ import pytest
 
 from eagle3.bench.counting import SpecRequest, server_accept_length
 from eagle3.bench.simulate import replay
+from eagle3.model.tree import DraftTree
 from releases import RELEASES
 
 NUM_STEPS, EOS, PROMPT, PREFILL = 3, 1, [5, 6, 7], 10
@@ -76,8 +77,8 @@ def test_the_simulators_replay_counts_the_same(counted, name):
         starts[p] = run
         p += len(run)
 
-    def propose(p: int) -> list[int]:
-        return (starts[p][:-1] + [-1] * NUM_STEPS)[:NUM_STEPS]
+    def propose(p: int) -> DraftTree:
+        return DraftTree.chain((starts[p][:-1] + [-1] * NUM_STEPS)[:NUM_STEPS])
 
     row = replay(seq, len(PROMPT), propose, NUM_STEPS, cap, frozenset({EOS}), release)
     theirs = answers[name]

@@ -31,9 +31,11 @@ from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.data.targets import eos_ids_of, load_tokenizer
 from eagle3.formats.checkpoint import NativeDraft, save_native_draft
+from eagle3.model.tree import DraftTree
 from eagle3.model.weights import draft_as_served
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
+from eagle3.shape import DraftShape
 from fixtures_tiny import one_torch_thread
 from servers import CPU_FLAGS, sglang_server
 from test_simulate import CONFIG, lens_draft, micro, random_draft  # noqa: F401  (micro: the module fixture)
@@ -180,9 +182,9 @@ def simulate_as_0_5_11(draft, target_model, prompt: list[int], max_new_tokens: i
     seq = prompt + target_greedy(target_model, prompt, max_new_tokens + STEPS)
     aux, tokens, last = aux_features(target_model, seq, draft.config.aux_layers), torch.tensor(seq), [None]
 
-    def propose(p: int) -> list[int]:
+    def propose(p: int) -> DraftTree:
         run, last[0] = (0 if last[0] is None else p - last[0]), p  # none after the prefill's draft extend
-        return chain_as_0_5_11(draft, aux[:p], tokens[: p + 1], STEPS, run)
+        return DraftTree.chain(chain_as_0_5_11(draft, aux[:p], tokens[: p + 1], STEPS, run))
 
     return replay(seq, len(prompt), propose, STEPS, max_new_tokens, eos_ids, "0.5.11")
 
@@ -194,7 +196,7 @@ def as_meta(row, release: str) -> dict:
     """The spec_* meta_info of a simulated request, as the release names and computes its keys."""
     request = SpecRequest(MAX_NEW, frozenset(), release, output=[0] * row.completion_tokens, verify_ct=row.verify_ct,
                           correct=row.correct_drafts, histogram=list(row.histogram))
-    return request.meta_info(STEPS)
+    return request.meta_info(DraftShape(STEPS).drafts_per_step)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +224,7 @@ def plain_outputs(micro):
 def test_sglangs_eagle3_server_counts_as_the_reference_server(micro, exported, plain_outputs, release, tmp_path):
     draft_dir = exported(release)
     requests, bench = bodies(micro, 0, NUM_PROMPTS), bodies(micro, NUM_PROMPTS, BENCH_PROMPTS)
-    with serve_in_thread(create_app(micro["path"], draft_dir, STEPS, release)) as (url, _):
+    with serve_in_thread(create_app(micro["path"], draft_dir, DraftShape(STEPS), release)) as (url, _):
         ours = answers(url, requests, 1)
     served_draft = draft_as_served(draft_dir, release, micro["embed"]).eval()
     eos_ids = eos_ids_of(micro["model"])
@@ -231,7 +233,7 @@ def test_sglangs_eagle3_server_counts_as_the_reference_server(micro, exported, p
         if release in DRAFTS_AS:
             return DRAFTS_AS[release](served_draft, micro["model"], request["input_ids"], max_new_tokens, eos_ids)
         return simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, request["input_ids"],
-                               max_new_tokens, STEPS, eos_ids, release)
+                               max_new_tokens, DraftShape(STEPS), eos_ids, release)
 
     rows = [simulated(MAX_NEW, request) for request in requests]
     bench_rows = [simulated(BENCH_MAX_NEW, request) for request in bench]
@@ -265,5 +267,5 @@ def test_sglangs_eagle3_server_counts_as_the_reference_server(micro, exported, p
         if release not in DRAFTS_AS:
             assert spec_fields(meta) == spec_fields(ours_["meta_info"])  # and as the reference server serves them
     assert sum(correct_drafts_of(answer["meta_info"]) for answer in theirs) > 0  # acceptance was exercised
-    assert result["accept_length"] == AcceptanceResult(STEPS, bench_rows).accept_length
+    assert result["accept_length"] == AcceptanceResult(DraftShape(STEPS), bench_rows).accept_length
     assert [p["verify_ct"] for p in result["prompts"]] == [r.verify_ct for r in bench_rows]
