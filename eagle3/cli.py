@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokenizer", help="model directory whose chat template renders `messages` (default: target.path)")
     bench.add_argument("--baseline-url", help="the same target without a draft: speedup and output identity")
     bench.add_argument("--max-new-tokens", type=int, help="default: benchmark.max_new_tokens, or 128 without --config")
-    bench.add_argument("--concurrency", type=int, help="requests in flight (default: benchmark.concurrency)")
+    bench.add_argument("--concurrency", type=int, help="requests in flight (default: benchmark.concurrency's first)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     bench.add_argument("--out", type=Path, help="result JSON (default with --config: run.dir/bench/served.json)")
     bench.add_argument("--config", type=Path, help="pipeline config: defaults and the held-out prompts")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
@@ -260,8 +261,8 @@ def run_bench(args: argparse.Namespace) -> int:
         prompts = heldout_prompt_ids(config, tokenizer)
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is refused, not replaced)
     result = run_benchmark(args.url, prompts, pick(args.max_new_tokens, settings.max_new_tokens),
-                           pick(args.concurrency, settings.concurrency), settings.request_timeout_s, settings.retries,
-                           baseline_url=args.baseline_url)
+                           pick(args.concurrency, settings.production_concurrency), settings.request_timeout_s,
+                           settings.retries, baseline_url=args.baseline_url, temperature=args.temperature)
     print("\n".join(render_table(result)))
     out = args.out or (config.stage_dir("bench") / "served.json" if config else None)
     if out is not None:
@@ -435,6 +436,9 @@ def run_registry_list(args: argparse.Namespace) -> int:
 
 
 def run_registry_show(args: argparse.Namespace) -> int:
+    from eagle3.registry.registry import metrics_of
+    from eagle3.shape import DraftShape
+
     _, registry = open_config_registry(args)
     manifest = registry.manifest(args.version)
     if args.json:
@@ -451,6 +455,9 @@ def run_registry_show(args: argparse.Namespace) -> int:
     print(f"metrics: {describe_served(manifest)}, simulated accept length {simulated.get('accept_length', 'n/a')}, "
           f"{served.get('output_tokens_per_s', 'n/a')} output tokens/s, {served.get('lost_requests', 'n/a')} lost "
           f"request(s), engine release {metrics.get('engine_release', 'n/a')}")
+    if manifest.get("serving"):
+        measured = metrics_of(manifest).throughput or "throughput not measured"
+        print(f"production serves it with: {DraftShape.of(manifest['serving']).label()} ({measured})")
     for key in sorted(set(manifest) - {"version", "layouts", "files", "metrics"}):
         value = manifest[key]
         if isinstance(value, dict) and len(value) > 6:  # e.g. the whole pipeline config: too long for a summary

@@ -271,15 +271,58 @@ class ServingSection(Section):
 class BenchmarkSection(Section):
     max_new_tokens: int = Field(gt=0)
     num_prompts: int = Field(gt=0)
-    concurrency: int = Field(default=4, ge=1)
+    concurrency: list[int] = Field(default=[4], min_length=1, description="requests in flight: one level, or a list "
+                                   "the sweep measures at each of; the first is production's")
+    temperature: float = Field(default=0.0, ge=0.0, description="production traffic's sampling temperature: the sweep "
+                               "measures at it (the acceptance checks, simulated and served, decode greedily)")
     request_timeout_s: float = Field(default=600.0, gt=0.0)
     retries: int = Field(default=2, ge=0)
     baseline: bool = Field(default=True, description="also measure the target without a draft (speedup); on the GPU "
                            "node that is one more server start")
 
+    @field_validator("concurrency", mode="before")
+    @classmethod
+    def _levels(cls, value: Any) -> Any:
+        return [value] if isinstance(value, int) else value
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive_levels(cls, value: list[int]) -> list[int]:
+        if min(value) < 1 or len(set(value)) != len(value):
+            raise ValueError(f"{value}: give distinct levels, each at least 1")
+        return value
+
+    @property
+    def production_concurrency(self) -> int:
+        return self.concurrency[0]
+
+
+class SweepSection(Section):
+    """After the candidate passes its measurement: serve it under each drafting shape and pick the one with the most
+    output tokens/s at the production concurrency (eagle3.sweep). On the GPU node every point is a server start."""
+
+    enabled: bool = True
+    points: list[tuple[int, int, int]] = Field(default=[], description="(num_steps, eagle_topk, num_draft_tokens) "
+                                               "to serve, in this order, after the serving section's own shape")
+    num_prompts: int | None = Field(default=None, gt=0, description="prompts per measurement (None: "
+                                    "benchmark.num_prompts): the first ones of the benchmark set")
+    budget_s: float = Field(default=7200.0, gt=0.0, description="wall time the sweep may take; points that would "
+                            "run past it are skipped, each point's time estimated from the no-draft server's")
+
+    @field_validator("points")
+    @classmethod
+    def _sglang_shapes(cls, value: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        for i, point in enumerate(value):
+            problem = shape_problem(*point)
+            if problem:
+                raise ValueError(f"points[{i}] {list(point)}: {problem}")
+        return value
+
 
 class GateSection(Section):
     min_accept_rate: float = Field(default=0.25, ge=0.0, le=1.0)
+    min_speedup: float = Field(default=1.0, ge=0.0, description="reject a candidate whose output tokens/s over the "
+                               "no-draft server at the production concurrency is below this (0: no throughput rule)")
     production_tolerance: float = Field(default=0.05, ge=0.0, lt=1.0)
     sim_serve_tolerance: float = Field(default=0.10, ge=0.0, lt=1.0)
 
@@ -335,6 +378,7 @@ class PipelineConfig(Section):
     export: ExportSection = ExportSection()
     serving: ServingSection
     benchmark: BenchmarkSection
+    sweep: SweepSection = SweepSection()
     gate: GateSection = GateSection()
     registry: RegistrySection
     production: ProductionSection = ProductionSection()

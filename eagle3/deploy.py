@@ -21,8 +21,8 @@ from eagle3.data.targets import load_tokenizer
 from eagle3.formats.checkpoint import convert
 from eagle3.formats.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_json, sha256_file
-from eagle3.registry.gate import Metrics
-from eagle3.registry.registry import registry_location
+from eagle3.registry.gate import Decision, Metrics, decide, throughput_text
+from eagle3.registry.registry import metrics_of, registry_location
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
 
@@ -45,13 +45,15 @@ def prompt_ids_in(config: PipelineConfig, path: Path) -> list[list[int]]:
     return load_prompt_file(path, load_tokenizer(config.target.path), config.data.thinking)
 
 
-def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log: Log) -> dict:
-    """The benchmark of `prompts` on a serving `url`. Requests lost after their retries give a result with
-    `lost_requests` (the gate rejects it) instead of numbers."""
+def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log: Log, concurrency: int | None = None,
+                 temperature: float = 0.0) -> dict:
+    """The benchmark of `prompts` on a serving `url` (at the production concurrency unless given; greedy unless a
+    temperature is given). Requests lost after their retries give a result with `lost_requests` (the gate
+    rejects it) instead of numbers."""
     b = config.benchmark
     try:
-        return run_benchmark(url, prompts, b.max_new_tokens, b.concurrency, b.request_timeout_s, b.retries,
-                             log=log) | {"lost_requests": 0}
+        return run_benchmark(url, prompts, b.max_new_tokens, concurrency or b.production_concurrency,
+                             b.request_timeout_s, b.retries, log=log, temperature=temperature) | {"lost_requests": 0}
     except BenchmarkError as err:
         if not err.lost:
             raise
@@ -60,12 +62,14 @@ def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log
 
 
 def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[list[int]], log: Log, role: str,
-                   keep_running: bool = False, unit: str | None = None) -> dict:
+                   keep_running: bool = False, unit: str | None = None, temperature: float = 0.0) -> dict:
     """Launch (in the systemd scope `unit`, if given, and validate the draft for the live release), benchmark
-    `prompts`, stop - or, with `keep_running`, leave the server up and return its process group as `pgid`."""
+    `prompts` at the production concurrency, stop - or, with `keep_running`, leave the server up and return its
+    process group as `pgid`."""
     server = launch_and_validate(config, config.target.path, draft, log, role=role, unit=unit)
     try:
-        result = benchmark_on(config, server.url, prompts, log) | {"server_version": server.release}
+        result = benchmark_on(config, server.url, prompts, log, temperature=temperature) | {
+            "server_version": server.release}
     except BaseException:
         server.stop()
         raise
@@ -85,15 +89,27 @@ def measure_candidate(config: PipelineConfig, draft: Path, log: Log = print) -> 
     result = measure_server(config, draft, prompts, log, role="candidate")
     if baseline is not None and not baseline["lost_requests"] and not result["lost_requests"]:
         result.update(baseline={k: baseline[k] for k in ("url", "wall_s", "output_tokens_per_s", "latency_s")},
-                      speedup=baseline["wall_s"] / result["wall_s"])
+                      speedup=result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
     atomic_write_json(config.stage_dir("bench") / SERVED_FILE, result)
     return result
 
 
-def candidate_metrics(served: dict, simulated_accept_length: float | None, data_quality: dict) -> Metrics:
+def candidate_metrics(served: dict, simulated_accept_length: float | None, data_quality: dict, chosen: dict) -> Metrics:
+    """The gate's inputs: acceptance from the candidate's greedy measurement, throughput from the serving shape
+    production would get (`chosen`: the sweep's choice, or the serving section's shape)."""
     return Metrics(accept_length=served.get("accept_length"), accept_rate=served.get("accept_rate"),
                    simulated_accept_length=simulated_accept_length, lost_requests=served.get("lost_requests", 0),
-                   data_problems=tuple(data_quality["problems"]))
+                   data_problems=tuple(data_quality["problems"]), speedup=chosen.get("speedup"),
+                   throughput=throughput_text(chosen))
+
+
+def gate_decision(config: PipelineConfig, registry, production: str | None, served: dict,
+                  simulated_accept_length: float | None, chosen: dict) -> Decision:
+    """The gate on the candidate against the production version's recorded metrics. With `chosen` {} (no speedup
+    measured yet) it judges acceptance alone."""
+    baseline = metrics_of(registry.manifest(production)) if production else None
+    candidate = candidate_metrics(served, simulated_accept_length, data_quality_of(config), chosen)
+    return decide(candidate, baseline, config.gate)
 
 
 def data_quality_of(config: PipelineConfig) -> dict:
@@ -110,12 +126,16 @@ def diagnosis_of(config: PipelineConfig, draft: Path, served: dict, simulated_ac
                     longest).to_dict()
 
 
-def registry_metrics(served: dict, simulated_accept_length: float | None) -> dict:
-    """The metrics block of a registry manifest (keys read back by eagle3.registry.registry.metrics_of)."""
+def registry_metrics(served: dict, simulated_accept_length: float | None, chosen: dict) -> dict:
+    """The metrics block of a registry manifest (keys read back by eagle3.registry.registry.metrics_of): `served` -
+    the candidate's greedy measurement in the serving section's shape (what the gate compares across versions);
+    `production` - the shape production serves, as measured when chosen (what production is re-measured against)."""
     keys = ("accept_length", "accept_rate", "histogram", "output_tokens_per_s", "lost_requests", "server_version",
             "speedup")
+    production = ("accept_length", "output_tokens_per_s", "baseline_output_tokens_per_s", "speedup", "concurrency",
+                  "temperature")
     return {"served": {k: served.get(k) for k in keys}, "simulated": {"accept_length": simulated_accept_length},
-            "engine_release": served.get("server_version")}
+            "production": {k: chosen.get(k) for k in production}, "engine_release": served.get("server_version")}
 
 
 def retrain_overrides(config: PipelineConfig, registry, log: Log = print) -> list[str]:
@@ -158,7 +178,7 @@ def version_id(config: PipelineConfig, export_fingerprint: str) -> str:
 
 
 def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served: dict, simulated: float | None,
-                   parent: str | None, flow_run: str | None = None) -> dict:
+                   chosen: dict, parent: str | None, flow_run: str | None = None) -> dict:
     """What a version's manifest says of where it came from and what it measured."""
     return {
         "config": config.model_dump(mode="json"),
@@ -166,8 +186,9 @@ def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served:
         "inputs": fingerprints,  # stage -> content hash of its manifest (data, vocab, training, export)
         "data_quality": data_quality_of(config),
         "benchmark": prompt_set_fields(config),
+        "serving": {**chosen["shape"], "temperature": chosen["temperature"], "concurrency": chosen["concurrency"]},
         "code_version": code_version(),
-        "metrics": registry_metrics(served, simulated),
+        "metrics": registry_metrics(served, simulated, chosen),
         "lineage": {"parent": parent, "init_from": str(config.training.init_from or "") or None, "flow_run": flow_run},
     }
 

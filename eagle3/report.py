@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from eagle3.data.storage import human_bytes
 from eagle3.formats.inspect import render as render_inspect
+from eagle3.plots import bars, figure, lines, markdown_image
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -86,13 +87,62 @@ def training_report(records: list[dict]) -> str:
     every = max(len(steps) // 20, 1)
     picked = [r for i, r in enumerate(steps) if i % every == 0 or i == len(steps) - 1]
     positions = len(picked[0]["step_acc"]) if picked else 0
-    parts = ["# Training",
+    parts = ["# Training", training_curves(steps, evals),
              table(["step", "loss", *[f"acc@{k}" for k in range(positions)], "tokens/s"],
                    [[r["step"], r["loss"], *r["step_acc"], r.get("tokens_per_s")] for r in picked])]
     if evals:
         parts += ["## Evaluation",
                   table(["step", "eval loss", "simulated accept length"],
                         [[r["step"], r["eval_loss"], r.get("eval_accept_length")] for r in evals])]
+    return "\n\n".join(parts)
+
+
+def training_curves(steps: list[dict], evals: list[dict]) -> str:
+    """Loss, per-position accuracy and the simulated accept length over the steps, as one picture."""
+    if not steps:
+        return "No training step was logged."
+    loss = {"train": [(r["step"], r["loss"]) for r in steps]}
+    if evals:
+        loss["eval"] = [(r["step"], r["eval_loss"]) for r in evals]
+    last = len(steps[0]["step_acc"]) - 1
+    accuracy = {f"acc@{k}": [(r["step"], r["step_acc"][k]) for r in steps] for k in sorted({0, last})}
+    panels = [lines("loss", "step", loss), lines("top-1 accuracy", "step", accuracy)]
+    accepted = [(r["step"], r["eval_accept_length"]) for r in evals if r.get("eval_accept_length") is not None]
+    if accepted:
+        panels.append(lines("simulated accept length", "step", {"held-out": accepted}))
+    return markdown_image(figure(panels), "training curves")
+
+
+def sweep_report(result: dict) -> str:
+    """The sweep's picture (output tokens/s and accept length per drafting shape and concurrency), then its table."""
+    measured = [p for p in result["points"] if p["levels"]]
+    groups = ["no draft"] + [p["label"].replace("steps ", "s").replace("topk ", "k").replace("draft tokens ", "n")
+                             .replace(", ", "/") for p in measured]
+    levels = result["concurrency"]
+    speed = {f"{c} concurrent": [measured[0]["levels"][i]["baseline_output_tokens_per_s"] if measured else None]
+             + [p["levels"][i]["output_tokens_per_s"] for p in measured] for i, c in enumerate(levels)}
+    accept = {f"{c} concurrent": [None] + [p["levels"][i]["accept_length"] for p in measured]
+              for i, c in enumerate(levels)}
+    picture = markdown_image(figure([bars("output tokens/s", groups, speed), bars("accept length", groups, accept)]),
+                             "sweep: output tokens/s and accept length per drafting shape")
+    chosen = result["chosen"]
+    rows = [[p["label"], row["concurrency"], row["accept_length"], row["accept_rate"], row["output_tokens_per_s"],
+             row["baseline_output_tokens_per_s"], row["speedup"], row["lost_requests"]]
+            for p in result["points"] for row in p["levels"]]
+    failed = [f"- {p['label']}: {p['error']}" for p in result["points"] if p["error"]]
+    skipped = [f"- steps {s['num_steps']}, topk {s['eagle_topk']}, draft tokens {s['num_draft_tokens']}"
+               for s in result["skipped"]]
+    parts = ["# Serving sweep", picture,
+             f"Chosen: **{chosen['label']}**: {chosen['output_tokens_per_s']:.1f} output tokens/s at "
+             f"{chosen['concurrency']} concurrent (production's), **{chosen['speedup']:.2f}x** the no-draft server; "
+             f"temperature {result['temperature']}, {result['num_prompts']} prompts per measurement, "
+             f"{result['wall_s']:.0f} s of {result['budget_s']:.0f} s budget.",
+             table(["shape", "concurrency", "accept length", "accept rate", "output tokens/s", "no draft tokens/s",
+                    "speedup", "lost requests"], rows)]
+    if failed:
+        parts.append("## Failed to serve\n\n" + "\n".join(failed))
+    if skipped:
+        parts.append("## Skipped (past sweep.budget_s)\n\n" + "\n".join(skipped))
     return "\n\n".join(parts)
 
 
@@ -127,15 +177,17 @@ def acceptance_report(simulated: dict, served: dict) -> str:
 def decision_report(outcome: str, version: str, reasons: list[dict], diagnosis: dict | None, registry: str,
                     production_before: str | None, production_after: str | None, remeasured: dict | None,
                     warning: str | None, removed_runs: list[dict] | None = None, keep_runs: int | None = None,
-                    notes: list[str] = ()) -> str:
+                    notes: list[str] = (), measured: str = "") -> str:
     where = lambda v: f"`{v}` (`{registry}/versions/{v}/`)" if v else "none"  # noqa: E731
     parts = [f"# Decision: {outcome}",
              f"Candidate version {where(version)}.",
              f"Production before: {where(production_before)}; production now: {where(production_after)}."]
+    if measured:
+        parts.append(f"Throughput: {measured}.")
     if reasons:
         parts.append("## Why\n\n" + "\n".join(f"- **{r['rule']}**: {r['message']}" for r in reasons))
     if notes:
-        parts.append("## Checks waived on purpose\n\n" + "\n".join(f"- {note}" for note in notes))
+        parts.append("## Notes (checks waived on purpose, checks not run)\n\n" + "\n".join(f"- {note}" for note in notes))
     if diagnosis:
         failed = [c for c in diagnosis["checks"] if c["status"] == "failed"]
         parts.append("## Diagnosis (train-serve checklist)\n\n" + table(

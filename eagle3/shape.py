@@ -20,6 +20,11 @@ class DraftShape:
         if problem:
             raise ValueError(problem)
 
+    @classmethod
+    def of(cls, fields: dict) -> DraftShape:
+        """The shape recorded in a mapping that may hold more (a version's `serving`)."""
+        return cls(fields["num_steps"], fields["eagle_topk"], fields["num_draft_tokens"])
+
     @property
     def drafts_per_step(self) -> int:
         """Draft nodes verified per step: the accept rate's denominator."""

@@ -1,4 +1,5 @@
-"""The `eagle3` flow: data -> vocab -> train -> export -> simulate -> serve + measure -> gate -> promote / roll back.
+"""The `eagle3` flow: data -> vocab -> train -> export -> simulate -> serve + measure -> sweep -> gate -> promote /
+roll back.
 
 Ends Completed (promoted), Completed named RolledBack (the gate, or production's check after the promotion,
 rejected the candidate; the message gives the reasons), or Failed (an error). Runs for one registry never overlap:
@@ -18,7 +19,7 @@ from prefect.transactions import transaction
 
 from eagle3.registry.gate import GateRejected
 from eagle3.runs import run_in_use
-from tasks.bench import measure_served, simulate_acceptance
+from tasks.bench import measure_served, simulate_acceptance, sweep_serving
 from tasks.common import log_to_run
 from tasks.data import capture_hidden_states, regenerate_answers
 from tasks.deploy import (
@@ -62,11 +63,12 @@ def train_and_deploy(config, resolved: str):
         exported = export_and_validate(config, trained)
         simulated = simulate_acceptance(config, exported, dataset)
         served = measure_served(config, exported, simulated)
+        swept = sweep_serving(config, exported, served, simulated, before)
         fingerprints = {name: out["fingerprint"] for name, out in
                         (("data", dataset), ("vocab", vocab), ("train", trained), ("export", exported))}
-        version = publish_candidate(config, fingerprints, exported, served, simulated, before)
+        version = publish_candidate(config, fingerprints, exported, served, simulated, swept, before)
         with transaction():
-            decision = check_gate(config, version, exported, served, simulated, before)
+            decision = check_gate(config, version, exported, served, simulated, swept, before)
             promote(config, version, before, decision.notes)
             production = verify_production(config, version)
     except GateRejected as rejected:

@@ -19,17 +19,16 @@ from prefect.transactions import get_transaction
 
 from eagle3.config import PipelineConfig
 from eagle3.deploy import (
-    candidate_metrics,
-    data_quality_of,
     diagnosis_of,
+    gate_decision,
     prune_after_promotion,
     version_dirs,
     version_fields,
     version_id,
 )
-from eagle3.registry.gate import Decision, GateRejected, Reason, decide
+from eagle3.registry.gate import Decision, GateRejected, Reason
 from eagle3.registry.production import Production
-from eagle3.registry.registry import metrics_of, open_registry
+from eagle3.registry.registry import open_registry
 from eagle3.report import decision_report
 from tasks.common import log_to_run
 
@@ -50,25 +49,25 @@ def release_production(config: PipelineConfig) -> str | None:
 
 @task(name="publish-candidate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
 def publish_candidate(config: PipelineConfig, fingerprints: dict, exported: dict, served: dict, simulated: dict,
-                      production: str | None) -> str:
+                      swept: dict, production: str | None) -> str:
     registry = open_registry(config.registry, log=log_to_run())
     version = version_id(config, exported["fingerprint"])
     if version in registry.versions():
         log_to_run()(f"registry: version {version} (this export) is already published: not uploading it again")
         return version
-    fields = version_fields(config, fingerprints, served, simulated["result"]["accept_length"], production, flow_run_id())
+    fields = version_fields(config, fingerprints, served, simulated["result"]["accept_length"], swept["chosen"],
+                            production, flow_run_id())
     registry.publish(version, version_dirs(config, exported["dirs"]), fields)
     return version
 
 
 @task(name="gate", cache_policy=NO_CACHE)
-def check_gate(config: PipelineConfig, version: str, exported: dict, served: dict, simulated: dict,
+def check_gate(config: PipelineConfig, version: str, exported: dict, served: dict, simulated: dict, swept: dict,
                production: str | None) -> Decision:
     """The gate's decision; a rejection raises GateRejected with the train-serve diagnosis attached."""
     registry = open_registry(config.registry, log=log_to_run())
     simulated_length = simulated["result"]["accept_length"]
-    baseline = metrics_of(registry.manifest(production)) if production else None
-    decision = decide(candidate_metrics(served, simulated_length, data_quality_of(config)), baseline, config.gate)
+    decision = gate_decision(config, registry, production, served, simulated_length, swept["chosen"])
     log_to_run()(f"gate: {decision.summary()}")
     if not decision.promote:
         decision.diagnosis = diagnosis_of(config, Path(exported["path"]), served, simulated_length)
@@ -146,7 +145,8 @@ def report_decision(config: PipelineConfig, version: str | None, decision: Decis
     outcome = "promoted" if decision.promote else "rolled back"
     text = decision_report(outcome, version, [vars(r) for r in decision.reasons], decision.diagnosis,
                            registry.location, before, registry.production_version(), production["measured"],
-                           production["warning"], removed_runs, config.run.keep_runs, decision.notes)
+                           production["warning"], removed_runs, config.run.keep_runs, decision.notes,
+                           decision.measured)
     create_markdown_artifact(key="decision", markdown=text, description=f"{outcome}: {decision.summary()}")
     emit_event(event=f"eagle3.draft.{'promoted' if decision.promote else 'rolled-back'}",
                resource={"prefect.resource.id": f"eagle3.draft.{version}", "prefect.resource.name": str(version)},

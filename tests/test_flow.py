@@ -38,6 +38,7 @@ def micro_run_overrides(run_dir, target) -> list[str]:
         "benchmark.concurrency=2", f"serving.port={free_port()}", f"production.port={free_port()}",
         f"registry.path={run_dir / 'registry'}", f"production.state_dir={run_dir / 'production'}",
         f"serving.log_dir={run_dir / 'logs'}", "gate.min_accept_rate=0.05",
+        "sweep.points=[[2, 2, 4]]", "sweep.num_prompts=2",
     ]
 
 
@@ -91,7 +92,7 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     assert "hidden-state capture skipped (training.features online)" in found["data"]
     assert "## Data quality: passed" in found["data"]
     # the micro target's tests waive two checks on purpose (test_data.micro_overrides): the decision says so
-    assert "## Checks waived on purpose" in found["decision"] and "empty-replies waived" in found["decision"]
+    assert "## Notes (checks waived on purpose" in found["decision"] and "empty-replies waived" in found["decision"]
     # the version keeps its data's quality report and the prompt set it was measured on
     manifest = open_registry(config.registry).manifest(version)
     assert manifest["data_quality"]["passed"] and manifest["benchmark"]["prompts"] == 4

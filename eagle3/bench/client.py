@@ -1,12 +1,13 @@
-"""Serving benchmark: SGLang's `/generate` (greedy, token ids in) over a prompt set with bounded concurrency,
-counted exactly as DESIGN §3 and the simulator count, so served and simulated numbers compare.
+"""Serving benchmark: SGLang's `/generate` (token ids in; greedy unless a temperature is given) over a prompt set
+with bounded concurrency, counted exactly as DESIGN §3 and the simulator count, so served and simulated numbers
+compare.
 
 Every request is retried with backoff on connection errors, timeouts and 5xx; a request still failing after
 its retries (or a server that dies mid-run) raises BenchmarkError naming the lost prompt indices: there is
 never an average over fewer prompts than asked for. Result (JSON-ready dict):
 
     url, server_version                  the server and its /server_info `version`
-    num_prompts, max_new_tokens, concurrency
+    num_prompts, max_new_tokens, concurrency, temperature
     draft_tokens_per_step                 accept-rate denominator per verify step: /server_info
                                           speculative_num_draft_tokens - 1, else speculative_num_steps, else None
     prompt_tokens, completion_tokens      Σ over prompts
@@ -22,8 +23,9 @@ never an average over fewer prompts than asked for. Result (JSON-ready dict):
                                             latency_s, attempts}] in prompt order
     baseline                              None, or {url, server_version, wall_s, output_tokens_per_s, latency_s,
                                             completion_tokens} of the same prompts on the no-draft server
-    speedup                               baseline wall_s / wall_s (None without a baseline)
-    mismatches, mismatched_prompts        prompts whose outputs differ from the baseline's (None without one)
+    speedup                               output_tokens_per_s / the baseline's (None without a baseline)
+    mismatches, mismatched_prompts        prompts whose outputs differ from the baseline's (None without one, and
+                                          when sampling: sampled outputs differ by design)
 
 Prompt files (`load_prompt_file`): JSONL, one object per line, any of
     {"input_ids": [1, 2, ...]}            sent as is
@@ -107,11 +109,11 @@ async def call(client: httpx.AsyncClient, url: str, body: dict | None, retries: 
     raise BenchmarkError(f"{url}: failed {len(failures)} times ({', '.join(failures[-3:])})")
 
 
-async def run_server(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, timeout_s: float,
-                     retries: int, backoff_s: float, log: Log) -> tuple[dict, list, float]:
+async def run_server(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, temperature: float,
+                     timeout_s: float, retries: int, backoff_s: float, log: Log) -> tuple[dict, list, float]:
     """(/server_info, per prompt (answer, latency_s, attempts) or the exception, wall_s)."""
     limit, progress = asyncio.Semaphore(concurrency), Progress(f"bench {url}", total=len(prompts), unit="requests", log=log)
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0}
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature}
     limits = httpx.Limits(max_connections=max(concurrency, 10))
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         info, _ = await call(client, f"{url}/server_info", None, retries, backoff_s)
@@ -142,11 +144,13 @@ def ranges(indices: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def measure(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, timeout_s: float, retries: int,
-            backoff_s: float, log: Log) -> tuple[dict, list, float]:
+def measure(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, temperature: float,
+            timeout_s: float, retries: int, backoff_s: float, log: Log) -> tuple[dict, list, float]:
     url = url.rstrip("/")
-    log(f"bench: {len(prompts)} prompts on {url} ({concurrency} concurrent, max_new_tokens {max_new_tokens})")
-    info, outcomes, wall = asyncio.run(run_server(url, prompts, max_new_tokens, concurrency, timeout_s, retries, backoff_s, log))
+    log(f"bench: {len(prompts)} prompts on {url} ({concurrency} concurrent, max_new_tokens {max_new_tokens}, "
+        f"temperature {temperature})")
+    info, outcomes, wall = asyncio.run(run_server(url, prompts, max_new_tokens, concurrency, temperature, timeout_s,
+                                                  retries, backoff_s, log))
     lost = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, BaseException)]
     if lost:
         last = outcomes[lost[-1]]
@@ -193,30 +197,36 @@ def summarize(url: str, info: dict, outcomes: list, wall: float) -> dict:
 
 
 def run_benchmark(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, timeout_s: float,
-                  retries: int, baseline_url: str | None = None, log: Log = print, backoff_s: float = 0.5) -> dict:
-    if not prompts or min(max_new_tokens, concurrency) < 1 or retries < 0 or timeout_s <= 0:
+                  retries: int, baseline_url: str | None = None, log: Log = print, backoff_s: float = 0.5,
+                  temperature: float = 0.0) -> dict:
+    if not prompts or min(max_new_tokens, concurrency) < 1 or retries < 0 or timeout_s <= 0 or temperature < 0:
         raise ValueError(f"bench: needs prompts ({len(prompts)}), max_new_tokens ({max_new_tokens}) and concurrency "
-                         f"({concurrency}) >= 1, retries ({retries}) >= 0 and timeout_s ({timeout_s}) > 0")
-    args = (max_new_tokens, concurrency, timeout_s, retries, backoff_s, log)
+                         f"({concurrency}) >= 1, retries ({retries}) >= 0, timeout_s ({timeout_s}) > 0 and "
+                         f"temperature ({temperature}) >= 0")
+    args = (max_new_tokens, concurrency, temperature, timeout_s, retries, backoff_s, log)
     info, outcomes, wall = measure(url, prompts, *args)
     result = {**summarize(url.rstrip("/"), info, outcomes, wall), "max_new_tokens": max_new_tokens,
-              "concurrency": concurrency, "baseline": None, "speedup": None, "mismatches": None, "mismatched_prompts": None}
+              "concurrency": concurrency, "temperature": temperature, "baseline": None, "speedup": None,
+              "mismatches": None, "mismatched_prompts": None}
     if baseline_url:
         base_info, base_outcomes, base_wall = measure(baseline_url, prompts, *args)
         base = summarize(baseline_url.rstrip("/"), base_info, base_outcomes, base_wall)
         if base["verify_ct"]:
             log(f"bench: WARNING: baseline {baseline_url} reports spec_* keys: it serves a draft too")
-        mismatched = [i for i, (a, b) in enumerate(zip(outcomes, base_outcomes))
-                      if a[0].get("output_ids", a[0].get("text")) != b[0].get("output_ids", b[0].get("text"))]
         keys = ("url", "server_version", "wall_s", "output_tokens_per_s", "latency_s", "completion_tokens")
-        result.update(baseline={k: base[k] for k in keys}, speedup=base_wall / wall,
-                      mismatches=len(mismatched), mismatched_prompts=mismatched)
+        result.update(baseline={k: base[k] for k in keys},
+                      speedup=result["output_tokens_per_s"] / base["output_tokens_per_s"])
+        if not temperature:  # greedy: the draft must not change a single output
+            mismatched = [i for i, (a, b) in enumerate(zip(outcomes, base_outcomes))
+                          if a[0].get("output_ids", a[0].get("text")) != b[0].get("output_ids", b[0].get("text"))]
+            result.update(mismatches=len(mismatched), mismatched_prompts=mismatched)
     return result
 
 
 def render_table(result: dict) -> list[str]:
     lines = [f"served: {result['url']} (version {result['server_version']}), {result['num_prompts']} prompts, "
-             f"{result['concurrency']} concurrent, max_new_tokens {result['max_new_tokens']}"]
+             f"{result['concurrency']} concurrent, max_new_tokens {result['max_new_tokens']}, temperature "
+             f"{result['temperature']}"]
     if result["accept_length"] is None:
         lines.append("  accept length  none: the server reports no verify step (no draft loaded)")
     else:
@@ -233,7 +243,8 @@ def render_table(result: dict) -> list[str]:
     lines.append(f"  latency        p50 {lat['p50']:.3f} s  p90 {lat['p90']:.3f} s  p99 {lat['p99']:.3f} s")
     if result["baseline"] is not None:
         base = result["baseline"]
-        same = "identical" if not result["mismatches"] else f"DIFFER for prompts [{ranges(result['mismatched_prompts'])}]"
+        same = ("sampled" if result["mismatches"] is None else "identical" if not result["mismatches"]
+                else f"DIFFER for prompts [{ranges(result['mismatched_prompts'])}]")
         lines.append(f"  baseline       {base['output_tokens_per_s']:.1f} output tokens/s in {base['wall_s']:.2f} s "
                      f"({base['url']}); speedup {result['speedup']:.2f}x; outputs {same}")
     return lines

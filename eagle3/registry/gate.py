@@ -9,7 +9,9 @@ with production:
   (the diagnosis, when given, is attached to the decision);
 - lost requests: the benchmark lost any request, so its numbers cannot be trusted;
 - data quality: the draft was trained on data that failed its quality check (eagle3.data.quality). A problem
-  waived on purpose (data.quality.waive) does not reject; the decision carries a note that says so.
+  waived on purpose (data.quality.waive) does not reject; the decision carries a note that says so;
+- throughput: the output tokens/s of the serving shape production would get (the sweep's choice), over the no-draft
+  server's at the production concurrency, is below `gate.min_speedup`. Not measured (no baseline, no sweep): a note.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Metrics:
     simulated_accept_length: float | None = None
     lost_requests: int = 0
     data_problems: tuple[dict, ...] = ()  # the training data's quality problems: {code, message, waived}
+    speedup: float | None = None  # output tokens/s over the no-draft server's, as production would be served
+    throughput: str = ""  # where the speedup was measured: shape, concurrency, tokens/s
 
 
 @dataclass(frozen=True)
@@ -41,17 +45,20 @@ class Decision:
     reasons: list[Reason] = field(default_factory=list)  # why not, when rejected
     diagnosis: dict | None = None
     notes: list[str] = field(default_factory=list)  # what passed only because someone waived a check
+    measured: str = ""  # the speedup the decision saw
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
         notes = "".join(f" (note: {note})" for note in self.notes)
+        measured = f"; {self.measured}" if self.measured else ""
         if self.promote:
-            return "promote: every gate rule passed" + notes
+            return "promote: every gate rule passed" + measured + notes
         text = "reject: " + "; ".join(f"{r.rule}: {r.message}" for r in self.reasons)
         failed = (self.diagnosis or {}).get("failed")
-        return text + (f"; likely cause (train-serve checklist): {', '.join(failed)}" if failed else "") + notes
+        return (text + (f"; likely cause (train-serve checklist): {', '.join(failed)}" if failed else "") + measured
+                + notes)
 
 
 def decide(candidate: Metrics, production: Metrics | None, gate: GateSection, diagnosis: dict | None = None) -> Decision:
@@ -87,8 +94,26 @@ def decide(candidate: Metrics, production: Metrics | None, gate: GateSection, di
                               + "; ".join(failed)))
     notes = [f"data quality check {p['code']} waived on purpose (data.quality.waive): {p['message']}"
              for p in candidate.data_problems if p["waived"]]
+    measured = ""
+    if candidate.speedup is None and gate.min_speedup:
+        notes.append("throughput not measured (benchmark.baseline false and no sweep): gate.min_speedup not applied")
+    elif candidate.speedup is not None:
+        measured = f"speedup {candidate.speedup:.2f}x over the no-draft server ({candidate.throughput})"
+        if candidate.speedup < gate.min_speedup:
+            reasons.append(Reason("throughput", f"{measured} is below gate.min_speedup {gate.min_speedup:.2f}: the "
+                                  "draft would slow production down"))
     mismatch = any(r.rule == "train-serve-mismatch" for r in reasons)
-    return Decision(promote=not reasons, reasons=reasons, diagnosis=diagnosis if mismatch else None, notes=notes)
+    return Decision(promote=not reasons, reasons=reasons, diagnosis=diagnosis if mismatch else None, notes=notes,
+                    measured=measured)
+
+
+def throughput_text(chosen: dict) -> str:
+    """Where a speedup was measured: {label, concurrency, temperature, output_tokens_per_s,
+    baseline_output_tokens_per_s, speedup}; "" when it was not."""
+    if chosen.get("speedup") is None:
+        return ""
+    return (f"{chosen['label']}, {chosen['concurrency']} concurrent, temperature {chosen['temperature']}: "
+            f"{chosen['output_tokens_per_s']:.1f} vs {chosen['baseline_output_tokens_per_s']:.1f} output tokens/s")
 
 
 class GateRejected(Eagle3Error):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
@@ -26,6 +27,7 @@ from eagle3.deploy import (
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.procs import ProcessTree, group_alive
 from eagle3.serve.launch import GPU_QUERY, LaunchError, systemd_missing, wait_gpus_free
+from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
 STATE_FILE = "server.json"
@@ -78,11 +80,11 @@ class Production:
         keep = self.config.production.keep_serving
         unit = self.supervisor_unit() if keep else None
         draft = self.registry.fetch(version, "sglang", Path(self.config.production.state_dir) / "drafts" / version)
-        config, prompts = self.prompt_set(version)
+        config, prompts, temperature = self.measurement(version)
         self.release_node()
-        self.log(f"serving version {version} ({why}) from {draft}")
+        self.log(f"serving version {version} ({why}) from {draft} ({config.serving.shape.label()})")
         result = measure_server(config, draft, prompts, self.log, role=f"production {version}", keep_running=keep,
-                                unit=unit)
+                                unit=unit, temperature=temperature)
         if keep:
             atomic_write_json(self.state, {"version": version, "pgid": result.pop("pgid"), "unit": unit,
                                            "url": self.url, "boot_id": boot_id(), "started": time.time()})
@@ -121,25 +123,37 @@ class Production:
         self.log(f"external: measuring it where it serves (registry production is {version})")
         if version is None:
             return None
-        config, prompts = self.prompt_set(version)
-        return benchmark_on(config, self.url, prompts, self._log)
+        config, prompts, temperature = self.measurement(version)
+        return benchmark_on(config, self.url, prompts, self._log, temperature=temperature)
 
-    def prompt_set(self, version: str) -> tuple[PipelineConfig, list[list[int]]]:
-        """The config and prompts a version is re-measured with: the prompt set and max_new_tokens it was measured
-        on when published, so its recorded accept length is comparable (a retrain's new prompts cannot fake a
-        shortfall). A version published before versions recorded their prompts is measured on this run's."""
-        recorded = self.registry.manifest(version).get("benchmark")
+    def measurement(self, version: str) -> tuple[PipelineConfig, list[list[int]], float]:
+        """The config, prompts and temperature a version is served and re-measured with: the serving shape,
+        concurrency and temperature it was chosen with (older versions: this config's shape, greedy), and the
+        prompt set and max_new_tokens it was measured on when published, so its recorded accept length is
+        comparable (a retrain's new prompts cannot fake a shortfall). A version published before versions
+        recorded their prompts is measured on this run's."""
+        manifest = self.registry.manifest(version)
+        config, temperature = self.serving_config, 0.0
+        if manifest.get("serving"):
+            serving = manifest["serving"]
+            shape = DraftShape.of(serving)
+            benchmark = config.benchmark.model_copy(update={"concurrency": [serving["concurrency"]]})
+            config = config.model_copy(update={"serving": config.serving.model_copy(update=asdict(shape)),
+                                               "benchmark": benchmark})
+            temperature = serving["temperature"]
+        recorded = manifest.get("benchmark")
         if recorded is None:
             self.log(f"version {version} records no prompt set (published before versions kept theirs): measured on "
                      "this run's held-out prompts, so a shortfall may come from other prompts")
-            return self.serving_config, prompt_ids_in(self.serving_config, benchmark_prompts_file(self.serving_config))
+            return config, prompt_ids_in(config, benchmark_prompts_file(config)), temperature
         fetched = self.registry.fetch(version, PROMPTS_LAYOUT,
                                       Path(self.config.production.state_dir) / "prompts" / version)
-        benchmark = self.serving_config.benchmark.model_copy(update={"max_new_tokens": recorded["max_new_tokens"]})
-        config = self.serving_config.model_copy(update={"benchmark": benchmark})
+        benchmark = config.benchmark.model_copy(update={"max_new_tokens": recorded["max_new_tokens"]})
+        config = config.model_copy(update={"benchmark": benchmark})
         self.log(f"measured on version {version}'s own prompt set: {recorded['prompts']} prompts (sha256 "
-                 f"{recorded['sha256'][:12]}), max_new_tokens {recorded['max_new_tokens']}")
-        return config, prompt_ids_in(config, fetched / PROMPTS_FILE)
+                 f"{recorded['sha256'][:12]}), max_new_tokens {recorded['max_new_tokens']}, temperature "
+                 f"{temperature}, {config.benchmark.production_concurrency} concurrent")
+        return config, prompt_ids_in(config, fetched / PROMPTS_FILE), temperature
 
     def recorded(self) -> dict | None:
         if not self.state.is_file():
@@ -159,7 +173,9 @@ class Production:
         """A loud warning when production no longer reaches its recorded accept length; None when it does."""
         if version is None or measured is None:
             return None
-        recorded = (self.registry.manifest(version).get("metrics") or {}).get("served", {}).get("accept_length")
+        metrics = self.registry.manifest(version).get("metrics") or {}
+        # the chosen shape's numbers, which production is served with; before sweeps, the candidate's measurement
+        recorded = (metrics.get("production") or metrics.get("served") or {}).get("accept_length")
         now = measured.get("accept_length")
         if recorded is None:
             return None

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from eagle3.config import RegistrySection
 from eagle3.fsutil import atomic_directory, sha256_file
-from eagle3.registry.gate import Metrics
+from eagle3.registry.gate import Metrics, throughput_text
 from eagle3.registry.store import (
     LocalStore,
     PointerConflict,
@@ -32,6 +32,7 @@ from eagle3.registry.store import (
     S3Store,
     Store,
 )
+from eagle3.shape import DraftShape
 
 __all__ = ["PointerConflict", "Registry", "RegistryError", "check_version_id", "metrics_of", "open_registry",
            "registry_location"]
@@ -56,16 +57,21 @@ def utc_now() -> datetime:
 
 def metrics_of(manifest: dict) -> Metrics:
     """The gate's view of a version: manifest["metrics"] = {"served": {accept_length, accept_rate, histogram,
-    output_tokens_per_s, lost_requests, server_version}, "simulated": {accept_length}, "engine_release"}, and the
-    quality problems of its training data, manifest["data_quality"]["problems"]."""
+    output_tokens_per_s, lost_requests, server_version}, "simulated": {accept_length}, "production": {speedup, ...},
+    "engine_release"}, the shape production serves it with (manifest["serving"]), and the quality problems of its
+    training data, manifest["data_quality"]["problems"]."""
     metrics = manifest.get("metrics") or {}
     served, simulated = metrics.get("served") or {}, metrics.get("simulated") or {}
+    production = metrics.get("production") or {}  # the chosen serving shape's numbers; absent before sweeps
+    chosen = {**production, "label": DraftShape.of(manifest["serving"]).label() if manifest.get("serving") else ""}
     return Metrics(
         accept_length=served.get("accept_length"),
         accept_rate=served.get("accept_rate"),
         simulated_accept_length=simulated.get("accept_length"),
         lost_requests=served.get("lost_requests") or 0,
         data_problems=tuple((manifest.get("data_quality") or {}).get("problems") or ()),
+        speedup=production.get("speedup"),
+        throughput=throughput_text(chosen),
     )
 
 

@@ -9,6 +9,7 @@ import pytest
 from eagle3.bench.counting import SpecRequest, server_accept_length
 from eagle3.bench.simulate import replay
 from eagle3.model.tree import DraftTree
+from eagle3.shape import DraftShape
 from releases import RELEASES
 
 NUM_STEPS, EOS, PROMPT, PREFILL = 3, 1, [5, 6, 7], 10
@@ -28,12 +29,16 @@ CASES = {
 EOS_ON_PREFILL = "eos-on-prefill"
 
 
-def job() -> dict:
+TREE = DraftShape(NUM_STEPS, 4, 8)  # the verify runs are the accepted path + the bonus, as for a chain
+
+
+def job(shape: DraftShape = DraftShape(NUM_STEPS)) -> dict:
     requests = [{"name": name, "prompt_ids": PROMPT, "prefill_token": PREFILL, "verify_steps": runs,
                  "max_new_tokens": cap, "eos_token_ids": [EOS]} for name, (runs, cap) in CASES.items()]
     requests.append({"name": EOS_ON_PREFILL, "prompt_ids": PROMPT, "prefill_token": EOS,
                      "verify_steps": [[11, 12, 13, 14]], "max_new_tokens": 10, "eos_token_ids": [EOS]})
-    return {"num_steps": NUM_STEPS, "requests": requests}
+    return {"num_steps": shape.num_steps, "eagle_topk": shape.eagle_topk, "num_draft_tokens": shape.num_draft_tokens,
+            "requests": requests}
 
 
 @pytest.fixture(scope="module", params=RELEASES)
@@ -63,6 +68,23 @@ def test_output_finish_and_every_spec_key_equal_sglangs(counted, name):
     assert request.verify_ct == theirs["verify_steps_used"]
     spec = {key: value for key, value in theirs.items() if key.startswith("spec_")}
     assert request.meta_info(NUM_STEPS) == spec, f"SGLang {release}'s meta_info"
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def counted_tree(request, run_sglang):
+    answer = run_sglang(request.param, "counting", job(TREE))
+    return request.param, dict(zip([r["name"] for r in job()["requests"]], answer["requests"]))
+
+
+@pytest.mark.parametrize("name", [*CASES, EOS_ON_PREFILL])
+def test_a_tree_counts_its_drafts_as_sglang_does(counted_tree, name):
+    """Topk 4, 8 draft tokens: the same runs grow and finish alike, and every accept rate is over the 7 draft
+    nodes verified per step (num_draft_tokens - 1), not over num_steps."""
+    release, answers = counted_tree
+    theirs, request = answers[name], ours(release, name)
+    assert request.output == theirs["output_ids"] and request.verify_ct == theirs["verify_steps_used"]
+    spec = {key: value for key, value in theirs.items() if key.startswith("spec_")}
+    assert request.meta_info(TREE.drafts_per_step) == spec, f"SGLang {release}'s meta_info for a tree"
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -6,6 +6,7 @@ import pytest
 
 from eagle3.config import load_config
 from eagle3.serve.launch import LAUNCHER_FLAGS, sglang_command
+from eagle3.sweep import sweep_shapes, with_shape
 from releases import RELEASES
 
 ROOT = __import__("pathlib").Path(__file__).parents[2]
@@ -13,12 +14,16 @@ CONFIGS = {"kimi": ROOT / "configs" / "kimi-k25-8xh200.yaml", "tiny": ROOT / "co
 
 
 def launcher_commands() -> dict[str, tuple[list[str], object]]:
+    """Each config's plain server, and its speculative server in every drafting shape its sweep serves."""
     commands = {}
     for name, path in CONFIGS.items():
         config = load_config(path, ["serving.engine=sglang"])
-        for label, draft in ((f"{name}-eagle3", "/drafts/candidate"), (f"{name}-plain", None)):
-            command = sglang_command(config, "/models/target", draft)
-            commands[label] = (command[command.index("sglang.launch_server") + 1:], config)
+        served = [(f"{name}-plain", config, None)] + [
+            (f"{name}-s{s.num_steps}k{s.eagle_topk}n{s.num_draft_tokens}-eagle3", with_shape(config, s), "/drafts/candidate")
+            for s in sweep_shapes(config)]
+        for label, shaped, draft in served:
+            command = sglang_command(shaped, "/models/target", draft)
+            commands[label] = (command[command.index("sglang.launch_server") + 1:], shaped)
     return commands
 
 

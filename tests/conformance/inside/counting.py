@@ -41,7 +41,7 @@ What is NOT SGLang's code, and why:
 * `uvloop` / `setproctitle`, when the conformance environment lacks them: a stand-in event loop policy
   (asyncio's default; the tokenizer manager installs it at import) and an import placeholder (never called).
 
-Job: {"num_steps": k, "requests": [{"prompt_ids": [...], "prefill_token": t0,
+Job: {"num_steps": k, optional "eagle_topk" and "num_draft_tokens" (a tree), "requests": [{"prompt_ids": [...], "prefill_token": t0,
       "verify_steps": [[accepted drafts..., bonus], ...], "max_new_tokens": N, "eos_token_ids": [...],
       optional "stop_token_ids": [...], optional "overlap_tail": true}]}
 Steps are fed while the request is unfinished. With "overlap_tail", one more step is then processed with
@@ -104,14 +104,16 @@ def _tiny_model(directory: str) -> tuple[str, str]:
     return target, draft
 
 
-def _server_args(num_steps: int, directory: str):
-    """The release's own ServerArgs for EAGLE3 chain decoding, published process-wide like a scheduler does."""
+def _server_args(num_steps: int, directory: str, topk: int = 1, num_draft_tokens: int | None = None):
+    """The release's own ServerArgs for EAGLE3 decoding (a chain unless topk > 1), published process-wide like a
+    scheduler does."""
     from sglang.srt import server_args as sa_module
 
     target, draft = _tiny_model(directory)
     args = sa_module.ServerArgs(
         model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
-        speculative_num_steps=num_steps, speculative_eagle_topk=1, speculative_num_draft_tokens=num_steps + 1,
+        speculative_num_steps=num_steps, speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=num_draft_tokens or num_steps + 1,
         device="cpu", skip_tokenizer_init=True,
         decode_log_interval=1 << 30,  # the periodic decode log never comes round (see module docstring)
     )
@@ -549,7 +551,7 @@ def _run(job: dict, directory: str) -> dict:
     _stand_ins()
     import sglang
 
-    server_args = _server_args(job["num_steps"], directory)
+    server_args = _server_args(job["num_steps"], directory, job.get("eagle_topk", 1), job.get("num_draft_tokens"))
     setup_s = time.perf_counter() - started
     components = importlib.util.find_spec("sglang.srt.managers.scheduler_components") is not None  # 0.5.13 on
     paths = ["v2"]

@@ -1,0 +1,149 @@
+"""The serving sweep: the candidate served under each drafting shape (the serving section's own first, then
+sweep.points), at every benchmark.concurrency level and at benchmark.temperature, each level against the
+no-draft server at the same level. The shape with the most output tokens/s at the production concurrency (the
+first level) is chosen: production serves with it and is re-measured against its numbers.
+
+On the GPU node every point is a server start (one model fits at a time, DESIGN §4). The no-draft server goes
+first; its wall time (start and every level) estimates a point's, and a point that would end past
+sweep.budget_s is skipped and named. A point whose server does not start, or that loses requests, is recorded
+with its error and never chosen; the sweep goes on with the next point.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from eagle3.config import PipelineConfig
+from eagle3.deploy import benchmark_on, benchmark_prompts_file, prompt_ids_in
+from eagle3.errors import Eagle3Error
+from eagle3.fsutil import atomic_write_json
+from eagle3.serve.launch import launch_and_validate
+from eagle3.shape import DraftShape
+
+Log = Callable[[str], None]
+RESULT_FILE = "sweep.json"
+
+
+class SweepError(Eagle3Error):
+    """No drafting shape could be measured against the no-draft server."""
+
+
+def sweep_shapes(config: PipelineConfig) -> list[DraftShape]:
+    """The serving section's shape, then sweep.points without repeats."""
+    shapes = [config.serving.shape] + [DraftShape(*point) for point in config.sweep.points]
+    return list(dict.fromkeys(shapes))
+
+
+def with_shape(config: PipelineConfig, shape: DraftShape) -> PipelineConfig:
+    """The config that serves `shape`."""
+    return config.model_copy(update={"serving": config.serving.model_copy(update=asdict(shape))})
+
+
+def measure_levels(config: PipelineConfig, draft: Path | None, prompts: list[list[int]], log: Log, role: str) -> list[dict]:
+    """One server start; the benchmark at every concurrency level, at benchmark.temperature."""
+    server = launch_and_validate(config, config.target.path, draft, log, role=role)
+    try:
+        return [benchmark_on(config, server.url, prompts, log, level, config.benchmark.temperature)
+                for level in config.benchmark.concurrency]
+    finally:
+        server.stop()
+
+
+def level_row(level: int, measured: dict, baseline: dict) -> dict:
+    tokens_per_s, base = measured.get("output_tokens_per_s"), baseline["output_tokens_per_s"]
+    return {"concurrency": level, "accept_length": measured.get("accept_length"),
+            "accept_rate": measured.get("accept_rate"), "output_tokens_per_s": tokens_per_s,
+            "baseline_output_tokens_per_s": base, "speedup": tokens_per_s / base if tokens_per_s else None,
+            "lost_requests": measured["lost_requests"]}
+
+
+def at_production(point: dict) -> dict | None:
+    """The point's row at the production concurrency, when it can be chosen (measured in full, speculating)."""
+    if point["error"] or not point["levels"]:
+        return None
+    row = point["levels"][0]
+    return row if not row["lost_requests"] and row["accept_length"] is not None else None
+
+
+def choose(points: list[dict]) -> dict | None:
+    usable = [(point, at_production(point)) for point in points if at_production(point)]
+    if not usable:
+        return None
+    point, row = max(usable, key=lambda pair: pair[1]["output_tokens_per_s"])
+    return {"shape": point["shape"], "label": point["label"], **row}
+
+
+def run_sweep(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
+    """Measure every shape that fits the budget; write run.dir/bench/sweep.json; return it."""
+    started, sweep, b = time.monotonic(), config.sweep, config.benchmark
+    prompts = prompt_ids_in(config, benchmark_prompts_file(config))[: sweep.num_prompts]
+    shapes = sweep_shapes(config)
+    log(f"sweep: {len(shapes)} drafting shape(s) x concurrency {b.concurrency} at temperature {b.temperature}, "
+        f"{len(prompts)} prompts each, budget {sweep.budget_s:.0f} s")
+    baseline = measure_levels(config, None, prompts, log, "sweep baseline (no draft)")
+    lost = [row for row in baseline if row["lost_requests"]]
+    if lost:
+        raise SweepError(f"the no-draft server lost requests ({lost[0].get('error')}): no speedup can be measured")
+    per_point = time.monotonic() - started
+    points, skipped = [], []
+    for shape in shapes:
+        if points and time.monotonic() - started + per_point > sweep.budget_s:
+            skipped.append(asdict(shape))
+            log(f"sweep: skipped {shape.label()}: it would end past sweep.budget_s {sweep.budget_s:.0f} s "
+                f"(a point takes ~{per_point:.0f} s)")
+            continue
+        points.append(measure_point(with_shape(config, shape), shape, draft, prompts, baseline, log))
+    best = choose(points)
+    if best is None:
+        raise SweepError("no drafting shape was measured in full: " + "; ".join(
+            f"{p['label']}: {p['error'] or 'requests lost or no speculation reported'}" for p in points))
+    chosen = {**best, "temperature": b.temperature}
+    result = {"temperature": b.temperature, "concurrency": b.concurrency, "num_prompts": len(prompts),
+              "budget_s": sweep.budget_s, "wall_s": time.monotonic() - started, "points": points, "skipped": skipped,
+              "chosen": chosen}
+    for line in render_table(result):
+        log(line)
+    atomic_write_json(config.stage_dir("bench") / RESULT_FILE, result)
+    return result
+
+
+def measure_point(config: PipelineConfig, shape: DraftShape, draft: Path, prompts: list[list[int]],
+                  baseline: list[dict], log: Log) -> dict:
+    try:
+        measured = measure_levels(config, draft, prompts, log, f"sweep {shape.label()}")
+    except Eagle3Error as err:  # e.g. an attention backend that cannot draft trees: the next shape may serve
+        log(f"sweep: {shape.label()} failed: {err}")
+        return {"shape": asdict(shape), "label": shape.label(), "levels": [], "error": str(err)}
+    rows = [level_row(level, m, base) for level, m, base in zip(config.benchmark.concurrency, measured, baseline)]
+    return {"shape": asdict(shape), "label": shape.label(), "levels": rows, "error": None}
+
+
+def configured_choice(config: PipelineConfig, served: dict) -> dict:
+    """Without a sweep: the serving section's shape as the candidate's greedy measurement found it."""
+    shape = config.serving.shape
+    return {"shape": asdict(shape), "label": shape.label(), "concurrency": served["concurrency"],
+            "accept_length": served.get("accept_length"), "accept_rate": served.get("accept_rate"),
+            "output_tokens_per_s": served.get("output_tokens_per_s"),
+            "baseline_output_tokens_per_s": (served.get("baseline") or {}).get("output_tokens_per_s"),
+            "speedup": served.get("speedup"), "lost_requests": served.get("lost_requests", 0), "temperature": 0.0}
+
+
+def render_table(result: dict) -> list[str]:
+    lines = [f"sweep: {len(result['points'])} shape(s) measured in {result['wall_s']:.0f} s, temperature "
+             f"{result['temperature']}, {result['num_prompts']} prompts"]
+    for point in result["points"]:
+        if point["error"]:
+            lines.append(f"  {point['label']}: FAILED {point['error']}")
+        for row in point["levels"]:
+            accept = "n/a" if row["accept_length"] is None else f"{row['accept_length']:.3f}"
+            speedup = "n/a" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+            lost = f", {row['lost_requests']} requests LOST" if row["lost_requests"] else ""
+            lines.append(f"  {point['label']} @ {row['concurrency']} concurrent: accept length {accept}, "
+                         f"{row['output_tokens_per_s'] or 0:.1f} output tokens/s, speedup {speedup}{lost}")
+    chosen = result["chosen"]
+    lines.append(f"  chosen: {chosen['label']} ({chosen['output_tokens_per_s']:.1f} output tokens/s at "
+                 f"{chosen['concurrency']} concurrent, {chosen['speedup']:.2f}x the no-draft server)")
+    return lines
