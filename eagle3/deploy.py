@@ -186,7 +186,8 @@ def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served:
         "inputs": fingerprints,  # stage -> content hash of its manifest (data, vocab, training, export)
         "data_quality": data_quality_of(config),
         "benchmark": prompt_set_fields(config),
-        "serving": {**chosen["shape"], "temperature": chosen["temperature"], "concurrency": chosen["concurrency"]},
+        # how production serves it and is re-measured: the chosen shape, on the first num_prompts of the prompt set
+        "serving": {**chosen["shape"], **{k: chosen[k] for k in ("temperature", "concurrency", "num_prompts")}},
         "code_version": code_version(),
         "metrics": registry_metrics(served, simulated, chosen),
         "lineage": {"parent": parent, "init_from": str(config.training.init_from or "") or None, "flow_run": flow_run},

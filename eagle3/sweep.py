@@ -100,7 +100,7 @@ def run_sweep(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
     if best is None:
         raise SweepError("no drafting shape was measured in full: " + "; ".join(
             f"{p['label']}: {p['error'] or 'requests lost or no speculation reported'}" for p in points))
-    chosen = {**best, "temperature": b.temperature}
+    chosen = {**best, "temperature": b.temperature, "num_prompts": len(prompts)}
     result = {"temperature": b.temperature, "concurrency": b.concurrency, "num_prompts": len(prompts),
               "budget_s": sweep.budget_s, "wall_s": time.monotonic() - started, "points": points, "skipped": skipped,
               "chosen": chosen}
@@ -128,7 +128,8 @@ def configured_choice(config: PipelineConfig, served: dict) -> dict:
             "accept_length": served.get("accept_length"), "accept_rate": served.get("accept_rate"),
             "output_tokens_per_s": served.get("output_tokens_per_s"),
             "baseline_output_tokens_per_s": (served.get("baseline") or {}).get("output_tokens_per_s"),
-            "speedup": served.get("speedup"), "lost_requests": served.get("lost_requests", 0), "temperature": 0.0}
+            "speedup": served.get("speedup"), "lost_requests": served.get("lost_requests", 0), "temperature": 0.0,
+            "num_prompts": served.get("num_prompts")}
 
 
 def render_table(result: dict) -> list[str]:

@@ -48,7 +48,8 @@ def sweep_serving(config: PipelineConfig, exported: dict, served: dict, simulate
     registry = open_registry(config.registry, log=log)
     early = gate_decision(config, registry, production, served, simulated["result"]["accept_length"], {})
     if not early.promote:
-        log(f"sweep: skipped, the gate rejects the candidate on acceptance alone ({early.summary()})")
+        log("sweep: skipped, the gate rejects the candidate on acceptance alone: "
+            + "; ".join(f"{r.rule}: {r.message}" for r in early.reasons))
         return {"chosen": configured_choice(config, served), "points": None}
     result = run_sweep(config, Path(exported["path"]), log=log)
     chosen = result["chosen"]

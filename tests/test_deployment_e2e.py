@@ -257,6 +257,19 @@ def test_full_deployment_runs_on_a_worker_and_the_ui_shows_its_decision(prefect_
     shown = DECISION.search(page)
     assert shown and shown.group(1).lower() == decided, f"the artifact page does not say {decided!r}:\n{page[:3000]}"
 
+    # Pictures: the training artifact (and the sweep's, when the candidate was swept) shows its plot as an image
+    # whose source is the SVG itself, with the tables below it.
+    pictured = api(server, "POST", "/artifacts/filter",
+                   {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}, "key": {"any_": ["training", "sweep"]}}})
+    assert "training" in {a["key"] for a in pictured}, f"artifacts with pictures: {pictured}"
+    with phases("ui pictures"):
+        for found in pictured:
+            dom, text = render_until(f"{server['base']}/v2/artifacts/artifact/{found['id']}", timeout_s=90,
+                                     expect=("Training",) if found["key"] == "training" else ("Serving sweep",))
+            images = re.findall(r'<img[^>]*src="(data:image/svg\+xml;base64,[^"]+)"', dom)
+            assert images, f"the {found['key']} artifact page shows no SVG image; page text:\n{text[:2000]}"
+            assert dom.index(images[0]) < dom.index("<table"), "the plot comes before the tables"
+
 
 def trainers(run_dir: Path) -> list[str]:
     """Live processes training into `run_dir` (the trainer's command line names the run's resolved config)."""

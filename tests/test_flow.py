@@ -97,6 +97,24 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     manifest = open_registry(config.registry).manifest(version)
     assert manifest["data_quality"]["passed"] and manifest["benchmark"]["prompts"] == 4
     assert "benchmark/prompts.jsonl" in manifest["files"]
+    # the sweep served (3, 1, 4) and (2, 2, 4); the faster one is recorded, production serves it, and the
+    # decision names its speedup
+    chosen = manifest["serving"]
+    assert (chosen["num_steps"], chosen["eagle_topk"], chosen["num_draft_tokens"]) in {(3, 1, 4), (2, 2, 4)}
+    assert chosen["concurrency"] == 2 and manifest["metrics"]["production"]["speedup"] > 0
+    assert "# Serving sweep" in found["sweep"] and "data:image/svg+xml;base64," in found["sweep"]
+    assert "data:image/svg+xml;base64," in found["training"]
+    speedup = f"speedup {manifest['metrics']['production']['speedup']:.2f}x over the no-draft server"
+    assert speedup in found["decision"]
+
+
+def test_a_draft_below_the_speedup_bar_rolls_back_by_the_throughput_rule(micro_flow):
+    overrides, first = micro_flow
+    state = eagle3(CONFIG, overrides + ["gate.min_speedup=50"], return_state=True)
+    assert state.is_completed() and state.name == "RolledBack", state.message
+    assert "throughput: speedup" in state.message and "is below gate.min_speedup 50.00" in state.message
+    config = load_config(CONFIG, overrides)
+    assert open_registry(config.registry).production()[0]["version"] == first.result()  # unchanged
 
 
 def test_a_rerun_with_unchanged_inputs_skips_finished_stages(micro_flow):

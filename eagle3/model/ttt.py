@@ -7,7 +7,8 @@ Step k of the chain rooted at t sits at sequence position t + k. Its attention s
 sees: the step-0 entries of every index s <= t (the prefix, built from target features) and the
 chain's own entries of steps 1..k at index t. Training feeds the true tokens x_{t+1+k}; drafting
 feeds the draft's own predictions. The simulator and the reference server draft with
-`draft_chain`, so training and serving cannot drift apart.
+`eagle3.model.tree.draft_tree` (of which `draft_chain` is the topk-1 case), so training and serving cannot
+drift apart.
 """
 
 from __future__ import annotations

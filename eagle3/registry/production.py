@@ -128,32 +128,32 @@ class Production:
 
     def measurement(self, version: str) -> tuple[PipelineConfig, list[list[int]], float]:
         """The config, prompts and temperature a version is served and re-measured with: the serving shape,
-        concurrency and temperature it was chosen with (older versions: this config's shape, greedy), and the
-        prompt set and max_new_tokens it was measured on when published, so its recorded accept length is
-        comparable (a retrain's new prompts cannot fake a shortfall). A version published before versions
-        recorded their prompts is measured on this run's."""
+        concurrency, temperature and prompts it was chosen with (older versions: this config's shape, greedy, every
+        prompt), from the prompt set and max_new_tokens it was measured on when published, so its recorded accept
+        length is comparable (a retrain's new prompts cannot fake a shortfall). A version published before
+        versions recorded their prompts is measured on this run's."""
         manifest = self.registry.manifest(version)
-        config, temperature = self.serving_config, 0.0
+        config, temperature, count = self.serving_config, 0.0, None
         if manifest.get("serving"):
             serving = manifest["serving"]
-            shape = DraftShape.of(serving)
             benchmark = config.benchmark.model_copy(update={"concurrency": [serving["concurrency"]]})
-            config = config.model_copy(update={"serving": config.serving.model_copy(update=asdict(shape)),
-                                               "benchmark": benchmark})
-            temperature = serving["temperature"]
+            config = config.model_copy(update={
+                "serving": config.serving.model_copy(update=asdict(DraftShape.of(serving))), "benchmark": benchmark})
+            temperature, count = serving["temperature"], serving["num_prompts"]
         recorded = manifest.get("benchmark")
         if recorded is None:
             self.log(f"version {version} records no prompt set (published before versions kept theirs): measured on "
                      "this run's held-out prompts, so a shortfall may come from other prompts")
-            return config, prompt_ids_in(config, benchmark_prompts_file(config)), temperature
+            return config, prompt_ids_in(config, benchmark_prompts_file(config))[:count], temperature
         fetched = self.registry.fetch(version, PROMPTS_LAYOUT,
                                       Path(self.config.production.state_dir) / "prompts" / version)
         benchmark = config.benchmark.model_copy(update={"max_new_tokens": recorded["max_new_tokens"]})
         config = config.model_copy(update={"benchmark": benchmark})
-        self.log(f"measured on version {version}'s own prompt set: {recorded['prompts']} prompts (sha256 "
-                 f"{recorded['sha256'][:12]}), max_new_tokens {recorded['max_new_tokens']}, temperature "
+        prompts = prompt_ids_in(config, fetched / PROMPTS_FILE)[:count]
+        self.log(f"measured on version {version}'s own prompt set: {len(prompts)} of its {recorded['prompts']} prompts "
+                 f"(sha256 {recorded['sha256'][:12]}), max_new_tokens {recorded['max_new_tokens']}, temperature "
                  f"{temperature}, {config.benchmark.production_concurrency} concurrent")
-        return config, prompt_ids_in(config, fetched / PROMPTS_FILE), temperature
+        return config, prompts, temperature
 
     def recorded(self) -> dict | None:
         if not self.state.is_file():
