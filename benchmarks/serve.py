@@ -1,10 +1,11 @@
 """Serving benchmark on the tiny (or micro) target, CPU: a draft trained quickly by the pipeline itself
-(regenerate, capture, vocab, train, export to SGLang 0.5.13's layout), two reference servers in-process
-(no draft, and the draft), the benchmark client against both on the held-out prompts, and the offline
-simulator on the same prompts. Prints decode tokens/s with and without the draft, accept length and speedup.
+(regenerate, capture, vocab, train, export to SGLang 0.5.13's layout), reference servers in-process (no draft,
+and the draft in each drafting shape: chains and trees), the benchmark client against them on the held-out
+prompts, greedy and sampled, and the offline simulator. Prints per shape the simulated and served accept
+length, decode tokens/s and the speedup over no draft, greedy (outputs identical?) and sampled.
 
     python benchmarks/serve.py [--target tiny|micro] [--steps 120] [--prompts 16] [--max-new-tokens 64]
-                               [--concurrency 4] [--retrain]
+                               [--concurrency 4] [--temperature 0.7] [--retrain]
 
 The trained run is kept in runs/bench-serve-<target>/ and reused (pass --retrain to train again). The
 reference server recomputes the whole sequence at every forward (no KV cache) and serves one request at a
@@ -16,21 +17,23 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from eagle3.bench.client import render_table, run_benchmark
-from eagle3.bench.simulate import heldout_prompt_ids, simulate
+from eagle3.bench.client import run_benchmark
+from eagle3.bench.simulate import simulate
 from eagle3.config import load_config
 from eagle3.data.capture import capture
-from eagle3.data.regenerate import regenerate
+from eagle3.data.regenerate import heldout_prompt_ids, regenerate
 from eagle3.data.targets import load_tokenizer
 from eagle3.data.vocab import build_vocab
 from eagle3.engines.tiny import MICRO, TINY, build_tiny_target
 from eagle3.formats.checkpoint import convert
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
+from eagle3.shape import DraftShape
 from eagle3.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +58,9 @@ def trained_draft(config, steps: int, log) -> Path:
     return convert(config.stage_dir("train") / "best", exported, to="sglang", engine_release=RELEASE)
 
 
+SHAPES = [DraftShape(1), DraftShape(3), DraftShape(3, 4, 8), DraftShape(5, 4, 16)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", choices=("tiny", "micro"), default="tiny")
@@ -62,6 +68,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts to benchmark")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.7, help="the sampled run's temperature")
     parser.add_argument("--retrain", action="store_true", help="train the draft again")
     args = parser.parse_args()
     target = build_tiny_target(ROOT / "runs" / "targets" / args.target, MICRO if args.target == "micro" else TINY)
@@ -77,20 +84,22 @@ def main() -> None:
     config = load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides)
     draft = trained_draft(config, args.steps, print)
     prompts = heldout_prompt_ids(config, load_tokenizer(str(target)))
-    simulated = simulate(config, draft, log=lambda line: None, prompts=prompts)
-    steps = config.serving.num_steps
-    with serve_in_thread(create_app(target)) as (plain, _), \
-            serve_in_thread(create_app(target, draft, num_steps=steps, engine_release=RELEASE)) as (speculative, _):
-        result = run_benchmark(speculative, prompts, args.max_new_tokens, args.concurrency, timeout_s=600, retries=2,
-                               baseline_url=plain, log=lambda line: None)
     print(f"{args.target} target, draft {draft}, {len(prompts)} held-out prompts, max_new_tokens "
-          f"{args.max_new_tokens}, {args.concurrency} concurrent, {steps} draft steps, torch threads {torch.get_num_threads()}")
-    print("\n".join(render_table(result)))
-    print(f"decode tokens/s without draft  {result['baseline']['output_tokens_per_s']:8.1f}")
-    print(f"decode tokens/s with draft     {result['output_tokens_per_s']:8.1f}")
-    print(f"accept length (served)         {result['accept_length']:8.3f}")
-    print(f"accept length (simulated)      {simulated.accept_length:8.3f}")
-    print(f"speedup (wall time ratio)      {result['speedup']:8.2f}x   outputs identical: {result['mismatches'] == 0}")
+          f"{args.max_new_tokens}, {args.concurrency} concurrent, torch threads {torch.get_num_threads()}")
+    print(f"{'shape':34} {'sim':>6} {'greedy':>7} {'tok/s':>7} {'speedup':>8} {'same':>5} | "
+          f"{'T=' + str(args.temperature):>7} {'tok/s':>7} {'speedup':>8}")
+    run = lambda url, base, temperature: run_benchmark(  # noqa: E731
+        url, prompts, args.max_new_tokens, args.concurrency, timeout_s=600, retries=2, baseline_url=base,
+        log=lambda line: None, temperature=temperature)
+    with serve_in_thread(create_app(target)) as (plain, _):
+        for shape in SHAPES:
+            shaped = config.model_copy(update={"serving": config.serving.model_copy(update=asdict(shape))})
+            simulated = simulate(shaped, draft, log=lambda line: None)
+            with serve_in_thread(create_app(target, draft, shape, RELEASE)) as (url, _):
+                greedy, sampled = run(url, plain, 0.0), run(url, plain, args.temperature)
+            print(f"{shape.label():34} {simulated.accept_length:6.3f} {greedy['accept_length']:7.3f} "
+                  f"{greedy['output_tokens_per_s']:7.1f} {greedy['speedup']:7.2f}x {str(greedy['mismatches'] == 0):>5} | "
+                  f"{sampled['accept_length']:7.3f} {sampled['output_tokens_per_s']:7.1f} {sampled['speedup']:7.2f}x")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ def micro_run_overrides(run_dir, target) -> list[str]:
         f"registry.path={run_dir / 'registry'}", f"production.state_dir={run_dir / 'production'}",
         f"serving.log_dir={run_dir / 'logs'}", "gate.min_accept_rate=0.05",
         "sweep.points=[[2, 2, 4]]", "sweep.num_prompts=2",
+        # a measured throughput ratio on shared cores: the bar is low enough that the load of a parallel job
+        # cannot fail a good draft (the throughput rule's own test sets it out of reach)
+        "gate.min_speedup=0.5",
     ]
 
 
