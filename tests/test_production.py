@@ -162,7 +162,7 @@ def test_production_is_remeasured_on_the_prompt_set_its_version_recorded(product
     production = Production(config, registry, lines.append)
     measured = production.remeasure("v2")
     assert [row["completion_tokens"] for row in measured["prompts"]] == [5]  # its one prompt, its max_new_tokens
-    assert any(f"own prompt set: 1 prompts (sha256 {recorded['sha256'][:12]}), max_new_tokens 5" in line
+    assert any(f"own prompt set: 1 of its 1 prompts (sha256 {recorded['sha256'][:12]}), max_new_tokens 5" in line
                for line in lines)
     older = production.remeasure("v1")  # published without a prompt set: this run's two held-out prompts
     assert [row["completion_tokens"] for row in older["prompts"]] == [8, 8]

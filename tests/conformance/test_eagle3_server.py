@@ -81,10 +81,16 @@ def _swap(flags: tuple[str, ...], name: str, value: str) -> tuple[str, ...]:
 # interpreted programs per head instead of one; the same attention, reduced in one pass); a KV pool of 4096
 # tokens (sized from free host memory otherwise: ~15 M tokens, half a minute to allocate); the draft's context
 # length (512, shorter than the target's 2048, which SGLang refuses for a draft).
-EAGLE_FLAGS = (*_swap(CPU_FLAGS, "--attention-backend", "triton"), "--triton-attention-num-kv-splits", "1",
-               "--max-total-tokens", "4096", "--context-length", str(CONFIG.max_position_embeddings),
-               "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(STEPS),
-               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1))
+def eagle_flags(shape: DraftShape) -> tuple[str, ...]:
+    return (*_swap(CPU_FLAGS, "--attention-backend", "triton"), "--triton-attention-num-kv-splits", "1",
+            "--max-total-tokens", "4096", "--context-length", str(CONFIG.max_position_embeddings),
+            "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(shape.num_steps),
+            "--speculative-eagle-topk", str(shape.eagle_topk), "--speculative-num-draft-tokens",
+            str(shape.num_draft_tokens))
+
+
+EAGLE_FLAGS = eagle_flags(DraftShape(STEPS))
+TREE, TREE_RELEASE = DraftShape(STEPS, 4, 8), "0.5.13"  # topk 4: 4 + 2 x 16 candidates, the 7 best verified
 
 
 def cpu_redirects():
@@ -220,6 +226,31 @@ def plain_outputs(micro):
         return [answer["output_ids"] for answer in answers(url, requests, 1)]
 
 
+def cpu_env() -> dict[str, str]:
+    """SGLang's Triton kernels interpreted on the CPU, with the redirects above."""
+    return {"TRITON_INTERPRET": "1", "EAGLE3_SGLANG_REDIRECTS": "eagle3-cpu",
+            "EAGLE3_SGLANG_KERNELS_SITE": str(releases.prepare(KERNELS_RELEASE)[1])}
+
+
+def test_sglangs_tree_drafting_is_the_reference_servers(micro, exported, plain_outputs, tmp_path):
+    """SGLang's EAGLE3 worker drafting a tree (topk 4, 8 draft tokens): greedy output identical to the target's,
+    and every spec_* field equal to the reference server's, whose draft_tree builds the tree as SGLang does
+    (scores, slots, the 7 best candidates) and whose tree-masked verify forward accepts the same paths."""
+    draft_dir = exported(TREE_RELEASE)
+    requests = bodies(micro, 0, NUM_PROMPTS)
+    with serve_in_thread(create_app(micro["path"], draft_dir, TREE, TREE_RELEASE)) as (url, _):
+        ours = answers(url, requests, 1)
+    with sglang_server(TREE_RELEASE, micro["path"], tmp_path, flags=eagle_flags(TREE),
+                       extra=("--speculative-draft-model-path", str(draft_dir)), env=cpu_env()) as (url, server):
+        info = httpx.get(f"{url}/server_info", timeout=30).json()
+        theirs = answers(url, requests, CONCURRENCY)
+    assert (info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (4, 8)
+    for body, plain, ours_, theirs_ in zip(requests, plain_outputs, ours, theirs):
+        assert theirs_["output_ids"] == plain == ours_["output_ids"], f"SGLang continues {body} differently"
+        assert spec_fields(theirs_["meta_info"]) == spec_fields(ours_["meta_info"])
+    assert sum(correct_drafts_of(answer["meta_info"]) for answer in theirs) > 0
+
+
 @pytest.mark.parametrize("release", EAGLE_RELEASES)
 def test_sglangs_eagle3_server_counts_as_the_reference_server(micro, exported, plain_outputs, release, tmp_path):
     draft_dir = exported(release)
@@ -238,11 +269,9 @@ def test_sglangs_eagle3_server_counts_as_the_reference_server(micro, exported, p
     rows = [simulated(MAX_NEW, request) for request in requests]
     bench_rows = [simulated(BENCH_MAX_NEW, request) for request in bench]
 
-    env = {"TRITON_INTERPRET": "1", "EAGLE3_SGLANG_REDIRECTS": "eagle3-cpu",
-           "EAGLE3_SGLANG_KERNELS_SITE": str(releases.prepare(KERNELS_RELEASE)[1])}
     started = time.monotonic()
     with sglang_server(release, micro["path"], tmp_path, flags=EAGLE_FLAGS,
-                       extra=("--speculative-draft-model-path", str(draft_dir)), env=env) as (url, server):
+                       extra=("--speculative-draft-model-path", str(draft_dir)), env=cpu_env()) as (url, server):
         ready = time.monotonic()
         assert server.release == release
         theirs = answers(url, requests, CONCURRENCY)
