@@ -456,8 +456,9 @@ def run_registry_show(args: argparse.Namespace) -> int:
           f"{served.get('output_tokens_per_s', 'n/a')} output tokens/s, {served.get('lost_requests', 'n/a')} lost "
           f"request(s), engine release {metrics.get('engine_release', 'n/a')}")
     if manifest.get("serving"):
-        measured = metrics_of(manifest).throughput or "throughput not measured"
-        print(f"production serves it with: {DraftShape.of(manifest['serving']).label()} ({measured})")
+        gate_view = metrics_of(manifest)
+        print("production serves it with: " + (f"{gate_view.throughput}, speedup {gate_view.speedup:.2f}x"
+              if gate_view.speedup else f"{DraftShape.of(manifest['serving']).label()} (throughput not measured)"))
     for key in sorted(set(manifest) - {"version", "layouts", "files", "metrics"}):
         value = manifest[key]
         if isinstance(value, dict) and len(value) > 6:  # e.g. the whole pipeline config: too long for a summary

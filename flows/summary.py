@@ -51,7 +51,7 @@ def summary(state, config: PipelineConfig) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     lines += ["", f"accept length: simulated {fmt(simulated)}, served {fmt(served)}",
               f"decision: {decision(state)}",
-              f"artifacts (data, vocab, training, export-validation, acceptance, decision) of flow run {flow_run_id}: "
+              f"artifacts (data, vocab, training, export-validation, acceptance, sweep, decision) of flow run {flow_run_id}: "
               + (f"{ui_url()}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts" if PREFECT_API_URL.value() else
                  f"kept in the Prefect database under PREFECT_HOME; run `prefect server start` and open "
                  f"http://127.0.0.1:4200/v2/runs/flow-run/{flow_run_id}?tab=Artifacts"),
