@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from eagle3.formats.checkpoint import convert
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape
+from eagle3.sweep import with_shape
 from eagle3.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,9 @@ def main() -> None:
                  "training.batch_size=8", "training.seq_len=160", "training.warmup_steps=10",
                  f"training.eval_every={max(args.steps // 3, 1)}", "training.save_every=1000",
                  f"benchmark.num_prompts={args.prompts}", f"benchmark.max_new_tokens={args.max_new_tokens}",
-                 f"serving.release={RELEASE}"]
+                 f"serving.release={RELEASE}",
+                 # the held-out greedy continuations run as far past max_new_tokens as the deepest shape drafts
+                 f"serving.num_steps={max(shape.num_steps for shape in SHAPES)}"]
     config = load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides)
     draft = trained_draft(config, args.steps, print)
     prompts = heldout_prompt_ids(config, load_tokenizer(str(target)))
@@ -93,7 +95,7 @@ def main() -> None:
         log=lambda line: None, temperature=temperature)
     with serve_in_thread(create_app(target)) as (plain, _):
         for shape in SHAPES:
-            shaped = config.model_copy(update={"serving": config.serving.model_copy(update=asdict(shape))})
+            shaped = with_shape(config, shape)
             simulated = simulate(shaped, draft, log=lambda line: None)
             with serve_in_thread(create_app(target, draft, shape, RELEASE)) as (url, _):
                 greedy, sampled = run(url, plain, 0.0), run(url, plain, args.temperature)

@@ -19,6 +19,7 @@ from typing import Callable
 from eagle3.config import PipelineConfig
 from eagle3.deploy import benchmark_on, benchmark_prompts_file, prompt_ids_in
 from eagle3.errors import Eagle3Error
+from eagle3.registry.gate import Decision
 from eagle3.fsutil import atomic_write_json
 from eagle3.serve.launch import launch_and_validate
 from eagle3.shape import DraftShape
@@ -119,6 +120,20 @@ def measure_point(config: PipelineConfig, shape: DraftShape, draft: Path, prompt
         return {"shape": asdict(shape), "label": shape.label(), "levels": [], "error": str(err)}
     rows = [level_row(level, m, base) for level, m, base in zip(config.benchmark.concurrency, measured, baseline)]
     return {"shape": asdict(shape), "label": shape.label(), "levels": rows, "error": None}
+
+
+def choose_serving(config: PipelineConfig, draft: Path, served: dict, acceptance: Decision, log: Log = print) -> dict:
+    """The serving shape production gets ({"chosen", "points"}): the sweep's choice, or the serving section's own
+    as the candidate's measurement found it when the sweep is off or when the gate rejects the candidate on
+    acceptance already (`acceptance`: its decision without throughput; each point is a server start)."""
+    if not config.sweep.enabled:
+        log("sweep: off (sweep.enabled false): production serves the serving section's shape")
+    elif not acceptance.promote:
+        log("sweep: skipped, the gate rejects the candidate on acceptance alone: "
+            + "; ".join(f"{r.rule}: {r.message}" for r in acceptance.reasons))
+    else:
+        return run_sweep(config, draft, log)
+    return {"chosen": configured_choice(config, served), "points": None}
 
 
 def configured_choice(config: PipelineConfig, served: dict) -> dict:

@@ -14,7 +14,7 @@ from eagle3.deploy import gate_decision, measure_candidate
 from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
 from eagle3.report import acceptance_report, sweep_report
-from eagle3.sweep import configured_choice, run_sweep
+from eagle3.sweep import choose_serving
 from tasks.common import cached, log_to_run, run_stage
 
 
@@ -38,21 +38,13 @@ def measure_served(config: PipelineConfig, exported: dict, simulated: dict) -> d
 
 @task(name="sweep", cache_policy=NO_CACHE)
 def sweep_serving(config: PipelineConfig, exported: dict, served: dict, simulated: dict, production: str | None) -> dict:
-    """The serving shape production gets: the sweep's fastest at the production concurrency, or the serving
-    section's own as the candidate's measurement found it - when the sweep is off, or when the gate rejects the
-    candidate on acceptance already (each point is a server start). Returns {"chosen", "points"}."""
+    """The serving shape production gets (eagle3.sweep.choose_serving); the `sweep` artifact when it swept."""
     log = log_to_run()
-    if not config.sweep.enabled:
-        log("sweep: off (sweep.enabled false): production serves the serving section's shape")
-        return {"chosen": configured_choice(config, served), "points": None}
     registry = open_registry(config.registry, log=log)
-    early = gate_decision(config, registry, production, served, simulated["result"]["accept_length"], {})
-    if not early.promote:
-        log("sweep: skipped, the gate rejects the candidate on acceptance alone: "
-            + "; ".join(f"{r.rule}: {r.message}" for r in early.reasons))
-        return {"chosen": configured_choice(config, served), "points": None}
-    result = run_sweep(config, Path(exported["path"]), log=log)
-    chosen = result["chosen"]
-    create_markdown_artifact(key="sweep", markdown=sweep_report(result),
-                             description=f"chosen: {chosen['label']}, {chosen['speedup']:.2f}x the no-draft server")
+    acceptance = gate_decision(config, registry, production, served, simulated["result"]["accept_length"], {})
+    result = choose_serving(config, Path(exported["path"]), served, acceptance, log)
+    if result["points"] is not None:
+        chosen = result["chosen"]
+        create_markdown_artifact(key="sweep", markdown=sweep_report(result),
+                                 description=f"chosen: {chosen['label']}, {chosen['speedup']:.2f}x the no-draft server")
     return result

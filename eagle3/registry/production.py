@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
@@ -28,6 +27,7 @@ from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.procs import ProcessTree, group_alive
 from eagle3.serve.launch import GPU_QUERY, LaunchError, systemd_missing, wait_gpus_free
 from eagle3.shape import DraftShape
+from eagle3.sweep import with_shape
 
 Log = Callable[[str], None]
 STATE_FILE = "server.json"
@@ -137,8 +137,7 @@ class Production:
         if manifest.get("serving"):
             serving = manifest["serving"]
             benchmark = config.benchmark.model_copy(update={"concurrency": [serving["concurrency"]]})
-            config = config.model_copy(update={
-                "serving": config.serving.model_copy(update=asdict(DraftShape.of(serving))), "benchmark": benchmark})
+            config = with_shape(config, DraftShape.of(serving)).model_copy(update={"benchmark": benchmark})
             temperature, count = serving["temperature"], serving["num_prompts"]
         recorded = manifest.get("benchmark")
         if recorded is None:
