@@ -214,9 +214,15 @@ def exported(micro, tmp_path_factory):
     draft = lens_draft(micro)
     with torch.no_grad():
         draft.midlayer.self_attn.o_proj.weight.copy_(random_draft(micro, seed=3).midlayer.self_attn.o_proj.weight * 0.3)
-    root = tmp_path_factory.mktemp("eagle3-drafts")
-    return lambda release: save_native_draft(NativeDraft(CONFIG, draft.export_state()), root / release, to="sglang",
-                                             engine_release=release)
+    root, made = tmp_path_factory.mktemp("eagle3-drafts"), {}
+
+    def export(release: str):
+        if release not in made:  # one export per release, whichever test asks first
+            made[release] = save_native_draft(NativeDraft(CONFIG, draft.export_state()), root / release, to="sglang",
+                                              engine_release=release)
+        return made[release]
+
+    return export
 
 
 @pytest.fixture(scope="module")
