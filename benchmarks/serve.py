@@ -33,7 +33,7 @@ from eagle3.formats.checkpoint import convert
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape
-from eagle3.sweep import with_shape
+from eagle3.deployment.sweep import with_shape
 from eagle3.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent

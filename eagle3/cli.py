@@ -192,7 +192,7 @@ def run_quality(args: argparse.Namespace) -> int:
 
 
 def run_capture(args: argparse.Namespace) -> int:
-    from eagle3.data.capture import capture_with_engine
+    from eagle3.data.node_capture import capture_with_engine
 
     from eagle3.config import resolved_config_file
 
@@ -242,7 +242,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     from eagle3.bench.client import DEFAULT_MAX_NEW_TOKENS, load_prompt_file, render_table, run_benchmark
-    from eagle3.config import BenchmarkSection
+    from eagle3.config.sections import BenchmarkSection
     from eagle3.data.targets import load_tokenizer
     from eagle3.fsutil import atomic_write_json
 

@@ -10,11 +10,11 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3.bench.simulate import RESULT_FILE, simulate
 from eagle3.config import PipelineConfig
-from eagle3.deploy import gate_decision, measure_candidate
+from eagle3.deployment.promotion import gate_decision, measure_candidate
 from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
 from eagle3.report import acceptance_report, sweep_report
-from eagle3.sweep import choose_serving
+from eagle3.deployment.sweep import choose_serving
 from tasks.common import cached, log_to_run, run_stage
 
 
@@ -38,7 +38,7 @@ def measure_served(config: PipelineConfig, exported: dict, simulated: dict) -> d
 
 @task(name="sweep", cache_policy=NO_CACHE)
 def sweep_serving(config: PipelineConfig, exported: dict, served: dict, simulated: dict, production: str | None) -> dict:
-    """The serving shape production gets (eagle3.sweep.choose_serving); the `sweep` artifact when it swept."""
+    """The serving shape production gets (eagle3.deployment.sweep.choose_serving); the `sweep` artifact when it swept."""
     log = log_to_run()
     registry = open_registry(config.registry, log=log)
     acceptance = gate_decision(config, registry, production, served, simulated["result"]["accept_length"], {})

@@ -7,7 +7,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from eagle3.config import PipelineConfig
-from eagle3.data.capture import capture_with_engine
+from eagle3.data.node_capture import capture_with_engine
 from eagle3.data.quality import DataQualityError
 from eagle3.data.regenerate import regenerate
 from eagle3.formats.manifest import read_manifest

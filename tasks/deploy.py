@@ -18,7 +18,7 @@ from prefect.events import emit_event
 from prefect.transactions import get_transaction
 
 from eagle3.config import PipelineConfig
-from eagle3.deploy import (
+from eagle3.deployment.promotion import (
     diagnosis_of,
     gate_decision,
     prune_after_promotion,
@@ -27,7 +27,7 @@ from eagle3.deploy import (
     version_id,
 )
 from eagle3.registry.gate import Decision, GateRejected, Reason
-from eagle3.registry.production import Production
+from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
 from eagle3.report import decision_report
 from tasks.common import log_to_run

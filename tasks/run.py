@@ -11,8 +11,9 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from eagle3.config import PipelineConfig, RegistrySection, check_local_inputs, load_config, resolved_config_file
-from eagle3.deploy import retrain_overrides
+from eagle3.config import PipelineConfig, check_local_inputs, load_config, resolved_config_file
+from eagle3.config.sections import RegistrySection
+from eagle3.deployment.promotion import retrain_overrides
 from eagle3.plan import require_fit
 from eagle3.registry.registry import open_registry, registry_location
 from tasks.common import log_to_run

@@ -9,8 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 from eagle3.config import load_config
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.ttt import draft_chain
-from eagle3.train import parallel
-from eagle3.train.parallel import Dist
+from eagle3 import distributed
+from eagle3.distributed import Dist
 from eagle3.train.trainer import Trainer
 from fake_device import fake_accelerator
 from test_config import TINY
@@ -82,8 +82,8 @@ def test_each_process_takes_cuda_local_rank_whenever_cuda_exists(monkeypatch, wo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     groups = []
-    monkeypatch.setattr(parallel.dist, "init_process_group", groups.append)
-    monkeypatch.setattr(parallel.dist, "get_rank", lambda: int(local_rank))
-    result = parallel.setup_distributed()
+    monkeypatch.setattr(distributed.dist, "init_process_group", groups.append)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: int(local_rank))
+    result = distributed.setup_distributed()
     assert result.device == torch.device("cuda", int(local_rank)) and chosen == [result.device]
     assert groups == ([] if world == "1" else ["nccl"])

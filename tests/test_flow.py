@@ -16,7 +16,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 from eagle3.config import load_config
 from eagle3.procs import group_alive
-from eagle3.registry.production import Production
+from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
 from eagle3.runs import retrain_runs
 from flows.eagle3 import eagle3, ensure_registry_limit

@@ -18,9 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from drafts import write_draft
 from eagle3.config import load_config
-from eagle3.serve.launch import (
-    GPU_QUERY, LaunchError, Server, launch_and_validate, reference_command, server_for, sglang_command, wrap,
-)
+from eagle3.procs import GPU_QUERY, LaunchError, wrap
+from eagle3.serve.launch import Server, launch_and_validate, reference_command, server_for, sglang_command
 from test_config import TINY
 
 RELEASE = "0.5.13"

@@ -15,15 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-import eagle3.serve.launch as launch
+import eagle3.procs as procs
 from drafts import write_draft
 from eagle3.config import load_config
-from eagle3.deploy import PROMPTS_FILE, PROMPTS_LAYOUT
+from eagle3.deployment.promotion import PROMPTS_FILE, PROMPTS_LAYOUT
 from eagle3.fsutil import sha256_file
 from eagle3.procs import group_alive
-from eagle3.registry.production import Production
+from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
-from eagle3.serve.launch import LaunchError, in_systemd_scope, systemd_missing
+from eagle3.procs import LaunchError, in_systemd_scope, systemd_missing
 from test_config import TINY
 from test_data import micro_overrides
 from test_launch import MICRO_DRAFT, RELEASE, free_port
@@ -54,7 +54,7 @@ def systemd_here(monkeypatch, tmp_path) -> Path:
     to the returned file, one a line, then execs the command after `--` (the real one execs it in the new scope)."""
     running = tmp_path / "run-systemd-system"
     running.mkdir()
-    monkeypatch.setattr(launch, "SYSTEMD_RUNNING", running)
+    monkeypatch.setattr(procs, "SYSTEMD_RUNNING", running)
     runtime = tmp_path / "xdg-runtime"
     (runtime / "systemd").mkdir(parents=True)
     (runtime / "systemd" / "private").touch()
@@ -71,7 +71,7 @@ def systemd_here(monkeypatch, tmp_path) -> Path:
 
 
 def no_systemd(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(launch, "SYSTEMD_RUNNING", tmp_path / "no-run-systemd-system")
+    monkeypatch.setattr(procs, "SYSTEMD_RUNNING", tmp_path / "no-run-systemd-system")
 
 
 def test_a_kept_production_server_runs_in_a_systemd_scope_until_released(production_config, monkeypatch, tmp_path):
@@ -131,8 +131,8 @@ def test_the_supervisor_follows_the_config_and_the_machine(production_config, mo
 
 
 def test_a_user_without_root_gets_the_user_manager(monkeypatch, tmp_path):
-    monkeypatch.setattr(launch, "SYSTEMD_RUNNING", tmp_path)
-    monkeypatch.setattr(launch.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(procs, "SYSTEMD_RUNNING", tmp_path)
+    monkeypatch.setattr(procs.os, "geteuid", lambda: 1000)
     tool = tmp_path / "systemd-run"
     tool.touch(mode=0o755)
     monkeypatch.setenv("PATH", str(tmp_path))

@@ -10,7 +10,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from eagle3.cli import main
-from eagle3.config import GateSection, QualitySection, load_config
+from eagle3.config import load_config
+from eagle3.config.sections import GateSection, QualitySection
 from eagle3.data.quality import Reply, replies_in_file, report
 from eagle3.data.regenerate import regenerate, regenerated_replies
 from eagle3.errors import UnreadableInput

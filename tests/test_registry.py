@@ -11,7 +11,8 @@ from s3_server import MotoServer, S3Proxy, new_bucket, serve_moto_s3
 from test_config import TINY
 
 from eagle3.cli import main
-from eagle3.config import RegistrySection, load_config
+from eagle3.config import load_config
+from eagle3.config.sections import RegistrySection
 from eagle3.registry.registry import (
     PointerConflict,
     RegistryError,

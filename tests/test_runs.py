@@ -11,7 +11,7 @@ import yaml
 
 from eagle3.config import RESOLVED_FILE, load_config
 from eagle3.data.storage import human_bytes
-from eagle3.deploy import prune_after_promotion
+from eagle3.deployment.promotion import prune_after_promotion
 from eagle3.report import decision_report
 from eagle3.runs import (
     LOCK_FILE,

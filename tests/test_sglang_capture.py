@@ -12,7 +12,7 @@ from eagle3.data.capture import capture
 from eagle3.data.regenerate import regenerate
 from eagle3.data.shards import read_dataset
 from eagle3.engines.features import TransformersFeatures
-from eagle3.engines.sglang_capture import node_command
+from eagle3.data.node_capture import node_command
 from test_config import KIMI, TINY
 from test_data import micro_overrides
 
@@ -21,7 +21,7 @@ def test_the_node_command_is_torchrun_over_the_serving_gpus_reading_the_resolved
     config = load_config(KIMI)
     command = node_command(config, "/data/run/config.resolved.yaml")
     assert command == ["/opt/sglang/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
-                       "-m", "eagle3.engines.sglang_capture", "--config", "/data/run/config.resolved.yaml"]
+                       "-m", "eagle3.data.node_capture", "--config", "/data/run/config.resolved.yaml"]
 
 
 def test_only_the_main_rank_writes_and_every_rank_computes_the_same_batches(tmp_path, micro_target):

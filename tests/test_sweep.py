@@ -8,10 +8,10 @@ import pytest
 
 from drafts import write_draft
 from eagle3.config import load_config
-from eagle3.deploy import PROMPTS_LAYOUT, benchmark_prompts_file, prompt_set_fields
-from eagle3.registry.production import Production
+from eagle3.deployment.promotion import PROMPTS_LAYOUT, benchmark_prompts_file, prompt_set_fields
+from eagle3.deployment.production import Production
 from eagle3.registry.registry import metrics_of, open_registry
-from eagle3.sweep import RESULT_FILE, run_sweep
+from eagle3.deployment.sweep import RESULT_FILE, run_sweep
 from test_config import TINY
 from test_data import micro_overrides
 from test_launch import MICRO_DRAFT, RELEASE, free_port
@@ -60,7 +60,7 @@ def test_points_past_the_budget_are_skipped_and_named_but_the_serving_shape_is_m
 
 
 def test_production_serves_and_remeasures_a_version_as_it_was_chosen(sweep_config):
-    """The version's `serving` and `metrics.production`, as eagle3.deploy.version_fields records the sweep's choice."""
+    """The version's `serving` and `metrics.production`, as eagle3.deployment.promotion.version_fields records the sweep's choice."""
     make, draft = sweep_config
     config = make()
     registry = open_registry(config.registry, log=lambda line: None)

@@ -28,7 +28,7 @@ from eagle3.data.capture import HELDOUT_DIR
 from eagle3.data.regenerate import greedy_length, target_greedy
 from eagle3.data.shards import ShardReader, StoredSample
 from eagle3.data.targets import target_eos_ids
-from eagle3.engines.features import local_device
+from eagle3.engines.backends import local_device
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.draft import Eagle3Draft

@@ -29,7 +29,8 @@ from eagle3.data.regenerate import REGEN_DIR, read_greedy, read_regenerated, tra
 from eagle3.data.shards import ShardWriter, read_stamp, shard_file
 from eagle3.data.storage import check_storage, projected_bytes
 from eagle3.data.targets import check_same, load_tokenizer, target_identity
-from eagle3.engines.features import FeatureBackend, Features, local_device, pad_rows, target_backend
+from eagle3.engines.backends import local_device, target_backend
+from eagle3.engines.features import FeatureBackend, Features, pad_rows
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.manifest import code_version, read_manifest, write_manifest
 from eagle3.progress import Progress
@@ -269,14 +270,3 @@ def check_dataset(config: PipelineConfig, manifest: dict) -> None:
     check_same(where, manifest["capture"], {"aux_layers": list(config.data.aux_layers), "last_hidden": config.data.last_hidden},
                ("aux_layers", "last_hidden"))
     check_same(where, manifest, {"thinking": config.data.thinking, "features": config.training.features}, ("thinking", "features"))
-
-
-def capture_with_engine(config: PipelineConfig, resolved: Path | str, log: Log = print) -> Path:
-    """Capture with `data.capture_engine`: here (transformers), or SGLang on the GPU node - torchrun in the node's
-    SGLang environment reading the run's resolved config. Returns the training data set's directory."""
-    if config.data.capture_engine == "sglang":
-        from eagle3.engines.sglang_capture import run_on_node
-
-        run_on_node(config, resolved, log=log)
-        return dataset_dir(config)
-    return capture(config, log=log)

@@ -7,7 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from eagle3.config import TargetSection
+from eagle3.config.sections import TargetSection
 from eagle3.errors import Eagle3Error, UnreadableInput
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja", "special_tokens_map.json")

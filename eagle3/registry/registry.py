@@ -22,16 +22,11 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from eagle3.config import RegistrySection
+from eagle3.config.sections import RegistrySection
 from eagle3.fsutil import atomic_directory, sha256_file
 from eagle3.registry.gate import Metrics, throughput_text
-from eagle3.registry.store import (
-    LocalStore,
-    PointerConflict,
-    RegistryError,
-    S3Store,
-    Store,
-)
+from eagle3.registry.s3 import S3Store
+from eagle3.registry.store import LocalStore, PointerConflict, RegistryError, Store
 from eagle3.shape import DraftShape
 
 __all__ = ["PointerConflict", "Registry", "RegistryError", "check_version_id", "metrics_of", "open_registry",

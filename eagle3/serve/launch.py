@@ -7,9 +7,7 @@ the endpoint and the launcher in effect (DESIGN §4).
 
 from __future__ import annotations
 
-import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -20,18 +18,12 @@ from typing import Callable
 import httpx
 
 from eagle3.config import PipelineConfig
-from eagle3.errors import Eagle3Error
 from eagle3.formats.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
-from eagle3.procs import ProcessTree, timestamp
+from eagle3.procs import (
+    GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, in_systemd_scope, timestamp, wait_gpus_free, wrap,
+)
 
 LOG_TAIL_LINES = 40
-GPU_QUERY = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-SYSTEMD_RUNNING = Path("/run/systemd/system")  # exists only when systemd is the running init (sd_booted()'s test)
-
-
-class LaunchError(Eagle3Error):
-    """A server that did not start, did not become healthy, or serves a draft it would serve wrongly."""
-
 
 # Every spelling SGLang's parser accepts for each flag the launcher sets (read from its releases'
 # `ServerArgs.add_cli_args`; tests/conformance checks the table against each release's parser).
@@ -101,57 +93,12 @@ def reference_command(config: PipelineConfig, target_path, draft_path) -> list[s
     return command + ["--host", s.host, "--port", str(s.port)]
 
 
-def wrap(command: list[str], launcher: str, ssh_host: str | None = None, srun_args: list[str] = ()) -> list[str]:
-    if launcher == "local":
-        return list(command)
-    if launcher == "ssh":
-        if not ssh_host:
-            raise LaunchError("launcher ssh needs a host (serving.ssh_host or serving.host)")
-        # -tt: the remote command gets a terminal, so killing the local ssh hangs it up on the node too
-        return ["ssh", "-tt", ssh_host, shlex.join(command)]
-    if launcher == "srun":
-        return ["srun", *srun_args, *command]
-    raise LaunchError(f"unknown launcher {launcher!r}; use local, ssh or srun")
-
-
-def user_runtime_dir() -> Path:
-    """The runtime directory of a non-root user, where that user's systemd manager listens: $XDG_RUNTIME_DIR, else
-    /run/user/UID."""
-    return Path(os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.geteuid()}")
-
-
-def systemd_missing() -> str | None:
-    """Why no transient systemd unit can be started here; None when one can."""
-    if not SYSTEMD_RUNNING.is_dir():
-        return f"systemd is not running on this machine (no {SYSTEMD_RUNNING})"
-    if shutil.which("systemd-run") is None:
-        return "systemd-run is not on PATH"
-    if os.geteuid() != 0:
-        # not root: the system manager would refuse us, so the unit goes to the user's own manager (systemd-run --user)
-        socket = user_runtime_dir() / "systemd" / "private"
-        if not socket.exists():
-            return (f"no systemd user manager for uid {os.geteuid()} (no {socket}); `loginctl enable-linger USER` "
-                    "starts one at boot and keeps it running without a login")
-    return None
-
-
-def in_systemd_scope(command: list[str], unit: str) -> list[str]:
-    """`command` in the transient systemd scope `unit`. systemd-run moves itself into the scope and then execs the
-    command, so the server stays our child under the same process id (its log, process group and stop are unchanged)
-    but in a cgroup of its own, out of reach of a stop of the caller's unit (a worker restart kills its whole cgroup).
-    --collect unloads the unit when it ends, even failed, so the next start can take the name again."""
-    user = [] if os.geteuid() == 0 else ["--user"]  # not root: the user's own manager (see systemd_missing)
-    # systemd-run --user finds that manager through XDG_RUNTIME_DIR, which a system service's environment lacks
-    runtime = ["env", f"XDG_RUNTIME_DIR={user_runtime_dir()}"] if user and not os.environ.get("XDG_RUNTIME_DIR") else []
-    return [*runtime, "systemd-run", *user, "--scope", f"--unit={unit}", "--quiet", "--collect", "--", *command]
-
-
 class Server:
     """One server process group; `with Server(...) as s:` starts it and always stops it."""
 
     def __init__(self, command: list[str], host: str, port: int, log_dir: Path, log: Callable[[str], None] = print,
                  label: str = "", gpu_query: list[str] | None = GPU_QUERY, gpu_free_mib: int = 2048,
-                 gpu_free_timeout_s: float = 600.0, grace_s: float = 20.0):
+                 gpu_free_timeout_s: float = 600.0, grace_s: float = STOP_GRACE_S):
         self.command, self.url, self.log_dir = command, f"http://{host}:{port}", Path(log_dir)
         self.label = label or f"endpoint {self.url}, launcher {command[0]}"
         self._log, self.gpu_query, self.gpu_free_mib = log, gpu_query, gpu_free_mib
@@ -228,32 +175,6 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def wait_gpus_free(query: list[str] | None, free_mib: int, timeout_s: float, log: Callable[[str], None],
-                   label: str = "") -> None:
-    """After a stop on the GPU node: wait until every GPU uses less than `free_mib` (DESIGN §4: one model at a time).
-    No query, or no nvidia-smi here, is no wait."""
-    if query is None:
-        return
-    if query[0] == "nvidia-smi" and shutil.which("nvidia-smi") is None:
-        log("nvidia-smi not found here: not waiting for GPU memory")
-        return
-    end = time.monotonic() + timeout_s
-    while True:
-        try:
-            out = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True).stdout
-            used = [int(v) for v in out.split()]
-        except (OSError, subprocess.SubprocessError, ValueError) as err:
-            log(f"cannot read GPU memory ({shlex.join(query)}: {err}): not waiting for it")
-            return
-        if all(u < free_mib for u in used):
-            log(f"GPU memory used (MiB) {used}: below {free_mib}, free")
-            return
-        if time.monotonic() > end:
-            raise LaunchError(f"{label}GPU memory still in use {timeout_s:.0f} s after the stop: {used} MiB "
-                              f"(threshold {free_mib}); find the process holding it")
-        time.sleep(2.0)
 
 
 def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None] = print, role: str = "candidate",

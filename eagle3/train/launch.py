@@ -31,7 +31,7 @@ from typing import BinaryIO
 from eagle3.config import PipelineConfig
 from eagle3.errors import Eagle3Error
 from eagle3.procs import ProcessTree, timestamp
-from eagle3.serve.launch import GPU_QUERY, wait_gpus_free, wrap
+from eagle3.procs import GPU_QUERY, wait_gpus_free, wrap
 from eagle3.train.__main__ import STOPPED_BY_SIGTERM
 from eagle3.train.trainer import METRICS_FILE
 

@@ -8,9 +8,7 @@ its first step. Parallelism (none, DDP, FSDP2) stays in `Parallel`, out of the t
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -24,48 +22,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
+from eagle3.distributed import Dist
+
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 DRAFT_PREFIX = "draft."  # the TTT wrapper holds the draft as `draft`
 EMBEDDING = "embed_tokens."  # the target's, frozen: never saved with the draft
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """All-reduce (sum) in place; the one place the trainer reduces, so the one place to check devices."""
-        if tensor.device != self.device:
-            raise RuntimeError(
-                f"a collective got a tensor on {tensor.device}, this rank runs on {self.device}: make it on the "
-                "rank's device (NCCL cannot reduce CPU tensors)"
-            )
-        if self.world > 1:
-            dist.all_reduce(tensor)
-        return tensor
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-
-def setup_distributed() -> Dist:
-    """The process's device from LOCAL_RANK, and the process group when torchrun started several."""
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world == 1:
-        return Dist(device=device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist(rank=dist.get_rank(), world=world, device=device)
 
 
 class Parallel:

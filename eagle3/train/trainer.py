@@ -21,7 +21,8 @@ import torch
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import check_dataset, dataset_dir
 from eagle3.data.targets import target_eos_ids
-from eagle3.engines.features import FeatureBackend, target_backend
+from eagle3.engines.backends import target_backend
+from eagle3.engines.features import FeatureBackend
 from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
@@ -34,7 +35,8 @@ from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import StepStats, TTTModel, ttt_forward, ttt_stats
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData
-from eagle3.train.parallel import Dist, Parallel, setup_distributed
+from eagle3.distributed import Dist, setup_distributed
+from eagle3.train.parallel import Parallel
 
 Log = Callable[[str], None]
 STATE_FILE = "trainer_state.pt"

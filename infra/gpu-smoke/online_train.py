@@ -41,7 +41,8 @@ from eagle3.model.teacher import TEACHER_CHUNK_ROWS, chunked_argmax
 from eagle3.model.ttt import TTTModel
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef
-from eagle3.train.parallel import Dist, Parallel
+from eagle3.distributed import Dist
+from eagle3.train.parallel import Parallel
 from eagle3.train.trainer import Trainer, lr_factor
 
 # A random-init head gives logits of std ~0.02 * sqrt(H): a nearly flat next-token distribution whose entropy is

@@ -6,7 +6,7 @@ import pytest
 
 from eagle3.config import load_config
 from eagle3.serve.launch import LAUNCHER_FLAGS, sglang_command
-from eagle3.sweep import sweep_shapes, with_shape
+from eagle3.deployment.sweep import sweep_shapes, with_shape
 from releases import RELEASES
 
 ROOT = __import__("pathlib").Path(__file__).parents[2]

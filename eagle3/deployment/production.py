@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
-from eagle3.deploy import (
+from eagle3.deployment.promotion import (
     PROMPTS_FILE,
     PROMPTS_LAYOUT,
     benchmark_on,
@@ -25,13 +25,12 @@ from eagle3.deploy import (
 )
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.procs import ProcessTree, group_alive
-from eagle3.serve.launch import GPU_QUERY, LaunchError, systemd_missing, wait_gpus_free
+from eagle3.procs import GPU_QUERY, STOP_GRACE_S, LaunchError, systemd_missing, wait_gpus_free
 from eagle3.shape import DraftShape
-from eagle3.sweep import with_shape
+from eagle3.deployment.sweep import with_shape
 
 Log = Callable[[str], None]
 STATE_FILE = "server.json"
-STOP_GRACE_S = 20.0  # under the 30 s a cancelled flow run has between SIGTERM and SIGKILL
 
 
 class Production:

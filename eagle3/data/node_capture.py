@@ -1,8 +1,8 @@
-"""Capture on the GPU node: the data stage's feature work (eagle3/data/capture.py) run with the `sglang` feature
-backend, one torchrun rank per GPU, the target tensor-parallel over them (serving.tp ranks), in the node's own
+"""Capture where `data.capture_engine` says: here (transformers), or on the GPU node - the data stage's feature work
+(eagle3/data/capture.py) run with the `sglang` feature backend, one torchrun rank per GPU, the target tensor-parallel over them (serving.tp ranks), in the node's own
 SGLang environment (`data.sglang_python`). Every rank computes the same batches; rank 0 writes the shards.
 
-Run on the node:  torchrun --standalone --nproc-per-node TP -m eagle3.engines.sglang_capture --config RESOLVED
+Run on the node:  torchrun --standalone --nproc-per-node TP -m eagle3.data.node_capture --config RESOLVED
 (the pipeline starts it itself: `run_on_node`).
 """
 
@@ -14,17 +14,17 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig
+from eagle3.config import PipelineConfig, load_config
+from eagle3.data.capture import Log, capture, dataset_dir
+from eagle3.engines.backends import target_backend
 from eagle3.errors import Eagle3Error
-from eagle3.procs import ProcessTree, terminate_on_sigterm
-
-STOP_GRACE_S = 20.0  # under the 30 s a cancelled flow run has between SIGTERM and SIGKILL
-
+from eagle3.procs import STOP_GRACE_S, ProcessTree, terminate_on_sigterm
+from eagle3.distributed import setup_distributed
 
 def node_command(config: PipelineConfig, resolved: Path | str) -> list[str]:
     """The command that runs capture on the GPU node with its SGLang python, one rank per tensor-parallel GPU."""
     return [config.data.sglang_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(config.serving.tp), "-m", "eagle3.engines.sglang_capture", "--config", str(resolved)]
+            str(config.serving.tp), "-m", "eagle3.data.node_capture", "--config", str(resolved)]
 
 
 def run_on_node(config: PipelineConfig, resolved: Path | str, log: Callable[[str], None]) -> None:
@@ -44,12 +44,16 @@ def run_on_node(config: PipelineConfig, resolved: Path | str, log: Callable[[str
         raise Eagle3Error(f"SGLang capture exited with status {code}: {' '.join(command)}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    from eagle3.config import load_config
-    from eagle3.data.capture import capture
-    from eagle3.engines.features import target_backend
-    from eagle3.train.parallel import setup_distributed
+def capture_with_engine(config: PipelineConfig, resolved: Path | str, log: Log = print) -> Path:
+    """Capture with `data.capture_engine`: here (transformers), or SGLang on the GPU node - torchrun in the node's
+    SGLang environment reading the run's resolved config. Returns the training data set's directory."""
+    if config.data.capture_engine == "sglang":
+        run_on_node(config, resolved, log=log)
+        return dataset_dir(config)
+    return capture(config, log=log)
 
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="capture the data stage's features with SGLang on the GPU node")
     parser.add_argument("--config", required=True, help="the run's resolved config (run.dir/config.resolved.yaml)")
     args = parser.parse_args(argv)

@@ -1,23 +1,14 @@
-"""One typed config for a whole pipeline run, loaded from YAML with dotted `--set` overrides.
-
-Every section forbids unknown fields, so a typo fails at load time with the dotted field name and
-the fields that are allowed, instead of silently falling back to a default.
-"""
+"""The sections of the pipeline config (eagle3/config/__init__.py puts them together and loads them)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from packaging.version import InvalidVersion, Version
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from eagle3.errors import ConfigError
-from eagle3.formats.engines import sglang_default_inputs
-from eagle3.formats.target import read_target_info
-from eagle3.fsutil import atomic_write_bytes
+from eagle3.procs import STOP_GRACE_S
 from eagle3.shape import DraftShape, shape_problem
 
 STAGES = ("data", "vocab", "train", "export", "bench")
@@ -167,7 +158,7 @@ class TrainingSection(Section):
         "--nodes and --ntasks-per-node itself (one torchrun per node)")
     python: str = Field(default="python", description="the python on the nodes for launchers ssh and srun")
     stop_grace_s: float = Field(
-        default=20.0, gt=0.0, description="after SIGTERM the trainer finishes its step and saves a checkpoint; what is "
+        default=STOP_GRACE_S, gt=0.0, description="after SIGTERM the trainer finishes its step and saves a checkpoint; what is "
         "still alive after this is killed (keep it under Prefect's 30 s between a cancel's SIGTERM and SIGKILL)")
 
     @field_validator("rdzv_endpoint")
@@ -299,7 +290,7 @@ class BenchmarkSection(Section):
 
 class SweepSection(Section):
     """After the candidate passes its measurement: serve it under each drafting shape and pick the one with the most
-    output tokens/s at the production concurrency (eagle3.sweep). On the GPU node every point is a server start."""
+    output tokens/s at the production concurrency (eagle3.deployment.sweep). On the GPU node every point is a server start."""
 
     enabled: bool = True
     points: list[tuple[int, int, int]] = Field(default=[], description="(num_steps, eagle_topk, num_draft_tokens) "
@@ -366,203 +357,3 @@ class NodeSection(Section):
     """The GPU machine the stages run on; `eagle3 plan` sizes every stage against it."""
 
     gpu_memory_gib: float = Field(default=141.0, gt=0.0, description="memory of one GPU (141 for an H200)")
-
-
-class PipelineConfig(Section):
-    run: RunSection
-    target: TargetSection
-    data: DataSection
-    vocab: VocabSection
-    draft: DraftSection
-    training: TrainingSection
-    export: ExportSection = ExportSection()
-    serving: ServingSection
-    benchmark: BenchmarkSection
-    sweep: SweepSection = SweepSection()
-    gate: GateSection = GateSection()
-    registry: RegistrySection
-    production: ProductionSection = ProductionSection()
-    node: NodeSection = NodeSection()
-
-    @model_validator(mode="after")
-    def _consistent(self) -> PipelineConfig:
-        n = self.target.num_hidden_layers
-        defaulted = self.data.aux_layers is None
-        if defaulted:
-            self.data.aux_layers = sglang_default_aux_layers(n)
-        layers = self.data.aux_layers
-        if len(set(layers)) != len(layers):
-            source = f"SGLang's default for a {n}-layer target" if defaulted else "the list given"
-            raise ValueError(
-                f"data.aux_layers {layers} repeats a layer ({source}); set distinct ids, "
-                f"e.g. {list(range(min(3, n - 1)))}"
-            )
-        if layers != sorted(layers):
-            raise ValueError(
-                f"data.aux_layers {layers} must be ascending: SGLang concatenates captured states in "
-                f"layer order, so another order would scramble the draft's fc input; write {sorted(layers)}"
-            )
-        if any(not 0 <= k < n - 1 for k in layers):
-            raise ValueError(
-                f"data.aux_layers {layers}: every id must be in [0, {n - 2}] (id k = output of decoder "
-                f"layer k; SGLang cannot capture the last layer's output)"
-            )
-        training = self.training
-        if training.features == "online" and self.data.capture_engine == "sglang" and training.nnodes > 1:
-            raise ValueError(
-                f"training.features online with data.capture_engine sglang runs the target tensor-parallel over all "
-                f"ranks of one node; training.nnodes {training.nnodes} would split it across nodes: use one node "
-                "(training.nnodes 1) or training.features offline"
-            )
-        if self.vocab.draft_vocab_size > self.target.vocab_size:
-            raise ValueError(
-                f"vocab.draft_vocab_size ({self.vocab.draft_vocab_size}) exceeds target.vocab_size "
-                f"({self.target.vocab_size})"
-            )
-        for field, value in (
-            ("serving.context_length", self.serving.context_length),
-            ("training.seq_len", self.training.seq_len),
-        ):
-            if value > self.draft.max_position_embeddings:
-                raise ValueError(
-                    f"{field} ({value}) exceeds draft.max_position_embeddings "
-                    f"({self.draft.max_position_embeddings}); raise the latter"
-                )
-        return self
-
-    def stage_dir(self, stage: str) -> Path:
-        if stage not in STAGES:
-            raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
-        return self.run.dir / stage
-
-
-def sglang_default_aux_layers(num_layers: int) -> list[int]:
-    """The layers SGLang captures when a draft names none, in our convention.
-
-    The input of layer i is the output of layer i - 1.
-    """
-    return [i - 1 for i in sglang_default_inputs(num_layers)]
-
-
-RESOLVED_FILE = "config.resolved.yaml"
-
-
-def resolved_config_file(config: PipelineConfig) -> Path:
-    """Write the run's one resolved config (every default filled in, the target's facts checked) under run.dir and
-    return its path: trainers and node commands read this file, never the YAML plus overrides again, so every
-    process of a run sees the same config. Written atomically; rewritten on every run."""
-    check_target_facts(config)
-    text = "# resolved by eagle3 at load-config: defaults filled in; edit the source config, not this file\n"
-    text += yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
-    path = config.run.dir / RESOLVED_FILE
-    atomic_write_bytes(path, text.encode())
-    return path
-
-
-def check_target_facts(config: PipelineConfig) -> None:
-    """When the target is a local model directory, its config.json must agree with the target section."""
-    path = Path(config.target.path)
-    if not (path / "config.json").is_file():
-        return  # a hub id or a path only the GPU node has: `eagle3 plan` reads target.config_file instead
-    info = read_target_info(path)
-    wrong = [f"target.{key} is {getattr(config.target, key)} but {path / 'config.json'} says {getattr(info, key)}"
-             for key in ("num_hidden_layers", "hidden_size", "vocab_size") if getattr(config.target, key) != getattr(info, key)]
-    if wrong:
-        raise ConfigError("; ".join(wrong) + ": correct the config (the target's own file is what the engines read)")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def check_local_inputs(config: PipelineConfig) -> None:
-    """Before any work: every local path the config names is there, or one line naming the field, the path and the
-    fix (never a model-hub error for a directory that is missing). A target that lives only on the GPU node (or on
-    a model hub) is declared by target.config_file; its path is not checked here."""
-    target = Path(config.target.path)
-    if config.target.config_file is None or target.exists():
-        if not (target / "config.json").is_file():
-            raise ConfigError(
-                f"target.path {target}: no model directory there (no config.json); for the tiny target run "
-                f"`eagle3 make-tiny-target {target}`, otherwise point target.path at a local model directory (or set "
-                "target.config_file when the model is only on the GPU node)")
-        if not any((target / name).is_file() for name in TOKENIZER_FILES):
-            raise ConfigError(f"target.path {target}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
-                              "copy the model's tokenizer files next to its config.json")
-    prompts = config.data.prompts
-    if not prompts.startswith(("builtin:", "s3://")) and not Path(prompts).is_file():
-        raise ConfigError(f"data.prompts {prompts}: no such file; give a JSONL file, builtin:pydoc or an s3:// URI")
-    if config.registry.backend == "local":
-        existing = config.registry.path
-        while not existing.exists():
-            existing = existing.parent
-        if not existing.is_dir() or not os.access(existing, os.W_OK):
-            raise ConfigError(f"registry.path {config.registry.path}: {existing} is not a writable directory; point "
-                              "registry.path somewhere this user can write")
-
-
-def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
-    """Load a YAML config, apply `section.field=value` overrides, and validate the result."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except (IsADirectoryError, UnicodeDecodeError):
-        raise ConfigError(f"{path}: not a YAML text file") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}".replace("\n", " ")) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    overridden = set()
-    for item in overrides:
-        overridden.add(apply_override(raw, item))
-    try:
-        return PipelineConfig.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(describe_errors(path, err, overridden)) from None
-
-
-def apply_override(raw: dict, item: str) -> str:
-    """Apply one `a.b.c=value` override in place; the value is parsed as YAML (so 3, true, [0,1] work)."""
-    dotted, sep, text = item.partition("=")
-    if not sep or not dotted:
-        raise ConfigError(f"--set {item!r}: expected section.field=value")
-    keys = dotted.split(".")
-    node = raw
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {item!r}: '{key}' is a value, not a section")
-        node = child
-    try:
-        node[keys[-1]] = yaml.safe_load(text)
-    except yaml.YAMLError:
-        node[keys[-1]] = text
-    return dotted
-
-
-def describe_errors(path: Path, err: ValidationError, overridden: set[str]) -> str:
-    lines = []
-    for error in err.errors():
-        loc = tuple(str(part) for part in error["loc"])
-        dotted = ".".join(loc)
-        origin = " (from --set)" if dotted in overridden else ""
-        if error["type"] == "extra_forbidden":
-            allowed = ", ".join(allowed_fields(loc[:-1]))
-            message = f"unknown field; allowed here: {allowed}"
-        elif error["type"] == "missing":
-            message = "required field is missing"
-        else:
-            message = error["msg"].removeprefix("Value error, ")
-            if "input" in error and not isinstance(error["input"], dict):
-                message += f" (got {error['input']!r})"
-        lines.append(f"{path}: {dotted}{origin}: {message}" if dotted else f"{path}: {message}")
-    return "\n".join(lines)
-
-
-def allowed_fields(loc: tuple[str, ...]) -> list[str]:
-    model: Any = PipelineConfig
-    for part in loc:
-        annotation = model.model_fields[part].annotation
-        model = annotation
-    return sorted(model.model_fields)
