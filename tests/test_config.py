@@ -72,7 +72,7 @@ def test_missing_section_is_named(tmp_path):
 
 def test_default_aux_layers_collapse_on_a_small_target():
     assert sglang_default_aux_layers(4) == [1, 1, 0]
-    with pytest.raises(ConfigError, match=r"repeats a layer \(SGLang's default for a 4-layer target\).*\[0, 1, 2\]"):
+    with pytest.raises(ConfigError, match=r"aux_layers \(SGLang's default for a 4-layer target\) \[1, 1, 0\] repeats a layer.*\[0, 1, 2\]"):
         load_config(TINY, ["data.aux_layers=null"])
 
 

@@ -18,7 +18,7 @@ from eagle3.config.sections import (
     RegistrySection, RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
 )
 from eagle3.errors import ConfigError
-from eagle3.formats.engines import sglang_default_inputs
+from eagle3.formats.engines import aux_layers_problem, sglang_default_inputs
 from eagle3.formats.target import read_target_info
 from eagle3.fsutil import atomic_write_bytes
 
@@ -44,23 +44,9 @@ class PipelineConfig(Section):
         defaulted = self.data.aux_layers is None
         if defaulted:
             self.data.aux_layers = sglang_default_aux_layers(n)
-        layers = self.data.aux_layers
-        if len(set(layers)) != len(layers):
-            source = f"SGLang's default for a {n}-layer target" if defaulted else "the list given"
-            raise ValueError(
-                f"data.aux_layers {layers} repeats a layer ({source}); set distinct ids, "
-                f"e.g. {list(range(min(3, n - 1)))}"
-            )
-        if layers != sorted(layers):
-            raise ValueError(
-                f"data.aux_layers {layers} must be ascending: SGLang concatenates captured states in "
-                f"layer order, so another order would scramble the draft's fc input; write {sorted(layers)}"
-            )
-        if any(not 0 <= k < n - 1 for k in layers):
-            raise ValueError(
-                f"data.aux_layers {layers}: every id must be in [0, {n - 2}] (id k = output of decoder "
-                f"layer k; SGLang cannot capture the last layer's output)"
-            )
+        if problem := aux_layers_problem(self.data.aux_layers, n):
+            source = f" (SGLang's default for a {n}-layer target)" if defaulted else ""
+            raise ValueError(f"data.aux_layers{source} {problem}")
         training = self.training
         if training.features == "online" and self.data.capture_engine == "sglang" and training.nnodes > 1:
             raise ValueError(

@@ -305,11 +305,26 @@ def sglang_capture(ids: list[int] | None, family: str | None, release: str | Non
     return Capture("known", layers, explanation, lost)
 
 
+def aux_layers_problem(layers: list[int], num_layers: int) -> str | None:
+    """Why `layers` (our numbering) cannot be a draft's aux layers on a `num_layers`-layer target; None when they
+    can. The one statement of the rule: the config, the checkpoint checks and the id translation all ask here."""
+    layers = list(layers)
+    if len(set(layers)) != len(layers):
+        return f"{layers} repeats a layer; set distinct ids, e.g. {list(range(min(3, num_layers - 1)))}"
+    if layers != sorted(layers):
+        return (f"{layers} must be ascending: SGLang concatenates captured states in layer order, so another order "
+                f"would scramble the draft's fc input; write {sorted(layers)}")
+    if any(not 0 <= k < num_layers - 1 for k in layers):
+        return (f"{layers}: every id must be in [0, {num_layers - 2}] (id k = output of decoder layer k; SGLang "
+                "cannot capture the last layer's output)")
+    return None
+
+
 def sglang_ids_for_layers(layers: list[int], family: str, release: str | None, num_layers: int) -> list[int]:
     """Nested ids that make SGLang capture exactly `layers` (our convention); with no release, ids that
     mean the same on every release in the table. Raises ValueError when no ids can express them."""
-    if list(layers) != sorted(set(layers)):
-        raise ValueError(f"aux layers {list(layers)} must be distinct and ascending (SGLang concatenates in layer order)")
+    if problem := aux_layers_problem(layers, num_layers):
+        raise ValueError(f"aux layers {problem}")
     candidates = (list(layers), [k + 1 for k in layers])
     tried = []
     for ids in candidates:
