@@ -56,27 +56,29 @@ def golden_draft(**overrides) -> NativeDraft:
 KIMI = dict(target_family="kimi_k25", aux_layers=[2, 3, 5], target_num_hidden_layers=8, torch_dtype="float16")
 FLAGGED = dict(FLAGS, rope_scaling=ROPE_SCALING)
 
-# case -> (the draft, [(layout, release) conversions in order, each from the previous output])
+# case -> (the draft, [(layout, release) conversions in order, each from the previous output], num_steps)
 CASES = {
-    "native": ({}, []),
-    "sglang-llama-0.5.11": ({}, [("sglang", "0.5.11")]),
-    "sglang-llama-any-release": ({}, [("sglang", None)]),
-    "sglang-kimi_k25-0.5.12": (KIMI, [("sglang", "0.5.12")]),
-    "sglang-kimi_k25-0.5.13": (KIMI, [("sglang", "0.5.13")]),
-    "sglang-llama-0.5.17-flags": (FLAGGED, [("sglang", "0.5.17")]),
-    "speculators-llama": ({}, [("speculators", None)]),
-    "speculators-llama-flags": (FLAGGED, [("speculators", None)]),
-    "native-from-sglang-kimi_k25-0.5.13": (KIMI, [("sglang", "0.5.13"), ("native", None)]),
-    "native-from-speculators-flags": (FLAGGED, [("speculators", None), ("native", None)]),
+    "native": ({}, [], 3),
+    "sglang-llama-0.5.11": ({}, [("sglang", "0.5.11")], 3),
+    "sglang-llama-any-release": ({}, [("sglang", None)], 3),
+    "sglang-kimi_k25-0.5.12": (KIMI, [("sglang", "0.5.12")], 3),
+    "sglang-kimi_k25-0.5.13": (KIMI, [("sglang", "0.5.13")], 3),
+    "sglang-llama-0.5.17-flags": (FLAGGED, [("sglang", "0.5.17")], 3),
+    "speculators-llama": ({}, [("speculators", None)], 3),
+    "speculators-llama-flags": (FLAGGED, [("speculators", None)], 3),
+    "speculators-llama-5-steps": ({}, [("speculators", None)], 5),
+    "native-from-sglang-kimi_k25-0.5.13": (KIMI, [("sglang", "0.5.13"), ("native", None)], 3),
+    "native-from-speculators-flags": (FLAGGED, [("speculators", None), ("native", None)], 3),
 }
 
 
-def export(tmp_path: Path, overrides: dict, conversions: list[tuple[str, str | None]]) -> Path:
+def export(tmp_path: Path, overrides: dict, conversions: list[tuple[str, str | None]], num_steps: int) -> Path:
     draft = golden_draft(**overrides)
     current = save_native_draft(draft, tmp_path / "native", to="native")  # as the trainer writes it
     for step, (layout, release) in enumerate(conversions):
         current = convert(current, tmp_path / f"{step}-{layout}", to=layout, target_family=draft.config.target_family,
-                          engine_release=release, target_num_layers=draft.config.target_num_hidden_layers)
+                          engine_release=release, target_num_layers=draft.config.target_num_hidden_layers,
+                          num_steps=num_steps)
     return current
 
 
@@ -94,8 +96,7 @@ def fingerprint(directory: Path) -> dict:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_exports_match_the_golden_files(tmp_path, case):
-    overrides, conversions = CASES[case]
-    out = export(tmp_path, overrides, conversions)
+    out = export(tmp_path, *CASES[case])
     found = fingerprint(out)
     golden = GOLDEN / f"{case}.json"
     if UPDATE:
