@@ -46,7 +46,8 @@ STAGE_INPUTS = {
               "training.grad_clip", "training.eval_fraction", "training.init_from", "training.eval_every",
               "training.seed", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
               "benchmark.num_prompts", "benchmark.max_new_tokens"),
-    "export": ("export", "serving.release", "serving.context_length", "target.family", "target.num_hidden_layers"),
+    "export": ("export", "serving.release", "serving.context_length", "target.family", "target.num_hidden_layers",
+               "serving.num_steps"),  # the speculators layout records it as speculative_tokens
     "simulate": ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
                  "benchmark.max_new_tokens", "benchmark.num_prompts",
                  "data.thinking"),

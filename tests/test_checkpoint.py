@@ -6,8 +6,9 @@ from safetensors.torch import load_file, save_file
 
 from drafts import tiny_draft, write_draft
 from eagle3.errors import ConversionError, UnreadableInput
-from eagle3.formats.checkpoint import convert, load_native, save_native_draft, tensor_names
+from eagle3.formats.checkpoint import convert, load_native, save_native_draft
 from eagle3.formats.engines import LAYER_TENSORS, loaded_name, loader_rule
+from eagle3.formats.layouts import LAYOUTS
 
 
 def assert_same_draft(a, b):
@@ -259,15 +260,15 @@ def test_unreadable_inputs(tmp_path):
 
 
 def test_rename_table_agrees_with_the_sglang_loader():
-    for layout in ("native", "sglang", "speculators"):
-        names = tensor_names(layout, ["input_norm.weight", "fc_norm.0.weight"])
+    for adapter in LAYOUTS.values():
+        names = adapter.tensor_names(["input_norm.weight", "fc_norm.0.weight"])
         assert len(set(names.values())) == len(names)
     newest, _ = loader_rule("0.5.23")
     oldest, _ = loader_rule("0.5.11")
     flags = {"norm_before_fc", "fc_norm"}
-    for canonical, name in tensor_names("sglang", ["input_norm.weight", "fc_norm.0.weight"]).items():
+    for canonical, name in LAYOUTS["sglang"].tensor_names(["input_norm.weight", "fc_norm.0.weight"]).items():
         assert loaded_name(name, newest, flags) == canonical  # every name we export loads where we mean it
         if not name.startswith(("input_norm", "fc_norm")):
             assert loaded_name(name, oldest, set()) == canonical
-    for canonical, name in tensor_names("speculators").items():
+    for canonical, name in LAYOUTS["speculators"].tensor_names().items():
         assert loaded_name(name, newest, set()) == canonical

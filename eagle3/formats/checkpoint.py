@@ -1,13 +1,7 @@
-"""Draft checkpoint layouts and conversion between them.
+"""Reading, checking and converting EAGLE-3 draft checkpoints.
 
-Three layouts of the same EAGLE-3 draft (DESIGN §3):
-- `native`: what our trainer writes. Tensors carry the canonical (SGLang, `midlayer.*`) names; the
-  config states the architecture plus the aux layers the training data were captured at, in our
-  convention (id k = output of decoder layer k).
-- `sglang`: `LlamaForCausalLMEagle3`, `midlayer.*`, ids nested in `eagle_config` and encoded for the
-  target's model file and SGLang release.
-- `speculators` (vLLM): `layers.0.*`, top-level ids in vLLM numbering (our id + 1).
-
+Three layouts of the same draft (DESIGN §3), each an adapter in formats/layouts/ that owns its tensor
+names and its config.json both ways: `native` (what our trainer writes), `sglang` and `speculators`.
 Every conversion goes through the native form and checks tensors, shapes, dtypes and the vocab map,
 so nothing a loader would skip or misread is written. Exports carry an `eagle3` block in config.json
 (the layers the data were captured at, target layer count, family, release) that engines ignore and
@@ -22,90 +16,28 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.formats import engines
+from eagle3.formats.layouts import LAYOUTS, LayoutAdapter
+from eagle3.formats.layouts.draft import NATIVE_FORMAT, PROVENANCE_KEY, DraftConfig, Log, Provenance, RawCheckpoint
+from eagle3.formats.layouts.speculators import DEFAULT_NUM_STEPS
 from eagle3.formats.manifest import write_manifest
 from eagle3.formats.vocab_map import VocabMap, VocabMapError, check_invariants
 from eagle3.fsutil import atomic_directory, read_json
 
 Layout = Literal["native", "sglang", "speculators"]
-LAYOUTS = ("native", "sglang", "speculators")
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-NATIVE_FORMAT = "eagle3-native"
-PROVENANCE_KEY = "eagle3"  # our block inside exported config.json files
-
-# Architecture switches a draft may use beyond the plain EAGLE-3 head (speculators and SpecForge
-# options). Each changes the network; an engine that does not implement one computes something else.
-FLAGS = tuple(engines.FLAG_CONFIG_KEYS)
-
-# ---------------------------------------------------------------------------------------------
-# The one rename table: canonical tensor name -> name in each layout.
-_LAYER_PREFIX = {"native": "midlayer", "sglang": "midlayer", "speculators": "layers.0"}
-_PLAIN = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
-# Tensors the switches add carry the same name in every layout: input_norm (norm_before_fc) is one
-# RMSNorm over the concatenated aux states, fc_norm.{j} one RMSNorm per aux state.
-FLAG_TENSOR_PREFIXES = tuple(prefix for prefixes in engines.FLAG_TENSOR_PREFIXES.values() for prefix in prefixes)
-
-
-def tensor_names(layout: Layout, names: list[str] = ()) -> dict[str, str]:
-    """canonical -> layout name for the fixed tensors, plus the switch tensors among `names`."""
-    layer = {f"midlayer.{t}": f"{_LAYER_PREFIX[layout]}.{t}" for t in engines.LAYER_TENSORS}
-    flagged = {name: name for name in names if name.startswith(FLAG_TENSOR_PREFIXES)}
-    return {**{name: name for name in _PLAIN}, **layer, **flagged}
-
-
-class DraftConfig(BaseModel):
-    """The native config: everything needed to rebuild the draft and to serve it correctly."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    format: Literal["eagle3-native"] = NATIVE_FORMAT
-    format_version: Literal[1] = 1
-    hidden_size: int = Field(gt=0)
-    target_hidden_size: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    rms_norm_eps: float = Field(gt=0)
-    rope_theta: float = Field(gt=0)
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = Field(gt=0)
-    hidden_act: Literal["silu"] = "silu"
-    vocab_size: int = Field(gt=0, description="the target's vocabulary")
-    draft_vocab_size: int = Field(gt=0)
-    torch_dtype: Literal["bfloat16", "float16", "float32"]
-    aux_layers: list[int] = Field(min_length=1, description="our convention: id k = output of decoder layer k")
-    target_num_hidden_layers: int = Field(gt=1)
-    target_family: str | None = None
-    fc_norm: bool = False
-    norm_before_fc: bool = False
-    norm_before_residual: bool = False
-    norm_output: bool = False
-
-    def flags(self) -> list[str]:
-        return [flag for flag in FLAGS if getattr(self, flag)]
 
 
 @dataclass
 class NativeDraft:
     config: DraftConfig
     tensors: dict[str, torch.Tensor]  # canonical names
-
-
-@dataclass
-class RawCheckpoint:
-    """A checkpoint directory as found on disk, before any judgement."""
-
-    path: Path
-    layout: str  # one of LAYOUTS, "eagle" for an EAGLE-1/2 draft, "unknown" for another architecture
-    config: dict
-    tensors: dict[str, torch.Tensor]
 
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
@@ -215,30 +147,22 @@ def config_type_problems(config: object) -> list[str]:
     return problems
 
 
-class Provenance(BaseModel):
-    """Our record inside exported config.json files."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    aux_layers: list[int]
-    target_num_hidden_layers: int = Field(gt=1)
-    target_family: str | None = None
-    engine_release: str | None = None
-
 
 def _first_error(err: ValidationError) -> str:
     first = err.errors()[0]
     return f"{'.'.join(map(str, first['loc'])) or 'value'}: {first['msg']}"
 
 
+# A config that speaks for several layouts is read as the first: our native marker, then speculators' own
+# keys, then the sglang architecture.
+DETECTION_ORDER = ("native", "speculators", "sglang")
+
+
 def detect_layout(config: dict, where: Path) -> str:
+    detected = next((name for name in DETECTION_ORDER if LAYOUTS[name].detects(config)), None)
+    if detected is not None:
+        return detected
     architectures = config.get("architectures") or []
-    if config.get("format") == NATIVE_FORMAT:
-        return "native"
-    if "speculators_config" in config or config.get("speculators_model_type"):
-        return "speculators"
-    if "LlamaForCausalLMEagle3" in architectures:
-        return "sglang"
     if "LlamaForCausalLMEagle" in architectures:
         return "eagle"
     if "hidden_size" in config:
@@ -275,134 +199,38 @@ def to_native(
     target_family: str | None = None,
     engine_release: str | None = None,
     target_num_layers: int | None = None,
+    log: Log = print,
 ) -> NativeDraft:
-    if raw.layout == "unknown":
-        raise ConversionError(
-            f"{raw.path}: architectures {raw.config.get('architectures')} is not an EAGLE-3 draft "
-            "(expected LlamaForCausalLMEagle3 or a speculators config)"
-        )
-    if raw.layout == "eagle":
-        raise ConversionError(
-            f"{raw.path}: an EAGLE (v1/v2) draft (LlamaForCausalLMEagle), not EAGLE-3; it cannot be converted"
-        )
-    if raw.layout == "native":
-        return NativeDraft(_draft_config(raw.config, raw.path), _rename(raw, "native"))
-    provenance = raw.config.get(PROVENANCE_KEY) or {}
-    for given, key, label in ((target_family, "target_family", "target family"),
-                              (target_num_layers, "target_num_hidden_layers", "target layer count")):
-        recorded = provenance.get(key)
-        if given is not None and recorded is not None and given != recorded:
-            raise ConversionError(
-                f"{raw.path}: the {label} given ({given}) differs from the one it was trained for ({recorded})"
-            )
-    family = target_family or provenance.get("target_family")
-    num_layers = target_num_layers or provenance.get("target_num_hidden_layers")
-    if num_layers is None:
-        raise ConversionError(f"{raw.path}: the target's layer count is unknown; pass the target (--target DIR)")
-    if raw.layout == "sglang":
-        # Our exports record the release their ids were encoded for; others are read for the given one.
-        release = provenance.get("engine_release") if provenance else engine_release
-        fields = _fields_from_sglang(raw, family, release, num_layers)
-    else:
-        fields = _fields_from_speculators(raw)
-    recorded = provenance.get("aux_layers")
-    if recorded is not None and list(recorded) != fields["aux_layers"]:
-        raise ConversionError(
-            f"{raw.path}: its aux ids capture layers {fields['aux_layers']} but it was trained on layers "
-            f"{list(recorded)} (recorded in config.json '{PROVENANCE_KEY}'); check the family and release"
-        )
-    fields.update(target_num_hidden_layers=num_layers, target_family=family)
-    return NativeDraft(_draft_config(fields, raw.path), _rename(raw, raw.layout))
+    """The checkpoint as a native draft: its config decoded, its tensors renamed (not yet checked together)."""
+    return NativeDraft(draft_config(raw, target_family, engine_release, target_num_layers, log), native_tensors(raw))
 
 
-def _shared_fields(arch: dict, raw_config: dict, tensors: dict[str, torch.Tensor]) -> dict:
-    """Architecture fields common to the sglang config and speculators' transformer_layer_config."""
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings") if k not in arch]
-    if missing:
-        raise ConversionError(f"the draft's config lacks {', '.join(missing)}")
-    hidden = arch["hidden_size"]
-    heads = arch["num_attention_heads"]
-    rope = dict(arch.get("rope_parameters") or {})  # transformers 5 folds rope_theta/scaling in here
-    rope_theta = arch.get("rope_theta") or rope.pop("rope_theta", 10000.0)
-    rope_scaling = arch.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    return {
-        "hidden_size": hidden,
-        "target_hidden_size": raw_config.get("target_hidden_size") or hidden,
-        "intermediate_size": arch["intermediate_size"],
-        "num_attention_heads": heads,
-        "num_key_value_heads": arch.get("num_key_value_heads") or heads,
-        "head_dim": arch.get("head_dim") or hidden // heads,
-        "rms_norm_eps": arch.get("rms_norm_eps", 1e-6),
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": arch["max_position_embeddings"],
-        "hidden_act": arch.get("hidden_act", "silu"),
-        "vocab_size": arch.get("vocab_size") or raw_config.get("vocab_size"),
-        "draft_vocab_size": raw_config.get("draft_vocab_size") or arch.get("draft_vocab_size"),
-        "torch_dtype": _declared_dtype(raw_config) or _declared_dtype(arch) or _dtype_name(tensors),
-    }
-
-
-def _fields_from_sglang(raw: RawCheckpoint, family: str | None, release: str | None, num_layers: int) -> dict:
-    config = raw.config
-    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    capture = engines.sglang_capture(ids, family, release, num_layers)
-    if capture.status != "known" or capture.lost_ids:
-        raise ConversionError(f"{raw.path}: cannot tell which layers its aux ids capture: {capture.explanation}")
-    fields = _shared_fields(config, config, raw.tensors)
-    flags = engines.enabled_flags(config)
-    fields.update(aux_layers=list(capture.layers), **{flag: flag in flags for flag in FLAGS})
-    return fields
-
-
-def _fields_from_speculators(raw: RawCheckpoint) -> dict:
-    config = raw.config
-    arch = config.get("transformer_layer_config")
-    if not isinstance(arch, dict):
-        raise ConversionError(f"{raw.path}: speculators config lacks transformer_layer_config")
-    ids = config.get("eagle_aux_hidden_state_layer_ids")
-    if not ids:
-        raise ConversionError(
-            f"{raw.path}: speculators config has no eagle_aux_hidden_state_layer_ids; the layers the draft "
-            f"was trained on cannot be recovered"
-        )
-    sliding = arch.get("use_sliding_window") or "sliding_attention" in (arch.get("layer_types") or [])
-    if sliding:
-        raise ConversionError(
-            f"{raw.path}: the draft was trained with sliding-window attention (window {arch.get('sliding_window')}); "
-            "SGLang's LlamaForCausalLMEagle3 attends over the whole context, so it would compute something else "
-            "on long prompts; retrain with full attention"
-        )
-    fields = _shared_fields(arch, config, raw.tensors)
-    enabled = engines.enabled_flags(config)
-    flags = {flag: flag in enabled for flag in FLAGS}
-    # vLLM reads a missing norm_before_residual as true (speculators' default); so do we.
-    flags["norm_before_residual"] = bool(config.get("norm_before_residual", True))
-    fields.update(aux_layers=engines.layers_from_vllm_ids(ids), **flags)
-    return fields
-
-
-def _draft_config(fields: dict, where: Path) -> DraftConfig:
+def draft_config(
+    raw: RawCheckpoint,
+    target_family: str | None = None,
+    engine_release: str | None = None,
+    target_num_layers: int | None = None,
+    log: Log = print,
+) -> DraftConfig:
+    """The checkpoint's config as the native one. An export of ours records its target and release: a target the
+    caller gives must agree with it, and the recorded release decides what its aux ids mean (logged when the
+    caller's differs)."""
+    fields = layout_of(raw).decode_config(raw, target_family, engine_release, target_num_layers, log)
     try:
         return DraftConfig.model_validate(fields)
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        raise ConversionError(f"{where}/{CONFIG_FILE}: {problems}") from None
+        raise ConversionError(f"{raw.path}/{CONFIG_FILE}: {problems}") from None
 
 
-def _rename(raw: RawCheckpoint, layout: str) -> dict[str, torch.Tensor]:
-    """Layout names -> canonical names; a tensor with no place in the layout is refused, never dropped.
-
-    An sglang checkpoint is read the way the newest release's loader reads it (`layers.0.*` and
-    `aux_norm_*` included); the written sglang layout is the one every release loads."""
-    inverse = {name: canonical for canonical, name in tensor_names(layout, list(raw.tensors)).items()}
-    flags = engines.enabled_flags(raw.config)
+def native_tensors(raw: RawCheckpoint) -> dict[str, torch.Tensor]:
+    """Layout names -> canonical names; a tensor with no place in the layout is refused, never dropped."""
+    adapter = layout_of(raw)
     tensors, unknown, sources = {}, [], {}
     for name, tensor in raw.tensors.items():
         if name.removeprefix("model.") == "embed_tokens.weight":
             continue  # the target's embedding; the serving engine uses its own copy
-        canonical = (engines.loaded_name(name, engines.NEWEST_LOADER_RULE, flags) if layout == "sglang"
-                     else inverse.get(name))
+        canonical = adapter.canonical_name(name, raw.config)
         if canonical is None:
             unknown.append(name)
         else:
@@ -412,7 +240,7 @@ def _rename(raw: RawCheckpoint, layout: str) -> dict[str, torch.Tensor]:
         head = " (SGLang's loader drops model.lm_head.weight: the head is named lm_head.weight)" if (
             "model.lm_head.weight" in unknown) else ""
         raise ConversionError(
-            f"{raw.path}: tensors with no place in the {layout} layout (a loader would drop them): {sorted(unknown)}"
+            f"{raw.path}: tensors with no place in the {raw.layout} layout (a loader would drop them): {sorted(unknown)}"
             + head
         )
     clashes = sorted(" and ".join(names) for names in sources.values() if len(names) > 1)
@@ -421,13 +249,18 @@ def _rename(raw: RawCheckpoint, layout: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _declared_dtype(config: dict) -> str | None:
-    return config.get("torch_dtype") or config.get("dtype")
-
-
-def _dtype_name(tensors: dict[str, torch.Tensor]) -> str:
-    weight = tensors.get("fc.weight")
-    return str(weight.dtype).removeprefix("torch.") if weight is not None else "bfloat16"
+def layout_of(raw: RawCheckpoint) -> LayoutAdapter:
+    """The adapter that reads the checkpoint; drafts no engine loads as EAGLE-3 are refused by name."""
+    if raw.layout == "unknown":
+        raise ConversionError(
+            f"{raw.path}: architectures {raw.config.get('architectures')} is not an EAGLE-3 draft "
+            "(expected LlamaForCausalLMEagle3 or a speculators config)"
+        )
+    if raw.layout == "eagle":
+        raise ConversionError(
+            f"{raw.path}: an EAGLE (v1/v2) draft (LlamaForCausalLMEagle), not EAGLE-3; it cannot be converted"
+        )
+    return LAYOUTS[raw.layout]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,99 +296,6 @@ def check_native(draft: NativeDraft, where: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Native -> layout
-
-
-def sglang_config(cfg: DraftConfig, family: str, release: str | None) -> dict:
-    rule, note = engines.loader_rule(release)
-    where = f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (the strictest release; no release was given)"
-    for flag in cfg.flags():
-        if flag not in rule.flags:
-            raise ConversionError(
-                f"the draft uses {flag}, which {where} does not implement (its loader would silently ignore "
-                f"it and compute a different network); "
-                + ("no SGLang release read implements it" if flag == "norm_before_residual" else "pass a release that does")
-            )
-    if rule.fixed_num_aux is not None and len(cfg.aux_layers) != rule.fixed_num_aux:
-        raise ConversionError(
-            f"{where} builds fc for exactly {rule.fixed_num_aux} aux states; the draft has {len(cfg.aux_layers)}"
-        )
-    try:
-        ids = engines.sglang_ids_for_layers(cfg.aux_layers, family, release, cfg.target_num_hidden_layers)
-    except ValueError as err:
-        raise ConversionError(str(err)) from None
-    config = {
-        **llama_layer_fields(cfg),
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "target_hidden_size": cfg.target_hidden_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
-        PROVENANCE_KEY: _provenance(cfg, family, release),
-    }
-    config.update({flag: True for flag in cfg.flags()})
-    return config
-
-
-def llama_layer_fields(cfg: DraftConfig) -> dict:
-    """The one decoder layer as a Llama config: shared by the sglang config and speculators'
-    transformer_layer_config."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "torch_dtype": cfg.torch_dtype,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": cfg.hidden_act,
-        "vocab_size": cfg.vocab_size,
-    }
-
-
-def speculators_config(cfg: DraftConfig) -> dict:
-    return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": "0.1.0",
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1, "accept_tolerance": 0.0}
-            ],
-            "verifier": {"name_or_path": None, "architectures": []},
-        },
-        "transformer_layer_config": llama_layer_fields(cfg),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": engines.vllm_ids(cfg.aux_layers),
-        "torch_dtype": cfg.torch_dtype,
-        **{flag: getattr(cfg, flag) for flag in FLAGS},
-        PROVENANCE_KEY: _provenance(cfg, cfg.target_family, None),
-    }
-
-
-def _provenance(cfg: DraftConfig, family: str | None, release: str | None) -> dict:
-    return {
-        "aux_layers": cfg.aux_layers,
-        "target_num_hidden_layers": cfg.target_num_hidden_layers,
-        "target_family": family,
-        "engine_release": release,
-    }
-
-
-def native_config(cfg: DraftConfig) -> dict:
-    return cfg.model_dump()
-
-
-# ---------------------------------------------------------------------------------------------
 # The public entry points
 
 
@@ -571,6 +311,7 @@ def load_native(
     return draft
 
 
+
 def save_native_draft(
     draft: NativeDraft,
     dst: Path,
@@ -579,10 +320,11 @@ def save_native_draft(
     engine_release: str | None = None,
     overwrite: bool = False,
     source: str | None = None,
+    num_steps: int = DEFAULT_NUM_STEPS,
 ) -> Path:
     """Write a checked draft in the given layout, atomically (nothing at `dst` unless it all worked)."""
     with atomic_directory(Path(dst), overwrite=overwrite) as tmp:
-        write_draft_files(draft, tmp, to, target_family, engine_release, source)
+        write_draft_files(draft, tmp, to, target_family, engine_release, source, num_steps)
     return Path(dst)
 
 
@@ -593,24 +335,20 @@ def write_draft_files(
     target_family: str | None = None,
     engine_release: str | None = None,
     source: str | None = None,
+    num_steps: int = DEFAULT_NUM_STEPS,
 ) -> None:
-    """Check a draft and write its weights, config and manifest into an existing directory."""
-    if to not in LAYOUTS:
+    """Check a draft and write its weights, config and manifest into an existing directory. `num_steps` is the
+    drafting steps per verify step it is served with (the speculators layout records it)."""
+    adapter = LAYOUTS.get(to)
+    if adapter is None:
         raise ConversionError(f"unknown layout {to!r}; choose one of {', '.join(LAYOUTS)}")
     check_native(draft, Path(source or directory))
-    family = target_family or draft.config.target_family
-    if to == "sglang":
-        if family is None:
-            raise ConversionError("the target family is unknown: pass --target-family (e.g. llama, deepseek_v2)")
-        config = sglang_config(draft.config, family, engine_release)
-    elif to == "speculators":
-        config = speculators_config(draft.config.model_copy(update={"target_family": family}))
-    else:
-        config = native_config(draft.config.model_copy(update={"target_family": family}))
-    names = tensor_names(to, list(draft.tensors))
+    config = draft.config.model_copy(update={"target_family": target_family or draft.config.target_family})
+    encoded = adapter.encode_config(config, engine_release, num_steps)
+    names = adapter.tensor_names(list(draft.tensors))
     tensors = {names[canonical]: tensor.contiguous() for canonical, tensor in draft.tensors.items()}
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
-    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    (directory / CONFIG_FILE).write_text(json.dumps(encoded, indent=2) + "\n")
     write_manifest(directory, kind=f"draft-{to}", fields={"layout": to, "source": source, "engine_release": engine_release})
 
 
@@ -622,7 +360,10 @@ def convert(
     engine_release: str | None = None,
     target_num_layers: int | None = None,
     overwrite: bool = False,
+    num_steps: int = DEFAULT_NUM_STEPS,
+    log: Log = print,
 ) -> Path:
-    """Convert a draft between layouts. The release and family decide the aux ids SGLang needs."""
-    draft = to_native(read_checkpoint(Path(src)), target_family, engine_release, target_num_layers)
-    return save_native_draft(draft, dst, to, target_family, engine_release, overwrite, source=str(src))
+    """Convert a draft between layouts. The release and family decide the aux ids SGLang needs; a source our
+    export wrote is read for the release it records."""
+    draft = to_native(read_checkpoint(Path(src)), target_family, engine_release, target_num_layers, log)
+    return save_native_draft(draft, dst, to, target_family, engine_release, overwrite, source=str(src), num_steps=num_steps)

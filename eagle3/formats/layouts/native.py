@@ -1,0 +1,37 @@
+"""The native layout: what our trainer writes. Tensors carry the canonical (`midlayer.*`) names; config.json is
+DraftConfig itself: the architecture plus the aux layers the training data were captured at, in our convention
+(id k = output of decoder layer k)."""
+
+from __future__ import annotations
+
+from eagle3.formats import engines
+from eagle3.formats.layouts.draft import (
+    NATIVE_FORMAT,
+    DraftConfig,
+    Log,
+    RawCheckpoint,
+    canonical_with_layer_at,
+    names_with_layer_at,
+)
+
+
+def detects(config: dict) -> bool:
+    return config.get("format") == NATIVE_FORMAT
+
+
+def tensor_names(names: list[str] = ()) -> dict[str, str]:
+    return names_with_layer_at(engines.CANONICAL_LAYER_PREFIX, names)
+
+
+def canonical_name(name: str, config: dict) -> str | None:
+    return canonical_with_layer_at(engines.CANONICAL_LAYER_PREFIX, name)
+
+
+def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, num_layers: int | None,
+                  log: Log) -> dict:
+    """The config as written: it names the target itself, so nothing the caller knows is needed."""
+    return raw.config
+
+
+def encode_config(cfg: DraftConfig, release: str | None, num_steps: int) -> dict:
+    return cfg.model_dump()

@@ -1,0 +1,101 @@
+"""The sglang layout: `LlamaForCausalLMEagle3` with the decoder layer under `midlayer.*` (the names every release
+loads), and the aux ids nested in `eagle_config`, encoded for the target's model file and the SGLang release."""
+
+from __future__ import annotations
+
+from eagle3.errors import ConversionError
+from eagle3.formats import engines
+from eagle3.formats.layouts.draft import (
+    FLAGS,
+    PROVENANCE_KEY,
+    DraftConfig,
+    Log,
+    RawCheckpoint,
+    architecture_fields,
+    llama_layer_fields,
+    names_with_layer_at,
+    provenance,
+    target_for,
+    trained_fields,
+)
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def detects(config: dict) -> bool:
+    return ARCHITECTURE in (config.get("architectures") or [])
+
+
+def tensor_names(names: list[str] = ()) -> dict[str, str]:
+    return names_with_layer_at(engines.CANONICAL_LAYER_PREFIX, names)
+
+
+def canonical_name(name: str, config: dict) -> str | None:
+    """Read the way the newest release's loader reads it (`layers.0.*` and `aux_norm_*` included)."""
+    return engines.loaded_name(name, engines.NEWEST_LOADER_RULE, engines.enabled_flags(config))
+
+
+def encoded_release(raw: RawCheckpoint, given: str | None, log: Log) -> str | None:
+    """The release the nested ids were encoded for. Our exports record it (None: ids that mean the same on every
+    release), and the record wins: the caller's release is the one it serves on or converts for, which may
+    rightly differ (a re-export after an upgrade, a simulated mismatch). Other checkpoints are read for the
+    caller's release."""
+    record = raw.config.get(PROVENANCE_KEY)
+    if not record:
+        return given
+    recorded = record.get("engine_release")
+    if given is not None and recorded is not None and given != recorded:
+        log(f"{raw.path}: reading its aux ids as encoded for SGLang {recorded} (recorded in config.json "
+            f"'{PROVENANCE_KEY}'), not for {given}, the release given")
+    return recorded
+
+
+def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, num_layers: int | None,
+                  log: Log) -> dict:
+    """The native fields, with the aux layers SGLang captures for the nested ids on the family and release."""
+    family, num_layers = target_for(raw, family, num_layers)
+    config = raw.config
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    capture = engines.sglang_capture(ids, family, encoded_release(raw, release, log), num_layers)
+    if capture.status != "known" or capture.lost_ids:
+        raise ConversionError(f"{raw.path}: cannot tell which layers its aux ids capture: {capture.explanation}")
+    fields = architecture_fields(config, config, raw.tensors)
+    flags = engines.enabled_flags(config)
+    fields.update(aux_layers=list(capture.layers), **{flag: flag in flags for flag in FLAGS})
+    return trained_fields(raw, fields, family, num_layers)
+
+
+def encode_config(cfg: DraftConfig, release: str | None, num_steps: int) -> dict:
+    """The config SGLang `release` (None: every release in the table) reads as this draft; refused when that
+    release would build another network or capture other layers."""
+    family = cfg.target_family
+    if family is None:
+        raise ConversionError("the target family is unknown: pass --target-family (e.g. llama, deepseek_v2)")
+    rule, _ = engines.loader_rule(release)
+    where = f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (the strictest release; no release was given)"
+    for flag in cfg.flags():
+        if flag not in rule.flags:
+            raise ConversionError(
+                f"the draft uses {flag}, which {where} does not implement (its loader would silently ignore "
+                f"it and compute a different network); "
+                + ("no SGLang release read implements it" if flag == "norm_before_residual" else "pass a release that does")
+            )
+    if rule.fixed_num_aux is not None and len(cfg.aux_layers) != rule.fixed_num_aux:
+        raise ConversionError(
+            f"{where} builds fc for exactly {rule.fixed_num_aux} aux states; the draft has {len(cfg.aux_layers)}"
+        )
+    try:
+        ids = engines.sglang_ids_for_layers(cfg.aux_layers, family, release, cfg.target_num_hidden_layers)
+    except ValueError as err:
+        raise ConversionError(str(err)) from None
+    config = {
+        **llama_layer_fields(cfg),
+        "architectures": [ARCHITECTURE],
+        "target_hidden_size": cfg.target_hidden_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
+        PROVENANCE_KEY: provenance(cfg, release),
+    }
+    config.update({flag: True for flag in cfg.flags()})
+    return config

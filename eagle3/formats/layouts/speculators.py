@@ -1,0 +1,96 @@
+"""The speculators layout (vLLM): the decoder layer under `layers.0.*`, its own config (`speculators_config`,
+top-level ids in vLLM numbering - our id + 1 on every release - and the layer as `transformer_layer_config`)."""
+
+from __future__ import annotations
+
+from eagle3.errors import ConversionError
+from eagle3.formats import engines
+from eagle3.formats.layouts.draft import (
+    FLAGS,
+    PROVENANCE_KEY,
+    DraftConfig,
+    Log,
+    RawCheckpoint,
+    architecture_fields,
+    canonical_with_layer_at,
+    llama_layer_fields,
+    names_with_layer_at,
+    provenance,
+    target_for,
+    trained_fields,
+)
+
+LAYER_PREFIX = "layers.0"
+# speculators' speculative_tokens is the drafting steps per verify step: SGLang's --speculative-num-steps, our
+# serving.num_steps. A conversion told no serving shape writes serving.num_steps' default.
+DEFAULT_NUM_STEPS = 3
+
+
+def detects(config: dict) -> bool:
+    return "speculators_config" in config or bool(config.get("speculators_model_type"))
+
+
+def tensor_names(names: list[str] = ()) -> dict[str, str]:
+    return names_with_layer_at(LAYER_PREFIX, names)
+
+
+def canonical_name(name: str, config: dict) -> str | None:
+    return canonical_with_layer_at(LAYER_PREFIX, name)
+
+
+def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, num_layers: int | None,
+                  log: Log) -> dict:
+    """The native fields; vLLM numbering needs no release, so the caller's is not used."""
+    family, num_layers = target_for(raw, family, num_layers)
+    config = raw.config
+    arch = config.get("transformer_layer_config")
+    if not isinstance(arch, dict):
+        raise ConversionError(f"{raw.path}: speculators config lacks transformer_layer_config")
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise ConversionError(
+            f"{raw.path}: speculators config has no eagle_aux_hidden_state_layer_ids; the layers the draft "
+            f"was trained on cannot be recovered"
+        )
+    sliding = arch.get("use_sliding_window") or "sliding_attention" in (arch.get("layer_types") or [])
+    if sliding:
+        raise ConversionError(
+            f"{raw.path}: the draft was trained with sliding-window attention (window {arch.get('sliding_window')}); "
+            "SGLang's LlamaForCausalLMEagle3 attends over the whole context, so it would compute something else "
+            "on long prompts; retrain with full attention"
+        )
+    fields = architecture_fields(arch, config, raw.tensors)
+    enabled = engines.enabled_flags(config)
+    flags = {flag: flag in enabled for flag in FLAGS}
+    # vLLM reads a missing norm_before_residual as true (speculators' default); so do we.
+    flags["norm_before_residual"] = bool(config.get("norm_before_residual", True))
+    fields.update(aux_layers=engines.layers_from_vllm_ids(ids), **flags)
+    return trained_fields(raw, fields, family, num_layers)
+
+
+def encode_config(cfg: DraftConfig, release: str | None, num_steps: int) -> dict:
+    """speculators' config; `num_steps` becomes its speculative_tokens. Its ids mean the same on every release, so
+    none is recorded."""
+    if num_steps < 1:
+        raise ConversionError(f"num_steps is {num_steps}: speculators' speculative_tokens must be at least 1")
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": num_steps, "verifier_accept_k": 1,
+                 "accept_tolerance": 0.0}
+            ],
+            "verifier": {"name_or_path": None, "architectures": []},
+        },
+        "transformer_layer_config": llama_layer_fields(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": engines.vllm_ids(cfg.aux_layers),
+        "torch_dtype": cfg.torch_dtype,
+        **{flag: getattr(cfg, flag) for flag in FLAGS},
+        PROVENANCE_KEY: provenance(cfg, None),
+    }
