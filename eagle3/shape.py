@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_NUM_STEPS = 3  # serving.num_steps' default; also what a conversion told no serving shape writes
+
 
 @dataclass(frozen=True)
 class DraftShape:

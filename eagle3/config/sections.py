@@ -9,7 +9,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eagle3.procs import STOP_GRACE_S
-from eagle3.shape import DraftShape, shape_problem
+from eagle3.shape import DEFAULT_NUM_STEPS, DraftShape, shape_problem
 
 STAGES = ("data", "vocab", "train", "export", "bench")
 
@@ -223,7 +223,7 @@ class ServingSection(Section):
     port: int = Field(default=30000, gt=0, lt=65536)
     tp: int = Field(default=1, ge=1)
     context_length: int = Field(gt=0)
-    num_steps: int = Field(default=3, ge=1)
+    num_steps: int = Field(default=DEFAULT_NUM_STEPS, ge=1)
     eagle_topk: int = Field(default=1, ge=1)
     num_draft_tokens: int | None = Field(default=None, description="None = num_steps + 1 (chain drafting)")
     extra_args: list[str] = []
@@ -247,11 +247,7 @@ class ServingSection(Section):
 
     @model_validator(mode="after")
     def _drafting_shape(self) -> ServingSection:
-        if self.num_draft_tokens is None:
-            self.num_draft_tokens = self.num_steps + 1
-        problem = shape_problem(self.num_steps, self.eagle_topk, self.num_draft_tokens)
-        if problem:
-            raise ValueError(problem)
+        self.num_draft_tokens = DraftShape(self.num_steps, self.eagle_topk, self.num_draft_tokens).num_draft_tokens
         return self
 
     @property

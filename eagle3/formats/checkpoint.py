@@ -24,10 +24,10 @@ from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.formats import engines
 from eagle3.formats.layouts import LAYOUTS, LayoutAdapter
 from eagle3.formats.layouts.draft import NATIVE_FORMAT, PROVENANCE_KEY, DraftConfig, Log, Provenance, RawCheckpoint
-from eagle3.formats.layouts.speculators import DEFAULT_NUM_STEPS
 from eagle3.formats.manifest import write_manifest
 from eagle3.formats.vocab_map import VocabMap, VocabMapError, check_invariants
 from eagle3.fsutil import atomic_directory, read_json
+from eagle3.shape import DEFAULT_NUM_STEPS
 
 Layout = Literal["native", "sglang", "speculators"]
 WEIGHTS_FILE = "model.safetensors"
@@ -287,12 +287,9 @@ def check_native(draft: NativeDraft, where: Path) -> None:
         check_invariants(VocabMap(d2t=draft.tensors["d2t"], t2d=draft.tensors["t2d"]), source=str(where))
     except VocabMapError as err:
         raise ConversionError(str(err)) from None
-    layers = draft.config.aux_layers
     n = draft.config.target_num_hidden_layers
-    if layers != sorted(set(layers)) or not all(0 <= k < n - 1 for k in layers):
-        raise ConversionError(
-            f"{where}: aux layers {layers} must be distinct, ascending and in [0, {n - 2}] for a {n}-layer target"
-        )
+    if problem := engines.aux_layers_problem(draft.config.aux_layers, n):
+        raise ConversionError(f"{where}: aux layers {problem} (a {n}-layer target)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,8 +22,7 @@ from eagle3.formats.layouts.draft import (
 
 LAYER_PREFIX = "layers.0"
 # speculators' speculative_tokens is the drafting steps per verify step: SGLang's --speculative-num-steps, our
-# serving.num_steps. A conversion told no serving shape writes serving.num_steps' default.
-DEFAULT_NUM_STEPS = 3
+# serving.num_steps (eagle3.shape.DEFAULT_NUM_STEPS when a conversion is told no serving shape).
 
 
 def detects(config: dict) -> bool:
