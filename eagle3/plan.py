@@ -19,7 +19,7 @@ from eagle3.data.shards import TOKEN_BYTES
 from eagle3.data.storage import human_bytes, projected_bytes
 from eagle3.formats.target import KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.train.memory import trainable_parameters, training_step_peak_bytes
-from eagle3.train.trainer import draft_config
+from eagle3.train.trainer import trained_draft_config
 
 GIB = 2**30
 RUNTIME_RESERVE_GIB = 5.0  # CUDA context, NCCL buffers, allocator fragmentation, SGLang's CUDA graphs
@@ -157,7 +157,7 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
     train, target = config.training, config.target
     world = train.nproc_per_node * train.nnodes
     per_rank = math.ceil(train.batch_size / world)
-    cfg = draft_config(config)
+    cfg = trained_draft_config(config)
     params = trainable_parameters(cfg)
     shards = world if train.fsdp else 1
     embedding = target.vocab_size * target.hidden_size
@@ -203,7 +203,7 @@ def online_target_parts(config: PipelineConfig, size: TargetSize, world: int) ->
 
 def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     """The target with the draft at serving.tp: one request of the full context must fit next to the weights."""
-    serving, draft = config.serving, draft_config(config)
+    serving, draft = config.serving, trained_draft_config(config)
     stage = StagePlan("serve", serving.tp, knob=f"lower serving.context_length ({serving.context_length}) or raise serving.tp")
     if size is None:
         stage.unknown = "target size unknown"

@@ -37,7 +37,7 @@ from tasks.deploy import (
 from tasks.export import export_and_validate
 from tasks.run import ensure_registry_limit, load_run_config, registry_limit_name
 from tasks.train import train_draft
-from tasks.vocab import build_vocab_map
+from tasks.vocab import build_draft_vocab
 
 __all__ = ["eagle3", "ensure_registry_limit"]
 
@@ -58,7 +58,7 @@ def train_and_deploy(config, resolved: str):
     try:
         regenerated = regenerate_answers(config)
         dataset = capture_hidden_states(config, resolved, regenerated)
-        vocab = build_vocab_map(config, regenerated)
+        vocab = build_draft_vocab(config, regenerated)
         trained = train_draft(config, resolved, dataset, vocab)
         exported = export_and_validate(config, trained)
         simulated = simulate_acceptance(config, exported, dataset)

@@ -14,7 +14,7 @@ from tasks.common import cached, log_to_run, run_stage
 
 
 @task(**cached("vocab"))
-def build_vocab_map(config: PipelineConfig, regenerated: dict) -> dict:
+def build_draft_vocab(config: PipelineConfig, regenerated: dict) -> dict:
     def work() -> None:
         out = build_vocab(config, log=log_to_run())
         create_markdown_artifact(key="vocab", markdown=vocab_report(read_manifest(out)["stats"], inspect_path(out)),

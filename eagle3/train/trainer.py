@@ -43,7 +43,8 @@ STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
 
 
-def draft_config(config: PipelineConfig) -> DraftConfig:
+def trained_draft_config(config: PipelineConfig) -> DraftConfig:
+    """The architecture a run trains: the `draft` section's sizes around the target's width and vocabulary."""
     target, draft = config.target, config.draft
     return DraftConfig(
         hidden_size=target.hidden_size,  # SGLang swaps in the target's embedding: sizes must match
@@ -141,7 +142,7 @@ class Trainer:
         """The draft, made on this process's device (no CPU copy of the weights to move)."""
         device = self.dist.device
         with torch.device(device):
-            model = Eagle3Draft(draft_config(self.config), embed.to(device))
+            model = Eagle3Draft(trained_draft_config(self.config), embed.to(device))
         init_weights(model, self.config.training.seed)  # from a CPU generator: the same draft on any device
         with torch.no_grad():
             model.d2t.copy_(vocab_map.d2t)
