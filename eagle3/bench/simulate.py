@@ -31,6 +31,7 @@ from eagle3.data.targets import target_eos_ids
 from eagle3.engines.features import local_device
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
+from eagle3.model.aux_states import aux_states
 from eagle3.model.draft import Eagle3Draft
 from eagle3.model.tree import DraftTree, draft_tree, walk_greedy
 from eagle3.model.weights import draft_as_served, target_head
@@ -93,9 +94,9 @@ class AcceptanceResult:
 
 
 def aux_features(model, seq: list[int], aux_layers: list[int]) -> torch.Tensor:
-    """[T, n_aux * H] float32: the outputs of decoder layers `aux_layers` (HF hidden_states[k + 1])."""
+    """[T, n_aux * H] float32: the outputs of decoder layers `aux_layers`."""
     out = model(torch.tensor([seq]), output_hidden_states=True)
-    return torch.cat([out.hidden_states[k + 1][0] for k in aux_layers], dim=-1).float()
+    return aux_states(out.hidden_states, aux_layers)[0].float()
 
 
 def replay(seq: list[int], prompt_len: int, propose: Callable[[int], DraftTree], num_steps: int,
