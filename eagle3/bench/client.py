@@ -39,14 +39,13 @@ import asyncio
 import json
 import random
 import time
-from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
 import httpx
 import numpy as np
 
-from eagle3.bench.counting import correct_drafts_of, histogram_of
+from eagle3.bench.counting import accept_length, accept_rate, correct_drafts_of, histogram_of, sum_histograms
 from eagle3.data.conversation import prompt_ids
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.progress import Progress
@@ -173,24 +172,22 @@ def summarize(url: str, info: dict, outcomes: list, wall: float) -> dict:
     per_step = draft_tokens - 1 if isinstance(draft_tokens, int) and draft_tokens > 1 else info.get("speculative_num_steps")
     corrects = [correct_drafts_of(m) for m in spec]
     correct = sum(corrects) if None not in corrects else None
-    if not verify:
-        rate = None
-    elif correct is not None and per_step:
-        rate = correct / (verify * per_step)
-    else:
-        rate = sum(m.get("spec_accept_rate", 0.0) * m["spec_verify_ct"] for m in spec) / verify
+    if correct is not None and per_step:
+        rate = accept_rate(correct, verify, per_step)
+    else:  # no draft count or no drafts per step: the requests' own rates, weighted by their verify steps
+        rate = sum(m.get("spec_accept_rate", 0.0) * m["spec_verify_ct"] for m in spec) / verify if verify else None
     hists = [histogram_of(m) for m in spec]
     hists = [h for h in hists if h is not None]
     rows = [{"index": i, "prompt_tokens": m.get("prompt_tokens"), "completion_tokens": m["completion_tokens"],
              "verify_ct": m.get("spec_verify_ct", 0), "latency_s": lat, "attempts": attempts,
-             "accept_length": m["completion_tokens"] / m["spec_verify_ct"] if m.get("spec_verify_ct") else None}
+             "accept_length": accept_length(m["completion_tokens"], m.get("spec_verify_ct", 0))}
             for i, (m, (_, lat, attempts)) in enumerate(zip(metas, outcomes))]
     return {
         "url": url, "server_version": info.get("version"), "num_prompts": len(rows), "draft_tokens_per_step": per_step,
         "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in rows), "completion_tokens": completion,
         "verify_ct": verify, "correct_drafts": correct if verify else None,
-        "accept_length": completion / verify if verify else None, "accept_rate": rate,
-        "histogram": [sum(c) for c in zip_longest(*hists, fillvalue=0)] if hists else None,
+        "accept_length": accept_length(completion, verify), "accept_rate": rate,
+        "histogram": sum_histograms(hists) if hists else None,
         "wall_s": wall, "output_tokens_per_s": completion / wall, "latency_s": latency([r["latency_s"] for r in rows]),
         "retried_requests": sum(r["attempts"] > 1 for r in rows), "prompts": rows,
     }

@@ -16,12 +16,12 @@ Sampled decoding (temperature > 0) is measured on a server only: its acceptance 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from eagle3.bench import counting
 from eagle3.bench.counting import SpecRequest
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import HELDOUT_DIR
@@ -69,15 +69,15 @@ class AcceptanceResult:
 
     @property
     def histogram(self) -> list[int]:
-        return [sum(column) for column in zip_longest(*(row.histogram for row in self.rows), fillvalue=0)]
+        return counting.sum_histograms(row.histogram for row in self.rows)
 
     @property
     def accept_length(self) -> float | None:  # None like SGLang's absent keys: no verify step at all
-        return self.completion_tokens / self.verify_ct if self.verify_ct else None
+        return counting.accept_length(self.completion_tokens, self.verify_ct)
 
     @property
     def accept_rate(self) -> float | None:
-        return self.correct_drafts / (self.verify_ct * self.shape.drafts_per_step) if self.verify_ct else None
+        return counting.accept_rate(self.correct_drafts, self.verify_ct, self.shape.drafts_per_step)
 
     def to_dict(self) -> dict:
         return {
