@@ -36,9 +36,10 @@ Prompt files (`load_prompt_file`): JSONL, one object per line, any of
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-import random
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +49,7 @@ import numpy as np
 from eagle3.bench.counting import accept_length, accept_rate, correct_drafts_of, histogram_of, sum_histograms
 from eagle3.data.conversation import prompt_ids
 from eagle3.errors import Eagle3Error, UnreadableInput
+from eagle3.http_retry import SHOWN_FAILURES, RetriesExhausted, send_with_retries
 from eagle3.progress import Progress
 
 Log = Callable[[str], None]
@@ -91,21 +93,15 @@ def load_prompt_file(path: Path, tokenizer=None, thinking: bool = False) -> list
 
 async def call(client: httpx.AsyncClient, url: str, body: dict | None, retries: int, backoff_s: float) -> tuple[dict, int]:
     """GET (body None) or POST one endpoint -> (JSON answer, attempts); retries transport errors and 5xx."""
-    failures = []
-    for attempt in range(retries + 1):
-        try:
-            response = await (client.get(url) if body is None else client.post(url, json=body))
-        except httpx.TransportError as err:  # refused, dropped, timed out
-            failures.append(type(err).__name__)
-        else:
-            if response.status_code == 200:
-                return response.json(), attempt + 1
-            if response.status_code < 500:
-                raise BenchmarkError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
-            failures.append(f"HTTP {response.status_code}")
-        if attempt < retries:
-            await asyncio.sleep(backoff_s * 2**attempt * (0.5 + random.random()))
-    raise BenchmarkError(f"{url}: failed {len(failures)} times ({', '.join(failures[-3:])})")
+    send = client.get if body is None else partial(client.post, json=body)
+    try:
+        _, response, attempts = await send_with_retries(send, itertools.repeat(url), retries, backoff_s)
+    except RetriesExhausted as err:  # one url: named once, then the reasons
+        reasons = ", ".join(reason for _, reason in err.failures[-SHOWN_FAILURES:])
+        raise BenchmarkError(f"{url}: failed {len(err.failures)} times ({reasons})") from None
+    if response.status_code != 200:
+        raise BenchmarkError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
+    return response.json(), attempts
 
 
 async def run_server(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, temperature: float,
