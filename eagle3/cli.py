@@ -471,8 +471,7 @@ def run_registry_show(args: argparse.Namespace) -> int:
 def run_registry_promote(args: argparse.Namespace) -> int:
     """The gate decides as in the pipeline (candidate vs production metrics from their manifests); a rejection
     is recorded, and --force overrides it with the gate's reasons kept in the history."""
-    from eagle3.registry.gate import decide
-    from eagle3.registry.registry import metrics_of
+    from eagle3.registry.registry import decide_against_production, metrics_of
 
     config, registry = open_config_registry(args)
     candidate = registry.manifest(args.version)
@@ -480,8 +479,7 @@ def run_registry_promote(args: argparse.Namespace) -> int:
     if previous == args.version:
         print(f"{args.version} is already production: nothing to do")
         return EXIT_OK
-    production = metrics_of(registry.manifest(previous)) if previous else None
-    decision = decide(metrics_of(candidate), production, config.gate)
+    decision = decide_against_production(registry, metrics_of(candidate), previous, config.gate)
     reasons = [f"{reason.rule}: {reason.message}" for reason in decision.reasons] or [decision.summary()]
     reasons += [f"note: {args.reason}"] if args.reason else []
     if not decision.promote and not args.force:

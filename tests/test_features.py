@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
+from eagle3.bench.simulate import aux_features
 from eagle3.config import load_config
 from eagle3.data.capture import capture
 from eagle3.data.regenerate import regenerate
@@ -17,6 +18,7 @@ from eagle3.data.storage import log_projection
 from eagle3.data.vocab import build_vocab
 from eagle3.engines.features import TransformersFeatures, pad_rows
 from eagle3.errors import Eagle3Error
+from eagle3.model.aux_states import aux_states, hidden_state_index
 from eagle3.train.trainer import Trainer
 from test_config import KIMI, TINY
 from test_data import micro_overrides
@@ -66,6 +68,24 @@ def test_transformers_features_are_the_targets_own_hidden_states(micro_target):
             torch.testing.assert_close(some.aux[row - 1, :n], every.aux[row, :n], atol=1e-5, rtol=1e-5)
     empty = backend.features(batch, slice(3, 3))
     assert empty.aux.shape == (0, 0, 128) and empty.last.shape == (0, 0, 64)
+
+
+def test_aux_id_k_is_the_output_of_decoder_layer_k(micro_target):
+    """The rule the capture backend, the simulator and the reference server share: hooks on the decoder layers
+    record what aux_states picks from hidden_states, which starts with the embeddings' output."""
+    model = AutoModelForCausalLM.from_pretrained(micro_target, dtype=torch.float32).eval()
+    seen = {}
+    for k, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda module, inputs, output, k=k: seen.__setitem__(k, output))
+    ids = torch.tensor([ROWS[0]])  # [1, T]
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        torch.testing.assert_close(out.hidden_states[0], model.model.embed_tokens(ids))  # [0] is no decoder layer's
+    assert hidden_state_index(0) == 1
+    for layers in ([0], [0, 2], [2, 1]):  # ids below n - 1, as data.aux_layers allows; in the order given
+        expected = torch.cat([seen[k][0] if isinstance(seen[k], tuple) else seen[k] for k in layers], dim=-1)
+        torch.testing.assert_close(aux_states(out.hidden_states, layers), expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(aux_features(model, ROWS[0], layers), expected[0], atol=1e-6, rtol=1e-6)
 
 
 @pytest.fixture(scope="module")

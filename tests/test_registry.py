@@ -12,10 +12,12 @@ from test_config import TINY
 
 from eagle3.cli import main
 from eagle3.config import load_config
-from eagle3.config.sections import RegistrySection
+from eagle3.config.sections import GateSection, RegistrySection
+from eagle3.registry.gate import Metrics
 from eagle3.registry.registry import (
     PointerConflict,
     RegistryError,
+    decide_against_production,
     metrics_of,
     open_registry,
     registry_location,
@@ -335,6 +337,20 @@ def test_metrics_of_reads_the_served_and_simulated_numbers():
     assert (metrics.accept_length, metrics.accept_rate, metrics.simulated_accept_length, metrics.lost_requests) == (
         2.1, 0.36, 2.3, 0)
     assert metrics_of({}).accept_length is None
+
+
+def test_the_gate_judges_a_candidate_against_the_production_versions_recorded_metrics(registry, exports):
+    registry.publish("v1", exports["v1"], fields(accept_length=2.6, accept_rate=0.53, simulated=2.6))
+    candidate = Metrics(accept_length=2.4, accept_rate=0.47, simulated_accept_length=2.45)
+    first = decide_against_production(registry, candidate, None, GateSection())
+    assert first.promote and first.notes == [  # no production yet: judged on its own numbers
+        "throughput not measured (benchmark.baseline false and no sweep): gate.min_speedup not applied"]
+    against_v1 = decide_against_production(registry, candidate, "v1", GateSection())
+    assert [reason.rule for reason in against_v1.reasons] == ["regression"]  # 2.4 < 2.6 x 0.95 = 2.47
+    assert "below production's 2.600" in against_v1.reasons[0].message
+    assert decide_against_production(registry, candidate, "v1", GateSection(production_tolerance=0.1)).promote
+    with pytest.raises(RegistryError, match="'v9' is not in the registry"):
+        decide_against_production(registry, candidate, "v9", GateSection())
 
 
 # --- the command line --------------------------------------------------------------------------------------------

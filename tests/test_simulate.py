@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from eagle3.bench.simulate import AcceptanceResult, replay, simulate_prompt, target_greedy
+from eagle3.bench.client import summarize
+from eagle3.bench.counting import SpecRequest
+from eagle3.bench.simulate import AcceptanceResult, PromptResult, replay, simulate_prompt, target_greedy
 from eagle3.cli import main
 from eagle3.config import load_config
 from eagle3.data.capture import HELDOUT_DIR, feature_widths, heldout_records, write_shard
@@ -208,6 +210,28 @@ def test_oracle_drafts_and_the_finish_inside_a_verify_step():
     assert run(3, 8, frozenset({16}), "0.5.18") == (7, 2, 6, [0, 0, 0, 2])
     assert [AcceptanceResult(DraftShape(3), [replay(seq, 5, oracle(r), 3, 10, frozenset(), None)]).accept_length
             for r in (3, 1, 0)] == [10 / 3, 10 / 5, 10 / 9]
+
+
+def test_the_simulator_and_the_bench_client_count_the_same_requests_alike():
+    """Requests grown as the reference server grows them (SpecRequest): the simulator's totals over their rows and
+    the bench client's over their meta_info are one count."""
+    runs = [[[7, 8, 9, 1]], [[7, 1], [8, 9, 1]], [[7], [7], [7]], []]  # verify runs (drafts + bonus); the last: none
+    requests = []
+    for steps in runs:
+        request = SpecRequest(max_new_tokens=100, eos_ids=frozenset(), release="0.5.13")
+        request.add_token(5)  # the prefill's token
+        for run in steps:
+            request.add_verify(run)
+        requests.append(request)
+    simulated = AcceptanceResult(DraftShape(3), [PromptResult(len(r.output), r.verify_ct, r.correct, r.histogram)
+                                                 for r in requests]).to_dict()
+    answers = [({"meta_info": {"completion_tokens": len(r.output), **r.meta_info(3)}}, 0.1, 1) for r in requests]
+    served = summarize("http://127.0.0.1:1", {"speculative_num_draft_tokens": 4}, answers, 1.0)
+    expected = {"completion_tokens": 16, "verify_ct": 6, "correct_drafts": 6, "accept_length": 16 / 6,
+                "accept_rate": 6 / 18, "histogram": [3, 1, 1, 1]}
+    assert {key: simulated[key] for key in expected} == expected == {key: served[key] for key in expected}
+    assert [row["accept_length"] for row in served["prompts"]] == [5.0, 3.0, 4 / 3, None]
+    assert [r.meta_info(3).get("spec_accept_rate") for r in requests] == [1.0, 3 / 6, 0.0, None]
 
 
 # ---------------------------------------------------------------------------------------------

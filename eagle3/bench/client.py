@@ -36,19 +36,20 @@ Prompt files (`load_prompt_file`): JSONL, one object per line, any of
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-import random
 import time
-from itertools import zip_longest
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import httpx
 import numpy as np
 
-from eagle3.bench.counting import correct_drafts_of, histogram_of
+from eagle3.bench.counting import accept_length, accept_rate, correct_drafts_of, histogram_of, sum_histograms
 from eagle3.data.conversation import prompt_ids
 from eagle3.errors import Eagle3Error, UnreadableInput
+from eagle3.http_retry import SHOWN_FAILURES, RetriesExhausted, send_with_retries
 from eagle3.progress import Progress
 
 Log = Callable[[str], None]
@@ -92,21 +93,15 @@ def load_prompt_file(path: Path, tokenizer=None, thinking: bool = False) -> list
 
 async def call(client: httpx.AsyncClient, url: str, body: dict | None, retries: int, backoff_s: float) -> tuple[dict, int]:
     """GET (body None) or POST one endpoint -> (JSON answer, attempts); retries transport errors and 5xx."""
-    failures = []
-    for attempt in range(retries + 1):
-        try:
-            response = await (client.get(url) if body is None else client.post(url, json=body))
-        except httpx.TransportError as err:  # refused, dropped, timed out
-            failures.append(type(err).__name__)
-        else:
-            if response.status_code == 200:
-                return response.json(), attempt + 1
-            if response.status_code < 500:
-                raise BenchmarkError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
-            failures.append(f"HTTP {response.status_code}")
-        if attempt < retries:
-            await asyncio.sleep(backoff_s * 2**attempt * (0.5 + random.random()))
-    raise BenchmarkError(f"{url}: failed {len(failures)} times ({', '.join(failures[-3:])})")
+    send = client.get if body is None else partial(client.post, json=body)
+    try:
+        _, response, attempts = await send_with_retries(send, itertools.repeat(url), retries, backoff_s)
+    except RetriesExhausted as err:  # one url: named once, then the reasons
+        reasons = ", ".join(reason for _, reason in err.failures[-SHOWN_FAILURES:])
+        raise BenchmarkError(f"{url}: failed {len(err.failures)} times ({reasons})") from None
+    if response.status_code != 200:
+        raise BenchmarkError(f"{url}: HTTP {response.status_code}: {response.text[:200]}")
+    return response.json(), attempts
 
 
 async def run_server(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, temperature: float,
@@ -173,24 +168,22 @@ def summarize(url: str, info: dict, outcomes: list, wall: float) -> dict:
     per_step = draft_tokens - 1 if isinstance(draft_tokens, int) and draft_tokens > 1 else info.get("speculative_num_steps")
     corrects = [correct_drafts_of(m) for m in spec]
     correct = sum(corrects) if None not in corrects else None
-    if not verify:
-        rate = None
-    elif correct is not None and per_step:
-        rate = correct / (verify * per_step)
-    else:
-        rate = sum(m.get("spec_accept_rate", 0.0) * m["spec_verify_ct"] for m in spec) / verify
+    if correct is not None and per_step:
+        rate = accept_rate(correct, verify, per_step)
+    else:  # no draft count or no drafts per step: the requests' own rates, weighted by their verify steps
+        rate = sum(m.get("spec_accept_rate", 0.0) * m["spec_verify_ct"] for m in spec) / verify if verify else None
     hists = [histogram_of(m) for m in spec]
     hists = [h for h in hists if h is not None]
     rows = [{"index": i, "prompt_tokens": m.get("prompt_tokens"), "completion_tokens": m["completion_tokens"],
              "verify_ct": m.get("spec_verify_ct", 0), "latency_s": lat, "attempts": attempts,
-             "accept_length": m["completion_tokens"] / m["spec_verify_ct"] if m.get("spec_verify_ct") else None}
+             "accept_length": accept_length(m["completion_tokens"], m.get("spec_verify_ct", 0))}
             for i, (m, (_, lat, attempts)) in enumerate(zip(metas, outcomes))]
     return {
         "url": url, "server_version": info.get("version"), "num_prompts": len(rows), "draft_tokens_per_step": per_step,
         "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in rows), "completion_tokens": completion,
         "verify_ct": verify, "correct_drafts": correct if verify else None,
-        "accept_length": completion / verify if verify else None, "accept_rate": rate,
-        "histogram": [sum(c) for c in zip_longest(*hists, fillvalue=0)] if hists else None,
+        "accept_length": accept_length(completion, verify), "accept_rate": rate,
+        "histogram": sum_histograms(hists) if hists else None,
         "wall_s": wall, "output_tokens_per_s": completion / wall, "latency_s": latency([r["latency_s"] for r in rows]),
         "retried_requests": sum(r["attempts"] > 1 for r in rows), "prompts": rows,
     }

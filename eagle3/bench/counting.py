@@ -18,6 +18,8 @@ tokenizer-manager code and compares every field. Read there (DESIGN §3, Accepta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import zip_longest
+from typing import Iterable
 
 from eagle3.formats.engines import parse_release
 
@@ -76,8 +78,8 @@ class SpecRequest:
         if not self.verify_ct:
             return {}
         release, proposed = _release(self.release), self.verify_ct * drafts_per_step
-        meta = {"spec_verify_ct": self.verify_ct, "spec_accept_length": len(self.output) / self.verify_ct,
-                "spec_accept_rate": self.correct / proposed}
+        meta = {"spec_verify_ct": self.verify_ct, "spec_accept_length": accept_length(len(self.output), self.verify_ct),
+                "spec_accept_rate": accept_rate(self.correct, self.verify_ct, drafts_per_step)}
         if release >= NEW_KEYS_FROM:
             meta |= {"spec_num_correct_drafts": self.correct, "spec_num_proposed_drafts": proposed,
                      "spec_correct_drafts_histogram": list(self.histogram)}
@@ -85,6 +87,23 @@ class SpecRequest:
             meta |= {"spec_accepted_drafts": self.correct, "spec_proposed_drafts": proposed,
                      "spec_accept_histogram": list(self.histogram)}
         return meta
+
+
+def accept_length(completion_tokens: int, verify_ct: int) -> float | None:
+    """Completion tokens per verify step, the prefill's token included; None without a verify step, as SGLang then
+    reports no spec_* key."""
+    return completion_tokens / verify_ct if verify_ct else None
+
+
+def accept_rate(correct: int, verify_ct: int, drafts_per_step: int) -> float | None:
+    """Correct drafts over the drafts verified: verify steps x drafts_per_step (num_draft_tokens - 1); None without
+    a verify step."""
+    return correct / (verify_ct * drafts_per_step) if verify_ct else None
+
+
+def sum_histograms(histograms: Iterable[list[int]]) -> list[int]:
+    """Requests' histograms added bucket by bucket; each is only as long as its largest bucket seen."""
+    return [sum(column) for column in zip_longest(*histograms, fillvalue=0)]
 
 
 def correct_drafts_of(meta: dict) -> int | None:

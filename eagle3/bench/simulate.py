@@ -16,12 +16,12 @@ Sampled decoding (temperature > 0) is measured on a server only: its acceptance 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from eagle3.bench import counting
 from eagle3.bench.counting import SpecRequest
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import HELDOUT_DIR
@@ -31,6 +31,7 @@ from eagle3.data.targets import target_eos_ids
 from eagle3.engines.backends import local_device
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
+from eagle3.model.aux_states import aux_states
 from eagle3.model.draft import Eagle3Draft
 from eagle3.model.tree import DraftTree, draft_tree, walk_greedy
 from eagle3.model.weights import draft_as_served, target_head
@@ -68,15 +69,15 @@ class AcceptanceResult:
 
     @property
     def histogram(self) -> list[int]:
-        return [sum(column) for column in zip_longest(*(row.histogram for row in self.rows), fillvalue=0)]
+        return counting.sum_histograms(row.histogram for row in self.rows)
 
     @property
     def accept_length(self) -> float | None:  # None like SGLang's absent keys: no verify step at all
-        return self.completion_tokens / self.verify_ct if self.verify_ct else None
+        return counting.accept_length(self.completion_tokens, self.verify_ct)
 
     @property
     def accept_rate(self) -> float | None:
-        return self.correct_drafts / (self.verify_ct * self.shape.drafts_per_step) if self.verify_ct else None
+        return counting.accept_rate(self.correct_drafts, self.verify_ct, self.shape.drafts_per_step)
 
     def to_dict(self) -> dict:
         return {
@@ -93,9 +94,9 @@ class AcceptanceResult:
 
 
 def aux_features(model, seq: list[int], aux_layers: list[int]) -> torch.Tensor:
-    """[T, n_aux * H] float32: the outputs of decoder layers `aux_layers` (HF hidden_states[k + 1])."""
+    """[T, n_aux * H] float32: the outputs of decoder layers `aux_layers`."""
     out = model(torch.tensor([seq]), output_hidden_states=True)
-    return torch.cat([out.hidden_states[k + 1][0] for k in aux_layers], dim=-1).float()
+    return aux_states(out.hidden_states, aux_layers)[0].float()
 
 
 def replay(seq: list[int], prompt_len: int, propose: Callable[[int], DraftTree], num_steps: int,

@@ -19,7 +19,6 @@ import copy
 import itertools
 import json
 import os
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -36,6 +35,7 @@ from eagle3.data.targets import eos_ids_of, load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.manifest import code_version, write_manifest
 from eagle3.fsutil import atomic_write_bytes, atomic_write_json
+from eagle3.http_retry import RetriesExhausted, send_with_retries
 from eagle3.progress import Progress
 
 Log = Callable[[str], None]
@@ -175,20 +175,12 @@ class SGLangClient:
 
     async def _request(self, client: httpx.AsyncClient, ids: list[int], sampling: dict) -> Generation:
         payload = {"input_ids": ids, "sampling_params": sampling, "stream": False}
-        failures = []
-        for attempt in range(self.retries + 1):
-            url = next(self.next_url)  # a retry goes to the next server
-            try:
-                response = await client.post(f"{url}/generate", json=payload)
-            except httpx.TransportError as err:  # refused, dropped, timed out
-                failures.append(f"{url}: {type(err).__name__}")
-            else:
-                if response.status_code < 500:
-                    return self._parse(response, url)
-                failures.append(f"{url}: HTTP {response.status_code}")
-            if attempt < self.retries:
-                await asyncio.sleep(self.backoff_s * 2**attempt * (0.5 + random.random()))
-        raise EngineError(f"/generate failed {len(failures)} times: {'; '.join(failures[-3:])}")
+        send = lambda url: client.post(f"{url}/generate", json=payload)  # noqa: E731
+        try:  # a retry goes to the next server
+            url, response, _ = await send_with_retries(send, self.next_url, self.retries, self.backoff_s)
+        except RetriesExhausted as err:
+            raise EngineError(f"/generate {err}") from None
+        return self._parse(response, url)
 
     @staticmethod
     def _parse(response: httpx.Response, url: str) -> Generation:

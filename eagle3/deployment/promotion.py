@@ -21,8 +21,8 @@ from eagle3.data.targets import load_tokenizer
 from eagle3.formats.checkpoint import convert
 from eagle3.formats.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_json, sha256_file
-from eagle3.registry.gate import Decision, Metrics, decide, throughput_text
-from eagle3.registry.registry import metrics_of, registry_location
+from eagle3.registry.gate import Decision, Metrics, throughput_text
+from eagle3.registry.registry import decide_against_production, registry_location
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
 
@@ -107,9 +107,8 @@ def gate_decision(config: PipelineConfig, registry, production: str | None, serv
                   simulated_accept_length: float | None, chosen: dict) -> Decision:
     """The gate on the candidate against the production version's recorded metrics. With `chosen` {} (no speedup
     measured yet) it judges acceptance alone."""
-    baseline = metrics_of(registry.manifest(production)) if production else None
     candidate = candidate_metrics(served, simulated_accept_length, data_quality_of(config), chosen)
-    return decide(candidate, baseline, config.gate)
+    return decide_against_production(registry, candidate, production, config.gate)
 
 
 def data_quality_of(config: PipelineConfig) -> dict:

@@ -22,15 +22,15 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from eagle3.config.sections import RegistrySection
+from eagle3.config.sections import GateSection, RegistrySection
 from eagle3.fsutil import atomic_directory, sha256_file
-from eagle3.registry.gate import Metrics, throughput_text
+from eagle3.registry.gate import Decision, Metrics, decide, throughput_text
 from eagle3.registry.s3 import S3Store
 from eagle3.registry.store import LocalStore, PointerConflict, RegistryError, Store
 from eagle3.shape import DraftShape
 
-__all__ = ["PointerConflict", "Registry", "RegistryError", "check_version_id", "metrics_of", "open_registry",
-           "registry_location"]
+__all__ = ["PointerConflict", "Registry", "RegistryError", "check_version_id", "decide_against_production",
+           "metrics_of", "open_registry", "registry_location"]
 
 VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 VERSION_RULE = "1-128 letters, digits, '.', '_' or '-', starting with a letter or digit, with no '..'"
@@ -68,6 +68,14 @@ def metrics_of(manifest: dict) -> Metrics:
         speedup=production.get("speedup"),
         throughput=throughput_text(chosen),
     )
+
+
+def decide_against_production(registry: Registry, candidate: Metrics, production: str | None,
+                              gate: GateSection) -> Decision:
+    """The gate on `candidate` against the metrics recorded with the `production` version (None: none yet, a first
+    deployment): one decision, whether the pipeline or a person through the CLI asks."""
+    recorded = metrics_of(registry.manifest(production)) if production else None
+    return decide(candidate, recorded, gate)
 
 
 class Registry:

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from eagle3.bench.counting import SpecRequest, server_accept_length
+from eagle3.model.aux_states import aux_states
 from eagle3.model.draft import Eagle3Draft
 from eagle3.model.tree import ROOT, DraftTree, draft_tree, tree_attention, walk_greedy, walk_sampled
 from eagle3.model.weights import draft_as_served, target_head
@@ -65,7 +66,7 @@ def target_forward(served: Served, ids: list[int], tree: DraftTree | None = None
         extra = {"position_ids": positions[None], "attention_mask": blocked[None, None]}  # [1, 1, T + N, T + N]
         ids = ids + tree.tokens
     out = served.target(torch.tensor([ids]), output_hidden_states=layers is not None, **extra)
-    aux = torch.cat([out.hidden_states[k + 1][0] for k in layers], dim=-1).float() if layers else None
+    aux = aux_states(out.hidden_states, layers)[0].float() if layers else None
     return out.logits[0].float(), aux
 
 
