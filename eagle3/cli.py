@@ -173,7 +173,7 @@ def run_quality(args: argparse.Namespace) -> int:
     from eagle3.data.conversation import encode
     from eagle3.data.quality import describe_figures, replies_in_file, report
     from eagle3.data.regenerate import REGEN_DIR, regenerated_replies
-    from eagle3.data.targets import load_tokenizer
+    from eagle3.engines.targets import load_tokenizer
 
     config = load_run_config(args)
     tokenizer = load_tokenizer(config.target.path)
@@ -243,7 +243,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from eagle3.bench.client import DEFAULT_MAX_NEW_TOKENS, load_prompt_file, render_table, run_benchmark
     from eagle3.config.sections import BenchmarkSection
-    from eagle3.data.targets import load_tokenizer
+    from eagle3.engines.targets import load_tokenizer
     from eagle3.fsutil import atomic_write_json
 
     if args.config is None and (args.prompts is None or args.overrides):

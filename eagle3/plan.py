@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
-from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.data.shards import TOKEN_BYTES
 from eagle3.data.storage import human_bytes, projected_bytes
+from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.formats.target import KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.train.memory import trainable_parameters, training_step_peak_bytes
 from eagle3.train.trainer import trained_draft_config

@@ -26,7 +26,7 @@ from typing import Callable
 
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
-from eagle3.data.targets import target_identity
+from eagle3.engines.targets import target_identity
 from eagle3.formats.manifest import MANIFEST_FILE, code_version
 from eagle3.fsutil import atomic_write_bytes, sha256_file
 

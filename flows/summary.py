@@ -7,9 +7,9 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.sorting import TaskRunSort
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
+from eagle3.bench.simulate import RESULT_FILE
 from eagle3.config import PipelineConfig
 from eagle3.deployment.promotion import SERVED_FILE
-from eagle3.bench.simulate import RESULT_FILE
 from eagle3.fsutil import read_json
 
 

@@ -11,10 +11,10 @@ from prefect.cache_policies import NO_CACHE
 from eagle3.bench.simulate import RESULT_FILE, simulate
 from eagle3.config import PipelineConfig
 from eagle3.deployment.promotion import gate_decision, measure_candidate
+from eagle3.deployment.sweep import choose_serving
 from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
 from eagle3.report import acceptance_report, sweep_report
-from eagle3.deployment.sweep import choose_serving
 from tasks.common import cached, log_to_run, run_stage
 
 

@@ -26,8 +26,8 @@ from eagle3.deployment.promotion import (
     version_fields,
     version_id,
 )
-from eagle3.registry.gate import Decision, GateRejected, Reason
 from eagle3.deployment.production import Production
+from eagle3.registry.gate import Decision, GateRejected, Reason
 from eagle3.registry.registry import open_registry
 from eagle3.report import decision_report
 from tasks.common import log_to_run

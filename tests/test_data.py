@@ -8,11 +8,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3.config import load_config
 from eagle3.data.capture import capture, check_dataset
-from eagle3.data.storage import StorageError, check_storage
-from eagle3.data.regenerate import make_generator, read_regenerated, read_samples, regenerate, training_ids
+from eagle3.data.regenerate import read_regenerated, read_samples, regenerate, training_ids
 from eagle3.data.shards import read_dataset
-from eagle3.data.targets import DataMismatch
+from eagle3.data.storage import StorageError, check_storage
 from eagle3.data.vocab import build_vocab, count_loss_tokens
+from eagle3.engines.generators import make_generator
+from eagle3.engines.targets import DataMismatch
 from eagle3.formats.manifest import read_data_capture, read_manifest
 from eagle3.formats.vocab_map import load_vocab_map, read_stats
 from test_config import KIMI, TINY

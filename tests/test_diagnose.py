@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from drafts import write_draft
 from eagle3.bench.diagnose import diagnose
 from eagle3.data.conversation import chat_template_hash
-from eagle3.data.targets import load_tokenizer
+from eagle3.engines.targets import load_tokenizer
 
 MICRO = dict(hidden_size=64, target_hidden_size=64, head_dim=16, vocab_size=512, draft_vocab_size=64)
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
+from eagle3 import distributed
 from eagle3.config import load_config
+from eagle3.distributed import Dist
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.ttt import draft_chain
-from eagle3 import distributed
-from eagle3.distributed import Dist
 from eagle3.train.trainer import Trainer
 from fake_device import fake_accelerator
 from test_config import TINY

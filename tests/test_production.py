@@ -18,12 +18,12 @@ import pytest
 import eagle3.procs as procs
 from drafts import write_draft
 from eagle3.config import load_config
+from eagle3.deployment.production import Production
 from eagle3.deployment.promotion import PROMPTS_FILE, PROMPTS_LAYOUT
 from eagle3.fsutil import sha256_file
 from eagle3.procs import group_alive
-from eagle3.deployment.production import Production
-from eagle3.registry.registry import open_registry
 from eagle3.procs import LaunchError, in_systemd_scope, systemd_missing
+from eagle3.registry.registry import open_registry
 from test_config import TINY
 from test_data import micro_overrides
 from test_launch import MICRO_DRAFT, RELEASE, free_port

@@ -9,10 +9,10 @@ import torch
 
 from eagle3.config import load_config
 from eagle3.data.capture import capture
+from eagle3.data.node_capture import node_command
 from eagle3.data.regenerate import regenerate
 from eagle3.data.shards import read_dataset
 from eagle3.engines.features import TransformersFeatures
-from eagle3.data.node_capture import node_command
 from test_config import KIMI, TINY
 from test_data import micro_overrides
 

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from eagle3.config import load_config
-from eagle3.data.regenerate import EngineError, read_samples, regenerate
+from eagle3.data.regenerate import read_samples, regenerate
+from eagle3.engines.generators import EngineError
 from fake_sglang import FakeSGLang, answer_for
 from test_config import TINY
 

@@ -17,11 +17,11 @@ from eagle3.cli import main
 from eagle3.config import load_config
 from eagle3.data.capture import HELDOUT_DIR, feature_widths, heldout_records, write_shard
 from eagle3.data.conversation import prompt_ids
+from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.data.regenerate import GREEDY_FILE, REGEN_DIR, continue_heldout
 from eagle3.data.shards import shard_file
 from eagle3.engines.features import TransformersFeatures
-from eagle3.data.prompts import pydoc_prompt_turns
-from eagle3.data.targets import load_tokenizer
+from eagle3.engines.targets import load_tokenizer
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, save_native_draft
 from eagle3.formats.vocab_map import build_vocab_map
 from eagle3.model.draft import Eagle3Draft, init_weights

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3.data.conversation import chat_template_hash
-from eagle3.data.targets import load_tokenizer
+from eagle3.engines.targets import load_tokenizer
 from eagle3.formats.manifest import read_manifest
 from eagle3.formats.validate import validate
 

@@ -25,10 +25,11 @@ from eagle3.bench import counting
 from eagle3.bench.counting import SpecRequest
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import HELDOUT_DIR
-from eagle3.data.regenerate import greedy_length, target_greedy
+from eagle3.data.regenerate import greedy_length
 from eagle3.data.shards import ShardReader, StoredSample
-from eagle3.data.targets import target_eos_ids
 from eagle3.engines.backends import local_device
+from eagle3.engines.generators import target_greedy
+from eagle3.engines.targets import target_eos_ids
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.aux_states import aux_states

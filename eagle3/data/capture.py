@@ -28,9 +28,9 @@ from eagle3.data.conversation import chat_template_hash
 from eagle3.data.regenerate import REGEN_DIR, read_greedy, read_regenerated, training_ids
 from eagle3.data.shards import ShardWriter, read_stamp, shard_file
 from eagle3.data.storage import check_storage, projected_bytes
-from eagle3.data.targets import check_same, load_tokenizer, target_identity
 from eagle3.engines.backends import local_device, target_backend
 from eagle3.engines.features import FeatureBackend, Features, pad_rows
+from eagle3.engines.targets import check_same, load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.manifest import code_version, read_manifest, write_manifest
 from eagle3.progress import Progress

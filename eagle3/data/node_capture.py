@@ -16,10 +16,10 @@ from typing import Callable
 
 from eagle3.config import PipelineConfig, load_config
 from eagle3.data.capture import Log, capture, dataset_dir
+from eagle3.distributed import setup_distributed
 from eagle3.engines.backends import target_backend
 from eagle3.errors import Eagle3Error
 from eagle3.procs import STOP_GRACE_S, ProcessTree, terminate_on_sigterm
-from eagle3.distributed import setup_distributed
 
 def node_command(config: PipelineConfig, resolved: Path | str) -> list[str]:
     """The command that runs capture on the GPU node with its SGLang python, one rank per tensor-parallel GPU."""

@@ -11,7 +11,7 @@ import torch
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import regenerated_manifest
 from eagle3.data.regenerate import REGEN_DIR, read_regenerated
-from eagle3.data.targets import DataMismatch
+from eagle3.engines.targets import DataMismatch
 from eagle3.formats.manifest import MANIFEST_FILE, write_manifest
 from eagle3.formats.vocab_map import build_vocab_map, save_vocab_map
 from eagle3.fsutil import sha256_file

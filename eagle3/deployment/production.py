@@ -23,11 +23,11 @@ from eagle3.deployment.promotion import (
     measure_server,
     prompt_ids_in,
 )
+from eagle3.deployment.sweep import with_shape
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.procs import ProcessTree, group_alive
 from eagle3.procs import GPU_QUERY, STOP_GRACE_S, LaunchError, systemd_missing, wait_gpus_free
 from eagle3.shape import DraftShape
-from eagle3.deployment.sweep import with_shape
 
 Log = Callable[[str], None]
 STATE_FILE = "server.json"

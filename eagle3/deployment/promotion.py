@@ -13,11 +13,11 @@ from typing import Callable
 
 from eagle3.bench.client import BenchmarkError, load_prompt_file, run_benchmark
 from eagle3.bench.diagnose import diagnose
-from eagle3.data.prompts import write_prompts
-from eagle3.data.regenerate import REGEN_DIR, benchmark_set
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
-from eagle3.data.targets import load_tokenizer
+from eagle3.data.prompts import write_prompts
+from eagle3.data.regenerate import REGEN_DIR, benchmark_set
+from eagle3.engines.targets import load_tokenizer
 from eagle3.formats.checkpoint import convert
 from eagle3.formats.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_json, sha256_file

@@ -19,8 +19,8 @@ from typing import Callable
 from eagle3.config import PipelineConfig
 from eagle3.deployment.promotion import benchmark_on, benchmark_prompts_file, prompt_ids_in
 from eagle3.errors import Eagle3Error
-from eagle3.registry.gate import Decision
 from eagle3.fsutil import atomic_write_json
+from eagle3.registry.gate import Decision
 from eagle3.serve.launch import launch_and_validate
 from eagle3.shape import DraftShape
 

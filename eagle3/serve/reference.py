@@ -151,7 +151,7 @@ def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, engine_rel
          seed: int = 0) -> Served:
     from transformers import AutoModelForCausalLM
 
-    from eagle3.data.targets import eos_ids_of, load_tokenizer
+    from eagle3.engines.targets import eos_ids_of, load_tokenizer
 
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     draft = None

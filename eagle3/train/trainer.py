@@ -18,11 +18,13 @@ from typing import Callable
 
 import torch
 
+from eagle3.bench.simulate import heldout_samples, replay_stored
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import check_dataset, dataset_dir
-from eagle3.data.targets import target_eos_ids
+from eagle3.distributed import Dist, setup_distributed
 from eagle3.engines.backends import target_backend
 from eagle3.engines.features import FeatureBackend
+from eagle3.engines.targets import target_eos_ids
 from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
@@ -30,12 +32,10 @@ from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import VocabMap, load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
-from eagle3.bench.simulate import heldout_samples, replay_stored
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import StepStats, TTTModel, ttt_forward, ttt_stats
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData
-from eagle3.distributed import Dist, setup_distributed
 from eagle3.train.parallel import Parallel
 
 Log = Callable[[str], None]

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from eagle3.distributed import setup_distributed
 from eagle3.engines.features import Features, TokenBatch, TransformersFeatures
 from eagle3.engines.sglang_features import SGLangFeatures
-from eagle3.distributed import setup_distributed
 
 RELATIVE_TOLERANCE = 0.05  # transformers vs SGLang in bf16 on a GPU: relative row error (as compare_capture.py)
 

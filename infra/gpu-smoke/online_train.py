@@ -34,6 +34,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from eagle3.config import PipelineConfig
+from eagle3.distributed import Dist
 from eagle3.engines.features import FeatureBackend, TokenBatch, TransformersFeatures
 from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import VocabMap, build_vocab_map
@@ -41,7 +42,6 @@ from eagle3.model.teacher import TEACHER_CHUNK_ROWS, chunked_argmax
 from eagle3.model.ttt import TTTModel
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef
-from eagle3.distributed import Dist
 from eagle3.train.parallel import Parallel
 from eagle3.train.trainer import Trainer, lr_factor
 

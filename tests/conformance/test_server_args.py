@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from eagle3.config import load_config
-from eagle3.serve.launch import LAUNCHER_FLAGS, sglang_command
 from eagle3.deployment.sweep import sweep_shapes, with_shape
+from eagle3.serve.launch import LAUNCHER_FLAGS, sglang_command
 from releases import RELEASES
 
 ROOT = __import__("pathlib").Path(__file__).parents[2]

@@ -1,0 +1,178 @@
+"""The engines that regenerate answers (eagle3/data/regenerate.py drives them), one interface: `generate(prompts)`
+-> one Generation per prompt, `continue_greedy(prompts, length)`, and `release` (the live SGLang release, or None).
+
+- `local`: transformers, batched greedy/sampled `generate` (the tiny target on the CPU);
+- `sglang`: an async HTTP client for one or more running SGLang servers (round-robin, bounded concurrency, retries
+  with backoff on connection errors and 5xx). It sends token ids rendered with the target's own chat template and
+  returns the server's `output_ids` as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+from dataclasses import dataclass
+
+import httpx
+
+from eagle3.config import PipelineConfig
+from eagle3.engines.targets import eos_ids_of
+from eagle3.errors import Eagle3Error
+from eagle3.http_retry import RetriesExhausted, send_with_retries
+
+
+class EngineError(Eagle3Error):
+    """A generation engine that failed after its retries."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    output_ids: list[int]
+    finish_reason: str
+
+
+class LocalGenerator:
+    """Batched generation with transformers (left padding, so every prompt ends where generation starts)."""
+
+    release = None
+
+    def __init__(self, model_path: str, max_new_tokens: int, temperature: float, seed: int = 0):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        config = self.model.generation_config
+        self.eos = set(eos_ids_of(self.model))  # some targets end turns with several ids
+        self.pad = config.pad_token_id if config.pad_token_id is not None else min(self.eos)
+
+    def generate(self, prompts: list[list[int]]) -> list[Generation]:
+        torch = self.torch
+        width = max(map(len, prompts))
+        batch = torch.full((len(prompts), width), self.pad, dtype=torch.long)  # [B, T]
+        attention = torch.zeros_like(batch)
+        for row, ids in enumerate(prompts):
+            batch[row, width - len(ids) :] = torch.tensor(ids)
+            attention[row, width - len(ids) :] = 1
+        torch.manual_seed(self.seed)
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=batch,
+                attention_mask=attention,
+                max_new_tokens=self.max_new_tokens,
+                do_sample=self.temperature > 0,
+                temperature=self.temperature if self.temperature > 0 else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=self.pad,
+                eos_token_id=sorted(self.eos),
+            )
+        return [self._trim(row[width:].tolist()) for row in out]
+
+    def continue_greedy(self, prompts: list[list[int]], length: int) -> list[list[int]]:
+        return [target_greedy(self.model, ids, length) for ids in prompts]
+
+    def _trim(self, generated: list[int]) -> Generation:
+        """Cut at the first EOS (kept: the draft learns to end turns) and drop the padding after it."""
+        for position, token in enumerate(generated):
+            if token in self.eos:
+                return Generation(generated[: position + 1], "stop")
+        return Generation(generated, "length")
+
+
+def target_greedy(model, prompt_ids: list[int], length: int) -> list[int]:
+    """`length` tokens of the target's greedy continuation, not stopping at EOS."""
+    import torch
+
+    ids = torch.tensor([prompt_ids])  # [1, T]
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=None, do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0,
+                  max_new_tokens=length, min_new_tokens=None)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt_ids):].tolist()
+
+
+class SGLangClient:
+    """`/generate` against running SGLang servers, with token ids in and `output_ids` out."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        max_new_tokens: int,
+        temperature: float,
+        concurrency: int,
+        retries: int,
+        timeout_s: float,
+        backoff_s: float = 0.5,
+    ):
+        self.urls = [url.rstrip("/") for url in urls]
+        self.next_url = itertools.cycle(self.urls)
+        self.sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+        self.concurrency, self.retries, self.timeout_s, self.backoff_s = concurrency, retries, timeout_s, backoff_s
+        self.release = self._server_release()
+
+    def _server_release(self) -> str:
+        """The live release (it decides loader and aux-id rules later); all servers must agree."""
+        releases = set()
+        for url in self.urls:
+            try:
+                info = httpx.get(f"{url}/server_info", timeout=30).raise_for_status().json()
+            except httpx.HTTPError as err:
+                raise EngineError(f"{url}/server_info: {err}") from None
+            releases.add(str(info.get("version")))
+        if len(releases) != 1:
+            raise EngineError(f"SGLang servers run different releases {sorted(releases)}: {self.urls}")
+        return releases.pop()
+
+    def generate(self, prompts: list[list[int]]) -> list[Generation]:
+        return asyncio.run(self._generate_all(prompts, self.sampling))
+
+    def continue_greedy(self, prompts: list[list[int]], length: int) -> list[list[int]]:
+        greedy = {"max_new_tokens": length, "temperature": 0.0, "ignore_eos": True}
+        generations = asyncio.run(self._generate_all(prompts, greedy))
+        short = [len(g.output_ids) for g in generations if len(g.output_ids) != length]
+        if short:
+            raise EngineError(f"greedy continuations of {length} tokens came back with {short[:3]} tokens "
+                              "(ignore_eos not honoured, or a context limit below prompt + continuation)")
+        return [g.output_ids for g in generations]
+
+    async def _generate_all(self, prompts: list[list[int]], sampling: dict) -> list[Generation]:
+        limit = asyncio.Semaphore(self.concurrency)
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+
+            async def one(ids: list[int]) -> Generation:
+                async with limit:
+                    return await self._request(client, ids, sampling)
+
+            return await asyncio.gather(*(one(ids) for ids in prompts))
+
+    async def _request(self, client: httpx.AsyncClient, ids: list[int], sampling: dict) -> Generation:
+        payload = {"input_ids": ids, "sampling_params": sampling, "stream": False}
+        send = lambda url: client.post(f"{url}/generate", json=payload)  # noqa: E731
+        try:  # a retry goes to the next server
+            url, response, _ = await send_with_retries(send, self.next_url, self.retries, self.backoff_s)
+        except RetriesExhausted as err:
+            raise EngineError(f"/generate {err}") from None
+        return self._parse(response, url)
+
+    @staticmethod
+    def _parse(response: httpx.Response, url: str) -> Generation:
+        if response.status_code != 200:
+            raise EngineError(f"{url}/generate: HTTP {response.status_code}: {response.text[:300]}")
+        body = response.json()
+        if "output_ids" not in body:
+            raise EngineError(f"{url}/generate: response has no output_ids (keys: {sorted(body)})")
+        finish = (body.get("meta_info") or {}).get("finish_reason") or {}
+        return Generation(list(body["output_ids"]), finish.get("type", "unknown") if isinstance(finish, dict) else str(finish))
+
+
+def make_generator(config: PipelineConfig):
+    data = config.data
+    if data.engine == "local":
+        return LocalGenerator(config.target.path, data.max_new_tokens, data.temperature, config.training.seed)
+    return SGLangClient(
+        data.servers, data.max_new_tokens, data.temperature, data.concurrency, data.retries, data.request_timeout_s
+    )
