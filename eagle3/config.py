@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eagle3.errors import ConfigError
 from eagle3.formats.engines import sglang_default_inputs
+from eagle3.formats.problems import ProblemCode
 from eagle3.formats.target import read_target_info
 from eagle3.fsutil import atomic_write_bytes
 from eagle3.shape import DraftShape, shape_problem
@@ -210,7 +211,7 @@ def option_name(arg: str) -> str:
 
 class ExportSection(Section):
     layouts: list[Literal["sglang", "speculators"]] = Field(default=["sglang"], min_length=1)
-    waive: list[str] = Field(
+    waive: list[ProblemCode] = Field(
         default=[], description="validation problem codes accepted on purpose (e.g. a false positive); each is "
         "logged and recorded in the export's validation.json")
     fault: Literal["absolute-d2t"] | None = Field(
