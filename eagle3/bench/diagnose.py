@@ -16,7 +16,8 @@ from eagle3.formats.validate import validate
 
 VOCAB_LINE = "draft vocab vs tokenizer"
 
-# checklist line -> the validation problem codes that fail it; every code is on exactly one line
+# checklist line -> the validation problem codes it covers; every code is on exactly one line. An error or a
+# warning with one of a line's codes fails it; a check `validate` could not run leaves it unknown.
 CHECKS: dict[str, tuple[Code, ...]] = {
     "tensors the release would skip": (
         Code.SKIPPED_TENSOR, Code.MISSING_TENSOR, Code.DUPLICATE_TENSOR, Code.UNSUPPORTED_FLAG, Code.FLAG_MISPLACED,
@@ -35,7 +36,7 @@ CHECKS: dict[str, tuple[Code, ...]] = {
     ),
     "EAGLE3, not EAGLE": (Code.EAGLE_NOT_EAGLE3, Code.CONFIG_ARCHITECTURE),
     "max_position_embeddings vs prompt lengths": (Code.CONTEXT_LENGTH,),
-    VOCAB_LINE: (Code.VOCAB_SIZE, Code.DRAFT_VOCAB_SIZE, Code.HIDDEN_SIZE),  # judged with the tokenizer, listed last
+    VOCAB_LINE: (Code.VOCAB_SIZE, Code.DRAFT_VOCAB_SIZE, Code.HIDDEN_SIZE),  # last, judged beside the tokenizer
 }
 
 
