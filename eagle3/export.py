@@ -20,8 +20,9 @@ from eagle3.data.capture import dataset_dir
 from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import WEIGHTS_FILE, convert
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest, write_manifest
+from eagle3.formats.problems import Report
 from eagle3.formats.target import read_target_info
-from eagle3.formats.validate import Report, validate
+from eagle3.formats.validate import validate
 from eagle3.fsutil import atomic_write_json
 
 Log = Callable[[str], None]

@@ -7,9 +7,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafts import write_draft
-from eagle3.bench.diagnose import diagnose
+from eagle3.bench.diagnose import CHECKS, diagnose
 from eagle3.data.conversation import chat_template_hash
 from eagle3.engines.targets import load_tokenizer
+from eagle3.formats.problems import ProblemCode
+from eagle3.formats.validate import validate
 
 MICRO = dict(hidden_size=64, target_hidden_size=64, head_dim=16, vocab_size=512, draft_vocab_size=64)
 
@@ -45,6 +47,36 @@ def test_absolute_d2t_is_named(setup):
     result = diagnose(draft, "0.5.13", target, data, simulated=2.0, served=1.02, longest_request=300)
     assert [c.name for c in result.failed] == ["d2t encoding (offsets)"]
     assert "d2t-absolute" in by_name(result)["d2t encoding (offsets)"].evidence and result.gap == pytest.approx(0.49)
+
+
+def test_every_validation_code_is_on_exactly_one_checklist_line():
+    lines_of = {code: [name for name, codes in CHECKS.items() if code in codes] for code in ProblemCode}
+    assert {code: lines for code, lines in lines_of.items() if len(lines) != 1} == {}
+
+
+def edit_config(draft, **changes):
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def store_d2t_as_int32(draft):
+    tensors = load_file(draft / "model.safetensors")
+    tensors["d2t"] = tensors["d2t"].to(torch.int32)
+    save_file(tensors, draft / "model.safetensors")
+
+
+@pytest.mark.parametrize(("fault", "code", "line"), [
+    (lambda d: edit_config(d, tie_word_embeddings=True), "config-tie-embeddings", "config.json fields SGLang reads"),
+    (lambda d: edit_config(d, num_hidden_layers=2), "config-num-layers", "config.json fields SGLang reads"),
+    (lambda d: edit_config(d, intermediate_size=96), "shape-mismatch", "tensor shapes and dtypes vs config.json"),
+    (store_d2t_as_int32, "dtype", "tensor shapes and dtypes vs config.json"),
+], ids=["tied-embeddings", "two-layers", "intermediate-size", "int32-d2t"])
+def test_a_fault_validate_flags_fails_its_checklist_line(setup, fault, code, line):
+    draft, target, data = setup
+    fault(draft)
+    assert code in {p.code for p in validate(draft, engine_release="0.5.13", target=target).of("error")}
+    result = diagnose(draft, "0.5.13", target, data, simulated=2.0, served=1.1, longest_request=300)
+    assert [c.name for c in result.failed] == [line] and f"{code}: " in by_name(result)[line].evidence
 
 
 def test_layers_0_names_under_0_5_11_are_named(setup):

@@ -8,7 +8,11 @@ from safetensors.torch import load_file, save_file
 
 from conftest import write_data_manifest, write_target
 from drafts import write_draft
+from eagle3.config import load_config
+from eagle3.errors import ConfigError
+from eagle3.formats.problems import ProblemCode
 from eagle3.formats.validate import validate
+from test_config import TINY
 
 GOOD_DATA_LAYERS = [0, 1, 2]
 
@@ -20,7 +24,10 @@ def good(tmp_path, sglang_draft, target_dir):
 
 
 def run(good, **changes):
-    return validate(**{**good, **changes})
+    report = validate(**{**good, **changes})
+    free = [p.code for p in report.problems if not isinstance(p.code, ProblemCode)]
+    assert not free, f"codes outside ProblemCode: {free}"
+    return report
 
 
 def codes(report, severity="error"):
@@ -137,6 +144,14 @@ def test_d2t_absolute_ids(good):
     report = run(good)
     assert codes(report) == {"d2t-absolute"}
     assert "hot_token_id = d2t + arange" in report.of("error")[0].message
+    waived = load_config(TINY, ["export.waive=[d2t-absolute]"]).export.waive
+    assert waived == [ProblemCode.D2T_ABSOLUTE] and report.errors(waived) == []
+
+
+def test_export_waive_accepts_the_validation_codes_only():
+    allowed = r"'eagle-not-eagle3', 'config-architecture', .* or 'context-length'"
+    with pytest.raises(ConfigError, match=rf"export\.waive\.0: Input should be {allowed} \(got 'd2t-absolut'\)"):
+        load_config(TINY, ["export.waive=[d2t-absolut]"])
 
 
 def test_d2t_out_of_range(good):

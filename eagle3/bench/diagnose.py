@@ -11,18 +11,32 @@ from pathlib import Path
 from eagle3.data.conversation import chat_template_hash
 from eagle3.engines.targets import load_tokenizer
 from eagle3.formats.manifest import read_manifest
+from eagle3.formats.problems import ProblemCode as Code
 from eagle3.formats.validate import validate
 
-# checklist line -> validation problem codes that fail it
-CHECKS = {
-    "tensors the release would skip": ("skipped-tensor", "missing-tensor", "duplicate-tensor", "unsupported-flag"),
-    "d2t encoding (offsets)": ("d2t-absolute", "d2t-out-of-range", "d2t-t2d-disagree", "d2t-encoding"),
-    "captured layers vs the data's": (
-        "captured-layers-mismatch", "captured-layers", "aux-ids-missing", "aux-ids-top-level", "aux-ids-invalid",
-        "aux-ids-ambiguous", "aux-count",
+VOCAB_LINE = "draft vocab vs tokenizer"
+
+# checklist line -> the validation problem codes it covers; every code is on exactly one line. An error or a
+# warning with one of a line's codes fails it; a check `validate` could not run leaves it unknown.
+CHECKS: dict[str, tuple[Code, ...]] = {
+    "tensors the release would skip": (
+        Code.SKIPPED_TENSOR, Code.MISSING_TENSOR, Code.DUPLICATE_TENSOR, Code.UNSUPPORTED_FLAG, Code.FLAG_MISPLACED,
     ),
-    "EAGLE3, not EAGLE": ("eagle-not-eagle3", "config-architecture"),
-    "max_position_embeddings vs prompt lengths": ("context-length",),
+    "tensor shapes and dtypes vs config.json": (Code.SHAPE_MISMATCH, Code.DTYPE, Code.ARCHITECTURE_UNCHECKED),
+    "config.json fields SGLang reads": (
+        Code.CONFIG_MODEL_TYPE, Code.CONFIG_NUM_LAYERS, Code.CONFIG_TIE_EMBEDDINGS, Code.CONFIG_TORCH_DTYPE,
+        Code.CONFIG_FIELD,
+    ),
+    "d2t encoding (offsets)": (
+        Code.D2T_ABSOLUTE, Code.D2T_OUT_OF_RANGE, Code.D2T_T2D_DISAGREE, Code.D2T_ENCODING, Code.D2T_UNSORTED,
+    ),
+    "captured layers vs the data's": (
+        Code.CAPTURED_LAYERS_MISMATCH, Code.CAPTURED_LAYERS, Code.AUX_IDS_MISSING, Code.AUX_IDS_TOP_LEVEL,
+        Code.AUX_IDS_INVALID, Code.AUX_IDS_AMBIGUOUS, Code.AUX_COUNT,
+    ),
+    "EAGLE3, not EAGLE": (Code.EAGLE_NOT_EAGLE3, Code.CONFIG_ARCHITECTURE),
+    "max_position_embeddings vs prompt lengths": (Code.CONTEXT_LENGTH,),
+    VOCAB_LINE: (Code.VOCAB_SIZE, Code.DRAFT_VOCAB_SIZE, Code.HIDDEN_SIZE),  # last, judged beside the tokenizer
 }
 
 
@@ -67,7 +81,7 @@ def diagnose(
     """`data_dir` holds the captured dataset's manifest; `longest_request` = prompt + new tokens."""
     report = validate(checkpoint, engine_release=engine_release, target=target, data_manifest=data_dir,
                       context_length=longest_request)
-    checks = [_from_report(name, codes, report) for name, codes in CHECKS.items()]
+    checks = [_from_report(name, codes, report) for name, codes in CHECKS.items() if name != VOCAB_LINE]
     manifest = read_manifest(data_dir)
     tokenizer = load_tokenizer(str(target))
     checks.append(_template_check(manifest, tokenizer))
@@ -76,7 +90,7 @@ def diagnose(
     return Diagnosis(simulated, served, gap, checks)
 
 
-def _from_report(name: str, codes: tuple[str, ...], report) -> Check:
+def _from_report(name: str, codes: tuple[Code, ...], report) -> Check:
     hits = [p for p in report.problems if p.code in codes and p.severity in ("error", "warning")]
     unknown = [p for p in report.problems if p.code in codes and p.severity == "unknown"]
     if hits:
@@ -97,7 +111,7 @@ def _template_check(manifest: dict, tokenizer) -> Check:
 
 
 def _vocab_check(report, tokenizer) -> Check:
-    mismatch = [p for p in report.problems if p.code in ("vocab-size", "draft-vocab-size", "hidden-size")]
+    mismatch = [p for p in report.problems if p.code in CHECKS[VOCAB_LINE]]
     if mismatch:
-        return Check("draft vocab vs tokenizer", "failed", "; ".join(p.message for p in mismatch))
-    return Check("draft vocab vs tokenizer", "passed", f"t2d spans the target vocabulary; tokenizer has {len(tokenizer)} ids")
+        return Check(VOCAB_LINE, "failed", "; ".join(p.message for p in mismatch))
+    return Check(VOCAB_LINE, "passed", f"t2d spans the target vocabulary; tokenizer has {len(tokenizer)} ids")

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from eagle3.formats.problems import ProblemCode
 from eagle3.procs import STOP_GRACE_S
 from eagle3.shape import DEFAULT_NUM_STEPS, DraftShape, shape_problem
 
@@ -201,7 +202,7 @@ def option_name(arg: str) -> str:
 
 class ExportSection(Section):
     layouts: list[Literal["sglang", "speculators"]] = Field(default=["sglang"], min_length=1)
-    waive: list[str] = Field(
+    waive: list[ProblemCode] = Field(
         default=[], description="validation problem codes accepted on purpose (e.g. a false positive); each is "
         "logged and recorded in the export's validation.json")
     fault: Literal["absolute-d2t"] | None = Field(

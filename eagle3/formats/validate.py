@@ -1,57 +1,25 @@
 """Validate a draft checkpoint against what a serving engine will actually do with it.
 
-Each problem has a code, a severity and a fix. A check whose inputs are missing (no target, no data
-manifest, no release where the answer depends on it) is reported with severity "unknown": it was not
-passed, it was not checked.
+Each problem has a code (eagle3.formats.problems), a severity and a fix. A check whose inputs are missing
+(no target, no data manifest, no release where the answer depends on it) is reported with severity
+"unknown": it was not passed, it was not checked. The tensor names, config fields and dtypes are checked
+in eagle3.formats.loader_checks; the shapes, the vocab map, the aux ids and the context length here.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from eagle3.formats import engines
 from eagle3.formats.checkpoint import PROVENANCE_KEY, RawCheckpoint, draft_shapes, read_checkpoint
+from eagle3.formats.loader_checks import check_config_fields, check_dtypes, check_names, sample_names
 from eagle3.formats.manifest import read_data_capture
+from eagle3.formats.problems import CONVERT_HINT, ProblemCode, Report
 from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import analyze_d2t
-
-CONVERT_HINT = "re-export with `eagle3 convert SRC DST --to sglang --engine-version RELEASE`"
-
-
-@dataclass(frozen=True)
-class Problem:
-    code: str
-    severity: str  # "error", "warning" or "unknown"
-    message: str
-    fix: str
-
-
-@dataclass
-class Report:
-    path: str
-    engine: str
-    engine_release: str | None
-    problems: list[Problem] = field(default_factory=list)
-
-    def add(self, code: str, severity: str, message: str, fix: str) -> None:
-        self.problems.append(Problem(code, severity, message, fix))
-
-    def of(self, severity: str) -> list[Problem]:
-        return [p for p in self.problems if p.severity == severity]
-
-    def errors(self, waived: list[str] = ()) -> list[Problem]:
-        """The errors, less those whose codes are waived on purpose (`export.waive`)."""
-        return [p for p in self.of("error") if p.code not in waived]
-
-    @property
-    def ok(self) -> bool:
-        return not self.of("error")
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "ok": self.ok}
 
 
 @dataclass
@@ -83,7 +51,7 @@ def validate(
     report = Report(path=str(path), engine=engine, engine_release=engine_release)
     if raw.layout == "eagle" or _eagle_shaped(raw):
         report.add(
-            "eagle-not-eagle3",
+            ProblemCode.EAGLE_NOT_EAGLE3,
             "error",
             "this is an EAGLE (v1/v2) draft: fc takes cat(embed, hidden) and there is no hidden_norm; SGLang's "
             "EAGLE3 algorithm cannot serve it",
@@ -96,8 +64,8 @@ def validate(
         return report
     rule, rule_note = engines.loader_rule(engine_release)
     where = f"SGLang {engine_release}" if engine_release else "SGLang ≤ 0.5.11 (strictest; no release given)"
-    loaded = _check_names(raw, rule, rule_note, where, report)
-    _check_config_fields(raw, report)
+    loaded = check_names(raw, rule, rule_note, where, report)
+    check_config_fields(raw, report)
     num_aux = _check_shapes(raw, loaded, ctx, rule, where, report)
     _check_vocab(raw, loaded, ctx, report)
     _check_aux_ids(raw, ctx, engine_release, num_aux, report)
@@ -110,9 +78,10 @@ def _report_mla_draft(raw: RawCheckpoint, ctx: Context, release: str | None, con
     """SGLang's MLA draft: what does not depend on the draft's layer is checked; its tensors are not."""
     name = engines.MLA_DRAFT_ARCHITECTURE
     if release is not None and engines.parse_release(release) < engines.MLA_DRAFT_FROM:
-        report.add("config-architecture", "error", f"architectures is [{name}]; SGLang {release} does not have it "
-                   "(it ships from 0.5.12, models/kimi_k25_eagle3.py)", "serve with SGLang >= 0.5.12")
-    report.add("architecture-unchecked", "unknown",
+        report.add(ProblemCode.CONFIG_ARCHITECTURE, "error",
+                   f"architectures is [{name}]; SGLang {release} does not have it (it ships from 0.5.12, "
+                   "models/kimi_k25_eagle3.py)", "serve with SGLang >= 0.5.12")
+    report.add(ProblemCode.ARCHITECTURE_UNCHECKED, "unknown",
                f"{name} (one DeepSeek-V2 MLA decoder layer, SGLang >= 0.5.12) is served by SGLang, but this project "
                "checks the tensor names and shapes of LlamaForCausalLMEagle3 drafts only: they were not checked",
                "check its tensors by hand against models/kimi_k25_eagle3.py of the release you serve")
@@ -151,111 +120,6 @@ def _context(raw: RawCheckpoint, target: Path | None, data_manifest: Path | None
     return ctx
 
 
-def _check_names(
-    raw: RawCheckpoint, rule: engines.DraftLoaderRule, note: str, where: str, report: Report
-) -> dict[str, torch.Tensor]:
-    """Return the tensors the loader keeps (canonical names); report those it would drop."""
-    flags = engines.enabled_flags(raw.config)
-    for flag in sorted(flags - rule.flags):
-        never = flag == "norm_before_residual"
-        report.add(
-            "unsupported-flag",
-            "error",
-            f"config sets {flag}, which {where} does not implement: it would serve a different network than the "
-            f"one trained" + (" (no SGLang release read implements it)" if never else ""),
-            "retrain without it" if never else "serve with a release that implements it and pass that release",
-        )
-    loaded, skipped, sources = {}, [], {}
-    for name, tensor in raw.tensors.items():
-        canonical = engines.loaded_name(name, rule, flags)
-        if canonical is None:
-            skipped.append(name)
-        else:
-            loaded[canonical] = tensor
-            sources.setdefault(canonical, []).append(name)
-    clashes = {canonical: names for canonical, names in sources.items() if len(names) > 1}
-    if clashes:
-        report.add(
-            "duplicate-tensor",
-            "error",
-            "several tensors load into the same parameter (which one wins depends on file order): "
-            + "; ".join(f"{' and '.join(sorted(names))} -> {canonical}" for canonical, names in sorted(clashes.items())),
-            "keep one spelling of each tensor",
-        )
-    if skipped:
-        if "model.lm_head.weight" in skipped:
-            fix = "rename model.lm_head.weight to lm_head.weight (the head is outside the draft's `model` module)"
-        elif any(n.startswith("layers.0.") for n in skipped):
-            fix = f"rename layers.0.* to midlayer.* ({CONVERT_HINT})"
-        else:
-            fix = "remove them, or serve with a release whose loader uses them"
-        report.add(
-            "skipped-tensor",
-            "error",
-            f"{where} would skip {len(skipped)} tensor(s) without a word: {_sample(skipped)}"
-            + (f" ({note})" if note else ""),
-            fix,
-        )
-    return loaded
-
-
-def _check_config_fields(raw: RawCheckpoint, report: Report) -> None:
-    config = raw.config
-    for sentence in engines.misplaced_flags(config):
-        report.add(
-            "flag-misplaced",
-            "error",
-            f"{sentence}: the draft would be served with a different architecture than the config says, and the "
-            "tensors of the switch that is off would be dropped",
-            "write each switch once, at the top level of config.json (fc_norm, use_aux_norm, norm_output, "
-            "norm_before_fc), and remove it from eagle_config",
-        )
-    architectures = config.get("architectures") or []
-    if raw.layout == "speculators" or "LlamaForCausalLMEagle3" not in architectures:
-        report.add(
-            "config-architecture",
-            "error",
-            f"architectures is {architectures}; SGLang's EAGLE3 worker loads LlamaForCausalLMEagle3",
-            CONVERT_HINT,
-        )
-    if config.get("model_type") != "llama":
-        report.add(
-            "config-model-type",
-            "error",
-            f"model_type is {config.get('model_type')!r}; transformers' AutoConfig needs 'llama' to read this draft",
-            'set "model_type": "llama"',
-        )
-    if config.get("num_hidden_layers") != 1 and raw.layout != "speculators":
-        report.add(
-            "config-num-layers",
-            "error",
-            f"num_hidden_layers is {config.get('num_hidden_layers')!r}; an EAGLE-3 draft has exactly 1 (SGLang builds "
-            "the extra layers with random weights; transformers defaults a missing value to 32)",
-            'set "num_hidden_layers": 1',
-        )
-    if config.get("tie_word_embeddings"):
-        report.add(
-            "config-tie-embeddings",
-            "error",
-            "tie_word_embeddings is true: SGLang would make lm_head the (target's) embedding and ignore the trained head",
-            'set "tie_word_embeddings": false',
-        )
-    if "torch_dtype" not in config and "dtype" not in config:
-        report.add(
-            "config-torch-dtype", "warning", "torch_dtype is not set; the engine picks a dtype on its own", 'set "torch_dtype"'
-        )
-    if config.get("eagle_aux_hidden_state_layer_ids") is not None and not (config.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids"
-    ):
-        report.add(
-            "aux-ids-top-level",
-            "error",
-            "eagle_aux_hidden_state_layer_ids is given only at the top level; SGLang reads only "
-            "eagle_config.eagle_aux_hidden_state_layer_ids and silently captures its default layers",
-            "move the ids into eagle_config (re-encoded for the release: " + CONVERT_HINT + ")",
-        )
-
-
 def _check_shapes(
     raw: RawCheckpoint,
     loaded: dict[str, torch.Tensor],
@@ -269,7 +133,8 @@ def _check_shapes(
     needed = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
     missing_fields = [key for key in needed if key not in config]
     if missing_fields:
-        report.add("config-field", "error", f"config.json lacks {', '.join(missing_fields)}", "write the draft's full config")
+        report.add(ProblemCode.CONFIG_FIELD, "error", f"config.json lacks {', '.join(missing_fields)}",
+                   "write the draft's full config")
         return None
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
@@ -280,7 +145,7 @@ def _check_shapes(
     num_aux = rule.fixed_num_aux or (config.get("num_aux_hidden_states") or (len(ids) if ids else 3))
     if rule.fixed_num_aux and ids is not None and len(ids) != rule.fixed_num_aux:
         report.add(
-            "aux-count",
+            ProblemCode.AUX_COUNT,
             "error",
             f"{where} builds fc for exactly {rule.fixed_num_aux} aux states; eagle_config names {len(ids)}",
             "train with 3 aux layers or serve with SGLang ≥ 0.5.12",
@@ -304,9 +169,9 @@ def _check_shapes(
     missing = sorted(set(expected) - set(loaded) - {"t2d"})  # SGLang never reads t2d
     if missing:
         report.add(
-            "missing-tensor",
+            ProblemCode.MISSING_TENSOR,
             "error",
-            f"{where} would load no value for {len(missing)} required tensor(s): {_sample(missing)}; "
+            f"{where} would load no value for {len(missing)} required tensor(s): {sample_names(missing)}; "
             "they would keep their random initialisation",
             CONVERT_HINT,
         )
@@ -316,16 +181,17 @@ def _check_shapes(
         if name in loaded and tuple(loaded[name].shape) != shape
     ]
     if mismatched:
-        report.add("shape-mismatch", "error", "tensor shapes disagree with config.json: " + "; ".join(mismatched),
+        report.add(ProblemCode.SHAPE_MISMATCH, "error", "tensor shapes disagree with config.json: " + "; ".join(mismatched),
                    "fix config.json to describe the tensors (or re-export)")
-    _check_dtypes(loaded, config, report)
+    check_dtypes(loaded, config, report)
     if ctx.hidden_size is None:
-        report.add("hidden-size", "unknown", "hidden_size not compared with the target's", "pass --target DIR")
+        report.add(ProblemCode.HIDDEN_SIZE, "unknown", "hidden_size not compared with the target's",
+                   "pass --target DIR")
     else:
         for key, value in (("hidden_size", hidden), ("target_hidden_size", target_hidden)):
             if value != ctx.hidden_size:
                 report.add(
-                    "hidden-size",
+                    ProblemCode.HIDDEN_SIZE,
                     "error",
                     f"{key} is {value} but the target's hidden size is {ctx.hidden_size} (SGLang swaps in the "
                     "target's embedding and feeds the target's hidden states)",
@@ -333,7 +199,7 @@ def _check_shapes(
                 )
     if ctx.vocab_size is not None and config["vocab_size"] != ctx.vocab_size:
         report.add(
-            "vocab-size",
+            ProblemCode.VOCAB_SIZE,
             "error",
             f"vocab_size is {config['vocab_size']} but the target's vocabulary is {ctx.vocab_size}",
             "build the vocab map with the target's tokenizer",
@@ -354,26 +220,7 @@ def _report_draft_vocab_size(raw: RawCheckpoint, loaded: dict[str, torch.Tensor]
         consequence = (f"draft_vocab_size is null: SGLang serves a {vocab}-row head over the whole vocabulary and still "
                        "maps its rows through d2t (hot_token_id = d2t + arange)")
     size = raw.tensors["d2t"].numel() if "d2t" in raw.tensors else "<rows of lm_head>"
-    report.add("draft-vocab-size", "error", consequence, f'set "draft_vocab_size": {size}')
-
-
-def _check_dtypes(loaded: dict[str, torch.Tensor], config: dict, report: Report) -> None:
-    for name, want in (("d2t", torch.int64), ("t2d", torch.bool)):
-        if name in loaded and loaded[name].dtype != want:
-            report.add("dtype", "error", f"{name} is {loaded[name].dtype}, expected {want}", f"save {name} as {want}")
-    weights = {n: t for n, t in loaded.items() if n not in engines.VOCAB_TENSORS}
-    not_float = sorted(n for n, t in weights.items() if not t.is_floating_point())
-    if not_float:
-        report.add("dtype", "error", f"weights that are not floating point: {_sample(not_float)}", "re-export the weights")
-    declared = config.get("torch_dtype") or config.get("dtype")
-    others = sorted({str(t.dtype).removeprefix("torch.") for t in weights.values()} - {declared})
-    if declared and others and not not_float:
-        report.add(
-            "dtype",
-            "warning",
-            f"config declares torch_dtype {declared} but tensors are {', '.join(others)}",
-            "make torch_dtype match the stored tensors",
-        )
+    report.add(ProblemCode.DRAFT_VOCAB_SIZE, "error", consequence, f'set "draft_vocab_size": {size}')
 
 
 def _check_vocab(raw: RawCheckpoint, loaded: dict[str, torch.Tensor], ctx: Context, report: Report) -> None:
@@ -383,7 +230,7 @@ def _check_vocab(raw: RawCheckpoint, loaded: dict[str, torch.Tensor], ctx: Conte
     config = raw.config
     if config.get("draft_vocab_size") is not None and d2t.numel() != config["draft_vocab_size"]:
         report.add(
-            "draft-vocab-size",
+            ProblemCode.DRAFT_VOCAB_SIZE,
             "error",
             f"draft_vocab_size is {config['draft_vocab_size']} but d2t has {d2t.numel()} entries",
             "make draft_vocab_size equal the rows of lm_head and d2t",
@@ -392,7 +239,7 @@ def _check_vocab(raw: RawCheckpoint, loaded: dict[str, torch.Tensor], ctx: Conte
     evidence = "; ".join(analysis.evidence)
     if analysis.encoding == "absolute":
         report.add(
-            "d2t-absolute",
+            ProblemCode.D2T_ABSOLUTE,
             "error",
             f"d2t holds absolute target ids, but SGLang reads offsets (hot_token_id = d2t + arange): {evidence}",
             "store d2t[i] = target_id[i] - i (`eagle3 convert` re-encodes and checks it)",
@@ -400,23 +247,24 @@ def _check_vocab(raw: RawCheckpoint, loaded: dict[str, torch.Tensor], ctx: Conte
     elif analysis.encoding == "invalid":
         out_of_range = analysis.offsets_in_range is False
         report.add(
-            "d2t-out-of-range" if out_of_range else "d2t-t2d-disagree",
+            ProblemCode.D2T_OUT_OF_RANGE if out_of_range else ProblemCode.D2T_T2D_DISAGREE,
             "error",
             f"{analysis.verdict}: {evidence}",
             "rebuild the vocab map (`eagle3 vocab build`) and re-export",
         )
     elif analysis.encoding == "unknown":
-        report.add("d2t-encoding", "unknown", f"{analysis.verdict}: {evidence}", "store t2d beside d2t")
+        report.add(ProblemCode.D2T_ENCODING, "unknown", f"{analysis.verdict}: {evidence}", "store t2d beside d2t")
     elif not analysis.offsets_sorted:
         report.add(
-            "d2t-unsorted",
+            ProblemCode.D2T_UNSORTED,
             "warning",
             "d2t is consistent but its target ids are not ascending (still served correctly: row i predicts i + d2t[i])",
             "sort the draft vocabulary when building the map",
         )
     if t2d is not None and "vocab_size" in config and t2d.numel() != config["vocab_size"]:
         report.add(
-            "vocab-size", "error", f"t2d has {t2d.numel()} entries but vocab_size is {config.get('vocab_size')}",
+            ProblemCode.VOCAB_SIZE, "error",
+            f"t2d has {t2d.numel()} entries but vocab_size is {config.get('vocab_size')}",
             "t2d must span the target vocabulary",
         )
 
@@ -424,51 +272,55 @@ def _check_vocab(raw: RawCheckpoint, loaded: dict[str, torch.Tensor], ctx: Conte
 def _check_aux_ids(raw: RawCheckpoint, ctx: Context, release: str | None, num_aux: int | None, report: Report) -> None:
     ids = _nested_ids(raw.config)
     if ids is not None and len(set(ids)) != len(ids):
-        report.add("aux-ids-invalid", "error", f"aux ids {ids} repeat a layer", "capture distinct layers")
+        report.add(ProblemCode.AUX_IDS_INVALID, "error", f"aux ids {ids} repeat a layer", "capture distinct layers")
     if ctx.num_layers is None:
         report.add(
-            "captured-layers", "unknown", "which layers SGLang captures is unknown without the target's layer count",
+            ProblemCode.CAPTURED_LAYERS, "unknown",
+            "which layers SGLang captures is unknown without the target's layer count",
             "pass --target DIR or --data-manifest FILE",
         )
         return
     capture = engines.sglang_capture(ids, ctx.family, release, ctx.num_layers)
     if capture.status == "ambiguous":
         report.add(
-            "aux-ids-ambiguous", "error", f"aux ids {ids}: {capture.explanation}",
+            ProblemCode.AUX_IDS_AMBIGUOUS, "error", f"aux ids {ids}: {capture.explanation}",
             "pass --engine-version (the release you serve with)",
         )
         return
     if capture.status == "unknown":
-        report.add("captured-layers", "unknown", capture.explanation, "pass --target DIR (or its family) and the release")
+        report.add(ProblemCode.CAPTURED_LAYERS, "unknown", capture.explanation,
+                   "pass --target DIR (or its family) and the release")
         return
     if capture.lost_ids:
         report.add(
-            "aux-ids-invalid",
+            ProblemCode.AUX_IDS_INVALID,
             "error",
             f"aux ids {ids}: {capture.explanation}; the draft would receive fewer aux states than its fc expects",
             f"aux layers must be below {ctx.num_layers - 1} for a {ctx.num_layers}-layer target",
         )
     if -1 in capture.layers:
         report.add(
-            "aux-ids-invalid", "error",
+            ProblemCode.AUX_IDS_INVALID, "error",
             f"aux ids {ids}: SGLang would capture the input of layer 0, the embeddings (0.5.13's DeepSeek/Kimi and "
             "0.5.13-0.5.17's glm4_moe_lite files fail at the first forward instead)",
             CONVERT_HINT,
         )
     if num_aux is not None and len(capture.layers) != num_aux:
         report.add(
-            "aux-count", "error", f"SGLang captures {len(capture.layers)} aux states but fc expects {num_aux}",
+            ProblemCode.AUX_COUNT, "error",
+            f"SGLang captures {len(capture.layers)} aux states but fc expects {num_aux}",
             "make the aux ids match the fc input width",
         )
     if ctx.data_layers is None:
         report.add(
-            "captured-layers", "unknown", f"{capture.explanation}; the layers the data were captured at are unknown",
+            ProblemCode.CAPTURED_LAYERS, "unknown",
+            f"{capture.explanation}; the layers the data were captured at are unknown",
             "pass --data-manifest FILE",
         )
         return
     if list(capture.layers) != list(ctx.data_layers):
         report.add(
-            "aux-ids-missing" if ids is None else "captured-layers-mismatch",
+            ProblemCode.AUX_IDS_MISSING if ids is None else ProblemCode.CAPTURED_LAYERS_MISMATCH,
             "error",
             f"{capture.explanation}, but the training data were captured at layers {ctx.data_layers} "
             f"({ctx.data_layers_source})",
@@ -476,7 +328,7 @@ def _check_aux_ids(raw: RawCheckpoint, ctx: Context, release: str | None, num_au
         )
     elif ids is None:
         report.add(
-            "aux-ids-missing",
+            ProblemCode.AUX_IDS_MISSING,
             "warning",
             f"no eagle_config ids: SGLang's default happens to capture the data's layers {ctx.data_layers}",
             "write the ids explicitly so the draft does not depend on a default",
@@ -486,10 +338,11 @@ def _check_aux_ids(raw: RawCheckpoint, ctx: Context, release: str | None, num_au
 def _check_context(raw: RawCheckpoint, context_length: int | None, report: Report) -> None:
     max_positions = raw.config.get("max_position_embeddings")
     if context_length is None:
-        report.add("context-length", "unknown", "serving context length not compared", "pass --context-length N")
+        report.add(ProblemCode.CONTEXT_LENGTH, "unknown", "serving context length not compared",
+                   "pass --context-length N")
     elif max_positions is None or max_positions < context_length:
         report.add(
-            "context-length",
+            ProblemCode.CONTEXT_LENGTH,
             "error",
             f"max_position_embeddings is {max_positions} but the server's context is {context_length}",
             f"set max_position_embeddings >= {context_length} (and check the RoPE settings)",
@@ -499,7 +352,3 @@ def _check_context(raw: RawCheckpoint, context_length: int | None, report: Repor
 def _nested_ids(config: dict) -> list[int] | None:
     return (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
 
-
-def _sample(names: list[str], limit: int = 4) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
