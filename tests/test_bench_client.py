@@ -4,8 +4,6 @@ lost requests named (never a smaller average), retries counted once, and `eagle3
 
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -160,15 +158,14 @@ def test_prompt_file_formats(micro, tmp_path):
         load_prompt_file(path)
 
 
-def test_bench_command_prints_the_table_and_writes_json(micro, plain_url, draft_url, tmp_path):
+def test_bench_command_prints_the_table_and_writes_json(micro, plain_url, draft_url, tmp_path, capsys):
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "served.json"
     lines = [{"input_ids": micro["prompts"][1]}, {"text": "import os\n"}, {"messages": micro["turns"][2]}]
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    args = [sys.executable, "-m", "eagle3.cli", "bench", "--url", draft_url, "--baseline-url", plain_url, "--prompts",
-            str(prompts), "--tokenizer", str(micro["path"]), "--max-new-tokens", "12", "--concurrency", "2", "--out", str(out)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "accept length" in done.stdout and "speedup" in done.stdout and "identical" in done.stdout
+    assert main(["bench", "--url", draft_url, "--baseline-url", plain_url, "--prompts", str(prompts), "--tokenizer",
+                 str(micro["path"]), "--max-new-tokens", "12", "--concurrency", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "accept length" in printed and "speedup" in printed and "identical" in printed
     saved = json.loads(out.read_text())
     assert saved["num_prompts"] == 3 and saved["max_new_tokens"] == 12 and saved["mismatches"] == 0
     assert saved["accept_length"] > 1 and saved["prompts"][2]["prompt_tokens"] == len(micro["prompts"][2])

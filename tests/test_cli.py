@@ -1,6 +1,8 @@
-"""The command line, run as a user runs it: a subprocess, exit codes, one-line errors."""
+"""The command line as a user runs it: exit codes and one-line errors, through `main()` in this process; one real
+process shows a bad input never prints a traceback."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,11 +11,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import write_data_manifest
+from eagle3.cli import main
 from eagle3.formats.vocab_map import build_vocab_map, save_vocab_map
+from flows import run as flow_run
+from test_config import TINY
 
 
-def eagle3(*args):
-    return subprocess.run([sys.executable, "-m", "eagle3.cli", *map(str, args)], capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def eagle3(capsys):
+    """`eagle3 ARGS…` in this process: its exit code and what it printed, as a finished subprocess reports them."""
+    def run(*args):
+        argv = list(map(str, args))
+        code = main(argv)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["eagle3", *argv], code, out, err)
+    return run
 
 
 @pytest.fixture
@@ -26,7 +38,7 @@ def vocab_dir(tmp_path):
     return tmp_path / "vocab"
 
 
-def test_inspect_answers_every_d2t_question(vocab_dir):
+def test_inspect_answers_every_d2t_question(vocab_dir, eagle3):
     result = eagle3("inspect", vocab_dir)
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -38,7 +50,7 @@ def test_inspect_answers_every_d2t_question(vocab_dir):
     assert "coverage: 99.00% of 4,210 counted target tokens" in out and "padding ids" in out
 
 
-def test_inspect_json_and_absolute_ids(vocab_dir, tmp_path):
+def test_inspect_json_and_absolute_ids(vocab_dir, tmp_path, eagle3):
     data = json.loads(eagle3("inspect", vocab_dir, "--json").stdout)
     assert data["vocab"]["analysis"]["encoding"] == "offsets" and data["vocab"]["stats"]["draft_vocab_size"] == 64
     tensors = load_file(vocab_dir / "vocab_map.safetensors")
@@ -47,14 +59,14 @@ def test_inspect_json_and_absolute_ids(vocab_dir, tmp_path):
     assert "encoding: ABSOLUTE" in out and "d2t itself equals the set of true entries of t2d" in out
 
 
-def test_inspect_a_checkpoint(sglang_draft):
+def test_inspect_a_checkpoint(sglang_draft, eagle3):
     result = eagle3("inspect", sglang_draft)
     assert result.returncode == 0, result.stderr
     assert "layout: sglang" in result.stdout and "midlayer.self_attn.q_proj.weight" in result.stdout
     assert "encoding: OFFSETS" in result.stdout
 
 
-def test_convert_then_validate(native_draft, target_dir, tmp_path):
+def test_convert_then_validate(native_draft, target_dir, tmp_path, eagle3):
     result = eagle3("convert", native_draft, tmp_path / "out", "--to", "sglang", "--engine-version", "0.5.13",
                     "--target", target_dir)
     assert result.returncode == 0, result.stderr
@@ -64,7 +76,7 @@ def test_convert_then_validate(native_draft, target_dir, tmp_path):
     assert ok.returncode == 0 and "valid: 0 error(s)" in ok.stdout
 
 
-def test_validate_exit_codes_and_unknowns(sglang_draft, tmp_path):
+def test_validate_exit_codes_and_unknowns(sglang_draft, tmp_path, eagle3):
     unknowns = eagle3("validate", sglang_draft)
     assert unknowns.returncode == 0 and "UNKNOWN context-length" in unknowns.stdout
     tensors = load_file(sglang_draft / "model.safetensors")
@@ -77,7 +89,7 @@ def test_validate_exit_codes_and_unknowns(sglang_draft, tmp_path):
 
 
 @pytest.mark.parametrize("command", ["validate", "inspect"])
-def test_bad_input_is_one_line_naming_the_path(command, tmp_path):
+def test_bad_input_is_one_line_naming_the_path(command, tmp_path, eagle3):
     (tmp_path / "noweights").mkdir()
     (tmp_path / "noweights" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
     (tmp_path / "corrupt").mkdir()
@@ -101,7 +113,7 @@ def test_bad_input_is_one_line_naming_the_path(command, tmp_path):
         ({"eagle3": "yes"}, "'eagle3' record"),
     ],
 )
-def test_malformed_configs_are_one_line_errors(sglang_draft, change, phrase):
+def test_malformed_configs_are_one_line_errors(sglang_draft, change, phrase, eagle3):
     path = sglang_draft / "config.json"
     config = json.loads(path.read_text())
     path.write_text(json.dumps(change if isinstance(change, list) else {**config, **change}))
@@ -112,15 +124,26 @@ def test_malformed_configs_are_one_line_errors(sglang_draft, change, phrase):
         assert phrase in result.stderr and "Traceback" not in result.stderr
 
 
-def test_convert_refusal_exits_1_with_the_cause(native_draft, tmp_path):
+def test_convert_refusal_exits_1_with_the_cause(native_draft, tmp_path, eagle3):
     result = eagle3("convert", native_draft, tmp_path / "out", "--to", "sglang", "--engine-version", "0.5.11",
                     "--target-family", "qwen3_5")
     assert result.returncode == 1 and "qwen3_5" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
 
 
-def test_run_refuses_a_bad_config_in_one_line_before_starting_prefect(tmp_path):
-    result = eagle3("run", tmp_path / "missing.yaml")
+def test_run_hands_its_arguments_to_the_flow_process(monkeypatch, capsys):
+    handed = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: handed.append((path, argv)))
+    main(["run", str(TINY), "--set", "training.max_stepz=3", "--mode", "benchmark"])
+    assert handed == [(sys.executable, [sys.executable, "-m", "flows.run", str(TINY), "--set", "training.max_stepz=3",
+                                        "--mode", "benchmark"])]
+    # what that process does with them: the config refused in one line before Prefect starts a run
+    assert flow_run.main([str(TINY), "--set", "training.max_stepz=3"]) == 1
+    assert "training.max_stepz (from --set): unknown field" in capsys.readouterr().err
+
+
+def test_a_bad_input_in_a_real_process_is_one_line_never_a_traceback(tmp_path):
+    """The console path end to end: `python -m eagle3.cli`, the exec into the flow's process, its exit status."""
+    result = subprocess.run([sys.executable, "-m", "eagle3.cli", "run", str(tmp_path / "missing.yaml")],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stderr.strip() == f"eagle3 run: {tmp_path / 'missing.yaml'}: no such config file"
-    result = eagle3("run", "configs/tiny-cpu.yaml", "--set", "training.max_stepz=3")
-    assert result.returncode == 1 and "training.max_stepz (from --set): unknown field" in result.stderr

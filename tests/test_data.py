@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eagle3.cli import main
 from eagle3.config import load_config
 from eagle3.data.capture import capture, check_dataset
 from eagle3.data.regenerate import read_regenerated, read_samples, regenerate, training_ids
@@ -161,18 +162,13 @@ def test_storage_projection_refuses_a_disk_that_is_too_small(tmp_path):
     assert "57,349 bytes per token (3 aux + 1 last state x 7168 x bf16)" in lines[0]
 
 
-def test_cli_commands_run_the_stages(micro_run, tmp_path):
-    import subprocess
-    import sys
-
+def test_cli_commands_run_the_stages(micro_run, tmp_path, capsys):
     config, _ = micro_run
     args = ["--config", str(TINY)] + [f"--set={o}" for o in micro_overrides(config.run.dir, config.target.path)]
-    result = subprocess.run([sys.executable, "-m", "eagle3.cli", "vocab", "build", *args], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert "vocab: 128 draft ids cover" in result.stdout
-    bad = subprocess.run([sys.executable, "-m", "eagle3.cli", "data", "capture", *args, "--set=data.thinking=true"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "thinking" in bad.stderr and "Traceback" not in bad.stderr
+    assert main(["vocab", "build", *args]) == 0
+    assert "vocab: 128 draft ids cover" in capsys.readouterr().out
+    assert main(["data", "capture", *args, "--set=data.thinking=true"]) == 2
+    assert "thinking" in capsys.readouterr().err
 
 
 def test_capture_recomputes_what_no_longer_matches(micro_run, tmp_path):

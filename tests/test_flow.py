@@ -2,16 +2,23 @@
 its artifacts read back; a broken export (absolute d2t) ends RolledBack with production unchanged and re-measured;
 validation problems fail the run before any server; a re-run skips finished stages through the cache; two runs
 for one registry never overlap; a promotion removes old retrain runs. And the production endpoint, managed and
-external."""
+external.
 
+Every test holds in any order: a run whose outcome depends on what ran before it (the cache, the production
+pointer) is made by a module fixture that runs its flows one after the other and keeps what the tests read, taken
+right after each run; a test that runs a flow itself compares with the registry as it found it."""
+
+import shutil
 import socket
 import threading
+from typing import NamedTuple
 
 import httpx
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+from prefect.states import State
 from prefect.testing.utilities import prefect_test_harness
 
 from eagle3.config import load_config
@@ -19,6 +26,7 @@ from eagle3.procs import group_alive
 from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
 from eagle3.runs import retrain_runs
+from eagle3.stages import TOKEN_FILE
 from flows.eagle3 import eagle3, ensure_registry_limit
 from test_config import TINY
 from test_data import micro_overrides
@@ -53,15 +61,54 @@ def prefect_api(tmp_path_factory):
             yield
 
 
+class Outcome(NamedTuple):
+    """A flow run's final state, and the registry as it stood before and right after it (later runs move it on)."""
+
+    state: State
+    before: str | None  # the production version
+    after: str | None
+    events: list[str]  # the registry's history, oldest first
+
+
+def run_flow(overrides: list[str], *extra: str) -> Outcome:
+    registry = open_registry(load_config(CONFIG, overrides).registry)
+    before = registry.production_version()
+    state = eagle3(CONFIG, [*overrides, *extra], return_state=True)
+    return Outcome(state, before, registry.production_version(), [e["event"] for e in registry.history()])
+
+
+class MicroFlow(NamedTuple):
+    overrides: list[str]
+    first: Outcome  # the first run: every stage made, the draft promoted
+    rerun: Outcome  # at once the same inputs but a speedup bar out of reach: every stage from the cache, rolled back
+
+
 @pytest.fixture(scope="module")
 def micro_flow(prefect_api, tmp_path_factory, micro_target):
+    """The first run, and a re-run before any test can touch the run directory. The re-run changes only a gate
+    field, which no stage's cache key holds: it shows the skipped stages and the throughput rule in one run."""
     run_dir = tmp_path_factory.mktemp("micro-flow")
     overrides = micro_run_overrides(run_dir, micro_target)
     for day in range(4):  # earlier retrains of this registry: the promotion keeps the newest run.keep_runs (3)
         make_run(run_dir, day, (run_dir / "registry").resolve())
     ensure_registry_limit(CONFIG, overrides)
-    state = eagle3(CONFIG, overrides, return_state=True)
-    return overrides, state
+    first = run_flow(overrides)
+    return MicroFlow(overrides, first, run_flow(overrides, "gate.min_speedup=50"))
+
+
+class OverwrittenExport(NamedTuple):
+    broken: Outcome  # absolute d2t, its checks waived: served, rejected by the gate
+    refused: Outcome  # absolute d2t, checked: failed before any server
+    again: Outcome  # the first run's inputs once more: the export made again, not taken from the cache
+
+
+@pytest.fixture(scope="module")
+def overwritten_export(micro_flow):
+    """Two runs with other export inputs, each overwriting export/sglang, then the first run's inputs again."""
+    overrides = micro_flow.overrides
+    broken = run_flow(overrides, *BROKEN)
+    refused = run_flow(overrides, "export.fault=absolute-d2t")
+    return OverwrittenExport(broken, refused, run_flow(overrides))
 
 
 def task_states(flow_run_id) -> dict[str, str]:
@@ -77,12 +124,11 @@ def artifacts(flow_run_id) -> dict[str, str]:
 
 
 def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
-    overrides, state = micro_flow
+    state = micro_flow.first.state
     assert state.is_completed() and state.name == "Completed", state.message
     version = state.result()
-    config = load_config(CONFIG, overrides)
-    pointer, _ = open_registry(config.registry).production()
-    assert pointer["version"] == version
+    config = load_config(CONFIG, micro_flow.overrides)
+    assert micro_flow.first.after == version
     found = artifacts(state.state_details.flow_run_id)
     assert {"data", "vocab", "training", "export-validation", "acceptance", "decision"} <= set(found)
     assert found["decision"].startswith("# Decision: promoted") and version in found["decision"]
@@ -112,32 +158,25 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
 
 
 def test_a_draft_below_the_speedup_bar_rolls_back_by_the_throughput_rule(micro_flow):
-    overrides, first = micro_flow
-    state = eagle3(CONFIG, overrides + ["gate.min_speedup=50"], return_state=True)
+    state = micro_flow.rerun.state
     assert state.is_completed() and state.name == "RolledBack", state.message
     assert "throughput: speedup" in state.message and "is below gate.min_speedup 50.00" in state.message
-    config = load_config(CONFIG, overrides)
-    assert open_registry(config.registry).production()[0]["version"] == first.result()  # unchanged
+    assert micro_flow.rerun.after == micro_flow.first.state.result()  # unchanged
 
 
 def test_a_rerun_with_unchanged_inputs_skips_finished_stages(micro_flow):
-    overrides, _ = micro_flow
-    state = eagle3(CONFIG, overrides, return_state=True)
-    stages = task_states(state.state_details.flow_run_id)
+    stages = task_states(micro_flow.rerun.state.state_details.flow_run_id)
     for stage in ("regenerate", "capture", "vocab", "train", "export", "simulate"):
         assert stages[stage] == "Cached", stages
 
 
-def test_a_broken_export_rolls_back_and_production_keeps_serving(micro_flow):
-    overrides, first = micro_flow
-    state = eagle3(CONFIG, overrides + BROKEN, return_state=True)
+def test_a_broken_export_rolls_back_and_production_keeps_serving(overwritten_export):
+    broken = overwritten_export.broken
+    state = broken.state
     assert state.is_completed() and state.name == "RolledBack", state.message
     assert "near-baseline" in state.message and "likely cause (train-serve checklist): d2t encoding" in state.message
-    config = load_config(CONFIG, overrides)
-    registry = open_registry(config.registry)
-    pointer, _ = registry.production()
-    assert pointer["version"] == first.result()  # unchanged
-    assert [e["event"] for e in registry.history()][-1] == "rejected"
+    assert broken.after == broken.before  # unchanged
+    assert broken.events[-1] == "rejected"
     decision = artifacts(state.state_details.flow_run_id)["decision"]
     assert "rolled back" in decision and "d2t encoding (offsets)" in decision  # the cause, named
     assert "PRODUCTION SHORTFALL" not in decision and "Production re-measured" in decision
@@ -145,17 +184,15 @@ def test_a_broken_export_rolls_back_and_production_keeps_serving(micro_flow):
     assert stages["train"] == "Cached" and stages["export"] == "Completed"  # only what the change touches re-ran
 
 
-def test_an_output_overwritten_by_other_inputs_is_made_again_not_taken_from_the_cache(micro_flow):
-    overrides, _ = micro_flow
-    eagle3(CONFIG, overrides + BROKEN, return_state=True)  # overwrites export/sglang with a broken d2t
-    state = eagle3(CONFIG, overrides, return_state=True)
+def test_an_output_overwritten_by_other_inputs_is_made_again_not_taken_from_the_cache(overwritten_export):
+    state = overwritten_export.again.state  # after two runs that wrote export/sglang with a broken d2t
     stages = task_states(state.state_details.flow_run_id)
     assert stages["train"] == "Cached" and stages["export"] == "Completed" and stages["simulate"] == "Completed"
     assert state.name == "Completed", state.message  # the same draft again: a new version, as good as production
 
 
 def test_two_runs_for_one_registry_do_not_overlap(micro_flow):
-    overrides, _ = micro_flow
+    overrides = micro_flow.overrides
     states = []
     runs = [threading.Thread(target=lambda: states.append(eagle3(CONFIG, overrides, "benchmark", return_state=True)))
             for _ in range(2)]
@@ -174,24 +211,22 @@ def test_two_runs_for_one_registry_do_not_overlap(micro_flow):
     assert spans[0][0] < spans[1][1]
 
 
-def test_validation_problems_fail_the_run_before_any_server_starts(micro_flow):
-    overrides, _ = micro_flow
-    registry = open_registry(load_config(CONFIG, overrides).registry)
-    before = registry.production_version()
-    state = eagle3(CONFIG, overrides + ["export.fault=absolute-d2t"], return_state=True)
+def test_validation_problems_fail_the_run_before_any_server_starts(overwritten_export):
+    refused = overwritten_export.refused
+    state = refused.state
     assert state.is_failed() and "d2t-absolute" in state.message and "no server was started" in state.message
     stages = task_states(state.state_details.flow_run_id)
     assert stages["export"] == "Failed" and "measure-candidate" not in stages
     assert stages["serve-production"] == "Completed"  # the failed run left production serving
     assert "NOT valid" in artifacts(state.state_details.flow_run_id)["export-validation"]
-    assert registry.production_version() == before
+    assert refused.after == refused.before
     # the failed run overwrote export/sglang: the next run makes it again instead of taking the cached result
-    again = eagle3(CONFIG, overrides, return_state=True)
+    again = overwritten_export.again.state
     assert task_states(again.state_details.flow_run_id)["export"] == "Completed" and again.is_completed()
 
 
 def test_a_managed_production_server_outlives_the_run_until_released(micro_flow, tmp_path):
-    overrides, first = micro_flow
+    overrides, first = micro_flow.overrides, micro_flow.first.state
     config = load_config(CONFIG, overrides + ["production.keep_serving=true", f"production.state_dir={tmp_path}"])
     lines = []
     production = Production(config, open_registry(config.registry), lines.append)
@@ -209,7 +244,7 @@ def test_a_managed_production_server_outlives_the_run_until_released(micro_flow,
 
 
 def test_an_external_production_is_reported_not_restarted(micro_flow, tmp_path):
-    overrides, first = micro_flow
+    overrides, first = micro_flow.overrides, micro_flow.first.state
     config = load_config(CONFIG, overrides + ["production.mode=external", f"production.state_dir={tmp_path}"])
     lines = []
     production = Production(config, open_registry(config.registry), lines.append)
@@ -219,15 +254,14 @@ def test_an_external_production_is_reported_not_restarted(micro_flow, tmp_path):
 
 
 def test_a_failure_after_the_promotion_rolls_the_pointer_back(micro_flow):
-    overrides, _ = micro_flow
-    config = load_config(CONFIG, overrides)
+    config = load_config(CONFIG, micro_flow.overrides)
     registry = open_registry(config.registry)
     before = registry.production_version()
     with socket.socket() as taken:  # the production server cannot bind its port: verify-production fails
         taken.bind((config.production.host, config.production.port))
         taken.listen()
         # another layout list: a new export (a new candidate version) of the same draft, so the gate passes
-        state = eagle3(CONFIG, overrides + ["export.layouts=[sglang, speculators]"], return_state=True)
+        state = eagle3(CONFIG, micro_flow.overrides + ["export.layouts=[sglang, speculators]"], return_state=True)
     assert state.is_failed(), state.message
     stages = task_states(state.state_details.flow_run_id)
     # Prefect marks the transaction's committed-then-undone tasks RolledBack
@@ -237,8 +271,13 @@ def test_a_failure_after_the_promotion_rolls_the_pointer_back(micro_flow):
     assert registry.production_version() == before
 
 
-def test_data_that_fails_its_quality_check_fails_the_run_at_regenerate(micro_flow):
-    overrides, _ = micro_flow
+def test_data_that_fails_its_quality_check_fails_the_run_at_regenerate(micro_flow, tmp_path):
+    # in a copy of the run's data: the failed regeneration marks data/regen unfinished, which would make every
+    # later run in the shared directory regenerate and so train again
+    run_dir = load_config(CONFIG, micro_flow.overrides).run.dir
+    shutil.copytree(run_dir / "data", tmp_path / "data")
+    shutil.copy(run_dir / TOKEN_FILE, tmp_path / TOKEN_FILE)  # the same cache keys as the shared directory
+    overrides = micro_flow.overrides + [f"run.dir={tmp_path}"]
     registry = open_registry(load_config(CONFIG, overrides).registry)
     before = registry.production_version()
     # a bar the micro target's replies cannot meet: the samples written are kept (the check is a refinement), and

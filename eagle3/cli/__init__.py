@@ -1,0 +1,52 @@
+"""`eagle3 …`: the command line. Errors are one line naming the input and the fix, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from eagle3.cli.checkpoints import add_checkpoint_commands
+from eagle3.cli.common import EXIT_PROBLEMS, EXIT_UNREADABLE
+from eagle3.cli.configs import add_config_commands
+from eagle3.cli.registry import add_registry_commands
+from eagle3.cli.serving import add_serving_commands
+from eagle3.cli.steps import add_step_commands
+from eagle3.errors import ConversionError, Eagle3Error
+
+__all__ = ["build_parser", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except ConversionError as err:
+        print(f"eagle3: cannot convert: {err}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    except (Eagle3Error, OSError, ValueError) as err:  # OSError: a path the user gave that cannot be read
+        print(f"eagle3: {err}", file=sys.stderr)
+        return EXIT_UNREADABLE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The commands in the order `eagle3 --help` lists them."""
+    parser = argparse.ArgumentParser(prog="eagle3", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_checkpoint_commands(commands)
+    add_step_commands(commands)
+    add_serving_commands(commands)
+    run = commands.add_parser("run", help="run the whole pipeline as the Prefect flow `eagle3` (see flows/run.py)",
+                              add_help=False)
+    run.add_argument("arguments", nargs=argparse.REMAINDER, help="CONFIG [--set ...] [--mode full|retrain|benchmark]")
+    run.set_defaults(handler=run_flow)
+    add_registry_commands(commands)
+    add_config_commands(commands)
+    return parser
+
+
+def run_flow(args: argparse.Namespace) -> int:
+    """The flow lives outside the library (which never imports Prefect): this process becomes the flow's, so a
+    signal to it reaches the flow directly."""
+    os.execv(sys.executable, [sys.executable, "-m", "flows.run", *args.arguments])

@@ -1,0 +1,98 @@
+"""`eagle3 inspect | convert | validate`: a draft checkpoint or vocab map, read, converted and checked on its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS
+
+
+def add_checkpoint_commands(commands) -> None:
+    inspect = commands.add_parser("inspect", help="diagnose a vocab map or a draft checkpoint")
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(handler=run_inspect)
+
+    convert = commands.add_parser("convert", help="convert a draft checkpoint between layouts")
+    convert.add_argument("src", type=Path)
+    convert.add_argument("dst", type=Path)
+    convert.add_argument("--to", required=True, choices=("sglang", "speculators", "native"))
+    convert.add_argument("--engine-version", help="SGLang release the export is for (decides the aux ids)")
+    convert.add_argument("--target", type=Path, help="target model directory (its config.json)")
+    convert.add_argument("--target-family", help="SGLang model file of the target, e.g. llama, deepseek_v2")
+    convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    convert.set_defaults(handler=run_convert)
+
+    validate = commands.add_parser("validate", help="check a draft against what the serving engine will do")
+    validate.add_argument("path", type=Path)
+    validate.add_argument("--engine", default="sglang", choices=("sglang",))
+    validate.add_argument("--engine-version", help="SGLang release (default: the strictest rules)")
+    validate.add_argument("--target", type=Path, help="target model directory (its config.json)")
+    validate.add_argument("--target-family", help="SGLang model file of the target, if --target is not given")
+    validate.add_argument("--data-manifest", type=Path, help="manifest of the training data (captured layers)")
+    validate.add_argument("--context-length", type=int, help="the serving context length")
+    validate.add_argument("--json", action="store_true", help="machine-readable output")
+    validate.set_defaults(handler=run_validate)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from eagle3.formats.inspect import inspect_path, render
+
+    result = inspect_path(args.path)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return EXIT_OK
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from eagle3.formats.checkpoint import convert
+    from eagle3.formats.target import read_target_info
+
+    family, num_layers = args.target_family, None
+    if args.target is not None:
+        info = read_target_info(args.target)
+        family, num_layers = family or info.family, info.num_hidden_layers
+    out = convert(
+        args.src,
+        args.dst,
+        to=args.to,
+        target_family=family,
+        engine_release=args.engine_version,
+        target_num_layers=num_layers,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {args.to} layout to {out}")
+    return EXIT_OK
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from eagle3.formats.validate import validate
+
+    report = validate(
+        args.path,
+        engine=args.engine,
+        engine_release=args.engine_version,
+        target=args.target,
+        data_manifest=args.data_manifest,
+        context_length=args.context_length,
+        target_family=args.target_family,
+    )
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(render_report(report))
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+
+def render_report(report) -> str:
+    release = report.engine_release or "unknown release (strictest rules)"
+    lines = [f"{report.path}: {report.engine} {release}"]
+    for severity in ("error", "warning", "unknown"):
+        for problem in report.of(severity):
+            lines.append(f"  {severity.upper():7s} {problem.code}: {problem.message}")
+            lines.append(f"          fix: {problem.fix}")
+    errors, warnings, unknowns = (len(report.of(s)) for s in ("error", "warning", "unknown"))
+    verdict = "valid" if report.ok else "NOT valid"
+    lines.append(f"{verdict}: {errors} error(s), {warnings} warning(s), {unknowns} check(s) not run for lack of input")
+    return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""`eagle3 config | plan`: a pipeline config checked and resolved, and whether each GPU stage fits its GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS
+
+
+def add_config_commands(commands) -> None:
+    config = commands.add_parser("config", help="validate a pipeline config (and that it fits the GPUs); print it resolved")
+    config.add_argument("path", type=Path)
+    config.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    config.set_defaults(handler=run_config)
+
+    plan = commands.add_parser("plan", help="per-GPU memory of every GPU stage against node.gpu_memory_gib (exit 1: "
+                               "a stage does not fit)")
+    plan.add_argument("path", type=Path)
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(handler=run_plan)
+
+
+def run_config(args: argparse.Namespace) -> int:
+    from eagle3.config import check_local_inputs, load_config
+    from eagle3.plan import require_fit
+
+    config = load_config(args.path, args.overrides)
+    check_local_inputs(config)
+    require_fit(config, args.path)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return EXIT_OK
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from eagle3.config import load_config
+    from eagle3.plan import plan_memory
+
+    plan = plan_memory(load_config(args.path, args.overrides))
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print("\n".join(plan.table()))
+    for refusal in plan.refusals():
+        print(f"eagle3 plan: {args.path}: {refusal}", file=sys.stderr)
+    return EXIT_OK if plan.all_fit else EXIT_PROBLEMS

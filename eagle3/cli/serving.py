@@ -1,0 +1,84 @@
+"""`eagle3 bench | serve`: measure a live server, and run the reference server."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, load_run_config
+from eagle3.errors import ConfigError
+
+
+def add_serving_commands(commands) -> None:
+    bench = commands.add_parser("bench", help="serving benchmark: accept length, throughput, latency from a live server")
+    bench.add_argument("--url", required=True, help="the server under test (SGLang /generate protocol)")
+    bench.add_argument("--prompts", type=Path, help="JSONL of input_ids / text / messages (default with --config: held-out)")
+    bench.add_argument("--tokenizer", help="model directory whose chat template renders `messages` (default: target.path)")
+    bench.add_argument("--baseline-url", help="the same target without a draft: speedup and output identity")
+    bench.add_argument("--max-new-tokens", type=int, help="default: benchmark.max_new_tokens, or 128 without --config")
+    bench.add_argument("--concurrency", type=int, help="requests in flight (default: benchmark.concurrency's first)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    bench.add_argument("--out", type=Path, help="result JSON (default with --config: run.dir/bench/served.json)")
+    bench.add_argument("--config", type=Path, help="pipeline config: defaults and the held-out prompts")
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    bench.set_defaults(handler=run_bench)
+
+    serve = commands.add_parser("serve", help="the reference server: SGLang's HTTP API with speculative decoding "
+                                "(chains and trees, greedy and sampled)")
+    serve.add_argument("--target", type=Path, required=True, help="target model directory (transformers)")
+    serve.add_argument("--draft", type=Path, help="served draft checkpoint (sglang layout); none = plain decoding")
+    serve.add_argument("--num-steps", type=int, default=3, help="drafting steps (the tree's depth) per verify step")
+    serve.add_argument("--eagle-topk", type=int, default=1, help="branches per drafting step (1: a chain)")
+    serve.add_argument("--num-draft-tokens", type=int, help="tree nodes verified per step, the root included "
+                       "(default: num_steps + 1, the chain)")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the coins sampled requests draw")
+    serve.add_argument("--engine-release", help="SGLang release whose loader and aux-id rules to apply")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, required=True)
+    serve.set_defaults(handler=run_serve)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from eagle3.bench.client import DEFAULT_MAX_NEW_TOKENS, load_prompt_file, render_table, run_benchmark
+    from eagle3.config.sections import BenchmarkSection
+    from eagle3.engines.targets import load_tokenizer
+    from eagle3.fsutil import atomic_write_json
+
+    if args.config is None and (args.prompts is None or args.overrides):
+        raise ValueError("bench: give --prompts FILE, or --config (held-out prompts and defaults); --set needs --config")
+    config = load_run_config(args) if args.config is not None else None
+    settings = config.benchmark if config else BenchmarkSection(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, num_prompts=1)
+    tokenizer_path = args.tokenizer or (config.target.path if config else None)
+    tokenizer = load_tokenizer(str(tokenizer_path)) if tokenizer_path else None
+    thinking = config.data.thinking if config else False
+    if args.prompts is not None:
+        prompts = load_prompt_file(args.prompts, tokenizer, thinking)
+    else:
+        from eagle3.data.regenerate import heldout_prompt_ids
+
+        prompts = heldout_prompt_ids(config, tokenizer)
+    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is refused, not replaced)
+    result = run_benchmark(args.url, prompts, pick(args.max_new_tokens, settings.max_new_tokens),
+                           pick(args.concurrency, settings.production_concurrency), settings.request_timeout_s,
+                           settings.retries, baseline_url=args.baseline_url, temperature=args.temperature)
+    print("\n".join(render_table(result)))
+    out = args.out or (config.stage_dir("bench") / "served.json" if config else None)
+    if out is not None:
+        atomic_write_json(out, result)
+        print(f"bench: wrote {out}")
+    return EXIT_PROBLEMS if result["mismatches"] else EXIT_OK
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from eagle3.serve.reference import create_app
+    from eagle3.shape import DraftShape
+
+    try:
+        shape = DraftShape(args.num_steps, args.eagle_topk, args.num_draft_tokens)
+    except ValueError as err:
+        raise ConfigError(f"--num-steps/--eagle-topk/--num-draft-tokens: {err}") from None
+    app = create_app(args.target, args.draft, shape, engine_release=args.engine_release, seed=args.seed)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return EXIT_OK

@@ -1,0 +1,132 @@
+"""The pipeline's offline steps one at a time, outside Prefect: `eagle3 data …`, `make-tiny-target`, `vocab build`,
+`simulate` and `diagnose`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, load_run_config
+
+
+def add_step_commands(commands) -> None:
+    data = commands.add_parser("data", help="synthetic data: regenerate answers, capture hidden states")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    for name, handler, text in (
+        ("regenerate", run_regenerate, "the target writes the assistant turns of the training prompts"),
+        ("capture", run_capture, "capture the target's hidden states for the regenerated samples"),
+    ):
+        add_config_arguments(data_commands.add_parser(name, help=text)).set_defaults(handler=handler)
+    quality = add_config_arguments(data_commands.add_parser(
+        "quality", help="the data-quality report (data.quality bars) of the regenerated replies, or of the assistant "
+        "turns of a conversations file (exit 1: a bar is crossed)"))
+    quality.add_argument("--file", type=Path, help="JSONL conversations (ShareGPT or OpenAI messages) to check instead")
+    quality.set_defaults(handler=run_quality)
+
+    tiny = commands.add_parser("make-tiny-target", help="build (or reuse) the tiny CPU target model")
+    tiny.add_argument("out", type=Path)
+    tiny.add_argument("--micro", action="store_true", help="the smaller, faster variant the tests use")
+    tiny.set_defaults(handler=run_make_tiny_target)
+
+    vocab = commands.add_parser("vocab", help="the draft vocabulary map")
+    vocab_commands = vocab.add_subparsers(dest="vocab_command", required=True)
+    build = vocab_commands.add_parser("build", help="build d2t/t2d from the regenerated training split")
+    add_config_arguments(build).set_defaults(handler=run_vocab_build)
+
+    simulate = add_config_arguments(
+        commands.add_parser("simulate", help="offline acceptance: replay chain drafting on the held-out prompts")
+    )
+    simulate.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
+    simulate.set_defaults(handler=run_simulate)
+
+    diagnose = add_config_arguments(
+        commands.add_parser("diagnose", help="why served acceptance falls short of the simulated one: a checklist")
+    )
+    diagnose.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
+    diagnose.add_argument("--engine-version", help="the live release (default: serving.release)")
+    diagnose.set_defaults(handler=run_diagnose)
+
+
+def run_make_tiny_target(args: argparse.Namespace) -> int:
+    from eagle3.engines.tiny import MICRO, TINY, build_tiny_target
+
+    out = build_tiny_target(args.out, MICRO if args.micro else TINY)
+    print(f"tiny target ready at {out}")
+    return EXIT_OK
+
+
+def run_regenerate(args: argparse.Namespace) -> int:
+    from eagle3.data.regenerate import regenerate
+
+    regenerate(load_run_config(args))
+    return EXIT_OK
+
+
+def run_quality(args: argparse.Namespace) -> int:
+    from eagle3.data.conversation import encode
+    from eagle3.data.quality import describe_figures, replies_in_file, report
+    from eagle3.data.regenerate import REGEN_DIR, regenerated_replies
+    from eagle3.engines.targets import load_tokenizer
+
+    config = load_run_config(args)
+    tokenizer = load_tokenizer(config.target.path)
+    if args.file is None:
+        source, limit = config.stage_dir("data") / REGEN_DIR, config.data.max_new_tokens
+        replies = regenerated_replies(source, tokenizer)
+    else:
+        source, limit = args.file, None
+        replies = replies_in_file(args.file, lambda text: encode(tokenizer, text))
+    quality = report(replies, config.data.quality, limit, tokenizer.decode)
+    print(f"{source}: {describe_figures(quality['figures'])}")
+    for problem in quality["problems"]:
+        print(f"  {'waived' if problem['waived'] else 'FAILED'} {problem['code']}: {problem['message']}")
+    print(f"data quality {'passed' if quality['passed'] else 'FAILED'}")
+    return EXIT_OK if quality["passed"] else EXIT_PROBLEMS
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    from eagle3.config import resolved_config_file
+    from eagle3.data.node_capture import capture_with_engine
+
+    config = load_run_config(args)
+    capture_with_engine(config, resolved_config_file(config))
+    return EXIT_OK
+
+
+def run_vocab_build(args: argparse.Namespace) -> int:
+    from eagle3.data.vocab import build_vocab
+
+    build_vocab(load_run_config(args))
+    return EXIT_OK
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from eagle3.bench.simulate import simulate
+
+    config = load_run_config(args)
+    simulate(config, args.checkpoint or config.stage_dir("export") / "sglang")
+    return EXIT_OK
+
+
+def run_diagnose(args: argparse.Namespace) -> int:
+    """Reads run.dir/bench/simulated.json and served.json (written by `simulate` and `bench`)."""
+    from eagle3.bench.diagnose import diagnose
+    from eagle3.data.capture import dataset_dir
+    from eagle3.fsutil import read_json
+
+    config = load_run_config(args)
+    bench = config.stage_dir("bench")
+    simulated = read_json(bench / "simulated.json", "missing: run `eagle3 simulate` first")
+    served = read_json(bench / "served.json", "missing: run `eagle3 bench --config …` first")
+    longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])), default=None)
+    result = diagnose(
+        args.checkpoint or config.stage_dir("export") / "sglang",
+        args.engine_version or config.serving.release,
+        Path(config.target.path),
+        dataset_dir(config),
+        simulated.get("accept_length"),
+        served.get("accept_length"),
+        longest,
+    )
+    print(result.render())
+    return EXIT_PROBLEMS if result.failed else EXIT_OK
