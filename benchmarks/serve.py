@@ -55,7 +55,7 @@ def trained_draft(config, steps: int, log) -> Path:
     start = time.perf_counter()
     Trainer(config, log=lambda line: None).run()
     log(f"train: {steps} steps in {time.perf_counter() - start:.0f} s")
-    return convert(config.stage_dir("train") / "best", exported, to="sglang", engine_release=RELEASE)
+    return convert(config.stage_dir("train") / "best", exported, to="sglang", release=RELEASE)
 
 
 SHAPES = [DraftShape(1), DraftShape(3), DraftShape(3, 4, 8), DraftShape(5, 4, 16)]

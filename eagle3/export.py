@@ -47,13 +47,13 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     dirs = {}
     for layout in config.export.layouts:
         dirs[layout] = convert(source, out / layout, to=layout, target_family=config.target.family,
-                               engine_release=config.serving.release, target_num_layers=num_layers, overwrite=True,
+                               release=config.serving.release, target_num_layers=num_layers, overwrite=True,
                                num_steps=config.serving.num_steps, log=log)
         log(f"export: {layout} layout for SGLang {config.serving.release or '(release unknown)'} -> {dirs[layout]}")
     if config.export.fault == "absolute-d2t":
         log("export: WARNING: export.fault=absolute-d2t: writing the served d2t as absolute ids (demo of the gate)")
         make_d2t_absolute(dirs["sglang"])
-    report = validate(dirs["sglang"], engine_release=config.serving.release, target=target if target.is_dir() else None,
+    report = validate(dirs["sglang"], release=config.serving.release, target=target if target.is_dir() else None,
                       data_manifest=dataset_dir(config) / MANIFEST_FILE,
                       context_length=config.serving.context_length)
     validation = with_waivers(report, config.export.waive, log)

@@ -54,4 +54,4 @@ def tiny_draft(seed: int = 0, **overrides) -> NativeDraft:
 
 
 def write_draft(path: Path, layout: str = "native", release: str | None = None, **overrides) -> Path:
-    return save_native_draft(tiny_draft(**overrides), path, to=layout, engine_release=release)
+    return save_native_draft(tiny_draft(**overrides), path, to=layout, release=release)

@@ -39,7 +39,7 @@ def plain_url(micro):
 
 @pytest.fixture(scope="module")
 def draft_url(micro, drafts):
-    with serving(create_app(micro["path"], drafts["good"], shape=DraftShape(STEPS), engine_release=RELEASE)) as (url, _):
+    with serving(create_app(micro["path"], drafts["good"], shape=DraftShape(STEPS), release=RELEASE)) as (url, _):
         yield url
 
 

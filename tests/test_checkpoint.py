@@ -32,9 +32,9 @@ def assert_same_draft(a, b):
 def test_round_trips_are_lossless(tmp_path, family, release, layers, num_layers):
     overrides = dict(target_family=family, aux_layers=layers, target_num_hidden_layers=num_layers)
     native = write_draft(tmp_path / "native", **overrides)
-    convert(native, tmp_path / "sglang", to="sglang", engine_release=release)
+    convert(native, tmp_path / "sglang", to="sglang", release=release)
     convert(tmp_path / "sglang", tmp_path / "spec", to="speculators")
-    convert(tmp_path / "spec", tmp_path / "sglang2", to="sglang", engine_release=release)
+    convert(tmp_path / "spec", tmp_path / "sglang2", to="sglang", release=release)
     convert(tmp_path / "sglang2", tmp_path / "back", to="native")
     original = load_native(native)
     assert_same_draft(original, load_native(tmp_path / "back"))
@@ -43,7 +43,7 @@ def test_round_trips_are_lossless(tmp_path, family, release, layers, num_layers)
 
 def test_sglang_export_has_every_field_sglang_needs(tmp_path):
     write_draft(tmp_path / "native")
-    convert(tmp_path / "native", tmp_path / "sglang", to="sglang", engine_release="0.5.13")
+    convert(tmp_path / "native", tmp_path / "sglang", to="sglang", release="0.5.13")
     config = json.loads((tmp_path / "sglang" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is False
@@ -84,7 +84,7 @@ def _speculators_draft(tmp_path, **config_changes):
 def test_norm_before_residual_is_refused_for_every_release(tmp_path, release):
     spec = _speculators_draft(tmp_path, norm_before_residual=True)
     with pytest.raises(ConversionError, match="norm_before_residual.*no SGLang release read implements it"):
-        convert(spec, tmp_path / "out", to="sglang", engine_release=release, target_num_layers=8, target_family="deepseek_v2")
+        convert(spec, tmp_path / "out", to="sglang", release=release, target_num_layers=8, target_family="deepseek_v2")
     assert not (tmp_path / "out").exists()
 
 
@@ -94,17 +94,17 @@ def test_missing_norm_before_residual_means_true_as_vllm_reads_it(tmp_path):
     del config["norm_before_residual"]
     (spec / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConversionError, match="norm_before_residual"):
-        convert(spec, tmp_path / "out", to="sglang", engine_release="0.5.13", target_num_layers=8, target_family="deepseek_v2")
+        convert(spec, tmp_path / "out", to="sglang", release="0.5.13", target_num_layers=8, target_family="deepseek_v2")
 
 
 def test_norm_output_needs_0_5_12(tmp_path):
     spec = _speculators_draft(tmp_path, norm_output=True)
     kwargs = dict(to="sglang", target_num_layers=8, target_family="deepseek_v2")
     with pytest.raises(ConversionError, match=r"norm_output, which SGLang 0.5.11 does not implement"):
-        convert(spec, tmp_path / "old", engine_release="0.5.11", **kwargs)
+        convert(spec, tmp_path / "old", release="0.5.11", **kwargs)
     with pytest.raises(ConversionError, match=r"norm_output, which SGLang ≤ 0.5.11 \(the strictest"):
         convert(spec, tmp_path / "none", **kwargs)
-    convert(spec, tmp_path / "new", engine_release="0.5.12", **kwargs)
+    convert(spec, tmp_path / "new", release="0.5.12", **kwargs)
     assert json.loads((tmp_path / "new" / "config.json").read_text())["norm_output"] is True
 
 
@@ -112,8 +112,8 @@ def test_norm_before_fc_needs_0_5_17_and_keeps_its_tensor(tmp_path):
     draft = tiny_draft(norm_before_fc=True)
     save_native_draft(draft, tmp_path / "native", to="native")
     with pytest.raises(ConversionError, match="norm_before_fc, which SGLang 0.5.16 does not implement"):
-        convert(tmp_path / "native", tmp_path / "old", to="sglang", engine_release="0.5.16")
-    convert(tmp_path / "native", tmp_path / "new", to="sglang", engine_release="0.5.17")
+        convert(tmp_path / "native", tmp_path / "old", to="sglang", release="0.5.16")
+    convert(tmp_path / "native", tmp_path / "new", to="sglang", release="0.5.17")
     assert load_file(tmp_path / "new" / "model.safetensors")["input_norm.weight"].shape == (96,)
     convert(tmp_path / "new", tmp_path / "back", to="native")
     assert_same_draft(load_native(tmp_path / "native"), load_native(tmp_path / "back"))
@@ -122,8 +122,8 @@ def test_norm_before_fc_needs_0_5_17_and_keeps_its_tensor(tmp_path):
 def test_three_aux_states_are_required_up_to_0_5_11(tmp_path):
     write_draft(tmp_path / "native", aux_layers=[0, 2])
     with pytest.raises(ConversionError, match="exactly 3 aux states; the draft has 2"):
-        convert(tmp_path / "native", tmp_path / "out", to="sglang", engine_release="0.5.11")
-    convert(tmp_path / "native", tmp_path / "out", to="sglang", engine_release="0.5.12")
+        convert(tmp_path / "native", tmp_path / "out", to="sglang", release="0.5.11")
+    convert(tmp_path / "native", tmp_path / "out", to="sglang", release="0.5.12")
 
 
 def test_ambiguous_ids_need_a_release(tmp_path):
@@ -135,7 +135,7 @@ def test_ambiguous_ids_need_a_release(tmp_path):
 
 def test_sglang_ids_that_disagree_with_the_recorded_layers_are_refused(tmp_path):
     write_draft(tmp_path / "native", target_family="deepseek_v2", aux_layers=[2, 3, 5], target_num_hidden_layers=8)
-    convert(tmp_path / "native", tmp_path / "sglang", to="sglang", engine_release="0.5.13")
+    convert(tmp_path / "native", tmp_path / "sglang", to="sglang", release="0.5.13")
     config = json.loads((tmp_path / "sglang" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 4, 6]  # inputs of 3, 4, 6 on 0.5.13
     config["eagle3"]["engine_release"] = "0.5.12"  # where they mean the outputs of 3, 4, 6
@@ -146,7 +146,7 @@ def test_sglang_ids_that_disagree_with_the_recorded_layers_are_refused(tmp_path)
 
 def _sglang_with(tmp_path, mutate):
     write_draft(tmp_path / "native")
-    convert(tmp_path / "native", tmp_path / "sglang", to="sglang", engine_release="0.5.13")
+    convert(tmp_path / "native", tmp_path / "sglang", to="sglang", release="0.5.13")
     path = tmp_path / "sglang" / "model.safetensors"
     tensors = load_file(path)
     mutate(tensors)
@@ -175,7 +175,7 @@ def test_sglang_layers_0_names_convert_to_the_layout_every_release_loads(tmp_pat
     """SGLang >= 0.5.12 loads layers.0.*, and validate prescribes this conversion for 0.5.11."""
     src = _sglang_with(tmp_path, lambda t: t.update(
         {n.replace("midlayer.", "layers.0."): t.pop(n) for n in [n for n in t if n.startswith("midlayer.")]}))
-    convert(src, tmp_path / "out", to="sglang", engine_release="0.5.11")
+    convert(src, tmp_path / "out", to="sglang", release="0.5.11")
     written = load_file(tmp_path / "out" / "model.safetensors")
     original = load_file(tmp_path / "sglang" / "model.safetensors")
     assert not [n for n in written if n.startswith("layers.")]
@@ -200,7 +200,7 @@ def test_embed_tokens_from_speculators_is_dropped_not_refused(tmp_path):
     tensors = load_file(spec / "model.safetensors")
     tensors["embed_tokens.weight"] = torch.zeros(256, 32, dtype=torch.bfloat16)
     save_file(tensors, spec / "model.safetensors")
-    convert(spec, tmp_path / "out", to="sglang", engine_release="0.5.13", target_num_layers=8, target_family="deepseek_v2")
+    convert(spec, tmp_path / "out", to="sglang", release="0.5.13", target_num_layers=8, target_family="deepseek_v2")
     assert "embed_tokens.weight" not in load_file(tmp_path / "out" / "model.safetensors")
 
 
@@ -210,12 +210,12 @@ def test_sliding_window_drafts_are_refused(tmp_path):
     config["transformer_layer_config"].update(layer_types=["sliding_attention"], sliding_window=2048)
     (spec / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConversionError, match="sliding-window attention \\(window 2048\\)"):
-        convert(spec, tmp_path / "out", to="sglang", engine_release="0.5.13", target_num_layers=8)
+        convert(spec, tmp_path / "out", to="sglang", release="0.5.13", target_num_layers=8)
 
 
 def test_destination_is_never_clobbered_without_overwrite(tmp_path):
     write_draft(tmp_path / "native")
-    convert(tmp_path / "native", tmp_path / "out", to="sglang", engine_release="0.5.13")
+    convert(tmp_path / "native", tmp_path / "out", to="sglang", release="0.5.13")
     with pytest.raises(FileExistsError, match="--overwrite"):
         convert(tmp_path / "native", tmp_path / "out", to="speculators")
     convert(tmp_path / "native", tmp_path / "out", to="speculators", overwrite=True)
@@ -227,12 +227,12 @@ def test_stale_duplicate_shards_are_refused(tmp_path):
     write_draft(tmp_path / "native")
     save_file({"fc.weight": torch.zeros(32, 96, dtype=torch.bfloat16)}, tmp_path / "native" / "zz-old.safetensors")
     with pytest.raises(UnreadableInput, match=r"zz-old.safetensors: tensors also stored in another file.*fc.weight"):
-        convert(tmp_path / "native", tmp_path / "out", to="sglang", engine_release="0.5.13")
+        convert(tmp_path / "native", tmp_path / "out", to="sglang", release="0.5.13")
 
 
 def test_conflicting_target_is_refused(tmp_path):
     write_draft(tmp_path / "native")
-    convert(tmp_path / "native", tmp_path / "sglang", to="sglang", engine_release="0.5.13")
+    convert(tmp_path / "native", tmp_path / "sglang", to="sglang", release="0.5.13")
     with pytest.raises(ConversionError, match=r"target layer count given \(8\) differs from the one it was trained for \(4\)"):
         convert(tmp_path / "sglang", tmp_path / "out", to="native", target_num_layers=8)
     with pytest.raises(ConversionError, match="target family given"):

@@ -67,11 +67,11 @@ def test_inspect_a_checkpoint(sglang_draft, eagle3):
 
 
 def test_convert_then_validate(native_draft, target_dir, tmp_path, eagle3):
-    result = eagle3("convert", native_draft, tmp_path / "out", "--to", "sglang", "--engine-version", "0.5.13",
+    result = eagle3("convert", native_draft, tmp_path / "out", "--to", "sglang", "--release", "0.5.13",
                     "--target", target_dir)
     assert result.returncode == 0, result.stderr
     manifest = write_data_manifest(tmp_path / "data.json", [0, 1, 2])
-    ok = eagle3("validate", tmp_path / "out", "--engine", "sglang", "--engine-version", "0.5.13", "--target", target_dir,
+    ok = eagle3("validate", tmp_path / "out", "--engine", "sglang", "--release", "0.5.13", "--target", target_dir,
                 "--data-manifest", manifest, "--context-length", "512")
     assert ok.returncode == 0 and "valid: 0 error(s)" in ok.stdout
 
@@ -82,7 +82,7 @@ def test_validate_exit_codes_and_unknowns(sglang_draft, tmp_path, eagle3):
     tensors = load_file(sglang_draft / "model.safetensors")
     tensors["d2t"] = tensors["d2t"] + torch.arange(tensors["d2t"].numel())
     save_file(tensors, sglang_draft / "model.safetensors")
-    bad = eagle3("validate", sglang_draft, "--engine-version", "0.5.13", "--json")
+    bad = eagle3("validate", sglang_draft, "--release", "0.5.13", "--json")
     assert bad.returncode == 1
     report = json.loads(bad.stdout)
     assert not report["ok"] and [p["code"] for p in report["problems"] if p["severity"] == "error"] == ["d2t-absolute"]
@@ -125,8 +125,10 @@ def test_malformed_configs_are_one_line_errors(sglang_draft, change, phrase, eag
 
 
 def test_convert_refusal_exits_1_with_the_cause(native_draft, tmp_path, eagle3):
+    # the old spelling of --release still works this release, with a line saying so
     result = eagle3("convert", native_draft, tmp_path / "out", "--to", "sglang", "--engine-version", "0.5.11",
                     "--target-family", "qwen3_5")
+    assert "--engine-version is deprecated and goes in the next release; write --release 0.5.11" in result.stderr
     assert result.returncode == 1 and "qwen3_5" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
 

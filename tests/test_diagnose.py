@@ -74,7 +74,7 @@ def store_d2t_as_int32(draft):
 def test_a_fault_validate_flags_fails_its_checklist_line(setup, fault, code, line):
     draft, target, data = setup
     fault(draft)
-    assert code in {p.code for p in validate(draft, engine_release="0.5.13", target=target).of("error")}
+    assert code in {p.code for p in validate(draft, release="0.5.13", target=target).of("error")}
     result = diagnose(draft, "0.5.13", target, data, simulated=2.0, served=1.1, longest_request=300)
     assert [c.name for c in result.failed] == [line] and f"{code}: " in by_name(result)[line].evidence
 

@@ -54,7 +54,7 @@ def test_each_layout_detects_its_config_and_decodes_it_to_the_same_draft(tmp_pat
 
 def sglang_export_for_0_5_13(tmp_path: Path) -> Path:
     native = write_draft(tmp_path / "native", **KIMI)
-    exported = convert(native, tmp_path / "sglang", to="sglang", engine_release="0.5.13")
+    exported = convert(native, tmp_path / "sglang", to="sglang", release="0.5.13")
     ids = json.loads((exported / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert ids == [3, 4, 6]  # inputs of 3, 4, 6 on 0.5.13; on 0.5.12 they would mean the outputs of 3, 4, 6
     return exported
@@ -63,11 +63,11 @@ def sglang_export_for_0_5_13(tmp_path: Path) -> Path:
 def test_the_recorded_release_decides_how_ids_are_read_and_another_given_one_is_logged(tmp_path):
     exported = sglang_export_for_0_5_13(tmp_path)
     lines = []
-    back = convert(exported, tmp_path / "back", to="native", engine_release="0.5.12", log=lines.append)
+    back = convert(exported, tmp_path / "back", to="native", release="0.5.12", log=lines.append)
     assert load_native(back).config.aux_layers == [2, 3, 5]
     assert len(lines) == 1 and str(exported) in lines[0]
     assert "encoded for SGLang 0.5.13 (recorded in config.json 'eagle3'), not for 0.5.12" in lines[0]
-    convert(exported, tmp_path / "same", to="native", engine_release="0.5.13", log=lines.append)
+    convert(exported, tmp_path / "same", to="native", release="0.5.13", log=lines.append)
     convert(exported, tmp_path / "none", to="native", log=lines.append)
     assert len(lines) == 1  # nothing to say when the caller agrees or gives none
 
@@ -76,8 +76,8 @@ def test_without_our_record_the_given_release_decides(tmp_path):
     raw = read_checkpoint(sglang_export_for_0_5_13(tmp_path))
     raw.config.pop("eagle3")  # as another exporter writes it
     kimi = dict(target_family="kimi_k25", target_num_layers=8)
-    assert draft_config(raw, engine_release="0.5.13", **kimi).aux_layers == [2, 3, 5]
-    assert draft_config(raw, engine_release="0.5.12", **kimi).aux_layers == [3, 4, 6]
+    assert draft_config(raw, release="0.5.13", **kimi).aux_layers == [2, 3, 5]
+    assert draft_config(raw, release="0.5.12", **kimi).aux_layers == [3, 4, 6]
     with pytest.raises(ConversionError, match="ambiguous across releases"):
         draft_config(raw, **kimi)
 

@@ -77,7 +77,7 @@ def export(tmp_path: Path, overrides: dict, conversions: list[tuple[str, str | N
     current = save_native_draft(draft, tmp_path / "native", to="native")  # as the trainer writes it
     for step, (layout, release) in enumerate(conversions):
         current = convert(current, tmp_path / f"{step}-{layout}", to=layout, target_family=draft.config.target_family,
-                          engine_release=release, target_num_layers=draft.config.target_num_hidden_layers,
+                          release=release, target_num_layers=draft.config.target_num_hidden_layers,
                           num_steps=num_steps)
     return current
 

@@ -59,7 +59,7 @@ def drafts(micro, tmp_path_factory):
     draft = lens_draft(micro)
     with torch.no_grad():
         draft.fc.weight.mul_(1e-3)
-    good = save_native_draft(NativeDraft(CONFIG, draft.export_state()), root / "good", to="sglang", engine_release=RELEASE)
+    good = save_native_draft(NativeDraft(CONFIG, draft.export_state()), root / "good", to="sglang", release=RELEASE)
     absolute = rewrite(good, root / "absolute", lambda t: {**t, "d2t": t["d2t"] + torch.arange(t["d2t"].numel())})
     renamed = rewrite(good, root / "renamed", lambda t: {k.replace("midlayer.", "layers.0."): v for k, v in t.items()})
     return {"good": good, "absolute": absolute, "renamed": renamed}
@@ -73,7 +73,7 @@ def plain(micro):
 
 @pytest.fixture(scope="module")
 def speculative(micro, drafts):
-    with serving(micro["path"], drafts["good"], shape=DraftShape(STEPS), engine_release=RELEASE) as client:
+    with serving(micro["path"], drafts["good"], shape=DraftShape(STEPS), release=RELEASE) as client:
         yield client
 
 
@@ -143,7 +143,7 @@ def test_eos_ids_from_the_generation_config_end_the_request(micro, drafts, tmp_p
     (target / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [micro["eos"], NEWLINE]}))
     served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
     stops = []
-    with serving(target, drafts["good"], shape=DraftShape(STEPS), engine_release=RELEASE) as client:
+    with serving(target, drafts["good"], shape=DraftShape(STEPS), release=RELEASE) as client:
         for request in requests(micro):
             out, prompt = generate(client, **request), prompt_of(micro, request)
             meta = out["meta_info"]
@@ -175,22 +175,22 @@ BASELINE = MAX_NEW / (MAX_NEW - 1)  # a draft that is never accepted: n / (n - 1
 
 
 def test_absolute_d2t_serves_at_the_baseline(micro, drafts, speculative):
-    with serving(micro["path"], drafts["absolute"], shape=DraftShape(STEPS), engine_release=RELEASE) as client:
+    with serving(micro["path"], drafts["absolute"], shape=DraftShape(STEPS), release=RELEASE) as client:
         counts = served_counts(client, micro)
     assert BASELINE <= accept_length(counts) <= 1.05 * BASELINE < 1.3 < accept_length(served_counts(speculative, micro))
 
 
 def test_layers_0_names_are_skipped_up_to_0_5_11(micro, drafts, speculative):
     """The renamed draft's layer keeps its random init under 0.5.11 (chance hits only), loads under 0.5.12."""
-    with serving(micro["path"], drafts["renamed"], shape=DraftShape(STEPS), engine_release="0.5.11") as client:
+    with serving(micro["path"], drafts["renamed"], shape=DraftShape(STEPS), release="0.5.11") as client:
         assert BASELINE <= accept_length(served_counts(client, micro)) <= 1.05 * BASELINE
-    with serving(micro["path"], drafts["renamed"], shape=DraftShape(STEPS), engine_release="0.5.12") as client:
+    with serving(micro["path"], drafts["renamed"], shape=DraftShape(STEPS), release="0.5.12") as client:
         served = served_counts(client, micro)
     assert served == served_counts(speculative, micro) and accept_length(served) > 1.3
 
 
 def test_server_info_model_info_and_health(micro, drafts, plain):
-    with serving(micro["path"], drafts["good"], shape=DraftShape(STEPS), engine_release=RELEASE) as client:
+    with serving(micro["path"], drafts["good"], shape=DraftShape(STEPS), release=RELEASE) as client:
         assert client.get("/health").status_code == 200
         info = client.get("/server_info").json()
         assert info["version"] == RELEASE and info["speculative_num_steps"] == STEPS
@@ -227,7 +227,7 @@ def test_serve_command_runs_uvicorn(micro, drafts, monkeypatch):
     calls = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append((app, kwargs)))
     args = ["serve", "--target", str(micro["path"]), "--draft", str(drafts["good"]), "--num-steps", "2",
-            "--engine-release", RELEASE, "--port", "30123"]
+            "--release", RELEASE, "--port", "30123"]
     assert main(args) == 0
     (app, kwargs), = calls
     assert kwargs["host"] == "127.0.0.1" and kwargs["port"] == 30123
@@ -247,7 +247,7 @@ TREES = [DraftShape(3, 4, 8), DraftShape(2, 2, 4), DraftShape(1, 3, 3)]
 def test_a_tree_serves_the_targets_greedy_text_counted_as_the_simulator(micro, drafts, plain, shape):
     served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
     accepted = 0
-    with serving(micro["path"], drafts["good"], shape=shape, engine_release=RELEASE) as client:
+    with serving(micro["path"], drafts["good"], shape=shape, release=RELEASE) as client:
         info = client.get("/server_info").json()
         assert (info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (shape.eagle_topk,
                                                                                           shape.num_draft_tokens)
@@ -281,7 +281,7 @@ def test_a_wider_tree_accepts_at_least_what_its_chain_does(micro, drafts):
 
 
 def test_sampled_requests_answer_with_sglangs_meta_info_keys(micro, drafts):
-    with serving(micro["path"], drafts["good"], shape=DraftShape(3, 4, 8), engine_release=RELEASE) as client:
+    with serving(micro["path"], drafts["good"], shape=DraftShape(3, 4, 8), release=RELEASE) as client:
         for request in requests(micro):
             body = {**request, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.7}}
             answer = client.post("/generate", json=body).json()

@@ -257,7 +257,7 @@ def rewrite(src, dst, edit):
 def test_served_drafts_follow_the_loader_rules(micro, tmp_path):
     draft = random_draft(micro)  # seed 1: the loader's random init (seed 0) differs from it
     native = NativeDraft(CONFIG, draft.export_state())
-    exported = save_native_draft(native, tmp_path / "sglang", to="sglang", engine_release="0.5.13")
+    exported = save_native_draft(native, tmp_path / "sglang", to="sglang", release="0.5.13")
     expected = chains(draft, micro)
     assert chains(draft_as_served(exported, "0.5.13", micro["embed"]), micro) == expected
 
@@ -285,7 +285,7 @@ def test_simulate_command_writes_the_result(micro, tmp_path, capsys):
     store_heldout(config, micro)
     draft = lens_draft(micro)
     save_native_draft(NativeDraft(CONFIG, draft.export_state()), run_dir / "export" / "sglang", to="sglang",
-                      engine_release="0.5.13")
+                      release="0.5.13")
 
     args = ["simulate", "--config", str(TINY)] + [a for o in overrides for a in ("--set", o)]
     assert main(args) == 0

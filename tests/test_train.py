@@ -213,7 +213,7 @@ def test_loss_falls_and_accuracy_rises(trained):
 def test_export_to_sglang_and_back_gives_identical_logits(trained, micro_target):
     _, run_dir = trained
     final = run_dir / "train" / "final"
-    convert(final, run_dir / "export-sglang", to="sglang", engine_release="0.5.13")
+    convert(final, run_dir / "export-sglang", to="sglang", release="0.5.13")
     embed = target_head(micro_target)["embed"]
     trained_model = draft_from_native(load_native(final), embed)
     served = draft_as_served(run_dir / "export-sglang", "0.5.13", embed)
@@ -322,9 +322,9 @@ def test_absolute_d2t_simulates_at_baseline(trained, micro_target, tmp_path):
 
     overrides, run_dir = trained
     config = load_config(TINY, [*overrides, "benchmark.num_prompts=6", "benchmark.max_new_tokens=24"])
-    good = convert(run_dir / "train" / "final", tmp_path / "good", to="sglang", engine_release="0.5.13")
+    good = convert(run_dir / "train" / "final", tmp_path / "good", to="sglang", release="0.5.13")
     served = simulate(config, good, log=lambda line: None)
-    broken = convert(run_dir / "train" / "final", tmp_path / "absolute", to="sglang", engine_release="0.5.13")
+    broken = convert(run_dir / "train" / "final", tmp_path / "absolute", to="sglang", release="0.5.13")
     tensors = load_file(broken / "model.safetensors")
     tensors["d2t"] = tensors["d2t"] + torch.arange(tensors["d2t"].numel())  # absolute ids: the classic mistake
     save_file(tensors, broken / "model.safetensors")

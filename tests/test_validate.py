@@ -20,7 +20,7 @@ GOOD_DATA_LAYERS = [0, 1, 2]
 @pytest.fixture
 def good(tmp_path, sglang_draft, target_dir):
     manifest = write_data_manifest(tmp_path / "data-manifest.json", GOOD_DATA_LAYERS)
-    return dict(path=sglang_draft, engine_release="0.5.13", target=target_dir, data_manifest=manifest, context_length=512)
+    return dict(path=sglang_draft, release="0.5.13", target=target_dir, data_manifest=manifest, context_length=512)
 
 
 def run(good, **changes):
@@ -60,7 +60,7 @@ def test_missing_inputs_are_unknown_never_passed(sglang_draft):
     assert report.ok
     assert codes(report, "unknown") == {"hidden-size", "context-length"}
     edit_config(sglang_draft, eagle3=None)  # without our own record nothing is known about the target
-    report = validate(sglang_draft, engine_release="0.5.13")
+    report = validate(sglang_draft, release="0.5.13")
     assert "captured-layers" in codes(report, "unknown")
 
 
@@ -71,18 +71,18 @@ def test_layers_0_names_are_skipped_up_to_0_5_11(good):
 
     edit_tensors(good["path"], rename)
     for release in ("0.5.11", None):
-        report = run(good, engine_release=release)
+        report = run(good, release=release)
         assert {"skipped-tensor", "missing-tensor"} <= codes(report)
         skipped = next(p for p in report.problems if p.code == "skipped-tensor")
         assert "layers.0" in skipped.message and "midlayer" in skipped.fix
-    report = run(good, engine_release="0.5.12", data_manifest=None)
+    report = run(good, release="0.5.12", data_manifest=None)
     assert "skipped-tensor" not in codes(report) and "missing-tensor" not in codes(report)
 
 
 def test_a_head_named_model_lm_head_is_dropped_by_every_release(good):
     edit_tensors(good["path"], lambda t: t.update({"model.lm_head.weight": t.pop("lm_head.weight")}))
     for release in ("0.5.11", "0.5.13", "0.5.23"):
-        report = run(good, engine_release=release)
+        report = run(good, release=release)
         skipped = next(p for p in report.problems if p.code == "skipped-tensor")
         assert "model.lm_head.weight" in skipped.message and "rename model.lm_head.weight to lm_head.weight" in skipped.fix
         assert "lm_head.weight" in next(p for p in report.problems if p.code == "missing-tensor").message
@@ -99,19 +99,19 @@ def test_switches_where_sglang_does_not_read_them_are_refused(good, top, nested,
     config.update(top)
     config["eagle_config"].update(nested)
     (good["path"] / "config.json").write_text(json.dumps(config))
-    report = run(good, engine_release="0.5.23")
+    report = run(good, release="0.5.23")
     (problem,) = [p for p in report.problems if p.code == "flag-misplaced"]
     assert problem.message.startswith(field) and "top level" in problem.fix
 
 
 def test_sglangs_mla_draft_is_named_and_checked_where_it_can_be(good):
     edit_config(good["path"], architectures=["Eagle3DeepseekV2ForCausalLM"])
-    report = run(good, engine_release="0.5.13")
+    report = run(good, release="0.5.13")
     assert report.ok and codes(report, "unknown") == {"architecture-unchecked"}
     assert "Eagle3DeepseekV2ForCausalLM" in report.of("unknown")[0].message
-    assert "config-architecture" in codes(run(good, engine_release="0.5.11"))  # not in that release
+    assert "config-architecture" in codes(run(good, release="0.5.11"))  # not in that release
     edit_tensors(good["path"], lambda t: t.update(d2t=t["d2t"] + torch.arange(t["d2t"].numel())))
-    assert "d2t-absolute" in codes(run(good, engine_release="0.5.13"))  # the vocab map is still checked
+    assert "d2t-absolute" in codes(run(good, release="0.5.13"))  # the vocab map is still checked
 
 
 def test_missing_required_tensor(good):
@@ -262,8 +262,8 @@ def test_kimi_ids_copied_from_speculators_mismatch_on_0_5_12_only(tmp_path):
                         aux_layers=[1, 29, 57], target_num_hidden_layers=61)
     edit_config(draft, eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}, eagle3=None)
     common = dict(target=target, data_manifest=manifest, context_length=512)
-    assert validate(draft, engine_release="0.5.13", **common).ok
-    late = validate(draft, engine_release="0.5.12", **common)
+    assert validate(draft, release="0.5.13", **common).ok
+    late = validate(draft, release="0.5.12", **common)
     assert codes(late) == {"captured-layers-mismatch"}
     assert "[2, 30, 58]" in late.of("error")[0].message and "[1, 29, 57]" in late.of("error")[0].message
     assert codes(validate(draft, **common)) == {"aux-ids-ambiguous"}
@@ -287,7 +287,7 @@ def test_no_nested_ids_matching_the_default_is_a_warning(tmp_path):
     manifest = write_data_manifest(tmp_path / "d.json", [1, 3, 4], layers=8)
     draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.13", aux_layers=[1, 3, 4], target_num_hidden_layers=8)
     edit_config(draft, eagle_config=None)
-    report = validate(draft, engine_release="0.5.13", target=target, data_manifest=manifest, context_length=512)
+    report = validate(draft, release="0.5.13", target=target, data_manifest=manifest, context_length=512)
     assert report.ok and codes(report, "warning") == {"aux-ids-missing"}
 
 
@@ -305,18 +305,18 @@ def test_eagle_shaped_checkpoint(good):
 
 def test_switches_the_release_does_not_implement(good):
     edit_config(good["path"], norm_output=True)
-    assert "unsupported-flag" in codes(run(good, engine_release="0.5.11"))
-    assert "unsupported-flag" not in codes(run(good, engine_release="0.5.12"))
+    assert "unsupported-flag" in codes(run(good, release="0.5.11"))
+    assert "unsupported-flag" not in codes(run(good, release="0.5.12"))
     edit_config(good["path"], norm_output=None, norm_before_residual=True)
-    report = run(good, engine_release="0.5.23")
+    report = run(good, release="0.5.23")
     assert "unsupported-flag" in codes(report) and "no SGLang release" in report.of("error")[0].message
 
 
 def test_two_aux_states_on_0_5_11(tmp_path, target_dir):
     draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.12", aux_layers=[0, 2])
-    report = validate(draft, engine_release="0.5.11", target=target_dir, context_length=512)
+    report = validate(draft, release="0.5.11", target=target_dir, context_length=512)
     assert "aux-count" in codes(report)
-    assert validate(draft, engine_release="0.5.12", target=target_dir, context_length=512).ok
+    assert validate(draft, release="0.5.12", target=target_dir, context_length=512).ok
 
 
 def test_specforge_checkpoint_validates_clean(tmp_path):
@@ -325,7 +325,7 @@ def test_specforge_checkpoint_validates_clean(tmp_path):
     draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.13", aux_layers=[1, 3, 4], target_num_hidden_layers=8)
     edit_config(draft, eagle_config=None, target_hidden_size=None, eagle3=None, head_dim=None)
     (draft / "manifest.json").unlink()
-    report = validate(draft, engine_release="0.5.13", target=target, context_length=512)
+    report = validate(draft, release="0.5.13", target=target, context_length=512)
     assert report.ok and not report.of("warning")
     assert codes(report, "unknown") == {"captured-layers"}  # which layers the data used is not on record
 
@@ -333,5 +333,5 @@ def test_specforge_checkpoint_validates_clean(tmp_path):
 def test_default_ids_collapse_on_a_four_layer_target(tmp_path, target_dir):
     draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.13")
     edit_config(draft, eagle_config=None, eagle3=None)
-    report = validate(draft, engine_release="0.5.13", target=target_dir, context_length=512)
+    report = validate(draft, release="0.5.13", target=target_dir, context_length=512)
     assert codes(report) == {"aux-count"}  # SGLang captures 2 distinct layers, fc expects 3

@@ -71,7 +71,7 @@ class Diagnosis:
 
 def diagnose(
     checkpoint: Path,
-    engine_release: str | None,
+    release: str | None,
     target: Path,
     data_dir: Path,
     simulated: float | None,
@@ -79,7 +79,7 @@ def diagnose(
     longest_request: int | None = None,
 ) -> Diagnosis:
     """`data_dir` holds the captured dataset's manifest; `longest_request` = prompt + new tokens."""
-    report = validate(checkpoint, engine_release=engine_release, target=target, data_manifest=data_dir,
+    report = validate(checkpoint, release=release, target=target, data_manifest=data_dir,
                       context_length=longest_request)
     checks = [_from_report(name, codes, report) for name, codes in CHECKS.items() if name != VOCAB_LINE]
     manifest = read_manifest(data_dir)

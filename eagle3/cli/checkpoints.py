@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS
+from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_release_argument
 
 
 def add_checkpoint_commands(commands) -> None:
@@ -19,7 +19,7 @@ def add_checkpoint_commands(commands) -> None:
     convert.add_argument("src", type=Path)
     convert.add_argument("dst", type=Path)
     convert.add_argument("--to", required=True, choices=("sglang", "speculators", "native"))
-    convert.add_argument("--engine-version", help="SGLang release the export is for (decides the aux ids)")
+    add_release_argument(convert, "SGLang release the export is for (decides the aux ids)")
     convert.add_argument("--target", type=Path, help="target model directory (its config.json)")
     convert.add_argument("--target-family", help="SGLang model file of the target, e.g. llama, deepseek_v2")
     convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
@@ -28,7 +28,7 @@ def add_checkpoint_commands(commands) -> None:
     validate = commands.add_parser("validate", help="check a draft against what the serving engine will do")
     validate.add_argument("path", type=Path)
     validate.add_argument("--engine", default="sglang", choices=("sglang",))
-    validate.add_argument("--engine-version", help="SGLang release (default: the strictest rules)")
+    add_release_argument(validate, "SGLang release (default: the strictest rules)")
     validate.add_argument("--target", type=Path, help="target model directory (its config.json)")
     validate.add_argument("--target-family", help="SGLang model file of the target, if --target is not given")
     validate.add_argument("--data-manifest", type=Path, help="manifest of the training data (captured layers)")
@@ -58,7 +58,7 @@ def run_convert(args: argparse.Namespace) -> int:
         args.dst,
         to=args.to,
         target_family=family,
-        engine_release=args.engine_version,
+        release=args.release,
         target_num_layers=num_layers,
         overwrite=args.overwrite,
     )
@@ -72,7 +72,7 @@ def run_validate(args: argparse.Namespace) -> int:
     report = validate(
         args.path,
         engine=args.engine,
-        engine_release=args.engine_version,
+        release=args.release,
         target=args.target,
         data_manifest=args.data_manifest,
         context_length=args.context_length,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_UNREADABLE = 0, 1, 2
@@ -18,3 +19,20 @@ def load_run_config(args: argparse.Namespace):
     from eagle3.config import load_config
 
     return load_config(args.config, args.overrides)
+
+
+# The SGLang release is `--release` everywhere (serving.release in the config); the old per-command spellings work
+# for one more release, with a line saying so.
+DEPRECATED_RELEASE_FLAGS = ("--engine-version", "--engine-release")
+
+
+class DeprecatedFlag(argparse.Action):
+    def __call__(self, parser, namespace, value, option_string=None):
+        print(f"eagle3: {option_string} is deprecated and goes in the next release; write --release {value}",
+              file=sys.stderr)
+        setattr(namespace, self.dest, value)
+
+
+def add_release_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--release", help=help)
+    parser.add_argument(*DEPRECATED_RELEASE_FLAGS, dest="release", action=DeprecatedFlag, help=argparse.SUPPRESS)

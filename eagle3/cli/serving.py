@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, load_run_config
+from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_release_argument, load_run_config
 from eagle3.errors import ConfigError
 
 
@@ -32,7 +32,7 @@ def add_serving_commands(commands) -> None:
     serve.add_argument("--num-draft-tokens", type=int, help="tree nodes verified per step, the root included "
                        "(default: num_steps + 1, the chain)")
     serve.add_argument("--seed", type=int, default=0, help="seed of the coins sampled requests draw")
-    serve.add_argument("--engine-release", help="SGLang release whose loader and aux-id rules to apply")
+    add_release_argument(serve, "SGLang release whose loader and aux-id rules to apply")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, required=True)
     serve.set_defaults(handler=run_serve)
@@ -79,6 +79,6 @@ def run_serve(args: argparse.Namespace) -> int:
         shape = DraftShape(args.num_steps, args.eagle_topk, args.num_draft_tokens)
     except ValueError as err:
         raise ConfigError(f"--num-steps/--eagle-topk/--num-draft-tokens: {err}") from None
-    app = create_app(args.target, args.draft, shape, engine_release=args.engine_release, seed=args.seed)
+    app = create_app(args.target, args.draft, shape, release=args.release, seed=args.seed)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return EXIT_OK

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, load_run_config
+from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, add_release_argument, load_run_config
 
 
 def add_step_commands(commands) -> None:
@@ -43,7 +43,7 @@ def add_step_commands(commands) -> None:
         commands.add_parser("diagnose", help="why served acceptance falls short of the simulated one: a checklist")
     )
     diagnose.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
-    diagnose.add_argument("--engine-version", help="the live release (default: serving.release)")
+    add_release_argument(diagnose, "the live release (default: serving.release)")
     diagnose.set_defaults(handler=run_diagnose)
 
 
@@ -121,7 +121,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
     longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])), default=None)
     result = diagnose(
         args.checkpoint or config.stage_dir("export") / "sglang",
-        args.engine_version or config.serving.release,
+        args.release or config.serving.release,
         Path(config.target.path),
         dataset_dir(config),
         simulated.get("accept_length"),

@@ -148,7 +148,7 @@ def retrain_overrides(config: PipelineConfig, registry, log: Log = print) -> lis
         return overrides
     served = registry.fetch(production, "sglang", run_dir / "warm-start" / "sglang")
     native = convert(served, run_dir / "warm-start" / "native", to="native", target_family=config.target.family,
-                     engine_release=config.serving.release, target_num_layers=config.target.num_hidden_layers, log=log)
+                     release=config.serving.release, target_num_layers=config.target.num_hidden_layers, log=log)
     log(f"retrain: warm start from production version {production} ({native}) in {run_dir}")
     return overrides + [f"training.init_from={native}"]
 

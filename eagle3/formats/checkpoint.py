@@ -197,25 +197,25 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 def to_native(
     raw: RawCheckpoint,
     target_family: str | None = None,
-    engine_release: str | None = None,
+    release: str | None = None,
     target_num_layers: int | None = None,
     log: Log = print,
 ) -> NativeDraft:
     """The checkpoint as a native draft: its config decoded, its tensors renamed (not yet checked together)."""
-    return NativeDraft(draft_config(raw, target_family, engine_release, target_num_layers, log), native_tensors(raw))
+    return NativeDraft(draft_config(raw, target_family, release, target_num_layers, log), native_tensors(raw))
 
 
 def draft_config(
     raw: RawCheckpoint,
     target_family: str | None = None,
-    engine_release: str | None = None,
+    release: str | None = None,
     target_num_layers: int | None = None,
     log: Log = print,
 ) -> DraftConfig:
     """The checkpoint's config as the native one. An export of ours records its target and release: a target the
     caller gives must agree with it, and the recorded release decides what its aux ids mean (logged when the
     caller's differs)."""
-    fields = layout_of(raw).decode_config(raw, target_family, engine_release, target_num_layers, log)
+    fields = layout_of(raw).decode_config(raw, target_family, release, target_num_layers, log)
     try:
         return DraftConfig.model_validate(fields)
     except ValidationError as err:
@@ -299,11 +299,11 @@ def check_native(draft: NativeDraft, where: Path) -> None:
 def load_native(
     path: Path,
     target_family: str | None = None,
-    engine_release: str | None = None,
+    release: str | None = None,
     target_num_layers: int | None = None,
 ) -> NativeDraft:
     """Read a draft in any layout as a checked native draft."""
-    draft = to_native(read_checkpoint(path), target_family, engine_release, target_num_layers)
+    draft = to_native(read_checkpoint(path), target_family, release, target_num_layers)
     check_native(draft, Path(path))
     return draft
 
@@ -314,14 +314,14 @@ def save_native_draft(
     dst: Path,
     to: Layout,
     target_family: str | None = None,
-    engine_release: str | None = None,
+    release: str | None = None,
     overwrite: bool = False,
     source: str | None = None,
     num_steps: int = DEFAULT_NUM_STEPS,
 ) -> Path:
     """Write a checked draft in the given layout, atomically (nothing at `dst` unless it all worked)."""
     with atomic_directory(Path(dst), overwrite=overwrite) as tmp:
-        write_draft_files(draft, tmp, to, target_family, engine_release, source, num_steps)
+        write_draft_files(draft, tmp, to, target_family, release, source, num_steps)
     return Path(dst)
 
 
@@ -330,7 +330,7 @@ def write_draft_files(
     directory: Path,
     to: Layout,
     target_family: str | None = None,
-    engine_release: str | None = None,
+    release: str | None = None,
     source: str | None = None,
     num_steps: int = DEFAULT_NUM_STEPS,
 ) -> None:
@@ -341,12 +341,12 @@ def write_draft_files(
         raise ConversionError(f"unknown layout {to!r}; choose one of {', '.join(LAYOUTS)}")
     check_native(draft, Path(source or directory))
     config = draft.config.model_copy(update={"target_family": target_family or draft.config.target_family})
-    encoded = adapter.encode_config(config, engine_release, num_steps)
+    encoded = adapter.encode_config(config, release, num_steps)
     names = adapter.tensor_names(list(draft.tensors))
     tensors = {names[canonical]: tensor.contiguous() for canonical, tensor in draft.tensors.items()}
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(encoded, indent=2) + "\n")
-    write_manifest(directory, kind=f"draft-{to}", fields={"layout": to, "source": source, "engine_release": engine_release})
+    write_manifest(directory, kind=f"draft-{to}", fields={"layout": to, "source": source, "engine_release": release})
 
 
 def convert(
@@ -354,7 +354,7 @@ def convert(
     dst: Path,
     to: Layout,
     target_family: str | None = None,
-    engine_release: str | None = None,
+    release: str | None = None,
     target_num_layers: int | None = None,
     overwrite: bool = False,
     num_steps: int = DEFAULT_NUM_STEPS,
@@ -362,5 +362,5 @@ def convert(
 ) -> Path:
     """Convert a draft between layouts. The release and family decide the aux ids SGLang needs; a source our
     export wrote is read for the release it records."""
-    draft = to_native(read_checkpoint(Path(src)), target_family, engine_release, target_num_layers, log)
-    return save_native_draft(draft, dst, to, target_family, engine_release, overwrite, source=str(src), num_steps=num_steps)
+    draft = to_native(read_checkpoint(Path(src)), target_family, release, target_num_layers, log)
+    return save_native_draft(draft, dst, to, target_family, release, overwrite, source=str(src), num_steps=num_steps)

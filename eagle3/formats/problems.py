@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
-CONVERT_HINT = "re-export with `eagle3 convert SRC DST --to sglang --engine-version RELEASE`"
+CONVERT_HINT = "re-export with `eagle3 convert SRC DST --to sglang --release RELEASE`"
 
 
 class ProblemCode(StrEnum):

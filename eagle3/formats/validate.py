@@ -37,7 +37,7 @@ class Context:
 def validate(
     path: Path,
     engine: str = "sglang",
-    engine_release: str | None = None,
+    release: str | None = None,
     target: Path | None = None,
     data_manifest: Path | None = None,
     context_length: int | None = None,
@@ -45,10 +45,10 @@ def validate(
 ) -> Report:
     if engine != "sglang":
         raise ValueError(f"engine {engine!r} is not supported; only 'sglang' is validated")
-    if engine_release is not None:
-        engines.parse_release(engine_release)
+    if release is not None:
+        engines.parse_release(release)
     raw = read_checkpoint(Path(path))
-    report = Report(path=str(path), engine=engine, engine_release=engine_release)
+    report = Report(path=str(path), engine=engine, engine_release=release)
     if raw.layout == "eagle" or _eagle_shaped(raw):
         report.add(
             ProblemCode.EAGLE_NOT_EAGLE3,
@@ -60,15 +60,15 @@ def validate(
         return report
     ctx = _context(raw, target, data_manifest, target_family)
     if engines.MLA_DRAFT_ARCHITECTURE in (raw.config.get("architectures") or []):
-        _report_mla_draft(raw, ctx, engine_release, context_length, report)
+        _report_mla_draft(raw, ctx, release, context_length, report)
         return report
-    rule, rule_note = engines.loader_rule(engine_release)
-    where = f"SGLang {engine_release}" if engine_release else "SGLang ≤ 0.5.11 (strictest; no release given)"
+    rule, rule_note = engines.loader_rule(release)
+    where = f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (strictest; no release given)"
     loaded = check_names(raw, rule, rule_note, where, report)
     check_config_fields(raw, report)
     num_aux = _check_shapes(raw, loaded, ctx, rule, where, report)
     _check_vocab(raw, loaded, ctx, report)
-    _check_aux_ids(raw, ctx, engine_release, num_aux, report)
+    _check_aux_ids(raw, ctx, release, num_aux, report)
     _check_context(raw, context_length, report)
     return report
 
@@ -284,7 +284,7 @@ def _check_aux_ids(raw: RawCheckpoint, ctx: Context, release: str | None, num_au
     if capture.status == "ambiguous":
         report.add(
             ProblemCode.AUX_IDS_AMBIGUOUS, "error", f"aux ids {ids}: {capture.explanation}",
-            "pass --engine-version (the release you serve with)",
+            "pass --release (the release you serve with)",
         )
         return
     if capture.status == "unknown":

@@ -75,7 +75,7 @@ def served_config(raw, release: str | None) -> DraftConfig:
     """The architecture, with the aux layers the target engine captures for these ids on this release
     (not the ones the draft was trained on: a mismatch must show up as low acceptance)."""
     config_only = replace(raw, tensors={"d2t": raw.tensors["d2t"]})  # tensors load under the loader's rules
-    config = to_native(config_only, engine_release=release).config
+    config = to_native(config_only, release=release).config
     if raw.layout != "sglang":
         return config
     # A switch the release does not implement is not built: its tensors are dropped with the rest.

@@ -89,7 +89,7 @@ def reference_command(config: PipelineConfig, target_path, draft_path) -> list[s
     command += ["--draft", str(draft_path)] if draft_path is not None else []
     command += ["--num-steps", str(s.num_steps), "--eagle-topk", str(s.eagle_topk),
                 "--num-draft-tokens", str(s.num_draft_tokens)]
-    command += ["--engine-release", s.release] if s.release else []
+    command += ["--release", s.release] if s.release else []
     return command + ["--host", s.host, "--port", str(s.port)]
 
 
@@ -221,7 +221,7 @@ def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[st
         local_target = Path(target) if Path(target).is_dir() else None  # a hub id on the node is not read here
         if local_target is None:
             server.log(f"target {target} is not a directory here: checks against the target are left unknown")
-        report = validate(Path(draft), engine="sglang", engine_release=release, target=local_target,
+        report = validate(Path(draft), engine="sglang", release=release, target=local_target,
                           context_length=config.serving.context_length)
     except BaseException:
         server.stop()

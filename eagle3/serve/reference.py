@@ -147,7 +147,7 @@ def generate(served: Served, body: dict, count: bool = True) -> dict:
     return {"text": text, "output_ids": request.output, "meta_info": meta}
 
 
-def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, engine_release: str | None,
+def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, release: str | None,
          seed: int = 0) -> Served:
     from transformers import AutoModelForCausalLM
 
@@ -156,14 +156,14 @@ def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, engine_rel
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     draft = None
     if draft_dir is not None:
-        draft = draft_as_served(Path(draft_dir), engine_release, target_head(Path(target_dir))["embed"]).eval()
-    return Served(target, load_tokenizer(str(target_dir)), eos_ids_of(target), draft, shape, engine_release,
+        draft = draft_as_served(Path(draft_dir), release, target_head(Path(target_dir))["embed"]).eval()
+    return Served(target, load_tokenizer(str(target_dir)), eos_ids_of(target), draft, shape, release,
                   torch.Generator().manual_seed(seed))
 
 
-def create_app(target_dir, draft_dir=None, shape: DraftShape = DraftShape(3), engine_release: str | None = None,
+def create_app(target_dir, draft_dir=None, shape: DraftShape = DraftShape(3), release: str | None = None,
                seed: int = 0) -> FastAPI:
-    served = load(Path(target_dir), draft_dir, shape, engine_release, seed)
+    served = load(Path(target_dir), draft_dir, shape, release, seed)
     app = FastAPI(title="eagle3 reference server")
 
     @app.post("/generate")
@@ -198,6 +198,6 @@ def create_app(target_dir, draft_dir=None, shape: DraftShape = DraftShape(3), en
         speculative = {} if draft_dir is None else {
             "speculative_num_steps": shape.num_steps, "speculative_eagle_topk": shape.eagle_topk,
             "speculative_num_draft_tokens": shape.num_draft_tokens}
-        return {"version": engine_release or "reference", "internal_states": [state], **speculative}
+        return {"version": release or "reference", "internal_states": [state], **speculative}
 
     return app

@@ -17,14 +17,14 @@ SET=(--config configs/tiny-cpu.yaml --set "run.dir=$RUN" --set target.path=runs/
 "$EAGLE3" vocab build "${SET[@]}"
 "$EAGLE3" data capture "${SET[@]}"
 "$PY" -m eagle3.train "${SET[@]}"
-"$EAGLE3" convert "$RUN/train/best" "$RUN/export/sglang" --to sglang --engine-version "$RELEASE" --overwrite
+"$EAGLE3" convert "$RUN/train/best" "$RUN/export/sglang" --to sglang --release "$RELEASE" --overwrite
 "$EAGLE3" simulate "${SET[@]}"
 
 "$SGLANG_PYTHON" -m sglang.launch_server --model-path runs/targets/tiny --speculative-algorithm EAGLE3 \
   --speculative-draft-model-path "$RUN/export/sglang" --speculative-num-steps 3 --speculative-eagle-topk 1 \
   --speculative-num-draft-tokens 4 --tp 1 --host 127.0.0.1 --port 30010 --context-length 2048 > "$RUN/sglang.log" 2>&1 &
 SGLANG=$!
-"$EAGLE3" serve --target runs/targets/tiny --draft "$RUN/export/sglang" --engine-release "$RELEASE" --port 30011 > "$RUN/reference.log" 2>&1 &
+"$EAGLE3" serve --target runs/targets/tiny --draft "$RUN/export/sglang" --release "$RELEASE" --port 30011 > "$RUN/reference.log" 2>&1 &
 REFERENCE=$!
 trap 'kill $SGLANG $REFERENCE 2>/dev/null || true' EXIT
 for port in 30010 30011; do

@@ -22,7 +22,7 @@ rm -rf "$RUN/train"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$GPUS" -m eagle3.train "${SET[@]}" --set training.max_steps=200
 rm -rf "$RUN/train"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$GPUS" -m eagle3.train "${SET[@]}" --set training.max_steps=200 --set training.fsdp=true
-"$EAGLE3" convert "$RUN/train/best" "$RUN/export/sglang" --to sglang --engine-version 0.5.13 --overwrite
+"$EAGLE3" convert "$RUN/train/best" "$RUN/export/sglang" --to sglang --release 0.5.13 --overwrite
 "$EAGLE3" simulate "${SET[@]}"
 # The Kimi-shaped draft's step at seq 4,096, TTT 7, 2 sequences: tokens/s, MFU, peak memory against eagle3 plan's.
 "$PY" benchmarks/train_throughput.py --steps 5

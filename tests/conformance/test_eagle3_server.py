@@ -219,7 +219,7 @@ def exported(micro, tmp_path_factory):
     def export(release: str):
         if release not in made:  # one export per release, whichever test asks first
             made[release] = save_native_draft(NativeDraft(CONFIG, draft.export_state()), root / release, to="sglang",
-                                              engine_release=release)
+                                              release=release)
         return made[release]
 
     return export

@@ -109,7 +109,7 @@ def sglang_serves_as_written(result: dict, config: dict) -> bool:
 def test_where_sglang_fails_to_build_the_draft_validate_says_how(loaded, fixture, named):
     release, paths, results = loaded
     assert results[fixture]["error"]["type"] in ("AttributeError", "AssertionError")
-    (problem,) = [p for p in validate(paths[fixture], engine_release=release).of("error") if p.code == "draft-vocab-size"]
+    (problem,) = [p for p in validate(paths[fixture], release=release).of("error") if p.code == "draft-vocab-size"]
     assert named in problem.message and results[fixture]["error"]["type"].removesuffix("Error").lower() in (
         problem.message.lower())
 
@@ -133,7 +133,7 @@ def test_the_loader_table_says_which_tensors_load(loaded, fixture):
 @pytest.mark.parametrize("fixture", FIXTURES)
 def test_validate_passes_exactly_what_sglang_loads_whole(loaded, fixture):
     release, paths, results = loaded
-    report = validate(paths[fixture], engine_release=release)
+    report = validate(paths[fixture], release=release)
     loader_errors = [p for p in report.of("error") if p.code in LOADER_ERRORS]
     config = json.loads((paths[fixture] / "config.json").read_text())
     assert (not loader_errors) == sglang_serves_as_written(results[fixture], config), (
