@@ -165,7 +165,7 @@ def test_a_draft_below_the_speedup_bar_rolls_back_by_the_throughput_rule(micro_f
 
 
 def test_a_rerun_with_unchanged_inputs_skips_finished_stages(micro_flow):
-    stages = task_states(micro_flow.rerun.state.state_details.flow_run_id)
+    stages = task_states(micro_flow.rerun.state.state_details.flow_run_id)  # only a gate field changed
     for stage in ("regenerate", "capture", "vocab", "train", "export", "simulate"):
         assert stages[stage] == "Cached", stages
 
