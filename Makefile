@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install test conformance demo demo-rollback clean
+.PHONY: install test e2e conformance demo demo-rollback clean
 
 install: $(VENV)/.installed
 
@@ -20,6 +20,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: install
 	$(PY) -m pytest -q
+
+# The deployment end to end: Prefect server, process worker, `prefect deployment run`, the UI in headless Chromium.
+e2e: install
+	$(PY) -m pytest -q -m e2e
 
 # SGLang's own code from its published releases, run on the CPU against ours (tests/conformance/README.md).
 # Fetches the releases once into ~/.cache/eagle3/sglang (EAGLE3_SGLANG_CACHE); skips when the index is unreachable.

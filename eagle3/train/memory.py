@@ -10,6 +10,7 @@ the plan adds them itself.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -64,7 +65,15 @@ def trainable_parameters(cfg: DraftConfig) -> int:
 
 def training_step_peak_bytes(cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> int:
     """Peak bytes one rank allocates during a step on `sequences` x `seq_len` tokens: teacher outputs,
-    TTT activations, loss, gradients, and the transients between them (not the weights or the batch)."""
+    TTT activations, loss, gradients, and the transients between them (not the weights or the batch).
+    Measured once per shape in a process (seconds at Kimi's size, and the config check, `eagle3 plan` and the
+    flow's load-config each ask)."""
+    return _measured_peak(cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm)
+
+
+@functools.lru_cache(maxsize=16)
+def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> int:
+    cfg = DraftConfig.model_validate_json(cfg_json)
     with FakeTensorMode():
         model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
         hot = torch.arange(cfg.draft_vocab_size)
