@@ -46,3 +46,11 @@ def native_draft(tmp_path: Path) -> Path:
 @pytest.fixture
 def sglang_draft(tmp_path: Path) -> Path:
     return write_draft(tmp_path / "sglang", layout="sglang", release="0.5.13")
+
+
+@pytest.fixture(scope="session")
+def micro_data(tmp_path_factory, micro_target):
+    """The trainer tests' micro data set, built once per session; tests train in copies (test_train.run_copy)."""
+    from test_train import build_micro_data
+
+    return build_micro_data(tmp_path_factory.mktemp("train-data"), micro_target)

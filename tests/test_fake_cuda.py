@@ -14,14 +14,15 @@ from eagle3.model.ttt import draft_chain
 from eagle3.train.trainer import Trainer
 from fake_device import fake_accelerator
 from test_config import TINY
-from test_train import micro_data, run_copy, tiny_draft  # noqa: F401  (micro_data is a fixture)
+from test_train import run_copy, tiny_draft
 
 pytestmark = pytest.mark.fake_cuda
 quiet = lambda line: None  # noqa: E731
 
 
 def fake_trainer(micro_data, tmp_path, device) -> Trainer:
-    overrides, _ = run_copy(micro_data, tmp_path, "fake", ["training.max_steps=2"])
+    # a short replay: what is checked is where its tensors live, not how long it drafts
+    overrides, _ = run_copy(micro_data, tmp_path, "fake", ["training.max_steps=2", "benchmark.max_new_tokens=8"])
     return Trainer(load_config(TINY, overrides), log=quiet, dist=Dist(device=device))
 
 

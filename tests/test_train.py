@@ -30,11 +30,9 @@ TRAIN = ["data.num_samples=64", "training.batch_size=8", "training.seq_len=96", 
          "training.eval_every=10", "training.save_every=2", "training.ttt_steps=3", "benchmark.num_prompts=8"]
 
 
-@pytest.fixture(scope="module")
-def micro_data(tmp_path_factory, micro_target):
+def build_micro_data(run_dir, micro_target):
     """Regenerated, captured (offline features and online token shards) and vocab-mapped micro data, shared by the
-    trainer tests."""
-    run_dir = tmp_path_factory.mktemp("train-data")
+    trainer tests of every module (the `micro_data` fixture in conftest.py)."""
     config = load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN)
     quiet = lambda line: None  # noqa: E731
     regenerate(config, log=quiet)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_config import TINY
 from test_data import micro_overrides
-from test_train import metrics, micro_data, run_copy  # noqa: F401  (micro_data: a fixture)
+from test_train import metrics, run_copy
 
 from eagle3.config import load_config, resolved_config_file
 from eagle3.errors import ConfigError, Eagle3Error
