@@ -7,7 +7,9 @@ import collections
 import pytest
 import torch
 
-from eagle3.model.tree import ROOT, DraftTree, tree_attention, walk_greedy, walk_sampled
+from drafts import TARGET_VOCAB, tiny_config
+from eagle3.model.draft import Eagle3Draft, causal_mask, init_weights
+from eagle3.model.tree import ROOT, DraftCache, DraftTree, draft_tree, tree_attention, walk_greedy, walk_sampled
 from eagle3.model.weights import draft_as_served
 from eagle3.serve.reference import Served, decode
 from eagle3.shape import DraftShape
@@ -112,3 +114,46 @@ def test_tree_shapes_sglang_accepts(shape):
 def test_tree_shapes_sglang_refuses_are_named(args, field):
     with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("+", r"\+")):
         DraftShape(*args)
+
+
+def random_draft(seed: int = 0) -> Eagle3Draft:
+    config = tiny_config(torch_dtype="float32")
+    draft = Eagle3Draft(config, torch.randn(TARGET_VOCAB, config.hidden_size, generator=torch.Generator().manual_seed(seed)))
+    init_weights(draft, seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.mul_(10)  # peaked distributions, so the trees differ from prefix to prefix
+    return draft.eval()
+
+
+@torch.no_grad()
+def test_the_cached_root_equals_a_full_causal_pass_over_the_prefix():
+    """The cache projects each position once and queries only the last: the same logits as projecting the whole
+    prefix and attending causally, at every length it grows through (one position, then several at once)."""
+    draft = random_draft()
+    generator = torch.Generator().manual_seed(1)
+    aux = torch.randn(40, 3 * 32, generator=generator)  # [T, n_aux * TH]
+    tokens = torch.randint(0, TARGET_VOCAB, (41,), generator=generator)
+    cache = DraftCache(draft)
+    for length in (1, 2, 3, 7, 8, 20, 40):
+        cache.extend(aux[:length], tokens[: length + 1])
+        hidden = draft.fc(aux[None, :length])
+        q, k, v = draft.project(tokens[None, 1 : length + 1], hidden, torch.arange(length))
+        _, full = draft.finish(hidden, draft.midlayer.self_attn.attend(q, k, v, causal_mask(length)))
+        torch.testing.assert_close(cache.root()[1], full[0, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [DraftShape(3), DraftShape(3, 4, 8)])
+def test_a_request_drafts_the_same_trees_with_its_cache_as_from_scratch(shape):
+    draft = random_draft(2)
+    generator = torch.Generator().manual_seed(3)
+    aux = torch.randn(30, 3 * 32, generator=generator)
+    tokens = torch.randint(0, TARGET_VOCAB, (31,), generator=generator)
+    cache, trees = DraftCache(draft), set()
+    for length in (5, 6, 9, 10, 14, 30):
+        cached = draft_tree(draft, aux[:length], tokens[: length + 1], shape, cache)
+        assert cached == draft_tree(draft, aux[:length], tokens[: length + 1], shape)
+        trees.add(tuple(cached.tokens))
+    assert len(trees) > 1  # the prefixes draft different trees: the comparison could fail
+    with pytest.raises(ValueError, match="shrank from 30 to 29"):
+        cache.extend(aux[:29], tokens[:30])

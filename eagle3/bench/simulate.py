@@ -34,7 +34,7 @@ from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.aux_states import aux_states
 from eagle3.model.draft import Eagle3Draft
-from eagle3.model.tree import DraftTree, draft_tree, walk_greedy
+from eagle3.model.tree import DraftCache, DraftTree, draft_tree, walk_greedy
 from eagle3.model.weights import draft_as_served, target_head
 from eagle3.progress import Progress
 from eagle3.shape import DraftShape
@@ -123,7 +123,8 @@ def simulate_prompt(draft: Eagle3Draft, target_model, aux_layers: list[int], pro
     seq = list(prompt_ids) + target_greedy(target_model, list(prompt_ids), max_new_tokens + shape.num_steps)
     aux = aux_features(target_model, seq, aux_layers)  # [T, n_aux * H]
     tokens = torch.tensor(seq)  # [T]
-    propose = lambda p: draft_tree(draft, aux[:p], tokens[: p + 1], shape)  # noqa: E731
+    cache = DraftCache(draft)
+    propose = lambda p: draft_tree(draft, aux[:p], tokens[: p + 1], shape, cache)  # noqa: E731
     return replay(seq, len(prompt_ids), propose, shape.num_steps, max_new_tokens, eos_ids, release)
 
 
@@ -159,7 +160,8 @@ def replay_stored(draft: Eagle3Draft, sample: StoredSample, shape: DraftShape, m
     seq = sample.input_ids.long()  # [T]
     device = next(draft.parameters()).device
     aux = sample.aux_hidden.to(device, torch.float32)  # [T, n_aux * H]
-    propose = lambda p: draft_tree(draft, aux[:p], seq[: p + 1].to(device), shape)  # noqa: E731
+    cache = DraftCache(draft)
+    propose = lambda p: draft_tree(draft, aux[:p], seq[: p + 1].to(device), shape, cache)  # noqa: E731
     return replay(seq.tolist(), prompt_len, propose, shape.num_steps, max_new_tokens, eos_ids, release)
 
 

@@ -97,19 +97,59 @@ def walk_sampled(tree: DraftTree, probs: Callable[[int], torch.Tensor], generato
     return path, int(torch.multinomial(residual, 1, generator=generator))
 
 
+class DraftCache:
+    """The draft's keys and values over a request's verified prefix, grown as the prefix grows (serving's KV
+    cache): each verify step projects only the positions it adds, and the root's logits take one query, so a
+    replay costs O(T) draft rows instead of O(T^2)."""
+
+    def __init__(self, model: Eagle3Draft):
+        self.model = model
+        self.keys: torch.Tensor | None = None  # [1, kv_heads, P, d]
+        self.values: torch.Tensor | None = None  # [1, kv_heads, P, d]
+        self.query: torch.Tensor | None = None  # [1, heads, 1, d]: the last position's
+        self.hidden: torch.Tensor | None = None  # [1, 1, H]: the last position's fused target features
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def extend(self, aux: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Cache the positions of a verified prefix (aux [P, n_aux * TH], tokens [P + 1]) not cached yet."""
+        start, length = self.length, aux.shape[0]
+        if length < start:
+            raise ValueError(f"the verified prefix shrank from {start} to {length} positions: one cache per request")
+        if length == start:
+            return
+        hidden = self.model.fc(aux[None, start:])  # [1, new, H]
+        positions = torch.arange(start, length, device=aux.device)
+        q, k, v = self.model.project(tokens[None, start + 1 : length + 1], hidden, positions)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        self.query, self.hidden = q[:, :, -1:], hidden[:, -1:]
+
+    def root(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last verified position's pre-norm output [1, 1, H] and logits [Dv]: it sees the whole prefix."""
+        visible = torch.ones(1, self.length, dtype=torch.bool, device=self.keys.device)
+        attended = self.model.midlayer.self_attn.attend(self.query, self.keys, self.values, visible)
+        hidden, logits = self.model.finish(self.hidden, attended)
+        return hidden, logits[0, -1]
+
+
 @torch.no_grad()
-def draft_tree(model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape) -> DraftTree:
+def draft_tree(model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape,
+               cache: DraftCache | None = None) -> DraftTree:
     """The draft tree after a verified prefix. aux [P, n_aux * TH]: target features of positions 0..P-1;
-    tokens [P + 1]: x_0..x_P, where x_P is the last verified token."""
+    tokens [P + 1]: x_0..x_P, where x_P is the last verified token. `cache`: the request's DraftCache, kept
+    across its verify steps (None: the prefix is projected from scratch)."""
     steps, topk = shape.num_steps, shape.eagle_topk
     length, device = aux.shape[0], aux.device
-    tokens = tokens.to(device)
     attention, hot = model.midlayer.self_attn, model.hot_token_ids()
     vocab = model.embed_tokens.num_embeddings
-    hidden = model.fc(aux[None])  # [1, P, H]
-    q, prefix_k, prefix_v = model.project(tokens[None, 1:], hidden, torch.arange(length, device=device))
-    hidden, logits = model.finish(hidden, attention.attend(q, prefix_k, prefix_v, causal_mask(length, device)))
-    top_p, top_i = logits[0, -1].float().softmax(-1).topk(topk)  # [K]
+    cache = cache if cache is not None else DraftCache(model)
+    cache.extend(aux, tokens.to(device))
+    prefix_k, prefix_v = cache.keys, cache.values
+    hidden, root_logits = cache.root()  # [1, 1, H], [Dv]
+    top_p, top_i = root_logits.float().softmax(-1).topk(topk)  # [K]
     scores, ids, parents = [top_p], [hot[top_i]], [torch.full((topk,), ROOT, device=device)]
     slot_score, slot_node, slot_token = top_p, torch.arange(topk, device=device), hot[top_i]  # [K] each
     slot_hidden = hidden[:, -1:].expand(topk, 1, -1)  # [K, 1, H]: the parent's output

@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from eagle3.bench.counting import SpecRequest, server_accept_length
 from eagle3.model.aux_states import aux_states
 from eagle3.model.draft import Eagle3Draft
-from eagle3.model.tree import ROOT, DraftTree, draft_tree, tree_attention, walk_greedy, walk_sampled
+from eagle3.model.tree import ROOT, DraftCache, DraftTree, draft_tree, tree_attention, walk_greedy, walk_sampled
 from eagle3.model.weights import draft_as_served, target_head
 from eagle3.shape import DraftShape
 
@@ -77,10 +77,11 @@ def next_token(served: Served, logits: torch.Tensor, temperature: float) -> int:
     return int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=served.generator))
 
 
-def verify(served: Served, seq: list[int], aux: torch.Tensor, temperature: float) -> tuple[list[int], torch.Tensor]:
-    """One verify step after the verified `seq` (aux [len(seq) - 1, n_aux * H]): the run it yields (accepted
-    drafts + the bonus token) and the aux features of the verified prefix after it."""
-    tree = draft_tree(served.draft, aux, torch.tensor(seq), served.shape).pruned(served.target.config.vocab_size)
+def verify(served: Served, seq: list[int], aux: torch.Tensor, temperature: float,
+           cache: DraftCache) -> tuple[list[int], torch.Tensor]:
+    """One verify step after the verified `seq` (aux [len(seq) - 1, n_aux * H]; `cache` the request's draft cache):
+    the run it yields (accepted drafts + the bonus token) and the aux features of the verified prefix after it."""
+    tree = draft_tree(served.draft, aux, torch.tensor(seq), served.shape, cache).pruned(served.target.config.vocab_size)
     logits, aux = target_forward(served, seq, tree)  # ONE verify forward: [len(seq) + N, V]
     row = lambda node: logits[len(seq) - 1 if node == ROOT else len(seq) + node]  # noqa: E731 (after `node`)
     if temperature < GREEDY_BELOW:
@@ -98,12 +99,13 @@ def decode(served: Served, prompt: list[int], max_new_tokens: int, temperature: 
     request = SpecRequest(max_new_tokens, served.eos_ids, served.release)
     logits, aux = target_forward(served, prompt)  # prefill: [P, V], aux [P, n_aux * H]
     request.add_token(next_token(served, logits[-1], temperature))
+    cache = DraftCache(served.draft) if served.draft is not None else None
     while request.finish is None:
         seq = prompt + request.output  # the verified tokens
         if served.draft is None:
             request.add_token(next_token(served, target_forward(served, seq)[0][-1], temperature))
             continue
-        run, aux = verify(served, seq, aux, temperature)
+        run, aux = verify(served, seq, aux, temperature, cache)
         request.add_verify(run)
     return request
 
