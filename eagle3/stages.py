@@ -16,6 +16,7 @@ training from checkpoints) starts afresh when its inputs changed, instead of res
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -95,6 +96,8 @@ def config_inputs(config: PipelineConfig, stage: str) -> dict:
         picked["target"] = target_identity(config.target)
     if stage == "regenerate":
         picked["prompt_source"] = prompt_source_hash(config.data.prompts)
+        if config.data.import_path is not None:  # by content, as the prompt source
+            picked["import_sha256"] = imported_file_hash(config.data.import_path)
     return picked
 
 
@@ -103,6 +106,18 @@ def prompt_source_hash(source: str) -> str:
     retrain, which runs in a fresh run directory)."""
     path = Path(source)
     return sha256_file(path) if path.is_file() else source
+
+
+def imported_file_hash(path: Path) -> str:
+    """The content of data.import_path, hashed once per process while the file is unchanged (a 1M x 4k-token import
+    is ~40 GB: the key is asked for several times per run)."""
+    stat = Path(path).stat()
+    return _hash_of(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _hash_of(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(Path(path))
 
 
 def stage_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str:

@@ -1,5 +1,6 @@
-"""Data stage: the target regenerates the answers, then the training data set is made (hidden states captured, or
-token shards only when training computes the features online) with the held-out features the simulator replays."""
+"""Data stage: the target regenerates the answers (or the rows of data.import_path are imported), then the training
+data set is made (hidden states captured, or token shards only when training computes the features online) with the
+held-out features the simulator replays."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from eagle3.config import PipelineConfig
+from eagle3.data.importer import make_samples
 from eagle3.data.node_capture import capture_with_engine
 from eagle3.data.quality import DataQualityError
-from eagle3.data.regenerate import regenerate
 from eagle3.formats.manifest import read_manifest
 from eagle3.report import data_report, quality_section
 from eagle3.stages import output_of
@@ -20,7 +21,7 @@ from tasks.common import cached, log_to_run, run_stage
 def regenerate_answers(config: PipelineConfig) -> dict:
     def work() -> None:
         try:
-            regenerate(config, log=log_to_run())
+            make_samples(config, log=log_to_run())
         except DataQualityError:  # the data artifact shows why before the run fails
             quality = read_manifest(output_of(config, "regenerate"))["quality"]
             failed = ", ".join(p["code"] for p in quality["problems"] if not p["waived"])

@@ -10,13 +10,18 @@ from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, add_
 
 
 def add_step_commands(commands) -> None:
-    data = commands.add_parser("data", help="synthetic data: regenerate answers, capture hidden states")
+    data = commands.add_parser("data", help="synthetic data: regenerate answers (or import rows), capture hidden states")
     data_commands = data.add_subparsers(dest="data_command", required=True)
     for name, handler, text in (
         ("regenerate", run_regenerate, "the target writes the assistant turns of the training prompts"),
         ("capture", run_capture, "capture the target's hidden states for the regenerated samples"),
     ):
         add_config_arguments(data_commands.add_parser(name, help=text)).set_defaults(handler=handler)
+    imported = add_config_arguments(data_commands.add_parser(
+        "import", help="token rows (input_ids + loss_mask) or conversations made elsewhere, with their split if they "
+        "name one, in place of regenerated answers (README: Importing data)"))
+    imported.add_argument("file", nargs="?", type=Path, help="the JSONL to import (default: data.import_path)")
+    imported.set_defaults(handler=run_import)
     quality = add_config_arguments(data_commands.add_parser(
         "quality", help="the data-quality report (data.quality bars) of the regenerated replies, or of the assistant "
         "turns of a conversations file (exit 1: a bar is crossed)"))
@@ -59,6 +64,13 @@ def run_regenerate(args: argparse.Namespace) -> int:
     from eagle3.data.regenerate import regenerate
 
     regenerate(load_run_config(args))
+    return EXIT_OK
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from eagle3.data.importer import import_rows
+
+    import_rows(load_run_config(args), args.file)
     return EXIT_OK
 
 

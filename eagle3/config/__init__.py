@@ -131,6 +131,10 @@ def check_local_inputs(config: PipelineConfig) -> None:
     prompts = config.data.prompts
     if not prompts.startswith(("builtin:", "s3://")) and not Path(prompts).is_file():
         raise ConfigError(f"data.prompts {prompts}: no such file; give a JSONL file, builtin:pydoc or an s3:// URI")
+    imported = config.data.import_path
+    if imported is not None and not imported.is_file():
+        raise ConfigError(f"data.import_path {imported}: no such file; give the JSONL of rows to import, or remove the "
+                          "field to regenerate the answers")
     if config.registry.backend == "local":
         existing = config.registry.path
         while not existing.exists():

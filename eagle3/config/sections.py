@@ -63,6 +63,10 @@ class QualitySection(Section):
 
 class DataSection(Section):
     prompts: str = Field(min_length=1, description="'builtin:pydoc', a JSONL path, or an s3:// URI")
+    import_path: Path | None = Field(
+        default=None, description="a JSONL of token rows (input_ids + loss_mask) or conversations to train on "
+        "instead of regenerated answers: the data stage imports it (`eagle3 data import`) and data.prompts only gives "
+        "the benchmark's held-out prompts")
     engine: Literal["local", "sglang"] = "local"
     num_samples: int = Field(gt=0)
     max_new_tokens: int = Field(gt=0)

@@ -26,13 +26,14 @@ import torch
 from eagle3.config import PipelineConfig
 from eagle3.data.conversation import chat_template_hash
 from eagle3.data.regenerate import REGEN_DIR, read_greedy, read_regenerated, training_ids
-from eagle3.data.shards import ShardWriter, read_stamp, shard_file
+from eagle3.data.shards import SPLIT_FILE, ShardWriter, read_stamp, shard_file
 from eagle3.data.storage import check_storage, projected_bytes
 from eagle3.engines.backends import local_device, target_backend
 from eagle3.engines.features import FeatureBackend, Features, pad_rows
 from eagle3.engines.targets import check_same, load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.manifest import code_version, read_manifest, write_manifest
+from eagle3.fsutil import atomic_write_json
 from eagle3.progress import Progress
 
 Log = Callable[[str], None]
@@ -132,11 +133,13 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
             backend.close()
     if main:
         remove_stale(out, len(jobs))
+        named_eval = write_split(out, records)
         release = release or recorded_release([job.path for job in feature_jobs])
         heldout_manifest = write_manifest(config.stage_dir("data") / HELDOUT_DIR, kind="heldout",
                                           fields=heldout_fields(config, heldout, release))
         write_manifest(out, kind="tokens" if online else "dataset",
-                       fields=dataset_fields(config, regen_manifest, release, records, heldout_manifest))
+                       fields={**dataset_fields(config, regen_manifest, release, records, heldout_manifest),
+                               "named_eval_samples": named_eval})
         log(f"capture: {len(records)} samples in {len(jobs)} shard(s) at {out} "
             f"({sum(not job.todo for job in jobs)} reused); {len(sequences)} held-out sequences with features")
     return out
@@ -212,6 +215,19 @@ def check_rows(batch: list[dict], features: Features, widths: dict[str, int]) ->
         if tuple(tensor.shape) != (len(batch), width, widths[name]):
             raise Eagle3Error(f"the feature backend returned {name} of shape {tuple(tensor.shape)}; expected "
                               f"{(len(batch), width, widths[name])} ({len(batch)} rows of up to {width} tokens)")
+
+
+def write_split(out: Path, records: list[dict]) -> int | None:
+    """The eval rows imported data named (the trainer evaluates on exactly these, whatever training.eval_fraction
+    says); no file when none is named (the trainer splits by id). Kept out of the shards' stamps: another split of
+    the same rows reuses their features. Returns how many eval rows, or None."""
+    path = out / SPLIT_FILE
+    if not any("split" in record for record in records):
+        path.unlink(missing_ok=True)
+        return None
+    eval_ids = [record["id"] for record in records if record.get("split") == "eval"]
+    atomic_write_json(path, {"eval": eval_ids})
+    return len(eval_ids)
 
 
 def remove_stale(out: Path, count: int) -> None:

@@ -56,6 +56,40 @@ def assistant_message(text: str) -> dict:
     return {"role": "assistant", "content": answer.lstrip("\n"), "reasoning_content": reasoning.replace("<think>", "").strip()}
 
 
+def added_ids(tokenizer, covered: str, rendered: str) -> list[int]:
+    """The ids of the text `rendered` adds after `covered`; TemplateMismatch when it renders `covered` otherwise."""
+    if not rendered.startswith(covered):
+        raise TemplateMismatch("the chat template renders earlier turns differently once a later turn is added; "
+                               "the sample ends before that turn")
+    return encode(tokenizer, rendered[len(covered) :])
+
+
+def template_sample(tokenizer, turns: list[dict], thinking: bool) -> tuple[Sample, bool]:
+    """A finished conversation through the chat template, built as regeneration builds a sample: the template text
+    up to each assistant turn's generation prompt (loss mask 0), then the assistant turn as the template renders it,
+    end-of-turn tokens included (loss mask 1). Returns the sample and whether it ended early (a template that
+    rewrites earlier turns, as regeneration's samples end)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    replies: list[list[int]] = []
+    covered, kept = "", 0  # kept: the turns the sample covers (trailing turns without a reply are dropped)
+    for end, turn in enumerate(turns, start=1):
+        if turn["role"] != "assistant":
+            continue
+        try:
+            prompt = render(tokenizer, turns[: end - 1], thinking, generation_prompt=True)
+            before = added_ids(tokenizer, covered, prompt)
+            reply_text = render(tokenizer, turns[:end], thinking, generation_prompt=False)
+            reply = added_ids(tokenizer, prompt, reply_text)
+        except TemplateMismatch:
+            return Sample(ids, mask, turns[:kept], replies), True
+        replies.append([len(ids) + len(before), len(ids) + len(before) + len(reply)])
+        ids += before + reply
+        mask += [0] * len(before) + [1] * len(reply)
+        covered, kept = reply_text, end
+    return Sample(ids, mask, turns[:kept], replies), False
+
+
 class SampleBuilder:
     """Builds one sample turn by turn: the prompt for each reply is exactly the stored ids so far.
 
@@ -87,14 +121,12 @@ class SampleBuilder:
             return None
         messages = self.messages + pending
         rendered = render(self.tokenizer, messages, self.thinking, generation_prompt=True)
-        if not rendered.startswith(self.covered):
+        try:
+            piece = added_ids(self.tokenizer, self.covered, rendered)
+        except TemplateMismatch:
             self.remaining = []
-            raise TemplateMismatch(
-                "the chat template renders earlier turns differently once a later turn is added; "
-                "the sample ends before that turn"
-            )
+            raise
         self.messages = messages
-        piece = encode(self.tokenizer, rendered[len(self.covered) :])
         self.ids += piece
         self.mask += [0] * len(piece)
         self.covered = rendered

@@ -117,6 +117,8 @@ def _openai_turn(turn: object) -> dict:
     if not isinstance(content, str):
         raise ValueError("message content must be a string or a list of text parts")
     role = "system" if turn["role"] == "developer" else turn["role"]
+    if role == "assistant" and isinstance(turn.get("reasoning_content"), str):  # a thinking target's reasoning
+        return {"role": role, "content": content, "reasoning_content": turn["reasoning_content"]}
     return {"role": role, "content": content}
 
 

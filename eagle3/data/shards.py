@@ -161,6 +161,15 @@ class ShardReader:
         return StoredSample(id=self.ids[index], **rows)
 
 
+SPLIT_FILE = "split.json"  # beside the shards when the rows named their split: {"eval": [sample ids]}
+
+
+def named_eval_ids(directory: Path) -> set[str] | None:
+    """The sample ids the data named as eval rows (an import with a split), or None: no split named."""
+    path = Path(directory) / SPLIT_FILE
+    return set(json.loads(path.read_text())["eval"]) if path.is_file() else None
+
+
 def read_dataset(directory: Path):
     """Yield every sample of a dataset directory, shard by shard."""
     for path in sorted(Path(directory).glob("shard-?????.safetensors")):

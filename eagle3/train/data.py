@@ -1,6 +1,8 @@
 """Training batches from the data set's shards: a deterministic, length-bucketed order that every rank computes
 alike, so a global batch is the same whatever the number of ranks. Token rows come from the shards; features from a
-backend (eagle3/engines/features.py): the target itself (online) or the shards' stored columns (offline)."""
+backend (eagle3/engines/features.py): the target itself (online) or the shards' stored columns (offline). The eval
+samples are the ones the data named (an import with a split: split.json beside the shards), else a hash of the sample
+id picks training.eval_fraction of them."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.data.shards import STORED_DTYPE, ShardReader
+from eagle3.data.shards import STORED_DTYPE, ShardReader, named_eval_ids
 from eagle3.engines.features import Features, TokenBatch, empty_features
 from eagle3.errors import Eagle3Error
 
@@ -39,8 +41,10 @@ class TrainingData:
             for s, r in enumerate(self.readers)
             for i in range(len(r))
         ]
-        self.eval = [ref for ref in refs if is_eval_sample(ref.id, eval_fraction)]
-        self.train = [ref for ref in refs if not is_eval_sample(ref.id, eval_fraction)]
+        named = named_eval_ids(dataset_dir)  # the rows' own split (imported data) wins over eval_fraction
+        in_eval = [ref.id in named if named is not None else is_eval_sample(ref.id, eval_fraction) for ref in refs]
+        self.eval = [ref for ref, evaluated in zip(refs, in_eval) if evaluated]
+        self.train = [ref for ref, evaluated in zip(refs, in_eval) if not evaluated]
 
     def batches(self, epoch: int, batch_size: int, seed: int) -> list[list[SampleRef]]:
         """The epoch's global batches: shuffled, bucketed by length, batch order shuffled again."""
