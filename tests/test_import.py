@@ -197,3 +197,11 @@ def test_an_import_over_a_regenerated_set_leaves_it_when_a_row_is_bad(imported, 
     with pytest.raises(Exception, match="line 1, field loss_mask"):
         import_rows(config, write_jsonl(tmp_path / "bad.jsonl", [{**rows[0], "loss_mask": []}]), log=lambda line: None)
     assert (regen / "manifest.json").read_text() == manifest
+
+
+def test_regenerating_a_run_that_imports_is_refused_naming_the_field(micro_target, tmp_path, capsys):
+    source = write_jsonl(tmp_path / "rows.jsonl", outside_rows(AutoTokenizer.from_pretrained(micro_target), count=2))
+    overrides = micro_overrides(tmp_path / "run", micro_target) + [f"data.import_path={source}"]
+    assert main(["data", "regenerate", *cli_args(overrides)]) == 2
+    assert "data.import_path is set" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "data" / "regen").exists()

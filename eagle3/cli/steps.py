@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, add_release_argument, load_run_config
+from eagle3.errors import Eagle3Error
 
 
 def add_step_commands(commands) -> None:
@@ -63,7 +64,11 @@ def run_make_tiny_target(args: argparse.Namespace) -> int:
 def run_regenerate(args: argparse.Namespace) -> int:
     from eagle3.data.regenerate import regenerate
 
-    regenerate(load_run_config(args))
+    config = load_run_config(args)
+    if config.data.import_path is not None:
+        raise Eagle3Error(f"data.import_path is set ({config.data.import_path}): this run trains on imported rows; run "
+                          "`eagle3 data import`, or remove data.import_path to regenerate the answers")
+    regenerate(config)
     return EXIT_OK
 
 
