@@ -81,9 +81,9 @@ def walk_sampled(tree: DraftTree, probs: Callable[[int], torch.Tensor], generato
     path, node, tried = [], ROOT, []
     while len(path) < max_depth:
         coin, mass, tried = float(torch.rand((), generator=generator)), 0.0, []
-        accepted = None
+        accepted, here = None, probs(node)  # [V], once per node: its children are tried against it
         for child in tree.children(node):
-            mass += float(probs(node)[tree.tokens[child]])
+            mass += float(here[tree.tokens[child]])
             if coin <= mass:
                 accepted = child
                 break
