@@ -25,10 +25,11 @@ test: install
 e2e: install
 	$(PY) -m pytest -q -m e2e
 
-# SGLang's own code from its published releases, run on the CPU against ours (tests/conformance/README.md).
-# Fetches the releases once into ~/.cache/eagle3/sglang (EAGLE3_SGLANG_CACHE); skips when the index is unreachable.
+# SGLang's and speculators' own code from their published releases, run on the CPU against ours (tests/conformance).
+# Fetches the releases once into ~/.cache/eagle3/sglang and ~/.cache/eagle3/speculators (EAGLE3_SGLANG_CACHE,
+# EAGLE3_SPECULATORS_CACHE); skips when the index is unreachable.
 conformance: install
-	$(PY) -m pytest -q -m "sglang or sglang_server" tests/conformance
+	$(PY) -m pytest -q -m "sglang or sglang_server or speculators" tests/conformance
 
 # The whole pipeline on the CPU: tiny target, data, vocab, training, export, simulation, servers, gate, registry.
 demo: install

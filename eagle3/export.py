@@ -1,9 +1,10 @@
 """Export stage: the trained draft (run.dir/train/best) written in every configured layout, and the served
 (sglang) layout validated against what SGLang will do with it - the target, the layers the data captured, the
-release and the context length - before any server starts. Problems fail the stage by name, except codes the
-config waives on purpose (`export.waive`), which are logged and recorded.
+release and the context length - before any server starts; a speculators layout is validated against speculators'
+loader too. Problems fail the stage by name, except codes the config waives on purpose (`export.waive`), which are
+logged and recorded.
 
-Writes run.dir/export/<layout>/ and run.dir/export/validation.json.
+Writes run.dir/export/<layout>/ and run.dir/export/validation.json (the speculators report under "speculators").
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from eagle3.formats.problems import Report
 from eagle3.formats.target import read_target_info
 from eagle3.formats.validate import validate
 from eagle3.fsutil import atomic_write_json
+from eagle3.model.weights import target_verifier
 
 Log = Callable[[str], None]
 VALIDATION_FILE = "validation.json"
@@ -44,27 +46,34 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     (out / VALIDATION_FILE).unlink(missing_ok=True)  # never report an earlier export's checklist as this one's
     target = Path(config.target.path)
     num_layers = read_target_info(target).num_hidden_layers if target.is_dir() else config.target.num_hidden_layers
+    # the speculators layout names the target as its verifier and ships the target's embedding
+    verifier = target_verifier(target, config.target.weight_prefix) if "speculators" in config.export.layouts else None
     dirs = {}
     for layout in config.export.layouts:
         dirs[layout] = convert(source, out / layout, to=layout, target_family=config.target.family,
                                release=config.serving.release, target_num_layers=num_layers, overwrite=True,
-                               num_steps=config.serving.num_steps, log=log)
+                               num_steps=config.serving.num_steps, log=log, verifier=verifier)
         log(f"export: {layout} layout for SGLang {config.serving.release or '(release unknown)'} -> {dirs[layout]}")
     if config.export.fault == "absolute-d2t":
         log("export: WARNING: export.fault=absolute-d2t: writing the served d2t as absolute ids (demo of the gate)")
         make_d2t_absolute(dirs["sglang"])
-    report = validate(dirs["sglang"], release=config.serving.release, target=target if target.is_dir() else None,
-                      data_manifest=dataset_dir(config) / MANIFEST_FILE,
-                      context_length=config.serving.context_length)
-    validation = with_waivers(report, config.export.waive, log)
+    checks = dict(target=target if target.is_dir() else None, data_manifest=dataset_dir(config) / MANIFEST_FILE,
+                  context_length=config.serving.context_length)
+    reports = {layout: validate(dirs[layout], engine=layout, release=config.serving.release if layout == "sglang"
+                                else None, **checks) for layout in dirs}
+    validation = with_waivers(reports["sglang"], config.export.waive, log)
+    if "speculators" in reports:
+        validation["speculators"] = with_waivers(reports["speculators"], config.export.waive, log)
     atomic_write_json(out / VALIDATION_FILE, validation)  # the checklist is kept whether the export passed or not
-    errors = [p for p in validation["problems"] if p["severity"] == "error"]
-    if errors:
-        listed = "\n".join(f"  {p['code']}: {p['message']} (fix: {p['fix']})" for p in errors)
-        raise ExportInvalid(f"the export {report.path} would be served wrongly by SGLang "
-                            f"{report.engine_release or '(strictest rules)'}; no server was started:\n{listed}", errors)
-    log(f"export: {report.path} valid for SGLang {report.engine_release or '(strictest rules)'} "
-        f"({len(report.of('warning'))} warning(s), {len(report.of('unknown'))} check(s) not run)")
+    for layout, report in reports.items():
+        engine = f"{'SGLang' if layout == 'sglang' else layout} {report.engine_release or '(strictest rules)'}"
+        errors = [asdict(p) for p in report.errors(config.export.waive)]
+        if errors:
+            listed = "\n".join(f"  {p['code']}: {p['message']} (fix: {p['fix']})" for p in errors)
+            raise ExportInvalid(f"the export {report.path} would be {'served' if layout == 'sglang' else 'loaded'} "
+                                f"wrongly by {engine}; no server was started:\n{listed}", errors)
+        log(f"export: {report.path} valid for {engine} ({len(report.of('warning'))} warning(s), "
+            f"{len(report.of('unknown'))} check(s) not run)")
     return {"dirs": {layout: str(path) for layout, path in dirs.items()}, "validation": validation}
 
 

@@ -48,7 +48,9 @@ STAGE_INPUTS = {
               "training.seed", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
               "benchmark.num_prompts", "benchmark.max_new_tokens"),
     "export": ("export", "serving.release", "serving.context_length", "target.family", "target.num_hidden_layers",
-               "serving.num_steps"),  # the speculators layout records it as speculative_tokens
+               # the speculators layout records the serving num_steps as speculative_tokens, names the target as its
+               # verifier and ships the target's embedding
+               "serving.num_steps", "target.path", "target.weight_prefix"),
     "simulate": ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
                  "benchmark.max_new_tokens", "benchmark.num_prompts",
                  "data.thinking"),

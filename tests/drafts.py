@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from eagle3.formats.checkpoint import DraftConfig, NativeDraft, expected_shapes, save_native_draft
+from eagle3.formats.checkpoint import DraftConfig, NativeDraft, Verifier, expected_shapes, save_native_draft
 from eagle3.formats.vocab_map import build_vocab_map
 
 TARGET_LAYERS = 4
@@ -53,5 +55,31 @@ def tiny_draft(seed: int = 0, **overrides) -> NativeDraft:
     return NativeDraft(config=config, tensors=tensors)
 
 
+def tiny_verifier(vocab: int = TARGET_VOCAB, hidden: int = 32, name: str = "tiny-target") -> Verifier:
+    """The target a speculators export names, with a random embedding (no files: tests of the layout alone)."""
+    embed = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(7))
+    return Verifier(name, ["LlamaForCausalLM"], embed)
+
+
 def write_draft(path: Path, layout: str = "native", release: str | None = None, **overrides) -> Path:
-    return save_native_draft(tiny_draft(**overrides), path, to=layout, release=release)
+    draft = tiny_draft(**overrides)
+    verifier = tiny_verifier(draft.config.vocab_size, draft.config.hidden_size) if layout == "speculators" else None
+    return save_native_draft(draft, path, to=layout, release=release, verifier=verifier)
+
+
+def write_tiny_target(path: Path, vocab: int = TARGET_VOCAB, hidden: int = 32, layers: int = TARGET_LAYERS,
+                      prefix: str = "") -> Path:
+    """A target directory as the speculators layout names it: a Llama config.json that transformers reads, and the
+    target's head tensors (embedding, final norm, lm_head; random bf16) in model.safetensors under `prefix`."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": 2 * hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": hidden // 4, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 512, "torch_dtype": "bfloat16"}
+    (path / "config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(11)
+    head = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator),
+            "lm_head.weight": torch.randn(vocab, hidden, generator=generator),
+            "model.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator)}
+    save_file({prefix + name: t.to(torch.bfloat16) for name, t in head.items()}, path / "model.safetensors")
+    return path

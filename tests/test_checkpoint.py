@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafts import tiny_draft, write_draft
+from drafts import tiny_draft, tiny_verifier, write_draft
 from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.formats.checkpoint import convert, load_native, save_native_draft
 from eagle3.formats.engines import LAYER_TENSORS, loaded_name, loader_rule
@@ -33,7 +33,7 @@ def test_round_trips_are_lossless(tmp_path, family, release, layers, num_layers)
     overrides = dict(target_family=family, aux_layers=layers, target_num_hidden_layers=num_layers)
     native = write_draft(tmp_path / "native", **overrides)
     convert(native, tmp_path / "sglang", to="sglang", release=release)
-    convert(tmp_path / "sglang", tmp_path / "spec", to="speculators")
+    convert(tmp_path / "sglang", tmp_path / "spec", to="speculators", verifier=tiny_verifier())
     convert(tmp_path / "spec", tmp_path / "sglang2", to="sglang", release=release)
     convert(tmp_path / "sglang2", tmp_path / "back", to="native")
     original = load_native(native)
@@ -60,7 +60,7 @@ def test_sglang_export_has_every_field_sglang_needs(tmp_path):
 
 def test_speculators_export_uses_layers_0_and_vllm_numbering(tmp_path):
     write_draft(tmp_path / "native")
-    convert(tmp_path / "native", tmp_path / "spec", to="speculators")
+    convert(tmp_path / "native", tmp_path / "spec", to="speculators", verifier=tiny_verifier())
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
@@ -71,7 +71,7 @@ def test_speculators_export_uses_layers_0_and_vllm_numbering(tmp_path):
 
 def _speculators_draft(tmp_path, **config_changes):
     write_draft(tmp_path / "native", target_family="deepseek_v2", aux_layers=[1, 3, 5], target_num_hidden_layers=8)
-    convert(tmp_path / "native", tmp_path / "spec", to="speculators")
+    convert(tmp_path / "native", tmp_path / "spec", to="speculators", verifier=tiny_verifier())
     path = tmp_path / "spec" / "config.json"
     config = json.loads(path.read_text())
     config.update(config_changes)
@@ -167,7 +167,7 @@ def _sglang_with(tmp_path, mutate):
 def test_conversion_refuses_what_a_loader_would_skip_or_misread(tmp_path, mutate, pattern):
     src = _sglang_with(tmp_path, mutate)
     with pytest.raises(ConversionError, match=pattern):
-        convert(src, tmp_path / "out", to="speculators")
+        convert(src, tmp_path / "out", to="speculators", verifier=tiny_verifier())
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
 
@@ -217,8 +217,8 @@ def test_destination_is_never_clobbered_without_overwrite(tmp_path):
     write_draft(tmp_path / "native")
     convert(tmp_path / "native", tmp_path / "out", to="sglang", release="0.5.13")
     with pytest.raises(FileExistsError, match="--overwrite"):
-        convert(tmp_path / "native", tmp_path / "out", to="speculators")
-    convert(tmp_path / "native", tmp_path / "out", to="speculators", overwrite=True)
+        convert(tmp_path / "native", tmp_path / "out", to="speculators", verifier=tiny_verifier())
+    convert(tmp_path / "native", tmp_path / "out", to="speculators", overwrite=True, verifier=tiny_verifier())
     assert "speculators_config" in json.loads((tmp_path / "out" / "config.json").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["native", "out"]
 

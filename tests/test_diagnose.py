@@ -66,8 +66,8 @@ def store_d2t_as_int32(draft):
 
 
 @pytest.mark.parametrize(("fault", "code", "line"), [
-    (lambda d: edit_config(d, tie_word_embeddings=True), "config-tie-embeddings", "config.json fields SGLang reads"),
-    (lambda d: edit_config(d, num_hidden_layers=2), "config-num-layers", "config.json fields SGLang reads"),
+    (lambda d: edit_config(d, tie_word_embeddings=True), "config-tie-embeddings", "config.json fields the engine reads"),
+    (lambda d: edit_config(d, num_hidden_layers=2), "config-num-layers", "config.json fields the engine reads"),
     (lambda d: edit_config(d, intermediate_size=96), "shape-mismatch", "tensor shapes and dtypes vs config.json"),
     (store_d2t_as_int32, "dtype", "tensor shapes and dtypes vs config.json"),
 ], ids=["tied-embeddings", "two-layers", "intermediate-size", "int32-d2t"])

@@ -1,21 +1,27 @@
 """The layout adapters (eagle3/formats/layouts): each reads back what it writes, names and config; the release an
-export records decides how its ids are read; the speculators layout records the serving shape's num_steps."""
+export records decides how its ids are read; the speculators layout records the serving shape's num_steps, names
+the target as its verifier and ships the target's embedding (speculators' own loader runs on it in
+tests/conformance/test_speculators.py)."""
 
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import write_data_manifest
-from drafts import tiny_draft, write_draft
+from drafts import tiny_draft, tiny_verifier, write_draft, write_tiny_target
+from eagle3.cli import main
 from eagle3.config import load_config
 from eagle3.data.capture import dataset_dir
-from eagle3.errors import ConversionError
+from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.export import export_draft
 from eagle3.formats.checkpoint import RawCheckpoint, convert, detect_layout, draft_config, load_native, read_checkpoint
 from eagle3.formats.layouts import LAYOUTS
+from eagle3.formats.layouts.speculators import ARCHITECTURE, SPECULATORS_RELEASE
 from eagle3.formats.manifest import MANIFEST_FILE
+from eagle3.model.weights import target_verifier
 from eagle3.stages import stage_key
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml"
@@ -27,7 +33,7 @@ SWITCHES = dict(fc_norm=True, norm_before_fc=True, norm_output=True)
 def test_each_adapter_reads_back_the_names_it_writes(layout):
     adapter = LAYOUTS[layout]
     draft = tiny_draft(**SWITCHES)
-    config = adapter.encode_config(draft.config, "0.5.17", 3)
+    config = adapter.encode_config(draft.config, "0.5.17", 3, tiny_verifier())
     names = adapter.tensor_names(list(draft.tensors))
     assert names.keys() == draft.tensors.keys() and len(set(names.values())) == len(names)
     assert {adapter.canonical_name(name, config) for name in names.values()} == set(draft.tensors)
@@ -46,7 +52,7 @@ def test_the_decoder_layer_name_belongs_to_its_layout():
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_each_layout_detects_its_config_and_decodes_it_to_the_same_draft(tmp_path, layout):
     draft = tiny_draft(**KIMI, **SWITCHES)
-    config = LAYOUTS[layout].encode_config(draft.config, "0.5.17", 3)
+    config = LAYOUTS[layout].encode_config(draft.config, "0.5.17", 3, tiny_verifier())
     assert detect_layout(config, tmp_path) == layout
     raw = RawCheckpoint(tmp_path, layout, config, draft.tensors)
     assert draft_config(raw) == draft.config  # exports record the target: the caller need not know it
@@ -89,24 +95,72 @@ def speculative_tokens(directory: Path) -> int:
 
 
 def test_speculative_tokens_are_the_num_steps_given(tmp_path):
-    native = write_draft(tmp_path / "native")
-    assert speculative_tokens(convert(native, tmp_path / "default", to="speculators")) == 3
-    assert speculative_tokens(convert(native, tmp_path / "five", to="speculators", num_steps=5)) == 5
+    native, verifier = write_draft(tmp_path / "native"), tiny_verifier()
+    assert speculative_tokens(convert(native, tmp_path / "default", to="speculators", verifier=verifier)) == 3
+    assert speculative_tokens(convert(native, tmp_path / "five", to="speculators", num_steps=5, verifier=verifier)) == 5
     with pytest.raises(ConversionError, match="num_steps is 0: speculators' speculative_tokens must be at least 1"):
-        convert(native, tmp_path / "zero", to="speculators", num_steps=0)
+        convert(native, tmp_path / "zero", to="speculators", num_steps=0, verifier=verifier)
     assert not (tmp_path / "zero").exists()
 
 
-def test_the_export_stage_writes_serving_num_steps_into_the_speculators_layout(tmp_path):
-    overrides = [f"run.dir={tmp_path / 'run'}", f"target.path={tmp_path / 'no-target'}", "serving.num_steps=5",
+def test_the_speculators_layout_names_its_verifier_and_ships_the_targets_embedding(tmp_path):
+    target = write_tiny_target(tmp_path / "target", prefix="language_model.")
+    verifier = target_verifier(target, "language_model.")
+    exported = convert(write_draft(tmp_path / "native"), tmp_path / "spec", to="speculators", verifier=verifier)
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE] == ["Eagle3DraftModel"]
+    assert config["speculators_version"] == SPECULATORS_RELEASE == "0.9.0"
+    assert config["speculators_config"]["verifier"] == {"name_or_path": str(target.resolve()),
+                                                        "architectures": ["LlamaForCausalLM"]}
+    embed = load_file(exported / "model.safetensors")["embed_tokens.weight"]
+    target_embed = load_file(target / "model.safetensors")["language_model.model.embed_tokens.weight"]
+    assert embed.dtype == torch.bfloat16 and torch.equal(embed, target_embed)
+    assert load_native(exported).tensors.keys() == tiny_draft().tensors.keys()  # read back without it
+
+
+def test_a_speculators_export_needs_its_target(tmp_path, capsys):
+    native = write_draft(tmp_path / "native")
+    needs_target = r"names its verifier .* pass the target \(`eagle3 convert ... --target DIR`\)"
+    with pytest.raises(ConversionError, match=needs_target):
+        convert(native, tmp_path / "spec", to="speculators")
+    other_size = r"the target's embedding \(other\) is \[256, 48\], the draft needs \[256, 32\]"
+    with pytest.raises(ConversionError, match=other_size):
+        convert(native, tmp_path / "spec", to="speculators", verifier=tiny_verifier(hidden=48, name="other"))
+    assert not (tmp_path / "spec").exists()
+    assert main(["convert", str(native), str(tmp_path / "spec"), "--to", "speculators"]) == 1
+    assert "pass the target (`eagle3 convert ... --target DIR`)" in capsys.readouterr().err
+    target = write_tiny_target(tmp_path / "target")
+    assert main(["convert", str(native), str(tmp_path / "spec"), "--to", "speculators", "--target", str(target),
+                 "--num-steps", "4"]) == 0
+    assert speculative_tokens(tmp_path / "spec") == 4
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(target.resolve())
+
+
+def test_the_export_stage_writes_serving_num_steps_and_the_target_into_the_speculators_layout(tmp_path):
+    target = write_tiny_target(tmp_path / "target")
+    overrides = [f"run.dir={tmp_path / 'run'}", f"target.path={target}", "serving.num_steps=5",
                  "serving.context_length=512", "export.layouts=[sglang, speculators]"]
     config = load_config(TINY, overrides)
     write_draft(config.stage_dir("train") / "best")
     dataset_dir(config).mkdir(parents=True)
     write_data_manifest(dataset_dir(config) / MANIFEST_FILE, aux_layers=[0, 1, 2])
-    dirs = export_draft(config, log=lambda line: None)["dirs"]
-    assert speculative_tokens(Path(dirs["speculators"])) == 5
-    assert load_file(Path(dirs["speculators"]) / "model.safetensors").keys() >= {"layers.0.mlp.up_proj.weight"}
-    # another num_steps is another export
-    three_steps = load_config(TINY, [o for o in overrides if not o.startswith("serving.num_steps=")])
-    assert stage_key("export", config, ["train"]) != stage_key("export", three_steps, ["train"])
+    result = export_draft(config, log=lambda line: None)
+    spec = Path(result["dirs"]["speculators"])
+    assert speculative_tokens(spec) == 5
+    assert load_file(spec / "model.safetensors").keys() >= {"layers.0.mlp.up_proj.weight", "embed_tokens.weight"}
+    assert result["validation"]["speculators"]["ok"] and result["validation"]["speculators"]["engine"] == "speculators"
+    # another num_steps, or another target path, is another export
+    for field in ("serving.num_steps=", "target.path="):
+        other = load_config(TINY, [o for o in overrides if not o.startswith(field)])
+        assert stage_key("export", config, ["train"]) != stage_key("export", other, ["train"])
+
+
+def test_the_export_stage_refuses_a_speculators_layout_without_the_targets_weights(tmp_path):
+    overrides = [f"run.dir={tmp_path / 'run'}", f"target.path={tmp_path / 'no-target'}",
+                 "serving.context_length=512", "export.layouts=[sglang, speculators]"]
+    config = load_config(TINY, overrides)
+    write_draft(config.stage_dir("train") / "best")
+    with pytest.raises(UnreadableInput, match="no-target: no target model directory here; the speculators layout "
+                                              "ships the target's embedding"):
+        export_draft(config, log=lambda line: None)

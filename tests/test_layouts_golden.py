@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.formats.checkpoint import DraftConfig, NativeDraft, convert, expected_shapes, save_native_draft
+from eagle3.formats.checkpoint import DraftConfig, NativeDraft, Verifier, convert, expected_shapes, save_native_draft
 
 GOLDEN = Path(__file__).parent / "golden" / "layouts"
 UPDATE = os.environ.get("EAGLE3_UPDATE_GOLDEN") == "1"
@@ -53,6 +53,12 @@ def golden_draft(**overrides) -> NativeDraft:
     return NativeDraft(config, tensors)
 
 
+def golden_verifier(config: DraftConfig) -> Verifier:
+    """The target the speculators layout names, with an embedding from arange like the weights."""
+    values = (torch.arange(config.vocab_size * config.hidden_size, dtype=torch.float32) * 5) % 53 - 26
+    return Verifier("golden-target", ["LlamaForCausalLM"], (values / 16).reshape(config.vocab_size, config.hidden_size))
+
+
 KIMI = dict(target_family="kimi_k25", aux_layers=[2, 3, 5], target_num_hidden_layers=8, torch_dtype="float16")
 FLAGGED = dict(FLAGS, rope_scaling=ROPE_SCALING)
 
@@ -78,7 +84,7 @@ def export(tmp_path: Path, overrides: dict, conversions: list[tuple[str, str | N
     for step, (layout, release) in enumerate(conversions):
         current = convert(current, tmp_path / f"{step}-{layout}", to=layout, target_family=draft.config.target_family,
                           release=release, target_num_layers=draft.config.target_num_hidden_layers,
-                          num_steps=num_steps)
+                          num_steps=num_steps, verifier=golden_verifier(draft.config))
     return current
 
 

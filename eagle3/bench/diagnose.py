@@ -23,9 +23,9 @@ CHECKS: dict[str, tuple[Code, ...]] = {
         Code.SKIPPED_TENSOR, Code.MISSING_TENSOR, Code.DUPLICATE_TENSOR, Code.UNSUPPORTED_FLAG, Code.FLAG_MISPLACED,
     ),
     "tensor shapes and dtypes vs config.json": (Code.SHAPE_MISMATCH, Code.DTYPE, Code.ARCHITECTURE_UNCHECKED),
-    "config.json fields SGLang reads": (
+    "config.json fields the engine reads": (
         Code.CONFIG_MODEL_TYPE, Code.CONFIG_NUM_LAYERS, Code.CONFIG_TIE_EMBEDDINGS, Code.CONFIG_TORCH_DTYPE,
-        Code.CONFIG_FIELD,
+        Code.CONFIG_FIELD, Code.SPECULATORS_CONFIG, Code.VERIFIER,
     ),
     "d2t encoding (offsets)": (
         Code.D2T_ABSOLUTE, Code.D2T_OUT_OF_RANGE, Code.D2T_T2D_DISAGREE, Code.D2T_ENCODING, Code.D2T_UNSORTED,

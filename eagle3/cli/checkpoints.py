@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_release_argument
+from eagle3.shape import DEFAULT_NUM_STEPS
 
 
 def add_checkpoint_commands(commands) -> None:
@@ -20,15 +21,22 @@ def add_checkpoint_commands(commands) -> None:
     convert.add_argument("dst", type=Path)
     convert.add_argument("--to", required=True, choices=("sglang", "speculators", "native"))
     add_release_argument(convert, "SGLang release the export is for (decides the aux ids)")
-    convert.add_argument("--target", type=Path, help="target model directory (its config.json)")
+    convert.add_argument("--target", type=Path, help="target model directory (its config.json; for --to speculators "
+                         "also its embedding, and the verifier the export names)")
     convert.add_argument("--target-family", help="SGLang model file of the target, e.g. llama, deepseek_v2")
+    convert.add_argument("--weight-prefix", default="", help="name prefix of the target's tensors, e.g. "
+                         "'language_model.' (target.weight_prefix)")
+    convert.add_argument("--num-steps", type=int, default=DEFAULT_NUM_STEPS,
+                         help="drafting steps per verify step it is served with (speculators' speculative_tokens)")
     convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     convert.set_defaults(handler=run_convert)
 
     validate = commands.add_parser("validate", help="check a draft against what the serving engine will do")
     validate.add_argument("path", type=Path)
-    validate.add_argument("--engine", default="sglang", choices=("sglang",))
-    add_release_argument(validate, "SGLang release (default: the strictest rules)")
+    validate.add_argument("--engine", default="sglang", choices=("sglang", "speculators"),
+                          help="the loader to check against: SGLang's, or speculators' from_pretrained")
+    add_release_argument(validate, "the engine's release (SGLang: default the strictest rules; speculators: the one "
+                         "release whose loader was read)")
     validate.add_argument("--target", type=Path, help="target model directory (its config.json)")
     validate.add_argument("--target-family", help="SGLang model file of the target, if --target is not given")
     validate.add_argument("--data-manifest", type=Path, help="manifest of the training data (captured layers)")
@@ -48,11 +56,14 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_convert(args: argparse.Namespace) -> int:
     from eagle3.formats.checkpoint import convert
     from eagle3.formats.target import read_target_info
+    from eagle3.model.weights import target_verifier
 
-    family, num_layers = args.target_family, None
+    family, num_layers, verifier = args.target_family, None, None
     if args.target is not None:
         info = read_target_info(args.target)
         family, num_layers = family or info.family, info.num_hidden_layers
+        if args.to == "speculators":
+            verifier = target_verifier(args.target, args.weight_prefix)
     out = convert(
         args.src,
         args.dst,
@@ -61,6 +72,8 @@ def run_convert(args: argparse.Namespace) -> int:
         release=args.release,
         target_num_layers=num_layers,
         overwrite=args.overwrite,
+        num_steps=args.num_steps,
+        verifier=verifier,
     )
     print(f"wrote {args.to} layout to {out}")
     return EXIT_OK

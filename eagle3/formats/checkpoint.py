@@ -23,7 +23,15 @@ from safetensors.torch import load_file, save_file
 from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.formats import engines
 from eagle3.formats.layouts import LAYOUTS, LayoutAdapter
-from eagle3.formats.layouts.draft import NATIVE_FORMAT, PROVENANCE_KEY, DraftConfig, Log, Provenance, RawCheckpoint
+from eagle3.formats.layouts.draft import (
+    NATIVE_FORMAT,
+    PROVENANCE_KEY,
+    DraftConfig,
+    Log,
+    Provenance,
+    RawCheckpoint,
+    Verifier,
+)
 from eagle3.formats.manifest import write_manifest
 from eagle3.formats.vocab_map import VocabMap, VocabMapError, check_invariants
 from eagle3.fsutil import atomic_directory, read_json
@@ -318,10 +326,11 @@ def save_native_draft(
     overwrite: bool = False,
     source: str | None = None,
     num_steps: int = DEFAULT_NUM_STEPS,
+    verifier: Verifier | None = None,
 ) -> Path:
     """Write a checked draft in the given layout, atomically (nothing at `dst` unless it all worked)."""
     with atomic_directory(Path(dst), overwrite=overwrite) as tmp:
-        write_draft_files(draft, tmp, to, target_family, release, source, num_steps)
+        write_draft_files(draft, tmp, to, target_family, release, source, num_steps, verifier)
     return Path(dst)
 
 
@@ -333,17 +342,21 @@ def write_draft_files(
     release: str | None = None,
     source: str | None = None,
     num_steps: int = DEFAULT_NUM_STEPS,
+    verifier: Verifier | None = None,
 ) -> None:
     """Check a draft and write its weights, config and manifest into an existing directory. `num_steps` is the
-    drafting steps per verify step it is served with (the speculators layout records it)."""
+    drafting steps per verify step it is served with, and `verifier` the target it is for (the speculators layout
+    records both, and ships the target's embedding)."""
     adapter = LAYOUTS.get(to)
     if adapter is None:
         raise ConversionError(f"unknown layout {to!r}; choose one of {', '.join(LAYOUTS)}")
     check_native(draft, Path(source or directory))
     config = draft.config.model_copy(update={"target_family": target_family or draft.config.target_family})
-    encoded = adapter.encode_config(config, release, num_steps)
+    encoded = adapter.encode_config(config, release, num_steps, verifier)
     names = adapter.tensor_names(list(draft.tensors))
     tensors = {names[canonical]: tensor.contiguous() for canonical, tensor in draft.tensors.items()}
+    if verifier is not None:
+        tensors.update(adapter.verifier_tensors(config, verifier))
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(encoded, indent=2) + "\n")
     write_manifest(directory, kind=f"draft-{to}", fields={"layout": to, "source": source, "engine_release": release})
@@ -359,8 +372,10 @@ def convert(
     overwrite: bool = False,
     num_steps: int = DEFAULT_NUM_STEPS,
     log: Log = print,
+    verifier: Verifier | None = None,
 ) -> Path:
     """Convert a draft between layouts. The release and family decide the aux ids SGLang needs; a source our
-    export wrote is read for the release it records."""
+    export wrote is read for the release it records. The speculators layout needs the `verifier`."""
     draft = to_native(read_checkpoint(Path(src)), target_family, release, target_num_layers, log)
-    return save_native_draft(draft, dst, to, target_family, release, overwrite, source=str(src), num_steps=num_steps)
+    return save_native_draft(draft, dst, to, target_family, release, overwrite, source=str(src), num_steps=num_steps,
+                             verifier=verifier)

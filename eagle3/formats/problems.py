@@ -29,6 +29,9 @@ class ProblemCode(StrEnum):
     CONFIG_TIE_EMBEDDINGS = "config-tie-embeddings"  # tie_word_embeddings replaces the trained head
     CONFIG_TORCH_DTYPE = "config-torch-dtype"  # no torch_dtype: the engine picks one
     CONFIG_FIELD = "config-field"  # a field the shapes are derived from is absent
+    # what speculators' loader needs beyond the tensors
+    SPECULATORS_CONFIG = "speculators-config"  # a speculators config its loader refuses or misreads
+    VERIFIER = "verifier"  # the verifier is unnamed, absent here, or not the draft's target
     # tensor shapes and dtypes
     SHAPE_MISMATCH = "shape-mismatch"  # a tensor's shape disagrees with config.json
     DTYPE = "dtype"  # a tensor's dtype is wrong, or not the declared torch_dtype

@@ -2,8 +2,10 @@
 
 Each problem has a code (eagle3.formats.problems), a severity and a fix. A check whose inputs are missing
 (no target, no data manifest, no release where the answer depends on it) is reported with severity
-"unknown": it was not passed, it was not checked. The tensor names, config fields and dtypes are checked
-in eagle3.formats.loader_checks; the shapes, the vocab map, the aux ids and the context length here.
+"unknown": it was not passed, it was not checked. The engine is SGLang (LlamaForCausalLMEagle3), or speculators'
+own loader (`--engine speculators`, checked in eagle3.formats.speculators_checks). For SGLang the tensor names,
+config fields and dtypes are checked in eagle3.formats.loader_checks; the shapes, the vocab map, the aux ids and
+the context length here.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import torch
 
 from eagle3.formats import engines
 from eagle3.formats.checkpoint import PROVENANCE_KEY, RawCheckpoint, draft_shapes, read_checkpoint
+from eagle3.formats.layouts.speculators import SPECULATORS_RELEASE
 from eagle3.formats.loader_checks import check_config_fields, check_dtypes, check_names, sample_names
 from eagle3.formats.manifest import read_data_capture
 from eagle3.formats.problems import CONVERT_HINT, ProblemCode, Report
+from eagle3.formats.speculators_checks import check_speculators
 from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import analyze_d2t
+
+ENGINES = ("sglang", "speculators")
 
 
 @dataclass
@@ -43,9 +49,13 @@ def validate(
     context_length: int | None = None,
     target_family: str | None = None,
 ) -> Report:
-    if engine != "sglang":
-        raise ValueError(f"engine {engine!r} is not supported; only 'sglang' is validated")
-    if release is not None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}")
+    if engine == "speculators":
+        if release not in (None, SPECULATORS_RELEASE):
+            raise ValueError(f"speculators {release}: only the loader of speculators {SPECULATORS_RELEASE} was read")
+        release = SPECULATORS_RELEASE
+    elif release is not None:
         engines.parse_release(release)
     raw = read_checkpoint(Path(path))
     report = Report(path=str(path), engine=engine, engine_release=release)
@@ -59,6 +69,12 @@ def validate(
         )
         return report
     ctx = _context(raw, target, data_manifest, target_family)
+    if engine == "speculators":
+        _check_vocab(raw, check_speculators(raw, ctx, report), ctx, report)
+        layer = raw.config.get("transformer_layer_config")
+        _check_context(layer.get("max_position_embeddings") if isinstance(layer, dict) else None, context_length,
+                       report)
+        return report
     if engines.MLA_DRAFT_ARCHITECTURE in (raw.config.get("architectures") or []):
         _report_mla_draft(raw, ctx, release, context_length, report)
         return report
@@ -69,7 +85,7 @@ def validate(
     num_aux = _check_shapes(raw, loaded, ctx, rule, where, report)
     _check_vocab(raw, loaded, ctx, report)
     _check_aux_ids(raw, ctx, release, num_aux, report)
-    _check_context(raw, context_length, report)
+    _check_context(raw.config.get("max_position_embeddings"), context_length, report)
     return report
 
 
@@ -89,7 +105,7 @@ def _report_mla_draft(raw: RawCheckpoint, ctx: Context, release: str | None, con
     ids = _nested_ids(raw.config) or raw.config.get("eagle_aux_hidden_state_layer_ids")
     num_aux = len(ids) if ids else 3  # how models/kimi_k25_eagle3.py sizes its fc
     _check_aux_ids(raw, ctx, release, num_aux, report)
-    _check_context(raw, context_length, report)
+    _check_context(raw.config.get("max_position_embeddings"), context_length, report)
 
 
 def _eagle_shaped(raw: RawCheckpoint) -> bool:
@@ -335,8 +351,7 @@ def _check_aux_ids(raw: RawCheckpoint, ctx: Context, release: str | None, num_au
         )
 
 
-def _check_context(raw: RawCheckpoint, context_length: int | None, report: Report) -> None:
-    max_positions = raw.config.get("max_position_embeddings")
+def _check_context(max_positions: int | None, context_length: int | None, report: Report) -> None:
     if context_length is None:
         report.add(ProblemCode.CONTEXT_LENGTH, "unknown", "serving context length not compared",
                    "pass --context-length N")

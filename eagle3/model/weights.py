@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from eagle3.errors import UnreadableInput
 from eagle3.formats import engines
-from eagle3.formats.checkpoint import DraftConfig, NativeDraft, read_checkpoint, to_native
+from eagle3.formats.checkpoint import DraftConfig, NativeDraft, Verifier, read_checkpoint, to_native
+from eagle3.formats.target import read_target_info
 from eagle3.model.draft import Eagle3Draft, init_weights
 
 TARGET_HEAD = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
@@ -43,6 +44,19 @@ def target_head(target_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     """{"embed": [V, H], "norm": [H], "lm_head": [V, H]} of the target, as float32."""
     tensors = read_target_tensors(target_dir, [prefix + name for name in TARGET_HEAD.values()])
     return {key: tensors[prefix + name].float() for key, name in TARGET_HEAD.items()}
+
+
+def target_verifier(target_dir: Path, prefix: str = "") -> Verifier:
+    """The target as the speculators layout names it: its resolved directory, architecture and embedding."""
+    target_dir = Path(target_dir)
+    if not target_dir.is_dir():
+        raise UnreadableInput(
+            f"{target_dir}: no target model directory here; the speculators layout ships the target's embedding, so "
+            "export it where the target's weights are (or leave speculators out of export.layouts)"
+        )
+    architecture = read_target_info(target_dir).architecture
+    embed = read_target_tensors(target_dir, [prefix + TARGET_HEAD["embed"]])[prefix + TARGET_HEAD["embed"]]
+    return Verifier(str(target_dir.resolve()), [architecture] if architecture else [], embed)
 
 
 def draft_from_native(draft: NativeDraft, embed: torch.Tensor) -> Eagle3Draft:

@@ -1,7 +1,8 @@
-"""The SGLang conformance suite: SGLang's own code, from its published releases, run against ours.
+"""The conformance suites: SGLang's own code, and speculators' (marker `speculators`), from their published
+releases, run against ours.
 
-Selected with `make conformance` (`pytest -m "sglang or sglang_server" tests/conformance`); the default
-`pytest` run leaves it out (it fetches ~1.5 GB once into the cache, see releases.py). Each release's
+Selected with `make conformance` (`pytest -m "sglang or sglang_server or speculators" tests/conformance`); the
+default `pytest` run leaves them out (they fetch ~1.5 GB once into the cache, see releases.py). Each release's
 probe runs once per test module, in that release's child process; tests compare its answers with the
 project's code.
 """
@@ -21,14 +22,13 @@ import releases  # noqa: E402
 def pytest_collection_modifyitems(items):
     here = Path(__file__).parent
     for item in items:
-        if Path(item.fspath).is_relative_to(here) and "sglang_server" not in item.keywords:
+        if Path(item.fspath).is_relative_to(here) and not {"sglang_server", "speculators"} & set(item.keywords):
             item.add_marker(pytest.mark.sglang)
 
 
-@pytest.fixture(scope="session")
-def run_sglang():
-    """run_sglang(release, probe, job) -> the probe's answer, from one child process per release; skips
-    when the package index is unreachable."""
+def release_runner(package: str):
+    """run(release, probe, job) -> the probe's answer, from one child process per release of `package`; skips
+    when the package index is unreachable. A generator: the children close when the session ends."""
     children: dict[str, releases.ReleaseProcess] = {}
     answers: dict = {}
 
@@ -37,12 +37,22 @@ def run_sglang():
         if key not in answers:
             if release not in children:
                 try:
-                    children[release] = releases.ReleaseProcess(release)
+                    children[release] = releases.ReleaseProcess(release, package=package)
                 except releases.IndexUnreachable as err:
-                    pytest.skip(f"SGLang {release} cannot be fetched: {err}")
+                    pytest.skip(f"{package} {release} cannot be fetched: {err}")
             answers[key] = children[release].run(probe, job)
         return answers[key]
 
     yield run
     for child in children.values():
         child.close()
+
+
+@pytest.fixture(scope="session")
+def run_sglang():
+    yield from release_runner("sglang")
+
+
+@pytest.fixture(scope="session")
+def run_speculators():
+    yield from release_runner("speculators")

@@ -1,4 +1,4 @@
-"""SGLang's published releases, unpacked for running their CPU-side code here.
+"""SGLang's (and speculators') published releases, unpacked for running their CPU-side code here.
 
 Each release is the wheel from the package index (`pip download --no-deps sglang==X`), unzipped, plus
 the exact pins its metadata gives for the packages whose versions its imports depend on (transformers
@@ -9,6 +9,10 @@ package cannot share an interpreter) with `inside/` first on its path: see `insi
 
 The cache lives outside the clone (`EAGLE3_SGLANG_CACHE`, default ~/.cache/eagle3/sglang) so CI runs
 on one machine reuse it; a release is complete only once its marker is written.
+
+speculators (pure Python) is unpacked the same way beside it (`EAGLE3_SPECULATORS_CACHE`, default
+~/.cache/eagle3/speculators): its wheel, the newest transformers its bounds allow (it pins none), and the
+pure-Python packages its imports need (requirements-speculators.txt).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ PINNED = ("transformers", "xgrammar", "apache-tvm-ffi")  # taken at the release'
 HERE = Path(__file__).parent
 INSIDE = HERE / "inside"
 SHARED_REQUIREMENTS = HERE / "requirements-sglang.txt"
+SPECULATORS_REQUIREMENTS = HERE / "requirements-speculators.txt"
 NETWORK_ERRORS = ("NewConnectionError", "Temporary failure in name resolution", "Could not fetch URL", "ProxyError",
                   "Max retries exceeded", "Network is unreachable")
 RESULT_PREFIX = "EAGLE3-PROBE-RESULT "  # the child's answer line (SGLang's imports print warnings on stdout)
@@ -111,19 +116,57 @@ def prepare(release: str) -> list[Path]:
     return [INSIDE, release_dir / "site", release_dir / "pins", shared]
 
 
+def speculators_cache_root() -> Path:
+    return Path(os.environ.get("EAGLE3_SPECULATORS_CACHE", Path.home() / ".cache" / "eagle3" / "speculators"))
+
+
+def _unpack_speculators(release: str, into: Path) -> None:
+    wheels = into / "wheel"
+    _pip("download", "--no-deps", "--quiet", f"speculators=={release}", "-d", str(wheels))
+    (wheel,) = wheels.glob("speculators-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(into / "site")
+    shutil.rmtree(wheels)
+    _pip("install", "--quiet", "--target", str(into / "pins"), _newest_allowed(into / "site", "transformers"))
+
+
+def _newest_allowed(site: Path, name: str) -> str:
+    """`name==X` for the `<=X` bound the release's metadata puts on it."""
+    (metadata,) = site.glob("*.dist-info/METADATA")
+    for line in metadata.read_text().splitlines():
+        match = re.match(rf"Requires-Dist: {name}\s*[^;]*<=\s*([0-9][^,;\s]*)", line, re.IGNORECASE)
+        if match:
+            return f"{name}=={match.group(1)}"
+    raise RuntimeError(f"{metadata} bounds no {name} release from above; add how to choose one to tests/conformance")
+
+
+def prepare_speculators(release: str) -> list[Path]:
+    """The sys.path entries that run speculators `release` here (downloading what is missing)."""
+    root = speculators_cache_root()
+    release_dir = _install_once(root / release, lambda into: _unpack_speculators(release, into))
+    shared = _install_once(root / ("shared-" + _digest(SPECULATORS_REQUIREMENTS.read_text())),
+                           lambda into: _pip("install", "--quiet", "--no-deps", "--target", str(into), "-r",
+                                             str(SPECULATORS_REQUIREMENTS)))
+    return [INSIDE, release_dir / "site", release_dir / "pins", shared]
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+PREPARE = {"sglang": prepare, "speculators": prepare_speculators}
+
+
 class ReleaseProcess:
     """A child process running `release` for the whole test session: SGLang's imports, most of a probe's
-    time, are paid once. Each `run` sends one probe's job; `inside/run.py` answers it on one line."""
+    time, are paid once. Each `run` sends one probe's job; `inside/run.py` answers it on one line. `package`:
+    sglang, or speculators."""
 
-    def __init__(self, release: str, timeout_s: float = 900):
-        path = os.pathsep.join(str(p) for p in prepare(release))
+    def __init__(self, release: str, timeout_s: float = 900, package: str = "sglang"):
+        path = os.pathsep.join(str(p) for p in PREPARE[package](release))
         env = {**os.environ, "PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        self.release, self.timeout_s = release, timeout_s
+        self.label, self.timeout_s = f"{package} {release}", timeout_s
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: SGLang's warnings never block it
         self.process = subprocess.Popen([sys.executable, str(INSIDE / "run.py")], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env)
@@ -138,11 +181,11 @@ class ReleaseProcess:
         finally:
             watchdog.cancel()
         if reply is None:
-            raise RuntimeError(f"SGLang {self.release} probe {probe}: the child exited ({self.process.wait()}):\n"
+            raise RuntimeError(f"{self.label} probe {probe}: the child exited ({self.process.wait()}):\n"
                                + self._stderr_tail())
         answer = json.loads(reply.removeprefix(RESULT_PREFIX))
         if "error" in answer:
-            raise RuntimeError(f"SGLang {self.release} probe {probe} raised:\n{answer['error']}")
+            raise RuntimeError(f"{self.label} probe {probe} raised:\n{answer['error']}")
         return answer["answer"]
 
     def _stderr_tail(self, lines: int = 30) -> str:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from eagle3.formats.layouts import native, sglang, speculators
-from eagle3.formats.layouts.draft import DraftConfig, Log, RawCheckpoint
+from eagle3.formats.layouts.draft import DraftConfig, Log, RawCheckpoint, Verifier
 
 
 class LayoutAdapter(Protocol):
@@ -27,9 +29,13 @@ class LayoutAdapter(Protocol):
         """DraftConfig's fields from the checkpoint's config.json, read for the target family, SGLang release and
         target layer count the caller knows (None: not known)."""
 
-    def encode_config(self, cfg: DraftConfig, release: str | None, num_steps: int) -> dict:
+    def encode_config(self, cfg: DraftConfig, release: str | None, num_steps: int, verifier: Verifier | None) -> dict:
         """This layout's config.json for a checked draft, for an SGLang release, served with `num_steps` drafting
-        steps per verify step."""
+        steps per verify step, for the target `verifier` (None: not known)."""
+
+    def verifier_tensors(self, cfg: DraftConfig, verifier: Verifier) -> dict[str, torch.Tensor]:
+        """The target's tensors this layout ships beside the draft's own, under its names (after encode_config
+        accepted the verifier)."""
 
 
 LAYOUTS: dict[str, LayoutAdapter] = {"native": native, "sglang": sglang, "speculators": speculators}

@@ -1,6 +1,6 @@
-"""What every layout adapter shares: the native config (DraftConfig), a checkpoint as read from disk, our
-provenance record inside exported config.json files, the one rename table, and the config fields that the sglang
-config and speculators' transformer_layer_config both spell as a Llama decoder layer."""
+"""What every layout adapter shares: the native config (DraftConfig), a checkpoint as read from disk, the target an
+export names (Verifier), our provenance record inside exported config.json files, the one rename table, and the
+config fields that the sglang config and speculators' transformer_layer_config both spell as a Llama decoder layer."""
 
 from __future__ import annotations
 
@@ -65,6 +65,16 @@ class Provenance(BaseModel):
     target_num_hidden_layers: int = Field(gt=1)
     target_family: str | None = None
     engine_release: str | None = None
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """The target a draft is exported for, as a layout that names it needs it (speculators: the verifier its loader
+    reads, and the target's embedding shipped beside the draft's own weights)."""
+
+    name_or_path: str  # a hub id, or a directory where the export is loaded
+    architectures: list[str]  # the target's config.json architectures
+    embed_tokens: torch.Tensor  # [vocab, hidden], the target's own
 
 
 @dataclass

@@ -10,6 +10,7 @@ from eagle3.formats.layouts.draft import (
     DraftConfig,
     Log,
     RawCheckpoint,
+    Verifier,
     canonical_with_layer_at,
     names_with_layer_at,
 )
@@ -33,5 +34,9 @@ def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, n
     return raw.config
 
 
-def encode_config(cfg: DraftConfig, release: str | None, num_steps: int) -> dict:
+def encode_config(cfg: DraftConfig, release: str | None, num_steps: int, verifier: Verifier | None) -> dict:
     return cfg.model_dump()
+
+
+def verifier_tensors(cfg: DraftConfig, verifier: Verifier) -> dict:
+    return {}  # the trainer reads the target's embedding from the target itself

@@ -11,6 +11,7 @@ from eagle3.formats.layouts.draft import (
     DraftConfig,
     Log,
     RawCheckpoint,
+    Verifier,
     architecture_fields,
     llama_layer_fields,
     names_with_layer_at,
@@ -65,7 +66,7 @@ def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, n
     return trained_fields(raw, fields, family, num_layers)
 
 
-def encode_config(cfg: DraftConfig, release: str | None, num_steps: int) -> dict:
+def encode_config(cfg: DraftConfig, release: str | None, num_steps: int, verifier: Verifier | None) -> dict:
     """The config SGLang `release` (None: every release in the table) reads as this draft; refused when that
     release would build another network or capture other layers."""
     family = cfg.target_family
@@ -99,3 +100,7 @@ def encode_config(cfg: DraftConfig, release: str | None, num_steps: int) -> dict
     }
     config.update({flag: True for flag in cfg.flags()})
     return config
+
+
+def verifier_tensors(cfg: DraftConfig, verifier: Verifier) -> dict:
+    return {}  # SGLang swaps in the target's embedding

@@ -1,7 +1,19 @@
-"""The speculators layout (vLLM): the decoder layer under `layers.0.*`, its own config (`speculators_config`,
-top-level ids in vLLM numbering - our id + 1 on every release - and the layer as `transformer_layer_config`)."""
+"""The speculators layout (speculators and vLLM): the decoder layer under `layers.0.*`, its own config
+(`speculators_config`, top-level ids in vLLM numbering - our id + 1 on every release - and the layer as
+`transformer_layer_config`), written so that speculators' own `from_pretrained` loads it as is
+(tests/conformance/test_speculators.py runs SPECULATORS_RELEASE's loader on it):
+- `speculators_config.verifier` names the target: the loader reads its config (AutoConfig.from_pretrained of
+  the name; None fails) and its head and final norm (the training-time teacher).
+- the target's embedding is shipped as `embed_tokens.weight`. The loader copies the verifier's only into an
+  embedding that is NaN, and under transformers 5 a tensor missing from the checkpoint is left uninitialised
+  (measured with speculators 0.9.0 and transformers 5.19: in ten loads of an export without it, three to five held
+  garbage, not the target's). speculators' own save writes it too, and vLLM compares it with the target's and
+  shares the target's when equal. At Kimi-K2.5 it is 163840 x 7168 bf16 = 2.35 GB beside the 1.92 GB draft.
+"""
 
 from __future__ import annotations
+
+import torch
 
 from eagle3.errors import ConversionError
 from eagle3.formats import engines
@@ -11,6 +23,7 @@ from eagle3.formats.layouts.draft import (
     DraftConfig,
     Log,
     RawCheckpoint,
+    Verifier,
     architecture_fields,
     canonical_with_layer_at,
     llama_layer_fields,
@@ -21,6 +34,9 @@ from eagle3.formats.layouts.draft import (
 )
 
 LAYER_PREFIX = "layers.0"
+SPECULATORS_RELEASE = "0.9.0"  # whose loader reads what encode_config writes (its speculators_version)
+ARCHITECTURE = "Eagle3DraftModel"  # the class that release registers for eagle3, and writes when it saves one
+EMBED_TOKENS = "embed_tokens.weight"
 # speculators' speculative_tokens is the drafting steps per verify step: SGLang's --speculative-num-steps, our
 # serving.num_steps (eagle3.shape.DEFAULT_NUM_STEPS when a conversion is told no serving shape).
 
@@ -67,15 +83,20 @@ def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, n
     return trained_fields(raw, fields, family, num_layers)
 
 
-def encode_config(cfg: DraftConfig, release: str | None, num_steps: int) -> dict:
-    """speculators' config; `num_steps` becomes its speculative_tokens. Its ids mean the same on every release, so
-    none is recorded."""
+def encode_config(cfg: DraftConfig, release: str | None, num_steps: int, verifier: Verifier | None) -> dict:
+    """speculators' config, naming the verifier; `num_steps` becomes its speculative_tokens. Its ids mean the same
+    on every release, so none is recorded."""
+    if verifier is None:
+        raise ConversionError(
+            "the speculators layout names its verifier (speculators' from_pretrained reads the target's config and "
+            "head from it) and ships the target's embedding: pass the target (`eagle3 convert ... --target DIR`)"
+        )
     if num_steps < 1:
         raise ConversionError(f"num_steps is {num_steps}: speculators' speculative_tokens must be at least 1")
     return {
-        "architectures": ["Eagle3Speculator"],
+        "architectures": [ARCHITECTURE],
         "speculators_model_type": "eagle3",
-        "speculators_version": "0.1.0",
+        "speculators_version": SPECULATORS_RELEASE,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -83,7 +104,7 @@ def encode_config(cfg: DraftConfig, release: str | None, num_steps: int) -> dict
                 {"proposal_type": "greedy", "speculative_tokens": num_steps, "verifier_accept_k": 1,
                  "accept_tolerance": 0.0}
             ],
-            "verifier": {"name_or_path": None, "architectures": []},
+            "verifier": {"name_or_path": verifier.name_or_path, "architectures": list(verifier.architectures)},
         },
         "transformer_layer_config": llama_layer_fields(cfg),
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -93,3 +114,14 @@ def encode_config(cfg: DraftConfig, release: str | None, num_steps: int) -> dict
         **{flag: getattr(cfg, flag) for flag in FLAGS},
         PROVENANCE_KEY: provenance(cfg, None),
     }
+
+
+def verifier_tensors(cfg: DraftConfig, verifier: Verifier) -> dict[str, torch.Tensor]:
+    """The target's embedding, in the draft's dtype (see the module's docstring for why it is shipped)."""
+    expected = (cfg.vocab_size, cfg.hidden_size)
+    if tuple(verifier.embed_tokens.shape) != expected:
+        raise ConversionError(
+            f"the target's embedding ({verifier.name_or_path}) is {list(verifier.embed_tokens.shape)}, the draft "
+            f"needs {list(expected)} (vocab_size x hidden_size): is it the target the draft was trained for?"
+        )
+    return {EMBED_TOKENS: verifier.embed_tokens.to(getattr(torch, cfg.torch_dtype)).contiguous()}
