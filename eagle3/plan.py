@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
+from eagle3.data.regenerate import greedy_length
 from eagle3.data.shards import TOKEN_BYTES
 from eagle3.data.storage import human_bytes, projected_bytes
 from eagle3.errors import ConfigError, UnreadableInput
@@ -104,15 +105,16 @@ def target_size(config: PipelineConfig) -> tuple[TargetSize | None, str]:
 
 def plan_memory(config: PipelineConfig) -> MemoryPlan:
     size, note = target_size(config)
-    stages = [regeneration_stage(config, size), capture_stage(config, size), training_stage(config, size),
-              serving_stage(config, size)]
+    stages = [regeneration_stage(config, size), capture_stage(config, size), training_stage(config, size)]
+    if config.serving is not None:  # a training-only config serves nothing
+        stages.append(serving_stage(config, size))
     return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, stored_bytes(config), config.training.features)
 
 
 def stored_bytes(config: PipelineConfig) -> dict[str, int]:
     """Upper bounds of what the data stage stores: hidden states (none online) and the held-out features."""
-    data, bench = config.data, config.benchmark
-    heldout_tokens = bench.num_prompts * (data.max_length + bench.max_new_tokens + config.serving.num_steps)
+    data = config.data
+    heldout_tokens = config.heldout_set[0] * (data.max_length + greedy_length(config))
     hidden = 0 if config.training.features == "online" else data.num_samples * data.max_length
     return {"hidden_states": projected_bytes(config, hidden)[1], "tokens": data.num_samples * data.max_length * TOKEN_BYTES,
             "heldout_features": projected_bytes(config, heldout_tokens)[1]}

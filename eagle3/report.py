@@ -3,9 +3,13 @@ tell what a run did and why it promoted or rolled back. Pure functions of the st
 
 from __future__ import annotations
 
+import statistics
+
 from eagle3.data.storage import human_bytes
 from eagle3.formats.inspect import render as render_inspect
 from eagle3.plots import bars, figure, lines, markdown_image
+from eagle3.train.timing import THROUGHPUT_WINDOW
+from eagle3.train.trainer import BEST_BY
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -93,20 +97,36 @@ def vocab_report(stats: dict, inspected: dict) -> str:
                         "```\n" + render_inspect(inspected) + "\n```"])
 
 
-def training_report(records: list[dict]) -> str:
-    evals = [r for r in records if "eval_loss" in r]
+def training_report(records: list[dict], best_by: str) -> str:
+    """The trainer's metrics records; `best_by`: the rule that picked train/best (training.best_by)."""
+    evals = [r for r in records if "eval_time_s" in r]
     steps = [r for r in records if "loss" in r]
     every = max(len(steps) // 20, 1)
     picked = [r for i, r in enumerate(steps) if i % every == 0 or i == len(steps) - 1]
     positions = len(picked[0]["step_acc"]) if picked else 0
-    parts = ["# Training", training_curves(steps, evals),
-             table(["step", "loss", *[f"acc@{k}" for k in range(positions)], "tokens/s"],
+    parts = ["# Training", training_curves(steps, evals), training_times(steps, evals, best_by),
+             table(["step", "loss", *[f"acc@{k}" for k in range(positions)], f"tokens/s (last {THROUGHPUT_WINDOW} steps)"],
                    [[r["step"], r["loss"], *r["step_acc"], r.get("tokens_per_s")] for r in picked])]
     if evals:
         parts += ["## Evaluation",
-                  table(["step", "eval loss", "simulated accept length"],
-                        [[r["step"], r["eval_loss"], r.get("eval_accept_length")] for r in evals])]
+                  table(["step", "eval loss", "weighted acc", "simulated accept length", "eval s", f"best by {best_by}"],
+                        [[r["step"], r.get("eval_loss"), r.get("eval_weighted_acc"), r.get("eval_accept_length"),
+                          r["eval_time_s"], "new best" if r.get("new_best") else ""] for r in evals])]
     return "\n\n".join(parts)
+
+
+def training_times(steps: list[dict], evals: list[dict], best_by: str) -> str:
+    """Where the time went: training steps (evaluation and checkpoints apart) and evaluation."""
+    times = [r["step_time_s"] for r in steps if "step_time_s" in r]
+    parts = [sum(r.get(key, 0.0) for r in evals) for key in ("eval_time_s", "eval_loss_time_s", "eval_replay_time_s")]
+    best = [r for r in evals if r.get("new_best")]
+    rows = [["median step time (s)", statistics.median(times) if times else None],
+            [f"tokens/s over the last {THROUGHPUT_WINDOW} steps", steps[-1].get("tokens_per_s") if steps else None],
+            ["evaluation, total (s)", f"{parts[0]:.1f} (loss pass {parts[1]:.1f}, replay {parts[2]:.1f}) over "
+             f"{len(evals)} evaluations"],
+            [f"best draft by {best_by}", f"step {best[-1]['step']}, {BEST_BY[best_by][0]} {fmt(best[-1][BEST_BY[best_by][0]])}"
+             if best else None]]
+    return table(["timing", "value"], rows)
 
 
 def training_curves(steps: list[dict], evals: list[dict]) -> str:
@@ -115,7 +135,7 @@ def training_curves(steps: list[dict], evals: list[dict]) -> str:
         return "No training step was logged."
     loss = {"train": [(r["step"], r["loss"]) for r in steps]}
     if evals:
-        loss["eval"] = [(r["step"], r["eval_loss"]) for r in evals]
+        loss["eval"] = [(r["step"], r["eval_loss"]) for r in evals if "eval_loss" in r]
     last = len(steps[0]["step_acc"]) - 1
     accuracy = {f"acc@{k}": [(r["step"], r["step_acc"][k]) for r in steps] for k in sorted({0, last})}
     panels = [lines("loss", "step", loss), lines("top-1 accuracy", "step", accuracy)]

@@ -27,6 +27,7 @@ from typing import Callable
 
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
+from eagle3.data.regenerate import greedy_length
 from eagle3.engines.targets import target_identity
 from eagle3.formats.manifest import MANIFEST_FILE, code_version
 from eagle3.fsutil import atomic_write_bytes, sha256_file
@@ -37,16 +38,16 @@ IN_PROGRESS = "in-progress "
 # stage -> the config fields (sections or dotted fields) that decide its output
 STAGE_INPUTS = {
     "regenerate": ("data.prompts", "data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length",
-                   "data.temperature", "data.thinking", "data.heldout_fraction", "data.quality",
-                   # the held-out greedy continuations: which prompts, how long
-                   "benchmark.num_prompts", "benchmark.max_new_tokens", "serving.num_steps"),
-    "capture": ("data.aux_layers", "data.last_hidden", "data.capture_engine", "training.features"),
+                   "data.temperature", "data.thinking", "data.heldout_fraction", "data.quality"),
+    "capture": ("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype", "training.features"),
     "vocab": ("vocab",),
     "train": ("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
-              "training.warmup_steps", "training.max_steps", "training.batch_size", "training.seq_len",
+              "training.warmup_steps", "training.warmup_start", "training.lr_floor", "training.adam_betas",
+              "training.weight_decay", "training.max_steps", "training.batch_size", "training.seq_len",
               "training.grad_clip", "training.eval_fraction", "training.init_from", "training.eval_every",
-              "training.seed", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
-              "benchmark.num_prompts", "benchmark.max_new_tokens"),
+              "training.seed", "training.best_by", "training.replay_prompts", "training.replay_max_new_tokens",
+              "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens", "benchmark.num_prompts",
+              "benchmark.max_new_tokens"),
     "export": ("export", "serving.release", "serving.context_length", "target.family", "target.num_hidden_layers",
                # the speculators layout records the serving num_steps as speculative_tokens, names the target as its
                # verifier and ships the target's embedding
@@ -92,7 +93,7 @@ def config_inputs(config: PipelineConfig, stage: str) -> dict:
     for dotted in STAGE_INPUTS[stage]:
         node = values
         for part in dotted.split("."):
-            node = node[part]
+            node = None if node is None else node[part]  # a section a training-only config leaves out: None
         picked[dotted] = node
     if stage in READS_TARGET:
         picked["target"] = target_identity(config.target)
@@ -100,6 +101,8 @@ def config_inputs(config: PipelineConfig, stage: str) -> dict:
         picked["prompt_source"] = prompt_source_hash(config.data.prompts)
         if config.data.import_path is not None:  # by content, as the prompt source
             picked["import_sha256"] = imported_file_hash(config.data.import_path)
+        # the held-out greedy continuations: how many prompts, how long (the benchmark's, or the replay's)
+        picked["heldout"] = [config.heldout_set[0], greedy_length(config)]
     return picked
 
 

@@ -26,13 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("full", "retrain", "benchmark"), default="full")
     args = parser.parse_args(argv)
 
-    from eagle3.config import check_local_inputs, load_config
+    from eagle3.config import DEPLOYMENT_SECTIONS, check_local_inputs, load_config, require_sections
     from eagle3.errors import Eagle3Error
     from flows.eagle3 import eagle3, ensure_registry_limit
     from flows.summary import summary
 
     try:
         config = load_config(args.config, args.overrides)
+        require_sections(config, DEPLOYMENT_SECTIONS, "eagle3 run (the whole pipeline)")
         check_local_inputs(config)  # before anything reaches Prefect: a missing path creates no flow run
     except Eagle3Error as err:
         print(f"eagle3 run: {err}", file=sys.stderr)

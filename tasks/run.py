@@ -11,7 +11,9 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-from eagle3.config import PipelineConfig, check_local_inputs, load_config, resolved_config_file
+from eagle3.config import (
+    DEPLOYMENT_SECTIONS, PipelineConfig, check_local_inputs, load_config, require_sections, resolved_config_file,
+)
 from eagle3.config.sections import RegistrySection
 from eagle3.deployment.promotion import retrain_overrides
 from eagle3.plan import require_fit
@@ -41,6 +43,7 @@ def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[Pipel
     """The validated config (a retrain adds its run directory and warm start) and the path of its resolved file,
     which the stages' subprocesses (trainers, node commands) read."""
     run_config = load_config(config, overrides)
+    require_sections(run_config, DEPLOYMENT_SECTIONS, "the eagle3 flow (the whole pipeline)")
     check_local_inputs(run_config)
     require_fit(run_config, config)  # refused before any stage when a GPU stage would not fit
     if mode == "retrain":

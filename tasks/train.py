@@ -27,7 +27,8 @@ def train_draft(config: PipelineConfig, resolved: str, dataset: dict, vocab: dic
         with terminate_on_sigterm():  # a cancelled flow run takes the trainers' process groups with it
             out = train(config, resolved, log=log_to_run(), on_metrics=on_metrics)
         records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines() if line.strip()]
-        create_markdown_artifact(key="training", markdown=training_report(records),
-                                 description="loss and per-position accuracy by step; evaluation")
+        markdown = training_report(records, config.training.best_by)
+        create_markdown_artifact(key="training", markdown=markdown, description="loss and per-position accuracy by "
+                                 "step; step and evaluation times; evaluation")
 
     return run_stage("train", config, {"dataset": dataset, "vocab": vocab}, work)

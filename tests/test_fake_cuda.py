@@ -43,7 +43,7 @@ def test_the_model_the_teacher_and_a_training_step_live_on_the_device(micro_data
 def test_evaluation_and_the_acceptance_replay_stay_on_the_device(micro_data, tmp_path):
     with fake_accelerator() as device:
         trainer = fake_trainer(micro_data, tmp_path, device)
-        totals, accept = trainer.eval_sums()  # eval batches through the draft, then chain drafting replayed
+        totals, accept = trainer.loss_sums(), trainer.replay_counts()  # eval batches, then chain drafting replayed
         assert totals.device == accept.device == device
         assert totals.shape == (3, trainer.config.training.ttt_steps) and accept.shape == (2,)
 

@@ -153,6 +153,7 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     assert chosen["concurrency"] == 2 and manifest["metrics"]["production"]["speedup"] > 0
     assert "# Serving sweep" in found["sweep"] and "data:image/svg+xml;base64," in found["sweep"]
     assert "data:image/svg+xml;base64," in found["training"]
+    assert "median step time (s)" in found["training"] and "evaluation, total (s)" in found["training"]
     speedup = f"speedup {manifest['metrics']['production']['speedup']:.2f}x over the no-draft server"
     assert speedup in found["decision"]
 

@@ -15,10 +15,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def load_run_config(args: argparse.Namespace):
-    from eagle3.config import load_config
+def load_run_config(args: argparse.Namespace, needs: tuple[str, ...] = ()):
+    """The config of --config/--set; `needs`: the sections a training-only config leaves out that this command uses."""
+    from eagle3.config import load_config, require_sections
 
-    return load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides)
+    require_sections(config, needs, args.command)
+    return config
 
 
 # The SGLang release is `--release` everywhere (serving.release in the config); the old per-command spellings work

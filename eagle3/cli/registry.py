@@ -42,7 +42,7 @@ def add_registry_commands(commands) -> None:
 def open_config_registry(args: argparse.Namespace):
     from eagle3.registry.registry import open_registry
 
-    config = load_run_config(args)
+    config = load_run_config(args, needs=("registry",))
     return config, open_registry(config.registry, log=lambda line: print(line, file=sys.stderr))
 
 

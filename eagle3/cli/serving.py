@@ -46,7 +46,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.config is None and (args.prompts is None or args.overrides):
         raise ValueError("bench: give --prompts FILE, or --config (held-out prompts and defaults); --set needs --config")
-    config = load_run_config(args) if args.config is not None else None
+    config = load_run_config(args, needs=("benchmark",)) if args.config is not None else None
     settings = config.benchmark if config else BenchmarkSection(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, num_prompts=1)
     tokenizer_path = args.tokenizer or (config.target.path if config else None)
     tokenizer = load_tokenizer(str(tokenizer_path)) if tokenizer_path else None

@@ -1,5 +1,5 @@
 """The pipeline's offline steps one at a time, outside Prefect: `eagle3 data …`, `make-tiny-target`, `vocab build`,
-`simulate` and `diagnose`."""
+`train`, `simulate` and `diagnose`."""
 
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ def add_step_commands(commands) -> None:
     vocab_commands = vocab.add_subparsers(dest="vocab_command", required=True)
     build = vocab_commands.add_parser("build", help="build d2t/t2d from the regenerated training split")
     add_config_arguments(build).set_defaults(handler=run_vocab_build)
+
+    train = commands.add_parser("train", help="train the draft (torchrun as training.* says); a training-only config "
+                                "(no serving, benchmark or registry section) is enough")
+    add_config_arguments(train).set_defaults(handler=run_train)
 
     simulate = add_config_arguments(
         commands.add_parser("simulate", help="offline acceptance: replay chain drafting on the held-out prompts")
@@ -117,10 +121,19 @@ def run_vocab_build(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def run_train(args: argparse.Namespace) -> int:
+    from eagle3.config import resolved_config_file
+    from eagle3.train.launch import train
+
+    config = load_run_config(args)
+    train(config, resolved_config_file(config), log=print)
+    return EXIT_OK
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from eagle3.bench.simulate import simulate
 
-    config = load_run_config(args)
+    config = load_run_config(args, needs=("serving", "benchmark"))
     simulate(config, args.checkpoint or config.stage_dir("export") / "sglang")
     return EXIT_OK
 
@@ -131,7 +144,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
     from eagle3.data.capture import dataset_dir
     from eagle3.fsutil import read_json
 
-    config = load_run_config(args)
+    config = load_run_config(args, needs=("serving",))
     bench = config.stage_dir("bench")
     simulated = read_json(bench / "simulated.json", "missing: run `eagle3 simulate` first")
     served = read_json(bench / "served.json", "missing: run `eagle3 bench --config …` first")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError, model_validator
+from pydantic import BaseModel, ValidationError, model_validator
 
 from eagle3.config.sections import (
     STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, NodeSection, ProductionSection,
@@ -21,6 +21,12 @@ from eagle3.errors import ConfigError
 from eagle3.formats.engines import aux_layers_problem, sglang_default_inputs
 from eagle3.formats.target import read_target_info
 from eagle3.fsutil import atomic_write_bytes
+from eagle3.shape import DEFAULT_NUM_STEPS, DraftShape
+
+# What only the stages after training need: a training-only config leaves them out, and the stages that need them
+# say so (require_sections).
+DEPLOYMENT_SECTIONS = ("serving", "benchmark", "registry")
+
 
 class PipelineConfig(Section):
     run: RunSection
@@ -30,11 +36,11 @@ class PipelineConfig(Section):
     draft: DraftSection
     training: TrainingSection
     export: ExportSection = ExportSection()
-    serving: ServingSection
-    benchmark: BenchmarkSection
+    serving: ServingSection | None = None
+    benchmark: BenchmarkSection | None = None
     sweep: SweepSection = SweepSection()
     gate: GateSection = GateSection()
-    registry: RegistrySection
+    registry: RegistrySection | None = None
     production: ProductionSection = ProductionSection()
     node: NodeSection = NodeSection()
 
@@ -59,21 +65,63 @@ class PipelineConfig(Section):
                 f"vocab.draft_vocab_size ({self.vocab.draft_vocab_size}) exceeds target.vocab_size "
                 f"({self.target.vocab_size})"
             )
-        for field, value in (
-            ("serving.context_length", self.serving.context_length),
-            ("training.seq_len", self.training.seq_len),
-        ):
+        lengths = [("training.seq_len", self.training.seq_len)]
+        if self.serving is not None:
+            lengths.insert(0, ("serving.context_length", self.serving.context_length))
+        for field, value in lengths:
             if value > self.draft.max_position_embeddings:
                 raise ValueError(
                     f"{field} ({value}) exceeds draft.max_position_embeddings "
                     f"({self.draft.max_position_embeddings}); raise the latter"
                 )
+        if self.serving is None and "sglang" in (self.data.engine, self.data.capture_engine):
+            raise ValueError("data.engine or data.capture_engine sglang runs the target on serving.tp GPUs: add a "
+                             "serving section")
+        self._check_replay()
         return self
+
+    def _check_replay(self) -> None:
+        """The held-out greedy sequences are the benchmark's prompts, continued as far as it decodes: the replay
+        reads within them. Without a benchmark section the replay's own fields say what the data stage makes."""
+        training, bench = self.training, self.benchmark
+        if bench is None:
+            missing = [f"training.{name}" for name in ("replay_prompts", "replay_max_new_tokens")
+                       if getattr(training, name) is None]
+            if missing:
+                raise ValueError(f"a config without a benchmark section sets {' and '.join(missing)}: the held-out "
+                                 "greedy sequences the data stage makes and the trainer's evaluation replays")
+            return
+        for name, limit in (("prompts", "num_prompts"), ("max_new_tokens", "max_new_tokens")):
+            value, most = getattr(training, f"replay_{name}"), getattr(bench, limit)
+            if value is not None and value > most:
+                raise ValueError(f"training.replay_{name} ({value}) exceeds benchmark.{limit} ({most}): the held-out "
+                                 "greedy sequences hold no more")
+
+    @property
+    def heldout_set(self) -> tuple[int, int]:
+        """(prompts, max_new_tokens) of the held-out greedy sequences the data stage makes: the benchmark's, or
+        training.replay_prompts / replay_max_new_tokens in a config without a benchmark section."""
+        if self.benchmark is not None:
+            return self.benchmark.num_prompts, self.benchmark.max_new_tokens
+        return self.training.replay_prompts, self.training.replay_max_new_tokens
+
+    @property
+    def replay_shape(self) -> DraftShape:
+        """The drafting shape replayed over the held-out sequences: serving's, or DraftShape's defaults."""
+        return self.serving.shape if self.serving is not None else DraftShape(DEFAULT_NUM_STEPS)
 
     def stage_dir(self, stage: str) -> Path:
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
         return self.run.dir / stage
+
+
+def require_sections(config: PipelineConfig, names: tuple[str, ...], by: str) -> None:
+    """A stage that needs sections a training-only config may leave out: one line naming the missing ones."""
+    missing = [name for name in names if getattr(config, name) is None]
+    if missing:
+        raise ConfigError(f"{by} needs the config's {', '.join(missing)} section(s), missing here: add them "
+                          "(configs/tiny-cpu.yaml shows every section)")
 
 
 def sglang_default_aux_layers(num_layers: int) -> list[int]:
@@ -135,7 +183,7 @@ def check_local_inputs(config: PipelineConfig) -> None:
     if imported is not None and not imported.is_file():
         raise ConfigError(f"data.import_path {imported}: no such file; give the JSONL of rows to import, or remove the "
                           "field to regenerate the answers")
-    if config.registry.backend == "local":
+    if config.registry is not None and config.registry.backend == "local":
         existing = config.registry.path
         while not existing.exists():
             existing = existing.parent
@@ -208,5 +256,6 @@ def allowed_fields(loc: tuple[str, ...]) -> list[str]:
     model: Any = PipelineConfig
     for part in loc:
         annotation = model.model_fields[part].annotation
-        model = annotation
+        # an optional section (`ServingSection | None`): its fields are the section's
+        model = next((a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)), annotation)
     return sorted(model.model_fields)

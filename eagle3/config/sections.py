@@ -82,6 +82,9 @@ class DataSection(Section):
     last_hidden: Literal["pre_norm", "post_norm"] = Field(
         default="post_norm", description="the target's last hidden state before or after its final norm"
     )
+    feature_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="how captured features are stored (the data manifest records it); float32 "
+        "doubles the disk of bfloat16")
     capture_engine: Literal["local", "sglang"] = Field(
         default="local", description="the target-feature backend, for capture and for online training: transformers "
         "here (local), or SGLang's model runner in each torchrun rank on the GPU node (sglang)"
@@ -139,6 +142,14 @@ class TrainingSection(Section):
     ttt_step_decay: float = Field(default=0.8, gt=0.0, le=1.0)
     learning_rate: float = Field(gt=0.0)
     warmup_steps: int = Field(default=0, ge=0)
+    warmup_start: Literal["lr_over_warmup", "zero"] = Field(
+        default="lr_over_warmup", description="lr_over_warmup: step 0 trains at learning_rate / warmup_steps and step "
+        "warmup_steps - 1 at the peak; zero: step 0 at 0 and the peak at step warmup_steps")
+    lr_floor: float = Field(default=0.1, ge=0.0, le=1.0, description="the cosine decay ends at this fraction of "
+                            "learning_rate (at max_steps)")
+    adam_betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW's (beta1, beta2)")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW's decoupled weight decay, on every trained "
+                                "tensor (norms included)")
     max_steps: int = Field(gt=0)
     batch_size: int = Field(gt=0, description="global batch size in sequences")
     seq_len: int = Field(gt=1)
@@ -149,6 +160,19 @@ class TrainingSection(Section):
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0, description="share of samples kept out for evaluation")
     init_from: Path | None = Field(default=None, description="warm start from this native draft checkpoint")
     eval_every: int = Field(default=100, gt=0)
+    best_by: Literal["accept_length", "step_acc", "eval_loss"] = Field(
+        default="accept_length", description="what makes train/best the best draft at an evaluation: accept_length - "
+        "the accept length replayed over the held-out greedy sequences as the simulator does; step_acc - the eval "
+        "split's per-step accuracy weighted ttt_step_decay**k; eval_loss - the eval split's loss (lowest wins). "
+        "Evaluation replays only for accept_length")
+    replay_prompts: int | None = Field(
+        default=None, gt=0, description="held-out greedy sequences the accept_length replay drafts over (None: "
+        "benchmark.num_prompts, every one). Without a benchmark section it is required: the data stage continues "
+        "this many held-out prompts")
+    replay_max_new_tokens: int | None = Field(
+        default=None, gt=0, description="the replay's max_new_tokens (None: benchmark.max_new_tokens, as the "
+        "simulator). Without a benchmark section it is required: the data stage's continuations are this long plus "
+        "the drafting steps")
     save_every: int = Field(default=100, gt=0)
     keep_last: int = Field(default=2, ge=1)
     seed: int = 0
@@ -166,6 +190,13 @@ class TrainingSection(Section):
         default=STOP_GRACE_S, gt=0.0, description="after SIGTERM the trainer finishes its step and saves a checkpoint; what is "
         "still alive after this is killed (keep it under Prefect's 30 s between a cancel's SIGTERM and SIGKILL)")
 
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in value):
+            raise ValueError(f"{list(value)}: each beta must be in [0, 1), e.g. [0.9, 0.95]")
+        return value
+
     @field_validator("rdzv_endpoint")
     @classmethod
     def _host_and_port(cls, value: str | None) -> str | None:
@@ -173,6 +204,13 @@ class TrainingSection(Section):
         if value is not None and not (host and port.isdigit()):
             raise ValueError(f"'{value}' is not host:port; write it like node-1:29500")
         return value
+
+    @model_validator(mode="after")
+    def _best_by_is_measured(self) -> TrainingSection:
+        if self.best_by != "accept_length" and self.eval_fraction == 0:
+            raise ValueError(f"training.best_by {self.best_by} is measured on the eval split, and training.eval_fraction "
+                             "0 keeps none: raise eval_fraction (e.g. 0.05) or pick the best draft by accept_length")
+        return self
 
     @model_validator(mode="after")
     def _launcher_reaches_every_node(self) -> TrainingSection:

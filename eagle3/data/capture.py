@@ -1,6 +1,7 @@
 """The data set the trainer reads, and the held-out features the simulator replays, made with a target-feature backend.
 
-- `training.features offline`: the target's features of every regenerated sample, stored as bf16 shards under
+- `training.features offline`: the target's features of every regenerated sample, stored as shards (in
+  data.feature_dtype, bf16 by default) under
   `run.dir/data/hidden/` (57,344 bytes per token at Kimi-K2.5's size: see eagle3/data/storage.py).
 - `training.features online`: token shards only, under `run.dir/data/tokens/` (5 bytes per token); the trainer
   computes the features batch by batch and no hidden state is stored. Hidden-state capture is skipped.
@@ -26,7 +27,7 @@ import torch
 from eagle3.config import PipelineConfig
 from eagle3.data.conversation import chat_template_hash
 from eagle3.data.regenerate import REGEN_DIR, read_greedy, read_regenerated, training_ids
-from eagle3.data.shards import SPLIT_FILE, ShardWriter, read_stamp, shard_file
+from eagle3.data.shards import FEATURE_DTYPES, SPLIT_FILE, ShardWriter, read_stamp, shard_file, stored_feature_dtype
 from eagle3.data.storage import check_storage, projected_bytes
 from eagle3.engines.backends import local_device, target_backend
 from eagle3.engines.features import FeatureBackend, Features, pad_rows
@@ -76,11 +77,13 @@ def capture_settings(config: PipelineConfig) -> dict:
     }
 
 
-def is_current(path: Path, stamp: dict) -> bool:
+def is_current(path: Path, stamp: dict, dtype: str | None) -> bool:
+    """Whether the shard at `path` was made from `stamp` and holds its features in `dtype` (None: a token shard)."""
     if not path.exists():
         return False
     recorded = read_stamp(path)
-    return recorded is not None and {k: v for k, v in recorded.items() if k != "engine_release"} == stamp
+    same = recorded is not None and {k: v for k, v in recorded.items() if k != "engine_release"} == stamp
+    return same and stored_feature_dtype(path) == dtype
 
 
 def heldout_records(config: PipelineConfig) -> list[dict]:
@@ -106,9 +109,11 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
     online = config.training.features == "online"
     out = dataset_dir(config)
     settings = capture_settings(config)
-    jobs = shard_jobs(records, out, config.data.shard_samples, {"tokens_only": True} if online else settings)
+    dtype = config.data.feature_dtype
+    tokens_only = {"tokens_only": True}
+    jobs = shard_jobs(records, out, config.data.shard_samples, tokens_only if online else settings, None if online else dtype)
     sequences = heldout_records(config)
-    heldout = shard_jobs(sequences, config.stage_dir("data") / HELDOUT_DIR, max(len(sequences), 1), settings)
+    heldout = shard_jobs(sequences, config.stage_dir("data") / HELDOUT_DIR, max(len(sequences), 1), settings, dtype)
     feature_jobs = heldout if online else jobs + heldout
     if online:
         log(f"capture: hidden-state capture skipped (training.features online: the trainer computes the features); "
@@ -128,7 +133,7 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
         try:
             for job in pending:
                 write_shard(job.path, job.samples, {**job.stamp, "engine_release": release}, backend,
-                            feature_widths(config), config.data.batch_size, main, progress)
+                            feature_widths(config), config.data.batch_size, main, progress, FEATURE_DTYPES[dtype])
         finally:
             backend.close()
     if main:
@@ -152,14 +157,15 @@ class ShardJob(NamedTuple):
     stamp: dict  # what the shard is made from
 
 
-def shard_jobs(records: list[dict], out: Path, per_shard: int, settings: dict) -> list[ShardJob]:
-    """One job per shard of `records`. The stamp holds the samples' ids and a hash of their tokens: a regeneration
-    that rewrote the samples under the same ids makes the shard again."""
+def shard_jobs(records: list[dict], out: Path, per_shard: int, settings: dict, dtype: str | None) -> list[ShardJob]:
+    """One job per shard of `records`, its features stored in `dtype` (None: token shards). The stamp holds the
+    samples' ids and a hash of their tokens: a regeneration that rewrote the samples under the same ids makes the
+    shard again, and so does another data.feature_dtype."""
     jobs = []
     for k, start in enumerate(range(0, max(len(records), 1), per_shard)):
         shard = records[start : start + per_shard]
         stamp = {"sample_ids": [r["id"] for r in shard], "tokens_sha256": tokens_hash(shard), **settings}
-        jobs.append(ShardJob(shard_file(out, k), shard, not is_current(shard_file(out, k), stamp), stamp))
+        jobs.append(ShardJob(shard_file(out, k), shard, not is_current(shard_file(out, k), stamp, dtype), stamp))
     return jobs
 
 
@@ -171,10 +177,13 @@ def tokens_hash(records: list[dict]) -> str:
 
 
 def write_shard(path: Path, shard: list[dict], stamp: dict, backend: FeatureBackend | None, widths: dict[str, int],
-                batch_size: int, main: bool = True, progress: Progress | None = None) -> None:
-    """One shard, batch by batch: tokens, and the backend's features when there is a backend (`widths` names them)."""
+                batch_size: int, main: bool = True, progress: Progress | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> None:
+    """One shard, batch by batch: tokens, and the backend's features when there is a backend (`widths` names them,
+    stored in `dtype`)."""
     lengths = [len(r["input_ids"]) for r in shard]
-    with ShardWriter(path, [r["id"] for r in shard], lengths, widths, stamp) if main else contextlib.nullcontext() as writer:
+    writer = ShardWriter(path, [r["id"] for r in shard], lengths, widths, stamp, dtype) if main else contextlib.nullcontext()
+    with writer:
         for start in range(0, len(shard), batch_size):
             batch = shard[start : start + batch_size]
             features = None
@@ -251,7 +260,8 @@ def heldout_fields(config: PipelineConfig, jobs: list[ShardJob], release: str | 
 
 
 def capture_fields(config: PipelineConfig, release: str | None) -> dict:
-    return {"aux_layers": list(config.data.aux_layers), "last_hidden": config.data.last_hidden, "dtype": "bfloat16",
+    return {"aux_layers": list(config.data.aux_layers), "last_hidden": config.data.last_hidden,
+            "dtype": config.data.feature_dtype,  # every shard holds it: a reused one is checked (is_current)
             "engine": config.data.capture_engine, "engine_release": release}
 
 

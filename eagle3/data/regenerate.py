@@ -190,16 +190,17 @@ def regenerated_replies(directory: Path, tokenizer):
 
 
 def heldout_prompts(config: PipelineConfig, tokenizer) -> list[tuple[str, list[int]]]:
-    """The benchmark's held-out prompts (the first benchmark.num_prompts) as (id, prompt ids)."""
+    """The benchmark's held-out prompts (the first benchmark.num_prompts, or training.replay_prompts in a config
+    without a benchmark section) as (id, prompt ids)."""
     return [(p.id, render_prompt_ids(tokenizer, list(p.turns), config.data.thinking)) for p in benchmark_set(config)]
 
 
 def benchmark_set(config: PipelineConfig) -> list[Prompt]:
-    """The prompts the benchmark measures: the first benchmark.num_prompts held-out prompts."""
+    """The prompts the benchmark measures: the first benchmark.num_prompts held-out prompts (config.heldout_set)."""
     path = config.stage_dir("data") / HELDOUT_FILE
     if not path.is_file():
         raise UnreadableInput(f"{path}: no held-out prompts; run the data stage first (eagle3 data regenerate)")
-    prompts = load_prompts(str(path), limit=config.benchmark.num_prompts).prompts
+    prompts = load_prompts(str(path), limit=config.heldout_set[0]).prompts
     if not prompts:
         raise UnreadableInput(f"{path}: holds no usable prompt")
     return prompts
@@ -212,7 +213,7 @@ def heldout_prompt_ids(config: PipelineConfig, tokenizer) -> list[list[int]]:
 def greedy_length(config: PipelineConfig) -> int:
     """A verify step can accept drafts past max_new_tokens and past EOS, and SGLang counts them: the continuation
     runs num_steps tokens further and ignores EOS."""
-    return config.benchmark.max_new_tokens + config.serving.num_steps
+    return config.heldout_set[1] + config.replay_shape.num_steps
 
 
 def continue_heldout(config: PipelineConfig, generator, tokenizer, path: Path, log: Log) -> dict:

@@ -3,10 +3,11 @@
 One shard packs S samples end to end:
     input_ids    int32 [N]              N = total tokens of the shard's samples
     loss_mask    uint8 [N]              1 on tokens the target generated
-    aux_hidden   bf16  [N, n_aux * H]   outputs of the captured layers, concatenated in layer order (feature shards)
-    last_hidden  bf16  [N, H]           the target's last hidden state (pre/post norm: see the manifest) (feature shards)
+    aux_hidden   F     [N, n_aux * H]   outputs of the captured layers, concatenated in layer order (feature shards)
+    last_hidden  F     [N, H]           the target's last hidden state (pre/post norm: see the manifest) (feature shards)
     offsets      int64 [S + 1]          sample i is rows offsets[i]:offsets[i+1]
-Token shards (online training: features are computed by the trainer) hold no aux_hidden / last_hidden. The sample
+F is data.feature_dtype (bf16 by default; the manifest records it). Token shards (online training: features are
+computed by the trainer) hold no aux_hidden / last_hidden. The sample
 ids and the capture stamp ride in the safetensors metadata. A shard is written under a temporary name and renamed
 when every row is in, so a shard file that exists is complete and a resumed capture skips it.
 """
@@ -23,9 +24,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-STORED_DTYPE = torch.bfloat16
 FEATURES = ("aux_hidden", "last_hidden")
-SAFETENSORS_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bfloat16: "BF16"}
+FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}  # data.feature_dtype
+SAFETENSORS_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bfloat16: "BF16",
+                      torch.float16: "F16", torch.float32: "F32"}
 
 
 def shard_file(directory: Path, index: int) -> Path:
@@ -41,9 +43,19 @@ def read_stamp(path: Path) -> dict | None:
         return None
 
 
-def bytes_per_token(num_aux: int, hidden: int) -> int:
-    """Stored bytes per token of a feature shard: aux + last hidden state in bf16, an int32 id and a uint8 mask."""
-    return (num_aux + 1) * hidden * 2 + 4 + 1
+def stored_feature_dtype(path: Path) -> str | None:
+    """The dtype a shard's features are stored in, as data.feature_dtype names it (None: a token shard)."""
+    with safe_open(path, framework="pt") as f:
+        if FEATURES[0] not in f.keys():
+            return None
+        code = f.get_slice(FEATURES[0]).get_dtype()  # safetensors' name, e.g. BF16
+    return next((name for name, dtype in FEATURE_DTYPES.items() if SAFETENSORS_DTYPES[dtype] == code), code)
+
+
+def bytes_per_token(num_aux: int, hidden: int, feature_bytes: int = 2) -> int:
+    """Stored bytes per token of a feature shard: aux + last hidden state (bf16: 2 bytes each), an int32 id and a
+    uint8 mask."""
+    return (num_aux + 1) * hidden * feature_bytes + 4 + 1
 
 
 TOKEN_BYTES = 4 + 1  # a token shard: the id and the mask
@@ -57,10 +69,11 @@ class ShardWriter:
         with ShardWriter(path, ids, lengths, widths={"aux_hidden": n_aux * H, "last_hidden": H}, stamp=...) as w:
             w.write(i, input_ids=..., loss_mask=..., aux_hidden=..., last_hidden=...)
 
-    `widths` names the feature columns (none: a token shard). The file appears at `path` only when every sample's
-    every column has been written; an error leaves nothing there."""
+    `widths` names the feature columns (none: a token shard), stored as `feature_dtype`. The file appears at `path`
+    only when every sample's every column has been written; an error leaves nothing there."""
 
-    def __init__(self, path: Path, sample_ids: list[str], lengths: list[int], widths: dict[str, int], stamp: dict):
+    def __init__(self, path: Path, sample_ids: list[str], lengths: list[int], widths: dict[str, int], stamp: dict,
+                 feature_dtype: torch.dtype = torch.bfloat16):
         self.path = Path(path)
         self.lengths = lengths
         self.starts = [0]
@@ -69,7 +82,7 @@ class ShardWriter:
         tokens = self.starts[-1]
         # largest alignment first, so every column starts aligned for a memory-mapped reader
         columns = [("offsets", torch.int64, (len(lengths) + 1,))]
-        columns += [(name, STORED_DTYPE, (tokens, width)) for name, width in widths.items()]
+        columns += [(name, feature_dtype, (tokens, width)) for name, width in widths.items()]
         columns += [("input_ids", torch.int32, (tokens,)), ("loss_mask", torch.uint8, (tokens,))]
         header, position = {}, 0
         self.columns: dict[str, tuple[int, int]] = {}  # name -> (byte offset in the data, bytes per token)

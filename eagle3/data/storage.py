@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
-from eagle3.data.shards import TOKEN_BYTES, bytes_per_token
+from eagle3.data.shards import FEATURE_DTYPES, TOKEN_BYTES, bytes_per_token
 from eagle3.errors import Eagle3Error
 
 Log = Callable[[str], None]
+
+
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 class StorageError(Eagle3Error):
@@ -18,7 +21,8 @@ class StorageError(Eagle3Error):
 
 
 def projected_bytes(config: PipelineConfig, tokens: int) -> tuple[int, int]:
-    per_token = bytes_per_token(len(config.data.aux_layers), config.target.hidden_size)
+    itemsize = FEATURE_DTYPES[config.data.feature_dtype].itemsize
+    per_token = bytes_per_token(len(config.data.aux_layers), config.target.hidden_size, itemsize)
     return per_token, per_token * tokens
 
 
@@ -31,7 +35,7 @@ def check_storage(config: PipelineConfig, tokens: int, directory: Path, log: Log
     free = shutil.disk_usage(existing).free
     log(
         f"capture: {per_token:,} bytes per token ({len(config.data.aux_layers)} aux + 1 last state x "
-        f"{config.target.hidden_size} x bf16) x {tokens:,} tokens = {human_bytes(total)}; "
+        f"{config.target.hidden_size} x {DTYPE_NAMES[config.data.feature_dtype]}) x {tokens:,} tokens = {human_bytes(total)}; "
         f"{human_bytes(free)} free at {existing}"
     )
     if total > free:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.data.shards import STORED_DTYPE, ShardReader, named_eval_ids
+from eagle3.data.shards import ShardReader, named_eval_ids
 from eagle3.engines.features import Features, TokenBatch, empty_features
 from eagle3.errors import Eagle3Error
 
@@ -87,8 +87,9 @@ class ShardFeatures:
         if not stored:
             any_sample = self.readers[0].sample(0)
             return empty_features(any_sample.aux_hidden.shape[1], any_sample.last_hidden.shape[1], self.device)
-        aux = torch.zeros(len(stored), width, stored[0].aux_hidden.shape[1], dtype=STORED_DTYPE)  # [b, T, n_aux * H]
-        last = torch.zeros(len(stored), width, stored[0].last_hidden.shape[1], dtype=STORED_DTYPE)  # [b, T, H]
+        dtype = stored[0].aux_hidden.dtype  # as the capture stored them (data.feature_dtype)
+        aux = torch.zeros(len(stored), width, stored[0].aux_hidden.shape[1], dtype=dtype)  # [b, T, n_aux * H]
+        last = torch.zeros(len(stored), width, stored[0].last_hidden.shape[1], dtype=dtype)  # [b, T, H]
         for row, (sample, n) in enumerate(zip(stored, mine.lengths.tolist())):
             if not torch.equal(sample.input_ids[:n].long(), mine.input_ids[row, :n]):
                 raise Eagle3Error(f"sample {sample.id}: the stored features are for other tokens than its token row")

@@ -189,7 +189,8 @@ def train(config: PipelineConfig, resolved: Path | str, log: Log,
             tree.stop(config.training.stop_grace_s, log)
             for reader in readers:
                 reader.join(timeout=5.0)  # a pipe still held open by a stranger must not hold us
-    if config.training.launcher == "local":  # the next stage's server needs this node's GPUs (DESIGN §4)
+    # the next stage's server needs this node's GPUs (DESIGN §4); a training-only config serves nothing next
+    if config.training.launcher == "local" and config.serving is not None:
         wait_gpus_free(GPU_QUERY, config.serving.gpu_free_mib, config.serving.gpu_free_timeout_s, log, "train: ")
     if code == 0:
         log(f"train: done; best/, final/ and {METRICS_FILE} in {train_dir}")

@@ -12,20 +12,19 @@ import contextlib
 import json
 import math
 import signal
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from eagle3.bench.simulate import heldout_samples, replay_stored
+from eagle3.bench.simulate import HeldoutRef, heldout_samples, replay_stored
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import check_dataset, dataset_dir
 from eagle3.distributed import Dist, setup_distributed
 from eagle3.engines.backends import target_backend
 from eagle3.engines.features import FeatureBackend
 from eagle3.engines.targets import target_eos_ids
-from eagle3.errors import Eagle3Error
+from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
 from eagle3.formats.target import read_target_info
@@ -37,10 +36,14 @@ from eagle3.model.ttt import StepStats, TTTModel, ttt_forward, ttt_stats
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData
 from eagle3.train.parallel import Parallel
+from eagle3.train.timing import Throughput, timed
 
 Log = Callable[[str], None]
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
+# training.best_by -> the eval record's key that scores it, and whether lower is better
+BEST_BY = {"accept_length": ("eval_accept_length", False), "step_acc": ("eval_weighted_acc", False),
+           "eval_loss": ("eval_loss", True)}
 
 
 def trained_draft_config(config: PipelineConfig) -> DraftConfig:
@@ -65,12 +68,13 @@ def trained_draft_config(config: PipelineConfig) -> DraftConfig:
     )
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup, then cosine decay to 10 % of the peak."""
+def lr_factor(step: int, warmup: int, total: int, floor: float, warmup_start: str) -> float:
+    """Linear warmup (from 1/warmup of the peak at step 0: lr_over_warmup, or from 0: zero), then cosine decay to
+    `floor` of the peak (training.warmup_start, training.lr_floor)."""
     if step < warmup:
-        return (step + 1) / warmup
+        return (step + (warmup_start == "lr_over_warmup")) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def autocast(device: torch.device):
@@ -95,7 +99,7 @@ class Trainer:
         check_dataset(config, manifest)
         self.data = TrainingData(dataset, train.seq_len, train.eval_fraction)
         self.features = self.feature_backend(manifest)
-        self.heldout = heldout_samples(config)[: config.benchmark.num_prompts]
+        self.heldout = self.replayed_samples()
         self.eos_ids = target_eos_ids(config.target.path)
         head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
         vocab_map = self.read_vocab_map()
@@ -106,9 +110,11 @@ class Trainer:
         self.wrapped = self.parallel.wrap(self.ttt)
         self.step_weights = train.ttt_step_decay ** torch.arange(train.ttt_steps, dtype=torch.float32, device=self.dist.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=train.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas,
+                                           weight_decay=train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, train.warmup_steps, train.max_steps)
+            self.optimizer, lambda step: lr_factor(step, train.warmup_steps, train.max_steps, train.lr_floor,
+                                                   train.warmup_start)
         )
         self.out = config.stage_dir("train")
         self.stop_requested = False
@@ -123,6 +129,21 @@ class Trainer:
         if self.config.training.features == "online":
             return target_backend(self.config, self.dist.device, self.dist.rank, self.dist.world)
         return ShardFeatures(self.data, manifest["capture"]["engine_release"], self.dist.device)
+
+    def replayed_samples(self) -> list[HeldoutRef] | None:
+        """The held-out greedy sequences evaluation replays, or None when training.best_by does not use them."""
+        train = self.config.training
+        if train.best_by != "accept_length":
+            self.log(f"train: evaluation skips the acceptance replay (training.best_by {train.best_by} does not use it)")
+            if not self.data.eval:
+                raise Eagle3Error(f"training.best_by {train.best_by} is measured on the eval split, which holds none of "
+                                  f"the {len(self.data.train)} samples: raise training.eval_fraction")
+            return None
+        try:
+            return heldout_samples(self.config)[: train.replay_prompts]
+        except UnreadableInput as err:
+            raise Eagle3Error(f"training.best_by accept_length replays the held-out greedy sequences: {err}; or pick "
+                              "the best draft by step_acc or eval_loss") from None
 
     def my_rows(self) -> slice:
         return slice(self.dist.rank, None, self.dist.world)
@@ -187,18 +208,19 @@ class Trainer:
         self.resume()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         train = self.config.training
-        started, tokens = time.monotonic(), 0
+        throughput = Throughput()  # eval and checkpoints stay out of the rate
         while self.step < train.max_steps:
             batches = self.data.batches(self.epoch, train.batch_size, train.seed)
             if not batches:
                 raise Eagle3Error(f"the dataset has fewer training samples than one batch ({train.batch_size})")
             while self.batch_in_epoch < len(batches) and self.step < train.max_steps:
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
-                metrics = self.step_metrics(self.train_step(batches[self.batch_in_epoch]))
+                sums, seconds = timed(self.train_step, batches[self.batch_in_epoch], device=self.dist.device)
+                metrics = self.step_metrics(sums)
                 self.step += 1
                 self.batch_in_epoch += 1
-                tokens += metrics.pop("tokens")
-                metrics.update(tokens_per_s=tokens / (time.monotonic() - started), lr=lr)
+                rate = throughput.add(metrics.pop("tokens"), seconds)
+                metrics.update(step_time_s=seconds, tokens_per_s=rate, lr=lr)
                 self.record({"step": self.step, **metrics})
                 if self.step % train.eval_every == 0 or self.step == train.max_steps:
                     self.evaluate()
@@ -258,43 +280,58 @@ class Trainer:
         }
 
     def evaluate(self) -> None:
-        """Held-out loss, per-step accuracy and simulated accept length; the best draft by accept length is kept."""
-        if not self.data.eval:
-            return
+        """The eval split's loss and per-step accuracy, and, for training.best_by accept_length, the accept length
+        replayed over the held-out greedy sequences; each part timed apart. best/ keeps the best draft by the rule."""
         self.wrapped.eval()
+        record: dict = {"step": self.step}
+        seconds = {}
         with self.parallel.unsharded(self.ttt):  # every rank, once: the direct calls see full weights
-            totals, accept = self.eval_sums()
-        totals, accept = self.dist.sum(totals).cpu(), self.dist.sum(accept).cpu()
-        counts = totals[2].clamp_min(1)
-        accept_length = float(accept[0] / accept[1]) if accept[1] > 0 else 1.0
-        step_acc = totals[1] / counts
-        weights = self.step_weights.cpu()
-        self.record({"step": self.step, "eval_loss": float((weights * totals[0] / counts).sum()),
-                     "eval_step_acc": [round(float(x), 5) for x in step_acc], "eval_accept_length": accept_length})
-        if self.best is None or accept_length > self.best:
-            self.best = accept_length
+            if self.data.eval:  # .cpu() waits for the device: the times are the work's
+                totals, seconds["eval_loss_time_s"] = timed(lambda: self.dist.sum(self.loss_sums()).cpu())
+                record.update(self.loss_metrics(totals))
+            if self.heldout is not None:
+                counts, seconds["eval_replay_time_s"] = timed(lambda: self.dist.sum(self.replay_counts()).cpu())
+                record["eval_accept_length"] = float(counts[0] / counts[1]) if counts[1] > 0 else 1.0
+        record.update(eval_time_s=round(sum(seconds.values()), 4), **seconds)
+        key, lower_wins = BEST_BY[self.config.training.best_by]
+        score = record[key]
+        record["new_best"] = self.best is None or (score < self.best if lower_wins else score > self.best)
+        self.record(record)
+        if record["new_best"]:
+            self.best = score
             self.write_checkpoint(self.out / "best", with_state=False)
 
+    def loss_metrics(self, totals: torch.Tensor) -> dict:
+        """The eval split's numbers from the global [loss sum, correct, count] x [K] (host)."""
+        counts = totals[2].clamp_min(1)
+        step_acc = totals[1] / counts
+        weights = self.step_weights.cpu()
+        return {"eval_loss": float((weights * totals[0] / counts).sum()),
+                "eval_step_acc": [round(float(x), 5) for x in step_acc],
+                "eval_weighted_acc": round(float((weights * step_acc).sum() / weights.sum()), 5)}
+
     @torch.no_grad()
-    def eval_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's [loss sum, correct, count] x [K] over its rows of the global eval batches, and its
-        [completion tokens, verify steps] replayed over its share of the held-out greedy sequences, on the device."""
+    def loss_sums(self) -> torch.Tensor:
+        """This rank's [loss sum, correct, count] x [K] over its rows of the global eval batches, on the device."""
         batch_size = self.config.training.batch_size
         totals = torch.zeros(3, self.config.training.ttt_steps, device=self.dist.device)
         for start in range(0, len(self.data.eval), batch_size):
             refs = self.data.eval[start : start + batch_size]
             stats = self.step_stats(refs, train=False)
             totals += torch.stack([stats.loss_sum, stats.correct, stats.count])
-        return totals, self.replay_counts()
+        return totals
 
+    @torch.no_grad()
     def replay_counts(self) -> torch.Tensor:
-        """[completion tokens, verify steps] of drafting (serving's chain or tree) replayed over this rank's held-out greedy sequences,
-        counted as the simulator and the server count them."""
+        """[completion tokens, verify steps] of drafting (serving's chain or tree, or DraftShape's defaults in a
+        training-only config) replayed over this rank's held-out greedy sequences, counted as the simulator and the
+        server count them."""
         completion, verify_ct = 0, 0
-        serving = self.config.serving
+        config = self.config
+        max_new_tokens = config.training.replay_max_new_tokens or config.heldout_set[1]
+        release = config.serving.release if config.serving is not None else None
         for ref in self.heldout[self.my_rows()]:
-            result = replay_stored(self.model, ref.load(), serving.shape, self.config.benchmark.max_new_tokens,
-                                   self.eos_ids, serving.release)
+            result = replay_stored(self.model, ref.load(), config.replay_shape, max_new_tokens, self.eos_ids, release)
             completion, verify_ct = completion + result.completion_tokens, verify_ct + result.verify_ct
         return torch.tensor([completion, verify_ct], dtype=torch.float32, device=self.dist.device)
 
@@ -321,6 +358,7 @@ class Trainer:
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "best": self.best,
+            "best_by": self.config.training.best_by,
             "optimizer": self.parallel.optimizer_state(self.ttt, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
@@ -347,7 +385,9 @@ class Trainer:
         self.parallel.load(self.ttt, self.optimizer, draft.tensors, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
-        self.step, self.epoch, self.batch_in_epoch, self.best = state["step"], state["epoch"], state["batch_in_epoch"], state["best"]
+        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        # a best score under another rule (or none recorded) does not compare: the next evaluation sets it
+        self.best = state["best"] if state.get("best_by") == self.config.training.best_by else None
         if self.dist.main:
             self.truncate_metrics()
         self.log(f"train: resumed from {latest} at step {self.step}")
@@ -355,7 +395,9 @@ class Trainer:
     def save_final(self) -> Path:
         final = self.out / "final"
         self.write_checkpoint(final, with_state=False)
-        self.log(f"train: {self.step} steps done; final draft at {final}, best (simulated accept length {self.best}) at {self.out / 'best'}")
+        rule = self.config.training.best_by
+        self.log(f"train: {self.step} steps done; final draft at {final}, best by {rule} ({BEST_BY[rule][0]} "
+                 f"{self.best}) at {self.out / 'best'}")
         return final
 
     # -- metrics and signals --------------------------------------------------------------------
@@ -366,7 +408,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.out / METRICS_FILE, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        if "eval_loss" in metrics or metrics["step"] % 10 == 0 or metrics["step"] == 1:
+        if "eval_time_s" in metrics or metrics["step"] % 10 == 0 or metrics["step"] == 1:
             self.log("train: " + json.dumps(metrics))
 
     def truncate_metrics(self) -> None:
