@@ -14,7 +14,7 @@ from eagle3.data.capture import capture
 from eagle3.data.regenerate import regenerate
 from eagle3.data.shards import ShardReader
 from eagle3.data.vocab import build_vocab
-from eagle3.errors import ConfigError
+from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.formats.checkpoint import load_native
 from eagle3.formats.manifest import read_manifest
 from eagle3.report import training_report
@@ -75,11 +75,15 @@ def test_knob_values_are_checked_at_load():
         load_config(TINY, ["training.adam_betas=[0.9, 1.0]"])
     with pytest.raises(ConfigError, match="training.warmup_start.*'lr_over_warmup' or 'zero'"):
         load_config(TINY, ["training.warmup_start=one"])
-    with pytest.raises(ConfigError, match="training.best_by step_acc is measured on the eval split, and "
-                                          "training.eval_fraction 0 keeps none"):
-        load_config(TINY, ["training.best_by=step_acc", "training.eval_fraction=0"])
     with pytest.raises(ConfigError, match=r"training.replay_prompts \(40\) exceeds benchmark.num_prompts \(32\)"):
         load_config(TINY, ["training.replay_prompts=40"])
+
+
+def test_a_rule_on_an_empty_eval_split_is_refused_when_training_starts(micro_data, tmp_path):
+    """Checked on the data, not the config: a split the data names (an import) needs no eval_fraction."""
+    overrides, _ = run_copy(micro_data, tmp_path, "no-eval", ["training.best_by=step_acc", "training.eval_fraction=0"])
+    with pytest.raises(Eagle3Error, match="training.best_by step_acc is measured on the eval split, which holds none"):
+        Trainer(load_config(TINY, overrides), log=quiet)
 
 
 # (eval loss, weighted step accuracy, accept length) of three evaluations: each rule prefers another one

@@ -206,13 +206,6 @@ class TrainingSection(Section):
         return value
 
     @model_validator(mode="after")
-    def _best_by_is_measured(self) -> TrainingSection:
-        if self.best_by != "accept_length" and self.eval_fraction == 0:
-            raise ValueError(f"training.best_by {self.best_by} is measured on the eval split, and training.eval_fraction "
-                             "0 keeps none: raise eval_fraction (e.g. 0.05) or pick the best draft by accept_length")
-        return self
-
-    @model_validator(mode="after")
     def _launcher_reaches_every_node(self) -> TrainingSection:
         if self.nnodes > 1 and self.launcher == "local":
             raise ValueError(f"training.nnodes {self.nnodes} needs training.launcher ssh (with one training.hosts "
