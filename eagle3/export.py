@@ -53,7 +53,8 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
         dirs[layout] = convert(source, out / layout, to=layout, target_family=config.target.family,
                                release=config.serving.release, target_num_layers=num_layers, overwrite=True,
                                num_steps=config.serving.num_steps, log=log, verifier=verifier)
-        log(f"export: {layout} layout for SGLang {config.serving.release or '(release unknown)'} -> {dirs[layout]}")
+        engine = f"SGLang {config.serving.release or '(release unknown)'}" if layout == "sglang" else layout
+        log(f"export: {layout} layout for {engine} -> {dirs[layout]}")
     if config.export.fault == "absolute-d2t":
         log("export: WARNING: export.fault=absolute-d2t: writing the served d2t as absolute ids (demo of the gate)")
         make_d2t_absolute(dirs["sglang"])

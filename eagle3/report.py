@@ -31,7 +31,7 @@ def data_report(regenerated: dict, dataset: dict) -> str:
     heldout = dataset["heldout"]
     rows = [["samples", regenerated["samples"], dataset["samples"]],
             ["tokens", regenerated["tokens"], dataset["tokens"]],
-            ["tokens written by the target", regenerated["loss_tokens"], dataset["loss_tokens"]],
+            ["tokens with loss (the replies)", regenerated["loss_tokens"], dataset["loss_tokens"]],
             ["held-out prompts", regenerated["heldout_prompts"], "-"],
             ["held-out greedy sequences (with features, for the simulator)", "-",
              f"{heldout['sequences']} ({heldout['tokens']:,} tokens, {heldout['bytes']:,} bytes)"],
@@ -50,7 +50,8 @@ def data_report(regenerated: dict, dataset: dict) -> str:
     return "\n\n".join([
         "# Data",
         origin(regenerated) + f"; {how}",
-        table(["", "regenerated", "data set"], rows), quality_section(regenerated["quality"])])
+        table(["", "imported" if regenerated.get("imported") else "regenerated", "data set"], rows),
+        quality_section(regenerated["quality"])])
 
 
 def origin(regenerated: dict) -> str:

@@ -46,8 +46,9 @@ STAGE_INPUTS = {
               "training.weight_decay", "training.max_steps", "training.batch_size", "training.seq_len",
               "training.grad_clip", "training.eval_fraction", "training.init_from", "training.eval_every",
               "training.seed", "training.best_by", "training.replay_prompts", "training.replay_max_new_tokens",
-              "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens", "benchmark.num_prompts",
-              "benchmark.max_new_tokens"),
+              # the replay: counted as the served release counts, in serving's shape, over the benchmark's set
+              "serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
+              "benchmark.num_prompts", "benchmark.max_new_tokens"),
     "export": ("export", "serving.release", "serving.context_length", "target.family", "target.num_hidden_layers",
                # the speculators layout records the serving num_steps as speculative_tokens, names the target as its
                # verifier and ships the target's embedding

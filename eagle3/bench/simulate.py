@@ -177,7 +177,8 @@ def heldout_samples(config: PipelineConfig) -> list[HeldoutRef]:
     short = [ref for ref in refs if int(ref.reader.sample(ref.index, ("input_ids", "loss_mask")).loss_mask.sum()) < wanted]
     if short:
         raise UnreadableInput(f"{directory}: {len(short)} held-out sequence(s) continue fewer than {wanted} tokens "
-                              "(benchmark.max_new_tokens + serving.num_steps): run the data stage again")
+                              "(the replay's max_new_tokens + drafting steps: benchmark.max_new_tokens or "
+                              "training.replay_max_new_tokens, + serving.num_steps): run the data stage again")
     return refs
 
 
