@@ -77,13 +77,18 @@ def _install_once(directory: Path, fill) -> Path:
     return directory
 
 
-def _unpack_release(release: str, into: Path) -> None:
+def _unpack_wheel(package: str, release: str, into: Path) -> None:
+    """The package's published wheel, unzipped into `into`/site (nothing installed, no dependencies)."""
     wheels = into / "wheel"
-    _pip("download", "--no-deps", "--quiet", f"sglang=={release}", "-d", str(wheels))
-    (wheel,) = wheels.glob("sglang-*.whl")
+    _pip("download", "--no-deps", "--quiet", f"{package}=={release}", "-d", str(wheels))
+    (wheel,) = wheels.glob(f"{package}-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(into / "site")
     shutil.rmtree(wheels)
+
+
+def _unpack_release(release: str, into: Path) -> None:
+    _unpack_wheel("sglang", release, into)
     pins = _release_pins(into / "site")
     # transformers with its dependencies (tokenizers and huggingface_hub move with it); the rest alone.
     _pip("install", "--quiet", "--target", str(into / "pins"), pins["transformers"])
@@ -121,12 +126,7 @@ def speculators_cache_root() -> Path:
 
 
 def _unpack_speculators(release: str, into: Path) -> None:
-    wheels = into / "wheel"
-    _pip("download", "--no-deps", "--quiet", f"speculators=={release}", "-d", str(wheels))
-    (wheel,) = wheels.glob("speculators-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(into / "site")
-    shutil.rmtree(wheels)
+    _unpack_wheel("speculators", release, into)
     _pip("install", "--quiet", "--target", str(into / "pins"), _newest_allowed(into / "site", "transformers"))
 
 
