@@ -110,8 +110,10 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
     out = dataset_dir(config)
     settings = capture_settings(config)
     dtype = config.data.feature_dtype
-    tokens_only = {"tokens_only": True}
-    jobs = shard_jobs(records, out, config.data.shard_samples, tokens_only if online else settings, None if online else dtype)
+    if online:  # token shards: no features, so no feature dtype
+        jobs = shard_jobs(records, out, config.data.shard_samples, {"tokens_only": True}, None)
+    else:
+        jobs = shard_jobs(records, out, config.data.shard_samples, settings, dtype)
     sequences = heldout_records(config)
     heldout = shard_jobs(sequences, config.stage_dir("data") / HELDOUT_DIR, max(len(sequences), 1), settings, dtype)
     feature_jobs = heldout if online else jobs + heldout
