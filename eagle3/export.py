@@ -47,7 +47,8 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     target = Path(config.target.path)
     num_layers = read_target_info(target).num_hidden_layers if target.is_dir() else config.target.num_hidden_layers
     # the speculators layout names the target as its verifier and ships the target's embedding
-    verifier = target_verifier(target, config.target.weight_prefix) if "speculators" in config.export.layouts else None
+    verifier = (target_verifier(target, config.target.weight_prefix, config.export.verifier)
+                if "speculators" in config.export.layouts else None)
     dirs = {}
     for layout in config.export.layouts:
         dirs[layout] = convert(source, out / layout, to=layout, target_family=config.target.family,

@@ -137,6 +137,26 @@ def test_a_speculators_export_needs_its_target(tmp_path, capsys):
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(target.resolve())
 
 
+def test_a_speculators_export_can_name_its_verifier_as_published(tmp_path, capsys):
+    """A hub id instead of this machine's path, for an export loaded elsewhere; the embedding still comes from
+    --target, and validate here leaves the verifier it cannot reach offline unchecked, not failed."""
+    native, target = write_draft(tmp_path / "native"), write_tiny_target(tmp_path / "target")
+    spec = tmp_path / "spec"
+    assert main(["convert", str(native), str(spec), "--to", "speculators", "--target", str(target),
+                 "--verifier", "example-org/tiny-target"]) == 0
+    config = json.loads((spec / "config.json").read_text())
+    assert config["speculators_config"]["verifier"] == {"name_or_path": "example-org/tiny-target",
+                                                        "architectures": ["LlamaForCausalLM"]}
+    capsys.readouterr()
+    assert main(["validate", str(spec), "--engine", "speculators", "--target", str(target), "--json"]) == 0
+    verifier = [p for p in json.loads(capsys.readouterr().out)["problems"] if p["code"] == "verifier"]
+    assert [p["severity"] for p in verifier] == ["unknown"]
+    assert main(["convert", str(native), str(tmp_path / "sglang"), "--to", "sglang", "--target", str(target),
+                 "--verifier", "example-org/tiny-target"]) == 1
+    assert "--verifier names the verifier of a speculators export" in capsys.readouterr().err
+    assert not (tmp_path / "sglang").exists()
+
+
 def test_the_export_stage_writes_serving_num_steps_and_the_target_into_the_speculators_layout(tmp_path):
     target = write_tiny_target(tmp_path / "target")
     overrides = [f"run.dir={tmp_path / 'run'}", f"target.path={target}", "serving.num_steps=5",
@@ -151,6 +171,11 @@ def test_the_export_stage_writes_serving_num_steps_and_the_target_into_the_specu
     assert load_file(spec / "model.safetensors").keys() >= {"layers.0.mlp.up_proj.weight", "embed_tokens.weight"}
     assert result["validation"]["speculators"]["ok"] and result["validation"]["speculators"]["engine"] == "speculators"
     # another num_steps, or another target path, is another export
+    named = load_config(TINY, [*overrides, "export.verifier=example-org/tiny-target"])
+    assert stage_key("export", named, ["train"]) != stage_key("export", config, ["train"])
+    spec = Path(export_draft(named, log=lambda line: None)["dirs"]["speculators"])
+    recorded = json.loads((spec / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+    assert recorded == "example-org/tiny-target"
     for field in ("serving.num_steps=", "target.path="):
         other = load_config(TINY, [o for o in overrides if not o.startswith(field)])
         assert stage_key("export", config, ["train"]) != stage_key("export", other, ["train"])

@@ -26,6 +26,9 @@ def add_checkpoint_commands(commands) -> None:
     convert.add_argument("--target-family", help="SGLang model file of the target, e.g. llama, deepseek_v2")
     convert.add_argument("--weight-prefix", default="", help="name prefix of the target's tensors, e.g. "
                          "'language_model.' (target.weight_prefix)")
+    convert.add_argument("--verifier", help="--to speculators: the verifier the export names, e.g. the hub id the "
+                         "target is published under, where the export is loaded on another machine (default: the "
+                         "--target directory, resolved)")
     convert.add_argument("--num-steps", type=int, default=DEFAULT_NUM_STEPS,
                          help="drafting steps per verify step it is served with (speculators' speculative_tokens)")
     convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
@@ -54,16 +57,20 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    from eagle3.errors import ConversionError
     from eagle3.formats.checkpoint import convert
     from eagle3.formats.target import read_target_info
     from eagle3.model.weights import target_verifier
 
     family, num_layers, verifier = args.target_family, None, None
+    if args.verifier is not None and (args.to != "speculators" or args.target is None):
+        raise ConversionError("--verifier names the verifier of a speculators export: use it with --to speculators "
+                              "and --target DIR (the target's embedding is read from there)")
     if args.target is not None:
         info = read_target_info(args.target)
         family, num_layers = family or info.family, info.num_hidden_layers
         if args.to == "speculators":
-            verifier = target_verifier(args.target, args.weight_prefix)
+            verifier = target_verifier(args.target, args.weight_prefix, args.verifier)
     out = convert(
         args.src,
         args.dst,

@@ -240,6 +240,9 @@ class ExportSection(Section):
     waive: list[ProblemCode] = Field(
         default=[], description="validation problem codes accepted on purpose (e.g. a false positive); each is "
         "logged and recorded in the export's validation.json")
+    verifier: str | None = Field(
+        default=None, description="the verifier the speculators layout names, e.g. the hub id the target is published "
+        "under, where the export is loaded on another machine (None: target.path, resolved)")
     fault: Literal["absolute-d2t"] | None = Field(
         default=None, description="demo and tests only: write the served export's d2t as absolute ids (the bug "
         "the pipeline exists to catch), to exercise the gate; the validator refuses it unless its codes are waived")

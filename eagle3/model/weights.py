@@ -46,8 +46,9 @@ def target_head(target_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     return {key: tensors[prefix + name].float() for key, name in TARGET_HEAD.items()}
 
 
-def target_verifier(target_dir: Path, prefix: str = "") -> Verifier:
-    """The target as the speculators layout names it: its resolved directory, architecture and embedding."""
+def target_verifier(target_dir: Path, prefix: str = "", name: str | None = None) -> Verifier:
+    """The target as the speculators layout names it: `name` (e.g. the hub id it is published under) or its resolved
+    directory, its architecture and its embedding (read from the directory)."""
     target_dir = Path(target_dir)
     if not target_dir.is_dir():
         raise UnreadableInput(
@@ -56,7 +57,7 @@ def target_verifier(target_dir: Path, prefix: str = "") -> Verifier:
         )
     architecture = read_target_info(target_dir).architecture
     embed = read_target_tensors(target_dir, [prefix + TARGET_HEAD["embed"]])[prefix + TARGET_HEAD["embed"]]
-    return Verifier(str(target_dir.resolve()), [architecture] if architecture else [], embed)
+    return Verifier(name or str(target_dir.resolve()), [architecture] if architecture else [], embed)
 
 
 def draft_from_native(draft: NativeDraft, embed: torch.Tensor) -> Eagle3Draft:
