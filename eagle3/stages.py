@@ -70,8 +70,9 @@ STAGE_OUTPUTS = {
 # stage -> what it resumes from (cleared when its inputs changed); the other stages rewrite their output whole
 RESUMES_FROM = {"regenerate": ("data/regen",), "train": ("train",)}
 # stage -> fields whose change keeps what it resumes from: more or fewer samples of the same kind (the samples
-# already written are kept; only new ones are generated), or other quality thresholds over the same replies
-REFINES = {"regenerate": ("data.num_samples", "data.quality")}
+# already written are kept; only new ones are generated), other quality thresholds over the same replies, or other
+# held-out continuations (benchmark.num_prompts / max_new_tokens: only the continuations are made again)
+REFINES = {"regenerate": ("data.num_samples", "data.quality", "heldout")}
 
 
 def run_token(run_dir: Path) -> str:

@@ -1,6 +1,7 @@
 """Regeneration, capture and the vocab map on the micro target, end to end on the CPU."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -13,10 +14,12 @@ from eagle3.data.regenerate import read_regenerated, read_samples, regenerate, t
 from eagle3.data.shards import read_dataset
 from eagle3.data.storage import StorageError, check_storage
 from eagle3.data.vocab import build_vocab, count_loss_tokens
-from eagle3.engines.generators import make_generator
+from eagle3.data.conversation import prompt_ids
+from eagle3.engines.generators import LocalGenerator, make_generator, target_greedy
 from eagle3.engines.targets import DataMismatch
 from eagle3.formats.manifest import read_data_capture, read_manifest
 from eagle3.formats.vocab_map import load_vocab_map, read_stats
+from eagle3.stages import begin, finish
 from test_config import KIMI, TINY
 
 
@@ -204,13 +207,14 @@ class CountingGenerator:
     """The real local generator, counting the prompts it is asked to answer."""
 
     def __init__(self, inner):
-        self.inner, self.release, self.prompts = inner, inner.release, 0
+        self.inner, self.release, self.prompts, self.continued = inner, inner.release, 0, 0
 
     def generate(self, prompts):
         self.prompts += len(prompts)
         return self.inner.generate(prompts)
 
     def continue_greedy(self, prompts, length):
+        self.continued += len(prompts)
         return self.inner.continue_greedy(prompts, length)
 
 
@@ -234,3 +238,57 @@ def test_more_samples_generate_and_capture_only_the_new_ones_and_fewer_take_a_pr
     assert [r["id"] for r in read_regenerated(regen)] == training_ids(regen)[:4] == [*first][:4]
     capture(sized(4), log=lines.append)
     assert "4 samples in 1 shard(s)" in lines[-1] and "(1 reused)" in lines[-1]
+
+
+QUESTIONS = ("What is a list?", "How do I open a file for reading in binary mode?", "Explain the with statement.",
+             "Why?", "What does the yield keyword do inside a function that is called from a loop?")
+
+
+def questions_ids(target) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    return [prompt_ids(tokenizer, [{"role": "user", "content": q}], False) for q in QUESTIONS]
+
+
+def test_held_out_continuations_have_the_asked_length_on_a_target_that_ends_its_turns(micro_target, tmp_path):
+    """The micro target never ends a turn; made to end it at the first token it answers with, it stops at once in
+    regeneration, and its greedy continuations still run the whole length (EOS ignored)."""
+    target = tmp_path / "target"
+    shutil.copytree(micro_target, target)
+    prompts = questions_ids(target)
+    first = LocalGenerator(str(target), 8, 0.0).continue_greedy(prompts[:1], 1)[0][0]
+    generation = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [first]}))
+    ends = LocalGenerator(str(target), 8, 0.0)
+    assert ends.generate(prompts[:1])[0].finish_reason == "stop"  # it does end its turn there
+    assert [len(c) for c in ends.continue_greedy(prompts, 40)] == [40] * len(prompts)
+    assert len(target_greedy(ends.model, prompts[0], 40)) == 40  # the simulator's single continuation too
+
+
+def test_batched_continuations_equal_the_one_at_a_time_ones(micro_target):
+    """Left padding and the attention mask leave each greedy continuation exactly what it is alone (float32)."""
+    generator = LocalGenerator(str(micro_target), 8, 0.0)
+    prompts = questions_ids(micro_target)
+    assert len(set(map(len, prompts))) > 1  # the batch is padded
+    assert generator.continue_greedy(prompts, 30) == [target_greedy(generator.model, ids, 30) for ids in prompts]
+
+
+def test_other_benchmark_prompts_redo_only_the_held_out_continuations(micro_target, tmp_path):
+    """benchmark.num_prompts and max_new_tokens refine regeneration: the training shards are kept as they are."""
+    overrides = micro_overrides(tmp_path / "run", micro_target) + ["data.num_samples=8", "benchmark.max_new_tokens=8"]
+    first = load_config(TINY, overrides + ["benchmark.num_prompts=2"])
+    begin("regenerate", first, [], print)
+    regenerate(first, log=lambda line: None)
+    finish("regenerate", first, [])
+    regen = first.stage_dir("data") / "regen"
+    shards = {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in regen.glob("samples-*.jsonl")}
+    for changed in (["benchmark.num_prompts=4"], ["benchmark.num_prompts=4", "benchmark.max_new_tokens=12"]):
+        config = load_config(TINY, overrides + changed)
+        lines, generator = [], CountingGenerator(make_generator(config))
+        begin("regenerate", config, [], lines.append)
+        regenerate(config, log=lines.append, generator=generator)
+        finish("regenerate", config, [])
+        assert generator.prompts == 0 and generator.continued == 4  # no sample made again; every continuation
+        assert {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in regen.glob("samples-*.jsonl")} == shards
+        assert "regenerate: resuming, 8 samples already written" in lines
+        assert any(line.startswith("held-out continuations: 4/4 prompts") and "tokens/s" in line for line in lines)
+        assert read_manifest(regen)["heldout_greedy"] == {"prompts": 4, "length": config.heldout_set[1] + 3}

@@ -53,14 +53,16 @@ def test_changed_inputs_start_a_resuming_stage_afresh_and_a_crash_resumes(tmp_pa
     assert recorded_key(other, "train") == IN_PROGRESS + stage_key("train", other, ["d"])
 
 
-def test_more_samples_or_other_thresholds_keep_the_regenerated_samples_and_other_prompts_do_not(tmp_path):
-    """data.num_samples and data.quality change regeneration's cache key, not what it resumes from."""
+def test_more_samples_other_thresholds_or_benchmark_prompts_keep_the_regenerated_samples_and_other_prompts_do_not(tmp_path):
+    """data.num_samples, data.quality and the benchmark's held-out set change regeneration's cache key, not what it
+    resumes from."""
     written = tmp_path / "run" / "data" / "regen" / "samples-00000.jsonl"
     written.parent.mkdir(parents=True)
     written.write_text("{}\n")
     begin("regenerate", config(tmp_path), [], print)
     finish("regenerate", config(tmp_path), [])
-    for overrides in (["data.num_samples=5000"], ["data.num_samples=3", "data.quality.max_empty_share=0.5"]):
+    for overrides in (["data.num_samples=5000"], ["data.num_samples=3", "data.quality.max_empty_share=0.5"],
+                      ["benchmark.num_prompts=7"], ["benchmark.max_new_tokens=9"]):
         refined = config(tmp_path, *overrides)
         assert cache_key("regenerate", refined, []) is None  # not the same output: the stage runs
         begin("regenerate", refined, [], print)

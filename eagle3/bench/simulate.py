@@ -35,7 +35,7 @@ from eagle3.fsutil import atomic_write_json
 from eagle3.model.aux_states import aux_states
 from eagle3.model.draft import Eagle3Draft
 from eagle3.model.tree import DraftCache, DraftTree, draft_tree, walk_greedy
-from eagle3.model.weights import draft_as_served, target_head
+from eagle3.model.weights import draft_as_served, target_embedding
 from eagle3.progress import Progress
 from eagle3.shape import DraftShape
 
@@ -186,7 +186,8 @@ def heldout_samples(config: PipelineConfig) -> list[HeldoutRef]:
 def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print) -> AcceptanceResult:
     """Simulate the served draft at `checkpoint` on the held-out greedy sequences; no target is loaded."""
     device = local_device()
-    draft = draft_as_served(Path(checkpoint), config.serving.release, target_head(config.target.path)["embed"])
+    embed = target_embedding(config.target.path, config.target.weight_prefix)
+    draft = draft_as_served(Path(checkpoint), config.serving.release, embed)
     draft = draft.to(device).eval()
     samples = heldout_samples(config)
     eos_ids, shape = target_eos_ids(config.target.path), config.serving.shape

@@ -102,7 +102,7 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
     if done:
         log(f"regenerate: resuming, {len(train) - len(todo)} samples already written")
     progress = Progress("regenerate", total=len(train), done=len(train) - len(todo), unit="samples", log=log)
-    batch_size = config.data.batch_size if config.data.engine == "local" else config.data.concurrency
+    batch_size = engine_batch(config)
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         records = generate_batch(generator, tokenizer, [p for _, p in batch], config)
@@ -121,6 +121,11 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
         f"target) in {out}")
     refuse_failed(quality, str(out))
     return out
+
+
+def engine_batch(config: PipelineConfig) -> int:
+    """Prompts sent at once: a local batch, or as many as the servers take concurrently."""
+    return config.data.batch_size if config.data.engine == "local" else config.data.concurrency
 
 
 def split_prompts(config: PipelineConfig, log: Log) -> tuple[PromptSet, list[Prompt], list[Prompt]]:
@@ -227,7 +232,12 @@ def continue_heldout(config: PipelineConfig, generator, tokenizer, path: Path, l
         if [{"id": r["id"], "prompt_ids": r["prompt_ids"]} for r in made] == wanted and all(
                 len(r["continuation_ids"]) == length for r in made):
             return {"prompts": len(made), "length": length}
-    continuations = generator.continue_greedy([ids for _, ids in prompts], length)
+    progress = Progress("held-out continuations", total=len(prompts), unit="prompts", log=log)
+    continuations, batch_size = [], engine_batch(config)
+    for start in range(0, len(prompts), batch_size):
+        batch = [ids for _, ids in prompts[start : start + batch_size]]
+        continuations += generator.continue_greedy(batch, length)
+        progress.advance(len(batch), tokens=length * len(batch))
     lines = [json.dumps({**w, "continuation_ids": c}) + "\n" for w, c in zip(wanted, continuations)]
     atomic_write_bytes(path, "".join(lines).encode())
     log(f"regenerate: greedy continuations of {len(lines)} held-out prompts ({length} tokens each) in {path}")

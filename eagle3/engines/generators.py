@@ -50,12 +50,7 @@ class LocalGenerator:
 
     def generate(self, prompts: list[list[int]]) -> list[Generation]:
         torch = self.torch
-        width = max(map(len, prompts))
-        batch = torch.full((len(prompts), width), self.pad, dtype=torch.long)  # [B, T]
-        attention = torch.zeros_like(batch)
-        for row, ids in enumerate(prompts):
-            batch[row, width - len(ids) :] = torch.tensor(ids)
-            attention[row, width - len(ids) :] = 1
+        batch, attention = left_padded(prompts, self.pad)
         torch.manual_seed(self.seed)
         with torch.no_grad():
             out = self.model.generate(
@@ -69,10 +64,10 @@ class LocalGenerator:
                 pad_token_id=self.pad,
                 eos_token_id=sorted(self.eos),
             )
-        return [self._trim(row[width:].tolist()) for row in out]
+        return [self._trim(row[batch.shape[1]:].tolist()) for row in out]
 
     def continue_greedy(self, prompts: list[list[int]], length: int) -> list[list[int]]:
-        return [target_greedy(self.model, ids, length) for ids in prompts]
+        return greedy_continuations(self.model, prompts, length, self.pad)
 
     def _trim(self, generated: list[int]) -> Generation:
         """Cut at the first EOS (kept: the draft learns to end turns) and drop the padding after it."""
@@ -82,17 +77,37 @@ class LocalGenerator:
         return Generation(generated, "length")
 
 
-def target_greedy(model, prompt_ids: list[int], length: int) -> list[int]:
-    """`length` tokens of the target's greedy continuation, not stopping at EOS."""
+def left_padded(prompts: list[list[int]], pad: int):
+    """(ids [B, T], attention mask [B, T]) with every prompt ending at the right edge, where generation starts."""
     import torch
 
-    ids = torch.tensor([prompt_ids])  # [1, T]
+    width = max(map(len, prompts))
+    batch = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, T]
+    attention = torch.zeros_like(batch)
+    for row, ids in enumerate(prompts):
+        batch[row, width - len(ids) :] = torch.tensor(ids)
+        attention[row, width - len(ids) :] = 1
+    return batch, attention
+
+
+def greedy_continuations(model, prompts: list[list[int]], length: int, pad: int = 0) -> list[list[int]]:
+    """`length` tokens of the target's greedy continuation of each prompt, not stopping at EOS, in one batch.
+    EOS is an empty list: None would be refilled from the target's generation_config, and a target that ends its
+    turns would stop there (and pad the rest)."""
+    import torch
+
+    batch, attention = left_padded(prompts, pad)
     config = copy.deepcopy(model.generation_config)
-    config.update(eos_token_id=None, do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=0,
+    config.update(eos_token_id=[], do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad,
                   max_new_tokens=length, min_new_tokens=None)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(batch, attention_mask=attention, generation_config=config)
+    return [row[batch.shape[1]:].tolist() for row in out]
+
+
+def target_greedy(model, prompt_ids: list[int], length: int) -> list[int]:
+    """`length` tokens of the target's greedy continuation of one prompt, not stopping at EOS."""
+    return greedy_continuations(model, [prompt_ids], length)[0]
 
 
 class SGLangClient:

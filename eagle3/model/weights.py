@@ -20,8 +20,9 @@ from eagle3.model.draft import Eagle3Draft, init_weights
 TARGET_HEAD = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
 
-def read_target_tensors(target_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """Read named tensors from a (sharded) safetensors checkpoint through its index."""
+def read_target_tensors(target_dir: Path, names: list[str], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Read tensors `prefix + name` from a (sharded) safetensors checkpoint through its index; keyed by prefixed
+    name."""
     target_dir = Path(target_dir)
     index = target_dir / "model.safetensors.index.json"
     if index.exists():
@@ -30,20 +31,57 @@ def read_target_tensors(target_dir: Path, names: list[str]) -> dict[str, torch.T
         single = target_dir / "model.safetensors"
         with safe_open(single, framework="pt") as f:
             weight_map = {name: single.name for name in f.keys()}
-    missing = [name for name in names if name not in weight_map]
+    missing = [name for name in names if prefix + name not in weight_map]
     if missing:
-        raise UnreadableInput(f"{target_dir}: the target has no tensor(s) {missing} (check target.weight_prefix)")
+        raise UnreadableInput(missing_tensors_message(target_dir, weight_map, missing, prefix))
     tensors = {}
     for name in names:
-        with safe_open(target_dir / weight_map[name], framework="pt") as f:
-            tensors[name] = f.get_tensor(name)
+        with safe_open(target_dir / weight_map[prefix + name], framework="pt") as f:
+            tensors[prefix + name] = f.get_tensor(prefix + name)
     return tensors
 
 
+def missing_tensors_message(target_dir: Path, weight_map: dict, missing: list[str], prefix: str) -> str:
+    """Name the real cause: another prefix (only when a tensor of that name sits under one), or an untied target
+    whose files hold no head."""
+    wanted = [prefix + name for name in missing]
+    for name in missing:
+        elsewhere = sorted(key for key in weight_map if key.endswith(name) and key != prefix + name)
+        if elsewhere:
+            return (f"{target_dir}: the target has no tensor(s) {wanted} but has {elsewhere[0]!r}: set "
+                    f"target.weight_prefix to {elsewhere[0][: -len(name)]!r}")
+    message = f"{target_dir}: the target has no tensor(s) {wanted}"
+    if TARGET_HEAD["lm_head"] in missing:
+        message += (" - its config.json does not tie the head to the embedding (tie_word_embeddings is not true), yet "
+                    "its safetensors hold no lm_head tensor: the checkpoint is incomplete, or its config.json is not "
+                    "the one it was saved with")
+    return message
+
+
+def tied_head(target_dir: Path) -> bool:
+    """Whether the target's output head is its input embedding: `tie_word_embeddings` in config.json (a nested
+    text_config's value first, as multimodal configs keep the language model's there; absent means untied, the
+    default of every architecture we serve)."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    text = config.get("text_config") or {}
+    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+
+
 def target_head(target_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
-    """{"embed": [V, H], "norm": [H], "lm_head": [V, H]} of the target, as float32."""
-    tensors = read_target_tensors(target_dir, [prefix + name for name in TARGET_HEAD.values()])
-    return {key: tensors[prefix + name].float() for key, name in TARGET_HEAD.items()}
+    """{"embed": [V, H], "norm": [H], "lm_head": [V, H]} of the target, as float32. A tied target's head is its
+    embedding, even where its files also carry an lm_head tensor: the engines serve the embedding then (they skip
+    lm_head.weight when the config ties it), and the draft must learn the head that serves."""
+    keys = ["embed", "norm"] if tied_head(target_dir) else list(TARGET_HEAD)
+    tensors = read_target_tensors(target_dir, [TARGET_HEAD[key] for key in keys], prefix)
+    head = {key: tensors[prefix + TARGET_HEAD[key]].float() for key in keys}
+    head.setdefault("lm_head", head["embed"])
+    return head
+
+
+def target_embedding(target_dir: Path, prefix: str = "") -> torch.Tensor:
+    """The target's input embedding [V, H], as float32 (the draft shares it)."""
+    name = TARGET_HEAD["embed"]
+    return read_target_tensors(target_dir, [name], prefix)[prefix + name].float()
 
 
 def target_verifier(target_dir: Path, prefix: str = "", name: str | None = None) -> Verifier:
@@ -56,7 +94,7 @@ def target_verifier(target_dir: Path, prefix: str = "", name: str | None = None)
             "export it where the target's weights are (or leave speculators out of export.layouts)"
         )
     architecture = read_target_info(target_dir).architecture
-    embed = read_target_tensors(target_dir, [prefix + TARGET_HEAD["embed"]])[prefix + TARGET_HEAD["embed"]]
+    embed = read_target_tensors(target_dir, [TARGET_HEAD["embed"]], prefix)[prefix + TARGET_HEAD["embed"]]
     return Verifier(name or str(target_dir.resolve()), [architecture] if architecture else [], embed)
 
 

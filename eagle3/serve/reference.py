@@ -28,7 +28,7 @@ from eagle3.bench.counting import SpecRequest, server_accept_length
 from eagle3.model.aux_states import aux_states
 from eagle3.model.draft import Eagle3Draft
 from eagle3.model.tree import ROOT, DraftCache, DraftTree, draft_tree, tree_attention, walk_greedy, walk_sampled
-from eagle3.model.weights import draft_as_served, target_head
+from eagle3.model.weights import draft_as_served, target_embedding
 from eagle3.shape import DraftShape
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -158,7 +158,7 @@ def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, release: s
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     draft = None
     if draft_dir is not None:
-        draft = draft_as_served(Path(draft_dir), release, target_head(Path(target_dir))["embed"]).eval()
+        draft = draft_as_served(Path(draft_dir), release, target_embedding(Path(target_dir))).eval()
     return Served(target, load_tokenizer(str(target_dir)), eos_ids_of(target), draft, shape, release,
                   torch.Generator().manual_seed(seed))
 
