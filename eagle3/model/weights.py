@@ -20,17 +20,21 @@ from eagle3.model.draft import Eagle3Draft, init_weights
 TARGET_HEAD = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
 
+def target_weight_map(target_dir: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it."""
+    index = Path(target_dir) / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    single = Path(target_dir) / "model.safetensors"
+    with safe_open(single, framework="pt") as f:
+        return {name: single.name for name in f.keys()}
+
+
 def read_target_tensors(target_dir: Path, names: list[str], prefix: str = "") -> dict[str, torch.Tensor]:
     """Read tensors `prefix + name` from a (sharded) safetensors checkpoint through its index; keyed by prefixed
     name."""
     target_dir = Path(target_dir)
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        single = target_dir / "model.safetensors"
-        with safe_open(single, framework="pt") as f:
-            weight_map = {name: single.name for name in f.keys()}
+    weight_map = target_weight_map(target_dir)
     missing = [name for name in names if prefix + name not in weight_map]
     if missing:
         raise UnreadableInput(missing_tensors_message(target_dir, weight_map, missing, prefix))
@@ -68,13 +72,18 @@ def tied_head(target_dir: Path) -> bool:
 
 
 def target_head(target_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
-    """{"embed": [V, H], "norm": [H], "lm_head": [V, H]} of the target, as float32. A tied target's head is its
-    embedding, even where its files also carry an lm_head tensor: the engines serve the embedding then (they skip
-    lm_head.weight when the config ties it), and the draft must learn the head that serves."""
-    keys = ["embed", "norm"] if tied_head(target_dir) else list(TARGET_HEAD)
+    """{"embed": [V, H], "norm": [H], "lm_head": [V, H]} of the target, as float32; a tied target's head is its
+    embedding. A tied target whose files also hold another lm_head is refused: SGLang skips that tensor and serves the
+    embedding, transformers (the reference server) keeps it, so the two would serve different targets."""
+    tied, head_name = tied_head(target_dir), prefix + TARGET_HEAD["lm_head"]
+    keys = list(TARGET_HEAD) if not tied or head_name in target_weight_map(target_dir) else ["embed", "norm"]
     tensors = read_target_tensors(target_dir, [TARGET_HEAD[key] for key in keys], prefix)
     head = {key: tensors[prefix + TARGET_HEAD[key]].float() for key in keys}
-    head.setdefault("lm_head", head["embed"])
+    if tied and not torch.equal(head.setdefault("lm_head", head["embed"]), head["embed"]):
+        raise UnreadableInput(
+            f"{target_dir}: config.json ties the head to the embedding (tie_word_embeddings: true) but the files hold "
+            f"a different {head_name}: SGLang would serve the embedding, transformers the stored head. Set "
+            "tie_word_embeddings to false if the stored head is the real one, or remove the tensor")
     return head
 
 
