@@ -1,17 +1,23 @@
 """The train–serve diagnosis names the cause of a served accept length below the simulated one."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from drafts import write_draft
-from eagle3.bench.diagnose import CHECKS, diagnose
+from eagle3.bench.diagnose import CHECKS, CONTINUATION_LINE, diagnose
+from eagle3.data.conversation import prompt_ids
+from eagle3.engines.generators import LocalGenerator
 from eagle3.data.conversation import chat_template_hash
 from eagle3.engines.targets import load_tokenizer
 from eagle3.formats.problems import ProblemCode
 from eagle3.formats.validate import validate
+from eagle3.serve.inprocess import serve_in_thread
+from eagle3.serve.reference import create_app
+from fixtures_tiny import one_torch_thread
 
 MICRO = dict(hidden_size=64, target_hidden_size=64, head_dim=16, vocab_size=512, draft_vocab_size=64)
 
@@ -35,7 +41,8 @@ def by_name(diagnosis):
 def test_a_good_draft_passes_every_check(setup):
     draft, target, data = setup
     result = diagnose(draft, "0.5.13", target, data, simulated=2.0, served=1.98, longest_request=300)
-    assert result.failed == [] and all(c.status == "passed" for c in result.checks)
+    assert result.failed == [] and all(c.status == "passed" for c in result.checks if c.name != CONTINUATION_LINE)
+    assert by_name(result)[CONTINUATION_LINE].status == "unknown"  # no server given
     assert "simulated 2.0, served 1.98" in result.render()
 
 
@@ -125,3 +132,36 @@ def test_cli_reads_the_bench_results_and_exits_1_on_a_failed_check(setup, tmp_pa
     tensors["d2t"] = tensors["d2t"] + torch.arange(64)
     save_file(tensors, draft / "model.safetensors")
     assert main(args) == 1 and "[failed ] d2t encoding (offsets)" in capsys.readouterr().out
+
+
+def stored_greedy(target, length: int) -> dict:
+    """A held-out greedy record as the data stage writes it, made on `target`."""
+    ids = prompt_ids(load_tokenizer(str(target)), [{"role": "user", "content": "How do I read a file?"}], False)
+    continuation = LocalGenerator(str(target), 8, 0.0).continue_greedy([ids], length)[0]
+    return {"id": "p0", "prompt_ids": ids, "continuation_ids": continuation}
+
+
+def perturbed(target, tmp_path):
+    """The target with noise on its embedding: another target behind the same name, as a bf16 data stage and a
+    float32 server are."""
+    copy = tmp_path / "perturbed"
+    shutil.copytree(target, copy)
+    tensors = load_file(copy / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = embed + 0.5 * embed.std() * torch.randn(embed.shape, generator=generator)
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy
+
+
+def test_the_server_parting_from_the_replayed_continuation_is_named_with_its_token(setup, tmp_path):
+    draft, target, data = setup
+    greedy = stored_greedy(target, 24 + 3)
+    with one_torch_thread():
+        for server_target, status in ((target, "passed"), (perturbed(target, tmp_path), "failed")):
+            with serve_in_thread(create_app(server_target)) as (url, _):
+                result = diagnose(draft, "0.5.13", target, data, 2.0, 1.1, 300, greedy, url, 24)
+            check = by_name(result)[CONTINUATION_LINE]
+            assert check.status == status, check.evidence
+    assert "part at token" in check.evidence and "target.dtype" in check.evidence
+    assert [c.name for c in result.failed] == [CONTINUATION_LINE]

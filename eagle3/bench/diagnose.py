@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
+
 from eagle3.data.conversation import chat_template_hash
 from eagle3.engines.targets import load_tokenizer
 from eagle3.formats.manifest import read_manifest
@@ -15,6 +17,7 @@ from eagle3.formats.problems import ProblemCode as Code
 from eagle3.formats.validate import validate
 
 VOCAB_LINE = "draft vocab vs tokenizer"
+CONTINUATION_LINE = "replayed continuation vs the server's greedy output"
 
 # checklist line -> the validation problem codes it covers; every code is on exactly one line. An error or a
 # warning with one of a line's codes fails it; a check `validate` could not run leaves it unknown.
@@ -77,8 +80,13 @@ def diagnose(
     simulated: float | None,
     served: float | None,
     longest_request: int | None = None,
+    greedy: dict | None = None,
+    url: str | None = None,
+    max_new_tokens: int | None = None,
 ) -> Diagnosis:
-    """`data_dir` holds the captured dataset's manifest; `longest_request` = prompt + new tokens."""
+    """`data_dir` holds the captured dataset's manifest; `longest_request` = prompt + new tokens. `greedy` (a stored
+    held-out greedy sequence: id, prompt_ids, continuation_ids) is compared with what the server at `url` generates
+    for its prompt, greedy, `max_new_tokens` long."""
     report = validate(checkpoint, release=release, target=target, data_manifest=data_dir,
                       context_length=longest_request)
     checks = [_from_report(name, codes, report) for name, codes in CHECKS.items() if name != VOCAB_LINE]
@@ -86,6 +94,7 @@ def diagnose(
     tokenizer = load_tokenizer(str(target))
     checks.append(_template_check(manifest, tokenizer))
     checks.append(_vocab_check(report, tokenizer))
+    checks.append(continuation_check(greedy, url, max_new_tokens, tokenizer))
     gap = None if not simulated or served is None else (simulated - served) / simulated
     return Diagnosis(simulated, served, gap, checks)
 
@@ -115,3 +124,29 @@ def _vocab_check(report, tokenizer) -> Check:
     if mismatch:
         return Check(VOCAB_LINE, "failed", "; ".join(p.message for p in mismatch))
     return Check(VOCAB_LINE, "passed", f"t2d spans the target vocabulary; tokenizer has {len(tokenizer)} ids")
+
+
+def continuation_check(greedy: dict | None, url: str | None, max_new_tokens: int | None, tokenizer) -> Check:
+    """The simulator replays the target's greedy continuation stored by the data stage; when the server's target
+    generates another one, simulated acceptance describes a sequence the server never produces."""
+    if greedy is None or url is None or not max_new_tokens:
+        return Check(CONTINUATION_LINE, "unknown", "needs a stored held-out continuation (the data stage's) and a "
+                     "running server (--url)")
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+    body = {"input_ids": greedy["prompt_ids"], "sampling_params": sampling}
+    try:
+        response = httpx.post(f"{url.rstrip('/')}/generate", json=body, timeout=600).raise_for_status()
+        served = response.json()["output_ids"]
+    except (httpx.HTTPError, KeyError, ValueError) as err:
+        return Check(CONTINUATION_LINE, "unknown", f"{url}/generate: {err!r}")
+    stored = greedy["continuation_ids"][: len(served)]  # the server may end its turn: compare up to there
+    parted = next((i for i, (a, b) in enumerate(zip(stored, served)) if a != b), None)
+    if parted is None:
+        return Check(CONTINUATION_LINE, "passed", f"prompt {greedy['id']}: the server's {len(served)} greedy tokens "
+                     "equal the stored continuation")
+    shown = lambda token: f"{token} {tokenizer.decode([token])!r}"  # noqa: E731
+    return Check(CONTINUATION_LINE, "failed",
+                 f"prompt {greedy['id']}: the stored continuation and the server's greedy output part at token "
+                 f"{parted + 1} of {len(served)} (stored {shown(stored[parted])}, served {shown(served[parted])}): the "
+                 "simulator replays a sequence the server never produces. Likely the target runs at another precision "
+                 "in the data stage than on the server (target.dtype), or the server loads other target weights")

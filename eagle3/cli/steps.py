@@ -53,6 +53,8 @@ def add_step_commands(commands) -> None:
         commands.add_parser("diagnose", help="why served acceptance falls short of the simulated one: a checklist")
     )
     diagnose.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
+    diagnose.add_argument("--url", help="the running server: its greedy output is compared with the continuation the "
+                          "simulator replays")
     add_release_argument(diagnose, "the live release (default: serving.release)")
     diagnose.set_defaults(handler=run_diagnose)
 
@@ -142,6 +144,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
     """Reads run.dir/bench/simulated.json and served.json (written by `simulate` and `bench`)."""
     from eagle3.bench.diagnose import diagnose
     from eagle3.data.capture import dataset_dir
+    from eagle3.data.regenerate import GREEDY_FILE, REGEN_DIR, read_greedy
     from eagle3.fsutil import read_json
 
     config = load_run_config(args, needs=("serving",))
@@ -149,6 +152,10 @@ def run_diagnose(args: argparse.Namespace) -> int:
     simulated = read_json(bench / "simulated.json", "missing: run `eagle3 simulate` first")
     served = read_json(bench / "served.json", "missing: run `eagle3 bench --config …` first")
     longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])), default=None)
+    greedy_path = config.stage_dir("data") / REGEN_DIR / GREEDY_FILE
+    greedy = None  # the first held-out prompt's stored continuation, compared with the server's at --url
+    if args.url and greedy_path.is_file():
+        greedy = next(iter(read_greedy(greedy_path.parent)), None)
     result = diagnose(
         args.checkpoint or config.stage_dir("export") / "sglang",
         args.release or config.serving.release,
@@ -157,6 +164,9 @@ def run_diagnose(args: argparse.Namespace) -> int:
         simulated.get("accept_length"),
         served.get("accept_length"),
         longest,
+        greedy,
+        args.url,
+        config.heldout_set[1],
     )
     print(result.render())
     return EXIT_PROBLEMS if result.failed else EXIT_OK
