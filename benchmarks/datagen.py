@@ -1,7 +1,9 @@
-"""Data-generation throughput on the tiny target (CPU): regeneration and capture samples/s and
-tokens/s, bytes stored per token, and the storage projection for the Kimi-K2.5 config.
+"""Data-generation throughput on the tiny target, or any target directory (CPU): regeneration and capture
+samples/s and tokens/s, bytes stored per token, the storage projection for the Kimi-K2.5 config, and the held-out
+greedy continuations one prompt at a time against batched (tokens/s, ratio, and whether they agree).
 
-    python benchmarks/datagen.py [--samples 64] [--target runs/targets/tiny]
+    python benchmarks/datagen.py [--samples 64] [--continuations 16] [--target DIR --config configs/….yaml]
+                                 [--continuations-only]
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from pathlib import Path
 from eagle3.config import load_config
 from eagle3.data.capture import capture
 from eagle3.data.storage import human_bytes, projected_bytes
-from eagle3.data.regenerate import read_regenerated, regenerate
+from eagle3.data.conversation import prompt_ids
+from eagle3.data.prompts import load_prompts
+from eagle3.data.regenerate import engine_batch, greedy_length, read_regenerated, regenerate
+from eagle3.engines.generators import LocalGenerator, target_greedy
+from eagle3.engines.targets import load_tokenizer
 from eagle3.engines.tiny import TINY, build_tiny_target
 from eagle3.formats.manifest import read_manifest
 
@@ -27,17 +33,43 @@ def timed(function, *args, **kwargs) -> float:
     return time.perf_counter() - start
 
 
+def time_continuations(config, count: int) -> None:
+    """The held-out step's work: `count` prompts of the config's source, continued greedy_length tokens each."""
+    tokenizer = load_tokenizer(config.target.path)
+    prompts = [prompt_ids(tokenizer, list(p.turns), config.data.thinking)
+               for p in load_prompts(config.data.prompts, limit=count).prompts]
+    generator = LocalGenerator(config.target.path, config.data.max_new_tokens, 0.0)
+    length, batch = greedy_length(config), engine_batch(config)
+    start = time.perf_counter()
+    alone = [target_greedy(generator.model, ids, length) for ids in prompts]
+    alone_s = time.perf_counter() - start
+    start = time.perf_counter()
+    batched = [c for i in range(0, len(prompts), batch) for c in generator.continue_greedy(prompts[i : i + batch], length)]
+    batched_s = time.perf_counter() - start
+    tokens = len(prompts) * length
+    same = sum(a == b for a, b in zip(alone, batched))
+    print(f"continuations: {len(prompts)} prompts x {length} tokens, batches of {batch}")
+    print(f"  one at a time: {alone_s:7.1f} s  {tokens / alone_s:9.1f} tokens/s")
+    print(f"  batched:       {batched_s:7.1f} s  {tokens / batched_s:9.1f} tokens/s  ({alone_s / batched_s:.2f}x)")
+    print(f"  identical continuations: {same}/{len(prompts)}; lengths {sorted({len(c) for c in batched})}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--samples", type=int, default=64)
-    parser.add_argument("--target", type=Path, default=ROOT / "runs" / "targets" / "tiny")
+    parser.add_argument("--target", type=Path, help="an existing target directory (default: the tiny target, built "
+                        "into runs/targets/tiny)")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "tiny-cpu.yaml")
+    parser.add_argument("--continuations", type=int, default=16, help="held-out prompts to continue")
+    parser.add_argument("--continuations-only", action="store_true", help="skip regeneration and capture")
     args = parser.parse_args()
-    target = build_tiny_target(args.target, TINY)
+    target = args.target or build_tiny_target(ROOT / "runs" / "targets" / "tiny", TINY)
     with tempfile.TemporaryDirectory() as run_dir:
-        config = load_config(
-            ROOT / "configs" / "tiny-cpu.yaml",
-            [f"run.dir={run_dir}", f"target.path={target}", f"data.num_samples={args.samples}"],
-        )
+        config = load_config(args.config, [f"run.dir={run_dir}", f"target.path={target}",
+                                           f"data.num_samples={args.samples}"])
+        time_continuations(config, args.continuations)
+        if args.continuations_only:
+            return
         quiet = lambda line: None  # noqa: E731
         regen_s = timed(regenerate, config, log=quiet)
         capture_s = timed(capture, config, log=quiet)
