@@ -77,13 +77,14 @@ def diagnose(
     simulated: float | None,
     served: float | None,
     longest_request: int | None = None,
+    trust_remote_code: bool = False,
 ) -> Diagnosis:
     """`data_dir` holds the captured dataset's manifest; `longest_request` = prompt + new tokens."""
     report = validate(checkpoint, release=release, target=target, data_manifest=data_dir,
                       context_length=longest_request)
     checks = [_from_report(name, codes, report) for name, codes in CHECKS.items() if name != VOCAB_LINE]
     manifest = read_manifest(data_dir)
-    tokenizer = load_tokenizer(str(target))
+    tokenizer = load_tokenizer(target, trust_remote_code)
     checks.append(_template_check(manifest, tokenizer))
     checks.append(_vocab_check(report, tokenizer))
     gap = None if not simulated or served is None else (simulated - served) / simulated

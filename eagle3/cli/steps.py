@@ -90,7 +90,7 @@ def run_quality(args: argparse.Namespace) -> int:
     from eagle3.engines.targets import load_tokenizer
 
     config = load_run_config(args)
-    tokenizer = load_tokenizer(config.target.path)
+    tokenizer = load_tokenizer(config.target)
     if args.file is None:
         source, limit = config.stage_dir("data") / REGEN_DIR, config.data.max_new_tokens
         replies = regenerated_replies(source, tokenizer)
@@ -157,6 +157,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
         simulated.get("accept_length"),
         served.get("accept_length"),
         longest,
+        config.target.trust_remote_code,
     )
     print(result.render())
     return EXIT_PROBLEMS if result.failed else EXIT_OK
