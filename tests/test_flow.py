@@ -28,6 +28,7 @@ from eagle3.registry.registry import open_registry
 from eagle3.runs import retrain_runs
 from eagle3.stages import TOKEN_FILE
 from flows.eagle3 import eagle3, ensure_registry_limit
+from kimi_target import VOCAB_SIZE as KIMI_VOCAB
 from test_config import TINY
 from test_data import micro_overrides
 from test_launch import free_port
@@ -291,3 +292,15 @@ def test_data_that_fails_its_quality_check_fails_the_run_at_regenerate(micro_flo
     data = artifacts(state.state_details.flow_run_id)["data"]
     assert "## Data quality: **FAILED**" in data and "**failed** `repeated-token`" in data
     assert registry.production_version() == before
+
+
+def test_a_kimi_kind_target_goes_through_the_whole_flow_to_a_promotion(prefect_api, tmp_path_factory, kimi_target):
+    """tiktoken.model + its own tokenization_kimi.py (tests/kimi_target.py), trusted: regenerate, capture, vocab,
+    train, export, validate, serve and gate all load it; untrusted, config load refuses it (test_kimi.py)."""
+    run_dir = tmp_path_factory.mktemp("kimi-flow")
+    overrides = micro_run_overrides(run_dir, kimi_target) + [f"target.vocab_size={KIMI_VOCAB}",
+                                                             "target.trust_remote_code=true"]
+    ensure_registry_limit(CONFIG, overrides)
+    outcome = run_flow(overrides)
+    assert outcome.state.is_completed() and outcome.state.name == "Completed", outcome.state.message
+    assert outcome.after == outcome.state.result() and outcome.events[-1] == "promoted"

@@ -18,7 +18,7 @@ from eagle3.config.sections import (
     RegistrySection, RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
 )
 from eagle3.errors import ConfigError
-from eagle3.formats.engines import aux_layers_problem, sglang_default_inputs
+from eagle3.formats.engines import FAMILY_DELEGATES_TO, aux_layers_problem, sglang_default_inputs
 from eagle3.formats.target import read_target_info
 from eagle3.formats.target_files import (
     THINKING_SWITCHES, TOKENIZER_MODEL_FILES, chat_template_text, thinking_switches, untrusted_code_problem,
@@ -162,7 +162,7 @@ def check_target_facts(config: PipelineConfig) -> None:
     info = read_target_info(path)
     wrong = [f"target.{key} is {getattr(target, key)} but {path / 'config.json'} says {getattr(info, key)}"
              for key in ("num_hidden_layers", "hidden_size", "vocab_size") if getattr(target, key) != getattr(info, key)]
-    if info.family is not None and info.family != target.family:
+    if info.family is not None and target.family not in (info.family, FAMILY_DELEGATES_TO.get(info.family)):
         wrong.append(f"target.family is {target.family} but {path / 'config.json'} names architecture "
                      f"{info.architecture}, which SGLang serves with its {info.family} model file")
     if wrong:
