@@ -78,8 +78,11 @@ class TransformersFeatures:
     name = "transformers"
     release = None
 
-    def __init__(self, target: TargetSection | str, aux_layers: list[int], last_hidden: str, device: torch.device):
-        self.model = load_target_model(target, dtype="bfloat16" if device.type == "cuda" else None).to(device)
+    def __init__(self, target: TargetSection | str, aux_layers: list[int], last_hidden: str, device: torch.device,
+                 trust_remote_code: bool = False):
+        """`trust_remote_code` for a target given by path (a TargetSection brings its own)."""
+        dtype = "bfloat16" if device.type == "cuda" else None
+        self.model = load_target_model(target, trust_remote_code, dtype).to(device)
         self.device, self.aux_layers, self.last_hidden = device, list(aux_layers), last_hidden
         inner = self.model.model
         self._seen: dict[str, torch.Tensor] = {}
