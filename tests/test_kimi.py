@@ -54,11 +54,15 @@ def test_untrusted_it_fails_at_config_load_in_one_line_and_never_reads_stdin(kim
         check_local_inputs(kimi_config(kimi_target, tmp_path))
     check_local_inputs(kimi_config(kimi_target, tmp_path, "target.trust_remote_code=true"))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for command in (["eagle3.cli", "config"], ["flows.run"]):  # `eagle3 config` and `eagle3 run`
-        result = subprocess.run([sys.executable, "-m", *command, str(TINY), "--set", f"target.path={kimi_target}",
-                                 *[arg for size in KIMI_SIZES for arg in ("--set", size)]],
+    sets = [arg for value in [f"target.path={kimi_target}", f"run.dir={tmp_path / 'run'}", *KIMI_SIZES]
+            for arg in ("--set", value)]
+    # `eagle3 config`, `eagle3 run` and the step commands that load the target's tokenizer
+    for command in (["eagle3.cli", "config", str(TINY)], ["flows.run", str(TINY)],
+                    *[["eagle3.cli", *step, "--config", str(TINY)] for step in
+                      (["data", "regenerate"], ["data", "import"], ["data", "quality"], ["vocab", "build"])]):
+        result = subprocess.run([sys.executable, "-m", *command, *sets],
                                 stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=120)
-        assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, (command, result.stderr)
         assert "target.trust_remote_code" in result.stderr and "tokenization_kimi.py" in result.stderr
     # a loader handed the path alone refuses too (never a prompt): the flag is always passed
     with pytest.raises(UnreadableInput, match="set target.trust_remote_code"):

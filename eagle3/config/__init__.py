@@ -167,14 +167,21 @@ def check_target_facts(config: PipelineConfig) -> None:
                      f"{info.architecture}, which SGLang serves with its {info.family} model file")
     if wrong:
         raise ConfigError("; ".join(wrong) + ": correct the config (the target's own file is what the engines read)")
-    if not target.trust_remote_code and (problem := untrusted_code_problem(path)):
-        raise ConfigError(f"target.trust_remote_code is false but {problem}: set target.trust_remote_code: true "
-                          "if you trust that code (the remote-code extra installs tiktoken for Kimi's tokenizer)")
+    check_target_trust(config)
     if config.data.thinking and not thinking_switches(template := chat_template_text(path)):
         where = "has no chat template" if template is None else "has a chat template that reads no thinking switch"
         raise ConfigError(f"data.thinking is true but the target {path} {where} (none of "
                           f"{', '.join(THINKING_SWITCHES)}): it would render thinking and non-thinking prompts "
                           "alike; set data.thinking: false")
+
+
+def check_target_trust(config: PipelineConfig) -> None:
+    """A local target whose auto_map names Python code loads only with target.trust_remote_code: refused here, in one
+    line, rather than by transformers in a stage (every step command checks this at config load)."""
+    target = config.target
+    if not target.trust_remote_code and (problem := untrusted_code_problem(Path(target.path))):
+        raise ConfigError(f"target.trust_remote_code is false but {problem}: set target.trust_remote_code: true "
+                          "if you trust that code (the remote-code extra installs tiktoken for Kimi's tokenizer)")
 
 
 def check_local_inputs(config: PipelineConfig) -> None:
