@@ -19,6 +19,7 @@ from eagle3.data.importer import Where, conversation_row
 from eagle3.engines.generators import LocalGenerator
 from eagle3.engines.targets import load_target_model, load_tokenizer, resolve_dtype, target_identity
 from eagle3.errors import ConfigError, UnreadableInput
+from eagle3.formats.target_files import thinking_switches
 from eagle3.serve.launch import reference_command, sglang_command
 from eagle3.serve.reference import load as load_served
 from eagle3.shape import DraftShape
@@ -142,3 +143,10 @@ def test_the_generator_and_the_reference_server_run_the_target_in_its_own_precis
     assert generator.model.dtype == served.target.dtype == torch.bfloat16
     assert load_target_model(section, dtype="float32").dtype == torch.float32  # the config can say otherwise
     assert target_identity(section)["dtype"] == "bfloat16"
+
+
+def test_the_thinking_switch_is_the_variable_the_template_reads():
+    assert thinking_switches("{% if enable_thinking %}<think>{% endif %}") == ("enable_thinking",)
+    assert thinking_switches("{%- generation -%}{{ thinking }}{%- endgeneration -%}") == ("thinking",)
+    assert thinking_switches("{% set thinking = true %}{{ thinking }}{{ messages }}") == ()  # set, not read
+    assert thinking_switches(None) == ()
