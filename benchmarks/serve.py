@@ -85,7 +85,7 @@ def main() -> None:
                  f"serving.num_steps={max(shape.num_steps for shape in SHAPES)}"]
     config = load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides)
     draft = trained_draft(config, args.steps, print)
-    prompts = heldout_prompt_ids(config, load_tokenizer(str(target)))
+    prompts = heldout_prompt_ids(config, load_tokenizer(config.target))
     print(f"{args.target} target, draft {draft}, {len(prompts)} held-out prompts, max_new_tokens "
           f"{args.max_new_tokens}, {args.concurrency} concurrent, torch threads {torch.get_num_threads()}")
     print(f"{'shape':34} {'sim':>6} {'greedy':>7} {'tok/s':>7} {'speedup':>8} {'same':>5} | "

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from drafts import TARGET_LAYERS, TARGET_VOCAB, write_draft  # noqa: E402
 from fixtures_tiny import micro_target, micro_tied_target  # noqa: E402,F401  (registered here: the session builds each once)
+from kimi_target import kimi_target  # noqa: E402,F401
 
 
 def write_target(path: Path, layers: int = TARGET_LAYERS, hidden: int = 32, vocab: int = TARGET_VOCAB,

@@ -28,6 +28,7 @@ from eagle3.registry.registry import open_registry
 from eagle3.runs import retrain_runs
 from eagle3.stages import TOKEN_FILE
 from flows.eagle3 import eagle3, ensure_registry_limit
+from kimi_target import VOCAB_SIZE as KIMI_VOCAB
 from test_config import TINY
 from test_data import micro_overrides
 from test_launch import free_port
@@ -311,3 +312,15 @@ def test_a_tied_embedding_target_trains_and_serves_through_the_whole_flow(prefec
     assert outcome.after == state.result() and outcome.events[-1] == "promoted"
     metrics = open_registry(load_config(CONFIG, overrides).registry).manifest(state.result())["metrics"]
     assert metrics["served"]["accept_length"] == pytest.approx(metrics["simulated"]["accept_length"])  # one head
+
+
+def test_a_kimi_kind_target_goes_through_the_whole_flow_to_a_promotion(prefect_api, tmp_path_factory, kimi_target):
+    """tiktoken.model + its own tokenization_kimi.py (tests/kimi_target.py), trusted: regenerate, capture, vocab,
+    train, export, validate, serve and gate all load it; untrusted, config load refuses it (test_kimi.py)."""
+    run_dir = tmp_path_factory.mktemp("kimi-flow")
+    overrides = micro_run_overrides(run_dir, kimi_target) + [f"target.vocab_size={KIMI_VOCAB}",
+                                                             "target.trust_remote_code=true"]
+    ensure_registry_limit(CONFIG, overrides)
+    outcome = run_flow(overrides)
+    assert outcome.state.is_completed() and outcome.state.name == "Completed", outcome.state.message
+    assert outcome.after == outcome.state.result() and outcome.events[-1] == "promoted"

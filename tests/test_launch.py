@@ -115,7 +115,8 @@ def test_reference_command(tmp_path):
     config = config_for(tmp_path)
     assert reference_command(config, "/t", "/d") == [
         sys.executable, "-m", "eagle3.cli", "serve", "--target", "/t", "--draft", "/d", "--num-steps", "3",
-        "--eagle-topk", "1", "--num-draft-tokens", "4", "--release", RELEASE, "--host", "127.0.0.1", "--port", str(config.serving.port)]
+        "--eagle-topk", "1", "--num-draft-tokens", "4", "--release", RELEASE, "--dtype", "auto", "--host", "127.0.0.1",
+        "--port", str(config.serving.port)]
     unreleased = config_for(tmp_path, "serving.release=null")
     command = reference_command(unreleased, "/t", None)
     assert "--draft" not in command and "--release" not in command

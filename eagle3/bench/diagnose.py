@@ -83,6 +83,7 @@ def diagnose(
     greedy: dict | None = None,
     url: str | None = None,
     max_new_tokens: int | None = None,
+    trust_remote_code: bool = False,
 ) -> Diagnosis:
     """`data_dir` holds the captured dataset's manifest; `longest_request` = prompt + new tokens. `greedy` (a stored
     held-out greedy sequence: id, prompt_ids, continuation_ids) is compared with what the server at `url` generates
@@ -91,7 +92,7 @@ def diagnose(
                       context_length=longest_request)
     checks = [_from_report(name, codes, report) for name, codes in CHECKS.items() if name != VOCAB_LINE]
     manifest = read_manifest(data_dir)
-    tokenizer = load_tokenizer(str(target))
+    tokenizer = load_tokenizer(target, trust_remote_code)
     checks.append(_template_check(manifest, tokenizer))
     checks.append(_vocab_check(report, tokenizer))
     checks.append(continuation_check(greedy, url, max_new_tokens, tokenizer))

@@ -14,6 +14,7 @@ def add_serving_commands(commands) -> None:
     bench.add_argument("--url", required=True, help="the server under test (SGLang /generate protocol)")
     bench.add_argument("--prompts", type=Path, help="JSONL of input_ids / text / messages (default with --config: held-out)")
     bench.add_argument("--tokenizer", help="model directory whose chat template renders `messages` (default: target.path)")
+    add_trust_argument(bench)
     bench.add_argument("--baseline-url", help="the same target without a draft: speedup and output identity")
     bench.add_argument("--max-new-tokens", type=int, help="default: benchmark.max_new_tokens, or 128 without --config")
     bench.add_argument("--concurrency", type=int, help="requests in flight (default: benchmark.concurrency's first)")
@@ -26,6 +27,9 @@ def add_serving_commands(commands) -> None:
     serve = commands.add_parser("serve", help="the reference server: SGLang's HTTP API with speculative decoding "
                                 "(chains and trees, greedy and sampled)")
     serve.add_argument("--target", type=Path, required=True, help="target model directory (transformers)")
+    add_trust_argument(serve)
+    serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                       help="the target's precision (target.dtype; auto: its config's torch_dtype, else float32)")
     serve.add_argument("--draft", type=Path, help="served draft checkpoint (sglang layout); none = plain decoding")
     serve.add_argument("--num-steps", type=int, default=3, help="drafting steps (the tree's depth) per verify step")
     serve.add_argument("--eagle-topk", type=int, default=1, help="branches per drafting step (1: a chain)")
@@ -36,6 +40,11 @@ def add_serving_commands(commands) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, required=True)
     serve.set_defaults(handler=run_serve)
+
+
+def add_trust_argument(parser) -> None:
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the Python files the target's auto_map names (target.trust_remote_code)")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -49,7 +58,8 @@ def run_bench(args: argparse.Namespace) -> int:
     config = load_run_config(args, needs=("benchmark",)) if args.config is not None else None
     settings = config.benchmark if config else BenchmarkSection(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, num_prompts=1)
     tokenizer_path = args.tokenizer or (config.target.path if config else None)
-    tokenizer = load_tokenizer(str(tokenizer_path)) if tokenizer_path else None
+    trust = args.trust_remote_code or (config.target.trust_remote_code if config else False)
+    tokenizer = load_tokenizer(tokenizer_path, trust) if tokenizer_path else None
     thinking = config.data.thinking if config else False
     if args.prompts is not None:
         prompts = load_prompt_file(args.prompts, tokenizer, thinking)
@@ -79,6 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shape = DraftShape(args.num_steps, args.eagle_topk, args.num_draft_tokens)
     except ValueError as err:
         raise ConfigError(f"--num-steps/--eagle-topk/--num-draft-tokens: {err}") from None
-    app = create_app(args.target, args.draft, shape, release=args.release, seed=args.seed)
+    app = create_app(args.target, args.draft, shape, release=args.release, seed=args.seed,
+                     trust_remote_code=args.trust_remote_code, dtype=args.dtype)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return EXIT_OK

@@ -92,7 +92,7 @@ def run_quality(args: argparse.Namespace) -> int:
     from eagle3.engines.targets import load_tokenizer
 
     config = load_run_config(args)
-    tokenizer = load_tokenizer(config.target.path)
+    tokenizer = load_tokenizer(config.target)
     if args.file is None:
         source, limit = config.stage_dir("data") / REGEN_DIR, config.data.max_new_tokens
         replies = regenerated_replies(source, tokenizer)
@@ -167,6 +167,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
         greedy,
         args.url,
         config.heldout_set[1],
+        config.target.trust_remote_code,
     )
     print(result.render())
     return EXIT_PROBLEMS if result.failed else EXIT_OK

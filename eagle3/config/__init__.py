@@ -18,8 +18,11 @@ from eagle3.config.sections import (
     RegistrySection, RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
 )
 from eagle3.errors import ConfigError
-from eagle3.formats.engines import aux_layers_problem, sglang_default_inputs
+from eagle3.formats.engines import FAMILY_DELEGATES_TO, aux_layers_problem, sglang_default_inputs
 from eagle3.formats.target import read_target_info
+from eagle3.formats.target_files import (
+    THINKING_SWITCHES, TOKENIZER_MODEL_FILES, chat_template_text, thinking_switches, untrusted_code_problem,
+)
 from eagle3.fsutil import atomic_write_bytes
 from eagle3.shape import DEFAULT_NUM_STEPS, DraftShape
 
@@ -148,18 +151,37 @@ def resolved_config_file(config: PipelineConfig) -> Path:
 
 
 def check_target_facts(config: PipelineConfig) -> None:
-    """When the target is a local model directory, its config.json must agree with the target section."""
-    path = Path(config.target.path)
+    """When the target is a local model directory, its files must agree with the config: config.json with the target
+    section (sizes, and the family its architecture is served by), its auto_map code with target.trust_remote_code
+    (transformers would otherwise ask on stdin, or refuse deep in a stage), its chat template with data.thinking.
+    `eagle3 config`, `eagle3 run` and the flow's load-config all check here (check_local_inputs)."""
+    target = config.target
+    path = Path(target.path)
     if not (path / "config.json").is_file():
         return  # a hub id or a path only the GPU node has: `eagle3 plan` reads target.config_file instead
     info = read_target_info(path)
-    wrong = [f"target.{key} is {getattr(config.target, key)} but {path / 'config.json'} says {getattr(info, key)}"
-             for key in ("num_hidden_layers", "hidden_size", "vocab_size") if getattr(config.target, key) != getattr(info, key)]
+    wrong = [f"target.{key} is {getattr(target, key)} but {path / 'config.json'} says {getattr(info, key)}"
+             for key in ("num_hidden_layers", "hidden_size", "vocab_size") if getattr(target, key) != getattr(info, key)]
+    if info.family is not None and target.family not in (info.family, FAMILY_DELEGATES_TO.get(info.family)):
+        wrong.append(f"target.family is {target.family} but {path / 'config.json'} names architecture "
+                     f"{info.architecture}, which SGLang serves with its {info.family} model file")
     if wrong:
         raise ConfigError("; ".join(wrong) + ": correct the config (the target's own file is what the engines read)")
+    check_target_trust(config)
+    if config.data.thinking and not thinking_switches(template := chat_template_text(path)):
+        where = "has no chat template" if template is None else "has a chat template that reads no thinking switch"
+        raise ConfigError(f"data.thinking is true but the target {path} {where} (none of "
+                          f"{', '.join(THINKING_SWITCHES)}): it would render thinking and non-thinking prompts "
+                          "alike; set data.thinking: false")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+def check_target_trust(config: PipelineConfig) -> None:
+    """A local target whose auto_map names Python code loads only with target.trust_remote_code: refused here, in one
+    line, rather than by transformers in a stage (every step command checks this at config load)."""
+    target = config.target
+    if not target.trust_remote_code and (problem := untrusted_code_problem(Path(target.path))):
+        raise ConfigError(f"target.trust_remote_code is false but {problem}: set target.trust_remote_code: true "
+                          "if you trust that code (the remote-code extra installs tiktoken for Kimi's tokenizer)")
 
 
 def check_local_inputs(config: PipelineConfig) -> None:
@@ -173,9 +195,10 @@ def check_local_inputs(config: PipelineConfig) -> None:
                 f"target.path {target}: no model directory there (no config.json); for the tiny target run "
                 f"`eagle3 make-tiny-target {target}`, otherwise point target.path at a local model directory (or set "
                 "target.config_file when the model is only on the GPU node)")
-        if not any((target / name).is_file() for name in TOKENIZER_FILES):
-            raise ConfigError(f"target.path {target}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
+        if not any((target / name).is_file() for name in TOKENIZER_MODEL_FILES):
+            raise ConfigError(f"target.path {target}: no tokenizer there (none of {', '.join(TOKENIZER_MODEL_FILES)}); "
                               "copy the model's tokenizer files next to its config.json")
+        check_target_facts(config)
     prompts = config.data.prompts
     if not prompts.startswith(("builtin:", "s3://")) and not Path(prompts).is_file():
         raise ConfigError(f"data.prompts {prompts}: no such file; give a JSONL file, builtin:pydoc or an s3:// URI")

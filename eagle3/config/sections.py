@@ -38,6 +38,13 @@ class TargetSection(Section):
     hidden_size: int = Field(gt=0)
     vocab_size: int = Field(gt=0)
     weight_prefix: str = Field(default="", description="name prefix of the target's tensors, e.g. 'language_model.'")
+    trust_remote_code: bool = Field(
+        default=False, description="run the Python files the target's tokenizer_config.json / config.json name in "
+        "auto_map (Kimi's tokenization_kimi.py): every load of its tokenizer, config and model, and SGLang's "
+        "--trust-remote-code; a target that needs them fails at config load without it")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="the one precision the target runs in on this machine (data stage generation, "
+        "held-out continuations, the reference server, CPU features); auto: its config's torch_dtype, else float32")
     config_file: Path | None = Field(
         default=None, description="the target's config.json where target.path is no local model directory (a hub "
         "id, or a path only the GPU node has): `eagle3 plan` sizes the target from it")

@@ -57,7 +57,7 @@ def regenerated_manifest(config: PipelineConfig) -> dict:
         raise UnreadableInput(f"{regen}: no finished regeneration here; run `eagle3 data regenerate` first") from None
     expected = target_identity(config.target)
     check_same(f"regenerated data in {regen}", manifest["target"], expected, ("path", "config_sha256", "tokenizer_sha256", "family"))
-    tokenizer = load_tokenizer(config.target.path)
+    tokenizer = load_tokenizer(config.target)
     check_same(
         f"regenerated data in {regen}",
         manifest,

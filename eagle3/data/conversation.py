@@ -7,10 +7,12 @@ them, never re-tokenized from text.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
 from eagle3.errors import Eagle3Error
+from eagle3.formats.target_files import thinking_switches
 
 
 @dataclass(frozen=True)
@@ -22,9 +24,21 @@ class Sample:
 
 
 def render(tokenizer, messages: list[dict], thinking: bool, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=thinking
-    )
+    """The template's text, thinking switched by the variable(s) the template itself reads (Qwen's enable_thinking,
+    Kimi's thinking; config load refuses data.thinking for a template with none)."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    switches = {name: thinking for name in template_switches(template)}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **switches)
+
+
+@functools.lru_cache(maxsize=8)
+def template_switches(template: str | None) -> tuple[str, ...]:
+    return thinking_switches(template)
+
+
+def renders_reasoning(tokenizer) -> bool:
+    """Whether the chat template writes an assistant message's reasoning_content itself."""
+    return "reasoning_content" in (tokenizer.chat_template or "")
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -54,6 +68,15 @@ def assistant_message(text: str) -> dict:
         return {"role": "assistant", "content": text}
     reasoning, _, answer = text.partition(THINK_END)
     return {"role": "assistant", "content": answer.lstrip("\n"), "reasoning_content": reasoning.replace("<think>", "").strip()}
+
+
+def split_reasoning(tokenizer, turns: list[dict]) -> list[dict]:
+    """Assistant turns whose content holds an inline <think>…</think>, with the reasoning moved to reasoning_content
+    where the template renders reasoning itself (else it would write it twice); other turns as they are."""
+    if not renders_reasoning(tokenizer):
+        return turns
+    return [assistant_message(turn["content"]) if turn["role"] == "assistant" and "reasoning_content" not in turn
+            else turn for turn in turns]
 
 
 def added_ids(tokenizer, covered: str, rendered: str) -> list[int]:

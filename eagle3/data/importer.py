@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
-from eagle3.data.conversation import template_sample
+from eagle3.data.conversation import split_reasoning, template_sample
 from eagle3.data.prompts import parse_turns
 from eagle3.data.quality import refuse_failed
 from eagle3.data.regenerate import (
@@ -79,7 +79,7 @@ def import_rows(config: PipelineConfig, source: Path | None = None, log: Log = p
     if source is None:
         raise Eagle3Error("nothing to import: give the JSONL file (eagle3 data import FILE) or set data.import_path")
     out = config.stage_dir("data") / REGEN_DIR
-    tokenizer = load_tokenizer(config.target.path)
+    tokenizer = load_tokenizer(config.target)
     with atomic_directory(out, overwrite=True) as tmp:
         tally, digest = write_rows(source, tmp, config, tokenizer, log)
         prompt_set, _, heldout = split_prompts(config, log)
@@ -222,6 +222,7 @@ def conversation_row(row: dict, line: bytes, where: Where, tokenizer, thinking: 
         raise where.error(name, f"{err}; a row needs input_ids + loss_mask, or messages / conversations") from None
     if not any(turn["role"] == "assistant" for turn in turns):
         raise where.error(name, "no assistant turn: nothing to learn from")
+    turns = split_reasoning(tokenizer, turns)
     sample, ended_early = template_sample(tokenizer, turns, thinking)
     if not sample.replies:
         raise where.error(name, "the target's chat template renders the first assistant turn differently from its "

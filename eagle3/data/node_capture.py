@@ -32,7 +32,8 @@ def run_on_node(config: PipelineConfig, resolved: Path | str, log: Callable[[str
     command = node_command(config, resolved)
     log(f"capture: running {' '.join(command)}")
     try:
-        process = subprocess.Popen(command, start_new_session=True)
+        # stdin closed: nothing the node command loads (a target's remote code included) can wait on a prompt
+        process = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL)
     except OSError as err:
         raise Eagle3Error(f"cannot start {command[0]} (data.sglang_python): {err.strerror}") from None
     try:

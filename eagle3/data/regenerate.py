@@ -95,7 +95,7 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
     if len(train) < config.data.num_samples:
         log(f"regenerate: the source holds only {len(train)} training prompts (data.num_samples is {config.data.num_samples})")
 
-    tokenizer = load_tokenizer(config.target.path)
+    tokenizer = load_tokenizer(config.target)
     generator = generator or make_generator(config)
     done = read_done(out)
     todo = [(index, prompt) for index, prompt in enumerate(train) if prompt.id not in done]

@@ -42,7 +42,7 @@ def benchmark_prompts_file(config: PipelineConfig) -> Path:
 
 def prompt_ids_in(config: PipelineConfig, path: Path) -> list[list[int]]:
     """A prompt-set file's prompts rendered with the target's chat template."""
-    return load_prompt_file(path, load_tokenizer(config.target.path), config.data.thinking)
+    return load_prompt_file(path, load_tokenizer(config.target), config.data.thinking)
 
 
 def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log: Log, concurrency: int | None = None,
@@ -122,7 +122,7 @@ def diagnosis_of(config: PipelineConfig, draft: Path, served: dict, simulated_ac
                   default=None)
     return diagnose(draft, served.get("server_version") or config.serving.release, Path(config.target.path),
                     dataset_dir(config), simulated_accept_length, served.get("accept_length"),
-                    longest).to_dict()
+                    longest, config.target.trust_remote_code).to_dict()
 
 
 def registry_metrics(served: dict, simulated_accept_length: float | None, chosen: dict) -> dict:

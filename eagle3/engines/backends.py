@@ -20,5 +20,6 @@ def target_backend(config: PipelineConfig, device: torch.device, tp_rank: int = 
         from eagle3.engines.sglang_features import SGLangFeatures  # the node's SGLang environment only
 
         return SGLangFeatures(target.path, target.family, target.num_hidden_layers, list(data.aux_layers),
-                              data.last_hidden, tp_rank, tp_size, device, dict(data.sglang_engine_args))
-    return TransformersFeatures(target.path, list(data.aux_layers), data.last_hidden, device)
+                              data.last_hidden, tp_rank, tp_size, device,
+                              {**data.sglang_engine_args, "trust_remote_code": target.trust_remote_code})
+    return TransformersFeatures(target, list(data.aux_layers), data.last_hidden, device)

@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from eagle3.config.sections import TargetSection
+from eagle3.engines.targets import load_target_model
 
 
 @dataclass
@@ -71,16 +73,16 @@ def pad_rows(rows: list[list[int]], sample_ids: list[str]) -> TokenBatch:
 class TransformersFeatures:
     """The target through transformers; hooks record the captured layers' outputs and the final norm's input and
     output, so one forward gives both kinds and no other layer's states are kept (output_hidden_states would hold
-    all of them). bf16 on a GPU, float32 on the CPU."""
+    all of them). bf16 on a GPU; on the CPU the target's one precision (target.dtype), as the data stage generated."""
 
     name = "transformers"
     release = None
 
-    def __init__(self, model_path: str, aux_layers: list[int], last_hidden: str, device: torch.device):
-        from transformers import AutoModelForCausalLM
-
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    def __init__(self, target: TargetSection | str, aux_layers: list[int], last_hidden: str, device: torch.device,
+                 trust_remote_code: bool = False):
+        """`trust_remote_code` for a target given by path (a TargetSection brings its own)."""
+        dtype = "bfloat16" if device.type == "cuda" else None
+        self.model = load_target_model(target, trust_remote_code, dtype).to(device)
         self.device, self.aux_layers, self.last_hidden = device, list(aux_layers), last_hidden
         inner = self.model.model
         self._seen: dict[str, torch.Tensor] = {}

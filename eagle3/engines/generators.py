@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import httpx
 
 from eagle3.config import PipelineConfig
-from eagle3.engines.targets import eos_ids_of
+from eagle3.config.sections import TargetSection
+from eagle3.engines.targets import eos_ids_of, load_target_model
 from eagle3.errors import Eagle3Error
 from eagle3.http_retry import RetriesExhausted, send_with_retries
 
@@ -37,12 +38,11 @@ class LocalGenerator:
 
     release = None
 
-    def __init__(self, model_path: str, max_new_tokens: int, temperature: float, seed: int = 0):
+    def __init__(self, target: TargetSection | str, max_new_tokens: int, temperature: float, seed: int = 0):
         import torch
-        from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        self.model = load_target_model(target)  # the target's one precision: the reference server serves in it too
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         config = self.model.generation_config
         self.eos = set(eos_ids_of(self.model))  # some targets end turns with several ids
@@ -187,7 +187,7 @@ class SGLangClient:
 def make_generator(config: PipelineConfig):
     data = config.data
     if data.engine == "local":
-        return LocalGenerator(config.target.path, data.max_new_tokens, data.temperature, config.training.seed)
+        return LocalGenerator(config.target, data.max_new_tokens, data.temperature, config.training.seed)
     return SGLangClient(
         data.servers, data.max_new_tokens, data.temperature, data.concurrency, data.retries, data.request_timeout_s
     )

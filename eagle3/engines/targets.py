@@ -1,5 +1,6 @@
-"""The target's identity and tokenizer: what a dataset records so a later stage can refuse data that
-was made with another target, tokenizer, chat template or layers."""
+"""The target's identity and its loaders: what a dataset records so a later stage can refuse data that was made
+with another target, tokenizer, chat template or layers; and the one place the target's tokenizer and model are
+loaded (so every engine runs it with the same trust_remote_code and precision)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,54 @@ from pathlib import Path
 
 from eagle3.config.sections import TargetSection
 from eagle3.errors import Eagle3Error, UnreadableInput
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja", "special_tokens_map.json")
+from eagle3.formats.target_files import config_files, tokenizer_files
 
 
 class DataMismatch(Eagle3Error):
     """Data made under other settings than the config asks for."""
 
 
-def load_tokenizer(path: str):
+def _path_and_trust(target: TargetSection | str | Path, trust_remote_code: bool) -> tuple[str, bool]:
+    if isinstance(target, TargetSection):
+        return target.path, target.trust_remote_code
+    return str(target), trust_remote_code
+
+
+def load_tokenizer(target: TargetSection | str | Path, trust_remote_code: bool = False):
+    """The target's tokenizer (a TargetSection brings its own trust_remote_code). The flag is always passed, so
+    transformers never asks on stdin whether to run the target's code: untrusted, it refuses."""
     from transformers import AutoTokenizer
 
+    path, trust = _path_and_trust(target, trust_remote_code)
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except OSError as err:
-        raise UnreadableInput(f"{path}: cannot load the target's tokenizer ({str(err).splitlines()[0]})") from None
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    except (OSError, ValueError) as err:
+        raise UnreadableInput(f"{path}: cannot load the target's tokenizer ({str(err).splitlines()[0]})"
+                              + ("" if trust else "; if it needs its own code, set target.trust_remote_code")) from None
+
+
+def resolve_dtype(path: str | Path, dtype: str = "auto") -> str:
+    """The precision the target runs in: `dtype`, or with "auto" its config's torch_dtype / dtype (text_config's
+    for a multimodal config), else float32."""
+    if dtype != "auto":
+        return dtype
+    file = Path(path) / "config.json"
+    config = json.loads(file.read_text()) if file.is_file() else {}
+    text = config.get("text_config") or {}
+    named = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    return named if named in ("float32", "bfloat16", "float16") else "float32"
+
+
+def load_target_model(target: TargetSection | str | Path, trust_remote_code: bool = False, dtype: str | None = None):
+    """The target as a transformers causal LM, in eval mode, in the precision resolve_dtype gives (a TargetSection
+    brings its own trust_remote_code and dtype; `dtype` overrides)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path, trust = _path_and_trust(target, trust_remote_code)
+    wanted = dtype or (target.dtype if isinstance(target, TargetSection) else "auto")
+    precision = getattr(torch, resolve_dtype(path, wanted))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=precision, trust_remote_code=trust).eval()
 
 
 def eos_ids_of(model) -> frozenset[int]:
@@ -63,8 +97,9 @@ def target_identity(target: TargetSection) -> dict:
         "num_hidden_layers": target.num_hidden_layers,
         "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size,
-        "config_sha256": files_hash(directory, ("config.json",)),
-        "tokenizer_sha256": files_hash(directory, TOKENIZER_FILES),
+        "dtype": resolve_dtype(directory, target.dtype),
+        "config_sha256": files_hash(directory, config_files(directory)),
+        "tokenizer_sha256": files_hash(directory, tokenizer_files(directory)),
     }
 
 

@@ -218,6 +218,9 @@ ARCHITECTURE_FAMILY = {
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "GptOssForCausalLM": "gpt_oss",
 }
+# A model file that runs another's model code: naming either family describes the same served model (the shipped
+# Kimi-K2.5 config names deepseek_v2).
+FAMILY_DELEGATES_TO = {"kimi_k25": "deepseek_v2"}
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ def sglang_command(config: PipelineConfig, target_path, draft_path) -> list[str]
                     "--speculative-num-draft-tokens", str(s.num_draft_tokens)]
     command += ["--tp-size", str(s.tp), "--host", s.host, "--port", str(s.port),
                 "--context-length", str(s.context_length)]
+    command += ["--trust-remote-code"] if config.target.trust_remote_code else []
     extra_flags = [a for a in s.extra_args if a.startswith("--")]
     if any(_launcher_flag_for(a) == "--speculative-algorithm" for a in extra_flags):
         raise LaunchError(
@@ -90,6 +91,8 @@ def reference_command(config: PipelineConfig, target_path, draft_path) -> list[s
     command += ["--num-steps", str(s.num_steps), "--eagle-topk", str(s.eagle_topk),
                 "--num-draft-tokens", str(s.num_draft_tokens)]
     command += ["--release", s.release] if s.release else []
+    command += ["--trust-remote-code"] if config.target.trust_remote_code else []
+    command += ["--dtype", config.target.dtype]
     return command + ["--host", s.host, "--port", str(s.port)]
 
 

@@ -62,7 +62,8 @@ def target_forward(served: Served, ids: list[int], tree: DraftTree | None = None
     extra = {}
     if tree is not None and tree.tokens:
         positions, visible = tree_attention(len(ids), tree)
-        blocked = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+        dtype = served.target.dtype  # the mask is added to the scores, in the target's precision
+        blocked = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
         extra = {"position_ids": positions[None], "attention_mask": blocked[None, None]}  # [1, 1, T + N, T + N]
         ids = ids + tree.tokens
     out = served.target(torch.tensor([ids]), output_hidden_states=layers is not None, **extra)
@@ -150,22 +151,21 @@ def generate(served: Served, body: dict, count: bool = True) -> dict:
 
 
 def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, release: str | None,
-         seed: int = 0) -> Served:
-    from transformers import AutoModelForCausalLM
+         seed: int = 0, trust_remote_code: bool = False, dtype: str = "auto") -> Served:
+    from eagle3.engines.targets import eos_ids_of, load_target_model, load_tokenizer
 
-    from eagle3.engines.targets import eos_ids_of, load_tokenizer
-
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    # the precision the data stage generated the held-out continuations in, so the replay is what is served
+    target = load_target_model(target_dir, trust_remote_code, dtype)
     draft = None
     if draft_dir is not None:
         draft = draft_as_served(Path(draft_dir), release, target_embedding(Path(target_dir))).eval()
-    return Served(target, load_tokenizer(str(target_dir)), eos_ids_of(target), draft, shape, release,
+    return Served(target, load_tokenizer(target_dir, trust_remote_code), eos_ids_of(target), draft, shape, release,
                   torch.Generator().manual_seed(seed))
 
 
 def create_app(target_dir, draft_dir=None, shape: DraftShape = DraftShape(3), release: str | None = None,
-               seed: int = 0) -> FastAPI:
-    served = load(Path(target_dir), draft_dir, shape, release, seed)
+               seed: int = 0, trust_remote_code: bool = False, dtype: str = "auto") -> FastAPI:
+    served = load(Path(target_dir), draft_dir, shape, release, seed, trust_remote_code, dtype)
     app = FastAPI(title="eagle3 reference server")
 
     @app.post("/generate")

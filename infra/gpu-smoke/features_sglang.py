@@ -168,7 +168,8 @@ def main(argv=None) -> int:
     status = 0
     if args.compare_transformers and node.main:
         batch, ours = first
-        reference = TransformersFeatures(args.model, layers, "post_norm", node.device)
+        reference = TransformersFeatures(args.model, layers, "post_norm", node.device,
+                                         trust_remote_code=bool(engine_args(args).get("trust_remote_code")))
         expected = reference.features(batch)
         reference.close()
         errors = {}
