@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from drafts import TARGET_LAYERS, TARGET_VOCAB, write_draft  # noqa: E402
-from fixtures_tiny import micro_target, micro_tied_target  # noqa: E402,F401  (registered here: the session builds each once)
+from fixtures_tiny import micro_target  # noqa: E402,F401  (registered here so the session builds it once)
 from kimi_target import kimi_target  # noqa: E402,F401
 
 

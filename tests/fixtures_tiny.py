@@ -1,4 +1,4 @@
-"""The MICRO tiny target and its tied-embedding variant, each built once per test session (~15 s)."""
+"""The MICRO tiny target, built once per test session (~15 s)."""
 
 import contextlib
 from pathlib import Path
@@ -7,7 +7,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from eagle3.engines.tiny import MICRO, MICRO_TIED, build_tiny_target
+from eagle3.engines.tiny import MICRO, build_tiny_target
 
 
 @contextlib.contextmanager
@@ -26,10 +26,3 @@ def one_torch_thread() -> Iterator[None]:
 def micro_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with one_torch_thread():
         return build_tiny_target(tmp_path_factory.mktemp("micro-target"), MICRO, progress=lambda line: None)
-
-
-@pytest.fixture(scope="session")
-def micro_tied_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """MICRO with its head tied to its embedding: its files hold no lm_head tensor."""
-    with one_torch_thread():
-        return build_tiny_target(tmp_path_factory.mktemp("micro-tied-target"), MICRO_TIED, progress=lambda line: None)

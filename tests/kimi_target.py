@@ -197,6 +197,7 @@ def write_k25_config(out: Path, layers: int, hidden: int, vocab: int) -> Path:
 
 @pytest.fixture(scope="session")
 def kimi_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Kimi-kind target, untied, built once per session."""
+    """The Kimi-kind target, built once per session with its head tied to its embedding (as SmolLM2, Qwen2.5-0.5B
+    or Llama-3.2-1B: the flow test proves both kinds of real target at once)."""
     with one_torch_thread():
-        return build_kimi_target(tmp_path_factory.mktemp("kimi-target"))
+        return build_kimi_target(tmp_path_factory.mktemp("kimi-target"), tie_word_embeddings=True)

@@ -294,33 +294,22 @@ def test_data_that_fails_its_quality_check_fails_the_run_at_regenerate(micro_flo
     assert registry.production_version() == before
 
 
-def test_a_tied_embedding_target_trains_and_serves_through_the_whole_flow(prefect_api, tmp_path, micro_tied_target):
-    """Its files hold no lm_head tensor: the teacher, the simulator, the export checks and the reference server take
-    the embedding as its head, and the draft is promoted like the untied target's."""
+def test_a_kimi_kind_tied_target_goes_through_the_whole_flow_to_a_promotion(prefect_api, tmp_path_factory, kimi_target):
+    """tiktoken.model + its own tokenization_kimi.py (tests/kimi_target.py), trusted: regenerate, capture, vocab,
+    train, export, validate, serve and gate all load it (untrusted, config load refuses it: test_kimi.py). Its head is
+    tied to its embedding and its files hold no lm_head tensor: the teacher, the simulator, the export checks and the
+    reference server take the embedding as its head, so simulated and served count the same draft on the same target."""
     from safetensors import safe_open
 
-    with safe_open(micro_tied_target / "model.safetensors", framework="pt") as f:
+    with safe_open(kimi_target / "model.safetensors", framework="pt") as f:
         assert "lm_head.weight" not in f.keys()
-    # tied, the micro target answers the chat prompts with newlines more often still (85% of its tokens): the two
-    # checks that measure it are waived here, this test is about the head
-    waive = "data.quality.waive=[empty-replies, duplicate-replies, repeated-token, looping]"
-    overrides = micro_run_overrides(tmp_path / "run", micro_tied_target) + [waive]
+    run_dir = tmp_path_factory.mktemp("kimi-flow")
+    overrides = micro_run_overrides(run_dir, kimi_target) + [f"target.vocab_size={KIMI_VOCAB}",
+                                                             "target.trust_remote_code=true"]
     ensure_registry_limit(CONFIG, overrides)
     outcome = run_flow(overrides)
     state = outcome.state
     assert state.is_completed() and state.name == "Completed", state.message
     assert outcome.after == state.result() and outcome.events[-1] == "promoted"
     metrics = open_registry(load_config(CONFIG, overrides).registry).manifest(state.result())["metrics"]
-    assert metrics["served"]["accept_length"] == pytest.approx(metrics["simulated"]["accept_length"])  # one head
-
-
-def test_a_kimi_kind_target_goes_through_the_whole_flow_to_a_promotion(prefect_api, tmp_path_factory, kimi_target):
-    """tiktoken.model + its own tokenization_kimi.py (tests/kimi_target.py), trusted: regenerate, capture, vocab,
-    train, export, validate, serve and gate all load it; untrusted, config load refuses it (test_kimi.py)."""
-    run_dir = tmp_path_factory.mktemp("kimi-flow")
-    overrides = micro_run_overrides(run_dir, kimi_target) + [f"target.vocab_size={KIMI_VOCAB}",
-                                                             "target.trust_remote_code=true"]
-    ensure_registry_limit(CONFIG, overrides)
-    outcome = run_flow(overrides)
-    assert outcome.state.is_completed() and outcome.state.name == "Completed", outcome.state.message
-    assert outcome.after == outcome.state.result() and outcome.events[-1] == "promoted"
+    assert metrics["served"]["accept_length"] == pytest.approx(metrics["simulated"]["accept_length"])

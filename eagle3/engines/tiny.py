@@ -57,7 +57,6 @@ class TinyRecipe:
     max_heldout_loss: float  # a target above this on the held-out corpus tail is refused, never published
     learning_rate: float
     seed: int
-    tie_word_embeddings: bool = False  # the head is the embedding, as SmolLM2's: its files hold no lm_head tensor
 
 
 # ~1.3 M parameters; ~11 k tokens/s on 2 cores: 450 steps in ~2.5 min, training loss ~2.5. The bar is far below
@@ -69,8 +68,6 @@ TINY = TinyRecipe(name="tiny", vocab_size=2048, hidden_size=128, intermediate_si
 MICRO = TinyRecipe(name="micro", vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, seq_len=64, batch_size=16,
                    max_steps=400, max_heldout_loss=4.0, learning_rate=3e-3, seed=0)
-# For tests: MICRO with its head tied to its embedding, as many real targets are.
-MICRO_TIED = dataclasses.replace(MICRO, name="micro-tied", tie_word_embeddings=True)
 
 
 def corpus_text() -> str:
@@ -113,7 +110,7 @@ def tiny_model(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaF
                          intermediate_size=recipe.intermediate_size, num_hidden_layers=recipe.num_hidden_layers,
                          num_attention_heads=recipe.num_attention_heads,
                          num_key_value_heads=recipe.num_key_value_heads, max_position_embeddings=MAX_POSITIONS,
-                         rope_theta=10000.0, tie_word_embeddings=recipe.tie_word_embeddings, **special)
+                         rope_theta=10000.0, tie_word_embeddings=False, **special)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(do_sample=False, **special)
     return model
