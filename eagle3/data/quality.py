@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.config.sections import QualitySection
-from eagle3.data.prompts import file_lines, parse_turns
+from eagle3.data.prompts import file_records, parse_turns
 from eagle3.errors import Eagle3Error, UnreadableInput
 
 NGRAM = 4
@@ -91,10 +91,10 @@ class Meter:
 
 
 def replies_in_file(path: Path, encode) -> Iterator[Reply]:
-    """The assistant turns of a file of conversations (ShareGPT or OpenAI messages JSONL) as replies, tokenized
-    with `encode(text)`; whether a reply hit a token limit is not known from text."""
-    for number, line in enumerate(file_lines(Path(path)), start=1):  # a missing or non-UTF-8 file is named
-        if not line.strip():
+    """The assistant turns of a file of conversations (ShareGPT or OpenAI messages, JSONL or a JSON array) as
+    replies, tokenized with `encode(text)`; whether a reply hit a token limit is not known from text."""
+    for number, line in enumerate(file_records(Path(path)), start=1):  # a missing or non-UTF-8 file is named
+        if isinstance(line, str) and not line.strip():
             continue
         try:
             turns = parse_turns(line)

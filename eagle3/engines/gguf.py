@@ -28,7 +28,7 @@ def resolve_gguf(source: str) -> Path:
         return path
     if path.suffix == ".gguf" or "/" in source:
         raise UnreadableInput(f"{source}: no such GGUF file")
-    return installed_package_file(source, ".gguf")
+    return installed_package_file(source, (".gguf",))
 
 
 def make_target_from_gguf(gguf: Path, out_dir: Path, overwrite: bool = False,
