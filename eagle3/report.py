@@ -74,7 +74,7 @@ def quality_section(quality: dict) -> str:
              f"{figures['top_token_id']} ({share(figures['top_token_share'])})",
              f"at most {share(limits['max_top_token_share'])}"],
             [f"replies that loop (last {limits['loop_window']} tokens under "
-             f"{share(limits['loop_min_distinct'])} distinct 4-grams)", share(figures["looping_share"]),
+             f"{share(limits['loop_min_distinct'])} distinct bigrams)", share(figures["looping_share"]),
              f"at most {share(limits['max_looping_share'])}"],
             ["replies with no text (whitespace or special tokens only)", share(figures["empty_share"]),
              f"at most {share(limits['max_empty_share'])}"],

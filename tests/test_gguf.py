@@ -107,6 +107,6 @@ def test_an_architecture_it_cannot_rebuild_is_refused_by_name(micro_target, tmp_
 
 def test_the_command_names_a_missing_file_or_package(tmp_path, capsys):
     with pytest.raises(UnreadableInput, match="no-such-model-package: neither a file nor an installed package"):
-        resolve_gguf("no-such-model-package")
+        resolve_gguf("pkg:no-such-model-package")
     assert main(["make-target", str(tmp_path / "t"), "--from-gguf", str(tmp_path / "missing.gguf")]) != 0
     assert "missing.gguf: no such GGUF file" in capsys.readouterr().err

