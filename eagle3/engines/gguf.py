@@ -45,19 +45,21 @@ def make_target_from_gguf(gguf: Path, out_dir: Path, overwrite: bool = False,
                               f"{', '.join(f'{k} ({v})' for k, v in REBUILDS.items())}")
     progress(f"reading {gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB, {config.model_type}, "
              f"{config.num_hidden_layers} layers, dequantized to float32)")
-    loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(**where)
+    if tokenizer.chat_template is None:
+        raise UnreadableInput(f"{gguf}: holds no chat template (tokenizer.chat_template): not a chat model")
+    loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
     config.dtype = torch.float32
     model = getattr(transformers, REBUILDS[config.model_type])(config)
-    # strict: a tensor the GGUF lacks, or one the rebuilt model does not know, is an error, never a random init
-    model.load_state_dict(loaded.state_dict())
+    try:  # strict: a tensor the GGUF lacks, or one the rebuilt model does not know, is an error, never a random init
+        model.load_state_dict(loaded.state_dict())
+    except RuntimeError as err:
+        raise UnreadableInput(f"{gguf}: its tensors do not make a {REBUILDS[config.model_type]}: {err}") from None
     if config.tie_word_embeddings and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         raise UnreadableInput(f"{gguf}: the config ties the head to the embedding but the rebuilt model does not")
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=tokenizer.eos_token_id if config.eos_token_id is None
         else config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False)
-    if tokenizer.chat_template is None:
-        raise UnreadableInput(f"{gguf}: holds no chat template (tokenizer.chat_template): not a chat model")
     with atomic_directory(Path(out_dir), overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
