@@ -79,7 +79,12 @@ def test_only_replies_that_neither_loop_nor_end_earn_the_stop_token_advice():
     assert codes(found) == ["no-end-token"]
     assert "91% of replies hit max_new_tokens (120) without an end token and without looping" in (
         found["problems"][0]["message"])
+    assert "no reply ended its turn" in found["problems"][0]["message"]
     assert "check the stop tokens" in found["problems"][0]["message"]
+    some_end = made + [Reply(PROSE[i], "words", False) for i in range(3)]  # 3 of 14 replies end: stop tokens work
+    message = report(some_end, QualitySection(max_looping_share=0.5), 120, str)["problems"][0]["message"]
+    assert "21% of replies did end their turn, so the stop tokens work: the answers are longer than" in message
+    assert "check the stop tokens" not in message
 
 
 def test_the_loop_bar_is_set_by_config():

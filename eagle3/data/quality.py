@@ -139,17 +139,19 @@ def problems(figures: dict, limits: QualitySection, max_new_tokens: int | None, 
         crossed("looping", f"{looping:.0%} of replies loop: their last {limits.loop_window} tokens repeat a span "
                 f"(under {limits.loop_min_distinct:.0%} of the bigrams distinct; threshold "
                 f"{limits.max_looping_share:.0%} of replies{ran_out}): the target's own decoding repeats itself, not "
-                "a stop token; small models do at temperature 0: sample (data.temperature), lower "
-                "data.max_new_tokens, or pick a larger target")
+                "a stop token; small models do at temperature 0: sample (data.temperature) or pick a larger target")
     if figures["replies"] and figures["empty_share"] > limits.max_empty_share:
         crossed("empty-replies", f"{figures['empty_share']:.0%} of replies hold no text, only whitespace or special "
                 f"tokens (threshold {limits.max_empty_share:.0%}): the target writes nothing readable; "
                 f"{CHECK_TEMPLATE} (e.g. a generation prompt the target answers with its end token)")
     unended = figures["unended_share"]
     if unended is not None and unended > limits.max_hit_limit_share:
+        ended = 1 - figures["hit_limit_share"]
+        cause = (f"{ended:.0%} of replies did end their turn, so the stop tokens work: the answers are longer than "
+                 "data.max_new_tokens (raise it)" if ended else "no reply ended its turn: the engine does not stop "
+                 "where the target ends it; check the stop tokens (generation_config.json eos_token_id)")
         crossed("no-end-token", f"{unended:.0%} of replies hit max_new_tokens ({max_new_tokens}) without an end token "
-                f"and without looping (threshold {limits.max_hit_limit_share:.0%}): the engine does not stop where "
-                "the target ends its turn; check the stop tokens (generation_config.json eos_token_id), or raise data.max_new_tokens")
+                f"and without looping (threshold {limits.max_hit_limit_share:.0%}): {cause}")
     if figures["duplicate_share"] > limits.max_duplicate_share:
         crossed("duplicate-replies", f"{figures['duplicate_share']:.0%} of replies repeat another reply word for word "
                 f"(threshold {limits.max_duplicate_share:.0%}; one reply, {describe(figures['most_repeated_ids'])!r}"
