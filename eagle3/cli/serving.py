@@ -12,7 +12,11 @@ from eagle3.errors import ConfigError
 def add_serving_commands(commands) -> None:
     bench = commands.add_parser("bench", help="serving benchmark: accept length, throughput, latency from a live server")
     bench.add_argument("--url", required=True, help="the server under test (SGLang /generate protocol)")
-    bench.add_argument("--prompts", type=Path, help="JSONL of input_ids / text / messages (default with --config: held-out)")
+    bench.add_argument("--prompts", type=Path, help="input_ids / text records, or any prompt file data.prompts reads "
+                       "(ShareGPT conversations or messages, JSONL or a JSON array, pkg:NAME); default with --config: "
+                       "the held-out prompts")
+    bench.add_argument("--num-prompts", type=positive, help="send only the first N prompts (default: all of --prompts, "
+                       "or benchmark.num_prompts held-out ones)")
     bench.add_argument("--tokenizer", help="model directory whose chat template renders `messages` (default: target.path)")
     add_trust_argument(bench)
     bench.add_argument("--baseline-url", help="the same target without a draft: speedup and output identity")
@@ -62,11 +66,11 @@ def run_bench(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(tokenizer_path, trust) if tokenizer_path else None
     thinking = config.data.thinking if config else False
     if args.prompts is not None:
-        prompts = load_prompt_file(args.prompts, tokenizer, thinking)
+        prompts = load_prompt_file(args.prompts, tokenizer, thinking, args.num_prompts)
     else:
         from eagle3.data.regenerate import heldout_prompt_ids
 
-        prompts = heldout_prompt_ids(config, tokenizer)
+        prompts = heldout_prompt_ids(config, tokenizer)[:args.num_prompts]
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is refused, not replaced)
     result = run_benchmark(args.url, prompts, pick(args.max_new_tokens, settings.max_new_tokens),
                            pick(args.concurrency, settings.production_concurrency), settings.request_timeout_s,
@@ -77,6 +81,12 @@ def run_bench(args: argparse.Namespace) -> int:
         atomic_write_json(out, result)
         print(f"bench: wrote {out}")
     return EXIT_PROBLEMS if result["mismatches"] else EXIT_OK
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of prompts, 1 or more")
+    return int(text)
 
 
 def run_serve(args: argparse.Namespace) -> int:

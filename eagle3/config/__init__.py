@@ -14,16 +14,16 @@ import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
 from eagle3.config.sections import (
-    STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, NodeSection, ProductionSection,
+    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, NodeSection, ProductionSection,
     RegistrySection, RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
 )
-from eagle3.errors import ConfigError
+from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.formats.engines import FAMILY_DELEGATES_TO, aux_layers_problem, sglang_default_inputs
 from eagle3.formats.target import read_target_info
 from eagle3.formats.target_files import (
     THINKING_SWITCHES, TOKENIZER_MODEL_FILES, chat_template_text, thinking_switches, untrusted_code_problem,
 )
-from eagle3.fsutil import atomic_write_bytes
+from eagle3.fsutil import atomic_write_bytes, named_file
 from eagle3.shape import DEFAULT_NUM_STEPS, DraftShape
 
 # What only the stages after training need: a training-only config leaves them out, and the stages that need them
@@ -200,8 +200,13 @@ def check_local_inputs(config: PipelineConfig) -> None:
                               "copy the model's tokenizer files next to its config.json")
         check_target_facts(config)
     prompts = config.data.prompts
-    if not prompts.startswith(("builtin:", "s3://")) and not Path(prompts).is_file():
-        raise ConfigError(f"data.prompts {prompts}: no such file; give a JSONL file, builtin:pydoc or an s3:// URI")
+    try:
+        local = None if prompts.startswith(("builtin:", "s3://")) else named_file(prompts, PROMPT_SUFFIXES)
+    except UnreadableInput as err:  # pkg:NAME of a package that is not installed, or ships no single prompt file
+        raise ConfigError(f"data.prompts: {err}") from None
+    if local is not None and not local.is_file():
+        raise ConfigError(f"data.prompts {prompts}: no such file; give a JSONL or JSON-array file, builtin:pydoc, "
+                          "pkg:NAME or an s3:// URI")
     imported = config.data.import_path
     if imported is not None and not imported.is_file():
         raise ConfigError(f"data.import_path {imported}: no such file; give the JSONL of rows to import, or remove the "

