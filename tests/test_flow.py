@@ -304,8 +304,11 @@ def test_a_kimi_kind_tied_target_goes_through_the_whole_flow_to_a_promotion(pref
     with safe_open(kimi_target / "model.safetensors", framework="pt") as f:
         assert "lm_head.weight" not in f.keys()
     run_dir = tmp_path_factory.mktemp("kimi-flow")
+    # a 1 M-parameter model decoding greedily loops in most replies (62 % measured): the check that measures it is
+    # waived here, this test is about loading the target and its head (test_quality covers the check)
     overrides = micro_run_overrides(run_dir, kimi_target) + [f"target.vocab_size={KIMI_VOCAB}",
-                                                             "target.trust_remote_code=true"]
+                                                             "target.trust_remote_code=true",
+                                                             "data.quality.waive=[looping]"]
     ensure_registry_limit(CONFIG, overrides)
     outcome = run_flow(overrides)
     state = outcome.state
