@@ -292,3 +292,27 @@ def test_other_benchmark_prompts_redo_only_the_held_out_continuations(micro_targ
         assert "regenerate: resuming, 8 samples already written" in lines
         assert any(line.startswith("held-out continuations: 4/4 prompts") and "tokens/s" in line for line in lines)
         assert read_manifest(regen)["heldout_greedy"] == {"prompts": 4, "length": config.heldout_set[1] + 3}
+
+
+def test_held_out_prompts_longer_than_training_takes_are_left_out_of_the_benchmark(micro_target, tmp_path):
+    """Training sends no prompt of data.max_length tokens or more; the benchmark's held-out prompts follow the same rule
+    (a ShareGPT conversation of 2,800 tokens would measure the draft far past the positions it was trained on)."""
+    from eagle3.data.prompts import load_prompts, split_heldout
+
+    words = "the object of the statement is evaluated once"
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"{words} " * (40 if i % 2 else 1)}]}
+            for i in range(24)]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(TINY, micro_overrides(tmp_path / "run", micro_target) + [
+        f"data.prompts={source}", "data.num_samples=2", "data.heldout_fraction=0.5", "benchmark.num_prompts=2"])
+    lines = []
+    regenerate(config, log=lines.append)
+    _, heldout = split_heldout(load_prompts(str(source)).prompts, 0.5)
+    long_ones = {p.id for p in heldout if len(p.turns[-1]["content"]) > 100}
+    kept = [json.loads(line) for line in (tmp_path / "run" / "data" / "heldout.jsonl").read_text().splitlines()]
+    assert long_ones and kept and not long_ones & {row["id"] for row in kept}
+    assert all(len(row["messages"][-1]["content"]) < 100 for row in kept)
+    tokenizer = AutoTokenizer.from_pretrained(str(micro_target))
+    assert all(len(prompt_ids(tokenizer, row["messages"], False)) < 96 for row in kept)
+    assert any(f"{len(long_ones)} of {len(heldout)} held-out prompts are data.max_length (96)" in line for line in lines)

@@ -82,7 +82,7 @@ def import_rows(config: PipelineConfig, source: Path | None = None, log: Log = p
     tokenizer = load_tokenizer(config.target)
     with atomic_directory(out, overwrite=True) as tmp:
         tally, digest = write_rows(source, tmp, config, tokenizer, log)
-        prompt_set, _, heldout = split_prompts(config, log)
+        prompt_set, _, heldout = split_prompts(config, tokenizer, log)
         if (out / GREEDY_FILE).is_file():  # reused when made for the same prompts and length
             shutil.copy2(out / GREEDY_FILE, tmp / GREEDY_FILE)
         generator = generator or make_generator(config)

@@ -88,14 +88,14 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path
     """Regenerate the training split's answers; returns the output directory (with its manifest)."""
     out = config.stage_dir("data") / REGEN_DIR
     out.mkdir(parents=True, exist_ok=True)
-    prompt_set, train, heldout = split_prompts(config, log)
+    tokenizer = load_tokenizer(config.target)
+    prompt_set, train, heldout = split_prompts(config, tokenizer, log)
     train = train[: config.data.num_samples]
     log(f"regenerate: {len(train)} training prompts, {len(heldout)} held out for the benchmark")
     log_projection(config, log)
     if len(train) < config.data.num_samples:
         log(f"regenerate: the source holds only {len(train)} training prompts (data.num_samples is {config.data.num_samples})")
 
-    tokenizer = load_tokenizer(config.target)
     generator = generator or make_generator(config)
     done = read_done(out)
     todo = [(index, prompt) for index, prompt in enumerate(train) if prompt.id not in done]
@@ -128,15 +128,27 @@ def engine_batch(config: PipelineConfig) -> int:
     return config.data.batch_size if config.data.engine == "local" else config.data.concurrency
 
 
-def split_prompts(config: PipelineConfig, log: Log) -> tuple[PromptSet, list[Prompt], list[Prompt]]:
+def split_prompts(config: PipelineConfig, tokenizer, log: Log) -> tuple[PromptSet, list[Prompt], list[Prompt]]:
     """The prompt source, its training and held-out prompts; the held-out ones are written for the benchmark and the
     malformed lines reported."""
     data_dir = config.stage_dir("data")
     prompt_set = load_prompts(config.data.prompts)
     report_malformed(prompt_set, data_dir / MALFORMED_FILE, log)
     train, heldout = split_heldout(prompt_set.prompts, config.data.heldout_fraction)
+    heldout = fitting_prompts(heldout, tokenizer, config, log)
     write_prompts(data_dir / HELDOUT_FILE, heldout)
     return prompt_set, train, heldout
+
+
+def fitting_prompts(prompts: list[Prompt], tokenizer, config: PipelineConfig, log: Log) -> list[Prompt]:
+    """The held-out prompts shorter than data.max_length, as training sends them (a longer one gets no reply there):
+    the draft is trained on positions below it, so the benchmark measures it there too."""
+    limit = config.data.max_length
+    fitting = [p for p in prompts if len(render_prompt_ids(tokenizer, list(p.turns), config.data.thinking)) < limit]
+    if len(fitting) < len(prompts):
+        log(f"regenerate: {len(prompts) - len(fitting)} of {len(prompts)} held-out prompts are data.max_length "
+            f"({limit}) tokens or longer and left out of the benchmark, as training leaves them out")
+    return fitting
 
 
 def samples_fields(config: PipelineConfig, directory: Path, tokenizer, prompt_set: PromptSet, heldout: int,
