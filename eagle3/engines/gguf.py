@@ -38,7 +38,8 @@ def make_target_from_gguf(gguf: Path, out_dir: Path, overwrite: bool = False,
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     gguf = Path(gguf).resolve()
-    where = dict(pretrained_model_name_or_path=gguf.parent, gguf_file=gguf.name)
+    # a GGUF file carries no Python code: trust is refused explicitly, so transformers never asks on stdin
+    where = dict(pretrained_model_name_or_path=gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     config = AutoConfig.from_pretrained(**where)
     if config.model_type not in REBUILDS:
         raise UnreadableInput(f"{gguf}: architecture {config.model_type!r} cannot be rebuilt here; supported: "
