@@ -46,7 +46,8 @@ def test_the_tie_is_read_from_a_nested_text_config_first(tmp_path):
     save_llama(tmp_path, tied=True)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False,
-                                                      "text_config": {"tie_word_embeddings": True}}))
+                                                      # a multimodal config nests the whole language model there
+                                                      "text_config": {**config, "tie_word_embeddings": True}}))
     assert tied_head(tmp_path)
     assert torch.equal(target_head(tmp_path)["lm_head"], target_head(tmp_path)["embed"])
 

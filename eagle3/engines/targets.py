@@ -10,6 +10,7 @@ from pathlib import Path
 
 from eagle3.config.sections import TargetSection
 from eagle3.errors import Eagle3Error, UnreadableInput
+from eagle3.formats.target import read_target_info
 from eagle3.formats.target_files import config_files, tokenizer_files
 
 
@@ -37,14 +38,11 @@ def load_tokenizer(target: TargetSection | str | Path, trust_remote_code: bool =
 
 
 def resolve_dtype(path: str | Path, dtype: str = "auto") -> str:
-    """The precision the target runs in: `dtype`, or with "auto" its config's torch_dtype / dtype (text_config's
-    for a multimodal config), else float32."""
+    """The precision the target runs in: `dtype`, or with "auto" the one its config.json (or text_config) names,
+    else float32."""
     if dtype != "auto":
         return dtype
-    file = Path(path) / "config.json"
-    config = json.loads(file.read_text()) if file.is_file() else {}
-    text = config.get("text_config") or {}
-    named = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    named = read_target_info(path).dtype if (Path(path) / "config.json").is_file() else None
     return named if named in ("float32", "bfloat16", "float16") else "float32"
 
 

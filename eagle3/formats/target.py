@@ -18,6 +18,8 @@ class TargetInfo:
     family: str | None  # the SGLang model file, None when the architecture is not in our table
     architecture: str | None
     rms_norm_eps: float
+    tie_word_embeddings: bool  # the head is the input embedding (absent: untied, every served architecture's default)
+    dtype: str | None  # the precision the weights were saved in (torch_dtype, or transformers 5's dtype)
 
 
 def read_target_info(path: Path) -> TargetInfo:
@@ -39,6 +41,8 @@ def read_target_info(path: Path) -> TargetInfo:
         family=ARCHITECTURE_FAMILY.get(architectures[0]),
         architecture=architectures[0],
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+        dtype=text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or config.get("dtype"),
     )
 
 

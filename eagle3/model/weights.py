@@ -63,12 +63,9 @@ def missing_tensors_message(target_dir: Path, weight_map: dict, missing: list[st
 
 
 def tied_head(target_dir: Path) -> bool:
-    """Whether the target's output head is its input embedding: `tie_word_embeddings` in config.json (a nested
-    text_config's value first, as multimodal configs keep the language model's there; absent means untied, the
-    default of every architecture we serve)."""
-    config = json.loads((Path(target_dir) / "config.json").read_text())
-    text = config.get("text_config") or {}
-    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    """Whether the target's output head is its input embedding (`tie_word_embeddings` in config.json or its
+    text_config)."""
+    return read_target_info(target_dir).tie_word_embeddings
 
 
 def target_head(target_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
