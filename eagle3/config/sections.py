@@ -383,6 +383,20 @@ class RegistrySection(Section):
         return self
 
 
+class TelemetrySection(Section):
+    """What the production server reports about its own traffic (DESIGN §10): SGLang's flags, off by default - the
+    request records hold the operator's users' text."""
+
+    metrics: bool = Field(default=False, description="--enable-metrics: Prometheus /metrics (accept length over any "
+                          "window from the generation-token and verify-call counters)")
+    records_dir: Path | None = Field(
+        default=None, description="--export-metrics-to-file --export-metrics-to-file-dir DIR: one JSON record per "
+        "finished request (its text or input_ids, custom_labels and meta_info) in hourly files")
+    slice_label: str = Field(
+        default="app", pattern=r"^[A-Za-z0-9_.-]+$", description="the key of a request's custom_labels that names "
+        "its traffic slice: acceptance is reported per slice in the monitor and the benchmark")
+
+
 class ProductionSection(Section):
     """The production endpoint (DESIGN §4): `managed` - the pipeline restarts it with the promoted draft (or, on
     rollback, the previous one) and re-measures it; `external` - the pipeline moves the registry pointer and
@@ -400,6 +414,7 @@ class ProductionSection(Section):
         "(eagle3-production-PORT.scope), so restarting the worker leaves it running (not root: the user's systemd "
         "manager); none - it lives in the worker's process group and a worker restart stops it; auto - systemd when "
         "it runs here, else none")
+    telemetry: TelemetrySection = TelemetrySection()
 
 
 class NodeSection(Section):
