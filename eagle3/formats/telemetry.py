@@ -32,6 +32,9 @@ RECORD_FILE = re.compile(r"sglang-request-metrics-(\d{8}_\d{2})\.log$")
 RECORD_HOUR = "%Y%m%d_%H"  # local time, as the exporter names its files
 SAMPLE_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
 LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
+# The pipeline's own requests (benchmark, health checks of a measurement) carry this custom label, so the monitor and
+# the traffic prompt source never take them for users' traffic.
+PIPELINE_LABEL = ("eagle3", "benchmark")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,10 @@ class RequestRecord:
     def input_ids(self) -> list[int] | None:
         ids = self.parameters.get("input_ids")
         return ids if isinstance(ids, list) and ids and all(type(t) is int for t in ids) else None
+
+    @property
+    def from_pipeline(self) -> bool:
+        return self.label(PIPELINE_LABEL[0]) == PIPELINE_LABEL[1]
 
     def label(self, key: str) -> str | None:
         """The request's custom label `key` (SGLang's `custom_labels`), if it names one."""
