@@ -14,9 +14,8 @@ from eagle3.config import load_config
 from eagle3.data.capture import capture
 from eagle3.data.regenerate import regenerate
 from eagle3.data.vocab import build_vocab
-from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig, convert, load_native, save_native_draft
-from eagle3.formats.vocab_map import build_vocab_map
+from eagle3.formats.vocab_map import VocabMap, build_vocab_map
 from eagle3.model import draft as draft_module
 from eagle3.model.draft import Eagle3Draft, causal_mask, init_weights
 from eagle3.model.teacher import TeacherHead, chunked_argmax
@@ -220,18 +219,31 @@ def test_export_to_sglang_and_back_gives_identical_logits(trained, micro_target)
         assert torch.equal(a, b)
 
 
-def test_warm_start_refuses_another_vocab_map(trained, micro_data, tmp_path):
+def test_a_warm_start_under_another_vocab_map_carries_the_head_rows_by_target_id(trained, micro_data, micro_target,
+                                                                                 tmp_path):
+    """A retrain on new traffic counts other tokens: the head's rows follow their target ids, new ids start from the
+    target's head, and every other tensor is the previous draft's."""
     _, run_dir = trained
     final = run_dir / "train" / "final"
     same_vocab, _ = run_copy(micro_data, tmp_path, "warm", [f"training.init_from={final}", "training.max_steps=2"])
     Trainer(load_config(TINY, same_vocab), log=lambda line: None).run()  # accepted
     other = load_native(final)
-    other_map, _ = build_vocab_map(torch.arange(512, 0, -1), other.tensors["d2t"].numel())
-    other.tensors.update(d2t=other_map.d2t, t2d=other_map.t2d)
-    save_native_draft(other, tmp_path / "other-vocab", to="native")
-    refused, _ = run_copy(micro_data, tmp_path, "refused", [f"training.init_from={tmp_path / 'other-vocab'}"])
-    with pytest.raises(Eagle3Error, match="its vocab map differs from this run's"):
-        Trainer(load_config(TINY, refused), log=lambda line: None)
+    old_ids = VocabMap(other.tensors["d2t"], other.tensors["t2d"]).target_ids()
+    other_map, _ = build_vocab_map(torch.arange(512, 0, -1), other.tensors["d2t"].numel())  # the lowest 128 ids
+    remapped, _ = run_copy(micro_data, tmp_path, "remapped", [f"training.init_from={final}"])
+    lines = []
+    target = target_head(micro_target)
+    head = target["lm_head"]
+    model = Trainer(load_config(TINY, remapped), log=lines.append).build_model(target["embed"], head, other_map)
+    new_ids = other_map.target_ids()
+    shared = [(j, int((old_ids == t).nonzero())) for j, t in enumerate(new_ids.tolist()) if t in old_ids]
+    assert 0 < len(shared) < len(new_ids)
+    for j, i in shared:
+        assert torch.equal(model.lm_head.weight[j], other.tensors["lm_head.weight"][i])
+    fresh = [j for j, t in enumerate(new_ids.tolist()) if t not in old_ids]
+    assert torch.equal(model.lm_head.weight[fresh], head[new_ids[fresh]])
+    assert torch.equal(model.d2t, other_map.d2t) and torch.equal(model.fc.weight, other.tensors["fc.weight"])
+    assert any(f"{len(shared)} of 128 head rows carried over by target id" in line for line in lines), lines
 
 
 def rank_errors(stderr: str) -> str:

@@ -316,3 +316,14 @@ def read_stats(directory: Path) -> VocabStats | None:
     if not path.exists():
         return None
     return VocabStats(**json.loads(path.read_text()))
+
+
+def carry_rows(head: torch.Tensor, old_head: torch.Tensor, old_ids: torch.Tensor, new_ids: torch.Tensor) -> int:
+    """Copy into `head` [new draft vocab, H] the rows of `old_head` [old draft vocab, H] whose target id (`old_ids`
+    [old draft vocab]) is also in `new_ids` [new draft vocab]; return how many rows were carried."""
+    row_of = {int(t): i for i, t in enumerate(old_ids.tolist())}
+    pairs = [(j, row_of[int(t)]) for j, t in enumerate(new_ids.tolist()) if int(t) in row_of]
+    if pairs:
+        new_rows, old_rows = (torch.tensor(side) for side in zip(*pairs))
+        head[new_rows] = old_head[old_rows].to(head.dtype)
+    return len(pairs)

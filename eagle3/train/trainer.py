@@ -28,7 +28,7 @@ from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
 from eagle3.formats.target import read_target_info
-from eagle3.formats.vocab_map import VocabMap, load_vocab_map
+from eagle3.formats.vocab_map import VocabMap, carry_rows, load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.teacher import TeacherHead
@@ -183,17 +183,24 @@ class Trainer:
         return TeacherHead(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps)
 
     def warm_start(self, model: Eagle3Draft, vocab_map: VocabMap, path: Path) -> None:
+        """Start from a trained draft (a retrain: production's). A retrain on new prompts (traffic) counts other
+        tokens, so its vocab map may differ: the head's rows follow their target ids, and a target id new to the draft
+        vocabulary keeps the row build_model gave it (the target's own)."""
         previous = load_native(path)
-        for name in ("d2t", "t2d"):
-            if not torch.equal(previous.tensors[name], getattr(vocab_map, name)):
-                raise Eagle3Error(
-                    f"cannot warm start from {path}: its vocab map differs from this run's ({name}); "
-                    "rebuild the vocab map from the same data or train from scratch"
-                )
         if previous.config.model_copy(update={"target_family": None}) != model.config.model_copy(update={"target_family": None}):
             raise Eagle3Error(f"cannot warm start from {path}: its architecture differs from draft/target in the config")
-        model.load_draft_state(previous.tensors)
-        self.log(f"train: warm start from {path}")
+        tensors = dict(previous.tensors)
+        old_map = VocabMap(tensors.pop("d2t"), tensors.pop("t2d"))
+        if old_map.target_vocab_size != vocab_map.target_vocab_size:
+            raise Eagle3Error(f"cannot warm start from {path}: its t2d covers {old_map.target_vocab_size} target ids, "
+                              f"this run's target has {vocab_map.target_vocab_size}; train from scratch")
+        head = model.lm_head.weight.detach().cpu().clone()  # [draft_vocab, H]: the target's rows, per this run's map
+        kept = carry_rows(head, tensors.pop("lm_head.weight").cpu(), old_map.target_ids(), vocab_map.target_ids())
+        model.load_draft_state({**tensors, "lm_head.weight": head, "d2t": vocab_map.d2t, "t2d": vocab_map.t2d})
+        changed = "" if kept == vocab_map.draft_vocab_size else (
+            f"; the vocab map changed: {kept} of {vocab_map.draft_vocab_size} head rows carried over by target id, "
+            f"{vocab_map.draft_vocab_size - kept} new ones start from the target's head")
+        self.log(f"train: warm start from {path}{changed}")
 
     # -- the loop -------------------------------------------------------------------------------
 
