@@ -22,7 +22,7 @@ from eagle3.formats.checkpoint import convert
 from eagle3.formats.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_json, sha256_file
 from eagle3.registry.gate import Decision, Metrics, throughput_text
-from eagle3.registry.registry import decide_against_production, registry_location
+from eagle3.registry.registry import decide_against_production, open_registry, registry_location
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
 
@@ -83,15 +83,39 @@ def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[lis
 def measure_candidate(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
     """The candidate's served result (run.dir/bench/served.json), with a no-draft baseline's throughput and the
     speedup when `benchmark.baseline` is set."""
-    prompts = prompt_ids_in(config, benchmark_prompts_file(config))
+    prompts_file = benchmark_prompts_file(config)
+    prompts = prompt_ids_in(config, prompts_file)
     baseline = (measure_server(config, None, prompts, log, role="baseline (no draft)") if config.benchmark.baseline
                 else None)
     result = measure_server(config, draft, prompts, log, role="candidate")
     if baseline is not None and not baseline["lost_requests"] and not result["lost_requests"]:
         result.update(baseline={k: baseline[k] for k in ("url", "wall_s", "output_tokens_per_s", "latency_s")},
                       speedup=result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
+    production = production_on_run_prompts(config, prompts_file, prompts, log)
+    if production is not None:
+        result["production_on_run_prompts"] = production
     atomic_write_json(config.stage_dir("bench") / SERVED_FILE, result)
     return result
+
+
+def production_on_run_prompts(config: PipelineConfig, prompts_file: Path, prompts: list[list[int]], log: Log) -> dict | None:
+    """Production's draft measured on this run's benchmark prompts, when its recorded figures come from other prompts
+    (a retrain whose prompts include new traffic): the gate then compares the candidate with production on the same
+    prompts. None when production was measured on these very prompts, or there is none."""
+    if config.registry is None:
+        return None
+    registry = open_registry(config.registry, log)
+    version = registry.production_version()
+    if version is None:
+        return None
+    recorded = (registry.manifest(version).get("benchmark") or {}).get("sha256")
+    if recorded == sha256_file(prompts_file):
+        return None
+    log(f"production {version} was measured on other prompts than this run's: measuring it on this run's, so the gate "
+        "compares like with like")
+    draft = registry.fetch(version, "sglang", config.stage_dir("bench") / "production-draft" / version, overwrite=True)
+    result = measure_server(config, draft, prompts, log, role=f"production {version} on this run's prompts")
+    return {"version": version, **{k: result.get(k) for k in ("accept_length", "accept_rate", "lost_requests")}}
 
 
 def candidate_metrics(served: dict, simulated_accept_length: float | None, data_quality: dict, chosen: dict) -> Metrics:
@@ -105,10 +129,13 @@ def candidate_metrics(served: dict, simulated_accept_length: float | None, data_
 
 def gate_decision(config: PipelineConfig, registry, production: str | None, served: dict,
                   simulated_accept_length: float | None, chosen: dict) -> Decision:
-    """The gate on the candidate against the production version's recorded metrics. With `chosen` {} (no speedup
-    measured yet) it judges acceptance alone."""
+    """The gate on the candidate against the production version's recorded metrics (its accept length re-measured on
+    this run's prompts, when they differ from those it was measured on). With `chosen` {} (no speedup measured yet) it
+    judges acceptance alone."""
     candidate = candidate_metrics(served, simulated_accept_length, data_quality_of(config), chosen)
-    return decide_against_production(registry, candidate, production, config.gate)
+    here = served.get("production_on_run_prompts") or {}
+    remeasured = here.get("accept_length") if here.get("version") == production else None
+    return decide_against_production(registry, candidate, production, config.gate, remeasured)
 
 
 def data_quality_of(config: PipelineConfig) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import replace
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -71,11 +72,21 @@ def metrics_of(manifest: dict) -> Metrics:
 
 
 def decide_against_production(registry: Registry, candidate: Metrics, production: str | None,
-                              gate: GateSection) -> Decision:
+                              gate: GateSection, remeasured: float | None = None) -> Decision:
     """The gate on `candidate` against the metrics recorded with the `production` version (None: none yet, a first
-    deployment): one decision, whether the pipeline or a person through the CLI asks."""
+    deployment): one decision, whether the pipeline or a person through the CLI asks. `remeasured`: production's
+    accept length on the candidate's own prompts, which replaces the recorded one (measured on other prompts)."""
     recorded = metrics_of(registry.manifest(production)) if production else None
-    return decide(candidate, recorded, gate)
+    if recorded is None or remeasured is None:
+        return decide(candidate, recorded, gate)
+    decision = decide(candidate, replace(recorded, accept_length=remeasured), gate)
+    decision.notes.append(f"production {production} measured on this run's prompts: accept length {remeasured:.3f} "
+                          f"(recorded {fmt_length(recorded.accept_length)} on the prompts it was measured on)")
+    return decision
+
+
+def fmt_length(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 class Registry:
