@@ -28,6 +28,7 @@ from typing import Callable
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
 from eagle3.data.regenerate import greedy_length
+from eagle3.data.traffic import traffic_snapshot
 from eagle3.engines.targets import target_identity
 from eagle3.formats.manifest import MANIFEST_FILE, code_version
 from eagle3.fsutil import atomic_write_bytes, sha256_file
@@ -38,7 +39,7 @@ IN_PROGRESS = "in-progress "
 # stage -> the config fields (sections or dotted fields) that decide its output
 STAGE_INPUTS = {
     "regenerate": ("data.prompts", "data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length",
-                   "data.temperature", "data.thinking", "data.heldout_fraction", "data.quality"),
+                   "data.temperature", "data.thinking", "data.heldout_fraction", "data.quality", "data.traffic"),
     "capture": ("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype", "training.features"),
     "vocab": ("vocab",),
     "train": ("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
@@ -103,6 +104,9 @@ def config_inputs(config: PipelineConfig, stage: str) -> dict:
         picked["prompt_source"] = prompt_source_hash(config.data.prompts)
         if config.data.import_path is not None:  # by content, as the prompt source
             picked["import_sha256"] = imported_file_hash(config.data.import_path)
+        # the traffic prompts by their content (never the window's times): read once per run directory
+        snapshot = traffic_snapshot(config)
+        picked["traffic_prompts"] = None if snapshot is None else snapshot["prompts_sha256"]
         # the held-out greedy continuations: how many prompts, how long (the benchmark's, or the replay's)
         picked["heldout"] = [config.heldout_set[0], greedy_length(config)]
     return picked
