@@ -39,7 +39,7 @@ IN_PROGRESS = "in-progress "
 # stage -> the config fields (sections or dotted fields) that decide its output
 STAGE_INPUTS = {
     "regenerate": ("data.prompts", "data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length",
-                   "data.temperature", "data.thinking", "data.heldout_fraction", "data.quality", "data.traffic"),
+                   "data.temperature", "data.thinking", "data.heldout_fraction", "data.quality"),
     "capture": ("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype", "training.features"),
     "vocab": ("vocab",),
     "train": ("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
@@ -104,9 +104,11 @@ def config_inputs(config: PipelineConfig, stage: str) -> dict:
         picked["prompt_source"] = prompt_source_hash(config.data.prompts)
         if config.data.import_path is not None:  # by content, as the prompt source
             picked["import_sha256"] = imported_file_hash(config.data.import_path)
-        # the traffic prompts by their content (never the window's times): read once per run directory
+        # the traffic prompts by their content (never the records' location or the window's times; read once per
+        # run directory) and the share taken from them
         snapshot = traffic_snapshot(config)
-        picked["traffic_prompts"] = None if snapshot is None else snapshot["prompts_sha256"]
+        picked["traffic"] = None if snapshot is None else {"prompts_sha256": snapshot["prompts_sha256"],
+                                                           "share": config.data.traffic.share}
         # the held-out greedy continuations: how many prompts, how long (the benchmark's, or the replay's)
         picked["heldout"] = [config.heldout_set[0], greedy_length(config)]
     return picked

@@ -182,16 +182,20 @@ def test_data_key_hashes_the_traffic_prompts_never_the_files_times(tmp_path, mic
     write_records(records, [(now - 10, record_line(now - 10, chat(tokenizer, "first"), labels={"app": "code"}))])
     config = traffic_config(tmp_path / "run", micro_target, str(records))
     snapshot = config.stage_dir("data") / TRAFFIC_FILE
-    key = config_inputs(config, "regenerate")["traffic_prompts"]
-    assert key == json.loads(snapshot.read_text())["prompts_sha256"]
-    snapshot.unlink()  # read again (as a fresh run would): newer file times, later window, the same prompts
+    key = config_inputs(config, "regenerate")["traffic"]
+    assert key == {"prompts_sha256": json.loads(snapshot.read_text())["prompts_sha256"], "share": 0.5}
+    snapshot.unlink()  # read again (as a fresh run would): newer file times, a later window, the same prompts
     os.utime(record_file(records, now - 10), (now + 5, now + 5))
-    assert config_inputs(config, "regenerate")["traffic_prompts"] == key
+    assert config_inputs(config, "regenerate")["traffic"] == key
     write_records(records, [(now - 5, record_line(now - 5, chat(tokenizer, "second"), labels={"app": "code"}))])
     snapshot.unlink()
-    assert config_inputs(config, "regenerate")["traffic_prompts"] != key
+    changed = config_inputs(config, "regenerate")["traffic"]
+    assert changed["prompts_sha256"] != key["prompts_sha256"]
+    # the same records under another name: the key follows the content (and the share), not the location
+    moved = traffic_config(tmp_path / "run", micro_target, f"{records}/", "data.traffic.share=0.25")
+    assert config_inputs(moved, "regenerate")["traffic"] == {**changed, "share": 0.25}
     plain = load_config(TINY, micro_overrides(tmp_path / "plain", micro_target))
-    assert config_inputs(plain, "regenerate")["traffic_prompts"] is None
+    assert config_inputs(plain, "regenerate")["traffic"] is None
 
 
 def test_traffic_config_errors_name_the_field_and_the_fix(tmp_path, micro_target):
