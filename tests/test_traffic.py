@@ -17,7 +17,7 @@ from eagle3.config import check_local_inputs, load_config
 from eagle3.data.conversation import encode, prompt_ids, render
 from eagle3.data.prompts import BASE_SLICE, load_prompts, rendered_prompt
 from eagle3.data.regenerate import HELDOUT_FILE, generate_batch, read_samples, regenerate
-from eagle3.data.traffic import TRAFFIC_FILE, UNLABELLED, mixed, select_traffic, traffic_snapshot
+from eagle3.data.traffic import TRAFFIC_FILE, UNLABELLED, describe_traffic, mixed, select_traffic, traffic_snapshot
 from eagle3.deployment.promotion import benchmark_prompts_file, prompt_ids_in
 from eagle3.engines.generators import LocalGenerator
 from eagle3.engines.targets import load_tokenizer
@@ -88,8 +88,7 @@ def test_records_become_rendered_prompts_counted_and_windowed(tmp_path, micro_ta
         (now - 10, record_line(now - 10, labels={"app": "docs"})),  # no text, no ids
     ])
     config = traffic_config(tmp_path / "run", micro_target, str(records), "data.traffic.hours=1")
-    lines = []
-    made = traffic_snapshot(config, lines.append)
+    made = traffic_snapshot(config)
     assert (made["records"], made["duplicates"], made["pipeline_records"], made["without_prompt"]) == (6, 1, 1, 1)
     assert made["slices"] == {UNLABELLED: {"unique": 1, "kept": 1}, "code": {"unique": 1, "kept": 1},
                               "docs": {"unique": 1, "kept": 1}}
@@ -99,10 +98,11 @@ def test_records_become_rendered_prompts_counted_and_windowed(tmp_path, micro_ta
     assert by_slice["code"].text == code and by_slice[UNLABELLED].text == chatty
     assert by_slice["docs"].text == ids_only  # decoded with the target's tokenizer, special tokens kept
     assert all(p.turns == () for p in prompts)
-    assert "3 prompts from 6 request records" in lines[0] and "1 duplicates" in lines[0]
+    line = describe_traffic(made)
+    assert "3 prompts from 6 request records" in line and "1 duplicates, 1 of the pipeline's own" in line
     # read once per run: new records do not change what this run took
     write_records(records, [(now - 5, record_line(now - 5, chat(tokenizer, "later"), labels={"app": "code"}))])
-    assert traffic_snapshot(config, lines.append) == made and len(lines) == 1
+    assert traffic_snapshot(config) == made
 
 
 def rec(number: int, slice_name: str | None) -> RequestRecord:
@@ -162,6 +162,7 @@ def test_regenerate_mixes_traffic_records_provenance_and_benchmarks_it_as_sent(t
     assert traffic["pipeline_records"] == 1 and traffic["prompts"] == 24 and traffic["records_location"] == str(records)
     assert set(traffic["window"]) == {"since", "until"}
     assert any("4 of the first 8 training prompts" in line and "production traffic" in line for line in lines)
+    assert any("prompts: production traffic: 24 prompts from 25 request records" in line for line in lines)
     samples = {r["id"]: r for r in read_samples(out)}
     from_traffic = [r for r in samples.values() if r["conversation"][0]["role"] == "rendered"]
     assert len(from_traffic) == 4
@@ -220,7 +221,7 @@ def test_records_under_an_s3_prefix(tmp_path, micro_target, monkeypatch):
         name = record_file(Path("logs"), now - 10).as_posix()
         s3.put_object(Bucket="prod", Key=name, Body=record_line(now - 10, "<|bos|>hi", labels={"app": "a"}).encode())
         config = traffic_config(tmp_path / "run", micro_target, "s3://prod/logs/")
-        made = traffic_snapshot(config, lambda line: None)
+        made = traffic_snapshot(config)
         assert made["prompts"] == 1 and made["slices"] == {"a": {"unique": 1, "kept": 1}}
 
 

@@ -22,7 +22,7 @@ from eagle3.data.conversation import prompt_ids as render_prompt_ids
 from eagle3.data.prompts import Prompt, PromptSet, load_prompts, split_heldout, write_prompts
 from eagle3.data.quality import Reply, describe_figures, refuse_failed, report
 from eagle3.data.storage import log_projection
-from eagle3.data.traffic import mixed, prompt_sources, traffic_prompts
+from eagle3.data.traffic import describe_traffic, mixed, prompt_sources, traffic_prompts
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer, target_identity
 from eagle3.errors import UnreadableInput
@@ -138,7 +138,8 @@ def split_prompts(config: PipelineConfig, tokenizer, log: Log) -> tuple[PromptSe
     report_malformed(prompt_set, data_dir / MALFORMED_FILE, log)
     train, heldout = split_heldout(prompt_set.prompts, config.data.heldout_fraction)
     if config.data.traffic is not None:
-        traffic = traffic_prompts(config, log, tokenizer)
+        made, traffic = traffic_prompts(config, tokenizer)
+        log(f"prompts: production traffic: {describe_traffic(made)}")
         traffic_train, traffic_heldout = split_heldout(traffic, config.data.heldout_fraction)
         train = mixed(train, traffic_train, config.data.traffic.share)
         heldout = mixed(heldout, traffic_heldout, config.data.traffic.share)

@@ -17,7 +17,6 @@ import math
 import time
 from collections import Counter, deque
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Callable, Iterable
 
 from eagle3.config import PipelineConfig
@@ -26,7 +25,6 @@ from eagle3.engines.targets import load_tokenizer
 from eagle3.formats.telemetry import RequestRecord, read_request_records
 from eagle3.fsutil import atomic_write_json, read_json, sha256_file
 
-Log = Callable[[str], None]
 TRAFFIC_FILE, TRAFFIC_PROMPTS = "traffic.json", "traffic.jsonl"  # under run.dir/data
 UNLABELLED = "(unlabelled)"  # the slice of a request without the slice label
 
@@ -64,7 +62,7 @@ def select_traffic(records: Iterable[RequestRecord], decode: Callable[[list[int]
     return chosen, counts
 
 
-def traffic_snapshot(config: PipelineConfig, log: Log = print, tokenizer=None) -> dict | None:
+def traffic_snapshot(config: PipelineConfig, tokenizer=None) -> dict | None:
     """Where the run's traffic prompts came from (None when data.traffic is off): read from the records the first
     time the run asks (the window ends then), kept in run.dir/data and read again while the selection settings are
     the same."""
@@ -89,19 +87,22 @@ def traffic_snapshot(config: PipelineConfig, log: Log = print, tokenizer=None) -
             "selection": selection, **counts, "prompts": len(prompts),
             "prompts_sha256": sha256_file(directory / TRAFFIC_PROMPTS)}
     atomic_write_json(directory / TRAFFIC_FILE, made)  # last: the snapshot is whole once this is there
-    per_slice = ", ".join(f"{name} {c['kept']}/{c['unique']}" for name, c in counts["slices"].items()) or "none"
-    log(f"traffic: {len(prompts)} prompts from {counts['records']} request records in {traffic.records} "
-        f"({made['window']['since']} .. {made['window']['until']}); per slice (kept/unique) {per_slice}; "
-        f"{counts['duplicates']} duplicates, {counts['pipeline_records']} of the pipeline's own requests, "
-        f"{counts['without_prompt']} without a prompt, {counts['capped']} over the caps")
     return made
 
 
-def traffic_prompts(config: PipelineConfig, log: Log = print, tokenizer=None) -> list[Prompt]:
-    """The run's traffic prompts ([] when data.traffic is off)."""
-    if traffic_snapshot(config, log, tokenizer) is None:
-        return []
-    return load_prompts(str(config.stage_dir("data") / TRAFFIC_PROMPTS)).prompts
+def describe_traffic(made: dict) -> str:
+    """One line of what a traffic snapshot took and left."""
+    per_slice = ", ".join(f"{name} {c['kept']}/{c['unique']}" for name, c in made["slices"].items()) or "none"
+    return (f"{made['prompts']} prompts from {made['records']} request records in {made['records_location']} "
+            f"({made['window']['since']} .. {made['window']['until']}); per slice (kept/unique) {per_slice}; "
+            f"{made['duplicates']} duplicates, {made['pipeline_records']} of the pipeline's own requests, "
+            f"{made['without_prompt']} without a prompt, {made['capped']} over the caps")
+
+
+def traffic_prompts(config: PipelineConfig, tokenizer=None) -> tuple[dict, list[Prompt]]:
+    """The run's traffic snapshot and its prompts (data.traffic on)."""
+    made = traffic_snapshot(config, tokenizer)
+    return made, load_prompts(str(config.stage_dir("data") / TRAFFIC_PROMPTS)).prompts
 
 
 def mixed(base: list[Prompt], traffic: list[Prompt], share: float) -> list[Prompt]:
