@@ -28,6 +28,7 @@ from typing import Callable
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
 from eagle3.data.regenerate import greedy_length
+from eagle3.data.traffic import traffic_snapshot
 from eagle3.engines.targets import target_identity
 from eagle3.formats.manifest import MANIFEST_FILE, code_version
 from eagle3.fsutil import atomic_write_bytes, sha256_file
@@ -103,6 +104,11 @@ def config_inputs(config: PipelineConfig, stage: str) -> dict:
         picked["prompt_source"] = prompt_source_hash(config.data.prompts)
         if config.data.import_path is not None:  # by content, as the prompt source
             picked["import_sha256"] = imported_file_hash(config.data.import_path)
+        # the traffic prompts by their content (never the records' location or the window's times; read once per
+        # run directory) and the share taken from them
+        snapshot = traffic_snapshot(config)
+        picked["traffic"] = None if snapshot is None else {"prompts_sha256": snapshot["prompts_sha256"],
+                                                           "share": config.data.traffic.share}
         # the held-out greedy continuations: how many prompts, how long (the benchmark's, or the replay's)
         picked["heldout"] = [config.heldout_set[0], greedy_length(config)]
     return picked

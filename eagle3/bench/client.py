@@ -19,8 +19,10 @@ never an average over fewer prompts than asked for. Result (JSON-ready dict):
     wall_s, output_tokens_per_s           first request sent .. last answer; Σ completion_tokens / wall_s
     latency_s                             {p50, p90, p99, mean, max}: end to end, client-measured, retries included
     retried_requests                      requests that needed more than one attempt (each counted once)
-    prompts                               [{index, prompt_tokens, completion_tokens, verify_ct, accept_length,
-                                            latency_s, attempts}] in prompt order
+    prompts                               [{index, slice, prompt_tokens, completion_tokens, verify_ct,
+                                            accept_length, latency_s, attempts}] in prompt order
+    slices                                {slice: {requests, completion_tokens, verify_ct, accept_length}}: a
+                                          traffic prompt's slice (SlicedPrompt), "base" for every other prompt
     baseline                              None, or {url, server_version, wall_s, output_tokens_per_s, latency_s,
                                             completion_tokens} of the same prompts on the no-draft server
     speedup                               output_tokens_per_s / the baseline's (None without a baseline)
@@ -34,6 +36,9 @@ a local path or pkg:NAME), each one of
     {"messages": [...]} or {"conversations": [...]}
                                           OpenAI or ShareGPT: its system and user turns, rendered with the chat
                                           template as the held-out prompts are (needs a tokenizer)
+
+Every request carries SGLang's `custom_labels` {"eagle3": "benchmark"} (PIPELINE_LABEL): production's request records
+then never take the pipeline's measurements for users' traffic.
 """
 
 from __future__ import annotations
@@ -50,14 +55,28 @@ import numpy as np
 
 from eagle3.bench.counting import accept_length, accept_rate, correct_drafts_of, histogram_of, sum_histograms
 from eagle3.data.conversation import prompt_ids
-from eagle3.data.prompts import decoded, file_records, parse_line, source_path
+from eagle3.data.prompts import BASE_SLICE, decoded, file_records, parse_line, source_path
 from eagle3.errors import Eagle3Error, UnreadableInput
+from eagle3.formats.telemetry import PIPELINE_LABEL
 from eagle3.http_retry import SHOWN_FAILURES, RetriesExhausted, send_with_retries
 from eagle3.progress import Progress
 
 Log = Callable[[str], None]
 Prompt = list[int] | str
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+class SlicedPrompt(list):
+    """Token ids, sent as they are, that name the slice their prompt came from (a traffic slice, or "base"): the
+    benchmark reports acceptance per slice, so a drop on one slice is not averaged away."""
+
+    def __init__(self, ids: list[int], slice_name: str):
+        super().__init__(ids)
+        self.slice = slice_name
+
+
+def slice_of(prompt: Prompt) -> str:
+    return getattr(prompt, "slice", BASE_SLICE)
 
 
 class BenchmarkError(Eagle3Error):
@@ -125,7 +144,8 @@ async def run_server(url: str, prompts: list[Prompt], max_new_tokens: int, concu
 
         async def one(prompt: Prompt):
             async with limit:
-                body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "sampling_params": sampling}
+                body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "sampling_params": sampling,
+                        "custom_labels": dict([PIPELINE_LABEL])}
                 start = time.perf_counter()
                 answer, attempts = await call(client, f"{url}/generate", body, retries, backoff_s)
                 if not isinstance((answer.get("meta_info") or {}).get("completion_tokens"), int):
@@ -170,7 +190,8 @@ def latency(values: list[float]) -> dict:
     return {"p50": p50, "p90": p90, "p99": p99, "mean": float(np.mean(values)), "max": max(values)}
 
 
-def summarize(url: str, info: dict, outcomes: list, wall: float) -> dict:
+def summarize(url: str, info: dict, outcomes: list, wall: float, slices: list[str] | None = None) -> dict:
+    """The figures of one server's answers; `slices` names each prompt's slice (None: every prompt is "base")."""
     metas = [answer["meta_info"] for answer, _, _ in outcomes]
     spec = [m for m in metas if m.get("spec_verify_ct")]
     completion, verify = sum(m["completion_tokens"] for m in metas), sum(m["spec_verify_ct"] for m in spec)
@@ -184,10 +205,11 @@ def summarize(url: str, info: dict, outcomes: list, wall: float) -> dict:
         rate = sum(m.get("spec_accept_rate", 0.0) * m["spec_verify_ct"] for m in spec) / verify if verify else None
     hists = [histogram_of(m) for m in spec]
     hists = [h for h in hists if h is not None]
-    rows = [{"index": i, "prompt_tokens": m.get("prompt_tokens"), "completion_tokens": m["completion_tokens"],
-             "verify_ct": m.get("spec_verify_ct", 0), "latency_s": lat, "attempts": attempts,
-             "accept_length": accept_length(m["completion_tokens"], m.get("spec_verify_ct", 0))}
-            for i, (m, (_, lat, attempts)) in enumerate(zip(metas, outcomes))]
+    slices = slices or [BASE_SLICE] * len(metas)
+    rows = [{"index": i, "slice": name, "prompt_tokens": m.get("prompt_tokens"),
+             "completion_tokens": m["completion_tokens"], "verify_ct": m.get("spec_verify_ct", 0), "latency_s": lat,
+             "attempts": attempts, "accept_length": accept_length(m["completion_tokens"], m.get("spec_verify_ct", 0))}
+            for i, (m, (_, lat, attempts), name) in enumerate(zip(metas, outcomes, slices))]
     return {
         "url": url, "server_version": info.get("version"), "num_prompts": len(rows), "draft_tokens_per_step": per_step,
         "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in rows), "completion_tokens": completion,
@@ -195,8 +217,21 @@ def summarize(url: str, info: dict, outcomes: list, wall: float) -> dict:
         "accept_length": accept_length(completion, verify), "accept_rate": rate,
         "histogram": sum_histograms(hists) if hists else None,
         "wall_s": wall, "output_tokens_per_s": completion / wall, "latency_s": latency([r["latency_s"] for r in rows]),
-        "retried_requests": sum(r["attempts"] > 1 for r in rows), "prompts": rows,
+        "retried_requests": sum(r["attempts"] > 1 for r in rows), "prompts": rows, "slices": per_slice(rows),
     }
+
+
+def per_slice(rows: list[dict]) -> dict:
+    """{slice: {requests, completion_tokens, verify_ct, accept_length}}, counted as the whole (DESIGN §3)."""
+    figures: dict[str, dict] = {}
+    for row in rows:
+        entry = figures.setdefault(row["slice"], {"requests": 0, "completion_tokens": 0, "verify_ct": 0})
+        entry["requests"] += 1
+        entry["completion_tokens"] += row["completion_tokens"]
+        entry["verify_ct"] += row["verify_ct"]
+    for entry in figures.values():
+        entry["accept_length"] = accept_length(entry["completion_tokens"], entry["verify_ct"])
+    return dict(sorted(figures.items()))
 
 
 def run_benchmark(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, timeout_s: float,
@@ -208,7 +243,8 @@ def run_benchmark(url: str, prompts: list[Prompt], max_new_tokens: int, concurre
                          f"temperature ({temperature}) >= 0")
     args = (max_new_tokens, concurrency, temperature, timeout_s, retries, backoff_s, log)
     info, outcomes, wall = measure(url, prompts, *args)
-    result = {**summarize(url.rstrip("/"), info, outcomes, wall), "max_new_tokens": max_new_tokens,
+    result = {**summarize(url.rstrip("/"), info, outcomes, wall, [slice_of(p) for p in prompts]),
+              "max_new_tokens": max_new_tokens,
               "concurrency": concurrency, "temperature": temperature, "baseline": None, "speedup": None,
               "mismatches": None, "mismatched_prompts": None}
     if baseline_url:
@@ -240,6 +276,7 @@ def render_table(result: dict) -> list[str]:
                          f"{result['draft_tokens_per_step']}))")
         if result["histogram"] is not None:
             lines.append(f"  histogram      {' '.join(f'{a}:{n}' for a, n in enumerate(result['histogram']))}")
+        lines += slice_lines(result.get("slices") or {})
     lat = result["latency_s"]
     lines.append(f"  throughput     {result['output_tokens_per_s']:.1f} output tokens/s ({result['completion_tokens']} "
                  f"tokens in {result['wall_s']:.2f} s, {result['retried_requests']} requests retried)")
@@ -250,4 +287,16 @@ def render_table(result: dict) -> list[str]:
                 else f"DIFFER for prompts [{ranges(result['mismatched_prompts'])}]")
         lines.append(f"  baseline       {base['output_tokens_per_s']:.1f} output tokens/s in {base['wall_s']:.2f} s "
                      f"({base['url']}); speedup {result['speedup']:.2f}x; outputs {same}")
+    return lines
+
+
+def slice_lines(slices: dict) -> list[str]:
+    """The accept length of each slice, when the prompts come from more than one."""
+    if len(slices) < 2:
+        return []
+    lines = []
+    for name, f in slices.items():
+        length = "-" if f["accept_length"] is None else f"{f['accept_length']:.3f}"
+        lines.append(f"  slice {name:<12} accept length {length}  ({f['requests']} requests, "
+                     f"{f['completion_tokens']} completion tokens / {f['verify_ct']} verify steps)")
     return lines

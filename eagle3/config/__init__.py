@@ -207,6 +207,10 @@ def check_local_inputs(config: PipelineConfig) -> None:
     if local is not None and not local.is_file():
         raise ConfigError(f"data.prompts {prompts}: no such file; give a JSONL or JSON-array file, builtin:pydoc, "
                           "pkg:NAME or an s3:// URI")
+    traffic = config.data.traffic
+    if traffic is not None and not traffic.records.startswith("s3://") and not Path(traffic.records).is_dir():
+        raise ConfigError(f"data.traffic.records {traffic.records}: no such directory; point it at production's request "
+                          "records (production.telemetry.records_dir) or an s3://bucket/prefix, or remove data.traffic")
     imported = config.data.import_path
     if imported is not None and not imported.is_file():
         raise ConfigError(f"data.import_path {imported}: no such file; give the JSONL of rows to import, or remove the "

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from eagle3.config.traffic import TrafficSection
 from eagle3.formats.problems import ProblemCode
 from eagle3.procs import STOP_GRACE_S
 from eagle3.shape import DEFAULT_NUM_STEPS, DraftShape, shape_problem
@@ -115,9 +116,15 @@ class DataSection(Section):
     retries: int = Field(default=5, ge=0)
     request_timeout_s: float = Field(default=600.0, gt=0.0)
     quality: QualitySection = QualitySection()
+    traffic: TrafficSection | None = Field(
+        default=None, description="production's request records as a prompt source beside data.prompts (off unless "
+        "given: it is the operator's users' text)")
 
     @model_validator(mode="after")
     def _sglang_needs_servers(self) -> DataSection:
+        if self.traffic is not None and self.import_path is not None:
+            raise ValueError("data.traffic needs regenerated answers (the target answers the traffic prompts): remove "
+                             "data.import_path or data.traffic")
         if self.engine == "sglang" and not self.servers:
             raise ValueError("engine 'sglang' needs data.servers (the URLs of running SGLang servers)")
         if self.capture_engine == "sglang" and self.last_hidden == "pre_norm":

@@ -123,9 +123,10 @@ class SampleBuilder:
     saw would differ from the ones stored.
     """
 
-    def __init__(self, tokenizer, turns: list[dict], thinking: bool):
+    def __init__(self, tokenizer, turns: list[dict], thinking: bool, rendered: str | None = None):
         self.tokenizer, self.thinking = tokenizer, thinking
         self.remaining = [dict(turn) for turn in turns]
+        self.rendered = rendered  # a prompt the chat template was already applied to: its ids are sent as they are
         self.messages: list[dict] = []
         self.ids: list[int] = []
         self.mask: list[int] = []
@@ -135,6 +136,11 @@ class SampleBuilder:
     def next_prompt(self) -> list[int] | None:
         """Ids to generate the next reply from (after the next user turn), or None when done.
         Raises TemplateMismatch (and ends the sample where it stands) when the template rewrites history."""
+        if self.rendered is not None:  # one reply, to the prompt exactly as the target received it
+            self.ids, self.covered, self.rendered = encode(self.tokenizer, self.rendered), self.rendered, None
+            self.mask = [0] * len(self.ids)
+            self.messages = [{"role": "rendered", "content": self.covered}]
+            return list(self.ids)
         pending = []
         while self.remaining:
             pending.append(self.remaining.pop(0))

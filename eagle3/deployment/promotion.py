@@ -11,13 +11,14 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
-from eagle3.bench.client import BenchmarkError, load_prompt_file, run_benchmark
+from eagle3.bench.client import BenchmarkError, SlicedPrompt, run_benchmark, slice_lines
 from eagle3.bench.diagnose import diagnose
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
-from eagle3.data.prompts import write_prompts
-from eagle3.data.regenerate import REGEN_DIR, benchmark_set
+from eagle3.data.prompts import load_prompts, write_prompts
+from eagle3.data.regenerate import REGEN_DIR, benchmark_set, sent_ids
 from eagle3.engines.targets import load_tokenizer
+from eagle3.errors import UnreadableInput
 from eagle3.formats.checkpoint import convert
 from eagle3.formats.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_json, sha256_file
@@ -40,9 +41,15 @@ def benchmark_prompts_file(config: PipelineConfig) -> Path:
     return path
 
 
-def prompt_ids_in(config: PipelineConfig, path: Path) -> list[list[int]]:
-    """A prompt-set file's prompts rendered with the target's chat template."""
-    return load_prompt_file(path, load_tokenizer(config.target), config.data.thinking)
+def prompt_ids_in(config: PipelineConfig, path: Path) -> list[SlicedPrompt]:
+    """A prompt-set file's prompts as the target is sent them (the chat template applied, except to a traffic prompt
+    that was rendered already), each naming its slice."""
+    prompt_set = load_prompts(str(path))
+    if prompt_set.malformed or not prompt_set.prompts:
+        number, why = prompt_set.malformed[0] if prompt_set.malformed else (0, "no prompt")
+        raise UnreadableInput(f"{path}:{number}: {why}; write the prompt set again (eagle3 data regenerate)")
+    tokenizer = load_tokenizer(config.target)
+    return [SlicedPrompt(sent_ids(tokenizer, p, config.data.thinking), p.slice) for p in prompt_set.prompts]
 
 
 def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log: Log, concurrency: int | None = None,
@@ -52,8 +59,11 @@ def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log
     rejects it) instead of numbers."""
     b = config.benchmark
     try:
-        return run_benchmark(url, prompts, b.max_new_tokens, concurrency or b.production_concurrency,
-                             b.request_timeout_s, b.retries, log=log, temperature=temperature) | {"lost_requests": 0}
+        result = run_benchmark(url, prompts, b.max_new_tokens, concurrency or b.production_concurrency,
+                               b.request_timeout_s, b.retries, log=log, temperature=temperature)
+        for line in slice_lines(result["slices"]):
+            log(f"{url}:{line}")
+        return result | {"lost_requests": 0}
     except BenchmarkError as err:
         if not err.lost:
             raise
