@@ -97,7 +97,8 @@ def sglang_command(config: PipelineConfig, target_path, draft_path,
     clash = sorted({f"{_flag(a)} (= {_launcher_flag_for(a)})" for a in extra_flags if _launcher_flag_for(a)})
     if clash:
         raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets from the "
-                          "serving section; set the field instead")
+                          "serving section (the telemetry flags from production.telemetry, for the production server "
+                          "only); set the field instead")
     return command + list(s.extra_args)
 
 
