@@ -58,8 +58,9 @@ def test_a_plain_server_counts_tokens_and_records_no_spec_keys(micro, tmp_path):
     assert metric_total(samples, GENERATION_TOKENS) == metas[0]["completion_tokens"]
     (tokens,) = [s for s in samples if s.name == GENERATION_TOKENS]
     assert tokens.labels["is_streaming"] == "false"  # 0.5.17 on
-    # declared but never observed: no samples, as SGLang's collector before a verify step
-    assert metric_total(samples, VERIFY_CALLS) is None and metric_total(samples, ACCEPT_LENGTH) is None
+    # declared but never observed: no samples, as SGLang's collector without a verify step; the gauges are 0
+    assert metric_total(samples, VERIFY_CALLS) is None
+    assert metric_total(samples, ACCEPT_LENGTH) == metric_total(samples, ACCEPT_RATE) == 0
     (record,) = read_request_records(tmp_path)
     assert record.spec_verify_ct == 0 and not any(key.startswith("spec_") for key in record.meta)
 
@@ -107,3 +108,16 @@ def test_only_the_production_command_gets_the_telemetry_flags(production_config,
     assert any(f"telemetry: /metrics on, request records to {records}" in line for line in lines)
     measured = list(read_request_records(records, since=started))  # the re-measure's own requests, recorded
     assert len(measured) == config.benchmark.num_prompts and all(r.spec_verify_ct > 0 for r in measured)
+
+
+def test_concurrent_requests_each_leave_one_whole_record(micro, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with serving(micro["path"], metrics=True, records_dir=tmp_path) as client:
+        with ThreadPoolExecutor(6) as pool:
+            metas = list(pool.map(lambda i: generate(client, max_new_tokens=2, input_ids=micro["prompts"][0],
+                                                     rid=f"r{i}")["meta_info"], range(6)))
+        total = metric_total(parse_metrics(client.get("/metrics").text), GENERATION_TOKENS)
+    records = list(read_request_records(tmp_path))
+    assert sorted(r.parameters["rid"] for r in records) == [f"r{i}" for i in range(6)]
+    assert total == sum(r.completion_tokens for r in records) == sum(m["completion_tokens"] for m in metas)

@@ -181,7 +181,8 @@ def create_app(target_dir, draft_dir=None, shape: DraftShape = DraftShape(3), re
     --export-metrics-to-file-dir)."""
     served = load(Path(target_dir), draft_dir, shape, release, seed, trust_remote_code, dtype)
     if metrics or records_dir is not None:
-        served.telemetry = Telemetry(str(target_dir), release, metrics, records_dir)  # served_model_name: the path
+        # served_model_name defaults to the model path in SGLang
+        served.telemetry = Telemetry(str(target_dir), release, metrics, records_dir, speculative=draft_dir is not None)
     app = FastAPI(title="eagle3 reference server")
 
     @app.post("/generate")

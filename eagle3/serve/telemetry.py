@@ -4,7 +4,8 @@
   by prometheus_client as SGLang renders them. The tokenizer manager's collector labels with model_name and
   engine_type (the counters; `generation_tokens_total` adds is_streaming from 0.5.17, `spec_verify_calls_total`
   exists from 0.5.13); the scheduler's adds tp_rank, pp_rank and moe_ep_rank (the gauges, which cover the
-  scheduler's last decode-log window: here the last request, as this server decodes one at a time).
+  scheduler's last decode-log window: here the last request, as this server decodes one at a time; 0 without a
+  draft, as SGLang's scheduler logs them).
 - Request records (`--export-metrics-to-file --export-metrics-to-file-dir DIR`): one JSON line per finished request
   in DIR/sglang-request-metrics-YYYYmmdd_HH.log (local hour), as `FileRequestMetricsExporter` writes them: the
   request's GenerateReqInput fields that are not None as a JSON string, beside its meta_info (every release read
@@ -48,7 +49,9 @@ def _name(metric: str) -> str:
 class Telemetry:
     """What one reference server reports; `observe` each finished /generate request (never a health check)."""
 
-    def __init__(self, model_name: str, release: str | None, metrics: bool, records_dir: Path | None):
+    def __init__(self, model_name: str, release: str | None, metrics: bool, records_dir: Path | None,
+                 speculative: bool):
+        self.speculative = speculative  # SGLang's scheduler reports accept length and rate 0 without a draft
         self.registry = CollectorRegistry() if metrics else None
         self.records_dir = None if records_dir is None else Path(records_dir)
         self.lock = threading.Lock()  # one line per request, never two interleaved, in the file of its hour
@@ -82,10 +85,11 @@ class Telemetry:
             verify_ct = meta.get("spec_verify_ct", 0)
             if verify_ct and self.verify_calls is not None:  # SGLang counts only requests with a verify step
                 self.verify_calls.labels(**self.labels).inc(verify_ct)
-            if verify_ct:  # the scheduler's window: tokens per verify step, accepted share of the proposed drafts
-                self.accept_length.labels(**self.labels, **SCHEDULER_RANKS).set((correct + verify_ct) / verify_ct)
-                self.accept_rate.labels(**self.labels, **SCHEDULER_RANKS).set(
-                    correct / (verify_ct * drafts_per_step) if drafts_per_step else 0.0)
+            if verify_ct or not self.speculative:  # the scheduler's decode-log window; 0 and 0 without a draft
+                self.accept_length.labels(**self.labels, **SCHEDULER_RANKS).set(
+                    (correct + verify_ct) / verify_ct if verify_ct else 0.0)  # tokens per verify step
+                self.accept_rate.labels(**self.labels, **SCHEDULER_RANKS).set(  # accepted share of the drafts
+                    correct / (verify_ct * drafts_per_step) if verify_ct and drafts_per_step else 0.0)
         if self.records_dir is not None:
             self.write_record(body, meta)
 
