@@ -76,8 +76,8 @@ def test_without_telemetry_there_is_no_metrics_route_and_bad_fields_are_refused(
     with serving(micro["path"], drafts["good"], shape=DraftShape(STEPS), release="0.5.13") as client:
         assert client.get("/metrics").status_code == 404
         prompt = micro["prompts"][0]
-        for body, field in (({"custom_labels": {"app": 3}}, "custom_labels"), ({"custom_labels": ["a"]}, "custom_labels"),
-                            ({"rid": ["a", "b"]}, "rid")):
+        for body, field in (({"custom_labels": {"app": 3}}, "custom_labels"),
+                            ({"custom_labels": ["a"]}, "custom_labels"), ({"rid": ["a", "b"]}, "rid")):
             refused = client.post("/generate", json={"input_ids": prompt, **body})
             assert refused.status_code == 400 and refused.json()["error"]["message"].startswith(field), body
 
@@ -99,7 +99,8 @@ def test_only_the_production_command_gets_the_telemetry_flags(production_config,
         assert build(config, "/models/t", "/drafts/d", telemetry)[-4:] == flags
         assert not set(flags[:3]) & set(build(config, "/models/t", "/drafts/d"))
     assert not set(flags[:3]) & set(server_for(config, "/models/t", "/drafts/d").command)  # candidate, baseline
-    clash = config.model_copy(update={"serving": config.serving.model_copy(update={"extra_args": ["--enable-metrics"]})})
+    serving = config.serving.model_copy(update={"extra_args": ["--enable-metrics"]})
+    clash = config.model_copy(update={"serving": serving})
     with pytest.raises(LaunchError, match="--enable-metrics"):
         sglang_command(clash, "/models/t", None, TelemetrySection(metrics=True))
     lines = []
