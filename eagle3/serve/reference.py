@@ -155,6 +155,7 @@ def generate(served: Served, body: dict, count: bool = True) -> dict:
             served.totals = [served.totals[0] + request.correct, served.totals[1] + request.verify_ct]
     meta = {"prompt_tokens": len(ids), "completion_tokens": len(request.output), "finish_reason": request.finish,
             "e2e_latency": time.perf_counter() - start, **request.meta_info(served.shape.drafts_per_step)}
+    meta["response_sent_to_client_ts"] = time.time()  # every release read stamps each finished response
     if served.telemetry is not None and count:  # health checks are no traffic: never counted nor recorded
         served.telemetry.observe(body, meta, request.correct, served.shape.drafts_per_step)
     text = served.tokenizer.decode(request.output, skip_special_tokens=True)

@@ -8,8 +8,8 @@
   draft, as SGLang's scheduler logs them).
 - Request records (`--export-metrics-to-file --export-metrics-to-file-dir DIR`): one JSON line per finished request
   in DIR/sglang-request-metrics-YYYYmmdd_HH.log (local hour), as `FileRequestMetricsExporter` writes them: the
-  request's GenerateReqInput fields that are not None as a JSON string, beside its meta_info (every release read
-  adds `response_sent_to_client_ts` before exporting).
+  request's GenerateReqInput fields that are not None as a JSON string, beside its meta_info (which every release
+  read stamps with `response_sent_to_client_ts` before exporting).
 
 Both are proven per release against SGLang's own collector and exporter in tests/conformance/test_telemetry.py.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 import uuid
 from datetime import datetime
 from pathlib import Path
@@ -79,7 +78,6 @@ class Telemetry:
 
     def observe(self, body: dict, meta: dict, correct: int, drafts_per_step: int) -> None:
         """Count one finished request (`meta`: its meta_info; `correct`: its accepted drafts) and record it."""
-        meta["response_sent_to_client_ts"] = time.time()  # set before the record is written, as SGLang does
         if self.registry is not None:
             self.tokens.labels(**self.labels, **self.streaming).inc(meta["completion_tokens"])
             verify_ct = meta.get("spec_verify_ct", 0)
