@@ -23,7 +23,7 @@ from fixtures_tiny import one_torch_thread
 from test_simulate import CONFIG, NEWLINE, greedy_reply, lens_draft, micro, rewrite  # noqa: F401  (micro: the module fixture)
 
 STEPS, RELEASE, MAX_NEW = 3, "0.5.13", 24
-BASE_KEYS = {"prompt_tokens", "completion_tokens", "finish_reason", "e2e_latency"}
+BASE_KEYS = {"prompt_tokens", "completion_tokens", "finish_reason", "e2e_latency", "response_sent_to_client_ts"}
 SPEC_KEYS = {"spec_verify_ct", "spec_accept_length", "spec_accept_rate", "spec_num_correct_drafts",  # 0.5.13's
              "spec_num_proposed_drafts", "spec_correct_drafts_histogram",
              "spec_accepted_drafts", "spec_proposed_drafts", "spec_accept_histogram"}

@@ -43,6 +43,11 @@ def add_serving_commands(commands) -> None:
     add_release_argument(serve, "SGLang release whose loader and aux-id rules to apply")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, required=True)
+    # SGLang's spellings (production.telemetry): the launcher writes the same flags for either engine
+    serve.add_argument("--enable-metrics", action="store_true", help="serve Prometheus /metrics as SGLang does")
+    serve.add_argument("--export-metrics-to-file", action="store_true", help="write one JSON record per finished "
+                       "request (its parameters and meta_info) to hourly files in --export-metrics-to-file-dir")
+    serve.add_argument("--export-metrics-to-file-dir", type=Path, help="where the request records go")
     serve.set_defaults(handler=run_serve)
 
 
@@ -99,7 +104,11 @@ def run_serve(args: argparse.Namespace) -> int:
         shape = DraftShape(args.num_steps, args.eagle_topk, args.num_draft_tokens)
     except ValueError as err:
         raise ConfigError(f"--num-steps/--eagle-topk/--num-draft-tokens: {err}") from None
+    if args.export_metrics_to_file and args.export_metrics_to_file_dir is None:
+        raise ConfigError("--export-metrics-to-file needs --export-metrics-to-file-dir DIR (as SGLang requires)")
+    records_dir = args.export_metrics_to_file_dir if args.export_metrics_to_file else None
     app = create_app(args.target, args.draft, shape, release=args.release, seed=args.seed,
-                     trust_remote_code=args.trust_remote_code, dtype=args.dtype)
+                     trust_remote_code=args.trust_remote_code, dtype=args.dtype, metrics=args.enable_metrics,
+                     records_dir=records_dir)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return EXIT_OK

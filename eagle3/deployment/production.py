@@ -81,9 +81,10 @@ class Production:
         draft = self.registry.fetch(version, "sglang", Path(self.config.production.state_dir) / "drafts" / version)
         config, prompts, temperature = self.measurement(version)
         self.release_node()
-        self.log(f"serving version {version} ({why}) from {draft} ({config.serving.shape.label()})")
+        self.log(f"serving version {version} ({why}) from {draft} ({config.serving.shape.label()}); "
+                 f"{telemetry_note(self.config.production.telemetry)}")
         result = measure_server(config, draft, prompts, self.log, role=f"production {version}", keep_running=keep,
-                                unit=unit, temperature=temperature)
+                                unit=unit, temperature=temperature, telemetry=self.config.production.telemetry)
         if keep:
             atomic_write_json(self.state, {"version": version, "pgid": result.pop("pgid"), "unit": unit,
                                            "url": self.url, "boot_id": boot_id(), "started": time.time()})
@@ -189,3 +190,10 @@ class Production:
 
 def boot_id() -> str:
     return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def telemetry_note(telemetry) -> str:
+    """What production reports about its traffic (production.telemetry), for the log line that starts it."""
+    parts = (["/metrics on"] if telemetry.metrics else []) + (
+        [f"request records to {telemetry.records_dir}"] if telemetry.records_dir is not None else [])
+    return f"telemetry: {', '.join(parts)}" if parts else "telemetry off (production.telemetry)"

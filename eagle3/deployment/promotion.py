@@ -14,6 +14,7 @@ from typing import Callable
 from eagle3.bench.client import BenchmarkError, SlicedPrompt, run_benchmark, slice_lines
 from eagle3.bench.diagnose import diagnose
 from eagle3.config import PipelineConfig
+from eagle3.config.sections import TelemetrySection
 from eagle3.data.capture import dataset_dir
 from eagle3.data.prompts import load_prompts, write_prompts
 from eagle3.data.regenerate import REGEN_DIR, benchmark_set, sent_ids
@@ -72,11 +73,12 @@ def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log
 
 
 def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[list[int]], log: Log, role: str,
-                   keep_running: bool = False, unit: str | None = None, temperature: float = 0.0) -> dict:
+                   keep_running: bool = False, unit: str | None = None, temperature: float = 0.0,
+                   telemetry: TelemetrySection | None = None) -> dict:
     """Launch (in the systemd scope `unit`, if given, and validate the draft for the live release), benchmark
     `prompts` at the production concurrency, stop - or, with `keep_running`, leave the server up and return its
     process group as `pgid`."""
-    server = launch_and_validate(config, config.target.path, draft, log, role=role, unit=unit)
+    server = launch_and_validate(config, config.target.path, draft, log, role=role, unit=unit, telemetry=telemetry)
     try:
         result = benchmark_on(config, server.url, prompts, log, temperature=temperature) | {
             "server_version": server.release}

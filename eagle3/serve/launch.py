@@ -18,6 +18,7 @@ from typing import Callable
 import httpx
 
 from eagle3.config import PipelineConfig
+from eagle3.config.sections import TelemetrySection
 from eagle3.formats.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
 from eagle3.procs import (
     GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, in_systemd_scope, timestamp, wait_gpus_free, wrap,
@@ -38,6 +39,9 @@ LAUNCHER_FLAGS = {
     "--host": ("--host",),
     "--port": ("--port",),
     "--context-length": ("--context-length",),
+    "--enable-metrics": ("--enable-metrics",),
+    "--export-metrics-to-file": ("--export-metrics-to-file",),
+    "--export-metrics-to-file-dir": ("--export-metrics-to-file-dir",),
 }
 TWO_BATCH_OVERLAP_FLAG = "--enable-two-batch-overlap"
 
@@ -56,7 +60,19 @@ def _launcher_flag_for(arg: str) -> str | None:
     return None
 
 
-def sglang_command(config: PipelineConfig, target_path, draft_path) -> list[str]:
+def telemetry_flags(telemetry: TelemetrySection | None) -> list[str]:
+    """SGLang's flags for production.telemetry (the reference server takes the same spellings); [] when off."""
+    if telemetry is None:
+        return []
+    flags = ["--enable-metrics"] if telemetry.metrics else []
+    if telemetry.records_dir is not None:
+        flags += ["--export-metrics-to-file", "--export-metrics-to-file-dir", str(telemetry.records_dir)]
+    return flags
+
+
+def sglang_command(config: PipelineConfig, target_path, draft_path,
+                   telemetry: TelemetrySection | None = None) -> list[str]:
+    """telemetry: the production server's reporting (production.telemetry); candidates and baselines get none."""
     s = config.serving
     command = [config.data.sglang_python, "-m", "sglang.launch_server", "--model-path", str(target_path)]
     if draft_path is not None:
@@ -66,6 +82,7 @@ def sglang_command(config: PipelineConfig, target_path, draft_path) -> list[str]
     command += ["--tp-size", str(s.tp), "--host", s.host, "--port", str(s.port),
                 "--context-length", str(s.context_length)]
     command += ["--trust-remote-code"] if config.target.trust_remote_code else []
+    command += telemetry_flags(telemetry)
     extra_flags = [a for a in s.extra_args if a.startswith("--")]
     if any(_launcher_flag_for(a) == "--speculative-algorithm" for a in extra_flags):
         raise LaunchError(
@@ -80,11 +97,13 @@ def sglang_command(config: PipelineConfig, target_path, draft_path) -> list[str]
     clash = sorted({f"{_flag(a)} (= {_launcher_flag_for(a)})" for a in extra_flags if _launcher_flag_for(a)})
     if clash:
         raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets from the "
-                          "serving section; set the field instead")
+                          "serving section (the telemetry flags from production.telemetry, for the production server "
+                          "only); set the field instead")
     return command + list(s.extra_args)
 
 
-def reference_command(config: PipelineConfig, target_path, draft_path) -> list[str]:
+def reference_command(config: PipelineConfig, target_path, draft_path,
+                      telemetry: TelemetrySection | None = None) -> list[str]:
     s = config.serving
     command = [sys.executable, "-m", "eagle3.cli", "serve", "--target", str(target_path)]
     command += ["--draft", str(draft_path)] if draft_path is not None else []
@@ -93,7 +112,7 @@ def reference_command(config: PipelineConfig, target_path, draft_path) -> list[s
     command += ["--release", s.release] if s.release else []
     command += ["--trust-remote-code"] if config.target.trust_remote_code else []
     command += ["--dtype", config.target.dtype]
-    return command + ["--host", s.host, "--port", str(s.port)]
+    return command + ["--host", s.host, "--port", str(s.port)] + telemetry_flags(telemetry)
 
 
 class Server:
@@ -181,13 +200,13 @@ class Server:
 
 
 def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None] = print, role: str = "candidate",
-               unit: str | None = None) -> Server:
+               unit: str | None = None, telemetry: TelemetrySection | None = None) -> Server:
     """The server for `config.serving`; with `unit`, its local process (the server, or the ssh / srun that holds it)
-    runs in that transient systemd scope."""
+    runs in that transient systemd scope; with `telemetry` (production only), SGLang's metrics and request records."""
     s = config.serving
     build = sglang_command if s.engine == "sglang" else reference_command
     ssh_host = s.ssh_host or s.host
-    command = wrap(build(config, target, draft), s.launcher, ssh_host, s.srun_args)
+    command = wrap(build(config, target, draft, telemetry), s.launcher, ssh_host, s.srun_args)
     via = {"local": "local", "ssh": f"ssh {ssh_host}", "srun": "srun"}[s.launcher]
     if unit is not None:
         command = in_systemd_scope(command, unit)
@@ -199,7 +218,8 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
 
 
 def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[str], None] = print,
-                        role: str = "candidate", unit: str | None = None) -> Server:
+                        role: str = "candidate", unit: str | None = None,
+                        telemetry: TelemetrySection | None = None) -> Server:
     """Start the server (in the systemd scope `unit`, if given), wait until healthy, validate the draft for the live
     release; return it running. Error codes in `export.waive` are accepted (the export stage logged and recorded
     them)."""
@@ -207,7 +227,7 @@ def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[st
 
     if draft is not None and not Path(draft).is_dir():
         raise LaunchError(f"draft {draft}: no such directory; nothing was launched")
-    server = server_for(config, target, draft, log, role, unit)
+    server = server_for(config, target, draft, log, role, unit, telemetry)
     server.start()
     try:
         live = server.wait_healthy(config.serving.health_timeout_s)

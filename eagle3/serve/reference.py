@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from eagle3.bench.counting import SpecRequest, server_accept_length
@@ -29,6 +30,7 @@ from eagle3.model.aux_states import aux_states
 from eagle3.model.draft import Eagle3Draft
 from eagle3.model.tree import ROOT, DraftCache, DraftTree, draft_tree, tree_attention, walk_greedy, walk_sampled
 from eagle3.model.weights import draft_as_served, target_embedding
+from eagle3.serve.telemetry import Telemetry
 from eagle3.shape import DraftShape
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -51,6 +53,7 @@ class Served:
     release: str | None  # the SGLang release whose finish rule and meta_info keys this server follows
     generator: torch.Generator  # the coins of sampled requests, seeded at start: a rerun answers alike
     totals: list[int] = field(default_factory=lambda: [0, 0])  # [Σ correct drafts, Σ verify_ct] with a draft
+    telemetry: Telemetry | None = None  # /metrics and request records, when the server is started with them
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -115,6 +118,12 @@ def parse_request(served: Served, body: dict) -> tuple[list[int], int, float]:
     """The prompt ids, max_new_tokens and temperature of a /generate body; BadRequest names the field at fault."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    labels = body.get("custom_labels")
+    if labels is not None and not (isinstance(labels, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items())):
+        raise BadRequest(f"custom_labels={labels!r}: give an object of string keys and string values")
+    if body.get("rid") is not None and not isinstance(body["rid"], str):
+        raise BadRequest(f"rid={body['rid']!r}: give one string (the request's id); batches are not served")
     params = body.get("sampling_params") or {}
     temperature = params.get("temperature", DEFAULT_TEMPERATURE)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
@@ -146,6 +155,9 @@ def generate(served: Served, body: dict, count: bool = True) -> dict:
             served.totals = [served.totals[0] + request.correct, served.totals[1] + request.verify_ct]
     meta = {"prompt_tokens": len(ids), "completion_tokens": len(request.output), "finish_reason": request.finish,
             "e2e_latency": time.perf_counter() - start, **request.meta_info(served.shape.drafts_per_step)}
+    meta["response_sent_to_client_ts"] = time.time()  # every release read stamps each finished response
+    if served.telemetry is not None and count:  # health checks are no traffic: never counted nor recorded
+        served.telemetry.observe(body, meta, request.correct, served.shape.drafts_per_step)
     text = served.tokenizer.decode(request.output, skip_special_tokens=True)
     return {"text": text, "output_ids": request.output, "meta_info": meta}
 
@@ -164,8 +176,14 @@ def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, release: s
 
 
 def create_app(target_dir, draft_dir=None, shape: DraftShape = DraftShape(3), release: str | None = None,
-               seed: int = 0, trust_remote_code: bool = False, dtype: str = "auto") -> FastAPI:
+               seed: int = 0, trust_remote_code: bool = False, dtype: str = "auto", metrics: bool = False,
+               records_dir: Path | None = None) -> FastAPI:
+    """metrics: serve /metrics (--enable-metrics); records_dir: write request records there (--export-metrics-to-file
+    --export-metrics-to-file-dir)."""
     served = load(Path(target_dir), draft_dir, shape, release, seed, trust_remote_code, dtype)
+    if metrics or records_dir is not None:
+        # served_model_name defaults to the model path in SGLang
+        served.telemetry = Telemetry(str(target_dir), release, metrics, records_dir, speculative=draft_dir is not None)
     app = FastAPI(title="eagle3 reference server")
 
     @app.post("/generate")
@@ -178,6 +196,11 @@ def create_app(target_dir, draft_dir=None, shape: DraftShape = DraftShape(3), re
             return await run_in_threadpool(generate, served, body)
         except BadRequest as err:
             return JSONResponse({"error": {"message": str(err)}}, status_code=400)
+
+    if metrics:
+        @app.get("/metrics")
+        def metrics_route():
+            return Response(served.telemetry.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     def health():

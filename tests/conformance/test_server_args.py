@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 
 from eagle3.config import load_config
+from eagle3.config.sections import TelemetrySection
 from eagle3.deployment.sweep import sweep_shapes, with_shape
 from eagle3.serve.launch import LAUNCHER_FLAGS, sglang_command
 from releases import RELEASES
 
 ROOT = __import__("pathlib").Path(__file__).parents[2]
 CONFIGS = {"kimi": ROOT / "configs" / "kimi-k25-8xh200.yaml", "tiny": ROOT / "configs" / "tiny-cpu.yaml"}
+RECORDS = "/var/lib/eagle3/request-records"
+TELEMETRY = TelemetrySection(metrics=True, records_dir=RECORDS)  # production's: metrics and request records
 
 
 def launcher_commands() -> dict[str, tuple[list[str], object]]:
@@ -24,6 +27,8 @@ def launcher_commands() -> dict[str, tuple[list[str], object]]:
         for label, shaped, draft in served:
             command = sglang_command(shaped, "/models/target", draft)
             commands[label] = (command[command.index("sglang.launch_server") + 1:], shaped)
+        production = sglang_command(config, "/models/target", "/drafts/candidate", TELEMETRY)
+        commands[f"{name}-production-eagle3"] = (production[production.index("sglang.launch_server") + 1:], config)
     return commands
 
 
@@ -56,6 +61,10 @@ def test_every_launcher_command_parses_to_the_configured_values(parser_answer, l
                      "--speculative-num-draft-tokens": s.num_draft_tokens}
     else:
         assert parsed[dest_of(answer["options"], "--speculative-algorithm")] is None
+    telemetry = {"--enable-metrics": True, "--export-metrics-to-file": True, "--export-metrics-to-file-dir": RECORDS}
+    if "-production-" not in label:  # candidates and baselines report nothing of their own
+        telemetry = {"--enable-metrics": False, "--export-metrics-to-file": False, "--export-metrics-to-file-dir": None}
+    expected |= telemetry
     for flag, value in expected.items():
         assert parsed[dest_of(answer["options"], flag)] == value, f"SGLang {release} reads {flag} differently"
 

@@ -104,9 +104,9 @@ def _tiny_model(directory: str) -> tuple[str, str]:
     return target, draft
 
 
-def _server_args(num_steps: int, directory: str, topk: int = 1, num_draft_tokens: int | None = None):
-    """The release's own ServerArgs for EAGLE3 decoding (a chain unless topk > 1), published process-wide like a
-    scheduler does."""
+def _server_args(num_steps: int, directory: str, topk: int = 1, num_draft_tokens: int | None = None, **flags):
+    """The release's own ServerArgs for EAGLE3 decoding (a chain unless topk > 1) and any other `flags`, published
+    process-wide like a scheduler does."""
     from sglang.srt import server_args as sa_module
 
     target, draft = _tiny_model(directory)
@@ -116,6 +116,7 @@ def _server_args(num_steps: int, directory: str, topk: int = 1, num_draft_tokens
         speculative_num_draft_tokens=num_draft_tokens or num_steps + 1,
         device="cpu", skip_tokenizer_init=True,
         decode_log_interval=1 << 30,  # the periodic decode log never comes round (see module docstring)
+        **flags,
     )
     try:
         from sglang.srt import runtime_context  # 0.5.23: config bags and ranks live in a runtime context
