@@ -4,6 +4,7 @@ tell what a run did and why it promoted or rolled back. Pure functions of the st
 from __future__ import annotations
 
 import statistics
+from datetime import datetime
 
 from eagle3.data.storage import human_bytes
 from eagle3.formats.inspect import render as render_inspect
@@ -241,3 +242,45 @@ def decision_report(outcome: str, version: str, reasons: list[dict], diagnosis: 
 def removed_runs_section(removed: list[dict], keep_runs: int | None) -> str:
     lines = [f"- `{run['path']}` ({human_bytes(run['bytes'])})" for run in removed]
     return f"## Run directories removed (run.keep_runs {keep_runs})\n\n" + ("\n".join(lines) if lines else "none")
+
+
+def monitor_report(windows: list[dict], history: list[dict], now: float) -> str:
+    """Production's acceptance over time per version, promotions marked (the registry's history), then the recent
+    windows and the latest window's slices. Time runs in hours before `now`."""
+    hours = lambda t: (t - now) / 3600  # noqa: E731
+    accept, speedup = {}, {}
+    for w in windows:
+        if w["verdict"] not in ("ok", "low"):
+            continue
+        accept.setdefault(str(w["version"]), []).append((hours(w["t"]), w["accept_length"]))
+        base = (w.get("baseline") or {}).get("no_draft_output_tokens_per_s")
+        if base and w.get("output_tokens_per_s") is not None:
+            speedup.setdefault(str(w["version"]), []).append((hours(w["t"]), w["output_tokens_per_s"] / base))
+    start = windows[0]["t"] if windows else now
+    marks = [(hours(promotion_time(e)), f"{e['event']} {e['version']}") for e in history
+             if e.get("event") in ("promoted", "forced", "rolled-back") and promotion_time(e) >= start]
+    parts = ["## Production acceptance"]
+    if accept:
+        panels = [lines("accept length (windows)", "hours before now", accept, marks)]
+        if speedup:
+            panels.append(lines("tokens/s ÷ no-draft tokens/s at promotion", "hours before now", speedup, marks))
+        parts.append(markdown_image(figure(panels), "production accept length and speedup over time"))
+    else:
+        parts.append("No window with enough verify steps yet: nothing to plot.")
+    parts += ["### Recent windows", table(
+        ["time (UTC)", "version", "verdict", "accept length", "threshold", "tokens/s", "verify steps", "requests",
+         "alarm", "why"],
+        [[w["time"], w["version"], w["verdict"], w.get("accept_length"), w.get("threshold"),
+          w.get("output_tokens_per_s"), w.get("verify_steps"), w.get("requests"),
+          (w.get("alarm") or {}).get("state"), w["reason"]] for w in reversed(windows[-20:])])]
+    latest = next((w for w in reversed(windows) if w.get("slices")), None)
+    if latest:
+        parts += [f"### Slices ({latest['time']})", table(
+            ["slice", "accept length", "verify steps", "requests", "completion tokens"],
+            [[name, s["accept_length"], s["verify_steps"], s["requests"], s["completion_tokens"]]
+             for name, s in latest["slices"].items()])]
+    return "\n\n".join(parts)
+
+
+def promotion_time(entry: dict) -> float:
+    return datetime.fromisoformat(entry["time"]).timestamp()

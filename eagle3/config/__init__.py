@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
 from eagle3.config.sections import (
-    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, NodeSection, ProductionSection,
+    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, MonitorSection, NodeSection, ProductionSection,
     RegistrySection, RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
 )
 from eagle3.errors import ConfigError, UnreadableInput
@@ -45,6 +45,7 @@ class PipelineConfig(Section):
     gate: GateSection = GateSection()
     registry: RegistrySection | None = None
     production: ProductionSection = ProductionSection()
+    monitor: MonitorSection = MonitorSection()
     node: NodeSection = NodeSection()
 
     @model_validator(mode="after")
