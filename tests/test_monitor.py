@@ -59,12 +59,15 @@ def write_record(directory: Path, sent: float, completion: int, verify: int, lab
         f.write(json.dumps(record) + "\n")
 
 
+def monitor_overrides(tmp_path, port: int, *overrides: str) -> list[str]:
+    return [f"registry.path={tmp_path / 'registry'}", f"production.port={port}",
+            f"production.telemetry.records_dir={tmp_path / 'records'}", "monitor.window_s=600",
+            "monitor.min_verify_steps=100", "monitor.consecutive=3", "monitor.cooldown_s=3600", *overrides]
+
+
 def monitor_for(registry_section, tmp_path, port: int, *overrides: str) -> Monitor:
     """A registry whose production version recorded BASELINE, watched on production.port."""
-    config = load_config(TINY, [f"registry.path={tmp_path / 'registry'}", f"production.port={port}",
-                                f"production.telemetry.records_dir={tmp_path / 'records'}", "monitor.window_s=600",
-                                "monitor.min_verify_steps=100", "monitor.consecutive=3", "monitor.cooldown_s=3600",
-                                *overrides])
+    config = load_config(TINY, monitor_overrides(tmp_path, port, *overrides))
     registry = open_registry(registry_section or config.registry, log=lambda line: None)
     manifest = fields(accept_length=BASELINE)
     manifest["metrics"]["production"] = {"accept_length": BASELINE, "output_tokens_per_s": 900.0,
