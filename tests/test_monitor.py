@@ -185,3 +185,21 @@ def test_the_report_plots_windows_per_version_with_the_promotion_marked(producti
     report = monitor_report(windows, history, now=T0 + 1200)
     assert "data:image/svg+xml;base64," in report and "| code | 2.000 |" in report
     assert report.count("| v1 |") == 2 and "| low |" in report and "| ok |" in report
+
+
+def test_the_command_hands_its_arguments_to_the_flow_process_and_refuses_a_config_without_telemetry(
+        monkeypatch, capsys, tmp_path):
+    import os
+    import sys
+
+    from eagle3.cli import main
+    from flows import monitor as flow_monitor
+
+    handed = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: handed.append((path, argv)))
+    main(["monitor", str(TINY), "--set", "monitor.consecutive=2"])
+    assert handed == [(sys.executable, [sys.executable, "-m", "flows.monitor", str(TINY), "--set",
+                                        "monitor.consecutive=2"])]
+    # the tiny config turns no telemetry on: refused in one line, before Prefect starts a run
+    assert flow_monitor.main([str(TINY), "--set", f"registry.path={tmp_path}"]) == 1
+    assert "production.telemetry.metrics is false" in capsys.readouterr().err
