@@ -421,8 +421,9 @@ class MonitorSection(Section):
     """Production's acceptance on live traffic, one window at a time (eagle3.deployment.monitor), against what the
     production version measured at its promotion. Needs production.telemetry: /metrics or the request records."""
 
-    window_s: float = Field(default=900.0, gt=0.0, description="the observation window: the request records of the "
-                            "last window_s seconds (source records); /metrics deltas span the time since the last run")
+    window_s: float = Field(default=300.0, gt=0.0, description="the observation window: the request records of the "
+                            "last window_s seconds (source records; the eagle3/monitor deployment runs every 300 s); "
+                            "/metrics deltas span the time since the previous window")
     source: Literal["auto", "metrics", "records"] = Field(
         default="auto", description="records: production.telemetry.records_dir (per slice, the pipeline's own requests "
         "left out); metrics: Δ sglang:generation_tokens_total / Δ sglang:spec_verify_calls_total on /metrics; auto: "
