@@ -13,8 +13,9 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
+from eagle3.config.monitor import MonitorSection
 from eagle3.config.sections import (
-    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, MonitorSection, NodeSection, ProductionSection,
+    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, NodeSection, ProductionSection,
     RegistrySection, RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
 )
 from eagle3.errors import ConfigError, UnreadableInput
