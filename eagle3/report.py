@@ -244,26 +244,31 @@ def removed_runs_section(removed: list[dict], keep_runs: int | None) -> str:
     return f"## Run directories removed (run.keep_runs {keep_runs})\n\n" + ("\n".join(lines) if lines else "none")
 
 
-def monitor_report(windows: list[dict], history: list[dict], now: float) -> str:
-    """Production's acceptance over time per version, promotions marked (the registry's history), then the recent
-    windows and the latest window's slices. Time runs in hours before `now`."""
+def monitor_report(windows: list[dict], history: list[dict], speedups: dict[str, float | None], now: float) -> str:
+    """Production's acceptance over time per version and the speedup each production version measured at its
+    promotion (`speedups`), pointer moves marked (the registry's history); then the recent windows and the latest
+    window's slices. Time runs in hours before `now`."""
     hours = lambda t: (t - now) / 3600  # noqa: E731
-    accept, speedup = {}, {}
-    for w in windows:
-        if w["verdict"] not in ("ok", "low"):
-            continue
-        accept.setdefault(str(w["version"]), []).append((hours(w["t"]), w["accept_length"]))
-        base = (w.get("baseline") or {}).get("no_draft_output_tokens_per_s")
-        if base and w.get("output_tokens_per_s") is not None:
-            speedup.setdefault(str(w["version"]), []).append((hours(w["t"]), w["output_tokens_per_s"] / base))
     start = windows[0]["t"] if windows else now
-    marks = [(hours(promotion_time(e)), f"{e['event']} {e['version']}") for e in history
-             if e.get("event") in ("promoted", "forced", "rolled-back") and promotion_time(e) >= start]
+    accept, floor = {}, {}
+    for w in windows:
+        if w["verdict"] in ("ok", "low"):
+            accept.setdefault(str(w["version"]), []).append((hours(w["t"]), w["accept_length"]))
+            floor.setdefault(f"{w['version']} low below", []).append((hours(w["t"]), w["threshold"]))
+    accept.update(floor)  # the line each version's windows are judged against
+    moves = [(promotion_time(e), e["version"]) for e in history if e.get("event") in POINTER_MOVES]
+    speedup = {}
+    for i, (moved, version) in enumerate(moves):
+        until = moves[i + 1][0] if i + 1 < len(moves) else now
+        if speedups.get(version) is not None and until >= start:
+            speedup.setdefault(str(version), []).extend(
+                [(hours(max(moved, start)), speedups[version]), (hours(until), speedups[version])])
+    marks = [(hours(moved), str(version)) for moved, version in moves if moved >= start]
     parts = ["## Production acceptance"]
     if accept:
-        panels = [lines("accept length (windows)", "hours before now", accept, marks)]
+        panels = [lines("accept length on live traffic", "hours before now", accept, marks)]
         if speedup:
-            panels.append(lines("tokens/s ÷ no-draft tokens/s at promotion", "hours before now", speedup, marks))
+            panels.append(lines("speedup measured at promotion", "hours before now", speedup, marks))
         parts.append(markdown_image(figure(panels), "production accept length and speedup over time"))
     else:
         parts.append("No window with enough verify steps yet: nothing to plot.")
@@ -280,6 +285,9 @@ def monitor_report(windows: list[dict], history: list[dict], now: float) -> str:
             [[name, s["accept_length"], s["verify_steps"], s["requests"], s["completion_tokens"]]
              for name, s in latest["slices"].items()])]
     return "\n\n".join(parts)
+
+
+POINTER_MOVES = ("promoted", "forced", "rolled-back")  # the registry's history events that change production
 
 
 def promotion_time(entry: dict) -> float:

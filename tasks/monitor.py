@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
 from eagle3.config import PipelineConfig, load_config, require_sections
-from eagle3.deployment.monitor import Monitor
+from eagle3.deployment.monitor import Monitor, baseline_of
 from eagle3.registry.registry import open_registry
 from eagle3.report import monitor_report
 from tasks.common import log_to_run
@@ -49,6 +49,8 @@ def emit_degraded(config: PipelineConfig, alarm: dict) -> str:
 def publish_monitor_report(config: PipelineConfig) -> None:
     registry = open_registry(config.registry, log=log_to_run())
     windows = Monitor(config, registry, log_to_run()).windows(config.monitor.keep_windows)
-    create_markdown_artifact(key="monitor", markdown=monitor_report(windows, registry.history(), time.time()),
+    history = registry.history()
+    speedups = {v: baseline_of(registry.manifest(v))["speedup"] for v in {e["version"] for e in history} if v}
+    create_markdown_artifact(key="monitor", markdown=monitor_report(windows, history, speedups, time.time()),
                              description="production's accept length over time per version, promotions marked; "
                              "recent windows and traffic slices")

@@ -4,6 +4,7 @@ requests left out) and from counter deltas (a reset included); insufficient wind
 raise one alarm, a second drop during the cool-down none; an unavailable server is logged, not alarmed; the history
 lives in the registry's store, S3 included."""
 
+import base64
 import json
 from datetime import datetime
 from pathlib import Path
@@ -182,9 +183,11 @@ def test_the_report_plots_windows_per_version_with_the_promotion_marked(producti
         monitor.run_window(now=T0 + 600 * (i + 1))
     windows = monitor.windows()
     history = [{**monitor.registry.history()[0], "time": datetime.fromtimestamp(T0 + 700).astimezone().isoformat()}]
-    report = monitor_report(windows, history, now=T0 + 1200)
-    assert "data:image/svg+xml;base64," in report and "| code | 2.000 |" in report
-    assert report.count("| v1 |") == 2 and "| low |" in report and "| ok |" in report
+    report = monitor_report(windows, history, {"v1": 2.25}, now=T0 + 1200)
+    assert "| code | 2.000 |" in report and report.count("| v1 |") == 2 and "| low |" in report and "| ok |" in report
+    svg = base64.b64decode(report.split("data:image/svg+xml;base64,")[1].split(")")[0]).decode()
+    assert "accept length on live traffic" in svg and "speedup measured at promotion" in svg
+    assert svg.count('stroke-dasharray="3,3"') == 2  # the promotion, marked on both panels
 
 
 def test_the_command_hands_its_arguments_to_the_flow_process_and_refuses_a_config_without_telemetry(
