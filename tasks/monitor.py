@@ -14,7 +14,7 @@ from prefect.events import emit_event
 from eagle3.config import PipelineConfig, load_config, require_sections
 from eagle3.deployment.monitor import Monitor, baseline_of
 from eagle3.registry.registry import open_registry
-from eagle3.report import monitor_report
+from eagle3.report import POINTER_MOVES, monitor_report
 from tasks.common import log_to_run
 from tasks.run import registry_resource
 
@@ -50,7 +50,8 @@ def publish_monitor_report(config: PipelineConfig) -> None:
     registry = open_registry(config.registry, log=log_to_run())
     windows = Monitor(config, registry, log_to_run()).windows(config.monitor.keep_windows)
     history = registry.history()
-    speedups = {v: baseline_of(registry.manifest(v))["speedup"] for v in {e["version"] for e in history} if v}
+    moved_to = {e["version"] for e in history if e.get("event") in POINTER_MOVES and e["version"]}
+    speedups = {v: baseline_of(registry.manifest(v))["speedup"] for v in moved_to}
     create_markdown_artifact(key="monitor", markdown=monitor_report(windows, history, speedups, time.time()),
                              description="production's accept length over time per version, promotions marked; "
                              "recent windows and traffic slices")
