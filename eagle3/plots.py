@@ -71,15 +71,23 @@ def bars(title: str, groups: list[str], series: dict[str, list[float | None]]) -
     return frame(title, low, high) + "".join(shapes) + labels + legend(list(series))
 
 
-def lines(title: str, x_label: str, series: dict[str, list[tuple[float, float]]]) -> str:
-    """One panel of lines over a shared x axis (points: (x, y))."""
+def lines(title: str, x_label: str, series: dict[str, list[tuple[float, float]]],
+          marks: list[tuple[float, str]] = ()) -> str:
+    """One panel of lines over a shared x axis (points: (x, y)); each mark (x, label) is a dashed vertical line."""
     points = [p for line in series.values() for p in line]
     low, high = scale([y for _, y in points] or [0.0])
-    x_low, x_high = min(x for x, _ in points), max(x for x, _ in points)
+    xs = [x for x, _ in points] + [x for x, _ in marks]
+    x_low, x_high = min(xs), max(xs)
     x_at = lambda x: MARGIN + (x - x_low) / ((x_high - x_low) or 1) * (WIDTH - MARGIN - 8)  # noqa: E731
     paths = "".join(f'<polyline fill="none" stroke="{COLORS[i % 6]}" stroke-width="1.5" points="'
                     + " ".join(f"{x_at(x):.1f},{y_at(y, low, high):.1f}" for x, y in line) + '"/>'
                     for i, line in enumerate(series.values()))
+    # a single point draws no line: a dot shows it
+    paths += "".join(f'<circle cx="{x_at(x):.1f}" cy="{y_at(y, low, high):.1f}" r="2" fill="{COLORS[i % 6]}"/>'
+                     for i, line in enumerate(series.values()) for x, y in line if len(line) == 1)
+    paths += "".join(f'<line x1="{x_at(x):.1f}" x2="{x_at(x):.1f}" y1="{MARGIN / 2}" y2="{HEIGHT - MARGIN}" '
+                     f'stroke="#888" stroke-dasharray="3,3"/><text x="{x_at(x) + 2:.1f}" y="{HEIGHT - MARGIN - 4}" '
+                     f'fill="#555">{escape(label)}</text>' for x, label in marks)
     axis = (f'<text x="{MARGIN}" y="{HEIGHT - MARGIN + 12}">{x_low:g}</text>'
             f'<text x="{WIDTH - 8}" y="{HEIGHT - MARGIN + 12}" text-anchor="end">{x_high:g}</text>'
             f'<text x="{WIDTH / 2}" y="{HEIGHT - MARGIN + 24}" text-anchor="middle">{escape(x_label)}</text>')

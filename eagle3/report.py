@@ -4,6 +4,7 @@ tell what a run did and why it promoted or rolled back. Pure functions of the st
 from __future__ import annotations
 
 import statistics
+from datetime import datetime
 
 from eagle3.data.storage import human_bytes
 from eagle3.formats.inspect import render as render_inspect
@@ -241,3 +242,53 @@ def decision_report(outcome: str, version: str, reasons: list[dict], diagnosis: 
 def removed_runs_section(removed: list[dict], keep_runs: int | None) -> str:
     lines = [f"- `{run['path']}` ({human_bytes(run['bytes'])})" for run in removed]
     return f"## Run directories removed (run.keep_runs {keep_runs})\n\n" + ("\n".join(lines) if lines else "none")
+
+
+def monitor_report(windows: list[dict], history: list[dict], speedups: dict[str, float | None], now: float) -> str:
+    """Production's acceptance over time per version and the speedup each production version measured at its
+    promotion (`speedups`), pointer moves marked (the registry's history); then the recent windows and the latest
+    window's slices. Time runs in hours before `now`."""
+    hours = lambda t: (t - now) / 3600  # noqa: E731
+    start = windows[0]["t"] if windows else now
+    accept, floor = {}, {}
+    for w in windows:
+        if w["verdict"] in ("ok", "low"):
+            accept.setdefault(str(w["version"]), []).append((hours(w["t"]), w["accept_length"]))
+            floor.setdefault(f"{w['version']} low below", []).append((hours(w["t"]), w["threshold"]))
+    accept.update(floor)  # the line each version's windows are judged against
+    moves = [(promotion_time(e), e["version"]) for e in history if e.get("event") in POINTER_MOVES]
+    speedup = {}
+    for i, (moved, version) in enumerate(moves):
+        until = moves[i + 1][0] if i + 1 < len(moves) else now
+        if speedups.get(version) is not None and until >= start:
+            speedup.setdefault(str(version), []).extend(
+                [(hours(max(moved, start)), speedups[version]), (hours(until), speedups[version])])
+    marks = [(hours(moved), str(version)) for moved, version in moves if moved >= start]
+    parts = ["## Production acceptance"]
+    if accept:
+        panels = [lines("accept length on live traffic", "hours before now", accept, marks)]
+        if speedup:
+            panels.append(lines("speedup measured at promotion", "hours before now", speedup, marks))
+        parts.append(markdown_image(figure(panels), "production accept length and speedup over time"))
+    else:
+        parts.append("No window with enough verify steps yet: nothing to plot.")
+    parts += ["### Recent windows", table(
+        ["time (UTC)", "version", "verdict", "accept length", "threshold", "tokens/s", "verify steps", "requests",
+         "alarm", "why"],
+        [[w["time"], w["version"], w["verdict"], w.get("accept_length"), w.get("threshold"),
+          w.get("output_tokens_per_s"), w.get("verify_steps"), w.get("requests"),
+          (w.get("alarm") or {}).get("state"), w["reason"]] for w in reversed(windows[-20:])])]
+    latest = next((w for w in reversed(windows) if w.get("slices")), None)
+    if latest:
+        parts += [f"### Slices ({latest['time']})", table(
+            ["slice", "accept length", "verify steps", "requests", "completion tokens"],
+            [[name, s["accept_length"], s["verify_steps"], s["requests"], s["completion_tokens"]]
+             for name, s in latest["slices"].items()])]
+    return "\n\n".join(parts)
+
+
+POINTER_MOVES = ("promoted", "forced", "rolled-back")  # the registry's history events that change production
+
+
+def promotion_time(entry: dict) -> float:
+    return datetime.fromisoformat(entry["time"]).timestamp()

@@ -4,8 +4,10 @@ roll back.
 Ends Completed (promoted), Completed named RolledBack (the gate, or production's check after the promotion,
 rejected the candidate; the message gives the reasons), or Failed (an error). Runs for one registry never overlap:
 they hold a global concurrency limit of 1, taken strictly. Modes: `full`; `retrain` (a fresh run directory,
-warm start from the production draft); `benchmark` (re-measure production only). A run marks its directory in use
-while it runs; after a promotion that production serves, old retrain run directories are removed (run.keep_runs).
+warm start from the production draft); `benchmark` (re-measure production only); `monitor` (one window of
+production's acceptance on live traffic; the event `eagle3.acceptance.degraded` on an alarm; takes no lock). A run
+marks its directory in use while it runs; after a promotion that production serves, old retrain run directories are
+removed (run.keep_runs).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tasks.deploy import (
     verify_production,
 )
 from tasks.export import export_and_validate
+from tasks.monitor import emit_degraded, load_monitor_config, publish_monitor_report, watch_production
 from tasks.run import ensure_registry_limit, load_run_config, registry_limit_name
 from tasks.train import train_draft
 from tasks.vocab import build_draft_vocab
@@ -43,7 +46,10 @@ __all__ = ["eagle3", "ensure_registry_limit"]
 
 
 @flow(name="eagle3")
-def eagle3(config: str, overrides: list[str] | None = None, mode: Literal["full", "retrain", "benchmark"] = "full"):
+def eagle3(config: str, overrides: list[str] | None = None,
+           mode: Literal["full", "retrain", "benchmark", "monitor"] = "full"):
+    if mode == "monitor":  # never the registry's lock: it must neither wait behind a 14-hour retrain nor block one
+        return watch(config, overrides or [])
     run_config, resolved = load_run_config(config, overrides or [], mode)
     with concurrency(registry_limit_name(run_config.registry), occupy=1, strict=True):
         if mode == "benchmark":
@@ -83,6 +89,15 @@ def train_and_deploy(config, resolved: str):
     # outside the try: the promotion stands whatever the retention does
     report_decision(config, version, decision, before, production, prune_old_runs(config))
     return version
+
+
+def watch(config: str, overrides: list[str]):
+    run_config = load_monitor_config(config, overrides)
+    window = watch_production(run_config)
+    if (window.get("alarm") or {}).get("state") == "raised":
+        emit_degraded(run_config, window["alarm"])
+    publish_monitor_report(run_config)
+    return window
 
 
 def remeasure_production(config):

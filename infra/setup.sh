@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One-time (and idempotent) Prefect set-up for the GPU node, run from the node's checkout:
 #   - the work pool `gpu-node` (type process, one flow run at a time: the node holds one target at a time);
+#   - the work pool `eagle3-monitor` (type process, one at a time): the monitor never queues behind a GPU run;
 #   - the registry's global concurrency limit for CONFIG (flows.eagle3.ensure_registry_limit);
-#   - the deployments of prefect.yaml (eagle3/full, eagle3/retrain, eagle3/benchmark).
+#   - the deployments of prefect.yaml (eagle3/full, eagle3/retrain, eagle3/benchmark, eagle3/monitor), and with them
+#     the automation that runs eagle3/retrain on the monitor's event `eagle3.acceptance.degraded` for this registry.
 # Run it again after pulling a new checkout or changing prefect.yaml: everything is created or updated in place.
 #
 #   infra/setup.sh CONFIG [--set section.field=value ...]
@@ -42,6 +44,7 @@ VENV=${EAGLE3_VENV:-$CHECKOUT/.venv}
 PY=$VENV/bin/python
 PREFECT=$VENV/bin/prefect
 POOL=gpu-node
+MONITOR_POOL=eagle3-monitor
 [[ -x $PREFECT ]] || die "no Prefect in $VENV (make install, or set EAGLE3_VENV to the project's virtualenv)"
 cd "$CHECKOUT"
 [[ -f $CONFIG ]] || die "config '$CONFIG' not found (relative paths are relative to the checkout, $CHECKOUT)"
@@ -64,22 +67,30 @@ except httpx.HTTPError as err:
 EOF
 echo "Prefect server: $API_URL"
 
-# The work pool: created once; an existing pool of another type is an error, not silently replaced.
-if pool_json=$("$PREFECT" --no-prompt work-pool inspect "$POOL" --output json 2>/dev/null); then
-  pool_type=$("$PY" -c 'import json, sys; print(json.load(sys.stdin)["type"])' <<< "$pool_json")
-  [[ $pool_type == process ]] || die "work pool '$POOL' exists with type '$pool_type'; it must be 'process' (delete it first)"
-  echo "Work pool '$POOL' (process) exists."
-else
-  "$PREFECT" --no-prompt work-pool create "$POOL" --type process > /dev/null
-  echo "Work pool '$POOL' (process) created."
-fi
-"$PREFECT" --no-prompt work-pool set-concurrency-limit "$POOL" 1 > /dev/null
-echo "Work pool '$POOL': one flow run at a time."
+# The work pools: created once; an existing pool of another type is an error, not silently replaced. Each runs one
+# flow run at a time: the GPU pool because the node holds one target; the monitor's because its windows form a streak.
+for pool in "$POOL" "$MONITOR_POOL"; do
+  if pool_json=$("$PREFECT" --no-prompt work-pool inspect "$pool" --output json 2>/dev/null); then
+    pool_type=$("$PY" -c 'import json, sys; print(json.load(sys.stdin)["type"])' <<< "$pool_json")
+    [[ $pool_type == process ]] || die "work pool '$pool' exists with type '$pool_type'; it must be 'process' (delete it first)"
+    echo "Work pool '$pool' (process) exists."
+  else
+    "$PREFECT" --no-prompt work-pool create "$pool" --type process > /dev/null
+    echo "Work pool '$pool' (process) created."
+  fi
+  "$PREFECT" --no-prompt work-pool set-concurrency-limit "$pool" 1 > /dev/null
+  echo "Work pool '$pool': one flow run at a time."
+done
 
 # The registry's global concurrency limit (limit 1): promotions and rollbacks of one registry never overlap.
 LIMIT=$("$PY" -c 'import sys; from flows.eagle3 import ensure_registry_limit; print(ensure_registry_limit(sys.argv[1], sys.argv[2:]))' \
   "$CONFIG" ${OVERRIDES[@]+"${OVERRIDES[@]}"} | tail -n 1)
 echo "Registry concurrency limit: $LIMIT"
+# The registry's event resource: the monitor emits on it, the retrain's trigger (prefect.yaml) matches it.
+EAGLE3_REGISTRY_RESOURCE=$("$PY" -c 'import sys; from eagle3.config import load_config; from tasks.run import registry_resource; print(registry_resource(load_config(sys.argv[1], sys.argv[2:]).registry))' \
+  "$CONFIG" ${OVERRIDES[@]+"${OVERRIDES[@]}"} | tail -n 1)
+export EAGLE3_REGISTRY_RESOURCE
+echo "Registry event resource: $EAGLE3_REGISTRY_RESOURCE"
 
 # The deployments. `prefect deploy --all` ignores --param/--params, so another config means one deploy per name.
 read -r DEFAULT_CONFIG DEPLOYMENTS < <("$PY" - <<'EOF'
@@ -102,7 +113,9 @@ fi
 
 cat <<EOF
 
-Set up: work pool '$POOL', registry limit '$LIMIT', deployments: $DEPLOYMENTS (default config $CONFIG).
-Next, on this node: infra/worker.sh (or systemctl start eagle3-worker), then
+Set up: work pools '$POOL' and '$MONITOR_POOL', registry limit '$LIMIT', deployments: $DEPLOYMENTS (default config
+$CONFIG), eagle3/retrain triggered by eagle3.acceptance.degraded on $EAGLE3_REGISTRY_RESOURCE.
+Next, on this node: infra/worker.sh and EAGLE3_WORKER_POOL=$MONITOR_POOL infra/worker.sh (or systemctl start
+eagle3-worker eagle3-monitor-worker), then
   $PREFECT deployment run eagle3/full
 EOF

@@ -21,9 +21,19 @@ from eagle3.registry.registry import open_registry, registry_location
 from tasks.common import log_to_run
 
 
+def registry_hash(section: RegistrySection) -> str:
+    """A short name of one registry location (a path or s3://bucket/prefix), in Prefect's allowed characters."""
+    return hashlib.sha256(registry_location(section).encode()).hexdigest()[:16]
+
+
 def registry_limit_name(section: RegistrySection) -> str:
-    """One limit per registry location (a path or s3://bucket/prefix), in Prefect's allowed characters."""
-    return "eagle3-registry-" + hashlib.sha256(registry_location(section).encode()).hexdigest()[:16]
+    """One limit per registry location."""
+    return "eagle3-registry-" + registry_hash(section)
+
+
+def registry_resource(section: RegistrySection) -> str:
+    """The Prefect event resource of one registry: the monitor's events name it, the retrain's trigger matches it."""
+    return "eagle3.registry." + registry_hash(section)
 
 
 def ensure_registry_limit(config: str, overrides: list[str] | None = None) -> str:

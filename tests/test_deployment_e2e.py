@@ -1,7 +1,8 @@
 """The operator's path, end to end, on the micro config:
 
 - a real `prefect server start` on 127.0.0.1 (SQLite in a temporary PREFECT_HOME);
-- `infra/setup.sh` (work pool `gpu-node`, the registry's concurrency limit, the deployments of prefect.yaml);
+- `infra/setup.sh` (work pools `gpu-node` and `eagle3-monitor`, the registry's concurrency limit, the deployments of
+  prefect.yaml and the retrain's automation on the monitor's event);
 - `infra/worker.sh`, a process worker in its own process group;
 - `prefect deployment run eagle3/full --watch`;
 - the final state and the decision artifact, read through the API;
@@ -188,6 +189,23 @@ def api(server: dict, method: str, path: str, body: dict | None = None):
     return response.json()
 
 
+def check_retrain_automation(server: dict, retrain: dict, overrides: list[str]) -> None:
+    """The monitor's event on this registry's resource runs eagle3/retrain, one at a time."""
+    from eagle3.config import load_config
+    from tasks.run import registry_resource
+
+    assert retrain["global_concurrency_limit"]["limit"] == 1
+    assert retrain["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
+    automations = api(server, "POST", "/automations/filter", {})
+    assert [a["name"] for a in automations] == ["eagle3-retrain-on-degraded-acceptance"]
+    trigger, actions = automations[0]["trigger"], automations[0]["actions"]
+    resource = registry_resource(load_config(REPO / CONFIG, overrides).registry)
+    assert (trigger["type"], trigger["posture"], trigger["threshold"]) == ("event", "Reactive", 1)
+    assert trigger["expect"] == ["eagle3.acceptance.degraded"]
+    assert trigger["match"] == {"prefect.resource.id": resource}
+    assert [(a["type"], a["deployment_id"]) for a in actions] == [("run-deployment", retrain["id"])]
+
+
 def test_full_deployment_runs_on_a_worker_and_the_ui_shows_its_decision(prefect_server, micro_target):
     server, phases, env = prefect_server, prefect_server["phases"], prefect_server["env"]
     tmp_path = server["tmp"]
@@ -200,16 +218,20 @@ def test_full_deployment_runs_on_a_worker_and_the_ui_shows_its_decision(prefect_
         setup = run([str(REPO / "infra" / "setup.sh"), CONFIG, *sets], env, cwd=tmp_path, timeout_s=180)
     assert setup.returncode == 0, f"infra/setup.sh failed:\n{setup.stdout}\n{setup.stderr}"
 
-    pool = api(server, "GET", "/work_pools/gpu-node")
-    assert (pool["type"], pool["concurrency_limit"]) == ("process", 1)
+    for name in ("gpu-node", "eagle3-monitor"):  # the monitor never queues behind a GPU run
+        pool = api(server, "GET", f"/work_pools/{name}")
+        assert (pool["type"], pool["concurrency_limit"]) == ("process", 1)
     deployments = {d["name"]: d for d in api(server, "POST", "/deployments/filter", {})}
-    assert set(deployments) == {"full", "retrain", "benchmark"}
+    assert set(deployments) == {"full", "retrain", "benchmark", "monitor"}
     assert {d["entrypoint"] for d in deployments.values()} == {"flows.eagle3.eagle3"}
-    assert {d["work_pool_name"] for d in deployments.values()} == {"gpu-node"}
+    assert {name: d["work_pool_name"] for name, d in deployments.items()} == \
+        {"full": "gpu-node", "retrain": "gpu-node", "benchmark": "gpu-node", "monitor": "eagle3-monitor"}
     assert {name: d["parameters"]["mode"] for name, d in deployments.items()} == \
-        {"full": "full", "retrain": "retrain", "benchmark": "benchmark"}
+        {"full": "full", "retrain": "retrain", "benchmark": "benchmark", "monitor": "monitor"}
     assert [s["schedule"]["cron"] for s in deployments["retrain"]["schedules"]] == ["0 3 * * 1"]
+    assert [s["schedule"]["interval"] for s in deployments["monitor"]["schedules"]] == [300.0]
     assert not deployments["full"]["schedules"] and not deployments["benchmark"]["schedules"]
+    check_retrain_automation(server, deployments["retrain"], overrides)
     assert deployments["full"]["pull_steps"] == [
         {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO.resolve())}}]
 

@@ -11,6 +11,7 @@ right after each run; a test that runs a flow itself compares with the registry 
 import shutil
 import socket
 import threading
+import time
 from typing import NamedTuple
 
 import httpx
@@ -26,6 +27,7 @@ from eagle3.procs import group_alive
 from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
 from eagle3.runs import retrain_runs
+from eagle3.serve.inprocess import serve_in_thread
 from eagle3.stages import TOKEN_FILE
 from flows.eagle3 import eagle3, ensure_registry_limit
 from kimi_target import VOCAB_SIZE as KIMI_VOCAB
@@ -316,3 +318,48 @@ def test_a_kimi_kind_tied_target_goes_through_the_whole_flow_to_a_promotion(pref
     assert outcome.after == state.result() and outcome.events[-1] == "promoted"
     metrics = open_registry(load_config(CONFIG, overrides).registry).manifest(state.result())["metrics"]
     assert metrics["served"]["accept_length"] == pytest.approx(metrics["simulated"]["accept_length"])
+
+
+def degraded_events(resource: str, expected: int, timeout_s: float = 60.0) -> list[dict]:
+    """The server's `eagle3.acceptance.degraded` events on `resource`, once it holds `expected` (events are stored
+    asynchronously after the flow run sends them)."""
+    from prefect.settings import PREFECT_API_URL
+
+    body = {"filter": {"event": {"name": ["eagle3.acceptance.degraded"]}, "resource": {"id": [resource]}},
+            "limit": 50}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = httpx.post(f"{PREFECT_API_URL.value()}/events/filter", json=body, timeout=30).json()["events"]
+        if len(found) >= expected or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def test_the_monitor_mode_emits_the_degraded_event_and_plots_production(prefect_api, tmp_path):
+    """Production serves traffic far below what its version measured at promotion: the monitor mode (no registry
+    lock) emits the event with the figures on this registry's resource, and a second drop in the cool-down none."""
+    from test_monitor import BASELINE, monitor_for, monitor_overrides, traffic
+    from test_monitor import Production as ProductionEdge
+    from tasks.run import registry_resource
+
+    server = ProductionEdge()
+    with serve_in_thread(server.app) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        monitor = monitor_for(None, tmp_path, port)
+        overrides = monitor_overrides(tmp_path, port, "monitor.consecutive=1")
+        now = time.time()
+        traffic(tmp_path, now - 600, accept=1.8)
+        states = [eagle3(CONFIG, overrides, "monitor", return_state=True) for _ in range(2)]
+    first, second = (state.result() for state in states)
+    assert first["verdict"] == "low" and first["alarm"]["state"] == "raised"
+    assert second["alarm"]["state"] == "suppressed"  # the same traffic still in the window: within the cool-down
+    resource = registry_resource(monitor.config.registry)
+    events = degraded_events(resource, 1)
+    assert len(events) == 1, events
+    payload = events[0]["payload"]
+    assert payload["version"] == "v1" and payload["baseline"]["accept_length"] == BASELINE
+    assert payload["windows"][0]["accept_length"] == pytest.approx(1.8) and payload["slices"]["code"]["requests"] == 4
+    time.sleep(1)
+    assert len(degraded_events(resource, 2, timeout_s=2)) == 1  # none from the suppressed drop
+    report = artifacts(states[1].state_details.flow_run_id)["monitor"]
+    assert "data:image/svg+xml;base64," in report and report.count("| low |") == 2 and "| code |" in report

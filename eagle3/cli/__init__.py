@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                               add_help=False)
     run.add_argument("arguments", nargs=argparse.REMAINDER, help="CONFIG [--set ...] [--mode full|retrain|benchmark]")
     run.set_defaults(handler=run_flow)
+    monitor = commands.add_parser("monitor", help="one window of production's acceptance on live traffic against its "
+                                  "promotion, as the flow's monitor mode (see flows/monitor.py)", add_help=False)
+    monitor.add_argument("arguments", nargs=argparse.REMAINDER, help="CONFIG [--set ...]")
+    monitor.set_defaults(handler=run_monitor)
     add_registry_commands(commands)
     add_config_commands(commands)
     return parser
@@ -50,3 +54,8 @@ def run_flow(args: argparse.Namespace) -> int:
     """The flow lives outside the library (which never imports Prefect): this process becomes the flow's, so a
     signal to it reaches the flow directly."""
     os.execv(sys.executable, [sys.executable, "-m", "flows.run", *args.arguments])
+
+
+def run_monitor(args: argparse.Namespace) -> int:
+    """As run_flow: the monitor's flow run is this process."""
+    os.execv(sys.executable, [sys.executable, "-m", "flows.monitor", *args.arguments])

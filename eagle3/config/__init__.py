@@ -13,6 +13,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
+from eagle3.config.monitor import MonitorSection
 from eagle3.config.sections import (
     PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, NodeSection, ProductionSection,
     RegistrySection, RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
@@ -45,6 +46,7 @@ class PipelineConfig(Section):
     gate: GateSection = GateSection()
     registry: RegistrySection | None = None
     production: ProductionSection = ProductionSection()
+    monitor: MonitorSection = MonitorSection()
     node: NodeSection = NodeSection()
 
     @model_validator(mode="after")
