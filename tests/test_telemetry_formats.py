@@ -2,6 +2,8 @@
 prefix), the time window, and errors that name the file and line."""
 
 import json
+import os
+import time
 from datetime import datetime
 
 import boto3
@@ -55,6 +57,18 @@ def test_records_of_a_directory_in_a_window(tmp_path):
     assert [r.text for r in read_request_records(tmp_path, since=HOUR + 61)] == ["b", "c"]  # b sent late in its hour
     assert [r.text for r in read_request_records(tmp_path, since=HOUR, until=HOUR + 3599)] == ["a"]
     assert every[2].where.endswith(":1") and not every[0].from_pipeline
+
+
+def test_file_hours_in_the_servers_time_zone_never_hide_a_window(tmp_path):
+    """A file's name is the server's local hour, unknown to the reader: a file last written before the window is not
+    opened at all, and one written in it is read whatever hour its name gives."""
+    now = time.time()
+    ahead = datetime.fromtimestamp(now + 5 * 3600).strftime(RECORD_HOUR)  # a server five hours east of the reader
+    (tmp_path / f"sglang-request-metrics-{ahead}.log").write_text(record(now - 30, "fresh", spec_verify_ct=3))
+    stale = tmp_path / f"sglang-request-metrics-{datetime.fromtimestamp(now - 7200).strftime(RECORD_HOUR)}.log"
+    stale.write_text("not a record: never opened\n")
+    os.utime(stale, (now - 7000, now - 7000))
+    assert [r.text for r in read_request_records(tmp_path, since=now - 300, until=now)] == ["fresh"]
 
 
 def test_a_bad_record_names_its_file_and_line(tmp_path):

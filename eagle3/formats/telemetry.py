@@ -29,7 +29,8 @@ VERIFY_CALLS = "sglang:spec_verify_calls_total"
 ACCEPT_LENGTH = "sglang:spec_accept_length"
 ACCEPT_RATE = "sglang:spec_accept_rate"
 RECORD_FILE = re.compile(r"sglang-request-metrics-(\d{8}_\d{2})\.log$")
-RECORD_HOUR = "%Y%m%d_%H"  # local time, as the exporter names its files
+RECORD_HOUR = "%Y%m%d_%H"  # the server's local time, as the exporter names its files
+MAX_UTC_OFFSET_S = 14 * 3600
 SAMPLE_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
 LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
 # The pipeline's own requests (benchmark, health checks of a measurement) carry this custom label, so the monitor and
@@ -136,10 +137,12 @@ def parse_record(line: str, hour: float, where: str) -> RequestRecord:
                          spec_verify_ct=int(entry.get("spec_verify_ct") or 0), where=where, meta=entry)
 
 
-def _in_window(name: str, since: float | None, until: float | None) -> bool:
+def _in_window(name: str, modified: float, since: float | None, until: float | None) -> bool:
+    """Whether a record file may hold responses sent in [since, until). Its name gives the hour in the SERVER's local
+    time, which the reader cannot know: the start of the window is judged by when the file was last written to
+    (records are appended in order), the end by its hour give or take the widest time-zone offset."""
     hour = datetime.strptime(RECORD_FILE.search(name).group(1), RECORD_HOUR).timestamp()
-    # a response sent within the hour may carry a time up to the hour's end
-    return (since is None or hour + 3600 > since) and (until is None or hour < until)
+    return (since is None or modified >= since) and (until is None or hour < until + MAX_UTC_OFFSET_S)
 
 
 def _record_files(location: str, since: float | None, until: float | None) -> Iterator[tuple[str, Iterator[str]]]:
@@ -150,7 +153,7 @@ def _record_files(location: str, since: float | None, until: float | None) -> It
     if not directory.is_dir():
         raise UnreadableInput(f"{directory}: no such request-record directory (SGLang's --export-metrics-to-file-dir)")
     for path in sorted(directory.iterdir()):
-        if RECORD_FILE.search(path.name) and _in_window(path.name, since, until):
+        if RECORD_FILE.search(path.name) and _in_window(path.name, path.stat().st_mtime, since, until):
             yield str(path), _file_lines(path)
 
 
@@ -169,9 +172,9 @@ def _s3_record_files(uri: str, since: float | None, until: float | None) -> Iter
     client = boto3.client("s3")  # endpoint and credentials from the standard AWS chain
     try:
         pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-        keys = sorted(o["Key"] for page in pages for o in page.get("Contents", []))
-        for key in keys:
-            if RECORD_FILE.search(key) and _in_window(key, since, until):
+        objects = sorted((o["Key"], o["LastModified"].timestamp()) for page in pages for o in page.get("Contents", []))
+        for key, modified in objects:
+            if RECORD_FILE.search(key) and _in_window(key, modified, since, until):
                 body = client.get_object(Bucket=bucket, Key=key)["Body"]
                 yield f"s3://{bucket}/{key}", (raw.decode("utf-8") for raw in body.iter_lines(keepends=True))
     except botocore.exceptions.ClientError as err:
