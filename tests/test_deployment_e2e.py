@@ -189,6 +189,66 @@ def api(server: dict, method: str, path: str, body: dict | None = None):
     return response.json()
 
 
+def loop_overrides(records: Path) -> list[str]:
+    """Production kept serving with SGLang's telemetry on, its records as the retrain's traffic source, and a monitor
+    that judges one window: what the production-loop test needs from the deployments."""
+    records.mkdir(parents=True)  # made by the operator with the config: data.traffic checks that it exists
+    return ["production.keep_serving=true", "production.supervisor=none", "production.telemetry.metrics=true",
+            f"production.telemetry.records_dir={records}", f"data.traffic.records={records}", "data.traffic.hours=1",
+            "monitor.consecutive=1", "monitor.min_verify_steps=50", "monitor.window_s=600",
+            # the loop is about acceptance: a speedup measured on two shared cores beside a Prefect server and two
+            # workers is noise here (the throughput rule has its own tests), and production serves the serving
+            # section's chain, whose drop on the shifted traffic is plain (measured: 2.46 -> 1.85; the sweep's topk-2
+            # tree drops 2.29 -> 1.96, inside the monitor's tolerance)
+            "gate.min_speedup=0", "sweep.enabled=false"]
+
+
+def shifted_prompts() -> list[str]:
+    """Traffic the first draft was not trained on: fragments from the middle of the reference manual's sentences
+    (its prompts were the openings of paragraphs), which the target continues with prose, never with blank lines."""
+    from pydoc_data.topics import topics
+
+    words = " ".join(topics[key] for key in sorted(topics)).split()
+    return [" ".join(words[start:start + 8]) for start in range(5000, 45000, 3500)][:12]
+
+
+def send_traffic(url: str, target: Path, prompts: list[str], slice_name: str) -> float:
+    """Users' requests as SGLang's chat route sends them (the rendered prompt as text), with the operator's slice
+    label; returns their accept length, Σ completion tokens / Σ verify steps."""
+    from eagle3.engines.targets import load_tokenizer
+
+    tokenizer = load_tokenizer(target, False)
+    completion = verify = 0
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        body = {"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0},
+                "custom_labels": {"app": slice_name}}
+        meta = httpx.post(f"{url}/generate", json=body, timeout=120).raise_for_status().json()["meta_info"]
+        completion, verify = completion + meta["completion_tokens"], verify + meta["spec_verify_ct"]
+    return completion / verify
+
+
+def degraded_events(server: dict, timeout_s: float) -> list[dict]:
+    """The server's eagle3.acceptance.degraded events, once there is one (stored after the flow run sends it)."""
+    body = {"filter": {"event": {"name": ["eagle3.acceptance.degraded"]}}, "limit": 10}
+    deadline = time.monotonic() + timeout_s
+    while not (found := api(server, "POST", "/events/filter", body)["events"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return found
+
+
+def wait_for_run(server: dict, deployment_id: str, timeout_s: float, log: Path) -> dict:
+    """The first flow run of a deployment, once it is final."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runs = api(server, "POST", "/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}})
+        if runs and runs[0]["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return runs[0]
+        time.sleep(1)
+    pytest.fail(f"no finished run of deployment {deployment_id} within {timeout_s:.0f} s:\n{tail(log)}")
+
+
 def check_retrain_automation(server: dict, retrain: dict, overrides: list[str]) -> None:
     """The monitor's event on this registry's resource runs eagle3/retrain, one at a time."""
     from eagle3.config import load_config
@@ -209,8 +269,8 @@ def check_retrain_automation(server: dict, retrain: dict, overrides: list[str]) 
 def test_full_deployment_runs_on_a_worker_and_the_ui_shows_its_decision(prefect_server, micro_target):
     server, phases, env = prefect_server, prefect_server["phases"], prefect_server["env"]
     tmp_path = server["tmp"]
-    overrides = micro_run_overrides(tmp_path / "run", micro_target)
-    server["overrides"] = overrides  # the cancellation test reuses this run's data through the cache
+    overrides = micro_run_overrides(tmp_path / "run", micro_target) + loop_overrides(tmp_path / "records")
+    server["overrides"] = overrides  # the loop and cancellation tests reuse these deployments and this run's data
 
     # What an operator runs once: the pool, the registry's limit and the deployments, for this config.
     with phases("setup.sh"):
@@ -291,6 +351,62 @@ def test_full_deployment_runs_on_a_worker_and_the_ui_shows_its_decision(prefect_
             images = re.findall(r'<img[^>]*src="(data:image/svg\+xml;base64,[^"]+)"', dom)
             assert images, f"the {found['key']} artifact page shows no SVG image; page text:\n{text[:2000]}"
             assert dom.index(images[0]) < dom.index("<table"), "the plot comes before the tables"
+
+
+def test_a_traffic_shift_is_caught_by_the_monitor_and_the_automations_retrain_wins_it_back(prefect_server, micro_target):
+    """The production loop: production serves the first draft; its users' traffic shifts to prompts it was not trained
+    on; the monitor's window is low, it emits eagle3.acceptance.degraded; the automation runs eagle3/retrain, whose
+    prompts include that traffic; the gate promotes the retrained draft, which accepts more of the shifted traffic."""
+    from eagle3.config import load_config
+    from eagle3.registry.registry import open_registry
+
+    server, phases, env = prefect_server, prefect_server["phases"], prefect_server["env"]
+    if "worker" not in server:
+        pytest.skip("needs the deployments, the worker and the promoted first draft of the first test")
+    config = load_config(REPO / CONFIG, server["overrides"])
+    registry = open_registry(config.registry, log=lambda line: None)
+    first = registry.production_version()
+    assert first is not None, "the first deployment promoted nothing"
+    deployments = {d["name"]: d for d in api(server, "POST", "/deployments/filter", {})}
+    _, worker_log = server["worker"]
+    server["processes"].start("monitor-worker", ["env", "EAGLE3_WORKER_POOL=eagle3-monitor",
+                                                 str(REPO / "infra" / "worker.sh")], cwd=server["tmp"])
+
+    production = f"http://{config.production.host}:{config.production.port}"
+    with phases("shifted traffic"):
+        before = send_traffic(production, micro_target, shifted_prompts(), "doc-fragments")
+    with phases("monitor run"):
+        watched = run([PREFECT, "deployment", "run", "eagle3/monitor", "--watch", "--watch-timeout", "120"],
+                      env, cwd=server["tmp"], timeout_s=150)
+    assert watched.returncode == 0, f"{watched.stdout[-3000:]}\n{watched.stderr[-2000:]}"
+    monitor_run = wait_for_run(server, deployments["monitor"]["id"], 30, worker_log)
+    alarms = degraded_events(server, timeout_s=30)
+    assert len(alarms) == 1, f"degraded events: {alarms}\n{watched.stdout[-3000:]}"
+    print(f"monitor: {first} served the shifted traffic at accept length {before:.3f}; alarm {alarms[0]['payload']}")
+    with phases("retrain by the automation"):
+        retrain = wait_for_run(server, deployments["retrain"]["id"], 400, worker_log)
+    assert (retrain["state_type"], retrain["state_name"]) == ("COMPLETED", "Completed"), \
+        f"{retrain['state_name']}: {retrain['state']['message']}\n{tail(worker_log)}"
+    second = registry.production_version()
+    assert second != first, "the retrain promoted nothing"
+    run_dir = Path(registry.manifest(second)["config"]["run"]["dir"])
+    sources = json.loads((run_dir / "data" / "regen" / "manifest.json").read_text())["prompt_sources"]
+    assert sources["traffic"]["samples"] > 0, f"the retrain took no prompts from the traffic: {sources}"
+
+    with phases("shifted traffic again"):
+        after = send_traffic(production, micro_target, shifted_prompts(), "doc-fragments")
+    print(f"shifted traffic: accept length {before:.3f} on {first}, {after:.3f} on the retrained {second}; "
+          f"prompt sources of the retrain: {sources}")
+    assert after > before
+
+    artifacts = api(server, "POST", "/artifacts/filter",
+                    {"artifacts": {"flow_run_id": {"any_": [monitor_run["id"]]}, "key": {"any_": ["monitor"]}}})
+    assert len(artifacts) == 1, f"monitor artifacts: {artifacts}"
+    with phases("ui monitor"):
+        dom, text = render_until(f"{server['base']}/v2/artifacts/artifact/{artifacts[0]['id']}", timeout_s=90,
+                                 expect=(first,))
+    assert re.search(r'<img[^>]*src="data:image/svg\+xml;base64,', dom), \
+        f"the monitor artifact page shows no plot; page text:\n{text[:2000]}"
 
 
 def trainers(run_dir: Path) -> list[str]:

@@ -175,6 +175,21 @@ def test_a_server_that_exits_at_start_fails_with_its_log_tail(tmp_path):
     assert "line 61" in message and "line 60\n" not in message  # the last 40 lines, no more
 
 
+def test_an_endpoint_another_server_already_answers_on_is_refused_before_starting(tmp_path):
+    """A server a stopped run left behind would answer the new one's health check and be measured in its place."""
+    from fastapi import FastAPI
+
+    from eagle3.serve.inprocess import serve_in_thread
+
+    with serve_in_thread(FastAPI()) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        server = Server([sys.executable, "-c", "print('never run')"], "127.0.0.1", port, tmp_path / "logs",
+                        lambda line: None, label="test endpoint, launcher local", gpu_query=None)
+        with pytest.raises(LaunchError, match=f"{url} already answers before this server started"):
+            server.start()
+    assert server.process is None and not (tmp_path / "logs").exists()
+
+
 def test_stop_kills_the_whole_group(tmp_path):
     logs = []
     server = Server(["sh", "-c", "sleep 300 & sleep 300"], "127.0.0.1", free_port(), tmp_path / "logs", logs.append,

@@ -133,6 +133,7 @@ class Server:
         self._log(f"[{self.label}] {message}")
 
     def start(self) -> None:
+        self.refuse_a_held_endpoint()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"server-{self.url.rsplit(':', 1)[1]}-{timestamp()}.log"
         self.log(f"starting: {shlex.join(self.command)} (log {self.log_path})")
@@ -142,6 +143,16 @@ class Server:
                                                 stdin=subprocess.DEVNULL, start_new_session=True)
             except OSError as err:
                 raise LaunchError(f"[{self.label}] cannot start {self.command[0]}: {err.strerror}") from None
+
+    def refuse_a_held_endpoint(self) -> None:
+        """A server that already answers on the endpoint (one a stopped run left behind) would pass the new one's
+        health check and be measured in its place, while the new one fails to bind: refuse before starting."""
+        try:
+            httpx.get(f"{self.url}/health", timeout=2.0)
+        except httpx.HTTPError:
+            return  # nothing listens there
+        raise LaunchError(f"[{self.label}] {self.url} already answers before this server started: another server "
+                          "holds the endpoint (one a stopped run left behind?); stop it or use another port")
 
     def tail(self, lines: int = LOG_TAIL_LINES) -> str:
         with open(self.log_path, errors="replace") as f:
