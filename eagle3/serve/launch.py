@@ -110,7 +110,8 @@ def sglang_command(config: PipelineConfig, target_path, draft_path,
     if clash:
         raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets from the "
                           "serving section (the telemetry flags from production.telemetry, for the production server "
-                          "only); set the field instead")
+                          "only: --tokenizer-metrics-allowed-custom-labels declares eagle3 and "
+                          "production.telemetry.slice_label); set the field instead")
     return command + list(s.extra_args)
 
 
