@@ -114,6 +114,9 @@ def test_cli_prints_resolved_config_and_one_line_errors(micro_target, capsys):
     assert "name: x" in capsys.readouterr().out
     assert main(["config", str(TINY), "--set", "gate.floor=1"]) == 2
     assert "gate.floor (from --set): unknown field" in capsys.readouterr().err
+    by_hand = "serving.extra_args=[--tokenizer-metrics-allowed-custom-labels, eagle3, app]"  # the launcher's flag
+    assert main(["config", str(KIMI), "--set", by_hand]) == 2
+    assert "repeats --tokenizer-metrics-allowed-custom-labels" in capsys.readouterr().err
 
 
 def test_online_sglang_features_stay_on_one_node():

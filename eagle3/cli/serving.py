@@ -48,6 +48,9 @@ def add_serving_commands(commands) -> None:
     serve.add_argument("--export-metrics-to-file", action="store_true", help="write one JSON record per finished "
                        "request (its parameters and meta_info) to hourly files in --export-metrics-to-file-dir")
     serve.add_argument("--export-metrics-to-file-dir", type=Path, help="where the request records go")
+    serve.add_argument("--tokenizer-metrics-allowed-custom-labels", nargs="+", default=[], metavar="LABEL",
+                       help="custom_labels keys requests may set: each labels the /metrics counters; with metrics "
+                       "on, a request naming another key is refused (SGLang's collector would raise on it)")
     serve.set_defaults(handler=run_serve)
 
 
@@ -109,6 +112,6 @@ def run_serve(args: argparse.Namespace) -> int:
     records_dir = args.export_metrics_to_file_dir if args.export_metrics_to_file else None
     app = create_app(args.target, args.draft, shape, release=args.release, seed=args.seed,
                      trust_remote_code=args.trust_remote_code, dtype=args.dtype, metrics=args.enable_metrics,
-                     records_dir=records_dir)
+                     records_dir=records_dir, custom_labels=tuple(args.tokenizer_metrics_allowed_custom_labels))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return EXIT_OK

@@ -400,8 +400,10 @@ class TelemetrySection(Section):
         default=None, description="--export-metrics-to-file --export-metrics-to-file-dir DIR: one JSON record per "
         "finished request (its text or input_ids, custom_labels and meta_info) in hourly files")
     slice_label: str = Field(
-        default="app", pattern=r"^[A-Za-z0-9_.-]+$", description="the key of a request's custom_labels that names "
-        "its traffic slice: acceptance is reported per slice in the monitor and the benchmark")
+        default="app", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the key of a request's custom_labels that "
+        "names its traffic slice: acceptance is reported per slice in the monitor and the benchmark; the launcher "
+        "declares it (with eagle3, the benchmark's) in --tokenizer-metrics-allowed-custom-labels, so it becomes a "
+        "Prometheus label name")
 
 
 class ProductionSection(Section):

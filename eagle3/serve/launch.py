@@ -20,6 +20,7 @@ import httpx
 from eagle3.config import PipelineConfig
 from eagle3.config.sections import TelemetrySection
 from eagle3.formats.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
+from eagle3.formats.telemetry import PIPELINE_LABEL
 from eagle3.procs import (
     GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
@@ -42,6 +43,7 @@ LAUNCHER_FLAGS = {
     "--enable-metrics": ("--enable-metrics",),
     "--export-metrics-to-file": ("--export-metrics-to-file",),
     "--export-metrics-to-file-dir": ("--export-metrics-to-file-dir",),
+    "--tokenizer-metrics-allowed-custom-labels": ("--tokenizer-metrics-allowed-custom-labels",),
 }
 TWO_BATCH_OVERLAP_FLAG = "--enable-two-batch-overlap"
 
@@ -61,13 +63,23 @@ def _launcher_flag_for(arg: str) -> str | None:
 
 
 def telemetry_flags(telemetry: TelemetrySection | None) -> list[str]:
-    """SGLang's flags for production.telemetry (the reference server takes the same spellings); [] when off."""
-    if telemetry is None:
+    """SGLang's flags for production.telemetry (the reference server takes the same spellings); [] when off.
+
+    With telemetry on, the custom-label keys the pipeline and its users send are declared: with --enable-metrics
+    SGLang's tokenizer manager labels a request's metrics with its custom_labels, and a key its collector was not
+    started with raises inside the manager's loop (the server goes down on the benchmark's own re-measure); and
+    the OpenAI routes keep only declared keys of an x-custom-labels header, metrics or not."""
+    if telemetry is None or not (telemetry.metrics or telemetry.records_dir is not None):
         return []
     flags = ["--enable-metrics"] if telemetry.metrics else []
     if telemetry.records_dir is not None:
         flags += ["--export-metrics-to-file", "--export-metrics-to-file-dir", str(telemetry.records_dir)]
-    return flags
+    return flags + ["--tokenizer-metrics-allowed-custom-labels", *custom_label_keys(telemetry)]
+
+
+def custom_label_keys(telemetry: TelemetrySection) -> list[str]:
+    """The custom_labels keys production must declare: the benchmark's own and the operator's slice label."""
+    return list(dict.fromkeys([PIPELINE_LABEL[0], telemetry.slice_label]))
 
 
 def sglang_command(config: PipelineConfig, target_path, draft_path,
@@ -98,7 +110,8 @@ def sglang_command(config: PipelineConfig, target_path, draft_path,
     if clash:
         raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets from the "
                           "serving section (the telemetry flags from production.telemetry, for the production server "
-                          "only); set the field instead")
+                          "only: --tokenizer-metrics-allowed-custom-labels declares eagle3 and "
+                          "production.telemetry.slice_label); set the field instead")
     return command + list(s.extra_args)
 
 

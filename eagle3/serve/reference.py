@@ -122,6 +122,9 @@ def parse_request(served: Served, body: dict) -> tuple[list[int], int, float]:
     if labels is not None and not (isinstance(labels, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in labels.items())):
         raise BadRequest(f"custom_labels={labels!r}: give an object of string keys and string values")
+    refused = served.telemetry.undeclared(labels) if served.telemetry is not None else None
+    if refused:  # production cannot take it: never accept here what SGLang would crash on
+        raise BadRequest(refused)
     if body.get("rid") is not None and not isinstance(body["rid"], str):
         raise BadRequest(f"rid={body['rid']!r}: give one string (the request's id); batches are not served")
     params = body.get("sampling_params") or {}
@@ -177,13 +180,15 @@ def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, release: s
 
 def create_app(target_dir, draft_dir=None, shape: DraftShape = DraftShape(3), release: str | None = None,
                seed: int = 0, trust_remote_code: bool = False, dtype: str = "auto", metrics: bool = False,
-               records_dir: Path | None = None) -> FastAPI:
+               records_dir: Path | None = None, custom_labels: tuple[str, ...] = ()) -> FastAPI:
     """metrics: serve /metrics (--enable-metrics); records_dir: write request records there (--export-metrics-to-file
-    --export-metrics-to-file-dir)."""
+    --export-metrics-to-file-dir); custom_labels: the declared custom-label keys
+    (--tokenizer-metrics-allowed-custom-labels)."""
     served = load(Path(target_dir), draft_dir, shape, release, seed, trust_remote_code, dtype)
     if metrics or records_dir is not None:
         # served_model_name defaults to the model path in SGLang
-        served.telemetry = Telemetry(str(target_dir), release, metrics, records_dir, speculative=draft_dir is not None)
+        served.telemetry = Telemetry(str(target_dir), release, metrics, records_dir, speculative=draft_dir is not None,
+                                     custom_labels=tuple(custom_labels))
     app = FastAPI(title="eagle3 reference server")
 
     @app.post("/generate")

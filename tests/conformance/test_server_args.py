@@ -61,9 +61,11 @@ def test_every_launcher_command_parses_to_the_configured_values(parser_answer, l
                      "--speculative-num-draft-tokens": s.num_draft_tokens}
     else:
         assert parsed[dest_of(answer["options"], "--speculative-algorithm")] is None
-    telemetry = {"--enable-metrics": True, "--export-metrics-to-file": True, "--export-metrics-to-file-dir": RECORDS}
+    telemetry = {"--enable-metrics": True, "--export-metrics-to-file": True, "--export-metrics-to-file-dir": RECORDS,
+                 "--tokenizer-metrics-allowed-custom-labels": ["eagle3", "app"]}  # the benchmark's and the slice key
     if "-production-" not in label:  # candidates and baselines report nothing of their own
-        telemetry = {"--enable-metrics": False, "--export-metrics-to-file": False, "--export-metrics-to-file-dir": None}
+        telemetry = {"--enable-metrics": False, "--export-metrics-to-file": False, "--export-metrics-to-file-dir": None,
+                     "--tokenizer-metrics-allowed-custom-labels": None}
     expected |= telemetry
     for flag, value in expected.items():
         assert parsed[dest_of(answer["options"], flag)] == value, f"SGLang {release} reads {flag} differently"

@@ -2,7 +2,11 @@
 the four metrics (names, label names, totals) that eagle3.formats.telemetry parses and that the reference server,
 standing for that release, exposes alike; its FileRequestMetricsExporter writes the request record that
 read_request_records reads, with the same record keys as the reference server's and request parameters that are
-fields of the release's GenerateReqInput."""
+fields of the release's GenerateReqInput. The custom labels: started with --tokenizer-metrics-allowed-custom-labels
+(the launcher's eagle3 and slice label), the release's tokenizer collector takes a request labelled with them and
+carries them on its counters, as the reference server does; without the list the same observation raises (in
+SGLang's tokenizer manager loop: the server goes down), which is why the launcher declares them and the reference
+server refuses an undeclared key."""
 
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ import pytest
 from eagle3.formats.telemetry import (
     ACCEPT_LENGTH, ACCEPT_RATE, GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records,
 )
+from eagle3.config.sections import TelemetrySection
 from eagle3.serve.inprocess import serve_in_thread
+from eagle3.serve.launch import custom_label_keys
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape
 from releases import RELEASES
@@ -22,7 +28,8 @@ from test_reference_server import STEPS, drafts, one_thread  # noqa: F401  (fixt
 from test_simulate import micro  # noqa: F401  (the module fixture)
 
 MONITORED = (GENERATION_TOKENS, VERIFY_CALLS, ACCEPT_LENGTH, ACCEPT_RATE)
-REQUEST = {"text": "import os\n", "custom_labels": {"app": "code"},
+ALLOWED = custom_label_keys(TelemetrySection())  # what the launcher declares by default: ["eagle3", "app"]
+REQUEST = {"text": "import os\n", "custom_labels": {"eagle3": "benchmark", "app": "code"},
            "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
 
 
@@ -32,7 +39,7 @@ def served(request, micro, drafts, tmp_path_factory, run_sglang):
     one request, served by the reference server standing for the release and replayed through SGLang's own code."""
     release, root = request.param, tmp_path_factory.mktemp(f"telemetry-{request.param}")
     app = create_app(micro["path"], drafts["good"], shape=DraftShape(STEPS), release=release, metrics=True,
-                     records_dir=root / "reference")
+                     records_dir=root / "reference", custom_labels=tuple(ALLOWED))
     with serve_in_thread(app) as (url, _), httpx.Client(base_url=url, timeout=120) as client:
         meta = client.post("/generate", json=REQUEST).raise_for_status().json()["meta_info"]
         exposition = client.get("/metrics").text
@@ -40,7 +47,7 @@ def served(request, micro, drafts, tmp_path_factory, run_sglang):
     job = {"model_name": str(micro["path"]), "prompt_tokens": meta["prompt_tokens"],
            "generation_tokens": meta["completion_tokens"], "verify_calls": meta["spec_verify_ct"],
            "accept_length": metric_total(reference, ACCEPT_LENGTH), "accept_rate": metric_total(reference, ACCEPT_RATE),
-           "records_dir": str(root / "sglang"), "request": REQUEST, "meta_info": meta}
+           "records_dir": str(root / "sglang"), "allowed_custom_labels": ALLOWED, "request": REQUEST, "meta_info": meta}
     (record,) = read_request_records(root / "reference")
     return release, meta, reference, record, run_sglang(release, "telemetry", job), root / "sglang"
 
@@ -63,6 +70,18 @@ def test_the_reference_server_exposes_the_releases_names_and_label_names(served)
     release, _, reference, _, answer, _ = served
     sglang = label_names(parse_metrics(answer["exposition"]))
     assert label_names(reference) == sglang, f"SGLang {release}"
+
+
+def test_declared_custom_labels_label_the_counters_and_an_undeclared_one_raises(served):
+    release, _, reference, _, answer, _ = served
+    assert ALLOWED == ["eagle3", "app"]
+    assert answer["merges_custom_labels"], f"SGLang {release}: collect_metrics no longer merges custom_labels"
+    tokens = [s for s in parse_metrics(answer["exposition"]) if s.name == GENERATION_TOKENS]
+    assert [(s.labels["eagle3"], s.labels["app"]) for s in tokens] == [("benchmark", "code")], f"SGLang {release}"
+    ours = [s for s in reference if s.name == GENERATION_TOKENS]
+    assert [s.labels for s in ours] == [s.labels for s in tokens], f"SGLang {release}: label values"
+    assert answer["undeclared"].startswith("ValueError") and "label names" in answer["undeclared"], (
+        f"SGLang {release} without --tokenizer-metrics-allowed-custom-labels: {answer['undeclared']!r}")
 
 
 def test_sglangs_request_record_reads_back_and_matches_the_reference_servers(served):
