@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     ensure_registry_limit(args.config, args.overrides)
     state = eagle3(args.config, args.overrides, args.mode, return_state=True)
-    print(summary(state, config))
+    print(summary(state, config, args.mode))
     if state.is_failed() or state.is_crashed() or state.is_cancelled():
         return EXIT_FAILED
     return EXIT_ROLLED_BACK if state.name == "RolledBack" else EXIT_PROMOTED

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.sorting import TaskRunSort
@@ -11,6 +13,7 @@ from eagle3.bench.simulate import RESULT_FILE
 from eagle3.config import PipelineConfig
 from eagle3.deployment.promotion import SERVED_FILE
 from eagle3.fsutil import read_json
+from eagle3.registry.registry import open_registry
 
 
 def stage_rows(flow_run_id) -> list[tuple[str, str, float]]:
@@ -21,8 +24,21 @@ def stage_rows(flow_run_id) -> list[tuple[str, str, float]]:
              (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0) for run in runs]
 
 
-def accept_lengths(config: PipelineConfig) -> tuple[float | None, float | None]:
-    bench = config.stage_dir("bench")
+def run_dir_of(flow_run_id, config: PipelineConfig, mode: str) -> Path | None:
+    """The run's own directory: run.dir, except for a retrain, which made a fresh one under it; the version it
+    published names that one (the registry's history keeps each decision's flow run). None for a retrain that
+    published nothing."""
+    if mode != "retrain":
+        return config.run.dir
+    registry = open_registry(config.registry, log=lambda line: None)
+    versions = [e["version"] for e in registry.history() if e.get("run") == str(flow_run_id) and e.get("version")]
+    return Path(registry.manifest(versions[-1])["config"]["run"]["dir"]) if versions else None
+
+
+def accept_lengths(run_dir: Path | None, config: PipelineConfig) -> tuple[float | None, float | None]:
+    if run_dir is None:
+        return None, None
+    bench = config.model_copy(update={"run": config.run.model_copy(update={"dir": run_dir})}).stage_dir("bench")
     simulated = read_json(bench / RESULT_FILE, "") if (bench / RESULT_FILE).is_file() else {}
     served = read_json(bench / SERVED_FILE, "") if (bench / SERVED_FILE).is_file() else {}
     return simulated.get("accept_length"), served.get("accept_length")
@@ -41,13 +57,14 @@ def decision(state) -> str:
     return f"{state.name} - {state.message}"
 
 
-def summary(state, config: PipelineConfig) -> str:
+def summary(state, config: PipelineConfig, mode: str = "full") -> str:
     flow_run_id = state.state_details.flow_run_id
     lines = ["", f"{'stage':24s} {'state':10s} {'seconds':>8s}"]
     rows = stage_rows(flow_run_id)
     lines += [f"{name:24s} {state_name:10s} {seconds:8.1f}" for name, state_name, seconds in rows]
     lines.append(f"{'total (task work)':24s} {'':10s} {sum(r[2] for r in rows):8.1f}")
-    simulated, served = accept_lengths(config)
+    run_dir = run_dir_of(flow_run_id, config, mode)
+    simulated, served = accept_lengths(run_dir, config)
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     lines += ["", f"accept length: simulated {fmt(simulated)}, served {fmt(served)}",
               f"decision: {decision(state)}",
@@ -55,5 +72,5 @@ def summary(state, config: PipelineConfig) -> str:
               + (f"{ui_url()}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts" if PREFECT_API_URL.value() else
                  f"kept in the Prefect database under PREFECT_HOME; run `prefect server start` and open "
                  f"http://127.0.0.1:4200/v2/runs/flow-run/{flow_run_id}?tab=Artifacts"),
-              f"outputs: {config.run.dir}"]
+              f"outputs: {run_dir or f'a retrain directory under {config.run.dir}'}"]
     return "\n".join(lines)

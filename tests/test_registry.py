@@ -366,6 +366,21 @@ def test_production_re_measured_on_the_candidates_prompts_replaces_its_recorded_
     assert "below production's 2.400" in worse.reasons[0].message
 
 
+def test_a_retrains_summary_reads_the_run_directory_its_version_names(registry, section, exports, tmp_path):
+    """`eagle3 run --mode retrain` made a fresh directory under run.dir: its summary reads that run's accept lengths,
+    found through the registry's record of the flow run, never the base directory's."""
+    from flows.summary import run_dir_of
+
+    config = load_config(TINY, [f"run.dir={tmp_path / 'base'}", f"registry.path={tmp_path / 'registry'}"])
+    config = config.model_copy(update={"registry": section})
+    retrain = tmp_path / "base" / "retrain-20261201T000000Z"
+    registry.publish("v1", exports["v1"], fields() | {"config": {"run": {"dir": str(retrain)}}})
+    registry.record("rejected", "v1", ["regression"], by="pipeline", run="flow-run-7")
+    assert run_dir_of("flow-run-7", config, "retrain") == retrain
+    assert run_dir_of("flow-run-8", config, "retrain") is None  # published nothing: no numbers rather than wrong ones
+    assert run_dir_of("flow-run-8", config, "full") == tmp_path / "base"
+
+
 # --- the command line --------------------------------------------------------------------------------------------
 
 def cli(section: RegistrySection, *args: str) -> int:
