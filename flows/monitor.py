@@ -7,21 +7,15 @@ Exit status: 0 the window is ok, insufficient or unavailable; 4 it is low (an al
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # as flows/run.py (DESIGN §6)
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+from flows.entry import config_parser
 
 EXIT_OK, EXIT_FAILED, EXIT_LOW = 0, 1, 4
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="eagle3 monitor", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser = config_parser("eagle3 monitor", __doc__)
     args = parser.parse_args(argv)
 
     from eagle3.config import load_config, require_sections

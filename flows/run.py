@@ -6,23 +6,15 @@ Exit status: 0 promoted (or benchmark done), 3 rolled back, 1 failed.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
-# Before Prefect is imported: the first start of an ephemeral API migrates its database (~30 s on 2 cores, longer
-# than Prefect's default start-up timeout), and there is no network for telemetry (DESIGN §6).
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+from flows.entry import config_parser
 
 EXIT_PROMOTED, EXIT_FAILED, EXIT_ROLLED_BACK = 0, 1, 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="eagle3 run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser = config_parser("eagle3 run", __doc__)
     parser.add_argument("--mode", choices=("full", "retrain", "benchmark"), default="full")
     args = parser.parse_args(argv)
 
