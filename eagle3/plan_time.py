@@ -54,7 +54,8 @@ class TimePlan:
                 "stages": [{"name": s.name, "hours": s.hours, "parts": s.parts, "unknown": s.unknown} for s in self.stages]}
 
     def table(self) -> list[str]:
-        lines = ["hours on the node (a retrain's stages; estimates from FLOPs and bandwidth):"]
+        lines = ["hours on the node, a retrain's stages (estimates from FLOPs and HBM bandwidth; every prompt and reply "
+                 "at its cap, so token counts are upper bounds):"]
         lines += [f"  assumed: {line}" for line in self.assumptions]
         for stage in self.stages:
             if stage.unknown:
@@ -106,7 +107,7 @@ class Clock:
 
 
 def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -> TimePlan:
-    target = read_target(config, size)
+    target, size_note = read_target(config, size, size_note)
     node, draft = config.node, trained_draft_config(config)
     params = trainable_parameters(draft)
     assumptions = [f"{node.peak_tflops:g} TFLOP/s per GPU (node.peak_tflops)", f"{node.hbm_tbps:g} TB/s (node.hbm_tbps)",
@@ -119,8 +120,8 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -
         assumptions.append(f"target: {size_note}")
     else:
         assumptions.append(f"target: {target.active / 1e9:.1f} B active of {target.total / 1e9:.0f} B parameters per "
-                           f"token ({target.source}), its {target.size.weight_bytes / 2**30:.0f} GiB of weights read "
-                           "once per decode step")
+                           f"token ({target.source}); a decode step reads all {target.size.weight_bytes / 2**30:.0f} GiB "
+                           "of weights (every expert: an upper bound when few requests are in flight)")
     figures = {"node.peak_tflops": node.peak_tflops, "node.hbm_tbps": node.hbm_tbps, "node.mfu.decode": node.mfu.decode,
                "node.mfu.prefill": node.mfu.prefill, "node.mfu.train": node.mfu.train,
                "node.model_load_min": node.model_load_min, "draft trainable parameters": params,
@@ -135,15 +136,25 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -
     return TimePlan(assumptions, figures, stages, node.retrain_period_h)
 
 
-def read_target(config: PipelineConfig, size: TargetSize | None) -> Target | None:
-    """The target's parameter counts from the config.json its size came from; None when there is none."""
+def read_target(config: PipelineConfig, size: TargetSize | None, note: str) -> tuple[Target | None, str]:
+    """The target's parameter counts from the config.json its size came from, or None and why not. A config.json
+    without a field they need leaves the hours unknown, never the config refused (the memory plan runs at load)."""
     if size is None:
-        return None
+        return None, note
     path = Path(config.target.path)
     source = path if (path / "config.json").is_file() else Path(config.target.config_file)
     config_path, _, text = read_target_config(source)
-    active, total = active_parameters(text)
-    return Target(active, total, size, config_path)
+    try:
+        active, total = active_parameters(text)
+    except (KeyError, ValueError, TypeError) as err:
+        return None, f"{config_path}: cannot count its parameters per token ({type(err).__name__}: {err})"
+    return Target(active, total, size, config_path), note
+
+
+def draft_train_flops(params: int, ttt_steps: int, tokens: int) -> float:
+    """6 x trainable parameters per token per TTT step (forward and backward); the step's measured MFU
+    (benchmarks/train_throughput.py) counts the same, so it can replace node.mfu.train as it is."""
+    return 6.0 * params * ttt_steps * tokens
 
 
 def _h(seconds: float) -> float:
@@ -151,7 +162,7 @@ def _h(seconds: float) -> float:
 
 
 def _unknown(name: str) -> StageTime:
-    return StageTime(name, unknown="target size unknown (target.path or target.config_file)")
+    return StageTime(name, unknown="the target's shape is unknown (the target line above says why)")
 
 
 def target_gpus(config: PipelineConfig, engine: str) -> int:
@@ -172,7 +183,7 @@ def regenerate_time(config: PipelineConfig, clock: Clock) -> StageTime:
     tokens = data.num_samples * data.max_new_tokens + heldout * greedy
     decode_s, bound = clock.decode(tokens, in_flight, prompt + data.max_new_tokens / 2, gpus)
     return StageTime("regenerate", {
-        f"1 server start{' (data.servers)' if sglang else ''}": _h(clock.loads_s(1)),
+        f"1 server start{' (data.servers, started outside the pipeline)' if sglang else ''}": _h(clock.loads_s(1)),
         f"prompts: data.num_samples {data.num_samples:,} x {prompt:,} tokens (data.max_length - max_new_tokens), "
         f"prefill on {gpus} GPU(s)": _h(clock.prefill_s(data.num_samples * prompt, gpus)),
         f"decode: {data.num_samples:,} x data.max_new_tokens {data.max_new_tokens:,} + {heldout} held-out x {greedy} "
@@ -203,7 +214,7 @@ def train_time(config: PipelineConfig, clock: Clock, params: int) -> StageTime:
     eval_tokens = evaluations * int(config.data.num_samples * train.eval_fraction) * train.seq_len
     parts = {f"draft: training.max_steps {train.max_steps:,} x batch_size {train.batch_size} x seq_len "
              f"{train.seq_len:,} = {tokens / 1e9:.2f} B tokens on {world} GPU(s)":
-             _h(clock.flops_s(6.0 * params * train.ttt_steps * tokens, world, node.mfu.train)),
+             _h(clock.flops_s(draft_train_flops(params, train.ttt_steps, tokens), world, node.mfu.train)),
              f"evaluation: {evaluations} x {eval_tokens // max(evaluations, 1):,} tokens (training.eval_every, "
              "eval_fraction), forward only": _h(clock.flops_s(2.0 * params * train.ttt_steps * eval_tokens, world,
                                                                 node.mfu.train))}
@@ -232,10 +243,12 @@ def serve_time(config: PipelineConfig, clock: Clock) -> StageTime:
     if clock.target is None:
         return _unknown("serve")
     b = config.benchmark
-    starts = 2 if b.baseline else 1
+    # production is re-measured on this run's prompts when they differ from its own: new traffic prompts
+    remeasured = config.data.traffic is not None and config.registry is not None
+    roles = ["candidate"] + ["benchmark.baseline"] * b.baseline + ["production on data.traffic prompts"] * remeasured
+    starts = len(roles)
     seconds, bound = benchmark_s(config, clock, b.num_prompts, [b.production_concurrency])
-    return StageTime("serve", {f"{starts} server start(s) (candidate{', benchmark.baseline' if b.baseline else ''})":
-                               _h(clock.loads_s(starts)),
+    return StageTime("serve", {f"{starts} server start(s) ({', '.join(roles)})": _h(clock.loads_s(starts)),
                                f"benchmark.num_prompts {b.num_prompts} x max_new_tokens {b.max_new_tokens} at "
                                f"concurrency {b.production_concurrency}, each, {bound}": _h(starts * seconds)})
 
