@@ -18,10 +18,12 @@ import time
 
 import torch
 
+from eagle3.config.node import NodeSection
 from eagle3.formats.checkpoint import DraftConfig
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import ttt_forward, ttt_stats
+from eagle3.plan_time import draft_train_flops
 from eagle3.train.memory import training_step_peak_bytes
 
 KIMI = dict(hidden=7168, heads=64, kv_heads=8, intermediate=18432, draft_vocab=32000, vocab=163840, aux=3)
@@ -44,11 +46,6 @@ def draft(dtype, **shape) -> Eagle3Draft:
 
 def trainable(model: Eagle3Draft) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def step_flops(params: int, tokens: int, steps: int) -> float:
-    """6 N per token per TTT step (forward + backward), attention ignored at short sequences."""
-    return 6.0 * params * tokens * steps
 
 
 def peak_rss_gib() -> float:
@@ -113,7 +110,7 @@ def kimi_step(seq: int, ttt: int, batch: int, device: str, steps: int) -> None:
         step()
     sync()
     seconds = (time.perf_counter() - start) / steps
-    flops = step_flops(params, batch * seq, ttt) + teacher_flops(batch * seq)
+    flops = draft_train_flops(params, ttt, batch * seq) + teacher_flops(batch * seq)
     print(f"  {device}: {seconds:.2f} s/step, {batch * seq / seconds:,.0f} tokens/s, {flops / seconds / 1e12:.1f} TFLOP/s "
           f"({params / 1e9:.2f} B trainable), peak RSS {peak_rss_gib():.1f} GiB")
     if dev.type == "cuda":
@@ -121,6 +118,11 @@ def kimi_step(seq: int, ttt: int, batch: int, device: str, steps: int) -> None:
         print(f"  GPU: step peak {step_peak:.1f} GiB above the weights and optimizer (plan: {estimate / 2**30:.1f} GiB), "
               f"total peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; MFU at 989 TFLOP/s bf16: "
               f"{flops / seconds / 989e12:.1%}")
+        # what eagle3 plan assumes as node.mfu.train, measured: its FLOPs (no teacher) over the step's time
+        peak = NodeSection().peak_tflops
+        measured = draft_train_flops(params, ttt, batch * seq) / seconds / (peak * 1e12)
+        print(f"  measured MFU of the draft training step {measured:.3f} (6 x trainable x TTT per token at "
+              f"node.peak_tflops {peak:g}): set node.mfu.train to it (assumed {NodeSection().mfu.train:g})")
 
 
 def teacher_flops(tokens: int) -> float:

@@ -1,4 +1,5 @@
-"""The memory plan: per-GPU memory of every GPU stage, before anything starts (`eagle3 plan`).
+"""The memory plan: per-GPU memory of every GPU stage, before anything starts (`eagle3 plan`), with the hours of
+each stage a retrain runs (eagle3/plan_time.py).
 
 Stages: the regeneration server, hidden-state capture, training and serving. Target weights come from
 the target's safetensors files (exact) or its config.json (estimated: architecture, dtype,
@@ -19,6 +20,7 @@ from eagle3.data.shards import TOKEN_BYTES
 from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.formats.target import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
+from eagle3.plan_time import TimePlan, plan_time
 from eagle3.train.memory import trainable_parameters, training_step_peak_bytes
 from eagle3.train.trainer import trained_draft_config
 
@@ -47,6 +49,7 @@ class MemoryPlan:
     target_note: str
     storage: dict[str, int]  # bytes on disk, upper bounds (every sample at data.max_length)
     features: str  # training.features: online (the target on the training GPUs) or offline
+    time: TimePlan
 
     def fits(self, stage: StagePlan) -> bool | None:
         return None if stage.per_gpu_gib is None else stage.per_gpu_gib <= self.gpu_memory_gib
@@ -68,6 +71,7 @@ class MemoryPlan:
             "storage_bytes": self.storage,
             "stages": [{"name": s.name, "per_gpu_gib": s.per_gpu_gib, "fits": self.fits(s), "gpus": s.gpus,
                         "parts": s.parts, "knob": s.knob, "unknown": s.unknown} for s in self.stages],
+            "hours": self.time.to_dict(),
         }
 
     def table(self) -> list[str]:
@@ -82,7 +86,7 @@ class MemoryPlan:
             lines.append(f"{stage.name:<11} {stage.per_gpu_gib:8.1f} GiB per GPU on {stage.gpus} GPU(s)  {verdict}")
             width = max(len(name) for name in stage.parts)
             lines += [f"    {name:<{width}} {gib:8.2f}" for name, gib in stage.parts.items()]
-        return lines
+        return lines + self.time.table()
 
 
 def _gib(n: float) -> float:
@@ -108,7 +112,8 @@ def plan_memory(config: PipelineConfig) -> MemoryPlan:
     stages = [regeneration_stage(config, size), capture_stage(config, size), training_stage(config, size)]
     if config.serving is not None:  # a training-only config serves nothing
         stages.append(serving_stage(config, size))
-    return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, stored_bytes(config), config.training.features)
+    return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, stored_bytes(config), config.training.features,
+                      plan_time(config, size, note))
 
 
 def stored_bytes(config: PipelineConfig) -> dict[str, int]:

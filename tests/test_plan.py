@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from eagle3 import cli
 from eagle3.config import load_config
 from eagle3.errors import ConfigError
-from eagle3.formats.target import read_target_size
+from eagle3.formats.target import active_parameters, read_target_size
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import ttt_forward, ttt_stats
 from eagle3.plan import plan_memory, require_fit
@@ -124,3 +124,66 @@ def test_the_serve_stage_counts_the_draft_in_its_own_dtype(micro_target, tmp_pat
         parts[dtype] = {name: gib for name, gib in serve.parts.items() if name.startswith("draft weights")}
     assert list(parts["float32"]) == ["draft weights, fp32 (/1)"] and list(parts["bfloat16"]) == ["draft weights, bf16 (/1)"]
     assert parts["float32"]["draft weights, fp32 (/1)"] == pytest.approx(2 * parts["bfloat16"]["draft weights, bf16 (/1)"], rel=0.01)
+
+
+def kimi_hours(*overrides: str) -> dict:
+    return plan_memory(load_config(KIMI, list(overrides))).time.to_dict()
+
+
+def test_the_kimi_plan_gives_hours_per_stage_with_its_assumptions_and_their_fields(capsys):
+    assert cli.main(["plan", str(KIMI)]) == 0
+    out = capsys.readouterr().out
+    for shown in ("989 TFLOP/s per GPU (node.peak_tflops)", "4.8 TB/s (node.hbm_tbps)",
+                  "MFU decode 0.2, prefill 0.35, train 0.3 (node.mfu.decode / prefill / train)",
+                  "10 min per server start (node.model_load_min)", "data.num_samples 200,000", "data.concurrency",
+                  "training.max_steps 40,000 x batch_size 8 x seq_len 4,096", "HBM-bound", "fits node.retrain_period_h 168 h"):
+        assert shown in out
+    hours = kimi_hours()
+    stages = {stage["name"]: stage["hours"] for stage in hours["stages"]}
+    assert list(stages) == ["regenerate", "capture", "train", "serve", "sweep", "deploy"]
+    assert all(h > 0 for h in stages.values()) and hours["retrain_h"] == pytest.approx(sum(stages.values()), abs=0.02)
+    assert 10 < stages["train"] < 30 and 10 < stages["regenerate"] < 40  # a week holds a retrain several times over
+    # 8 of 384 routed experts per token: ~32 B of Kimi's ~1 T parameters multiply each token
+    assert hours["figures"]["target active parameters"] == pytest.approx(32e9, rel=0.03)
+
+
+def test_hours_scale_inversely_with_the_assumed_mfu():
+    def draft_hours(mfu: float) -> float:
+        train = next(s for s in kimi_hours(f"node.mfu.train={mfu}")["stages"] if s["name"] == "train")
+        return next(h for name, h in train["parts"].items() if name.startswith("draft:"))
+    assert draft_hours(0.15) == pytest.approx(2 * draft_hours(0.3), rel=1e-3)
+    regenerate = {mfu: next(s for s in kimi_hours(f"node.mfu.prefill={mfu}")["stages"] if s["name"] == "regenerate")
+                  for mfu in (0.35, 0.7)}
+    prompts = [next(h for name, h in s["parts"].items() if name.startswith("prompts:")) for s in regenerate.values()]
+    assert prompts[0] == pytest.approx(2 * prompts[1], rel=1e-3) and prompts[0] > 1  # hours, not rounding noise
+
+
+def test_decode_takes_the_slower_of_the_flop_and_the_bandwidth_bound():
+    def regenerate(*overrides: str) -> float:
+        return next(s for s in kimi_hours(*overrides)["stages"] if s["name"] == "regenerate")
+    hbm = regenerate()
+    assert any("HBM-bound" in name for name in hbm["parts"])
+    flop = regenerate("node.mfu.decode=0.01")  # 20x less compute per step: now the FLOPs bound decode
+    assert any("FLOP-bound" in name for name in flop["parts"]) and flop["hours"] > hbm["hours"]
+    faster = regenerate("node.hbm_tbps=9.6")
+    assert faster["hours"] < hbm["hours"]
+
+
+def test_the_retrain_fits_its_period_or_says_it_does_not(capsys):
+    weekly = kimi_hours()
+    assert weekly["fits_period"] is True and weekly["retrain_period_h"] == 168
+    daily = kimi_hours("node.retrain_period_h=24")
+    assert daily["retrain_h"] > 24 and daily["fits_period"] is False
+    assert cli.main(["plan", str(KIMI), "--set", "node.retrain_period_h=24", "--json"]) == 0  # memory still fits
+    plan = json.loads(capsys.readouterr().out)
+    assert {"assumptions", "figures", "stages", "retrain_h", "retrain_period_h", "fits_period"} <= set(plan["hours"])
+    assert plan["hours"]["fits_period"] is False and plan["hours"]["figures"]["node.peak_tflops"] == 989
+    cli.main(["plan", str(KIMI), "--set", "node.retrain_period_h=24"])
+    assert "DOES NOT FIT node.retrain_period_h 24 h" in capsys.readouterr().out
+
+
+def test_a_dense_target_multiplies_every_parameter_but_its_input_embedding():
+    text = {"num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
+    layer = (2 * 64 * 4 * 16 + 2 * 64 * 2 * 16) + 3 * 64 * 256  # attention (GQA) + MLP at intermediate 4 x hidden
+    assert active_parameters(text) == (4 * layer + 512 * 64, 4 * layer + 2 * 512 * 64)
+    assert active_parameters({**text, "tie_word_embeddings": True}) == (4 * layer + 512 * 64,) * 2  # the head multiplies

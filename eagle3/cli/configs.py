@@ -1,4 +1,4 @@
-"""`eagle3 config | plan`: a pipeline config checked and resolved, and whether each GPU stage fits its GPUs."""
+"""`eagle3 config | plan`: a pipeline config checked and resolved, whether each GPU stage fits its GPUs, and its hours."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def add_config_commands(commands) -> None:
     config.set_defaults(handler=run_config)
 
     plan = commands.add_parser("plan", help="per-GPU memory of every GPU stage against node.gpu_memory_gib (exit 1: "
-                               "a stage does not fit)")
+                               "a stage does not fit), and the estimated hours of a retrain's stages against "
+                               "node.retrain_period_h (an estimate: it never changes the exit status)")
     plan.add_argument("path", type=Path)
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -14,8 +14,9 @@ import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
 from eagle3.config.monitor import MonitorSection
+from eagle3.config.node import NodeSection
 from eagle3.config.sections import (
-    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, NodeSection, ProductionSection,
+    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, ProductionSection,
     RegistrySection, RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
 )
 from eagle3.errors import ConfigError, UnreadableInput

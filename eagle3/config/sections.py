@@ -424,9 +424,3 @@ class ProductionSection(Section):
         "manager); none - it lives in the worker's process group and a worker restart stops it; auto - systemd when "
         "it runs here, else none")
     telemetry: TelemetrySection = TelemetrySection()
-
-
-class NodeSection(Section):
-    """The GPU machine the stages run on; `eagle3 plan` sizes every stage against it."""
-
-    gpu_memory_gib: float = Field(default=141.0, gt=0.0, description="memory of one GPU (141 for an H200)")

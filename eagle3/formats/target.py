@@ -65,15 +65,31 @@ def read_target_size(path: Path) -> TargetSize:
     """Weights from the checkpoint's safetensors files when they are there (exact), else estimated from
     config.json (parameters by architecture, dtype and quantization)."""
     path = Path(path)
-    config_path = path / "config.json" if path.is_dir() else path
-    config = read_json(config_path, "no such file (expected the target's config.json)")
-    text = config.get("text_config") or config
+    config_path, config, text = read_target_config(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     kv, split = kv_cache_per_token(text)
     if files:
         return TargetSize(sum(f.stat().st_size for f in files), "safetensors files", kv, split, None)
     parameters, weight_bytes, how = estimate_weights(text, config.get("quantization_config") or text.get("quantization_config"))
     return TargetSize(weight_bytes, f"estimated from {config_path} ({how})", kv, split, parameters)
+
+
+def read_target_config(path: Path) -> tuple[Path, dict, dict]:
+    """(config.json's path, its contents, its text model's part) for a model directory or a config file."""
+    config_path = path / "config.json" if path.is_dir() else path
+    config = read_json(config_path, "no such file (expected the target's config.json)")
+    return config_path, config, config.get("text_config") or config
+
+
+def active_parameters(text: dict) -> tuple[int, int]:
+    """(parameters a token's forward multiplies by, all parameters): the experts it is routed to, never the others,
+    and not the input embedding (a lookup); the output head counts."""
+    routed, rest = parameter_counts(text)
+    experts = int(text.get("n_routed_experts") or text.get("num_experts") or 0)
+    per_token = int(text.get("num_experts_per_tok") or 0)
+    lookup = 0 if text.get("tie_word_embeddings") else int(text["vocab_size"]) * int(text["hidden_size"])
+    active = rest - lookup + (routed * per_token // experts if experts else 0)
+    return active, routed + rest
 
 
 def kv_cache_per_token(text: dict) -> tuple[int, bool]:
@@ -88,23 +104,29 @@ def kv_cache_per_token(text: dict) -> tuple[int, bool]:
 
 def estimate_weights(text: dict, quantization: dict | None) -> tuple[int, int, str]:
     """(parameters, bytes, how): Llama-style or DeepSeek-V3-style (MLA, MoE) decoders."""
-    hidden, vocab, layers = int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"])
     dtype_bytes = DTYPE_BYTES.get(str(text.get("torch_dtype") or text.get("dtype") or "bfloat16"), 2)
+    routed, rest = parameter_counts(text)
+    if not routed:
+        return rest, rest * dtype_bytes, f"dense, {dtype_bytes}-byte weights"
+    expert_bytes, scheme = quantized_bytes_per_parameter(quantization, dtype_bytes)
+    total = routed * expert_bytes + rest * dtype_bytes
+    return routed + rest, int(total), f"MoE, routed experts {scheme}, the rest {dtype_bytes}-byte"
+
+
+def parameter_counts(text: dict) -> tuple[int, int]:
+    """(routed-expert parameters, every other parameter); 0 routed for a dense model."""
+    hidden, vocab, layers = int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"])
     embeddings = vocab * hidden * (1 if text.get("tie_word_embeddings") else 2)
     attention = layers * attention_parameters(text)
     dense_mlp = 3 * hidden * int(text.get("intermediate_size", 4 * hidden))
     experts = int(text.get("n_routed_experts") or text.get("num_experts") or 0)
     if not experts:
-        dense = embeddings + attention + layers * dense_mlp
-        return dense, dense * dtype_bytes, f"dense, {dtype_bytes}-byte weights"
+        return 0, embeddings + attention + layers * dense_mlp
     dense_layers = int(text.get("first_k_dense_replace", 0))
     expert_size = 3 * hidden * int(text["moe_intermediate_size"])
     routed = (layers - dense_layers) * experts * expert_size
     shared = (layers - dense_layers) * (int(text.get("n_shared_experts", 0)) * expert_size + experts * hidden)
-    rest = embeddings + attention + dense_layers * dense_mlp + shared
-    expert_bytes, scheme = quantized_bytes_per_parameter(quantization, dtype_bytes)
-    total = routed * expert_bytes + rest * dtype_bytes
-    return routed + rest, int(total), f"MoE, routed experts {scheme}, the rest {dtype_bytes}-byte"
+    return routed, embeddings + attention + dense_layers * dense_mlp + shared
 
 
 def attention_parameters(text: dict) -> int:

@@ -25,4 +25,5 @@ rm -rf "$RUN/train"
 "$EAGLE3" convert "$RUN/train/best" "$RUN/export/sglang" --to sglang --release 0.5.13 --overwrite
 "$EAGLE3" simulate "${SET[@]}"
 # The Kimi-shaped draft's step at seq 4,096, TTT 7, 2 sequences: tokens/s, MFU, peak memory against eagle3 plan's.
+# Its "measured MFU of the draft training step" line replaces the assumed node.mfu.train in `eagle3 plan`.
 "$PY" benchmarks/train_throughput.py --steps 5

@@ -1,0 +1,273 @@
+"""The time plan: hours of each stage a retrain runs on the node, and whether a retrain fits node.retrain_period_h.
+
+FLOPs come from the shapes: 2 x active parameters per token forward (a MoE target counts only the experts a token is
+routed to; the input embedding is a lookup), 6 x the draft's trainable parameters per token per TTT step to train.
+Time is FLOPs / (GPUs x node.peak_tflops x node.mfu.<kind>). Decode is bounded by memory too: each step reads every
+weight and the KV cache in flight at node.hbm_tbps; the slower bound counts. Attention over the context, the teacher
+head, tokenisation and I/O are not counted; every reply is taken at its max_new_tokens (an upper bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3.config import PipelineConfig
+from eagle3.deployment.sweep import sweep_shapes
+from eagle3.formats.target import TargetSize, active_parameters, read_target_config
+from eagle3.train.memory import trainable_parameters
+from eagle3.train.trainer import trained_draft_config
+
+HOUR = 3600.0
+
+
+@dataclass
+class StageTime:
+    name: str
+    parts: dict[str, float] = field(default_factory=dict)  # hours by component, each name saying what it counts
+    unknown: str | None = None
+
+    @property
+    def hours(self) -> float | None:
+        return None if self.unknown else round(sum(self.parts.values()), 2)
+
+
+@dataclass
+class TimePlan:
+    assumptions: list[str]  # every figure the hours rest on, with the field it comes from
+    figures: dict[str, float | int | None]  # the same figures by source field, for --json
+    stages: list[StageTime]
+    period_h: float
+
+    @property
+    def retrain_h(self) -> float | None:
+        hours = [stage.hours for stage in self.stages]
+        return None if None in hours else round(sum(hours), 2)
+
+    @property
+    def fits_period(self) -> bool | None:
+        return None if self.retrain_h is None else self.retrain_h <= self.period_h
+
+    def to_dict(self) -> dict:
+        return {"assumptions": self.assumptions, "figures": self.figures, "retrain_h": self.retrain_h, "retrain_period_h": self.period_h,
+                "fits_period": self.fits_period,
+                "stages": [{"name": s.name, "hours": s.hours, "parts": s.parts, "unknown": s.unknown} for s in self.stages]}
+
+    def table(self) -> list[str]:
+        lines = ["hours on the node, a retrain's stages (estimates from FLOPs and HBM bandwidth; every prompt and reply "
+                 "at its cap, so token counts are upper bounds):"]
+        lines += [f"  assumed: {line}" for line in self.assumptions]
+        for stage in self.stages:
+            if stage.unknown:
+                lines.append(f"{stage.name:<11} unknown: {stage.unknown}")
+                continue
+            lines.append(f"{stage.name:<11} {stage.hours:8.2f} h")
+            lines += [f"    {name}: {hours:.2f} h" for name, hours in stage.parts.items()]
+        if self.retrain_h is None:
+            lines.append(f"retrain: unknown, against node.retrain_period_h {self.period_h:g} h")
+        else:
+            verdict = "fits" if self.fits_period else "DOES NOT FIT"
+            lines.append(f"retrain     {self.retrain_h:8.2f} h  {verdict} node.retrain_period_h {self.period_h:g} h")
+        return lines
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the target's time rests on: parameters multiplied per token, bytes read per decode step."""
+
+    active: int
+    total: int
+    size: TargetSize
+    source: Path  # the config.json the counts come from
+
+
+class Clock:
+    """Seconds of each kind of work on `gpus` GPUs of config.node."""
+
+    def __init__(self, config: PipelineConfig, target: Target | None):
+        self.node, self.target = config.node, target
+
+    def flops_s(self, flops: float, gpus: int, mfu: float) -> float:
+        return flops / (gpus * self.node.peak_tflops * 1e12 * mfu)
+
+    def prefill_s(self, tokens: int, gpus: int) -> float:
+        return self.flops_s(2.0 * self.target.active * tokens, gpus, self.node.mfu.prefill)
+
+    def decode(self, tokens: int, in_flight: int, context: float, gpus: int) -> tuple[float, str]:
+        """(seconds, which bound) to generate `tokens` with `in_flight` requests of mean `context` tokens."""
+        compute = self.flops_s(2.0 * self.target.active * in_flight, gpus, self.node.mfu.decode)
+        size = self.target.size
+        kv = in_flight * context * size.kv_bytes_per_token / (gpus if size.kv_split_by_tp else 1)
+        memory = (size.weight_bytes / gpus + kv) / (self.node.hbm_tbps * 1e12)
+        step, bound = (memory, "HBM-bound") if memory >= compute else (compute, "FLOP-bound")
+        return tokens / in_flight * step, f"{bound}: {step * 1000:.1f} ms a step (FLOP {compute * 1000:.1f}, HBM {memory * 1000:.1f})"
+
+    def loads_s(self, starts: int) -> float:
+        return starts * self.node.model_load_min * 60.0
+
+
+def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -> TimePlan:
+    target, size_note = read_target(config, size, size_note)
+    node, draft = config.node, trained_draft_config(config)
+    params = trainable_parameters(draft)
+    assumptions = [f"{node.peak_tflops:g} TFLOP/s per GPU (node.peak_tflops)", f"{node.hbm_tbps:g} TB/s (node.hbm_tbps)",
+                   f"MFU decode {node.mfu.decode:g}, prefill {node.mfu.prefill:g}, train {node.mfu.train:g} "
+                   "(node.mfu.decode / prefill / train)",
+                   f"{node.model_load_min:g} min per server start (node.model_load_min)",
+                   f"draft: {params / 1e6:,.0f} M trainable parameters, 6 x that x training.ttt_steps {config.training.ttt_steps} "
+                   "FLOPs per training token"]
+    if target is None:
+        assumptions.append(f"target: {size_note}")
+    else:
+        assumptions.append(f"target: {target.active / 1e9:.1f} B active of {target.total / 1e9:.0f} B parameters per "
+                           f"token ({target.source}); a decode step reads all {target.size.weight_bytes / 2**30:.0f} GiB "
+                           "of weights (every expert: an upper bound when few requests are in flight)")
+    figures = {"node.peak_tflops": node.peak_tflops, "node.hbm_tbps": node.hbm_tbps, "node.mfu.decode": node.mfu.decode,
+               "node.mfu.prefill": node.mfu.prefill, "node.mfu.train": node.mfu.train,
+               "node.model_load_min": node.model_load_min, "draft trainable parameters": params,
+               "target active parameters": target and target.active, "target parameters": target and target.total}
+    clock = Clock(config, target)
+    stages = [regenerate_time(config, clock), capture_time(config, clock), train_time(config, clock, params)]
+    if config.serving is not None and config.benchmark is not None:
+        stages += [serve_time(config, clock), sweep_time(config, clock)]
+        if config.production.mode == "managed":
+            stages.append(StageTime("deploy", {"production restarted with the promoted draft: 1 server start":
+                                               _h(clock.loads_s(1))}))
+    return TimePlan(assumptions, figures, stages, node.retrain_period_h)
+
+
+def read_target(config: PipelineConfig, size: TargetSize | None, note: str) -> tuple[Target | None, str]:
+    """The target's parameter counts from the config.json its size came from, or None and why not. A config.json
+    without a field they need leaves the hours unknown, never the config refused (the memory plan runs at load)."""
+    if size is None:
+        return None, note
+    path = Path(config.target.path)
+    source = path if (path / "config.json").is_file() else Path(config.target.config_file)
+    config_path, _, text = read_target_config(source)
+    try:
+        active, total = active_parameters(text)
+    except (KeyError, ValueError, TypeError) as err:
+        return None, f"{config_path}: cannot count its parameters per token ({type(err).__name__}: {err})"
+    return Target(active, total, size, config_path), note
+
+
+def draft_train_flops(params: int, ttt_steps: int, tokens: int) -> float:
+    """6 x trainable parameters per token per TTT step (forward and backward); the step's measured MFU
+    (benchmarks/train_throughput.py) counts the same, so it can replace node.mfu.train as it is."""
+    return 6.0 * params * ttt_steps * tokens
+
+
+def _h(seconds: float) -> float:
+    return round(seconds / HOUR, 3)
+
+
+def _unknown(name: str) -> StageTime:
+    return StageTime(name, unknown="the target's shape is unknown (the target line above says why)")
+
+
+def target_gpus(config: PipelineConfig, engine: str) -> int:
+    return config.serving.tp if engine == "sglang" and config.serving is not None else 1
+
+
+def regenerate_time(config: PipelineConfig, clock: Clock) -> StageTime:
+    """Every sample's answer at data.max_new_tokens, then the held-out prompts' greedy continuations."""
+    data = config.data
+    if clock.target is None:
+        return _unknown("regenerate")
+    if data.import_path is not None:
+        return StageTime("regenerate", {"data.import_path: nothing generated": 0.0})
+    gpus, sglang = target_gpus(config, data.engine), data.engine == "sglang"
+    in_flight, field_name = (data.concurrency, "data.concurrency") if sglang else (data.batch_size, "data.batch_size")
+    prompt = max(data.max_length - data.max_new_tokens, 0)
+    heldout, greedy = config.heldout_set[0], config.heldout_set[1] + config.replay_shape.num_steps
+    tokens = data.num_samples * data.max_new_tokens + heldout * greedy
+    decode_s, bound = clock.decode(tokens, in_flight, prompt + data.max_new_tokens / 2, gpus)
+    return StageTime("regenerate", {
+        f"1 server start{' (data.servers, started outside the pipeline)' if sglang else ''}": _h(clock.loads_s(1)),
+        f"prompts: data.num_samples {data.num_samples:,} x {prompt:,} tokens (data.max_length - max_new_tokens), "
+        f"prefill on {gpus} GPU(s)": _h(clock.prefill_s(data.num_samples * prompt, gpus)),
+        f"decode: {data.num_samples:,} x data.max_new_tokens {data.max_new_tokens:,} + {heldout} held-out x {greedy} "
+        f"tokens, {in_flight} in flight ({field_name}), {bound}": _h(decode_s)})
+
+
+def capture_time(config: PipelineConfig, clock: Clock) -> StageTime:
+    """The target's forward over what is captured: the held-out sequences, and offline every sample."""
+    data = config.data
+    if clock.target is None:
+        return _unknown("capture")
+    gpus = target_gpus(config, data.capture_engine)
+    heldout = config.heldout_set[0] * (data.max_length + config.heldout_set[1] + config.replay_shape.num_steps)
+    samples = 0 if config.training.features == "online" else data.num_samples * data.max_length
+    what = ("held-out sequences only (training.features online)" if not samples else
+            f"data.num_samples {data.num_samples:,} x data.max_length {data.max_length:,} + the held-out sequences")
+    return StageTime("capture", {"1 engine start": _h(clock.loads_s(1)),
+                                 f"prefill: {what}, {samples + heldout:,} tokens on {gpus} GPU(s)":
+                                 _h(clock.prefill_s(samples + heldout, gpus))})
+
+
+def train_time(config: PipelineConfig, clock: Clock, params: int) -> StageTime:
+    """The draft's steps and evaluations; online, the target's forward over every sequence on the same GPUs."""
+    train, node = config.training, config.node
+    world = train.nproc_per_node * train.nnodes
+    tokens = train.max_steps * train.batch_size * train.seq_len
+    evaluations = train.max_steps // train.eval_every
+    eval_tokens = evaluations * int(config.data.num_samples * train.eval_fraction) * train.seq_len
+    parts = {f"draft: training.max_steps {train.max_steps:,} x batch_size {train.batch_size} x seq_len "
+             f"{train.seq_len:,} = {tokens / 1e9:.2f} B tokens on {world} GPU(s)":
+             _h(clock.flops_s(draft_train_flops(params, train.ttt_steps, tokens), world, node.mfu.train)),
+             f"evaluation: {evaluations} x {eval_tokens // max(evaluations, 1):,} tokens (training.eval_every, "
+             "eval_fraction), forward only": _h(clock.flops_s(2.0 * params * train.ttt_steps * eval_tokens, world,
+                                                                node.mfu.train))}
+    if train.features == "online":
+        if clock.target is None:
+            return _unknown("train")
+        parts["target's features online: 1 engine start"] = _h(clock.loads_s(1))
+        parts[f"target's features online: prefill of the {(tokens + eval_tokens) / 1e9:.2f} B tokens"] = _h(
+            clock.prefill_s(tokens + eval_tokens, world))
+    return StageTime("train", parts)
+
+
+def benchmark_s(config: PipelineConfig, clock: Clock, prompts: int, levels: list[int]) -> tuple[float, str]:
+    """One no-draft measurement at each concurrency level (a draft only shortens it): seconds, and the last bound."""
+    b, gpus = config.benchmark, config.serving.tp
+    total, bound = 0.0, ""
+    for level in levels:
+        in_flight = min(level, prompts)
+        seconds, bound = clock.decode(prompts * b.max_new_tokens, in_flight, b.max_new_tokens / 2, gpus)
+        total += seconds
+    return total, bound
+
+
+def serve_time(config: PipelineConfig, clock: Clock) -> StageTime:
+    """The candidate (and the no-draft baseline) measured at the production concurrency, one server start each."""
+    if clock.target is None:
+        return _unknown("serve")
+    b = config.benchmark
+    # production is re-measured on this run's prompts when they differ from its own: new traffic prompts
+    remeasured = config.data.traffic is not None and config.registry is not None
+    roles = ["candidate"] + ["benchmark.baseline"] * b.baseline + ["production on data.traffic prompts"] * remeasured
+    starts = len(roles)
+    seconds, bound = benchmark_s(config, clock, b.num_prompts, [b.production_concurrency])
+    return StageTime("serve", {f"{starts} server start(s) ({', '.join(roles)})": _h(clock.loads_s(starts)),
+                               f"benchmark.num_prompts {b.num_prompts} x max_new_tokens {b.max_new_tokens} at "
+                               f"concurrency {b.production_concurrency}, each, {bound}": _h(starts * seconds)})
+
+
+def sweep_time(config: PipelineConfig, clock: Clock) -> StageTime:
+    """The no-draft server then each shape, a server start each at every benchmark.concurrency level; a shape that
+    would end past sweep.budget_s is skipped (the first is always measured), as eagle3.deployment.sweep does."""
+    sweep, b = config.sweep, config.benchmark
+    if not sweep.enabled:
+        return StageTime("sweep", {"sweep.enabled false": 0.0})
+    if clock.target is None:
+        return _unknown("sweep")
+    prompts = min(sweep.num_prompts or b.num_prompts, b.num_prompts)
+    measure, bound = benchmark_s(config, clock, prompts, b.concurrency)
+    point = clock.loads_s(1) + measure
+    shapes = len(sweep_shapes(config))
+    measured = max(1, min(shapes, int(sweep.budget_s // point) - 1))
+    return StageTime("sweep", {
+        f"{1 + measured} server starts: no draft + {measured} of {shapes} shape(s) within sweep.budget_s "
+        f"{sweep.budget_s:g}": _h((1 + measured) * clock.loads_s(1)),
+        f"{prompts} prompts x benchmark.max_new_tokens {b.max_new_tokens} at concurrency {b.concurrency}, each, "
+        f"{bound}": _h((1 + measured) * measure)})
