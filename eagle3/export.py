@@ -26,6 +26,7 @@ from eagle3.formats.target import read_target_info
 from eagle3.formats.validate import validate
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.weights import target_verifier
+from eagle3.stages import export_dirs
 
 Log = Callable[[str], None]
 VALIDATION_FILE = "validation.json"
@@ -50,8 +51,8 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     verifier = (target_verifier(target, config.target.weight_prefix, config.export.verifier)
                 if "speculators" in config.export.layouts else None)
     dirs = {}
-    for layout in config.export.layouts:
-        dirs[layout] = convert(source, out / layout, to=layout, target_family=config.target.family,
+    for layout, directory in export_dirs(config).items():
+        dirs[layout] = convert(source, directory, to=layout, target_family=config.target.family,
                                release=config.serving.release, target_num_layers=num_layers, overwrite=True,
                                num_steps=config.serving.num_steps, log=log, verifier=verifier)
         engine = f"SGLang {config.serving.release or '(release unknown)'}" if layout == "sglang" else layout

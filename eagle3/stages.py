@@ -11,7 +11,12 @@ Each output is marked with the key it was made under (a file beside it): "in pro
 the key once it finished. The cache is offered a key only when the output is there and finished under that very
 key (or the stage never ran here): a run with other inputs that overwrote the output, or that failed half way,
 makes the stage run again. And a stage that resumes from what its directory holds (regeneration by prompt,
-training from checkpoints) starts afresh when its inputs changed, instead of resuming work made for others.
+training from checkpoints) starts afresh when its inputs changed, instead of resuming work made for others; the
+marker records those inputs, so the log names each one that changed.
+
+The files decide, not the orchestrator's memory: an output finished under the key its inputs give now is done
+(`done`), whatever Prefect's result store holds (a fresh PREFECT_HOME, a reset database, expired results). And a
+fingerprint hashes content, never when it was written (eagle3.formats.manifest.fingerprint).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from eagle3.data.capture import dataset_dir
 from eagle3.data.regenerate import greedy_length
 from eagle3.data.traffic import traffic_snapshot
 from eagle3.engines.targets import target_identity
-from eagle3.formats.manifest import MANIFEST_FILE, code_version
+from eagle3.formats.manifest import code_version, fingerprint
 from eagle3.fsutil import atomic_write_bytes, sha256_file
 
 TOKEN_FILE = ".run-token"
@@ -133,26 +138,43 @@ def _hash_of(path: str, size: int, mtime_ns: int) -> str:
     return sha256_file(Path(path))
 
 
-def stage_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str:
-    """The key of `stage` given the fingerprints of the outputs it consumes."""
-    return keyed(stage, config_inputs(config, stage), upstream, config)
+def stage_key(stage: str, config: PipelineConfig, upstream: dict[str, str]) -> str:
+    """The key of `stage` given the fingerprints of the outputs it consumes ({parameter name: fingerprint})."""
+    return keyed(key_inputs(stage, config_inputs(config, stage), upstream, config))
 
 
-def resume_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str:
-    """The key of what the stage resumes from: its inputs less the fields that only refine the output."""
+def resume_inputs(stage: str, config: PipelineConfig, upstream: dict[str, str]) -> dict:
+    """What the stage resumes from was made for: its inputs less the fields that only refine the output."""
     inputs = {k: v for k, v in config_inputs(config, stage).items() if k not in REFINES.get(stage, ())}
-    return keyed(stage, inputs, upstream, config)
+    return key_inputs(stage, inputs, upstream, config)
 
 
-def keyed(stage: str, inputs: dict, upstream: list[str], config: PipelineConfig) -> str:
-    payload = {"stage": stage, "run_token": run_token(config.run.dir), "config": inputs, "upstream": list(upstream),
-               "code": code_version()}
+def key_inputs(stage: str, inputs: dict, upstream: dict[str, str], config: PipelineConfig) -> dict:
+    return {"stage": stage, "run_token": run_token(config.run.dir), "config": inputs, "upstream": dict(upstream),
+            "code": code_version()}
+
+
+def keyed(payload: dict) -> str:
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-    return f"eagle3-{stage}-{digest[:40]}"
+    return f"eagle3-{payload['stage']}-{digest[:40]}"
 
 
 def output_of(config: PipelineConfig, stage: str) -> Path:
     return dataset_dir(config) if stage == "capture" else config.run.dir / STAGE_OUTPUTS[stage]
+
+
+def export_dirs(config: PipelineConfig) -> dict[str, Path]:
+    """Every export layout's directory; the served one (sglang) is the stage's output, the one its marker sits by."""
+    return {layout: config.stage_dir("export") / layout for layout in config.export.layouts}
+
+
+def stage_fingerprint(config: PipelineConfig, stage: str) -> str:
+    """The content hash a stage hands on: its output's; the export's covers every layout, as a registry version
+    publishes them all (and is named after this hash)."""
+    if stage != "export":
+        return fingerprint(output_of(config, stage))
+    layouts = {layout: fingerprint(path) for layout, path in export_dirs(config).items()}
+    return hashlib.sha256(json.dumps(layouts, sort_keys=True).encode()).hexdigest()
 
 
 def marker(config: PipelineConfig, stage: str) -> Path:
@@ -160,51 +182,80 @@ def marker(config: PipelineConfig, stage: str) -> Path:
     return output.parent / f".{output.name}.stage-key"
 
 
-def recorded_keys(config: PipelineConfig, stage: str) -> tuple[str | None, str | None]:
-    """(the stage key, the resume key) the output was last marked with; None where there is none."""
+def recorded(config: PipelineConfig, stage: str) -> tuple[str | None, str | None, dict | None]:
+    """(the stage key, the resume key, the inputs the resume key hashes) the output was last marked with; None
+    where there is none (a marker written before the inputs were recorded has two lines)."""
     made = marker(config, stage)
     lines = made.read_text().splitlines() if made.is_file() else []
-    return (lines[0] if lines else None), (lines[1] if len(lines) > 1 else None)
+    return (lines[0] if lines else None), (lines[1] if len(lines) > 1 else None), \
+        (json.loads(lines[2]) if len(lines) > 2 else None)
 
 
 def recorded_key(config: PipelineConfig, stage: str) -> str | None:
-    return recorded_keys(config, stage)[0]
+    return recorded(config, stage)[0]
 
 
-def cache_key(stage: str, config: PipelineConfig, upstream: list[str]) -> str | None:
+def cache_key(stage: str, config: PipelineConfig, upstream: dict[str, str]) -> str | None:
     """The key to offer the cache, or None when the output is not what that key describes."""
     key = stage_key(stage, config, upstream)
-    recorded = recorded_key(config, stage)
-    if recorded is None and not output_of(config, stage).exists():
+    if recorded_key(config, stage) is None and not output_of(config, stage).exists():
         return key  # never ran here
-    return key if recorded == key and output_of(config, stage).exists() else None
+    return key if finished_under(config, stage, key) else None
 
 
-def begin(stage: str, config: PipelineConfig, upstream: list[str], log: Callable[[str], None]) -> None:
-    """Before the stage runs: clear what it would resume from if that was made for other inputs; mark it running."""
-    resumes = resume_key(stage, config, upstream)
-    recorded, recorded_resumes = recorded_keys(config, stage)
-    if recorded is not None and recorded_resumes != resumes:
+def done(stage: str, config: PipelineConfig, upstream: dict[str, str]) -> bool:
+    """Whether the output is there and finished under the key these inputs give: nothing to make again."""
+    return finished_under(config, stage, stage_key(stage, config, upstream))
+
+
+def finished_under(config: PipelineConfig, stage: str, key: str) -> bool:
+    return recorded_key(config, stage) == key and output_of(config, stage).exists()
+
+
+def begin(stage: str, config: PipelineConfig, upstream: dict[str, str], log: Callable[[str], None]) -> None:
+    """Before the stage runs: clear what it would resume from if that was made for other inputs (naming each input
+    that changed); mark it running."""
+    inputs = resume_inputs(stage, config, upstream)
+    key, resumes, made_for = recorded(config, stage)
+    if key is not None and resumes != keyed(inputs):
         for relative in RESUMES_FROM.get(stage, ()):
             if (config.run.dir / relative).exists():
-                log(f"{stage}: its inputs changed since {config.run.dir / relative} was made: starting it afresh")
+                log(f"{stage}: its inputs changed since {config.run.dir / relative} was made "
+                    f"({changed_inputs(made_for, inputs)}): starting it afresh")
                 shutil.rmtree(config.run.dir / relative)
     mark(stage, config, upstream, IN_PROGRESS)
 
 
-def finish(stage: str, config: PipelineConfig, upstream: list[str]) -> Path:
+def changed_inputs(before: dict | None, now: dict) -> str:
+    """Each input whose value differs, `name: before -> now` (fingerprints and long values shortened)."""
+    if before is None:
+        return "its marker predates the record of its inputs"
+    old, new = flattened(before), flattened(now)
+    return "; ".join(f"{name}: {shortened(old.get(name))} -> {shortened(new.get(name))}"
+                     for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name))
+
+
+def flattened(value, prefix: str = "") -> dict:
+    """{dotted name: leaf value} of nested dicts."""
+    if not isinstance(value, dict) or not value:
+        return {prefix: value}
+    return {name: leaf for key, sub in value.items()
+            for name, leaf in flattened(sub, f"{prefix}.{key}" if prefix else key).items()}
+
+
+def shortened(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 24 else text[:16] + "..."
+
+
+def finish(stage: str, config: PipelineConfig, upstream: dict[str, str]) -> Path:
     """Mark the stage's output finished under its key; return the output."""
     mark(stage, config, upstream)
     return output_of(config, stage)
 
 
-def mark(stage: str, config: PipelineConfig, upstream: list[str], prefix: str = "") -> None:
-    """The marker: the stage key (prefixed while in progress), then the resume key."""
-    text = f"{prefix}{stage_key(stage, config, upstream)}\n{resume_key(stage, config, upstream)}\n"
+def mark(stage: str, config: PipelineConfig, upstream: dict[str, str], prefix: str = "") -> None:
+    """The marker: the stage key (prefixed while in progress), the resume key, and the inputs that one hashes."""
+    inputs = resume_inputs(stage, config, upstream)
+    text = f"{prefix}{stage_key(stage, config, upstream)}\n{keyed(inputs)}\n{json.dumps(inputs, sort_keys=True)}\n"
     atomic_write_bytes(marker(config, stage), text.encode())
-
-
-def fingerprint(path: Path) -> str:
-    """Content hash of a stage output: its manifest (which lists every file's sha256), or the file itself."""
-    path = Path(path)
-    return sha256_file(path / MANIFEST_FILE if path.is_dir() else path)

@@ -21,11 +21,11 @@ from tasks.common import cached, log_to_run, run_stage
 @task(**cached("simulate"))
 def simulate_acceptance(config: PipelineConfig, exported: dict, dataset: dict) -> dict:
     """`dataset`: the held-out sequences and features it replays come from the data stage."""
-    def work() -> dict:
+    def work() -> None:
         simulate(config, Path(exported["path"]), log=log_to_run())
-        return {"result": read_json(config.stage_dir("bench") / RESULT_FILE, "")}
 
-    return run_stage("simulate", config, {"exported": exported, "dataset": dataset}, work)
+    return run_stage("simulate", config, {"exported": exported, "dataset": dataset}, work,
+                     lambda: {"result": read_json(config.stage_dir("bench") / RESULT_FILE, "")})
 
 
 @task(name="measure-candidate", cache_policy=NO_CACHE)

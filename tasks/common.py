@@ -7,7 +7,7 @@ from collections.abc import Callable
 from prefect import get_run_logger
 
 from eagle3.config import PipelineConfig
-from eagle3.stages import begin, cache_key, finish, fingerprint
+from eagle3.stages import begin, cache_key, done, finish, marker, output_of, stage_fingerprint
 
 
 def log_to_run():
@@ -15,10 +15,10 @@ def log_to_run():
     return get_run_logger().info
 
 
-def upstream_fingerprints(parameters: dict) -> list[str]:
-    """The content hashes of the stage outputs among a task's parameters, in parameter-name order."""
-    return [value["fingerprint"] for _, value in sorted(parameters.items())
-            if isinstance(value, dict) and "fingerprint" in value]
+def upstream_fingerprints(parameters: dict) -> dict[str, str]:
+    """The content hashes of the stage outputs among a task's parameters, by parameter name."""
+    return {name: value["fingerprint"] for name, value in sorted(parameters.items())
+            if isinstance(value, dict) and "fingerprint" in value}
 
 
 def cached(stage: str) -> dict:
@@ -30,12 +30,18 @@ def cached(stage: str) -> dict:
     return {"cache_key_fn": key, "persist_result": True, "name": stage}
 
 
-def run_stage(stage: str, config: PipelineConfig, upstream: dict, work: Callable[[], dict | None]) -> dict:
-    """Run a cached stage's work between its in-progress and finished marks; return where its output is, its
-    content hash (the next stage's cache input) and what `work` adds. `upstream`: the task's stage-output
+def run_stage(stage: str, config: PipelineConfig, upstream: dict, work: Callable[[], None],
+              outputs: Callable[[], dict] = dict) -> dict:
+    """Run a cached stage's work between its in-progress and finished marks - unless its output is already finished
+    under this key, which Prefect's result store may have forgotten - and return where its output is, its content
+    hash (the next stage's cache input) and what `outputs` reads from it. `upstream`: the task's stage-output
     parameters, by name."""
     fingerprints = upstream_fingerprints(upstream)
-    begin(stage, config, fingerprints, log_to_run())
-    extra = work() or {}
-    path = finish(stage, config, fingerprints)
-    return {"path": str(path), "fingerprint": fingerprint(path), **extra}
+    if done(stage, config, fingerprints):
+        log_to_run()(f"{stage}: {output_of(config, stage)} was finished under this very key ({marker(config, stage)}):"
+                     " kept, not made again")
+    else:
+        begin(stage, config, fingerprints, log_to_run())
+        work()
+        finish(stage, config, fingerprints)
+    return {"path": str(output_of(config, stage)), "fingerprint": stage_fingerprint(config, stage), **outputs()}

@@ -8,6 +8,7 @@ Every test holds in any order: a run whose outcome depends on what ran before it
 pointer) is made by a module fixture that runs its flows one after the other and keeps what the tests read, taken
 right after each run; a test that runs a flow itself compares with the registry as it found it."""
 
+import logging
 import shutil
 import socket
 import threading
@@ -28,7 +29,7 @@ from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
 from eagle3.runs import retrain_runs
 from eagle3.serve.inprocess import serve_in_thread
-from eagle3.stages import TOKEN_FILE
+from eagle3.stages import TOKEN_FILE, marker
 from flows.eagle3 import eagle3, ensure_registry_limit
 from kimi_target import VOCAB_SIZE as KIMI_VOCAB
 from test_config import TINY
@@ -174,6 +175,44 @@ def test_a_rerun_with_unchanged_inputs_skips_finished_stages(micro_flow):
         assert stages[stage] == "Cached", stages
 
 
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_finished_run_started_again_without_prefects_results_makes_nothing_again(micro_flow, tmp_path):
+    """As on a new worker machine, a reset Prefect database or expired results: Prefect's result store is empty, so
+    it caches nothing, and the markers in the run directory say every stage is done - nothing is trained again and
+    the export is the same version."""
+    config = load_config(CONFIG, micro_flow.overrides)
+    model = config.stage_dir("train") / "final" / "model.safetensors"
+    trained = model.stat()
+    stages = ("regenerate", "capture", "vocab", "train", "export", "simulate")
+    markers = {stage: marker(config, stage).read_text() for stage in stages}
+    logged, logger = Lines(), logging.getLogger("prefect.task_runs")
+    logger.addHandler(logged)
+    try:
+        with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: tmp_path / "empty-result-store"}):
+            outcome = run_flow(micro_flow.overrides)
+    finally:
+        logger.removeHandler(logged)
+    state = outcome.state
+    assert state.is_completed() and state.result() == micro_flow.first.state.result(), state.message
+    assert outcome.after == state.result()
+    states = task_states(state.state_details.flow_run_id)
+    for stage in stages:  # not Cached (Prefect holds no result), and kept by its marker
+        assert states[stage] == "Completed", states
+        assert any(line.startswith(f"{stage}: ") and "kept, not made again" in line for line in logged.lines), stage
+    assert not [line for line in logged.lines if "starting it afresh" in line]
+    now = model.stat()
+    assert (now.st_ino, now.st_mtime_ns) == (trained.st_ino, trained.st_mtime_ns)
+    assert {stage: marker(config, stage).read_text() for stage in stages} == markers
+
+
 def test_a_broken_export_rolls_back_and_production_keeps_serving(overwritten_export):
     broken = overwritten_export.broken
     state = broken.state
@@ -192,7 +231,8 @@ def test_an_output_overwritten_by_other_inputs_is_made_again_not_taken_from_the_
     state = overwritten_export.again.state  # after two runs that wrote export/sglang with a broken d2t
     stages = task_states(state.state_details.flow_run_id)
     assert stages["train"] == "Cached" and stages["export"] == "Completed" and stages["simulate"] == "Completed"
-    assert state.name == "Completed", state.message  # the same draft again: a new version, as good as production
+    # the same content again: the same version as production (the version is named after the export's content)
+    assert state.name == "Completed", state.message
 
 
 def test_two_runs_for_one_registry_do_not_overlap(micro_flow):

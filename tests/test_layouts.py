@@ -172,13 +172,13 @@ def test_the_export_stage_writes_serving_num_steps_and_the_target_into_the_specu
     assert result["validation"]["speculators"]["ok"] and result["validation"]["speculators"]["engine"] == "speculators"
     # another num_steps, or another target path, is another export
     named = load_config(TINY, [*overrides, "export.verifier=example-org/tiny-target"])
-    assert stage_key("export", named, ["train"]) != stage_key("export", config, ["train"])
+    assert stage_key("export", named, {"trained": "train"}) != stage_key("export", config, {"trained": "train"})
     spec = Path(export_draft(named, log=lambda line: None)["dirs"]["speculators"])
     recorded = json.loads((spec / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
     assert recorded == "example-org/tiny-target"
     for field in ("serving.num_steps=", "target.path="):
         other = load_config(TINY, [o for o in overrides if not o.startswith(field)])
-        assert stage_key("export", config, ["train"]) != stage_key("export", other, ["train"])
+        assert stage_key("export", config, {"trained": "train"}) != stage_key("export", other, {"trained": "train"})
 
 
 def test_the_export_stage_refuses_a_speculators_layout_without_the_targets_weights(tmp_path):

@@ -1,9 +1,14 @@
 """Stage cache keys: what changes them and what does not, and the marks that keep the cache from handing on an
 output that no longer is what its key describes."""
 
+import json
+
 from eagle3.config import load_config
-from eagle3.stages import IN_PROGRESS, begin, cache_key, finish, recorded_key, stage_key
+from eagle3.formats.manifest import MANIFEST_FILE, fingerprint, write_manifest
+from eagle3.stages import IN_PROGRESS, begin, cache_key, done, finish, recorded_key, stage_key
 from test_config import TINY
+
+D = {"dataset": "d"}  # the fingerprints of the outputs a stage consumes, by parameter name
 
 
 def config(tmp_path, *overrides):
@@ -12,11 +17,11 @@ def config(tmp_path, *overrides):
 
 def test_keys_follow_what_a_stage_reads_and_nothing_else(tmp_path):
     base = config(tmp_path)
-    assert stage_key("train", base, ["data"]) == stage_key("train", config(tmp_path, "serving.port=1234",
-                                                                          "training.nproc_per_node=8"), ["data"])
-    assert stage_key("train", base, ["data"]) != stage_key("train", config(tmp_path, "training.learning_rate=1e-3"), ["data"])
-    assert stage_key("train", base, ["data"]) != stage_key("train", base, ["other data"])
-    assert stage_key("train", base, ["data"]) != stage_key("train", config(tmp_path, "serving.num_steps=5"), ["data"])
+    assert stage_key("train", base, {"dataset": "data"}) == stage_key("train", config(tmp_path, "serving.port=1234",
+                                                                          "training.nproc_per_node=8"), {"dataset": "data"})
+    assert stage_key("train", base, {"dataset": "data"}) != stage_key("train", config(tmp_path, "training.learning_rate=1e-3"), {"dataset": "data"})
+    assert stage_key("train", base, {"dataset": "data"}) != stage_key("train", base, {"dataset": "other data"})
+    assert stage_key("train", base, {"dataset": "data"}) != stage_key("train", config(tmp_path, "serving.num_steps=5"), {"dataset": "data"})
     assert stage_key("regenerate", base, []) == stage_key("regenerate", config(tmp_path, "data.concurrency=3"), [])
 
 
@@ -30,27 +35,28 @@ def test_a_prompt_file_is_keyed_by_its_content(tmp_path):
 
 def test_the_cache_is_offered_a_key_only_for_an_output_finished_under_it(tmp_path):
     good, other = config(tmp_path), config(tmp_path, "training.learning_rate=1e-3")
-    assert cache_key("train", good, ["d"]) is not None  # never ran here
-    begin("train", good, ["d"], print)
+    assert cache_key("train", good, D) is not None  # never ran here
+    begin("train", good, D, print)
     (tmp_path / "run" / "train" / "best").mkdir(parents=True)
-    assert cache_key("train", good, ["d"]) is None  # in progress: a failed run's half output is no result
-    finish("train", good, ["d"])
-    assert cache_key("train", good, ["d"]) == stage_key("train", good, ["d"])
-    begin("train", other, ["d"], print)  # another config's run overwrites it, and fails
-    assert cache_key("train", good, ["d"]) is None
+    assert cache_key("train", good, D) is None  # in progress: a failed run's half output is no result
+    finish("train", good, D)
+    assert cache_key("train", good, D) == stage_key("train", good, D)
+    begin("train", other, D, print)  # another config's run overwrites it, and fails
+    assert cache_key("train", good, D) is None
 
 
 def test_changed_inputs_start_a_resuming_stage_afresh_and_a_crash_resumes(tmp_path):
     good, other = config(tmp_path), config(tmp_path, "training.learning_rate=1e-3")
     checkpoint = tmp_path / "run" / "train" / "checkpoints" / "step-100"
     checkpoint.mkdir(parents=True)
-    begin("train", good, ["d"], print)  # crashed: still in progress under the same key
-    begin("train", good, ["d"], print)
+    begin("train", good, D, print)  # crashed: still in progress under the same key
+    begin("train", good, D, print)
     assert checkpoint.is_dir()  # the re-run resumes
     lines = []
-    begin("train", other, ["d"], lines.append)
+    begin("train", other, D, lines.append)
     assert not checkpoint.exists() and "its inputs changed" in lines[0]
-    assert recorded_key(other, "train") == IN_PROGRESS + stage_key("train", other, ["d"])
+    assert "(config.training.learning_rate: 0.003 -> 0.001)" in lines[0]  # the one input that changed, named
+    assert recorded_key(other, "train") == IN_PROGRESS + stage_key("train", other, D)
 
 
 def test_more_samples_other_thresholds_or_benchmark_prompts_keep_the_regenerated_samples_and_other_prompts_do_not(tmp_path):
@@ -69,3 +75,30 @@ def test_more_samples_other_thresholds_or_benchmark_prompts_keep_the_regenerated
         assert written.is_file()  # ... and resumes from the samples already written
     begin("regenerate", config(tmp_path, "data.temperature=0.7"), [], print)
     assert not written.exists()
+
+
+def test_a_finished_output_is_done_by_its_marker_alone_and_the_log_names_a_changed_upstream(tmp_path):
+    """No orchestrator state: the marker beside the output says whether it is done for these inputs."""
+    good = config(tmp_path)
+    (tmp_path / "run" / "train" / "best").mkdir(parents=True)
+    begin("train", good, D, print)
+    assert not done("train", good, D)  # in progress
+    finish("train", good, D)
+    assert done("train", good, D) and not done("train", good, {"dataset": "other"})
+    lines = []
+    begin("train", good, {"dataset": "e" * 64}, lines.append)
+    assert '(upstream.dataset: "d" -> "eeeeeeeeeeeeeee...): starting it afresh' in lines[0], lines
+
+
+def test_a_fingerprint_hashes_what_an_output_holds_not_when_it_was_written(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "samples.jsonl").write_text("{}\n")
+    write_manifest(out, kind="regenerated", fields={"samples": 1})
+    first = fingerprint(out)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    (out / MANIFEST_FILE).write_text(json.dumps({**manifest, "created": "2031-01-01T00:00:00+00:00"}))
+    assert fingerprint(out) == first  # made again with the same content: downstream keys unchanged
+    (out / "samples.jsonl").write_text("{}\n{}\n")
+    write_manifest(out, kind="regenerated", fields={"samples": 1})
+    assert fingerprint(out) != first

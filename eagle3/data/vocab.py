@@ -12,9 +12,8 @@ from eagle3.config import PipelineConfig
 from eagle3.data.capture import regenerated_manifest
 from eagle3.data.regenerate import REGEN_DIR, read_regenerated
 from eagle3.engines.targets import DataMismatch
-from eagle3.formats.manifest import MANIFEST_FILE, write_manifest
+from eagle3.formats.manifest import fingerprint, write_manifest
 from eagle3.formats.vocab_map import build_vocab_map, save_vocab_map
-from eagle3.fsutil import sha256_file
 
 
 def count_loss_tokens(records, vocab_size: int) -> torch.Tensor:
@@ -41,7 +40,7 @@ def build_vocab(config: PipelineConfig, log: Callable[[str], None] = print) -> P
     write_manifest(
         out,
         kind="vocab-map",
-        fields={"regenerated_manifest_sha256": sha256_file(regen / MANIFEST_FILE), "stats": stats.__dict__},
+        fields={"regenerated_fingerprint": fingerprint(regen), "stats": stats.__dict__},
     )
     log(
         f"vocab: {stats.draft_vocab_size} draft ids cover {stats.coverage:.2%} of {stats.counted_tokens:,} generated "

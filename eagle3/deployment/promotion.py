@@ -221,7 +221,7 @@ def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served:
     return {
         "config": config.model_dump(mode="json"),
         "config_sha256": hashlib.sha256(config.model_dump_json().encode()).hexdigest(),
-        "inputs": fingerprints,  # stage -> content hash of its manifest (data, vocab, training, export)
+        "inputs": fingerprints,  # stage -> content hash of its output (eagle3.stages.stage_fingerprint)
         "data_quality": data_quality_of(config),
         "benchmark": prompt_set_fields(config),
         # how production serves it and is re-measured: the chosen shape, on the first num_prompts of the prompt set

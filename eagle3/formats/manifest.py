@@ -13,6 +13,9 @@ from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json, read_json, sha256_file
 
 MANIFEST_FILE = "manifest.json"
+# written for people and hashed never: an output made again with the same content has the same fingerprint, so a
+# re-made stage leaves every downstream cache key (and a finished training) as it was
+WHEN_WRITTEN = ("created",)
 
 
 @lru_cache(maxsize=1)
@@ -47,6 +50,16 @@ def write_manifest(directory: Path, kind: str, fields: dict) -> dict:
 
 def read_manifest(directory: Path) -> dict:
     return json.loads((Path(directory) / MANIFEST_FILE).read_text())
+
+
+def fingerprint(path: Path) -> str:
+    """Content hash of a stage output: its manifest (which lists every file's sha256) less when it was written, or
+    the file itself."""
+    path = Path(path)
+    if not path.is_dir():
+        return sha256_file(path)
+    content = {key: value for key, value in read_manifest(path).items() if key not in WHEN_WRITTEN}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 def read_data_capture(path: Path) -> dict:
