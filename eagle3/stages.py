@@ -186,9 +186,8 @@ def recorded(config: PipelineConfig, stage: str) -> tuple[str | None, str | None
     """(the stage key, the resume key, the inputs the resume key hashes) the output was last marked with; None
     where there is none (a marker written before the inputs were recorded has two lines)."""
     made = marker(config, stage)
-    lines = made.read_text().splitlines() if made.is_file() else []
-    return (lines[0] if lines else None), (lines[1] if len(lines) > 1 else None), \
-        (json.loads(lines[2]) if len(lines) > 2 else None)
+    key, resumes, inputs = ((made.read_text().splitlines() if made.is_file() else []) + [None] * 3)[:3]
+    return key, resumes, (None if inputs is None else json.loads(inputs))
 
 
 def recorded_key(config: PipelineConfig, stage: str) -> str | None:

@@ -26,10 +26,11 @@ from prefect.testing.utilities import prefect_test_harness
 from eagle3.config import load_config
 from eagle3.procs import group_alive
 from eagle3.deployment.production import Production
+from eagle3.formats.manifest import read_manifest
 from eagle3.registry.registry import open_registry
 from eagle3.runs import retrain_runs
 from eagle3.serve.inprocess import serve_in_thread
-from eagle3.stages import TOKEN_FILE, marker
+from eagle3.stages import IN_PROGRESS, TOKEN_FILE, marker, output_of
 from flows.eagle3 import eagle3, ensure_registry_limit
 from kimi_target import VOCAB_SIZE as KIMI_VOCAB
 from test_config import TINY
@@ -186,13 +187,16 @@ class Lines(logging.Handler):
 
 def test_a_finished_run_started_again_without_prefects_results_makes_nothing_again(micro_flow, tmp_path):
     """As on a new worker machine, a reset Prefect database or expired results: Prefect's result store is empty, so
-    it caches nothing, and the markers in the run directory say every stage is done - nothing is trained again and
-    the export is the same version."""
+    it caches nothing; the markers in the run directory say the stages are done. Regeneration, marked unfinished
+    (as by a crash after its last sample), runs again and rewrites its manifest at a later time with the same
+    content: no key downstream changes, nothing is trained again and the export is the same version."""
     config = load_config(CONFIG, micro_flow.overrides)
     model = config.stage_dir("train") / "final" / "model.safetensors"
-    trained = model.stat()
+    trained, regen = model.stat(), output_of(config, "regenerate")
+    made = read_manifest(regen)["created"]
     stages = ("regenerate", "capture", "vocab", "train", "export", "simulate")
     markers = {stage: marker(config, stage).read_text() for stage in stages}
+    marker(config, "regenerate").write_text(IN_PROGRESS + markers["regenerate"])
     logged, logger = Lines(), logging.getLogger("prefect.task_runs")
     logger.addHandler(logged)
     try:
@@ -204,8 +208,9 @@ def test_a_finished_run_started_again_without_prefects_results_makes_nothing_aga
     assert state.is_completed() and state.result() == micro_flow.first.state.result(), state.message
     assert outcome.after == state.result()
     states = task_states(state.state_details.flow_run_id)
-    for stage in stages:  # not Cached (Prefect holds no result), and kept by its marker
-        assert states[stage] == "Completed", states
+    assert all(states[stage] == "Completed" for stage in stages), states  # not Cached: Prefect holds no result
+    assert read_manifest(regen)["created"] != made and any("regenerate: resuming" in line for line in logged.lines)
+    for stage in stages[1:]:
         assert any(line.startswith(f"{stage}: ") and "kept, not made again" in line for line in logged.lines), stage
     assert not [line for line in logged.lines if "starting it afresh" in line]
     now = model.stat()
