@@ -176,16 +176,7 @@ def test_a_rerun_with_unchanged_inputs_skips_finished_stages(micro_flow):
         assert stages[stage] == "Cached", stages
 
 
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def test_a_finished_run_started_again_without_prefects_results_makes_nothing_again(micro_flow, tmp_path):
+def test_a_finished_run_started_again_without_prefects_results_makes_nothing_again(micro_flow, tmp_path, caplog):
     """As on a new worker machine, a reset Prefect database or expired results: Prefect's result store is empty, so
     it caches nothing; the markers in the run directory say the stages are done. Regeneration, marked unfinished
     (as by a crash after its last sample), runs again and rewrites its manifest at a later time with the same
@@ -197,22 +188,19 @@ def test_a_finished_run_started_again_without_prefects_results_makes_nothing_aga
     stages = ("regenerate", "capture", "vocab", "train", "export", "simulate")
     markers = {stage: marker(config, stage).read_text() for stage in stages}
     marker(config, "regenerate").write_text(IN_PROGRESS + markers["regenerate"])
-    logged, logger = Lines(), logging.getLogger("prefect.task_runs")
-    logger.addHandler(logged)
-    try:
-        with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: tmp_path / "empty-result-store"}):
-            outcome = run_flow(micro_flow.overrides)
-    finally:
-        logger.removeHandler(logged)
+    with caplog.at_level(logging.INFO, "prefect.task_runs"), \
+            temporary_settings({PREFECT_LOCAL_STORAGE_PATH: tmp_path / "empty-result-store"}):
+        outcome = run_flow(micro_flow.overrides)
+    logged = caplog.messages  # the stages' log lines
     state = outcome.state
     assert state.is_completed() and state.result() == micro_flow.first.state.result(), state.message
     assert outcome.after == state.result()
     states = task_states(state.state_details.flow_run_id)
     assert all(states[stage] == "Completed" for stage in stages), states  # not Cached: Prefect holds no result
-    assert read_manifest(regen)["created"] != made and any("regenerate: resuming" in line for line in logged.lines)
+    assert read_manifest(regen)["created"] != made and any("regenerate: resuming" in line for line in logged)
     for stage in stages[1:]:
-        assert any(line.startswith(f"{stage}: ") and "kept, not made again" in line for line in logged.lines), stage
-    assert not [line for line in logged.lines if "starting it afresh" in line]
+        assert any(line.startswith(f"{stage}: ") and "kept, not made again" in line for line in logged), stage
+    assert not [line for line in logged if "starting it afresh" in line]
     now = model.stat()
     assert (now.st_ino, now.st_mtime_ns) == (trained.st_ino, trained.st_mtime_ns)
     assert {stage: marker(config, stage).read_text() for stage in stages} == markers
