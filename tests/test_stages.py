@@ -17,12 +17,12 @@ def config(tmp_path, *overrides):
 
 def test_keys_follow_what_a_stage_reads_and_nothing_else(tmp_path):
     base = config(tmp_path)
-    assert stage_key("train", base, {"dataset": "data"}) == stage_key("train", config(tmp_path, "serving.port=1234",
-                                                                          "training.nproc_per_node=8"), {"dataset": "data"})
-    assert stage_key("train", base, {"dataset": "data"}) != stage_key("train", config(tmp_path, "training.learning_rate=1e-3"), {"dataset": "data"})
-    assert stage_key("train", base, {"dataset": "data"}) != stage_key("train", base, {"dataset": "other data"})
-    assert stage_key("train", base, {"dataset": "data"}) != stage_key("train", config(tmp_path, "serving.num_steps=5"), {"dataset": "data"})
-    assert stage_key("regenerate", base, []) == stage_key("regenerate", config(tmp_path, "data.concurrency=3"), [])
+    key = stage_key("train", base, D)
+    assert key == stage_key("train", config(tmp_path, "serving.port=1234", "training.nproc_per_node=8"), D)
+    assert key != stage_key("train", config(tmp_path, "training.learning_rate=1e-3"), D)
+    assert key != stage_key("train", base, {"dataset": "other data"})
+    assert key != stage_key("train", config(tmp_path, "serving.num_steps=5"), D)
+    assert stage_key("regenerate", base, {}) == stage_key("regenerate", config(tmp_path, "data.concurrency=3"), {})
 
 
 def test_a_prompt_file_is_keyed_by_its_content(tmp_path):
