@@ -39,17 +39,17 @@ def make_target_from_gguf(gguf: Path, out_dir: Path, overwrite: bool = False,
 
     gguf = Path(gguf).resolve()
     # a GGUF file carries no Python code: trust is refused explicitly, so transformers never asks on stdin
-    where = dict(pretrained_model_name_or_path=gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
-    config = AutoConfig.from_pretrained(**where)
+    where = dict(pretrained_model_name_or_path=gguf.parent, gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(**where, trust_remote_code=False)
     if config.model_type not in REBUILDS:
         raise UnreadableInput(f"{gguf}: architecture {config.model_type!r} cannot be rebuilt here; supported: "
                               f"{', '.join(f'{k} ({v})' for k, v in REBUILDS.items())}")
     progress(f"reading {gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB, {config.model_type}, "
              f"{config.num_hidden_layers} layers, dequantized to float32)")
-    tokenizer = AutoTokenizer.from_pretrained(**where)
+    tokenizer = AutoTokenizer.from_pretrained(**where, trust_remote_code=False)
     if tokenizer.chat_template is None:
         raise UnreadableInput(f"{gguf}: holds no chat template (tokenizer.chat_template): not a chat model")
-    loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(**where, trust_remote_code=False, dtype=torch.float32)
     config.dtype = torch.float32
     model = getattr(transformers, REBUILDS[config.model_type])(config)
     try:  # strict: a tensor the GGUF lacks, or one the rebuilt model does not know, is an error, never a random init
