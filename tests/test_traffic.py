@@ -17,10 +17,11 @@ from eagle3.config import check_local_inputs, load_config
 from eagle3.data.conversation import encode, prompt_ids, render
 from eagle3.data.prompts import BASE_SLICE, load_prompts, rendered_prompt
 from eagle3.data.regenerate import HELDOUT_FILE, generate_batch, read_samples, regenerate
-from eagle3.data.traffic import TRAFFIC_FILE, UNLABELLED, describe_traffic, mixed, select_traffic, traffic_snapshot
+from eagle3.data.traffic import TRAFFIC_FILE, describe_traffic, mixed, select_traffic, traffic_snapshot
 from eagle3.deployment.promotion import benchmark_prompts_file, prompt_ids_in
 from eagle3.engines.generators import LocalGenerator
 from eagle3.engines.targets import load_tokenizer
+from eagle3.formats.telemetry import UNLABELLED
 from eagle3.errors import ConfigError
 from eagle3.formats.manifest import read_manifest
 from eagle3.formats.telemetry import RequestRecord

@@ -26,7 +26,6 @@ from eagle3.formats.telemetry import RequestRecord, read_request_records
 from eagle3.fsutil import atomic_write_json, read_json, sha256_file
 
 TRAFFIC_FILE, TRAFFIC_PROMPTS = "traffic.json", "traffic.jsonl"  # under run.dir/data
-UNLABELLED = "(unlabelled)"  # the slice of a request without the slice label
 
 
 def select_traffic(records: Iterable[RequestRecord], decode: Callable[[list[int]], str], slice_label: str,
@@ -46,7 +45,7 @@ def select_traffic(records: Iterable[RequestRecord], decode: Callable[[list[int]
         if not text:
             counts["without_prompt"] += 1
             continue
-        prompt = rendered_prompt(text, record.label(slice_label) or UNLABELLED)
+        prompt = rendered_prompt(text, record.slice_of(slice_label))
         if prompt.id in seen:
             counts["duplicates"] += 1
             continue

@@ -31,7 +31,6 @@ from eagle3.errors import ConfigError
 from eagle3.formats.telemetry import GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records
 
 WINDOWS, ALARMS = "monitor/windows/", "monitor/alarms/"
-UNLABELLED = "(unlabelled)"
 SUFFICIENT = ("ok", "low")
 Log = Callable[[str], None]
 
@@ -78,7 +77,7 @@ def from_records(config: PipelineConfig, now: float) -> Observation:
     for record in read_request_records(config.production.telemetry.records_dir, now - window, now):
         if record.from_pipeline:
             continue
-        part = slices.setdefault(record.label(key) or UNLABELLED, {"requests": 0, "completion_tokens": 0,
+        part = slices.setdefault(record.slice_of(key), {"requests": 0, "completion_tokens": 0,
                                                                     "verify_steps": 0})
         part["requests"] += 1
         part["completion_tokens"] += record.completion_tokens

@@ -36,6 +36,7 @@ LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
 # The pipeline's own requests (benchmark, health checks of a measurement) carry this custom label, so the monitor and
 # the traffic prompt source never take them for users' traffic.
 PIPELINE_LABEL = ("eagle3", "benchmark")
+UNLABELLED = "(unlabelled)"  # the traffic slice of a request without the operator's slice label
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,10 @@ class RequestRecord:
     @property
     def from_pipeline(self) -> bool:
         return self.label(PIPELINE_LABEL[0]) == PIPELINE_LABEL[1]
+
+    def slice_of(self, key: str) -> str:
+        """The traffic slice the request belongs to: its custom label `key`, or UNLABELLED."""
+        return self.label(key) or UNLABELLED
 
     def label(self, key: str) -> str | None:
         """The request's custom label `key` (SGLang's `custom_labels`), if it names one."""
