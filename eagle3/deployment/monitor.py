@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 
 import httpx
 
+from eagle3.bench.counting import accept_length
 from eagle3.config import PipelineConfig
 from eagle3.errors import ConfigError
 from eagle3.formats.telemetry import GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records
@@ -47,10 +48,6 @@ class Observation:
     slices: dict | None = None
     counters: dict | None = None  # the /metrics sample the next window's deltas start from
     note: str = ""
-
-
-def accept_length(tokens: float, steps: float) -> float | None:
-    return tokens / steps if steps > 0 else None
 
 
 def source_of(config: PipelineConfig) -> str:
