@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig
@@ -33,9 +34,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # its float32 intermediates (three tensors of x's size at 4 bytes) would be kept per call, 4 calls a TTT step
+        return recomputed(self.normed, x)
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return (self.weight * x32.to(x.dtype)).to(matmul_dtype(x))
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul takes x in: autocast's where it is on (bf16 on a GPU), else x's own. A norm's output, which
+    only ever feeds matmuls, is made in it at once rather than cast by autocast at each matmul (and each copy kept
+    for the backward)."""
+    kind = x.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def recomputed(fn, *args: torch.Tensor) -> torch.Tensor:
+    """fn(*args) whose intermediates the backward recomputes rather than keeps from the forward (only args are kept):
+    for cheap elementwise work whose intermediates are large. Equal results; no-grad calls (drafting) run plainly."""
+    return checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -69,13 +90,16 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, heads, Tq, d]; keys/values [B, kv_heads, Tk, d]; mask [Tq, Tk] or [B, 1, Tq, Tk], True = visible."""
-        repeat = self.heads // self.kv_heads
-        # Repeated kv heads rather than enable_gqa: with a mask, enable_gqa sends CUDA to the math kernel,
-        # which materialises the scores.
-        keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, heads, Tq, d]
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        group = self.heads // self.kv_heads  # query heads g * group .. (g + 1) * group - 1 share kv head g
+        # One call per position j in the group, over query heads j, group + j, ...: each sees the kv heads as they
+        # are. Neither enable_gqa (with a mask, it sends CUDA to the math kernel, which materialises the scores) nor
+        # keys and values repeated per query head (a copy per query chunk, kept for the backward), and the calls
+        # share one additive mask.
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        out = torch.stack([F.scaled_dot_product_attention(q[:, j::group], keys, values, attn_mask=bias)
+                           for j in range(group)], dim=2)  # [B, kv_heads, group, Tq, d]
+        b, t = q.shape[0], q.shape[2]
+        return self.o_proj(out.permute(0, 3, 1, 2, 4).reshape(b, t, self.heads * self.head_dim))  # head g * group + j
 
     def attend_ttt(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         """Training-time test, step k: q [B, heads, T, d]; keys/values k + 1 blocks [B, kv_heads, T, d].
@@ -104,7 +128,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # silu's output and the product ([T, intermediate] each) would be kept for the backward beside both inputs
+        return self.down_proj(recomputed(swiglu, self.gate_proj(x), self.up_proj(x)))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class DraftLayer(nn.Module):

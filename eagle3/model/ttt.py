@@ -14,6 +14,7 @@ drift apart.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 
@@ -30,19 +31,25 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def ttt_forward(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """aux [B, T, n_aux * TH], input_ids [B, T] -> draft logits [B, T, draft_vocab] for each step."""
+def ttt_steps(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+    """aux [B, T, n_aux * TH], input_ids [B, T] -> draft logits [B, T, draft_vocab] of each step, made as they are
+    asked for: `ttt_stats` scores each step before the next runs, so the backward (which takes the most recent work
+    first) frees each step's logits gradient before it makes the previous step's."""
     length = input_ids.shape[1]
     index = torch.arange(length, device=input_ids.device)
     hidden = model.fc(aux)  # [B, T, H]
-    keys, values, logits = [], [], []
+    keys, values = [], []
     for k in range(steps):
         q, new_k, new_v = model.project(shift_left(input_ids, 1 + k), hidden, index + k)
         keys.append(new_k)
         values.append(new_v)
         hidden, step_logits = model.finish(hidden, model.midlayer.self_attn.attend_ttt(q, keys, values))
-        logits.append(step_logits)
-    return logits
+        yield step_logits
+
+
+def ttt_forward(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Every step's logits at once (`ttt_steps`)."""
+    return list(ttt_steps(model, aux, input_ids, steps))
 
 
 @dataclass
@@ -54,12 +61,33 @@ class StepStats:
     count: torch.Tensor  # [K] valid positions
 
 
-def ttt_stats(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor, model: Eagle3Draft) -> StepStats:
+class SoftCrossEntropy(torch.autograd.Function):
+    """Per position, -(p * log_softmax(z)).sum(-1) = logsumexp(z) - p.z (p sums to 1), computed in float32.
+
+    logits z [..., Dv] in their own dtype, p [..., Dv] float32 -> [...]. Autograd would keep a float32 copy of every
+    TTT step's logits from the forward to the backward (4 bytes per draft id and position, all steps at once); this
+    keeps z as it came (2 bytes in bf16, and the caller holds it anyway) and recomputes the gradient, softmax(z) - p,
+    from it in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, p)
+        z = logits.float()
+        return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, p = ctx.saved_tensors
+        return ((torch.softmax(logits.float(), dim=-1) - p) * grad[..., None]).to(logits.dtype), None
+
+
+def ttt_stats(step_logits: Iterable[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor, model: Eagle3Draft) -> StepStats:
     """Soft cross-entropy against the target's distribution restricted to the draft vocabulary.
 
     Teacher row i predicts token i + 1. Step k at index t predicts x_{t+2+k}, so its target is row
     t+1+k, valid when x_{t+2+k} is a generated (loss-masked) token and the target's argmax there lies
-    inside the draft vocabulary.
+    inside the draft vocabulary. `step_logits` may be `ttt_steps`' iterator: each step is scored as it comes.
     """
     hot = model.hot_token_ids()  # [Dv] target id of each draft row
     length = loss_mask.shape[1]
@@ -69,11 +97,8 @@ def ttt_stats(step_logits: list[torch.Tensor], teacher: Teacher, loss_mask: torc
         argmax = teacher.argmax[:, 1 + k : 1 + k + n]  # [B, n]: row t+1+k predicts x_{t+2+k}
         valid = loss_mask[:, 2 + k :].bool() & teacher.in_draft[:, 1 + k : 1 + k + n]
         p = teacher.probs[:, 1 + k : 1 + k + n]  # [B, n, Dv]
-        z = logits[:, :n].float()  # [B, n, Dv]
-        # -(p * log_softmax(z)).sum(-1) = logsumexp(z) - p.z, as p sums to 1: autograd keeps z alone,
-        # not log_softmax's output and a product as well (~14 bytes per draft id and token less).
-        per_position = torch.logsumexp(z, dim=-1) - (p * z).sum(-1)  # [B, n]
-        losses.append((per_position * valid).sum())
+        z = logits[:, :n]  # [B, n, Dv], in the head's dtype (bf16 on a GPU)
+        losses.append((SoftCrossEntropy.apply(z, p) * valid).sum())
         correct.append(((hot[z.argmax(-1)] == argmax) & valid).sum())
         count.append(valid.sum())
     return StepStats(torch.stack(losses), torch.stack(correct).float(), torch.stack(count).float())
@@ -93,11 +118,13 @@ def draft_chain(model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, ste
 
 
 class TTTModel(torch.nn.Module):
-    """The unrolled draft as one module, so DDP sees a forward call and syncs gradients."""
+    """The unrolled draft and its loss as one module, so DDP and FSDP see a forward call (and sync gradients)."""
 
     def __init__(self, draft: Eagle3Draft, steps: int):
         super().__init__()
         self.draft, self.steps = draft, steps
 
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        return ttt_forward(self.draft, aux, input_ids, self.steps)
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher, loss_mask: torch.Tensor) -> torch.Tensor:
+        """[3, K]: StepStats' loss_sum, correct and count stacked (a tensor, which the wrappers' hooks follow)."""
+        stats = ttt_stats(ttt_steps(self.draft, aux, input_ids, self.steps), teacher, loss_mask, self.draft)
+        return torch.stack([stats.loss_sum, stats.correct, stats.count])

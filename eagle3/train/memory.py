@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 from eagle3.formats.checkpoint import DraftConfig
 from eagle3.model.draft import Eagle3Draft
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import ttt_forward, ttt_stats
+from eagle3.model.ttt import TTTModel
 
 
 class AllocationPeak(TorchDispatchMode):
@@ -86,6 +86,6 @@ def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, 
         with AllocationPeak() as tracker:
             teacher = teacher_head(last)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                step_logits = ttt_forward(model, aux, ids, ttt_steps)
-            ttt_stats(step_logits, teacher, loss_mask, model).loss_sum.sum().backward()
+                stats = TTTModel(model, ttt_steps)(aux, ids, teacher, loss_mask)
+            stats[0].sum().backward()
     return tracker.peak

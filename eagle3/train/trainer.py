@@ -32,7 +32,7 @@ from eagle3.formats.vocab_map import VocabMap, carry_rows, load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import StepStats, TTTModel, ttt_forward, ttt_stats
+from eagle3.model.ttt import StepStats, TTTModel, ttt_stats, ttt_steps
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData
 from eagle3.train.parallel import Parallel
@@ -255,10 +255,10 @@ class Trainer:
         teacher = self.teacher(features.last)
         with autocast(self.dist.device):
             if train:
-                step_logits = self.wrapped(features.aux, ids)
-            else:
-                step_logits = ttt_forward(self.model, features.aux, ids, self.config.training.ttt_steps)
-        return ttt_stats(step_logits, teacher, loss_mask, self.model)
+                loss_sum, correct, count = self.wrapped(features.aux, ids, teacher, loss_mask)
+                return StepStats(loss_sum, correct.detach(), count.detach())
+            steps = ttt_steps(self.model, features.aux, ids, self.config.training.ttt_steps)
+            return ttt_stats(steps, teacher, loss_mask, self.model)
 
     def train_step(self, refs: list[SampleRef]) -> torch.Tensor:
         """One optimizer step on this rank's share of a global batch. Returns the global sums
