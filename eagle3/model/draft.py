@@ -128,7 +128,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu's output and the product ([T, intermediate] each) would be kept for the backward beside both inputs
+        # silu's output ([T, intermediate]) would be kept for the backward beside both inputs and the product
         return self.down_proj(recomputed(swiglu, self.gate_proj(x), self.up_proj(x)))
 
 
