@@ -21,7 +21,7 @@ from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.formats.target import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.plan_time import TimePlan, plan_time
-from eagle3.train.memory import trainable_parameters, training_step_peak_bytes
+from eagle3.train.memory import trainable_parameters, training_step_peak_by_op, training_step_peak_bytes
 from eagle3.train.trainer import trained_draft_config
 
 GIB = 2**30
@@ -35,6 +35,7 @@ class StagePlan:
     parts: dict[str, float] = field(default_factory=dict)  # GiB per GPU by component
     knob: str = ""  # what to turn when it does not fit
     unknown: str | None = None  # why it could not be sized
+    step_by_op: dict[str, float] = field(default_factory=dict)  # train: the measured step's GiB by the op that made it
 
     @property
     def per_gpu_gib(self) -> float | None:
@@ -70,7 +71,8 @@ class MemoryPlan:
             "training_features": self.features,
             "storage_bytes": self.storage,
             "stages": [{"name": s.name, "per_gpu_gib": s.per_gpu_gib, "fits": self.fits(s), "gpus": s.gpus,
-                        "parts": s.parts, "knob": s.knob, "unknown": s.unknown} for s in self.stages],
+                        "parts": s.parts, "knob": s.knob, "unknown": s.unknown,
+                        **({"step_by_op_gib": s.step_by_op} if s.step_by_op else {})} for s in self.stages],
             "hours": self.time.to_dict(),
         }
 
@@ -171,7 +173,9 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
     stage = StagePlan("train", world, knob=(
         f"lower training.batch_size ({per_rank} sequences per GPU now) or training.seq_len ({train.seq_len})"
         + ("" if train.fsdp or world == 1 else ", or set training.fsdp true")))
-    step = training_step_peak_bytes(cfg, per_rank, train.seq_len, train.ttt_steps, config.data.last_hidden == "pre_norm")
+    shape = (cfg, per_rank, train.seq_len, train.ttt_steps, config.data.last_hidden == "pre_norm")
+    step = training_step_peak_bytes(*shape)
+    stage.step_by_op = {op: _gib(n) for op, n in training_step_peak_by_op(*shape).items() if n >= GIB / 100}
     stage.parts = {
         f"draft weights, fp32 ({params / 1e9:.2f} B trainable)": _gib(4 * params),
         f"AdamW moments, fp32 (/{shards})": _gib(8 * params / shards),

@@ -14,7 +14,7 @@ from eagle3.formats.target import active_parameters, read_target_size
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import TTTModel
 from eagle3.plan import plan_memory, require_fit
-from eagle3.train.memory import AllocationPeak, training_step_peak_bytes
+from eagle3.train.memory import AllocationPeak, training_step_peak_by_op, training_step_peak_bytes
 from test_config import TINY
 from test_data import micro_overrides
 from test_train import tiny_draft
@@ -36,6 +36,9 @@ def test_the_kimi_config_fits_the_node(capsys):
     assert plan["training_features"] == "online" and plan["storage_bytes"]["hidden_states"] == 0
     assert stages["train"]["parts"]["target weights (/8)"] == pytest.approx(553.39 / 8, rel=1e-3)
     assert stages["train"]["parts"]["KV cache, 32,768 tokens"] > 0
+    # issue 28: the draft's step on one 4,096-token sequence at TTT 7 (27.6 GiB before), and where it goes
+    step = stages["train"]["parts"]["training step, measured (TTT 7: activations, teacher, gradients)"]
+    assert step <= 14 and sum(stages["train"]["step_by_op_gib"].values()) == pytest.approx(step, abs=0.1)
 
 
 def test_offline_training_stores_the_hidden_states_and_frees_the_training_gpus():
@@ -107,6 +110,8 @@ def test_the_dry_run_counts_what_the_real_step_allocates():
             stats = TTTModel(model, 3)(aux, ids, teacher, mask)
         stats[0].sum().backward()
     assert training_step_peak_bytes(model.config, 2, 24, 3, pre_norm=False) == real.peak
+    assert training_step_peak_by_op(model.config, 2, 24, 3, pre_norm=False) == real.peak_by_op
+    assert sum(real.peak_by_op.values()) == real.peak and real.peak_by_op["mm"] > 0
 
 
 def test_a_view_of_an_existing_weight_is_not_an_allocation():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -25,12 +26,15 @@ from eagle3.model.ttt import TTTModel
 
 
 class AllocationPeak(TorchDispatchMode):
-    """Counts the bytes of every storage an op creates while they are alive; keeps the peak."""
+    """Counts the bytes of every storage an op creates while they are alive; keeps the peak, and what was alive at
+    it by the (aten) op that made it."""
 
     def __init__(self):
         super().__init__()
         self.seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.current = self.peak = 0
+        self.by_op: Counter[str] = Counter()  # bytes alive now
+        self.peak_by_op: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for tensor in tree_flatten((args, kwargs))[0]:
@@ -39,21 +43,24 @@ class AllocationPeak(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
-                self.count(tensor.untyped_storage())
+                self.count(tensor.untyped_storage(), func.overloadpacket.__name__)
         return out
 
-    def count(self, storage) -> None:
+    def count(self, storage, op: str) -> None:
         """A storage first seen as an op's output is new (a view of an earlier one shares its storage)."""
         if storage in self.seen:
             return
         size = storage.nbytes()
         self.seen[storage] = size
         self.current += size
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self.release, size)
+        self.by_op[op] += size
+        if self.current > self.peak:
+            self.peak, self.peak_by_op = self.current, {name: n for name, n in self.by_op.items() if n}
+        weakref.finalize(storage, self.release, size, op)
 
-    def release(self, size: int) -> None:
+    def release(self, size: int, op: str) -> None:
         self.current -= size
+        self.by_op[op] -= size
 
 
 def trainable_parameters(cfg: DraftConfig) -> int:
@@ -68,11 +75,18 @@ def training_step_peak_bytes(cfg: DraftConfig, sequences: int, seq_len: int, ttt
     TTT activations, loss, gradients, and the transients between them (not the weights or the batch).
     Measured once per shape in a process (seconds at Kimi's size, and the config check, `eagle3 plan` and the
     flow's load-config each ask)."""
-    return _measured_peak(cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm)
+    return _measured_peak(cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm)[0]
+
+
+def training_step_peak_by_op(cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> dict[str, int]:
+    """What `training_step_peak_bytes` counts, by the aten op that made each tensor alive at the peak (largest first):
+    where a step's memory goes (`_to_copy`: dtype casts, `mm`: matmul outputs, ...)."""
+    by_op = _measured_peak(cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm)[1]
+    return dict(sorted(by_op.items(), key=lambda item: -item[1]))
 
 
 @functools.lru_cache(maxsize=16)
-def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> int:
+def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> tuple[int, dict[str, int]]:
     cfg = DraftConfig.model_validate_json(cfg_json)
     with FakeTensorMode():
         model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
@@ -88,4 +102,4 @@ def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, 
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 stats = TTTModel(model, ttt_steps)(aux, ids, teacher, loss_mask)
             stats[0].sum().backward()
-    return tracker.peak
+    return tracker.peak, tracker.peak_by_op
