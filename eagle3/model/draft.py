@@ -55,8 +55,11 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
 
 def recomputed(fn, *args: torch.Tensor) -> torch.Tensor:
     """fn(*args) whose intermediates the backward recomputes rather than keeps from the forward (only args are kept):
-    for cheap elementwise work whose intermediates are large. Equal results; no-grad calls (drafting) run plainly."""
-    return checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
+    for cheap elementwise work whose intermediates are large, and no randomness (no RNG state kept to replay). Equal
+    results; no-grad calls (drafting, evaluation) run plainly."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
