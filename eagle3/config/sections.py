@@ -172,7 +172,11 @@ class TrainingSection(Section):
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW's decoupled weight decay, on every trained "
                                 "tensor (norms included)")
     max_steps: int = Field(gt=0)
-    batch_size: int = Field(gt=0, description="global batch size in sequences")
+    batch_size: int = Field(gt=0, description="global batch per optimizer step, in sequences (all ranks, micro-batches)")
+    micro_batch_size: int | None = Field(
+        default=None, gt=0, description="sequences one GPU's draft takes per forward (online: the target's forward "
+        "takes ranks x this many): a step accumulates gradients over batch_size / (ranks x micro_batch_size) "
+        "micro-batches, syncs them once, and makes the update one batch would. None: each rank's whole share at once")
     seq_len: int = Field(gt=1)
     grad_clip: float = Field(default=1.0, gt=0.0)
     nproc_per_node: int = Field(default=1, ge=1)
@@ -211,6 +215,10 @@ class TrainingSection(Section):
         default=STOP_GRACE_S, gt=0.0, description="after SIGTERM the trainer finishes its step and saves a checkpoint; what is "
         "still alive after this is killed (keep it under Prefect's 30 s between a cancel's SIGTERM and SIGKILL)")
 
+    def sequences_per_forward(self, world: int) -> int:
+        """Sequences one rank's draft takes per forward: micro_batch_size, else its whole share of batch_size."""
+        return self.micro_batch_size or self.batch_size // world
+
     @field_validator("adam_betas")
     @classmethod
     def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
@@ -239,6 +247,10 @@ class TrainingSection(Section):
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ValueError(f"training.nnodes {self.nnodes} needs training.rdzv_endpoint host:port, the rendezvous "
                              "every node's torchrun joins (e.g. the first node, port 29500)")
+        problem = batch_split_problem(self.batch_size, self.micro_batch_size, self.nproc_per_node * self.nnodes,
+                                      "training.nproc_per_node x nnodes")
+        if problem:
+            raise ValueError(problem)
         counts = sorted({option_name(a) for a in self.srun_args} & SRUN_COUNT_OPTIONS)
         if counts:
             raise ValueError(f"training.srun_args sets {', '.join(counts)}; the launcher sets the node and task "
@@ -247,6 +259,18 @@ class TrainingSection(Section):
 
 
 SRUN_COUNT_OPTIONS = {"-N", "--nodes", "-n", "--ntasks", "--ntasks-per-node"}
+
+
+def batch_split_problem(batch_size: int, micro_batch_size: int | None, world: int, world_from: str) -> str | None:
+    """Why training.batch_size does not split into whole micro-batches on `world` ranks (None: it does). The config
+    checks nproc_per_node x nnodes, the trainer the ranks it runs on (torchrun may start others)."""
+    per_step = world * (micro_batch_size or 1)
+    if batch_size % per_step == 0:
+        return None
+    micro = f" x training.micro_batch_size {micro_batch_size} = {per_step}" if micro_batch_size else ""
+    near = max(per_step, round(batch_size / per_step) * per_step)
+    return (f"training.batch_size {batch_size} must be a multiple of the {world} ranks ({world_from}){micro}: set "
+            f"it to {near}" + (" or lower training.micro_batch_size" if (micro_batch_size or 1) > 1 else ""))
 
 
 def option_name(arg: str) -> str:

@@ -101,3 +101,9 @@ class TTTModel(torch.nn.Module):
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor) -> list[torch.Tensor]:
         return ttt_forward(self.draft, aux, input_ids, self.steps)
+
+
+def target_positions(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """[K] positions per TTT step whose target token is loss-masked (step k at index t predicts x_{t+2+k}, as in
+    ttt_stats): the loss's normaliser, known from the token rows alone, before the target or the draft runs."""
+    return torch.stack([loss_mask[:, 2 + k :].sum() for k in range(steps)]).float()
