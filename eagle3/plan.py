@@ -168,9 +168,11 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
     params = trainable_parameters(cfg)
     shards = world if train.fsdp else 1
     embedding = target.vocab_size * target.hidden_size
-    field = "micro_batch_size" if train.micro_batch_size else "batch_size (or set training.micro_batch_size)"
+    fewer = (f"lower training.micro_batch_size ({per_rank} sequences per GPU per forward now)" if train.micro_batch_size
+             else f"set training.micro_batch_size under the {per_rank} sequences per GPU per forward now (each rank's "
+             "share of training.batch_size)")
     stage = StagePlan("train", world, knob=(
-        f"lower training.{field} ({per_rank} sequences per GPU per forward now) or training.seq_len ({train.seq_len})"
+        f"{fewer} or lower training.seq_len ({train.seq_len})"
         + ("" if train.fsdp or world == 1 else ", or set training.fsdp true")))
     step = training_step_peak_bytes(cfg, per_rank, train.seq_len, train.ttt_steps, config.data.last_hidden == "pre_norm")
     stage.parts = {
