@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, load_run_config
@@ -37,6 +38,16 @@ def add_registry_commands(commands) -> None:
     )
     history.add_argument("--json", action="store_true", help="machine-readable output")
     history.set_defaults(handler=run_registry_history)
+    unlock = registry_commands.add_parser(
+        "unlock", add_help=False, help="free the registry's lock left by a run that is gone (see flows/unlock.py)")
+    unlock.add_argument("arguments", nargs=argparse.REMAINDER, help="--config CONFIG [--set ...] [--force]")
+    unlock.set_defaults(handler=run_registry_unlock)
+
+
+def run_registry_unlock(args: argparse.Namespace) -> int:
+    """The lock is Prefect's (a global concurrency limit), which the library never imports: flows/unlock.py frees it,
+    in this process."""
+    os.execv(sys.executable, [sys.executable, "-m", "flows.unlock", *args.arguments])
 
 
 def open_config_registry(args: argparse.Namespace):
