@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Iterator
 from uuid import UUID
 
+import httpx
+
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 from prefect.concurrency.asyncio import AcquireConcurrencySlotTimeoutError
@@ -24,11 +26,13 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 
-from eagle3.registry.lock import RENEW_S, Holder, clear_holder, holder_gone, read_holder, record_unlock, \
-    renew_holder, write_holder
+from eagle3.registry.lock import (
+    RENEW_S, Holder, clear_holder, holder_gone, read_holder, record_unlock, renew_holder, write_holder,
+)
 from eagle3.registry.registry import Registry
 
 WAIT_REPORT_S = 60.0  # a waiting run says who holds the registry this often
+LEASE_CHECK_S = 60.0  # renewing a dead holder's lease (Prefect's least) tells whether the server still has it
 
 
 def run_state(run_id: str) -> str | None:
@@ -47,12 +51,18 @@ def taken_slots(limit: str) -> int:
 
 
 def free_slot(limit: str, holder: Holder | None) -> None:
-    """Give back the dead holder's slot: through its lease when the server still has it (the repossessor would
-    otherwise decrement the count once more when the lease lapses, under the next holder), else by resetting the
-    count, which only this lock's single holder can have taken."""
+    """Give back the dead holder's slot. Through its lease while the server still has it: reset by hand, the slot
+    would be decremented once more when the repossessor revokes that lease, under the next holder. A lease the server
+    lost (a restart) answers a renewal 410 Gone - its release would answer 204 and change nothing - and then the
+    count is reset, which only this lock's single holder can have taken."""
     with get_client(sync_client=True) as client:
         if holder and holder.lease:
-            with contextlib.suppress(ObjectNotFound):
+            try:
+                client.renew_concurrency_lease(UUID(holder.lease), lease_duration=LEASE_CHECK_S)
+            except httpx.HTTPStatusError as err:
+                if err.response.status_code != 410:
+                    raise
+            else:
                 client.release_concurrency_slots_with_lease(UUID(holder.lease))
                 return
         client.update_global_concurrency_limit(limit, GlobalConcurrencyLimitUpdate(active_slots=0))
@@ -71,7 +81,12 @@ def unlock(registry: Registry, limit: str, log: Callable[[str], None], by: str, 
             return False
     if holder is not None and not clear_holder(registry.store, etag):
         return False  # someone else freed it (or took it) first
-    free_slot(limit, holder)
+    try:
+        free_slot(limit, holder)
+    except Exception:
+        if holder is not None:
+            write_holder(registry.store, holder)  # the record stays until its slot is free: the next waiter retries
+        raise
     record_unlock(registry, holder, reason, by=by, run=run)
     log(f"registry lock: freed the slot of {holder.describe() if holder else 'no recorded holder'}: {reason}")
     return True
