@@ -97,7 +97,8 @@ def say_who_waits(registry: Registry, limit: str, log: Callable[[str], None]) ->
     if taken_slots(limit) < 1 or unlock(registry, limit, log, by="eagle3 run (waiting)", run=flow_run.id):
         return
     holder, _ = read_holder(registry.store)
-    who = holder.describe() if holder else "a run that recorded no holder (`eagle3 registry unlock CONFIG` frees it)"
+    who = (holder.describe() if holder
+           else "a run that recorded no holder (`eagle3 registry unlock --config CONFIG` frees it)")
     log(f"registry lock: waiting for {registry.location}, held by {who}")
 
 
