@@ -134,7 +134,7 @@ def start_holder(processes: Processes, name: str, overrides: list[str]) -> tuple
     return holder, found[0]
 
 
-def test_a_killed_holders_lock_is_freed_by_the_next_run_through_its_lease(prefect_api, tmp_path):
+def test_a_waiting_run_says_who_holds_the_lock_and_the_next_frees_a_killed_holders(prefect_api, tmp_path):
     """The server kept the dead holder's lease: the slot is given back through it, so that the repossessor cannot
     decrement it a second time, under the next holder, when the lease lapses."""
     from prefect.settings import PREFECT_API_URL
@@ -147,8 +147,12 @@ def test_a_killed_holders_lock_is_freed_by_the_next_run_through_its_lease(prefec
     section = load_config(CONFIG, overrides).registry
     try:
         holder, killed = start_holder(processes, "holder", overrides)
-        holder.kill()
-        holder.wait()
+        waiter, log = processes.start("waiter", [sys.executable, HOLDER, CONFIG, "0", *overrides], cwd=ROOT)
+        wait_for(lambda: "registry lock: waiting for" in log.read_text(), NEXT_RUN_S, "a waiting line", log)
+        assert f"held by flow run {killed} (host " in log.read_text(), tail(log)  # and it says so every minute
+        for process in (holder, waiter):
+            process.kill()
+            process.wait()
         assert active_slots(api, registry_limit_name(section)) == 1
         hold(CONFIG, overrides, 0)  # in this process: the same code path as the flow's
         assert active_slots(api, registry_limit_name(section)) == 0
