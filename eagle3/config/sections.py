@@ -27,6 +27,10 @@ class RunSection(Section):
         default=3, ge=1, description="retrain run directories (run.dir/retrain-*) of this registry kept, newest "
         "first, when a promotion removes the older ones; the run that built production and running runs are never "
         "removed")
+    cpu_threads: int | None = Field(
+        default=None, ge=1, description="CPU threads (torch's OpenMP pool) of each busy job the run starts: a "
+        "reference server, the trainer (split among its ranks). None: this machine's cores halved, as two jobs can be "
+        "busy at once (the production server beside the trainer or a server under test). SGLang servers keep theirs")
 
 
 class TargetSection(Section):
