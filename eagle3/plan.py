@@ -10,7 +10,6 @@ quantization); the training step is measured by running the trainer's own step o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,17 +160,21 @@ def capture_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
 
 
 def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
-    """The draft's step; online, also the target on the same GPUs (tensor-parallel over the ranks, every rank
-    holding the features of the whole global batch before it keeps its rows)."""
+    """The draft's step on one forward's rows (a micro-batch: the global batch's size changes how many there are,
+    not their memory); online, also the target on the same GPUs (tensor-parallel over the ranks, every rank holding
+    the features of the whole global micro-batch before it keeps its rows)."""
     train, target = config.training, config.target
     world = train.nproc_per_node * train.nnodes
-    per_rank = math.ceil(train.batch_size / world)
+    per_rank = train.sequences_per_forward(world)
     cfg = trained_draft_config(config)
     params = trainable_parameters(cfg)
     shards = world if train.fsdp else 1
     embedding = target.vocab_size * target.hidden_size
+    fewer = (f"lower training.micro_batch_size ({per_rank} sequences per GPU per forward now)" if train.micro_batch_size
+             else f"set training.micro_batch_size under the {per_rank} sequences per GPU per forward now (each rank's "
+             "share of training.batch_size)")
     stage = StagePlan("train", world, knob=(
-        f"lower training.batch_size ({per_rank} sequences per GPU now) or training.seq_len ({train.seq_len})"
+        f"{fewer} or lower training.seq_len ({train.seq_len})"
         + ("" if train.fsdp or world == 1 else ", or set training.fsdp true")))
     shape = (cfg, per_rank, train.seq_len, train.ttt_steps, config.data.last_hidden == "pre_norm")
     step = training_step_peak_bytes(*shape)
@@ -181,7 +184,7 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
         f"AdamW moments, fp32 (/{shards})": _gib(8 * params / shards),
         "target embedding, fp32, frozen": _gib(4 * embedding),
         "teacher head, bf16 (all rows + draft rows)": _gib(2 * embedding + 2 * config.vocab.draft_vocab_size * target.hidden_size),
-        f"batch on the GPU ({per_rank} x {train.seq_len} tokens)": _gib(
+        f"rows of one forward on the GPU ({per_rank} x {train.seq_len} tokens)": _gib(
             per_rank * train.seq_len * ((len(config.data.aux_layers) + 1) * target.hidden_size * 4 + 16)),
         f"training step, measured (TTT {train.ttt_steps}: activations, teacher, gradients)": _gib(step),
         "runtime reserve": RUNTIME_RESERVE_GIB,
@@ -198,13 +201,14 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
 
 
 def online_target_parts(config: PipelineConfig, size: TargetSize, world: int) -> dict[str, float]:
-    """The target beside the trainer: its weights at TP = world, KV for one global batch, that batch's features (bf16),
-    and what SGLang's static pool (mem_fraction_static of the GPU) reserves beyond weights and KV. The target's forward
-    activations are transient and come before the draft's step, whose measured peak is already counted."""
-    tokens = config.training.batch_size * config.training.seq_len
+    """The target beside the trainer: its weights at TP = world, KV for one forward over the global micro-batch (every
+    rank's rows of it), its features (bf16), and what SGLang's static pool (mem_fraction_static of the GPU) reserves
+    beyond weights and KV. The target's forward activations are transient and come before the draft's step, whose
+    measured peak is already counted."""
+    tokens = world * config.training.sequences_per_forward(world) * config.training.seq_len
     parts = target_parts(size, world, tokens)
     features = tokens * (len(config.data.aux_layers) + 1) * config.target.hidden_size * 2
-    parts[f"target features of the global batch (bf16, {tokens:,} tokens)"] = _gib(features)
+    parts[f"target features of the global micro-batch (bf16, {tokens:,} tokens)"] = _gib(features)
     fraction = config.data.sglang_engine_args.get("mem_fraction_static")
     if config.data.capture_engine == "sglang" and fraction is not None:
         reserved = float(fraction) * config.node.gpu_memory_gib - sum(parts.values())

@@ -3,8 +3,9 @@ roll back.
 
 Ends Completed (promoted), Completed named RolledBack (the gate, or production's check after the promotion,
 rejected the candidate; the message gives the reasons), or Failed (an error). Runs for one registry never overlap:
-they hold a global concurrency limit of 1, taken strictly. Modes: `full`; `retrain` (a fresh run directory,
-warm start from the production draft); `benchmark` (re-measure production only); `monitor` (one window of
+they hold a global concurrency limit of 1, taken strictly, with the holder recorded in the registry: a waiting run
+says who holds it, and frees the slot of a holder that is gone (tasks/lock.py). Modes: `full`; `retrain` (a fresh
+run directory, warm start from the production draft); `benchmark` (re-measure production only); `monitor` (one window of
 production's acceptance on live traffic; the event `eagle3.acceptance.degraded` on an alarm; takes no lock). A run
 marks its directory in use while it runs; after a promotion that production serves, old retrain run directories are
 removed (run.keep_runs).
@@ -15,11 +16,11 @@ from __future__ import annotations
 from typing import Literal
 
 from prefect import flow
-from prefect.concurrency.sync import concurrency
 from prefect.states import Completed, Failed
 from prefect.transactions import transaction
 
 from eagle3.registry.gate import GateRejected
+from eagle3.registry.registry import open_registry
 from eagle3.runs import run_in_use
 from tasks.bench import measure_served, simulate_acceptance, sweep_serving
 from tasks.common import log_to_run
@@ -37,6 +38,7 @@ from tasks.deploy import (
     verify_production,
 )
 from tasks.export import export_and_validate
+from tasks.lock import registry_lock
 from tasks.monitor import emit_degraded, load_monitor_config, publish_monitor_report, watch_production
 from tasks.run import ensure_registry_limit, load_run_config, registry_limit_name
 from tasks.train import train_draft
@@ -51,10 +53,11 @@ def eagle3(config: str, overrides: list[str] | None = None,
     if mode == "monitor":  # never the registry's lock: it must neither wait behind a 14-hour retrain nor block one
         return watch(config, overrides or [])
     run_config, resolved = load_run_config(config, overrides or [], mode)
-    with concurrency(registry_limit_name(run_config.registry), occupy=1, strict=True):
+    log = log_to_run()
+    with registry_lock(open_registry(run_config.registry, log=log), registry_limit_name(run_config.registry), log):
         if mode == "benchmark":
             return remeasure_production(run_config)
-        with run_in_use(run_config.run.dir, log_to_run()):  # the retention of another run never removes this one
+        with run_in_use(run_config.run.dir, log):  # the retention of another run never removes this one
             return train_and_deploy(run_config, resolved)
 
 

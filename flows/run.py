@@ -1,11 +1,15 @@
 """`eagle3 run CONFIG [--set section.field=value ...] [--mode full|retrain|benchmark]`: the eagle3 flow run in this
-process, on the Prefect API configured (PREFECT_API_URL) or else an ephemeral one, then a summary table.
+process, on the Prefect API configured (PREFECT_API_URL) or else a temporary one of its own (flows/api.py), then a
+summary table.
 
-Exit status: 0 promoted (or benchmark done), 3 rolled back, 1 failed.
+Exit status: 0 promoted (or benchmark done), 3 rolled back, 1 failed; stopped by a signal: 128 + its number (143
+SIGTERM, 130 SIGINT), after the run released what it held (the registry's lock, the servers and trainers it started,
+its temporary Prefect API), with the last line "eagle3 run: stopped by SIGTERM during <stage>; a re-run resumes".
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from flows.entry import config_parser
@@ -20,8 +24,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from eagle3.config import DEPLOYMENT_SECTIONS, check_local_inputs, load_config, require_sections
     from eagle3.errors import Eagle3Error
-    from flows.eagle3 import eagle3, ensure_registry_limit
-    from flows.summary import summary
+    from eagle3.procs import Terminated, terminate_on_sigterm
+    from flows.api import run_api
 
     try:
         config = load_config(args.config, args.overrides)
@@ -30,12 +34,55 @@ def main(argv: list[str] | None = None) -> int:
     except Eagle3Error as err:
         print(f"eagle3 run: {err}", file=sys.stderr)
         return EXIT_FAILED
+    started = {}  # the flow run's id, once Prefect has one
+    # a SIGTERM raises Terminated (SystemExit) instead of ending the process on the spot; within the flow run
+    # Prefect's own handler takes it first, marks the run Crashed and sends it again, which lands here once the run
+    # has unwound (its lock released, its trainers and servers stopped) and the API is still up
+    with terminate_on_sigterm():
+        try:
+            with run_api():
+                try:
+                    return run_flow(args, config, started)
+                except (Terminated, KeyboardInterrupt) as stop:
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+                    signum = signal_of(stop)
+                    message = tell_prefect(signum, started.get("id"))
+        except (Terminated, KeyboardInterrupt) as stop:  # before any flow run: nothing to tell Prefect
+            from flows.stop import BEFORE_ANY_STAGE, stop_message
+
+            signum = signal_of(stop)
+            message = stop_message(signum, BEFORE_ANY_STAGE)
+    print(f"eagle3 run: {message}", file=sys.stderr, flush=True)  # the last line, after the API's stop
+    return 128 + signum
+
+
+def signal_of(stop: BaseException) -> int:
+    return signal.SIGINT if isinstance(stop, KeyboardInterrupt) else stop.code - 128
+
+
+def run_flow(args, config, started: dict) -> int:
+    from flows.eagle3 import eagle3, ensure_registry_limit
+    from flows.summary import summary
+
     ensure_registry_limit(args.config, args.overrides)
-    state = eagle3(args.config, args.overrides, args.mode, return_state=True)
+    flow = eagle3.with_options(on_running=[lambda _flow, run, _state: started.update(id=run.id)])
+    state = flow(args.config, args.overrides, args.mode, return_state=True)
     print(summary(state, config, args.mode))
     if state.is_failed() or state.is_crashed() or state.is_cancelled():
         return EXIT_FAILED
     return EXIT_ROLLED_BACK if state.name == "RolledBack" else EXIT_PROMOTED
+
+
+def tell_prefect(signum: int, flow_run_id) -> str:
+    """The run's final state says where it stopped; Prefect's queued logs reach the API before it stops."""
+    from prefect.logging.handlers import APILogHandler
+
+    from flows.stop import mark_stopped, stop_message, stopped_stage
+
+    message = stop_message(signum, stopped_stage(flow_run_id))
+    mark_stopped(flow_run_id, message)
+    APILogHandler().flush()
+    return message
 
 
 if __name__ == "__main__":

@@ -16,6 +16,18 @@ from fixtures_tiny import micro_target  # noqa: E402,F401  (registered here so t
 from kimi_target import kimi_target  # noqa: E402,F401
 
 
+# pytest-xdist (`--dist loadfile`, the Makefile's sessions) hands whole files to its workers in collection order: the
+# longest start first, so no worker ends the session alone on one of them while the others idle.
+LONGEST_FILES = ("conformance/test_eagle3_server.py", "test_deployment_e2e.py", "conformance/test_plain_server.py",
+                 "test_flow.py", "test_stop.py", "test_train_launch.py", "test_train.py", "test_launch.py")
+
+
+def pytest_collection_modifyitems(items):
+    here = Path(__file__).parent
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(Path(item.fspath).relative_to(here).as_posix(), len(rank)))  # stable
+
+
 def write_target(path: Path, layers: int = TARGET_LAYERS, hidden: int = 32, vocab: int = TARGET_VOCAB,
                  architecture: str = "LlamaForCausalLM") -> Path:
     path.mkdir(parents=True, exist_ok=True)

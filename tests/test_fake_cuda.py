@@ -21,8 +21,10 @@ quiet = lambda line: None  # noqa: E731
 
 
 def fake_trainer(micro_data, tmp_path, device) -> Trainer:
-    # a short replay: what is checked is where its tensors live, not how long it drafts
-    overrides, _ = run_copy(micro_data, tmp_path, "fake", ["training.max_steps=2", "benchmark.max_new_tokens=8"])
+    # a short replay: what is checked is where its tensors live, not how long it drafts; micro-batches of 2, so a
+    # step accumulates (its normaliser comes from the host's loss masks)
+    overrides, _ = run_copy(micro_data, tmp_path, "fake", ["training.max_steps=2", "benchmark.max_new_tokens=8",
+                                                           "training.micro_batch_size=2"])
     return Trainer(load_config(TINY, overrides), log=quiet, dist=Dist(device=device))
 
 

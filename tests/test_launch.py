@@ -112,11 +112,11 @@ def test_two_batch_overlap_is_refused_where_it_loses_the_aux_capture(tmp_path, f
 
 
 def test_reference_command(tmp_path):
-    config = config_for(tmp_path)
+    config = config_for(tmp_path, "run.cpu_threads=1")
     assert reference_command(config, "/t", "/d") == [
         sys.executable, "-m", "eagle3.cli", "serve", "--target", "/t", "--draft", "/d", "--num-steps", "3",
-        "--eagle-topk", "1", "--num-draft-tokens", "4", "--release", RELEASE, "--dtype", "auto", "--host", "127.0.0.1",
-        "--port", str(config.serving.port)]
+        "--eagle-topk", "1", "--num-draft-tokens", "4", "--release", RELEASE, "--dtype", "auto", "--threads", "1",
+        "--host", "127.0.0.1", "--port", str(config.serving.port)]
     unreleased = config_for(tmp_path, "serving.release=null")
     command = reference_command(unreleased, "/t", None)
     assert "--draft" not in command and "--release" not in command

@@ -20,7 +20,7 @@ from test_data import micro_overrides
 from test_train import tiny_draft
 
 KIMI = Path(__file__).parent.parent / "configs" / "kimi-k25-8xh200.yaml"
-TOO_BIG = ["training.seq_len=65536", "training.batch_size=512"]
+TOO_BIG = ["training.seq_len=65536", "training.batch_size=512", "training.micro_batch_size=64"]
 
 
 def test_the_kimi_config_fits_the_node(capsys):
@@ -55,25 +55,34 @@ def test_a_config_that_does_not_fit_is_refused_in_one_line_naming_stage_and_knob
     assert cli.main(["plan", str(KIMI), *args, "--json"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "train needs" in err and "node.gpu_memory_gib 141" in err and "training.batch_size (64 sequences per GPU" in err
+    assert "train needs" in err and "node.gpu_memory_gib 141" in err and "training.micro_batch_size (64 sequences per GPU per forward" in err
     assert "or training.features offline" in err
     assert cli.main(["config", str(KIMI), *args]) == 2  # `eagle3 config` refuses it too, before printing anything
     captured = capsys.readouterr()
     assert captured.out == "" and "train needs" in captured.err and len(captured.err.strip().splitlines()) == 1
-    with pytest.raises(ConfigError, match="train needs .* lower training.batch_size"):  # the flow's load-config
+    with pytest.raises(ConfigError, match="train needs .* lower training.micro_batch_size"):  # the flow's load-config
         require_fit(load_config(KIMI, TOO_BIG), KIMI)
 
 
-def test_the_training_stage_grows_with_the_batch_and_lists_its_parts():
-    small_plan, large_plan = (plan_memory(load_config(KIMI, [f"training.batch_size={n}", "training.features=offline"]))
-                              for n in (8, 128))
-    small, large = small_plan.stages[2], large_plan.stages[2]
+def test_the_training_stage_grows_with_the_sequences_per_forward_and_lists_its_parts():
+    def train_stage(*overrides):
+        plan = plan_memory(load_config(KIMI, ["training.features=offline", *overrides]))
+        return plan, plan.stages[2]
+    small_plan, small = train_stage("training.batch_size=8")
+    large_plan, large = train_stage("training.batch_size=128", "training.micro_batch_size=16")
     step = "training step, measured (TTT 7: activations, teacher, gradients)"
     # 16 vs 1 sequence; one set of the weights' bf16 copies (the peak comes in the forward, before any gradient)
     assert 13 * small.parts[step] < large.parts[step] < 16 * small.parts[step]
     assert small_plan.fits(small) is True and large_plan.fits(large) is False
     assert large_plan.refusals() == [f"train needs {large.per_gpu_gib:.1f} GiB per GPU, over node.gpu_memory_gib 141: "
-                                     "lower training.batch_size (16 sequences per GPU now) or training.seq_len (4096)"]
+                                     "lower training.micro_batch_size (16 sequences per GPU per forward now) or "
+                                     "lower training.seq_len (4096)"]
+    # the global batch sets how many micro-batches a step runs, not their memory
+    assert train_stage("training.batch_size=128")[1].parts == small.parts
+    _, whole_share = train_stage("training.batch_size=128", "training.micro_batch_size=null")  # 16 per GPU at once
+    assert whole_share.parts == large.parts and whole_share.knob.startswith(
+        "set training.micro_batch_size under the 16 sequences per GPU per forward now (each rank's share of "
+        "training.batch_size) or lower training.seq_len (4096)")
 
 
 def test_kimi_weights_are_estimated_from_its_config():
@@ -151,6 +160,17 @@ def test_the_kimi_plan_gives_hours_per_stage_with_its_assumptions_and_their_fiel
     assert 10 < stages["train"] < 30 and 10 < stages["regenerate"] < 40  # a week holds a retrain several times over
     # 8 of 384 routed experts per token: ~32 B of Kimi's ~1 T parameters multiply each token
     assert hours["figures"]["target active parameters"] == pytest.approx(32e9, rel=0.03)
+
+
+def test_the_hours_count_optimizer_steps_times_the_global_batch_whatever_its_micro_batches():
+    def train_hours(*overrides: str) -> dict:
+        return next(s for s in kimi_hours(*overrides)["stages"] if s["name"] == "train")["parts"]
+    by_one, by_eight = train_hours("training.batch_size=64"), train_hours("training.batch_size=64",
+                                                                            "training.micro_batch_size=8")
+    assert by_one == by_eight
+    draft = next(name for name in by_one if name.startswith("draft:"))
+    assert "batch_size 64" in draft and by_one[draft] == pytest.approx(8 * next(
+        h for name, h in train_hours().items() if name.startswith("draft:")), rel=1e-3)  # 8x the sequences of batch 8
 
 
 def test_hours_scale_inversely_with_the_assumed_mfu():

@@ -223,14 +223,19 @@ def test_requests_the_server_cannot_serve_are_refused(micro, plain):
         assert response.status_code == 400, body
 
 
-def test_serve_command_runs_uvicorn(micro, drafts, monkeypatch):
+def test_serve_command_runs_uvicorn_on_its_share_of_the_cores(micro, drafts, monkeypatch):
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append((app, kwargs)))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append((app, kwargs, torch.get_num_threads())))
     args = ["serve", "--target", str(micro["path"]), "--draft", str(drafts["good"]), "--num-steps", "2",
             "--release", RELEASE, "--port", "30123"]
-    assert main(args) == 0
-    (app, kwargs), = calls
-    assert kwargs["host"] == "127.0.0.1" and kwargs["port"] == 30123
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(args + ["--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (app, kwargs, serving_threads), = calls
+    assert kwargs["host"] == "127.0.0.1" and kwargs["port"] == 30123 and serving_threads == 1
     paths = {route.path for route in app.routes}
     assert {"/generate", "/health", "/health_generate", "/get_model_info", "/server_info"} <= paths
     # a tree SGLang could not draft is refused before anything loads, naming the flags

@@ -10,7 +10,7 @@ import pytest
 from eagle3.formats.telemetry import (
     ACCEPT_LENGTH, ACCEPT_RATE, GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records,
 )
-from eagle3.config.sections import TelemetrySection
+from eagle3.config.production import TelemetrySection
 from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
 from eagle3.serve.launch import LaunchError, reference_command, server_for, sglang_command

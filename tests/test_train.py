@@ -19,8 +19,10 @@ from eagle3.formats.vocab_map import VocabMap, build_vocab_map
 from eagle3.model import draft as draft_module
 from eagle3.model.draft import Eagle3Draft, causal_mask, init_weights
 from eagle3.model.teacher import TeacherHead, chunked_argmax
-from eagle3.model.ttt import draft_chain, ttt_forward, ttt_stats
+from eagle3.model.ttt import draft_chain, target_positions, ttt_forward, ttt_stats
 from eagle3.model.weights import draft_as_served, draft_from_native, target_head
+from eagle3.distributed import Dist
+from eagle3.errors import Eagle3Error
 from eagle3.train.trainer import Trainer
 from test_config import TINY
 from test_data import micro_overrides
@@ -86,6 +88,7 @@ class TestAlignment:
 
         right = ttt_stats([one_hot(2), one_hot(3)], teacher, mask, model)
         assert right.count.tolist() == [4, 3]  # step 0: t in 0..3 (x_2..x_5); step 1: t in 0..2 (x_3..x_5)
+        assert target_positions(mask, 2).tolist() == [4, 3]  # the loss's normaliser, from the mask alone
         assert right.correct.tolist() == [4, 3]
         off_by_one = ttt_stats([one_hot(1), one_hot(2)], teacher, mask, model)
         assert off_by_one.correct.tolist() == [0, 0]
@@ -246,6 +249,48 @@ def test_a_warm_start_under_another_vocab_map_carries_the_head_rows_by_target_id
     assert any(f"{len(shared)} of 128 head rows carried over by target id" in line for line in lines), lines
 
 
+def test_micro_batches_make_the_update_of_one_batch(micro_data, tmp_path):
+    """4 micro-batches of 2 accumulate the gradients of one batch of 8, the loss divided by the global batch's
+    loss-masked target positions per step; after the optimizer step the drafts are the same."""
+    trainers = {}
+    for micro in (None, 2):
+        overrides, _ = run_copy(micro_data, tmp_path, f"micro-{micro}", [f"training.micro_batch_size={micro or 'null'}"])
+        trainers[micro] = Trainer(load_config(TINY, overrides), log=lambda line: None)
+    whole, split = trainers[None], trainers[2]
+    refs = whole.data.train[:8]
+    assert split.per_forward == 2 and whole.per_forward == 8
+    # the objective by hand, on the whole batch at once
+    stats = whole.step_stats(refs, train=True)
+    positions = target_positions(whole.data.tokens(refs)[1], whole.config.training.ttt_steps)
+    assert torch.all(stats.count <= positions) and torch.all(stats.count > 0)
+    (whole.step_weights * stats.loss_sum / positions).sum().backward()
+    by_hand = grads(whole)
+    whole.optimizer.zero_grad(set_to_none=True)
+    sums = {micro: trainer.accumulate_gradients(refs) for micro, trainer in trainers.items()}
+    torch.testing.assert_close(sums[2], sums[None])
+    torch.testing.assert_close(sums[None][0], stats.loss_sum.detach())
+    assert sums[None][3].tolist() == stats.count.tolist()  # the metrics' valid positions, summed over micro-batches
+    for trainer in trainers.values():
+        torch.testing.assert_close(grads(trainer), by_hand)
+    before = whole.model.fc.weight.detach().clone()
+    for trainer in trainers.values():
+        trainer.optimizer.step()
+    torch.testing.assert_close(dict(split.model.named_parameters()), dict(whole.model.named_parameters()))
+    assert not torch.equal(whole.model.fc.weight, before)  # the step moved the draft
+
+
+def grads(trainer):
+    return {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_a_batch_that_does_not_split_over_the_running_ranks_is_refused(micro_data, tmp_path):
+    """The config checks its own nproc_per_node; torchrun started by hand may run another number of ranks."""
+    overrides, _ = run_copy(micro_data, tmp_path, "three", ["training.micro_batch_size=2"])
+    with pytest.raises(Eagle3Error, match=r"training.batch_size 8 must be a multiple of the 3 ranks \(processes "
+                       r"running\) x training.micro_batch_size 2 = 6: set it to 6 or lower training.micro_batch_size"):
+        Trainer(load_config(TINY, overrides), log=lambda line: None, dist=Dist(world=3))
+
+
 def rank_errors(stderr: str) -> str:
     """The workers' own error lines, not torchrun's wrapper traceback."""
     return "\n".join(line for line in stderr.splitlines() if line.startswith("[rank") and "Loading" not in line)[-4000:]
@@ -258,13 +303,16 @@ def train_command(overrides, nproc=None):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *entry]
 
 
-def test_two_online_ranks_equal_one_offline_rank_on_the_same_global_batch(micro_data, tmp_path):
-    """Two gloo ranks computing the target's features online against one rank reading them from bf16 shards: the
-    same global batches give the same loss up to bf16's rounding of the stored features (~2e-5 measured)."""
-    # batch 2 and eval every 3 steps: ranks get uneven eval slices, which must neither hang nor change the numbers
-    steps = ["training.max_steps=6", "training.save_every=100", "training.eval_every=3", "training.batch_size=2"]
+def test_two_online_ranks_in_micro_batches_equal_one_offline_rank_on_the_same_global_batch(micro_data, tmp_path):
+    """Two gloo ranks computing the target's features online, a micro-batch at a time (2 per step, DDP syncing the
+    last), against one rank taking the batch at once from bf16 shards: the same global batches give the same loss up
+    to bf16's rounding of the stored features (~2e-5 measured)."""
+    # eval every 3 steps in global batches of 2 (one forward's rows): ranks get uneven eval slices, which must
+    # neither hang nor change the numbers
+    steps = ["training.max_steps=6", "training.save_every=100", "training.eval_every=3", "training.batch_size=4"]
     single, single_dir = run_copy(micro_data, tmp_path, "single", steps)
-    double, double_dir = run_copy(micro_data, tmp_path, "double", [*steps, "training.features=online"])
+    double, double_dir = run_copy(micro_data, tmp_path, "double", [*steps, "training.features=online",
+                                                                   "training.micro_batch_size=1"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for command in (train_command(single), train_command(double, nproc=2)):
         result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
@@ -304,10 +352,13 @@ def test_resume_after_sigterm_reproduces_the_uninterrupted_curve(micro_data, tmp
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-6), x["step"]
 
 
-def test_fsdp_on_two_ranks_equals_one_rank_and_resumes(micro_data, tmp_path):
+def test_fsdp_on_two_ranks_in_micro_batches_equals_one_rank_and_resumes(micro_data, tmp_path):
+    """FSDP2 accumulating 2 micro-batches of 2 per rank (gradient sync off for the first) against one rank taking the
+    batch of 8 at once."""
     base = ["training.save_every=3", "training.eval_every=100"]
     single, single_dir = run_copy(micro_data, tmp_path, "single", [*base, "training.max_steps=6"])
-    first_half, sharded_dir = run_copy(micro_data, tmp_path, "fsdp", [*base, "training.fsdp=true", "training.max_steps=3"])
+    first_half, sharded_dir = run_copy(micro_data, tmp_path, "fsdp", [*base, "training.fsdp=true", "training.max_steps=3",
+                                                                      "training.micro_batch_size=2"])
     # Stop at 3, then resume to 6 (the 5 warmup steps make the schedule the same for both lengths).
     second_half = [*first_half, "training.max_steps=6"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

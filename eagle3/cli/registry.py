@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, load_run_config
@@ -37,6 +38,17 @@ def add_registry_commands(commands) -> None:
     )
     history.add_argument("--json", action="store_true", help="machine-readable output")
     history.set_defaults(handler=run_registry_history)
+    unlock = add_config_arguments(registry_commands.add_parser(
+        "unlock", help="free the registry's lock left by a run that is gone; says whose it was (history: unlocked)"))
+    unlock.add_argument("--force", action="store_true", help="free it even though its holder looks alive")
+    unlock.set_defaults(handler=run_registry_unlock)
+
+
+def run_registry_unlock(args: argparse.Namespace) -> int:
+    """The lock is Prefect's (a global concurrency limit), which the library never imports: flows/unlock.py frees it,
+    in this process."""
+    arguments = ["--config", str(args.config), *[arg for o in args.overrides for arg in ("--set", o)]]
+    os.execv(sys.executable, [sys.executable, "-m", "flows.unlock", *arguments, *(["--force"] if args.force else [])])
 
 
 def open_config_registry(args: argparse.Namespace):

@@ -43,6 +43,8 @@ def add_serving_commands(commands) -> None:
     add_release_argument(serve, "SGLang release whose loader and aux-id rules to apply")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, required=True)
+    serve.add_argument("--threads", type=positive, help="torch's CPU threads (default: torch's own, one per core); "
+                       "the pipeline passes run.cpu_threads' share")
     # SGLang's spellings (production.telemetry): the launcher writes the same flags for either engine
     serve.add_argument("--enable-metrics", action="store_true", help="serve Prometheus /metrics as SGLang does")
     serve.add_argument("--export-metrics-to-file", action="store_true", help="write one JSON record per finished "
@@ -98,6 +100,7 @@ def positive(text: str) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    import torch
     import uvicorn
 
     from eagle3.serve.reference import create_app
@@ -113,5 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(args.target, args.draft, shape, release=args.release, seed=args.seed,
                      trust_remote_code=args.trust_remote_code, dtype=args.dtype, metrics=args.enable_metrics,
                      records_dir=records_dir, custom_labels=tuple(args.tokenizer_metrics_allowed_custom_labels))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return EXIT_OK

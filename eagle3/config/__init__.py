@@ -15,9 +15,10 @@ from pydantic import BaseModel, ValidationError, model_validator
 
 from eagle3.config.monitor import MonitorSection
 from eagle3.config.node import NodeSection
+from eagle3.config.production import ProductionSection
 from eagle3.config.sections import (
-    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, ProductionSection,
-    RegistrySection, RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
+    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, RegistrySection,
+    RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
 )
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.formats.engines import FAMILY_DELEGATES_TO, aux_layers_problem, sglang_default_inputs

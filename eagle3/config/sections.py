@@ -27,6 +27,10 @@ class RunSection(Section):
         default=3, ge=1, description="retrain run directories (run.dir/retrain-*) of this registry kept, newest "
         "first, when a promotion removes the older ones; the run that built production and running runs are never "
         "removed")
+    cpu_threads: int | None = Field(
+        default=None, ge=1, description="CPU threads (torch's OpenMP pool) of each busy job the run starts: a "
+        "reference server, the trainer (split among its ranks). None: this machine's cores halved, as two jobs can be "
+        "busy at once (the production server beside the trainer or a server under test). SGLang servers keep theirs")
 
 
 class TargetSection(Section):
@@ -172,7 +176,11 @@ class TrainingSection(Section):
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW's decoupled weight decay, on every trained "
                                 "tensor (norms included)")
     max_steps: int = Field(gt=0)
-    batch_size: int = Field(gt=0, description="global batch size in sequences")
+    batch_size: int = Field(gt=0, description="global batch per optimizer step, in sequences (all ranks, micro-batches)")
+    micro_batch_size: int | None = Field(
+        default=None, gt=0, description="sequences one GPU's draft takes per forward (online: the target's forward "
+        "takes ranks x this many): a step accumulates gradients over batch_size / (ranks x micro_batch_size) "
+        "micro-batches, syncs them once, and makes the update one batch would. None: each rank's whole share at once")
     seq_len: int = Field(gt=1)
     grad_clip: float = Field(default=1.0, gt=0.0)
     nproc_per_node: int = Field(default=1, ge=1)
@@ -211,6 +219,10 @@ class TrainingSection(Section):
         default=STOP_GRACE_S, gt=0.0, description="after SIGTERM the trainer finishes its step and saves a checkpoint; what is "
         "still alive after this is killed (keep it under Prefect's 30 s between a cancel's SIGTERM and SIGKILL)")
 
+    def sequences_per_forward(self, world: int) -> int:
+        """Sequences one rank's draft takes per forward: micro_batch_size, else its whole share of batch_size."""
+        return self.micro_batch_size or self.batch_size // world
+
     @field_validator("adam_betas")
     @classmethod
     def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
@@ -239,6 +251,10 @@ class TrainingSection(Section):
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ValueError(f"training.nnodes {self.nnodes} needs training.rdzv_endpoint host:port, the rendezvous "
                              "every node's torchrun joins (e.g. the first node, port 29500)")
+        problem = batch_split_problem(self.batch_size, self.micro_batch_size, self.nproc_per_node * self.nnodes,
+                                      "training.nproc_per_node x nnodes")
+        if problem:
+            raise ValueError(problem)
         counts = sorted({option_name(a) for a in self.srun_args} & SRUN_COUNT_OPTIONS)
         if counts:
             raise ValueError(f"training.srun_args sets {', '.join(counts)}; the launcher sets the node and task "
@@ -247,6 +263,18 @@ class TrainingSection(Section):
 
 
 SRUN_COUNT_OPTIONS = {"-N", "--nodes", "-n", "--ntasks", "--ntasks-per-node"}
+
+
+def batch_split_problem(batch_size: int, micro_batch_size: int | None, world: int, world_from: str) -> str | None:
+    """Why training.batch_size does not split into whole micro-batches on `world` ranks (None: it does). The config
+    checks nproc_per_node x nnodes, the trainer the ranks it runs on (torchrun may start others)."""
+    per_step = world * (micro_batch_size or 1)
+    if batch_size % per_step == 0:
+        return None
+    micro = f" x training.micro_batch_size {micro_batch_size} = {per_step}" if micro_batch_size else ""
+    near = max(per_step, round(batch_size / per_step) * per_step)
+    return (f"training.batch_size {batch_size} must be a multiple of the {world} ranks ({world_from}){micro}: set "
+            f"it to {near}" + (" or lower training.micro_batch_size" if (micro_batch_size or 1) > 1 else ""))
 
 
 def option_name(arg: str) -> str:
@@ -388,39 +416,3 @@ class RegistrySection(Section):
         if self.backend == "s3" and not self.bucket:
             raise ValueError("backend 's3' needs registry.bucket")
         return self
-
-
-class TelemetrySection(Section):
-    """What the production server reports about its own traffic (DESIGN §10): SGLang's flags, off by default - the
-    request records hold the operator's users' text."""
-
-    metrics: bool = Field(default=False, description="--enable-metrics: Prometheus /metrics (accept length over any "
-                          "window from the generation-token and verify-call counters)")
-    records_dir: Path | None = Field(
-        default=None, description="--export-metrics-to-file --export-metrics-to-file-dir DIR: one JSON record per "
-        "finished request (its text or input_ids, custom_labels and meta_info) in hourly files")
-    slice_label: str = Field(
-        default="app", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the key of a request's custom_labels that "
-        "names its traffic slice: acceptance is reported per slice in the monitor and the benchmark; the launcher "
-        "declares it (with eagle3, the benchmark's) in --tokenizer-metrics-allowed-custom-labels, so it becomes a "
-        "Prometheus label name")
-
-
-class ProductionSection(Section):
-    """The production endpoint (DESIGN §4): `managed` - the pipeline restarts it with the promoted draft (or, on
-    rollback, the previous one) and re-measures it; `external` - the pipeline moves the registry pointer and
-    reports, someone else restarts the server."""
-
-    mode: Literal["managed", "external"] = "managed"
-    host: str = "127.0.0.1"
-    port: int = Field(default=30001, gt=0, lt=65536)
-    keep_serving: bool = Field(
-        default=True, description="leave the managed production server running after the run (false: stop it "
-        "once re-measured, as the CPU demo does)")
-    state_dir: Path = Field(default=Path("runs/production"), description="managed: the server's pid file and logs")
-    supervisor: Literal["auto", "systemd", "none"] = Field(
-        default="auto", description="managed, kept serving: systemd - the server runs in a transient systemd scope "
-        "(eagle3-production-PORT.scope), so restarting the worker leaves it running (not root: the user's systemd "
-        "manager); none - it lives in the worker's process group and a worker restart stops it; auto - systemd when "
-        "it runs here, else none")
-    telemetry: TelemetrySection = TelemetrySection()

@@ -14,7 +14,7 @@ from typing import Callable
 from eagle3.bench.client import BenchmarkError, SlicedPrompt, run_benchmark, slice_lines
 from eagle3.bench.diagnose import diagnose
 from eagle3.config import PipelineConfig
-from eagle3.config.sections import TelemetrySection
+from eagle3.config.production import TelemetrySection
 from eagle3.data.capture import dataset_dir
 from eagle3.data.prompts import load_prompts, write_prompts
 from eagle3.data.regenerate import REGEN_DIR, benchmark_set, sent_ids

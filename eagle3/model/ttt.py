@@ -128,3 +128,9 @@ class TTTModel(torch.nn.Module):
         """[3, K]: StepStats' loss_sum, correct and count stacked (a tensor, which the wrappers' hooks follow)."""
         stats = ttt_stats(ttt_steps(self.draft, aux, input_ids, self.steps), teacher, loss_mask, self.draft)
         return torch.stack([stats.loss_sum, stats.correct, stats.count])
+
+
+def target_positions(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """[K] positions per TTT step whose target token is loss-masked (step k at index t predicts x_{t+2+k}, as in
+    ttt_stats): the loss's normaliser, known from the token rows alone, before the target or the draft runs."""
+    return torch.stack([loss_mask[:, 2 + k :].sum() for k in range(steps)]).float()

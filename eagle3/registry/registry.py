@@ -8,8 +8,9 @@ Layout under the store's root (a directory, or a bucket prefix):
   store's conditional write: two promotions that read the same pointer cannot both win. Callers say which
   production version they decided against (`expected`); the etag check underneath makes that atomic. Its
   version is None after the first promotion was rolled back (there was no production version before).
-- `history/<UTC time>-<uuid>.json` — one object per decision (promoted, rejected, rolled-back, forced), never
-  rewritten.
+- `history/<UTC time>-<uuid>.json` — one object per decision (promoted, rejected, rolled-back, forced, unlocked),
+  never rewritten.
+- `lock.json` — who holds the registry's lock (eagle3/registry/lock.py).
 A promotion or rollback only moves the pointer: no version is ever deleted by it (DESIGN §3).
 """
 
@@ -36,7 +37,7 @@ __all__ = ["PointerConflict", "Registry", "RegistryError", "check_version_id", "
 VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 VERSION_RULE = "1-128 letters, digits, '.', '_' or '-', starting with a letter or digit, with no '..'"
 VERSIONS, HISTORY, POINTER, MANIFEST = "versions/", "history/", "production", "manifest.json"
-EVENTS = ("promoted", "rejected", "rolled-back", "forced")
+EVENTS = ("promoted", "rejected", "rolled-back", "forced", "unlocked")  # unlocked: eagle3/registry/lock.py
 RESERVED_FIELDS = ("version", "created", "layouts", "files")  # written by the registry itself
 KNOWN_SHOWN = 8
 

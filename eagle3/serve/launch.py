@@ -18,11 +18,11 @@ from typing import Callable
 import httpx
 
 from eagle3.config import PipelineConfig
-from eagle3.config.sections import TelemetrySection
+from eagle3.config.production import TelemetrySection
 from eagle3.formats.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
 from eagle3.formats.telemetry import PIPELINE_LABEL
 from eagle3.procs import (
-    GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, in_systemd_scope, timestamp, wait_gpus_free, wrap,
+    GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, cpu_threads, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
 
 LOG_TAIL_LINES = 40
@@ -124,7 +124,7 @@ def reference_command(config: PipelineConfig, target_path, draft_path,
                 "--num-draft-tokens", str(s.num_draft_tokens)]
     command += ["--release", s.release] if s.release else []
     command += ["--trust-remote-code"] if config.target.trust_remote_code else []
-    command += ["--dtype", config.target.dtype]
+    command += ["--dtype", config.target.dtype, "--threads", str(cpu_threads(config.run.cpu_threads))]
     return command + ["--host", s.host, "--port", str(s.port)] + telemetry_flags(telemetry)
 
 

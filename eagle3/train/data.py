@@ -27,6 +27,13 @@ class SampleRef:
     id: str
 
 
+def micro_batches(batch: list[SampleRef], world: int, per_rank: int) -> list[list[SampleRef]]:
+    """A global batch cut into global micro-batches of world x per_rank rows, in order: rank r's rows of them
+    (rows r::world of each) are, together, its rows of the whole batch."""
+    size = world * per_rank
+    return [batch[start : start + size] for start in range(0, len(batch), size)]
+
+
 def is_eval_sample(sample_id: str, fraction: float) -> bool:
     """Stable by id, so resumed and multi-rank runs agree on the split."""
     return int(hashlib.sha256(f"eval:{sample_id}".encode()).hexdigest()[:8], 16) / 16**8 < fraction

@@ -30,7 +30,7 @@ from typing import BinaryIO
 
 from eagle3.config import PipelineConfig
 from eagle3.errors import Eagle3Error
-from eagle3.procs import ProcessTree, timestamp
+from eagle3.procs import ProcessTree, cpu_threads, timestamp, with_threads
 from eagle3.procs import GPU_QUERY, wait_gpus_free, wrap
 from eagle3.train.__main__ import STOPPED_BY_SIGTERM
 from eagle3.train.trainer import METRICS_FILE
@@ -89,9 +89,7 @@ def trainer_python(config: PipelineConfig) -> str:
 
 def child_env(config: PipelineConfig) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a pipe would hold the trainer's lines back until it exits
-    if config.training.nproc_per_node > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # one OpenMP pool per core in every rank would oversubscribe the CPUs
-    return env
+    return with_threads(env, cpu_threads(config.run.cpu_threads, config.training.nproc_per_node))
 
 
 # -- metrics ------------------------------------------------------------------------------------

@@ -85,3 +85,19 @@ class Parallel:
             yield
         finally:
             module.reshard()
+
+    @contextmanager
+    def gradient_sync(self, module: torch.nn.Module, enabled: bool) -> Iterator[None]:
+        """Forward and backward inside: with `enabled` false the ranks keep their gradients to themselves (a
+        micro-batch before the last one accumulates locally; the last one's backward reduces the sum once)."""
+        if enabled or self.kind == "none":
+            yield
+        elif self.kind == "ddp":
+            with module.no_sync():
+                yield
+        else:  # FSDP2: unsharded gradients accumulate until a backward with sync on reduce-scatters them
+            module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                module.set_requires_gradient_sync(True)

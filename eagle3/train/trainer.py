@@ -1,9 +1,10 @@
 """The draft trainer: one loop under plain `python` and under `torchrun` (DDP; gloo on CPU, nccl on GPU).
 
-Loss normalisation (DESIGN §3): per TTT step, the sum over valid positions divided by the global
-count of valid positions (all-reduced), steps weighted decay**k. DDP averages gradients over ranks,
-so each rank's loss is scaled by the world size: 1 rank and N ranks on the same global batch give
-the same loss and the same update.
+Loss normalisation (DESIGN §3): per TTT step, the sum over valid positions divided by the global batch's count of
+positions with a loss-masked target (every rank reads every row's mask: known before any forward), steps weighted
+decay**k. DDP averages gradients over ranks, so each rank's loss is scaled by the world size; the micro-batches of a
+step (training.micro_batch_size) add up their gradients. 1 rank and N ranks, one batch or N micro-batches: the same
+global batch gives the same update.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from eagle3.bench.simulate import HeldoutRef, heldout_samples, replay_stored
 from eagle3.config import PipelineConfig
+from eagle3.config.sections import batch_split_problem
 from eagle3.data.capture import check_dataset, dataset_dir
 from eagle3.distributed import Dist, setup_distributed
 from eagle3.engines.backends import target_backend
@@ -28,15 +30,16 @@ from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.formats.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
 from eagle3.formats.target import read_target_info
-from eagle3.formats.vocab_map import VocabMap, carry_rows, load_vocab_map
+from eagle3.formats.vocab_map import VocabMap, load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import StepStats, TTTModel, ttt_stats, ttt_steps
+from eagle3.model.ttt import StepStats, TTTModel, target_positions, ttt_stats, ttt_steps
 from eagle3.model.weights import target_head
-from eagle3.train.data import SampleRef, ShardFeatures, TrainingData
+from eagle3.train.data import SampleRef, ShardFeatures, TrainingData, micro_batches
 from eagle3.train.parallel import Parallel
 from eagle3.train.timing import Throughput, timed
+from eagle3.train.warm_start import warm_start
 
 Log = Callable[[str], None]
 STATE_FILE = "trainer_state.pt"
@@ -90,8 +93,10 @@ class Trainer:
         self.dist = dist or setup_distributed()
         self.log = log if self.dist.main else (lambda line: None)  # one voice, not one per rank
         train = config.training
-        if train.batch_size % self.dist.world:
-            raise Eagle3Error(f"training.batch_size {train.batch_size} must be a multiple of the {self.dist.world} ranks")
+        problem = batch_split_problem(train.batch_size, train.micro_batch_size, self.dist.world, "processes running")
+        if problem:
+            raise Eagle3Error(problem)
+        self.per_forward = train.sequences_per_forward(self.dist.world)  # this rank's rows per forward
         dataset = dataset_dir(config)
         if not (dataset / MANIFEST_FILE).exists():
             raise Eagle3Error(f"{dataset}: no data set here; run `eagle3 data capture` first")
@@ -170,7 +175,7 @@ class Trainer:
             model.t2d.copy_(vocab_map.t2d)
             model.lm_head.weight.copy_(lm_head[vocab_map.target_ids()])  # the target's rows
         if self.config.training.init_from is not None:
-            self.warm_start(model, vocab_map, Path(self.config.training.init_from))
+            warm_start(model, vocab_map, Path(self.config.training.init_from), self.log)
         return model
 
     def build_teacher(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> TeacherHead:
@@ -181,26 +186,6 @@ class Trainer:
         norm = head["norm"].to(device) if pre_norm else None
         eps = read_target_info(Path(self.config.target.path)).rms_norm_eps
         return TeacherHead(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps)
-
-    def warm_start(self, model: Eagle3Draft, vocab_map: VocabMap, path: Path) -> None:
-        """Start from a trained draft (a retrain: production's). A retrain on new prompts (traffic) counts other
-        tokens, so its vocab map may differ: the head's rows follow their target ids, and a target id new to the draft
-        vocabulary keeps the row build_model gave it (the target's own)."""
-        previous = load_native(path)
-        if previous.config.model_copy(update={"target_family": None}) != model.config.model_copy(update={"target_family": None}):
-            raise Eagle3Error(f"cannot warm start from {path}: its architecture differs from draft/target in the config")
-        tensors = dict(previous.tensors)
-        old_map = VocabMap(tensors.pop("d2t"), tensors.pop("t2d"))
-        if old_map.target_vocab_size != vocab_map.target_vocab_size:
-            raise Eagle3Error(f"cannot warm start from {path}: its t2d covers {old_map.target_vocab_size} target ids, "
-                              f"this run's target has {vocab_map.target_vocab_size}; train from scratch")
-        head = model.lm_head.weight.detach().cpu().clone()  # [draft_vocab, H]: the target's rows, per this run's map
-        kept = carry_rows(head, tensors.pop("lm_head.weight").cpu(), old_map.target_ids(), vocab_map.target_ids())
-        model.load_draft_state({**tensors, "lm_head.weight": head, "d2t": vocab_map.d2t, "t2d": vocab_map.t2d})
-        changed = "" if kept == vocab_map.draft_vocab_size else (
-            f"; the vocab map changed: {kept} of {vocab_map.draft_vocab_size} head rows carried over by target id, "
-            f"{vocab_map.draft_vocab_size - kept} new ones start from the target's head")
-        self.log(f"train: warm start from {path}{changed}")
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -261,19 +246,33 @@ class Trainer:
             return ttt_stats(steps, teacher, loss_mask, self.model)
 
     def train_step(self, refs: list[SampleRef]) -> torch.Tensor:
-        """One optimizer step on this rank's share of a global batch. Returns the global sums
-        [loss sum, correct, valid positions, tokens] x [K] on the device."""
-        self.wrapped.train()
-        stats = self.step_stats(refs, train=True)
-        counts = self.dist.sum(stats.count.detach().clone())  # global valid positions per step
-        loss = (self.step_weights * stats.loss_sum / counts.clamp_min(1)).sum()
-        (loss * self.dist.world).backward()  # DDP/FSDP average over ranks; the loss is already global
+        """One optimizer step on a global batch. Returns the global sums [loss sum, correct, tokens, valid
+        positions] x [K] on the device."""
+        sums = self.accumulate_gradients(refs)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.training.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        local_tokens = torch.full_like(stats.correct, float(sum(ref.length for ref in refs[self.my_rows()])))
-        return torch.cat([self.dist.sum(torch.stack([stats.loss_sum.detach(), stats.correct, local_tokens])), counts[None]])
+        return sums
+
+    def accumulate_gradients(self, refs: list[SampleRef]) -> torch.Tensor:
+        """The global batch's gradients, a global micro-batch at a time (every rank joins each: an online target
+        computes a micro-batch's features for all its rows together), the ranks syncing gradients once, on the last.
+        Each loss is divided by the whole batch's normaliser, so the micro-batches sum to the loss of one batch."""
+        self.wrapped.train()
+        steps, device = self.config.training.ttt_steps, self.dist.device
+        positions = target_positions(self.data.tokens(refs)[1], steps).to(device)  # every row's: the global count
+        scale = self.dist.world * self.step_weights / positions.clamp_min(1)  # DDP/FSDP average over the ranks
+        totals = torch.zeros(3, steps, device=device)
+        parts = micro_batches(refs, self.dist.world, self.per_forward)
+        for i, part in enumerate(parts):
+            with self.parallel.gradient_sync(self.wrapped, enabled=i == len(parts) - 1):
+                stats = self.step_stats(part, train=True)
+                (scale * stats.loss_sum).sum().backward()
+            totals += torch.stack([stats.loss_sum.detach(), stats.correct, stats.count])
+        loss_sum, correct, count = totals
+        tokens = torch.full_like(count, float(sum(ref.length for ref in refs[self.my_rows()])))
+        return self.dist.sum(torch.stack([loss_sum, correct, tokens, count]))
 
     def step_metrics(self, sums: torch.Tensor) -> dict:
         """The step's numbers on the host (one device-to-host copy)."""
@@ -319,8 +318,9 @@ class Trainer:
 
     @torch.no_grad()
     def loss_sums(self) -> torch.Tensor:
-        """This rank's [loss sum, correct, count] x [K] over its rows of the global eval batches, on the device."""
-        batch_size = self.config.training.batch_size
+        """This rank's [loss sum, correct, count] x [K] over its rows of the global eval batches (one forward's
+        rows each), on the device."""
+        batch_size = self.dist.world * self.per_forward
         totals = torch.zeros(3, self.config.training.ttt_steps, device=self.dist.device)
         for start in range(0, len(self.data.eval), batch_size):
             refs = self.data.eval[start : start + batch_size]

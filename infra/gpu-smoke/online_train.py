@@ -217,6 +217,7 @@ class SmokeTrainer(Trainer):
         self.data = data
         self.features = features
         train = config.training
+        self.per_forward = train.sequences_per_forward(self.dist.world)
         head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
         self.model = self.build_model(head["embed"], head["lm_head"], vocab_map)
         self.teacher = self.build_teacher(head, vocab_map)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3.config import load_config
-from eagle3.config.sections import TelemetrySection
+from eagle3.config.production import TelemetrySection
 from eagle3.deployment.sweep import sweep_shapes, with_shape
 from eagle3.serve.launch import LAUNCHER_FLAGS, sglang_command
 from releases import RELEASES

@@ -18,7 +18,7 @@ import pytest
 from eagle3.formats.telemetry import (
     ACCEPT_LENGTH, ACCEPT_RATE, GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records,
 )
-from eagle3.config.sections import TelemetrySection
+from eagle3.config.production import TelemetrySection
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.launch import custom_label_keys
 from eagle3.serve.reference import create_app
