@@ -52,9 +52,9 @@ def micro_run_overrides(run_dir, target) -> list[str]:
         f"registry.path={run_dir / 'registry'}", f"production.state_dir={run_dir / 'production'}",
         f"serving.log_dir={run_dir / 'logs'}", "gate.min_accept_rate=0.05",
         "sweep.points=[[2, 2, 4]]", "sweep.num_prompts=2",
-        # a measured throughput ratio on shared cores: the bar is low enough that the load of a parallel job
-        # cannot fail a good draft (the throughput rule's own test sets it out of reach)
-        "gate.min_speedup=0.5",
+        # no throughput rule: under pytest-xdist another worker's load falls on the baseline or the candidate by
+        # chance (measured: a good draft at 0.40x); the rule's own test below sets a bar out of reach
+        "gate.min_speedup=0",
     ]
 
 
