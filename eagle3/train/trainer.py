@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from eagle3.bench.simulate import HeldoutRef, heldout_samples, replay_stored
 from eagle3.config import PipelineConfig
@@ -80,6 +81,14 @@ def lr_factor(step: int, warmup: int, total: int, floor: float, warmup_start: st
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def optimizer_and_schedule(model: torch.nn.Module, train) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW over the model's trainable parameters and its learning-rate schedule, as training.* sets them."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas, weight_decay=train.weight_decay)
+    return optimizer, LambdaLR(optimizer, lambda step: lr_factor(step, train.warmup_steps, train.max_steps,
+                                                                train.lr_floor, train.warmup_start))
+
+
 def autocast(device: torch.device):
     """bf16 matmuls on a GPU; float32 on the CPU (runs here, tests)."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -114,13 +123,7 @@ class Trainer:
         self.parallel = Parallel(self.dist, train.fsdp)
         self.wrapped = self.parallel.wrap(self.ttt)
         self.step_weights = train.ttt_step_decay ** torch.arange(train.ttt_steps, dtype=torch.float32, device=self.dist.device)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas,
-                                           weight_decay=train.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, train.warmup_steps, train.max_steps, train.lr_floor,
-                                                   train.warmup_start)
-        )
+        self.optimizer, self.scheduler = optimizer_and_schedule(self.model, train)
         self.out = config.stage_dir("train")
         self.stop_requested = False
         self.stopped = False  # True when SIGTERM ended the run before max_steps

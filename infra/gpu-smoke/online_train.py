@@ -43,7 +43,7 @@ from eagle3.model.ttt import TTTModel
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef
 from eagle3.train.parallel import Parallel
-from eagle3.train.trainer import Trainer, lr_factor
+from eagle3.train.trainer import Trainer, optimizer_and_schedule
 
 # A random-init head gives logits of std ~0.02 * sqrt(H): a nearly flat next-token distribution whose entropy is
 # close to ln(draft vocab), so the soft cross-entropy could hardly fall whatever the trainer did. A trained target's
@@ -225,11 +225,7 @@ class SmokeTrainer(Trainer):
         self.parallel = Parallel(self.dist, train.fsdp)
         self.wrapped = self.parallel.wrap(self.ttt)
         self.step_weights = train.ttt_step_decay ** torch.arange(train.ttt_steps, dtype=torch.float32, device=device)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=train.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, train.warmup_steps, train.max_steps)
-        )
+        self.optimizer, self.scheduler = optimizer_and_schedule(self.model, train)
 
 
 # -- measuring -----------------------------------------------------------------------------------------------
