@@ -122,25 +122,25 @@ def test_cli_prints_resolved_config_and_one_line_errors(micro_target, capsys):
 def test_online_sglang_features_stay_on_one_node():
     with pytest.raises(ConfigError, match="training.nnodes 2 would split it across nodes"):
         load_config(KIMI, ["training.nnodes=2", "training.launcher=srun", "training.rdzv_endpoint=node-1:29500",
-                           "training.batch_size=16"])
+                           "training.batch_size=32"])
     assert load_config(KIMI, ["training.nnodes=2", "training.launcher=srun", "training.rdzv_endpoint=node-1:29500",
-                              "training.features=offline", "training.batch_size=16"]).training.nnodes == 2
+                              "training.features=offline", "training.batch_size=32"]).training.nnodes == 2
 
 
 def test_the_global_batch_must_split_into_micro_batches_over_the_ranks():
     """training.batch_size / (nproc_per_node x nnodes x micro_batch_size) micro-batches per step, a whole number."""
     with pytest.raises(ConfigError, match=r"training.batch_size 8 must be a multiple of the 8 ranks \(training.nproc_per_node "
                        r"x nnodes\) x training.micro_batch_size 2 = 16: set it to 16 or lower training.micro_batch_size"):
-        load_config(KIMI, ["training.micro_batch_size=2"])
+        load_config(KIMI, ["training.batch_size=8", "training.micro_batch_size=2"])
     with pytest.raises(ConfigError, match=r"training.batch_size 12 must be a multiple of the 8 ranks .* = 8: set it to 16$"):
-        load_config(KIMI, ["training.batch_size=12"])  # micro_batch_size 1: lowering it cannot help
+        load_config(KIMI, ["training.batch_size=12", "training.micro_batch_size=1"])  # lowering it cannot help
     with pytest.raises(ConfigError, match=r"training.batch_size 16 must be a multiple of the 3 ranks \(training.nproc_per_node "
                        r"x nnodes\): set it to 15$"):
         load_config(TINY, ["training.nproc_per_node=3"])  # no micro_batch_size: each rank's share at once
     with pytest.raises(ConfigError, match=r"training.micro_batch_size \(from --set\): Input should be greater than 0"):
         load_config(KIMI, ["training.micro_batch_size=0"])
     config = load_config(KIMI, ["training.batch_size=64"])
-    assert config.training.sequences_per_forward(8) == 1  # 8 micro-batches of 1 sequence per GPU
+    assert config.training.sequences_per_forward(8) == 2  # 4 micro-batches of 2 sequences per GPU
     assert load_config(TINY, []).training.sequences_per_forward(2) == 8  # the whole share of 16 over 2 ranks
 
 

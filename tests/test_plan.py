@@ -20,6 +20,7 @@ from test_data import micro_overrides
 from test_train import tiny_draft
 
 KIMI = Path(__file__).parent.parent / "configs" / "kimi-k25-8xh200.yaml"
+STEP = "training step, measured (TTT 7: activations, teacher, gradients)"
 TOO_BIG = ["training.seq_len=65536", "training.batch_size=512", "training.micro_batch_size=64"]
 
 
@@ -35,10 +36,12 @@ def test_the_kimi_config_fits_the_node(capsys):
     # online: no hidden state on disk, and the target's eighth (plus KV and SGLang's pool) beside the draft's step
     assert plan["training_features"] == "online" and plan["storage_bytes"]["hidden_states"] == 0
     assert stages["train"]["parts"]["target weights (/8)"] == pytest.approx(553.39 / 8, rel=1e-3)
-    assert stages["train"]["parts"]["KV cache, 32,768 tokens"] > 0
-    # issue 28: the draft's step on one 4,096-token sequence at TTT 7 (27.6 GiB before), and where it goes
-    step = stages["train"]["parts"]["training step, measured (TTT 7: activations, teacher, gradients)"]
-    assert step <= 14 and sum(stages["train"]["step_by_op_gib"].values()) == pytest.approx(step, abs=0.1)
+    assert stages["train"]["parts"]["KV cache, 65,536 tokens"] > 0  # one global micro-batch: 8 GPUs x 2 x 4,096
+    # issue 28: the draft's step at TTT 7 on the config's 2 sequences of 4,096 tokens per forward, where it goes, and
+    # on one sequence (27.6 GiB before)
+    step = stages["train"]["parts"][STEP]
+    assert step <= 2 * 14 and sum(stages["train"]["step_by_op_gib"].values()) == pytest.approx(step, abs=0.1)
+    assert plan_memory(load_config(KIMI, ["training.micro_batch_size=1"])).stages[2].parts[STEP] <= 14
 
 
 def test_offline_training_stores_the_hidden_states_and_frees_the_training_gpus():
@@ -68,9 +71,9 @@ def test_the_training_stage_grows_with_the_sequences_per_forward_and_lists_its_p
     def train_stage(*overrides):
         plan = plan_memory(load_config(KIMI, ["training.features=offline", *overrides]))
         return plan, plan.stages[2]
-    small_plan, small = train_stage("training.batch_size=8")
+    small_plan, small = train_stage("training.batch_size=8", "training.micro_batch_size=1")
     large_plan, large = train_stage("training.batch_size=128", "training.micro_batch_size=16")
-    step = "training step, measured (TTT 7: activations, teacher, gradients)"
+    step = STEP
     # 16 vs 1 sequence; one set of the weights' bf16 copies (the peak comes in the forward, before any gradient)
     assert 13 * small.parts[step] < large.parts[step] < 16 * small.parts[step]
     assert small_plan.fits(small) is True and large_plan.fits(large) is False
@@ -78,7 +81,7 @@ def test_the_training_stage_grows_with_the_sequences_per_forward_and_lists_its_p
                                      "lower training.micro_batch_size (16 sequences per GPU per forward now) or "
                                      "lower training.seq_len (4096)"]
     # the global batch sets how many micro-batches a step runs, not their memory
-    assert train_stage("training.batch_size=128")[1].parts == small.parts
+    assert train_stage("training.batch_size=128", "training.micro_batch_size=1")[1].parts == small.parts
     _, whole_share = train_stage("training.batch_size=128", "training.micro_batch_size=null")  # 16 per GPU at once
     assert whole_share.parts == large.parts and whole_share.knob.startswith(
         "set training.micro_batch_size under the 16 sequences per GPU per forward now (each rank's share of "
@@ -151,7 +154,7 @@ def test_the_kimi_plan_gives_hours_per_stage_with_its_assumptions_and_their_fiel
     for shown in ("989 TFLOP/s per GPU (node.peak_tflops)", "4.8 TB/s (node.hbm_tbps)",
                   "MFU decode 0.2, prefill 0.35, train 0.3 (node.mfu.decode / prefill / train)",
                   "10 min per server start (node.model_load_min)", "data.num_samples 200,000", "data.concurrency",
-                  "training.max_steps 40,000 x batch_size 8 x seq_len 4,096", "HBM-bound", "fits node.retrain_period_h 168 h"):
+                  "training.max_steps 10,000 x batch_size 32 x seq_len 4,096", "HBM-bound", "fits node.retrain_period_h 168 h"):
         assert shown in out
     hours = kimi_hours()
     stages = {stage["name"]: stage["hours"] for stage in hours["stages"]}
@@ -169,8 +172,8 @@ def test_the_hours_count_optimizer_steps_times_the_global_batch_whatever_its_mic
                                                                             "training.micro_batch_size=8")
     assert by_one == by_eight
     draft = next(name for name in by_one if name.startswith("draft:"))
-    assert "batch_size 64" in draft and by_one[draft] == pytest.approx(8 * next(
-        h for name, h in train_hours().items() if name.startswith("draft:")), rel=1e-3)  # 8x the sequences of batch 8
+    assert "batch_size 64" in draft and by_one[draft] == pytest.approx(2 * next(
+        h for name, h in train_hours().items() if name.startswith("draft:")), rel=1e-3)  # 2x the sequences of batch 32
 
 
 def test_hours_scale_inversely_with_the_assumed_mfu():
