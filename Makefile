@@ -20,8 +20,8 @@ install: $(VENV)/.installed
 # torch first, pinned to the CPU build, so resolving `torch>=2.5` never pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile torch==2.13.0
-	$(PY) -m pip install --quiet --no-compile -e '.[test]'
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
 test: install
