@@ -49,7 +49,7 @@ def layer(**fields):
 
 
 @pytest.mark.parametrize(("change", "code", "severity", "phrase"), [
-    (verifier(None), Code.VERIFIER, "error", "AutoConfig.from_pretrained(None)"),
+    (verifier(None), Code.VERIFIER, "error", "through AutoConfig from the name None"),
     (verifier("/nowhere/kimi"), Code.VERIFIER, "warning", "no directory on this machine"),
     (verifier("moonshotai/Kimi-K2.5"), Code.VERIFIER, "unknown", "a hub id?"),
     (lambda c: c.update(speculators_model_type="eagle"), Code.SPECULATORS_CONFIG, "error", "not 'eagle3'"),

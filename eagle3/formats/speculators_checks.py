@@ -82,8 +82,8 @@ def _check_verifier(config: dict, layer: dict, ctx, report: Report) -> None:
     name = verifier.get("name_or_path") if isinstance(verifier, dict) else None
     if not name:
         report.add(ProblemCode.VERIFIER, "error",
-                   f"speculators_config.verifier names no model: {WHERE}'s from_pretrained reads the verifier's "
-                   "config (AutoConfig.from_pretrained(None)) and fails", REEXPORT)
+                   f"speculators_config.verifier names no model: {WHERE} loads the verifier's config through AutoConfig "
+                   "from the name None and fails", REEXPORT)
         return
     path = Path(name).expanduser()
     if not path.is_dir():
