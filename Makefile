@@ -7,13 +7,15 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install test e2e conformance slow demo demo-rollback demo-real clean
+.PHONY: install test e2e conformance demo demo-rollback demo-real clean
 
 # Test sessions spread over one worker per core (pytest-xdist), a test file whole on one worker (its fixtures built
-# once there, files in the order tests/conftest.py gives: longest first), each worker on one thread: two OpenMP
-# pools on two cores make every thread wait on another.
+# once there; tests/conftest.py gives the order, longest first, and keeps the files of SGLang's release children on
+# one worker), each worker on one thread: two OpenMP pools on two cores make every thread wait on another.
 TEST_WORKERS ?= auto
 PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# `make test SLOW=1` (CI) runs every suite in the one session: the CPU suite, e2e and conformance.
+ALL_SUITES := $(if $(SLOW),-m "",)
 
 install: $(VENV)/.installed
 
@@ -25,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(PYTEST)
+	$(PYTEST) $(ALL_SUITES)
 
 # The deployment end to end: Prefect server, process worker, `prefect deployment run`, the UI in headless Chromium.
 e2e: install
@@ -36,10 +38,6 @@ e2e: install
 # EAGLE3_SPECULATORS_CACHE); skips when the index is unreachable.
 conformance: install
 	$(PYTEST) -m "sglang or sglang_server or speculators" tests/conformance
-
-# Both in one session (CI): the e2e module runs on one worker while the other runs conformance files.
-slow: install
-	$(PYTEST) -m "e2e or sglang or sglang_server or speculators" tests
 
 # The whole pipeline on the CPU: tiny target, data, vocab, training, export, simulation, servers, gate, registry.
 demo: install

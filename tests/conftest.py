@@ -16,16 +16,44 @@ from fixtures_tiny import micro_target  # noqa: E402,F401  (registered here so t
 from kimi_target import kimi_target  # noqa: E402,F401
 
 
-# pytest-xdist (`--dist loadfile`, the Makefile's sessions) hands whole files to its workers in collection order: the
-# longest start first, so no worker ends the session alone on one of them while the others idle.
+# pytest-xdist (`--dist loadfile`, the Makefile's sessions) hands each unit of tests whole to one worker, in
+# collection order: the longest files start first, so no worker ends the session alone on one of them. A unit is a
+# test file (its module fixtures built once), except that the files of SGLang's release children are one unit: the
+# children are session fixtures, started once per worker that asks (~10 s each, nine releases).
 LONGEST_FILES = ("conformance/test_eagle3_server.py", "test_deployment_e2e.py", "conformance/test_plain_server.py",
                  "test_flow.py", "test_stop.py", "test_train_launch.py", "test_train.py", "test_launch.py")
+RELEASE_CHILD_FILES = ("conformance/test_aux_ids.py", "conformance/test_counting.py", "conformance/test_features.py",
+                       "conformance/test_loader.py", "conformance/test_server_args.py", "conformance/test_telemetry.py")
+HERE = Path(__file__).parent
+
+
+def tests_path(item) -> str:
+    return Path(item.fspath).relative_to(HERE).as_posix()
 
 
 def pytest_collection_modifyitems(items):
-    here = Path(__file__).parent
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(Path(item.fspath).relative_to(here).as_posix(), len(rank)))  # stable
+    items.sort(key=lambda item: rank.get(tests_path(item), len(rank)))  # stable
+    strays = sorted({tests_path(item) for item in items
+                     if "run_sglang" in item.fixturenames and tests_path(item) not in RELEASE_CHILD_FILES})
+    if strays:
+        raise pytest.UsageError(f"{', '.join(strays)} use SGLang's release children (run_sglang): add them to "
+                                "RELEASE_CHILD_FILES in tests/conftest.py, so that one worker starts the children")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with the release children's files as one unit (xdist's loadgroup cannot: pytest 9.2 no
+    longer reads the group it writes into a test's id)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesSharingChildren(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid).removeprefix(HERE.name + "/")
+            return "SGLang's release children" if path in RELEASE_CHILD_FILES else path
+
+    return FilesSharingChildren(config, log)
 
 
 def write_target(path: Path, layers: int = TARGET_LAYERS, hidden: int = 32, vocab: int = TARGET_VOCAB,

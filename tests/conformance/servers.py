@@ -19,8 +19,11 @@ from eagle3.serve.launch import Server
 
 # The CPU build of each piece the server would otherwise take from CUDA: attention in torch, sampling in
 # torch, no grammar backend, no overlap scheduler thread, no CUDA graphs, float32 like the reference server.
+# And a KV pool of 4,096 tokens: sized from free host memory otherwise, ~17 M tokens of the micro target, 17 GB
+# that take half a minute to allocate and leave the other test worker short of memory.
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-             "--grammar-backend", "none", "--disable-overlap-schedule", "--disable-cuda-graph", "--dtype", "float32")
+             "--grammar-backend", "none", "--disable-overlap-schedule", "--disable-cuda-graph", "--dtype", "float32",
+             "--max-total-tokens", "4096")
 START_TIMEOUT_S = 600.0
 
 

@@ -78,12 +78,11 @@ def _swap(flags: tuple[str, ...], name: str, value: str) -> tuple[str, ...]:
 
 # The plain CPU flags, except: Triton attention (the EAGLE draft backends exist for triton, not torch_native,
 # and its kernels run under the interpreter); one KV split in Triton's decode attention (8 by default: eight
-# interpreted programs per head instead of one; the same attention, reduced in one pass); a KV pool of 4096
-# tokens (sized from free host memory otherwise: ~15 M tokens, half a minute to allocate); the draft's context
+# interpreted programs per head instead of one; the same attention, reduced in one pass); the draft's context
 # length (512, shorter than the target's 2048, which SGLang refuses for a draft).
 def eagle_flags(shape: DraftShape) -> tuple[str, ...]:
     return (*_swap(CPU_FLAGS, "--attention-backend", "triton"), "--triton-attention-num-kv-splits", "1",
-            "--max-total-tokens", "4096", "--context-length", str(CONFIG.max_position_embeddings),
+            "--context-length", str(CONFIG.max_position_embeddings),
             "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(shape.num_steps),
             "--speculative-eagle-topk", str(shape.eagle_topk), "--speculative-num-draft-tokens",
             str(shape.num_draft_tokens))
