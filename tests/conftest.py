@@ -8,6 +8,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 import pytest
+from xdist.scheduler import LoadFileScheduling
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -41,19 +42,17 @@ def pytest_collection_modifyitems(items):
                                 "RELEASE_CHILD_FILES in tests/conftest.py, so that one worker starts the children")
 
 
-def pytest_xdist_make_scheduler(config, log):
+class FilesSharingChildren(LoadFileScheduling):
     """--dist loadfile with the release children's files as one unit (xdist's loadgroup cannot: pytest 9.2 no
-    longer reads the group it writes into a test's id)."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
+    longer reads the group xdist writes into a test's id)."""
 
-    class FilesSharingChildren(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid).removeprefix(HERE.name + "/")
-            return "SGLang's release children" if path in RELEASE_CHILD_FILES else path
+    def _split_scope(self, nodeid: str) -> str:
+        path = (self.config.rootpath / super()._split_scope(nodeid)).relative_to(HERE).as_posix()
+        return "SGLang's release children" if path in RELEASE_CHILD_FILES else path
 
-    return FilesSharingChildren(config, log)
+
+def pytest_xdist_make_scheduler(config, log):
+    return FilesSharingChildren(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def write_target(path: Path, layers: int = TARGET_LAYERS, hidden: int = 32, vocab: int = TARGET_VOCAB,

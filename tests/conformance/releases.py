@@ -66,8 +66,7 @@ def _pip(*args: str) -> None:
 
 def _install_once(directory: Path, fill) -> Path:
     """Fill `directory` through a temporary sibling, renamed into place only when complete; a lock keeps
-    concurrent test processes from filling it twice. Its wheel's modules are byte-compiled once (caches filled
-    before that was done are compiled on first use)."""
+    concurrent test processes from filling it twice."""
     directory.parent.mkdir(parents=True, exist_ok=True)
     with open(directory.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -77,21 +76,7 @@ def _install_once(directory: Path, fill) -> Path:
             partial.mkdir()
             fill(partial)
             partial.rename(directory)
-        _compile_once(directory / "site")
     return directory
-
-
-def _compile_once(site: Path) -> None:
-    """An unzipped wheel has no byte code, and with PYTHONDONTWRITEBYTECODE set (as in CI) no process writes any:
-    every SGLang process would compile the ~2,000 modules it imports again (~3 s of a child's ~12 s start)."""
-    marker = site.parent / ".compiled"
-    if site.is_dir() and not marker.exists():
-        with warnings.catch_warnings():  # the release's own code: its invalid escapes are not this session's
-            warnings.simplefilter("ignore")
-            compiled = compileall.compile_dir(site, quiet=1)
-        if not compiled:
-            raise RuntimeError(f"byte-compiling {site} failed; delete {site.parent} to unpack it again")
-        marker.touch()
 
 
 def _unpack_wheel(package: str, release: str, into: Path) -> None:
@@ -102,6 +87,18 @@ def _unpack_wheel(package: str, release: str, into: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(into / "site")
     shutil.rmtree(wheels)
+    _byte_compile(into / "site")
+
+
+def _byte_compile(site: Path) -> None:
+    """A wheel unzipped has no byte code, and with PYTHONDONTWRITEBYTECODE set (as in CI) no process writes any:
+    every SGLang process would compile the ~2,000 modules it imports again (~3 s of a child's ~12 s start). Pip's
+    `--target` installs beside it are compiled by pip."""
+    with warnings.catch_warnings():  # the release's own code: its invalid escapes are not this session's
+        warnings.simplefilter("ignore")
+        compiled = compileall.compile_dir(site, quiet=1)
+    if not compiled:
+        raise RuntimeError(f"byte-compiling the wheel unpacked in {site} failed")
 
 
 def _unpack_release(release: str, into: Path) -> None:
