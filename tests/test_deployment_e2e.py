@@ -30,7 +30,8 @@ from pathlib import Path
 import httpx
 import pytest
 from browser import render_until, require_chromium
-from test_flow import free_port, micro_run_overrides
+from ports import free_port
+from test_flow import micro_run_overrides
 
 pytestmark = pytest.mark.e2e
 

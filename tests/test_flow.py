@@ -33,9 +33,9 @@ from eagle3.serve.inprocess import serve_in_thread
 from eagle3.stages import IN_PROGRESS, TOKEN_FILE, marker, output_of
 from flows.eagle3 import eagle3, ensure_registry_limit
 from kimi_target import VOCAB_SIZE as KIMI_VOCAB
+from ports import free_port
 from test_config import TINY
 from test_data import micro_overrides
-from test_launch import free_port
 from test_runs import make_run
 
 CONFIG = str(TINY)

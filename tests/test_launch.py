@@ -5,7 +5,6 @@ benchmark. Real processes on 127.0.0.1; the reference server stands in for SGLan
 import os
 import re
 import shlex
-import socket
 import stat
 import sys
 import time
@@ -20,17 +19,12 @@ from drafts import write_draft
 from eagle3.config import load_config
 from eagle3.procs import GPU_QUERY, LaunchError, wrap
 from eagle3.serve.launch import Server, launch_and_validate, reference_command, server_for, sglang_command
+from ports import free_port
 from test_config import TINY
 
 RELEASE = "0.5.13"
 MICRO_DRAFT = dict(hidden_size=64, target_hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=512,
                    draft_vocab_size=64, torch_dtype="float32", max_position_embeddings=512)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def config_for(tmp_path, *overrides):

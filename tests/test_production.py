@@ -24,9 +24,10 @@ from eagle3.fsutil import sha256_file
 from eagle3.procs import group_alive
 from eagle3.procs import LaunchError, in_systemd_scope, systemd_missing
 from eagle3.registry.registry import open_registry
+from ports import free_port
 from test_config import TINY
 from test_data import micro_overrides
-from test_launch import MICRO_DRAFT, RELEASE, free_port
+from test_launch import MICRO_DRAFT, RELEASE
 
 HELDOUT = ["Explain what a Python list comprehension is.", "What does the len() function return?"]
 

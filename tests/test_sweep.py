@@ -12,9 +12,10 @@ from eagle3.deployment.production import Production
 from eagle3.deployment.promotion import PROMPTS_LAYOUT, benchmark_prompts_file, prompt_set_fields
 from eagle3.deployment.sweep import RESULT_FILE, run_sweep
 from eagle3.registry.registry import metrics_of, open_registry
+from ports import free_port
 from test_config import TINY
 from test_data import micro_overrides
-from test_launch import MICRO_DRAFT, RELEASE, free_port
+from test_launch import MICRO_DRAFT, RELEASE
 from test_production import HELDOUT
 
 

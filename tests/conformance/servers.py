@@ -8,13 +8,12 @@ names a set of inside/cpu_redirects.py to install at start-up (the EAGLE3 server
 from __future__ import annotations
 
 import os
-import random
-import socket
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import releases
+from ports import free_port
 from eagle3.serve.launch import Server
 
 # The CPU build of each piece the server would otherwise take from CUDA: attention in torch, sampling in
@@ -25,18 +24,6 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampli
              "--grammar-backend", "none", "--disable-overlap-schedule", "--disable-cuda-graph", "--dtype", "float32",
              "--max-total-tokens", "4096")
 START_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    """A free port low enough for the ports SGLang derives from it (its gRPC port is port + 10000)."""
-    for port in random.sample(range(20000, 50000), 200):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-50000")
 
 
 @contextmanager
