@@ -2,10 +2,10 @@
 
 A port found with bind(("127.0.0.1", 0)) and closed again is free for anyone to take: a fixture that picks one and
 starts its server minutes later can find it held. CI saw that: a micro flow's production port, picked when its
-module began, was held for over a minute by some other process (SGLang, for one, takes its torch.distributed port
-from the kernel's ephemeral range while the other worker's tests run). The kernel hands out no port below that range by itself,
-and the workers' slices do not overlap, so a port from here can only be taken by its own worker's later tests, which
-go on up the slice instead of reusing a port just closed.
+module began, was held for over a minute by some other process (SGLang, for one, takes its torch.distributed
+port from the kernel's ephemeral range while the other worker's tests run). The kernel hands out no port below that
+range by itself, and the workers' slices do not overlap, so a port from here can only be taken by its own worker's
+later tests, which go on up the slice instead of reusing a port just closed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def worker_slice(worker: str, workers: int) -> range:
     return range(start, start + width)
 
 
-SLICE = worker_slice(os.environ.get("PYTEST_XDIST_WORKER", "gw0"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+SLICE = worker_slice(os.environ.get("PYTEST_XDIST_WORKER", "gw0"),
+                     int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 _next_candidates = itertools.cycle(SLICE)
 
 
