@@ -5,7 +5,8 @@ starts its server minutes later can find it held. CI saw that: a micro flow's pr
 module began, was held for over a minute by some other process (SGLang, for one, takes its torch.distributed
 port from the kernel's ephemeral range while the other worker's tests run). The kernel hands out no port below that
 range by itself, and the workers' slices do not overlap, so a port from here can only be taken by its own worker's
-later tests, which go on up the slice instead of reusing a port just closed.
+later tests, which go on up the slice instead of reusing a port just closed. Every port stays below the ephemeral
+range, so the ports SGLang derives from its own (its gRPC default is port + 10000) stay under 65536.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 IANA_EPHEMERAL_FIRST = 49152  # where the ephemeral range starts without a Linux setting (macOS, the BSDs)
 
 
+def first_ephemeral_port() -> int:
+    return int(EPHEMERAL_RANGE.read_text().split()[0]) if EPHEMERAL_RANGE.exists() else IANA_EPHEMERAL_FIRST
+
+
 def worker_slice(worker: str, workers: int) -> range:
     """The ports of pytest-xdist worker `worker` ("gw0", "gw1", ...) among `workers`."""
-    first_ephemeral = int(EPHEMERAL_RANGE.read_text().split()[0]) if EPHEMERAL_RANGE.exists() else IANA_EPHEMERAL_FIRST
+    first_ephemeral = first_ephemeral_port()
     width = (first_ephemeral - LOWEST) // workers
     if width < 100:
-        raise RuntimeError(f"{EPHEMERAL_RANGE} starts at {first_ephemeral}: too few ports between {LOWEST} and it for "
-                           f"{workers} test workers; start the ephemeral range higher or run fewer workers")
+        raise RuntimeError(f"the ephemeral port range starts at {first_ephemeral}: too few ports between {LOWEST} "
+                           f"and it for {workers} test workers; start it higher ({EPHEMERAL_RANGE}) or run fewer")
     start = LOWEST + int(worker.removeprefix("gw")) * width
     return range(start, start + width)
 
