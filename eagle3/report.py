@@ -191,21 +191,62 @@ def validation_report(validation: dict) -> str:
         table(["severity", "problem", "what", "fix"], rows) if rows else "No problem found."])
 
 
-def acceptance_report(simulated: dict, served: dict) -> str:
+def suites_table(columns: list[dict]) -> tuple[list[str], list[list]]:
+    """Suites (and the slices of a suite that has several) as rows, columns as given: "accept length / accept rate"
+    per cell, then a row of output tokens/s (served columns)."""
+    names = list(dict.fromkeys(name for c in columns for name in c["suites"]))
+    rows = []
+    for name in names:
+        rows.append([name, *[figures_cell(c["suites"].get(name)) for c in columns]])
+        slices = list(dict.fromkeys(s for c in columns for s in (c["suites"].get(name) or {}).get("slices", {})))
+        if len(slices) > 1:
+            rows += [[f"{name} / {s}", *[figures_cell(((c["suites"].get(name) or {}).get("slices") or {}).get(s))
+                                          for c in columns]] for s in slices]
+    rows.append(["output tokens/s", *[fmt(c["output_tokens_per_s"]) if c["output_tokens_per_s"] else "-"
+                                      for c in columns]])
+    return ["suite: accept length / accept rate", *[c["name"] for c in columns]], rows
+
+
+def figures_cell(figures: dict | None) -> str:
+    if not figures or figures.get("accept_length") is None:
+        return "-"
+    return f"{figures['accept_length']:.3f} / {fmt(figures.get('accept_rate'))}"
+
+
+def suites_report(columns: list[dict]) -> str:
+    """The suites table with its picture: accept length per suite, a bar per column."""
+    names = list(dict.fromkeys(name for c in columns for name in c["suites"]))
+    series = {c["name"]: [(c["suites"].get(name) or {}).get("accept_length") for name in names] for c in columns}
+    picture = markdown_image(figure([bars("accept length per suite", names, series)]), "accept length per suite")
+    return "\n\n".join(["# Acceptance per suite and drafting shape", picture, table(*suites_table(columns))])
+
+
+def suites_text(columns: list[dict]) -> list[str]:
+    """The suites table as fixed-width text, for logs and the command line."""
+    header, rows = suites_table(columns)
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(str(value).ljust(width) for value, width in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def acceptance_report(simulated: dict, served: dict, columns: list[dict] = ()) -> str:
+    """Simulated vs served, then per suite (`columns`: eagle3.deployment.suites.acceptance_columns)."""
     rows = [["accept length", simulated.get("accept_length"), served.get("accept_length")],
             ["accept rate", simulated.get("accept_rate"), served.get("accept_rate")],
             ["histogram (verify steps by correct drafts)", simulated.get("histogram"), served.get("histogram")]]
     parts = ["# Acceptance", table(["", "simulated (offline)", "served"], rows)]
+    if columns:
+        parts += ["## Per suite", table(*suites_table(columns))]
     if served.get("error"):
         parts.append(f"**The benchmark lost requests:** {served['error']}")
     if served.get("speedup") is not None:
         parts.append(f"Output tokens/s {served['output_tokens_per_s']:.1f} with the draft, "
                      f"{served['baseline']['output_tokens_per_s']:.1f} without: speedup **{served['speedup']:.2f}x**.")
     if served.get("prompts"):
-        parts += ["## Per prompt (served)",
-                  table(["prompt", "prompt tokens", "completion tokens", "verify steps", "accept length", "latency s"],
-                        [[p["index"], p["prompt_tokens"], p["completion_tokens"], p["verify_ct"], p["accept_length"],
-                          p["latency_s"]] for p in served["prompts"]])]
+        parts += ["## Per request (served)",
+                  table(["request", "suite", "slice", "prompt tokens", "completion tokens", "verify steps",
+                         "accept length", "latency s"],
+                        [[p["index"], p.get("suite"), p.get("slice"), p["prompt_tokens"], p["completion_tokens"],
+                          p["verify_ct"], p["accept_length"], p["latency_s"]] for p in served["prompts"]])]
     return "\n\n".join(parts)
 
 

@@ -33,6 +33,7 @@ from typing import Callable
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
 from eagle3.data.regenerate import greedy_length
+from eagle3.data.suites import suites_key
 from eagle3.data.traffic import traffic_snapshot
 from eagle3.engines.targets import target_identity
 from eagle3.formats.manifest import code_version, fingerprint
@@ -60,7 +61,7 @@ STAGE_INPUTS = {
                # verifier and ships the target's embedding
                "serving.num_steps", "target.path", "target.weight_prefix"),
     "simulate": ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
-                 "benchmark.max_new_tokens", "benchmark.num_prompts",
+                 "benchmark.max_new_tokens", "benchmark.num_prompts", "benchmark.suites", "sweep.points",
                  "data.thinking"),
 }
 READS_TARGET = ("regenerate", "capture")  # the target's config and tokenizer content are in their keys
@@ -114,8 +115,9 @@ def config_inputs(config: PipelineConfig, stage: str) -> dict:
         snapshot = traffic_snapshot(config)
         picked["traffic"] = None if snapshot is None else {"prompts_sha256": snapshot["prompts_sha256"],
                                                            "share": config.data.traffic.share}
-        # the held-out greedy continuations: how many prompts, how long (the benchmark's, or the replay's)
-        picked["heldout"] = [config.heldout_set[0], greedy_length(config)]
+        # the benchmark's greedy continuations: how many held-out prompts, how long (the benchmark's, or the replay's),
+        # and the other suites' questions by content
+        picked["heldout"] = [config.heldout_set[0], greedy_length(config), suites_key(config)]
     return picked
 
 

@@ -11,10 +11,11 @@ from prefect.cache_policies import NO_CACHE
 from eagle3.bench.simulate import RESULT_FILE, simulate
 from eagle3.config import PipelineConfig
 from eagle3.deployment.promotion import gate_decision, measure_candidate
+from eagle3.deployment.suites import acceptance_columns, production_on_these_requests, suite_columns, write_suites
 from eagle3.deployment.sweep import choose_serving
 from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
-from eagle3.report import acceptance_report, sweep_report
+from eagle3.report import acceptance_report, suites_report, suites_text, sweep_report
 from tasks.common import cached, log_to_run, run_stage
 
 
@@ -31,8 +32,9 @@ def simulate_acceptance(config: PipelineConfig, exported: dict, dataset: dict) -
 @task(name="measure-candidate", cache_policy=NO_CACHE)
 def measure_served(config: PipelineConfig, exported: dict, simulated: dict) -> dict:
     served = measure_candidate(config, Path(exported["path"]), log=log_to_run())
-    create_markdown_artifact(key="acceptance", markdown=acceptance_report(simulated["result"], served),
-                             description="simulated vs served accept length, histogram, per prompt, speedup")
+    columns = acceptance_columns(config, simulated["result"], served)
+    create_markdown_artifact(key="acceptance", markdown=acceptance_report(simulated["result"], served, columns),
+                             description="simulated vs served accept length per suite, histogram, per request, speedup")
     return served
 
 
@@ -47,4 +49,13 @@ def sweep_serving(config: PipelineConfig, exported: dict, served: dict, simulate
         chosen = result["chosen"]
         create_markdown_artifact(key="sweep", markdown=sweep_report(result),
                                  description=f"chosen: {chosen['label']}, {chosen['speedup']:.2f}x the no-draft server")
+    manifest = registry.manifest(production) if production else None
+    columns = suite_columns(config, simulated["result"], served, result,
+                            production_on_these_requests(served, manifest, production))
+    log(f"suites table: {write_suites(config, columns)}")
+    for line in suites_text(columns):
+        log(line)
+    create_markdown_artifact(key="suites", markdown=suites_report(columns),
+                             description="accept length per suite and drafting shape: simulated, served, sweep, "
+                             "production")
     return result

@@ -22,7 +22,7 @@ from eagle3.shape import DraftShape
 from test_config import TINY
 from test_data import micro_overrides
 from test_reference_server import RELEASE, STEPS, drafts, one_thread, prompt_of, requests  # noqa: F401  (fixtures)
-from test_simulate import micro  # noqa: F401  (the module fixture)
+from test_simulate import micro, store_requests  # noqa: F401  (the module fixture)
 
 MAX_NEW = 24
 FAST = dict(timeout_s=60, retries=2, backoff_s=0.01, log=lambda line: None)
@@ -195,6 +195,7 @@ def test_bench_command_takes_its_defaults_from_the_config(micro, draft_url, tmp_
     (run_dir / "data").mkdir(parents=True)
     lines = [json.dumps({"id": str(i), "messages": messages}) for i, messages in enumerate(micro["turns"])]
     (run_dir / "data" / "heldout.jsonl").write_text("\n".join(lines) + "\n")
+    store_requests(load_config(TINY, overrides), micro)  # what the data stage makes: the benchmark's requests
     assert main(["bench", "--url", draft_url, "--config", str(TINY)] + [a for o in overrides for a in ("--set", o)]) == 0
     assert "accept length" in capsys.readouterr().out
     saved = json.loads((load_config(TINY, overrides).stage_dir("bench") / "served.json").read_text())

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eagle3.cli import main
 from eagle3.config import load_config
 from eagle3.data.capture import capture, check_dataset
-from eagle3.data.regenerate import read_regenerated, read_samples, regenerate, training_ids
+from eagle3.data.regenerate import greedy_length, read_regenerated, read_samples, regenerate, training_ids
 from eagle3.data.shards import read_dataset
 from eagle3.data.storage import StorageError, check_storage
 from eagle3.data.vocab import build_vocab, count_loss_tokens
@@ -290,8 +290,9 @@ def test_other_benchmark_prompts_redo_only_the_held_out_continuations(micro_targ
         assert generator.prompts == 0 and generator.continued == 4  # no sample made again; every continuation
         assert {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in regen.glob("samples-*.jsonl")} == shards
         assert "regenerate: resuming, 8 samples already written" in lines
-        assert any(line.startswith("held-out continuations: 4/4 prompts") and "tokens/s" in line for line in lines)
-        assert read_manifest(regen)["heldout_greedy"] == {"prompts": 4, "length": config.heldout_set[1] + 3}
+        assert any(line.startswith("held-out continuations: 4/4 requests") and "tokens/s" in line for line in lines)
+        assert read_manifest(regen)["heldout_greedy"] == {"prompts": 4, "length": greedy_length(config), "requests": 4,
+                                                          "suites": {"heldout": 4}}
 
 
 def test_held_out_prompts_longer_than_training_takes_are_left_out_of_the_benchmark(micro_target, tmp_path):

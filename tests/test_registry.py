@@ -359,10 +359,10 @@ def test_production_re_measured_on_the_candidates_prompts_replaces_its_recorded_
     registry.publish("v1", exports["v1"], fields(accept_length=2.6, accept_rate=0.53, simulated=2.6))
     candidate = Metrics(accept_length=2.1, accept_rate=0.37, simulated_accept_length=2.1)
     assert [r.rule for r in decide_against_production(registry, candidate, "v1", GateSection()).reasons] == ["regression"]
-    decision = decide_against_production(registry, candidate, "v1", GateSection(), remeasured=1.8)
+    decision = decide_against_production(registry, candidate, "v1", GateSection(), remeasured={"accept_length": 1.8})
     assert decision.promote, decision.summary()
     assert "production v1 measured on this run's prompts: accept length 1.800 (recorded 2.600" in decision.summary()
-    worse = decide_against_production(registry, candidate, "v1", GateSection(), remeasured=2.4)
+    worse = decide_against_production(registry, candidate, "v1", GateSection(), remeasured={"accept_length": 2.4})
     assert "below production's 2.400" in worse.reasons[0].message
 
 

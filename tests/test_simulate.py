@@ -303,16 +303,21 @@ def test_simulate_command_writes_the_result(micro, tmp_path, capsys):
     assert saved["correct_drafts"] > 0  # the exported lens draft is right on the newline run
 
 
-def store_heldout(config, micro):
-    """What the data stage leaves for the simulator: greedy continuations, then their features in data/heldout."""
+def store_requests(config, micro):
+    """What the data stage leaves for the benchmark: its requests with the micro target's greedy continuations."""
     regen = config.stage_dir("data") / REGEN_DIR
-    regen.mkdir(parents=True)
+    regen.mkdir(parents=True, exist_ok=True)
 
     class Greedy:
         def continue_greedy(self, prompts, length):
             return [target_greedy(micro["model"], p, length) for p in prompts]
 
     continue_heldout(config, Greedy(), load_tokenizer(str(micro["path"])), regen / GREEDY_FILE, lambda line: None)
+
+
+def store_heldout(config, micro):
+    """What the data stage leaves for the simulator: greedy continuations, then their features in data/heldout."""
+    store_requests(config, micro)
     backend = TransformersFeatures(str(micro["path"]), AUX_LAYERS, "post_norm", torch.device("cpu"))
     write_shard(shard_file(config.stage_dir("data") / HELDOUT_DIR, 0), heldout_records(config), {}, backend,
                 feature_widths(config), batch_size=4)

@@ -16,7 +16,7 @@ from ports import free_port
 from test_config import TINY
 from test_data import micro_overrides
 from test_launch import MICRO_DRAFT, RELEASE
-from test_production import HELDOUT
+from test_production import write_heldout
 
 
 @pytest.fixture
@@ -28,9 +28,7 @@ def sweep_config(tmp_path, micro_target):
             "benchmark.num_prompts=2", "benchmark.max_new_tokens=8", "benchmark.concurrency=[2, 1]",
             "sweep.points=[[2, 2, 4]]", *overrides])
 
-    heldout = config().stage_dir("data") / "heldout.jsonl"
-    heldout.parent.mkdir(parents=True)
-    heldout.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in HELDOUT))
+    write_heldout(config())
     return config, write_draft(tmp_path / "export" / "sglang", layout="sglang", release=RELEASE, **MICRO_DRAFT)
 
 

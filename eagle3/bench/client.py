@@ -19,10 +19,12 @@ never an average over fewer prompts than asked for. Result (JSON-ready dict):
     wall_s, output_tokens_per_s           first request sent .. last answer; Σ completion_tokens / wall_s
     latency_s                             {p50, p90, p99, mean, max}: end to end, client-measured, retries included
     retried_requests                      requests that needed more than one attempt (each counted once)
-    prompts                               [{index, slice, prompt_tokens, completion_tokens, verify_ct,
-                                            accept_length, latency_s, attempts}] in prompt order
-    slices                                {slice: {requests, completion_tokens, verify_ct, accept_length}}: a
-                                          traffic prompt's slice (SlicedPrompt), "base" for every other prompt
+    prompts                               [{index, suite, slice, prompt_tokens, completion_tokens, verify_ct,
+                                            correct_drafts, accept_length, latency_s, attempts}] in prompt order
+    suites                                {suite: {requests, completion_tokens, verify_ct, correct_drafts,
+                                            accept_length, accept_rate, slices: {slice: the same}}}: a prompt's suite
+                                          and slice (SlicedPrompt: a benchmark suite, a traffic slice or an MT-bench
+                                          category), "heldout" and "base" for a plain prompt
     baseline                              None, or {url, server_version, wall_s, output_tokens_per_s, latency_s,
                                             completion_tokens} of the same prompts on the no-draft server
     speedup                               output_tokens_per_s / the baseline's (None without a baseline)
@@ -44,7 +46,9 @@ then never take the pipeline's measurements for users' traffic.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import json
 import time
 from functools import partial
 from pathlib import Path
@@ -53,7 +57,8 @@ from typing import Callable
 import httpx
 import numpy as np
 
-from eagle3.bench.counting import accept_length, accept_rate, correct_drafts_of, histogram_of, sum_histograms
+from eagle3.bench.counting import accept_length, accept_rate, by_suite, correct_drafts_of, histogram_of, sum_histograms
+from eagle3.config.suites import HELDOUT
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import BASE_SLICE, decoded, file_records, parse_line, source_path
 from eagle3.errors import Eagle3Error, UnreadableInput
@@ -67,16 +72,25 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
 
 class SlicedPrompt(list):
-    """Token ids, sent as they are, that name the slice their prompt came from (a traffic slice, or "base"): the
-    benchmark reports acceptance per slice, so a drop on one slice is not averaged away."""
+    """Token ids, sent as they are, that name the benchmark suite and the slice inside it their request belongs to:
+    acceptance is reported per suite and per slice, so a drop on one of them is not averaged away."""
 
-    def __init__(self, ids: list[int], slice_name: str):
+    def __init__(self, ids: list[int], slice_name: str, suite: str = HELDOUT):
         super().__init__(ids)
-        self.slice = slice_name
+        self.slice, self.suite = slice_name, suite
 
 
-def slice_of(prompt: Prompt) -> str:
-    return getattr(prompt, "slice", BASE_SLICE)
+def label_of(prompt: Prompt) -> tuple[str, str]:
+    """(suite, slice) of a prompt."""
+    return getattr(prompt, "suite", HELDOUT), getattr(prompt, "slice", BASE_SLICE)
+
+
+def suite_digests(prompts: list[Prompt]) -> dict[str, str]:
+    """{suite: sha256 of its requests, in order}: two measurements of a suite compare only over the same requests."""
+    requests: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        requests.setdefault(label_of(prompt)[0], []).append(list(prompt) if isinstance(prompt, list) else prompt)
+    return {name: hashlib.sha256(json.dumps(items).encode()).hexdigest() for name, items in requests.items()}
 
 
 class BenchmarkError(Eagle3Error):
@@ -190,8 +204,8 @@ def latency(values: list[float]) -> dict:
     return {"p50": p50, "p90": p90, "p99": p99, "mean": float(np.mean(values)), "max": max(values)}
 
 
-def summarize(url: str, info: dict, outcomes: list, wall: float, slices: list[str] | None = None) -> dict:
-    """The figures of one server's answers; `slices` names each prompt's slice (None: every prompt is "base")."""
+def summarize(url: str, info: dict, outcomes: list, wall: float, labels: list[tuple[str, str]] | None = None) -> dict:
+    """The figures of one server's answers; `labels` gives each prompt's (suite, slice) (None: heldout, base)."""
     metas = [answer["meta_info"] for answer, _, _ in outcomes]
     spec = [m for m in metas if m.get("spec_verify_ct")]
     completion, verify = sum(m["completion_tokens"] for m in metas), sum(m["spec_verify_ct"] for m in spec)
@@ -205,11 +219,12 @@ def summarize(url: str, info: dict, outcomes: list, wall: float, slices: list[st
         rate = sum(m.get("spec_accept_rate", 0.0) * m["spec_verify_ct"] for m in spec) / verify if verify else None
     hists = [histogram_of(m) for m in spec]
     hists = [h for h in hists if h is not None]
-    slices = slices or [BASE_SLICE] * len(metas)
-    rows = [{"index": i, "slice": name, "prompt_tokens": m.get("prompt_tokens"),
-             "completion_tokens": m["completion_tokens"], "verify_ct": m.get("spec_verify_ct", 0), "latency_s": lat,
+    labels = labels or [(HELDOUT, BASE_SLICE)] * len(metas)
+    rows = [{"index": i, "suite": suite, "slice": name, "prompt_tokens": m.get("prompt_tokens"),
+             "completion_tokens": m["completion_tokens"], "verify_ct": m.get("spec_verify_ct", 0),
+             "correct_drafts": correct_drafts_of(m) if m.get("spec_verify_ct") else 0, "latency_s": lat,
              "attempts": attempts, "accept_length": accept_length(m["completion_tokens"], m.get("spec_verify_ct", 0))}
-            for i, (m, (_, lat, attempts), name) in enumerate(zip(metas, outcomes, slices))]
+            for i, (m, (_, lat, attempts), (suite, name)) in enumerate(zip(metas, outcomes, labels))]
     return {
         "url": url, "server_version": info.get("version"), "num_prompts": len(rows), "draft_tokens_per_step": per_step,
         "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in rows), "completion_tokens": completion,
@@ -217,21 +232,9 @@ def summarize(url: str, info: dict, outcomes: list, wall: float, slices: list[st
         "accept_length": accept_length(completion, verify), "accept_rate": rate,
         "histogram": sum_histograms(hists) if hists else None,
         "wall_s": wall, "output_tokens_per_s": completion / wall, "latency_s": latency([r["latency_s"] for r in rows]),
-        "retried_requests": sum(r["attempts"] > 1 for r in rows), "prompts": rows, "slices": per_slice(rows),
+        "retried_requests": sum(r["attempts"] > 1 for r in rows), "prompts": rows,
+        "suites": by_suite(rows, per_step),
     }
-
-
-def per_slice(rows: list[dict]) -> dict:
-    """{slice: {requests, completion_tokens, verify_ct, accept_length}}, counted as the whole (DESIGN §3)."""
-    figures: dict[str, dict] = {}
-    for row in rows:
-        entry = figures.setdefault(row["slice"], {"requests": 0, "completion_tokens": 0, "verify_ct": 0})
-        entry["requests"] += 1
-        entry["completion_tokens"] += row["completion_tokens"]
-        entry["verify_ct"] += row["verify_ct"]
-    for entry in figures.values():
-        entry["accept_length"] = accept_length(entry["completion_tokens"], entry["verify_ct"])
-    return dict(sorted(figures.items()))
 
 
 def run_benchmark(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, timeout_s: float,
@@ -243,7 +246,7 @@ def run_benchmark(url: str, prompts: list[Prompt], max_new_tokens: int, concurre
                          f"temperature ({temperature}) >= 0")
     args = (max_new_tokens, concurrency, temperature, timeout_s, retries, backoff_s, log)
     info, outcomes, wall = measure(url, prompts, *args)
-    result = {**summarize(url.rstrip("/"), info, outcomes, wall, [slice_of(p) for p in prompts]),
+    result = {**summarize(url.rstrip("/"), info, outcomes, wall, [label_of(p) for p in prompts]),
               "max_new_tokens": max_new_tokens,
               "concurrency": concurrency, "temperature": temperature, "baseline": None, "speedup": None,
               "mismatches": None, "mismatched_prompts": None}
@@ -276,7 +279,7 @@ def render_table(result: dict) -> list[str]:
                          f"{result['draft_tokens_per_step']}))")
         if result["histogram"] is not None:
             lines.append(f"  histogram      {' '.join(f'{a}:{n}' for a, n in enumerate(result['histogram']))}")
-        lines += slice_lines(result.get("slices") or {})
+        lines += suite_lines(result.get("suites") or {})
     lat = result["latency_s"]
     lines.append(f"  throughput     {result['output_tokens_per_s']:.1f} output tokens/s ({result['completion_tokens']} "
                  f"tokens in {result['wall_s']:.2f} s, {result['retried_requests']} requests retried)")
@@ -290,13 +293,19 @@ def render_table(result: dict) -> list[str]:
     return lines
 
 
-def slice_lines(slices: dict) -> list[str]:
-    """The accept length of each slice, when the prompts come from more than one."""
-    if len(slices) < 2:
+def suite_lines(suites: dict) -> list[str]:
+    """The accept length of each suite, and of each slice of a suite with several, when there is more than one."""
+    if len(suites) < 2 and not any(len(suite["slices"]) > 1 for suite in suites.values()):
         return []
     lines = []
-    for name, f in slices.items():
-        length = "-" if f["accept_length"] is None else f"{f['accept_length']:.3f}"
-        lines.append(f"  slice {name:<12} accept length {length}  ({f['requests']} requests, "
-                     f"{f['completion_tokens']} completion tokens / {f['verify_ct']} verify steps)")
+    for name, suite in suites.items():
+        lines.append(figures_line(f"suite {name}", suite))
+        if len(suite["slices"]) > 1:
+            lines += [figures_line(f"  {slice_name}", figures) for slice_name, figures in suite["slices"].items()]
     return lines
+
+
+def figures_line(name: str, f: dict) -> str:
+    length = "-" if f["accept_length"] is None else f"{f['accept_length']:.3f}"
+    return (f"  {name:<22} accept length {length}  ({f['requests']} requests, {f['completion_tokens']} completion "
+            f"tokens / {f['verify_ct']} verify steps)")

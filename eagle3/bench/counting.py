@@ -119,3 +119,25 @@ def server_accept_length(correct: int, verify_ct: int) -> float:
     """/server_info's avg_spec_accept_length: accepted tokens per verify step, the bonus included
     (correct drafts + 1 per step; the prefill token is no part of it)."""
     return (correct + verify_ct) / verify_ct
+
+
+def figures(rows: list[dict], drafts_per_step: int | None) -> dict:
+    """Requests' counts summed and turned into accept length and rate as the whole is (rows: completion_tokens,
+    verify_ct, correct_drafts - None where the server reported no count)."""
+    completion, verify = sum(r["completion_tokens"] for r in rows), sum(r["verify_ct"] for r in rows)
+    corrects = [r["correct_drafts"] for r in rows]
+    correct = None if None in corrects else sum(corrects)
+    rate = accept_rate(correct, verify, drafts_per_step) if correct is not None and drafts_per_step else None
+    return {"requests": len(rows), "completion_tokens": completion, "verify_ct": verify, "correct_drafts": correct,
+            "accept_length": accept_length(completion, verify), "accept_rate": rate}
+
+
+def by_suite(rows: list[dict], drafts_per_step: int | None) -> dict:
+    """{suite: figures, with `slices`: {slice: figures}} over requests labelled `suite` and `slice`, in first-seen
+    order: each suite and each slice inside it counted as SGLang counts the whole."""
+    suites: dict[str, dict[str, list[dict]]] = {}
+    for row in rows:
+        suites.setdefault(row["suite"], {}).setdefault(row["slice"], []).append(row)
+    return {name: {**figures([r for group in slices.values() for r in group], drafts_per_step),
+                   "slices": {s: figures(group, drafts_per_step) for s, group in slices.items()}}
+            for name, slices in suites.items()}

@@ -15,17 +15,20 @@ Sampled decoding (temperature > 0) is measured on a server only: its acceptance 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from eagle3.bench import counting
+from eagle3.bench.client import suite_lines
 from eagle3.bench.counting import SpecRequest
 from eagle3.config import PipelineConfig
+from eagle3.config.suites import HELDOUT
 from eagle3.data.capture import HELDOUT_DIR
-from eagle3.data.regenerate import greedy_length
+from eagle3.data.prompts import BASE_SLICE
+from eagle3.data.regenerate import REGEN_DIR, greedy_length, read_greedy, simulated_shapes
 from eagle3.data.shards import ShardReader, StoredSample
 from eagle3.engines.backends import local_device
 from eagle3.engines.generators import target_greedy
@@ -49,6 +52,8 @@ class PromptResult:
     verify_ct: int
     correct_drafts: int
     histogram: list[int]  # verify steps by number of correct drafts, as long as the largest number seen
+    suite: str = HELDOUT  # the benchmark suite the request belongs to, and its slice there
+    slice: str = BASE_SLICE
 
 
 @dataclass
@@ -90,6 +95,7 @@ class AcceptanceResult:
             "accept_length": self.accept_length,
             "accept_rate": self.accept_rate,
             "histogram": self.histogram,
+            "suites": counting.by_suite([asdict(row) for row in self.rows], self.shape.drafts_per_step),
             "prompts": [asdict(row) for row in self.rows],
         }
 
@@ -142,11 +148,13 @@ def render_table(result: AcceptanceResult) -> list[str]:
 
 @dataclass(frozen=True)
 class HeldoutRef:
-    """One stored held-out greedy sequence, read when it is replayed (at Kimi's size a sequence's features are
-    ~150 MB: a rank reads only its share)."""
+    """One stored benchmark greedy sequence, read when it is replayed (at Kimi's size a sequence's features are
+    ~150 MB: a rank reads only its share), and the suite and slice of its request."""
 
     reader: ShardReader
     index: int
+    suite: str = HELDOUT
+    slice: str = BASE_SLICE
 
     def load(self) -> StoredSample:
         return self.reader.sample(self.index)
@@ -165,42 +173,62 @@ def replay_stored(draft: Eagle3Draft, sample: StoredSample, shape: DraftShape, m
     return replay(seq.tolist(), prompt_len, propose, shape.num_steps, max_new_tokens, eos_ids, release)
 
 
-def heldout_samples(config: PipelineConfig) -> list[HeldoutRef]:
-    """The held-out greedy sequences with their features (the data stage's data/heldout), long enough for the
-    benchmark's max_new_tokens and the serving steps."""
+def heldout_samples(config: PipelineConfig, suites: tuple[str, ...] = (HELDOUT,)) -> list[HeldoutRef]:
+    """The stored greedy sequences of the requests of `suites` with their features (the data stage's data/heldout),
+    long enough for the benchmark's max_new_tokens and the deepest drafting shape."""
     directory = config.stage_dir("data") / HELDOUT_DIR
     readers = [ShardReader(path) for path in sorted(directory.glob("shard-?????.safetensors"))]
-    refs = [HeldoutRef(reader, i) for reader in readers for i in range(len(reader))]
-    if not refs:
+    stored = [(reader, i) for reader in readers for i in range(len(reader))]
+    if not stored:
         raise UnreadableInput(f"{directory}: no held-out features; run the data stage (eagle3 data capture)")
+    requests = read_greedy(config.stage_dir("data") / REGEN_DIR)
+    if len(requests) != len(stored):
+        raise UnreadableInput(f"{directory}: {len(stored)} stored sequences for {len(requests)} benchmark requests: run "
+                              "the data stage again (eagle3 data capture)")
+    refs = [HeldoutRef(reader, i, row["suite"], row["slice"])
+            for (reader, i), row in zip(stored, requests) if row["suite"] in suites]
     wanted = greedy_length(config)
     short = [ref for ref in refs if int(ref.reader.sample(ref.index, ("input_ids", "loss_mask")).loss_mask.sum()) < wanted]
     if short:
         raise UnreadableInput(f"{directory}: {len(short)} held-out sequence(s) continue fewer than {wanted} tokens "
                               "(the replay's max_new_tokens + drafting steps: benchmark.max_new_tokens or "
-                              "training.replay_max_new_tokens, + serving.num_steps): run the data stage again")
+                              "training.replay_max_new_tokens, + the deepest of serving.num_steps and sweep.points): "
+                              "run the data stage again")
     return refs
 
 
 @torch.no_grad()
+def simulate_shape(draft: Eagle3Draft, samples: list[HeldoutRef], shape: DraftShape, config: PipelineConfig,
+                   eos_ids: frozenset[int], log: Log) -> AcceptanceResult:
+    progress = Progress(f"simulate {shape.label()}", total=len(samples), unit="requests", log=log)
+    rows = []
+    for ref in samples:
+        row = replay_stored(draft, ref.load(), shape, config.benchmark.max_new_tokens, eos_ids, config.serving.release)
+        rows.append(replace(row, suite=ref.suite, slice=ref.slice))
+        progress.advance(1, tokens=row.completion_tokens)
+    return AcceptanceResult(shape, rows)
+
+
+@torch.no_grad()
 def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print) -> AcceptanceResult:
-    """Simulate the served draft at `checkpoint` on the held-out greedy sequences; no target is loaded."""
+    """Simulate the served draft at `checkpoint` over every suite's stored greedy sequences, in serving's shape and in
+    each sweep point's; no target is loaded. Returns serving's shape's result."""
     device = local_device()
     embed = target_embedding(config.target.path, config.target.weight_prefix)
     draft = draft_as_served(Path(checkpoint), config.serving.release, embed)
     draft = draft.to(device).eval()
-    samples = heldout_samples(config)
-    eos_ids, shape = target_eos_ids(config.target.path), config.serving.shape
-    progress = Progress("simulate", total=len(samples), unit="prompts", log=log)
-    rows = []
-    for ref in samples:
-        rows.append(replay_stored(draft, ref.load(), shape, config.benchmark.max_new_tokens, eos_ids, config.serving.release))
-        progress.advance(1, tokens=rows[-1].completion_tokens)
-    result = AcceptanceResult(shape, rows)
+    samples = heldout_samples(config, tuple(suite.name for suite in config.benchmark.suites))
+    eos_ids = target_eos_ids(config.target.path)
+    results = [simulate_shape(draft, samples, shape, config, eos_ids, log) for shape in simulated_shapes(config)]
+    result = results[0]
     for line in render_table(result):
         log(line)
+    for shaped in results:
+        for line in suite_lines(shaped.to_dict()["suites"]):
+            log(f"simulate {shaped.shape.label()}:{line}")
     out = config.stage_dir("bench") / RESULT_FILE
+    shapes = [{"label": r.shape.label(), **{k: v for k, v in r.to_dict().items() if k != "prompts"}} for r in results]
     atomic_write_json(out, {"checkpoint": str(checkpoint), "engine_release": config.serving.release,
-                            "max_new_tokens": config.benchmark.max_new_tokens, **result.to_dict()})
+                            "max_new_tokens": config.benchmark.max_new_tokens, **result.to_dict(), "shapes": shapes})
     log(f"simulate: wrote {out}")
     return result

@@ -16,7 +16,7 @@ def add_serving_commands(commands) -> None:
                        "(ShareGPT conversations or messages, JSONL or a JSON array, pkg:NAME); default with --config: "
                        "the held-out prompts")
     bench.add_argument("--num-prompts", type=positive, help="send only the first N prompts (default: all of --prompts, "
-                       "or benchmark.num_prompts held-out ones)")
+                       "or every request of the run's benchmark suites; with --config, the first N of each suite)")
     bench.add_argument("--tokenizer", help="model directory whose chat template renders `messages` (default: target.path)")
     add_trust_argument(bench)
     bench.add_argument("--baseline-url", help="the same target without a draft: speedup and output identity")
@@ -77,15 +77,21 @@ def run_bench(args: argparse.Namespace) -> int:
     thinking = config.data.thinking if config else False
     if args.prompts is not None:
         prompts = load_prompt_file(args.prompts, tokenizer, thinking, args.num_prompts)
-    else:
-        from eagle3.data.regenerate import heldout_prompt_ids
+    else:  # the run's benchmark requests, every suite's (the first --num-prompts of each)
+        from eagle3.deployment.promotion import benchmark_prompts_file, prompt_ids_in
+        from eagle3.deployment.sweep import first_of_each_suite
 
-        prompts = heldout_prompt_ids(config, tokenizer)[:args.num_prompts]
+        prompts = first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), args.num_prompts)
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is refused, not replaced)
     result = run_benchmark(args.url, prompts, pick(args.max_new_tokens, settings.max_new_tokens),
                            pick(args.concurrency, settings.production_concurrency), settings.request_timeout_s,
                            settings.retries, baseline_url=args.baseline_url, temperature=args.temperature)
     print("\n".join(render_table(result)))
+    if result["suites"]:
+        from eagle3.report import suites_text
+
+        print("\n".join(suites_text([{"name": "served", "suites": result["suites"],
+                                      "output_tokens_per_s": result["output_tokens_per_s"]}])))
     out = args.out or (config.stage_dir("bench") / "served.json" if config else None)
     if out is not None:
         atomic_write_json(out, result)

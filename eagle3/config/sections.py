@@ -8,6 +8,7 @@ from typing import Any, Literal
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from eagle3.config.suites import HELDOUT, SuiteSection, distinct_names, suites_from
 from eagle3.config.traffic import TrafficSection
 from eagle3.formats.problems import ProblemCode
 from eagle3.procs import STOP_GRACE_S
@@ -354,6 +355,15 @@ class BenchmarkSection(Section):
     retries: int = Field(default=2, ge=0)
     baseline: bool = Field(default=True, description="also measure the target without a draft (speedup); on the GPU "
                            "node that is one more server start")
+    suites: list[SuiteSection] = Field(default=[SuiteSection(name=HELDOUT)], min_length=1, description="the prompt "
+                                       "sets measured, each reported and gated on its own (eagle3/config/suites.py)")
+
+    _suites = field_validator("suites", mode="before")(suites_from)
+    _distinct = field_validator("suites")(distinct_names)
+
+    @property
+    def gating_suites(self) -> list[str]:
+        return [suite.name for suite in self.suites if not suite.informational]
 
     @field_validator("concurrency", mode="before")
     @classmethod
@@ -398,7 +408,10 @@ class GateSection(Section):
     min_accept_rate: float = Field(default=0.25, ge=0.0, le=1.0)
     min_speedup: float = Field(default=1.0, ge=0.0, description="reject a candidate whose output tokens/s over the "
                                "no-draft server at the production concurrency is below this (0: no throughput rule)")
-    production_tolerance: float = Field(default=0.05, ge=0.0, lt=1.0)
+    production_tolerance: float = Field(default=0.05, ge=0.0, lt=1.0, description="per suite: a candidate below "
+                                        "production's accept length x (1 - this) on any gating suite is rejected")
+    min_verify_steps: int = Field(default=20, ge=1, description="a gating suite measured over fewer verify steps "
+                                  "cannot be judged: the candidate is rejected, naming it")
     sim_serve_tolerance: float = Field(default=0.10, ge=0.0, lt=1.0)
 
 

@@ -11,24 +11,28 @@ most the batch in flight.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
+from eagle3.config.suites import HELDOUT
 from eagle3.data.conversation import SampleBuilder, TemplateMismatch, chat_template_hash, encode
 from eagle3.data.conversation import prompt_ids as render_prompt_ids
 from eagle3.data.prompts import Prompt, PromptSet, load_prompts, split_heldout, write_prompts
 from eagle3.data.quality import Reply, describe_figures, refuse_failed, report
 from eagle3.data.storage import log_projection
+from eagle3.data.suites import Question, continue_questions, heldout_prompts_file, suite_questions
 from eagle3.data.traffic import describe_traffic, mixed, prompt_sources, traffic_prompts
 from eagle3.engines.generators import make_generator
-from eagle3.engines.targets import load_tokenizer, target_identity
+from eagle3.engines.targets import load_tokenizer, target_eos_ids, target_identity
 from eagle3.errors import UnreadableInput
 from eagle3.formats.manifest import code_version, write_manifest
 from eagle3.fsutil import atomic_write_bytes, atomic_write_json
 from eagle3.progress import Progress
+from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
 REGEN_DIR = "regen"
@@ -228,58 +232,68 @@ def regenerated_replies(directory: Path, tokenizer):
             yield Reply(ids, tokenizer.decode(ids, skip_special_tokens=True), None if finish is None else finish == "length")
 
 
-def heldout_prompts(config: PipelineConfig, tokenizer) -> list[tuple[str, list[int]]]:
-    """The benchmark's held-out prompts (the first benchmark.num_prompts, or training.replay_prompts in a config
-    without a benchmark section) as (id, prompt ids)."""
-    return [(p.id, sent_ids(tokenizer, p, config.data.thinking)) for p in benchmark_set(config)]
-
-
-def benchmark_set(config: PipelineConfig) -> list[Prompt]:
-    """The prompts the benchmark measures: the first benchmark.num_prompts held-out prompts (config.heldout_set)."""
-    path = config.stage_dir("data") / HELDOUT_FILE
-    if not path.is_file():
-        raise UnreadableInput(f"{path}: no held-out prompts; run the data stage first (eagle3 data regenerate)")
-    prompts = load_prompts(str(path), limit=config.heldout_set[0]).prompts
-    if not prompts:
-        raise UnreadableInput(f"{path}: holds no usable prompt")
-    return prompts
-
-
-def heldout_prompt_ids(config: PipelineConfig, tokenizer) -> list[list[int]]:
-    return [ids for _, ids in heldout_prompts(config, tokenizer)]
-
-
 def greedy_length(config: PipelineConfig) -> int:
     """A verify step can accept drafts past max_new_tokens and past EOS, and SGLang counts them: the continuation
-    runs num_steps tokens further and ignores EOS."""
-    return config.heldout_set[1] + config.replay_shape.num_steps
+    runs as many tokens further as the deepest drafting shape simulated (serving's and the sweep's) and ignores EOS."""
+    return config.heldout_set[1] + max(shape.num_steps for shape in simulated_shapes(config))
+
+
+def simulated_shapes(config: PipelineConfig) -> list[DraftShape]:
+    """The drafting shapes the simulator replays: serving's (or the replay's), then sweep.points, without repeats."""
+    shapes = [config.replay_shape] + [DraftShape(*point) for point in config.sweep.points]
+    return list(dict.fromkeys(shapes))
+
+
+def benchmark_questions(config: PipelineConfig) -> list[Question]:
+    """The configured suites' questions (held-out prompts only, in a config without a benchmark section)."""
+    heldout = heldout_prompts_file(config.stage_dir("data") / HELDOUT_FILE)
+    if config.benchmark is None:
+        return [Question(HELDOUT, prompt, False) for prompt in heldout[: config.heldout_set[0]]]
+    return suite_questions(config, heldout)
 
 
 def continue_heldout(config: PipelineConfig, generator, tokenizer, path: Path, log: Log) -> dict:
-    """The target's greedy continuation of every held-out benchmark prompt, once (the simulator replays drafting
-    over them: for a greedy target the accepted tokens are exactly these). Kept when already made for the same
-    prompts and length."""
-    prompts, length = heldout_prompts(config, tokenizer), greedy_length(config)
-    wanted = [{"id": pid, "prompt_ids": ids} for pid, ids in prompts]
-    if path.is_file():
-        made = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if [{"id": r["id"], "prompt_ids": r["prompt_ids"]} for r in made] == wanted and all(
-                len(r["continuation_ids"]) == length for r in made):
-            return {"prompts": len(made), "length": length}
-    progress = Progress("held-out continuations", total=len(prompts), unit="prompts", log=log)
-    continuations, batch_size = [], engine_batch(config)
-    for start in range(0, len(prompts), batch_size):
-        batch = [ids for _, ids in prompts[start : start + batch_size]]
-        continuations += generator.continue_greedy(batch, length)
-        progress.advance(len(batch), tokens=length * len(batch))
-    lines = [json.dumps({**w, "continuation_ids": c}) + "\n" for w, c in zip(wanted, continuations)]
-    atomic_write_bytes(path, "".join(lines).encode())
-    log(f"regenerate: greedy continuations of {len(lines)} held-out prompts ({length} tokens each) in {path}")
-    return {"prompts": len(lines), "length": length}
+    """The target's greedy continuation of every benchmark request, once (the simulator replays drafting over them:
+    for a greedy target the accepted tokens are exactly these; the served benchmark sends the same prompt ids). Kept
+    when already made for the same questions, answers' length and continuation length."""
+    questions, length = benchmark_questions(config), greedy_length(config)
+    key = hashlib.sha256(json.dumps([[[q.suite, q.prompt.id, q.multi_turn] for q in questions], length,
+                                     config.heldout_set[1]]).encode()).hexdigest()
+    made = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    if made and all(row.get("key") == key for row in made):
+        return greedy_fields(made)
+    progress = Progress("held-out continuations", total=len(questions), unit="requests", log=log)
+    batch_size = engine_batch(config)
+
+    def continue_greedy(prompts: list[list[int]]) -> list[list[int]]:
+        continuations = []
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            continuations += generator.continue_greedy(batch, length)
+            progress.advance(len(batch), tokens=length * len(batch))
+        return continuations
+
+    rows = continue_questions(questions, tokenizer, config.data.thinking,
+                              lambda prompt: sent_ids(tokenizer, prompt, config.data.thinking), continue_greedy,
+                              config.heldout_set[1], target_eos_ids(config.target.path), log)
+    atomic_write_bytes(path, "".join(json.dumps({**row, "key": key}) + "\n" for row in rows).encode())
+    fields = greedy_fields(rows)
+    log(f"regenerate: greedy continuations of {fields['requests']} benchmark requests ({length} tokens each; "
+        f"{fields['suites']}) in {path}")
+    return fields
+
+
+def greedy_fields(rows: list[dict]) -> dict:
+    """The manifest's account of the benchmark's greedy continuations: held-out prompts, length, requests per suite."""
+    suites: dict[str, int] = {}
+    for row in rows:
+        suites[row["suite"]] = suites.get(row["suite"], 0) + 1
+    return {"prompts": suites.get(HELDOUT, 0), "length": len(rows[0]["continuation_ids"]) if rows else 0,
+            "requests": len(rows), "suites": suites}
 
 
 def read_greedy(directory: Path) -> list[dict]:
-    """The held-out greedy sequences: {id, prompt_ids, continuation_ids} per prompt."""
+    """The benchmark's greedy sequences: {id, question, turn, suite, slice, prompt_ids, continuation_ids} per request."""
     path = Path(directory) / GREEDY_FILE
     if not path.is_file():
         raise UnreadableInput(f"{path}: no held-out greedy continuations; run `eagle3 data regenerate` again")

@@ -8,22 +8,23 @@ one after the other, each stopped (and the GPUs' memory awaited) before the next
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Callable
 
-from eagle3.bench.client import BenchmarkError, SlicedPrompt, run_benchmark, slice_lines
+from eagle3.bench.client import BenchmarkError, SlicedPrompt, run_benchmark, suite_digests, suite_lines
 from eagle3.bench.diagnose import diagnose
 from eagle3.config import PipelineConfig
 from eagle3.config.production import TelemetrySection
 from eagle3.data.capture import dataset_dir
-from eagle3.data.prompts import load_prompts, write_prompts
-from eagle3.data.regenerate import REGEN_DIR, benchmark_set, sent_ids
+from eagle3.data.prompts import load_prompts
+from eagle3.data.regenerate import REGEN_DIR, read_greedy, sent_ids
 from eagle3.engines.targets import load_tokenizer
 from eagle3.errors import UnreadableInput
 from eagle3.formats.checkpoint import convert
 from eagle3.formats.manifest import code_version, read_manifest
-from eagle3.fsutil import atomic_write_json, sha256_file
-from eagle3.registry.gate import Decision, Metrics, throughput_text
+from eagle3.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
+from eagle3.registry.gate import Decision, Metrics, suite_figures, throughput_text
 from eagle3.registry.registry import decide_against_production, open_registry, registry_location
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
@@ -34,17 +35,24 @@ PROMPTS_LAYOUT, PROMPTS_FILE = "benchmark", "prompts.jsonl"  # a version's promp
 
 
 def benchmark_prompts_file(config: PipelineConfig) -> Path:
-    """The run's benchmark prompt set (the first benchmark.num_prompts held-out prompts) as a file under
-    run.dir/bench/benchmark/: published with the version, so production is re-measured on the prompts it was
-    measured on."""
+    """The run's benchmark requests (every configured suite's, as the data stage made them: ids, suite, slice) as a
+    file under run.dir/bench/benchmark/: published with the version, so production is re-measured on the very
+    requests it was measured on."""
     path = config.stage_dir("bench") / PROMPTS_LAYOUT / PROMPTS_FILE
-    write_prompts(path, benchmark_set(config))
+    suites = {suite.name for suite in config.benchmark.suites}
+    rows = [row for row in read_greedy(config.stage_dir("data") / REGEN_DIR) if row["suite"] in suites]
+    atomic_write_bytes(path, "".join(json.dumps({"id": r["id"], "suite": r["suite"], "slice": r["slice"],
+                                                 "input_ids": r["prompt_ids"]}) + "\n" for r in rows).encode())
     return path
 
 
 def prompt_ids_in(config: PipelineConfig, path: Path) -> list[SlicedPrompt]:
-    """A prompt-set file's prompts as the target is sent them (the chat template applied, except to a traffic prompt
-    that was rendered already), each naming its slice."""
+    """A prompt-set file's requests as the target is sent them, each naming its suite and slice: the ids as they are
+    (a run's benchmark requests), or for a version published before suites its prompts through the chat template
+    (except a traffic prompt that was rendered already)."""
+    requests = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    if requests and all("input_ids" in r for r in requests):
+        return [SlicedPrompt(r["input_ids"], r["slice"], r["suite"]) for r in requests]
     prompt_set = load_prompts(str(path))
     if prompt_set.malformed or not prompt_set.prompts:
         number, why = prompt_set.malformed[0] if prompt_set.malformed else (0, "no prompt")
@@ -62,7 +70,9 @@ def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log
     try:
         result = run_benchmark(url, prompts, b.max_new_tokens, concurrency or b.production_concurrency,
                                b.request_timeout_s, b.retries, log=log, temperature=temperature)
-        for line in slice_lines(result["slices"]):
+        for name, digest in suite_digests(prompts).items():
+            result["suites"][name]["sha256"] = digest
+        for line in suite_lines(result["suites"]):
             log(f"{url}:{line}")
         return result | {"lost_requests": 0}
     except BenchmarkError as err:
@@ -127,16 +137,18 @@ def production_on_run_prompts(config: PipelineConfig, prompts_file: Path, prompt
         "compares like with like")
     draft = registry.fetch(version, "sglang", config.stage_dir("bench") / "production-draft" / version, overwrite=True)
     result = measure_server(config, draft, prompts, log, role=f"production {version} on this run's prompts")
-    return {"version": version, **{k: result.get(k) for k in ("accept_length", "accept_rate", "lost_requests")}}
+    return {"version": version, **{k: result.get(k) for k in ("accept_length", "accept_rate", "lost_requests", "suites")}}
 
 
-def candidate_metrics(served: dict, simulated_accept_length: float | None, data_quality: dict, chosen: dict) -> Metrics:
-    """The gate's inputs: acceptance from the candidate's greedy measurement, throughput from the serving shape
-    production would get (`chosen`: the sweep's choice, or the serving section's shape)."""
+def candidate_metrics(config: PipelineConfig, served: dict, simulated_accept_length: float | None, data_quality: dict,
+                      chosen: dict) -> Metrics:
+    """The gate's inputs: acceptance from the candidate's greedy measurement (overall and per suite), throughput from
+    the serving shape production would get (`chosen`: the sweep's choice, or the serving section's shape)."""
+    informational = tuple(s.name for s in config.benchmark.suites if s.informational)
     return Metrics(accept_length=served.get("accept_length"), accept_rate=served.get("accept_rate"),
                    simulated_accept_length=simulated_accept_length, lost_requests=served.get("lost_requests", 0),
                    data_problems=tuple(data_quality["problems"]), speedup=chosen.get("speedup"),
-                   throughput=throughput_text(chosen))
+                   throughput=throughput_text(chosen), suites=suite_figures(served.get("suites"), informational))
 
 
 def gate_decision(config: PipelineConfig, registry, production: str | None, served: dict,
@@ -144,9 +156,9 @@ def gate_decision(config: PipelineConfig, registry, production: str | None, serv
     """The gate on the candidate against the production version's recorded metrics (its accept length re-measured on
     this run's prompts, when they differ from those it was measured on). With `chosen` {} (no speedup measured yet) it
     judges acceptance alone."""
-    candidate = candidate_metrics(served, simulated_accept_length, data_quality_of(config), chosen)
+    candidate = candidate_metrics(config, served, simulated_accept_length, data_quality_of(config), chosen)
     here = served.get("production_on_run_prompts") or {}
-    remeasured = here.get("accept_length") if here.get("version") == production else None
+    remeasured = here if here.get("version") == production else None
     return decide_against_production(registry, candidate, production, config.gate, remeasured)
 
 
@@ -169,7 +181,7 @@ def registry_metrics(served: dict, simulated_accept_length: float | None, chosen
     the candidate's greedy measurement in the serving section's shape (what the gate compares across versions);
     `production` - the shape production serves, as measured when chosen (what production is re-measured against)."""
     keys = ("accept_length", "accept_rate", "histogram", "output_tokens_per_s", "lost_requests", "server_version",
-            "speedup")
+            "speedup", "suites")
     production = ("accept_length", "output_tokens_per_s", "baseline_output_tokens_per_s", "speedup", "concurrency",
                   "temperature")
     return {"served": {k: served.get(k) for k in keys}, "simulated": {"accept_length": simulated_accept_length},

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+from eagle3.bench.client import SlicedPrompt
 from eagle3.config import PipelineConfig
 from eagle3.deployment.promotion import benchmark_on, benchmark_prompts_file, prompt_ids_in
 from eagle3.errors import Eagle3Error
@@ -53,12 +54,23 @@ def measure_levels(config: PipelineConfig, draft: Path | None, prompts: list[lis
         server.stop()
 
 
+def first_of_each_suite(prompts: list[SlicedPrompt], count: int | None) -> list[SlicedPrompt]:
+    """The first `count` requests of each suite (None: all), so every suite is measured at every point."""
+    taken: dict[str, int] = {}
+    kept = []
+    for prompt in prompts:
+        taken[prompt.suite] = taken.get(prompt.suite, 0) + 1
+        if count is None or taken[prompt.suite] <= count:
+            kept.append(prompt)
+    return kept
+
+
 def level_row(level: int, measured: dict, baseline: dict) -> dict:
     tokens_per_s, base = measured.get("output_tokens_per_s"), baseline["output_tokens_per_s"]
     return {"concurrency": level, "accept_length": measured.get("accept_length"),
             "accept_rate": measured.get("accept_rate"), "output_tokens_per_s": tokens_per_s,
             "baseline_output_tokens_per_s": base, "speedup": tokens_per_s / base if tokens_per_s else None,
-            "lost_requests": measured["lost_requests"]}
+            "lost_requests": measured["lost_requests"], "suites": measured.get("suites")}
 
 
 def at_production(point: dict) -> dict | None:
@@ -80,7 +92,7 @@ def choose(points: list[dict]) -> dict | None:
 def run_sweep(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
     """Measure every shape that fits the budget; write run.dir/bench/sweep.json; return it."""
     started, sweep, b = time.monotonic(), config.sweep, config.benchmark
-    prompts = prompt_ids_in(config, benchmark_prompts_file(config))[: sweep.num_prompts]
+    prompts = first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), sweep.num_prompts)
     shapes = sweep_shapes(config)
     log(f"sweep: {len(shapes)} drafting shape(s) x concurrency {b.concurrency} at temperature {b.temperature}, "
         f"{len(prompts)} prompts each, budget {sweep.budget_s:.0f} s")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from eagle3.config.sections import GateSection, RegistrySection
 from eagle3.fsutil import atomic_directory, sha256_file
-from eagle3.registry.gate import Decision, Metrics, decide, throughput_text
+from eagle3.registry.gate import Decision, Metrics, decide, suite_figures, throughput_text
 from eagle3.registry.s3 import S3Store
 from eagle3.registry.store import LocalStore, PointerConflict, RegistryError, Store
 from eagle3.shape import DraftShape
@@ -69,19 +69,23 @@ def metrics_of(manifest: dict) -> Metrics:
         data_problems=tuple((manifest.get("data_quality") or {}).get("problems") or ()),
         speedup=production.get("speedup"),
         throughput=throughput_text(chosen),
+        suites=suite_figures(served.get("suites")),
     )
 
 
 def decide_against_production(registry: Registry, candidate: Metrics, production: str | None,
-                              gate: GateSection, remeasured: float | None = None) -> Decision:
+                              gate: GateSection, remeasured: dict | None = None) -> Decision:
     """The gate on `candidate` against the metrics recorded with the `production` version (None: none yet, a first
-    deployment): one decision, whether the pipeline or a person through the CLI asks. `remeasured`: production's
-    accept length on the candidate's own prompts, which replaces the recorded one (measured on other prompts)."""
+    deployment): one decision, whether the pipeline or a person through the CLI asks. `remeasured`: production
+    measured on the candidate's own requests ({accept_length, suites}), which replaces the recorded figures (measured
+    on other requests)."""
     recorded = metrics_of(registry.manifest(production)) if production else None
     if recorded is None or remeasured is None:
         return decide(candidate, recorded, gate)
-    decision = decide(candidate, replace(recorded, accept_length=remeasured), gate)
-    decision.notes.append(f"production {production} measured on this run's prompts: accept length {remeasured:.3f} "
+    length = remeasured.get("accept_length")
+    decision = decide(candidate, replace(recorded, accept_length=length, suites=suite_figures(remeasured.get("suites"))),
+                      gate)
+    decision.notes.append(f"production {production} measured on this run's prompts: accept length {fmt_length(length)} "
                           f"(recorded {fmt_length(recorded.accept_length)} on the prompts it was measured on)")
     return decision
 
