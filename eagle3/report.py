@@ -170,7 +170,7 @@ def sweep_report(result: dict) -> str:
     parts = ["# Serving sweep", picture,
              f"Chosen: **{chosen['label']}**: {chosen['output_tokens_per_s']:.1f} output tokens/s at "
              f"{chosen['concurrency']} concurrent (production's), **{chosen['speedup']:.2f}x** the no-draft server; "
-             f"temperature {result['temperature']}, {result['num_prompts']} prompts per measurement, "
+             f"temperature {result['temperature']}, at most {result['num_prompts']} requests per suite per measurement, "
              f"{result['wall_s']:.0f} s of {result['budget_s']:.0f} s budget.",
              table(["shape", "concurrency", "accept length", "accept rate", "output tokens/s", "no draft tokens/s",
                     "speedup", "lost requests"], rows)]

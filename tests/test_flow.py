@@ -8,6 +8,7 @@ Every test holds in any order: a run whose outcome depends on what ran before it
 pointer) is made by a module fixture that runs its flows one after the other and keeps what the tests read, taken
 right after each run; a test that runs a flow itself compares with the registry as it found it."""
 
+import json
 import logging
 import shutil
 import socket
@@ -52,6 +53,8 @@ def micro_run_overrides(run_dir, target) -> list[str]:
         f"registry.path={run_dir / 'registry'}", f"production.state_dir={run_dir / 'production'}",
         f"serving.log_dir={run_dir / 'logs'}", "gate.min_accept_rate=0.05",
         "sweep.points=[[2, 2, 4]]", "sweep.num_prompts=2",
+        # two suites: the held-out prompts, and MT-bench's first two questions (two turns each: four requests)
+        "benchmark.suites=[heldout, {name: mtbench, num_prompts: 2}]", "gate.min_verify_steps=5",
         # no throughput rule: under pytest-xdist another worker's load falls on the baseline or the candidate by
         # chance (measured: a good draft at 0.40x); the rule's own test below sets a bar out of reach
         "gate.min_speedup=0",
@@ -149,7 +152,7 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     assert "## Notes (checks waived on purpose" in found["decision"] and "empty-replies waived" in found["decision"]
     # the version keeps its data's quality report and the prompt set it was measured on
     manifest = open_registry(config.registry).manifest(version)
-    assert manifest["data_quality"]["passed"] and manifest["benchmark"]["prompts"] == 4
+    assert manifest["data_quality"]["passed"] and manifest["benchmark"]["prompts"] == 8  # 4 held out, 4 MT-bench turns
     assert "benchmark/prompts.jsonl" in manifest["files"]
     # the sweep served (3, 1, 4) and (2, 2, 4); the faster one is recorded, production serves it, and the
     # decision names its speedup
@@ -161,6 +164,29 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     assert "median step time (s)" in found["training"] and "evaluation, total (s)" in found["training"]
     speedup = f"speedup {manifest['metrics']['production']['speedup']:.2f}x over the no-draft server"
     assert speedup in found["decision"]
+
+
+def test_every_suite_is_simulated_served_and_tabled_per_shape(micro_flow):
+    """Suites as rows, shapes as columns: simulated = served on each suite in the serving shape, MT-bench's categories
+    as its slices, both turns of each question counted; the table in bench/ and in the `suites` artifact."""
+    state = micro_flow.first.state
+    config = load_config(CONFIG, micro_flow.overrides)
+    columns = {c["name"]: c for c in json.loads((config.stage_dir("bench") / "suites.json").read_text())["columns"]}
+    shape = config.serving.shape.label()
+    simulated, served = columns[f"{shape} simulated"]["suites"], columns[f"{shape} served"]["suites"]
+    assert list(served) == ["heldout", "mtbench"] and served["heldout"]["requests"] == 4
+    assert served["mtbench"]["requests"] == 4 and set(served["mtbench"]["slices"]) == {"writing"}  # questions 81, 82
+    for suite in ("heldout", "mtbench"):
+        assert served[suite]["verify_ct"] == simulated[suite]["verify_ct"] > 0
+        assert served[suite]["accept_length"] == pytest.approx(simulated[suite]["accept_length"])
+    assert {f"{label} simulated" for label in ("steps 2, topk 2, draft tokens 4",)} <= set(columns)
+    assert any(name.startswith("steps 2, topk 2, draft tokens 4 served @ 2") for name in columns)
+    found = artifacts(state.state_details.flow_run_id)
+    assert "# Acceptance per suite and drafting shape" in found["suites"] and "| mtbench |" in found["suites"]
+    assert "data:image/svg+xml;base64," in found["suites"] and "## Per suite" in found["acceptance"]
+    # the version keeps each suite's figures with its requests' sha256, which the next run's gate compares against
+    recorded = open_registry(config.registry).manifest(micro_flow.first.after)["metrics"]["served"]["suites"]
+    assert recorded["mtbench"]["sha256"] == served["mtbench"]["sha256"] and len(recorded["mtbench"]["sha256"]) == 64
 
 
 def test_a_draft_below_the_speedup_bar_rolls_back_by_the_throughput_rule(micro_flow):

@@ -3,7 +3,7 @@
 import pytest
 
 from eagle3.config.sections import GateSection
-from eagle3.registry.gate import Metrics, decide
+from eagle3.registry.gate import Metrics, SuiteFigures, decide
 
 GATE = GateSection(min_accept_rate=0.25, production_tolerance=0.05, sim_serve_tolerance=0.10)
 FAST = {"speedup": 1.4, "throughput": "steps 3, topk 4, draft tokens 8, 4 concurrent, temperature 0.0: 140.0 vs 100.0 "
@@ -55,3 +55,44 @@ def test_an_unmeasured_speedup_is_a_note_not_a_rejection():
     decision = decide(unmeasured, None, GATE)
     assert decision.promote and "throughput not measured" in decision.notes[0]
     assert decide(unmeasured, None, GateSection(min_speedup=0.0)).notes == []  # no throughput rule: nothing to say
+
+
+CHAT, CODE = "a" * 64, "b" * 64  # the suites' requests by sha256
+
+
+def suites(chat: float, code: float, code_sha: str = CODE, code_steps: int = 400, informational: bool = False):
+    return (SuiteFigures("mtbench", chat, 400, CHAT), SuiteFigures("code", code, code_steps, code_sha, informational))
+
+
+def test_a_gain_on_one_suite_does_not_buy_a_loss_on_another():
+    """Overall the candidate is better (2.9 vs 2.7), but it lost 10 % on code: rejected, naming the suite, both
+    figures and the requests' sha256."""
+    production = Metrics(2.7, 0.57, suites=suites(2.4, 3.0))
+    candidate = Metrics(2.9, 0.63, 2.9, suites=suites(3.1, 2.7), **FAST)
+    decision = decide(candidate, production, GATE)
+    assert not decision.promote and [r.rule for r in decision.reasons] == ["regression"]
+    message = decision.reasons[0].message
+    assert message.startswith("suite code: accept length 2.700 is below production's 3.000") and CODE in message
+    assert "mtbench" not in decision.summary()
+    within = Metrics(2.9, 0.63, 2.9, suites=suites(3.1, 2.9), **FAST)  # 2.9 >= 3.0 x 0.95
+    assert decide(within, production, GATE).promote
+
+
+def test_suites_compare_only_over_the_same_requests_and_informational_ones_never_gate():
+    production = Metrics(2.7, 0.57, suites=suites(2.4, 3.0))
+    other_requests = Metrics(2.9, 0.63, 2.9, suites=suites(3.1, 2.0, code_sha="c" * 64), **FAST)
+    decision = decide(other_requests, production, GATE)
+    assert decision.promote and f"suite code: production has no figure on these requests (sha256 {'c' * 64})" in \
+        decision.notes[0]
+    informational = Metrics(2.9, 0.63, 2.9, suites=suites(3.1, 2.0, informational=True), **FAST)
+    assert decide(informational, production, GATE).promote
+
+
+def test_a_suite_with_too_few_verify_steps_is_not_judged_a_pass():
+    thin = Metrics(2.9, 0.63, 2.9, suites=suites(3.1, 3.5, code_steps=12), **FAST)
+    decision = decide(thin, None, GATE)
+    assert not decision.promote and [r.rule for r in decision.reasons] == ["too-few-verify-steps"]
+    assert decision.reasons[0].message.startswith("suite code: 12 verify steps, fewer than gate.min_verify_steps 20")
+    assert decide(thin, None, GateSection(min_verify_steps=10, min_speedup=1.0)).promote
+    assert decide(Metrics(2.9, 0.63, 2.9, suites=suites(3.1, 3.5, code_steps=12, informational=True), **FAST),
+                  None, GATE).promote

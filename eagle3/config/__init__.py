@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError, model_validator
 from eagle3.config.monitor import MonitorSection
 from eagle3.config.node import NodeSection
 from eagle3.config.production import ProductionSection
+from eagle3.config.suites import TRAFFIC
 from eagle3.config.sections import (
     PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, RegistrySection,
     RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
@@ -85,6 +86,9 @@ class PipelineConfig(Section):
             raise ValueError("data.engine or data.capture_engine sglang runs the target on serving.tp GPUs: add a "
                              "serving section")
         self._check_replay()
+        if self.benchmark is not None and TRAFFIC in {s.name for s in self.benchmark.suites} and self.data.traffic is None:
+            raise ValueError("benchmark.suites names traffic, production's held-out request prompts: they come from "
+                             "data.traffic; add that section or remove the suite")
         return self
 
     def _check_replay(self) -> None:
@@ -215,6 +219,9 @@ def check_local_inputs(config: PipelineConfig) -> None:
     if traffic is not None and not traffic.records.startswith("s3://") and not Path(traffic.records).is_dir():
         raise ConfigError(f"data.traffic.records {traffic.records}: no such directory; point it at production's request "
                           "records (production.telemetry.records_dir) or an s3://bucket/prefix, or remove data.traffic")
+    for suite in config.benchmark.suites if config.benchmark else ():
+        if suite.path is not None and not suite.path.is_file():
+            raise ConfigError(f"benchmark.suites {suite.name}: {suite.path}: no such file; give a JSONL of its prompts")
     imported = config.data.import_path
     if imported is not None and not imported.is_file():
         raise ConfigError(f"data.import_path {imported}: no such file; give the JSONL of rows to import, or remove the "

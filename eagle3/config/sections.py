@@ -389,8 +389,8 @@ class SweepSection(Section):
     enabled: bool = True
     points: list[tuple[int, int, int]] = Field(default=[], description="(num_steps, eagle_topk, num_draft_tokens) "
                                                "to serve, in this order, after the serving section's own shape")
-    num_prompts: int | None = Field(default=None, gt=0, description="prompts per measurement (None: "
-                                    "benchmark.num_prompts): the first ones of the benchmark set")
+    num_prompts: int | None = Field(default=None, gt=0, description="requests of each benchmark suite per measurement "
+                                    "(None: every one): the first ones of each suite")
     budget_s: float = Field(default=7200.0, gt=0.0, description="wall time the sweep may take; points that would "
                             "run past it are skipped, each point's time estimated from the no-draft server's")
 

