@@ -222,7 +222,9 @@ def suites_report(columns: list[dict]) -> str:
 
 
 def suites_text(columns: list[dict]) -> list[str]:
-    """The suites table as fixed-width text, for logs and the command line."""
+    """The suites table as fixed-width text, for logs and the command line (nothing without a column)."""
+    if not columns:
+        return []
     header, rows = suites_table(columns)
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     return ["  ".join(str(value).ljust(width) for value, width in zip(row, widths)).rstrip() for row in [header, *rows]]

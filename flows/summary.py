@@ -12,8 +12,10 @@ from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 from eagle3.bench.simulate import RESULT_FILE
 from eagle3.config import PipelineConfig
 from eagle3.deployment.promotion import SERVED_FILE
+from eagle3.deployment.suites import SUITES_FILE
 from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
+from eagle3.report import suites_text
 
 
 def stage_rows(flow_run_id) -> list[tuple[str, str, float]]:
@@ -35,13 +37,13 @@ def run_dir_of(flow_run_id, config: PipelineConfig, mode: str) -> Path | None:
     return Path(registry.manifest(versions[-1])["config"]["run"]["dir"]) if versions else None
 
 
-def accept_lengths(run_dir: Path | None, config: PipelineConfig) -> tuple[float | None, float | None]:
+def bench_records(run_dir: Path | None, config: PipelineConfig) -> tuple[dict, dict, dict]:
+    """The run's simulated.json, served.json and suites.json ({} for each one not written)."""
     if run_dir is None:
-        return None, None
+        return {}, {}, {}
     bench = config.model_copy(update={"run": config.run.model_copy(update={"dir": run_dir})}).stage_dir("bench")
-    simulated = read_json(bench / RESULT_FILE, "") if (bench / RESULT_FILE).is_file() else {}
-    served = read_json(bench / SERVED_FILE, "") if (bench / SERVED_FILE).is_file() else {}
-    return simulated.get("accept_length"), served.get("accept_length")
+    return tuple(read_json(bench / name, "") if (bench / name).is_file() else {}
+                 for name in (RESULT_FILE, SERVED_FILE, SUITES_FILE))
 
 
 def ui_url() -> str:
@@ -64,11 +66,12 @@ def summary(state, config: PipelineConfig, mode: str = "full") -> str:
     lines += [f"{name:24s} {state_name:10s} {seconds:8.1f}" for name, state_name, seconds in rows]
     lines.append(f"{'total (task work)':24s} {'':10s} {sum(r[2] for r in rows):8.1f}")
     run_dir = run_dir_of(flow_run_id, config, mode)
-    simulated, served = accept_lengths(run_dir, config)
+    simulated, served, suites = bench_records(run_dir, config)
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines += ["", f"accept length: simulated {fmt(simulated)}, served {fmt(served)}",
+    lines += ["", f"accept length: simulated {fmt(simulated.get('accept_length'))}, served "
+              f"{fmt(served.get('accept_length'))}", *suites_text(suites.get("columns") or []),
               f"decision: {decision(state)}",
-              f"artifacts (data, vocab, training, export-validation, acceptance, sweep, decision) of flow run {flow_run_id}: "
+              f"artifacts (data, vocab, training, export-validation, acceptance, sweep, suites, decision) of flow run {flow_run_id}: "
               + (f"{ui_url()}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts" if PREFECT_API_URL.value() else
                  f"kept in the Prefect database under PREFECT_HOME; run `prefect server start` and open "
                  f"http://127.0.0.1:4200/v2/runs/flow-run/{flow_run_id}?tab=Artifacts"),

@@ -175,7 +175,7 @@ def test_every_suite_is_simulated_served_and_tabled_per_shape(micro_flow):
     shape = config.serving.shape.label()
     simulated, served = columns[f"{shape} simulated"]["suites"], columns[f"{shape} served"]["suites"]
     assert list(served) == ["heldout", "mtbench"] and served["heldout"]["requests"] == 4
-    assert served["mtbench"]["requests"] == 4 and set(served["mtbench"]["slices"]) == {"writing"}  # questions 81, 82
+    assert served["mtbench"]["requests"] == 4 and set(served["mtbench"]["slices"]) == {"writing", "roleplay"}
     for suite in ("heldout", "mtbench"):
         assert served[suite]["verify_ct"] == simulated[suite]["verify_ct"] > 0
         assert served[suite]["accept_length"] == pytest.approx(simulated[suite]["accept_length"])

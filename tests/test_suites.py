@@ -10,7 +10,7 @@ from eagle3.config import check_local_inputs, load_config
 from eagle3.config.suites import MTBENCH
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout, greedy_length, read_greedy
-from eagle3.data.suites import file_questions, mtbench_file, reply_of
+from eagle3.data.suites import across_slices, file_questions, mtbench_file, reply_of
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer, target_eos_ids
 from eagle3.errors import ConfigError, UnreadableInput
@@ -75,12 +75,14 @@ def test_the_second_turn_follows_the_targets_own_answer_and_every_turn_is_a_requ
         "benchmark.suites=[heldout, {name: mtbench, num_prompts: 3}]"])
     write_heldout(config)
     rows = read_greedy(config.stage_dir("data") / REGEN_DIR)
-    assert [(r["suite"], r["turn"]) for r in rows] == [("heldout", 1)] * 2 + [("mtbench", 1)] * 3 + [("mtbench", 2)] * 3
+    # question by question; three questions of MT-bench taken across its categories
+    assert [(r["suite"], r["turn"]) for r in rows] == [("heldout", 1)] * 2 + [("mtbench", 1), ("mtbench", 2)] * 3
+    assert [r["slice"] for r in rows[2::2]] == ["writing", "roleplay", "reasoning"]
     assert {len(r["continuation_ids"]) for r in rows} == {12 + 5}  # past max_new_tokens by the deepest shape's steps
     assert greedy_length(config) == 17
     tokenizer, eos = load_tokenizer(config.target), target_eos_ids(config.target.path)
-    questions = file_questions(mtbench_file(), MTBENCH)[:3]
-    for question, first, second in zip(questions, rows[2:5], rows[5:]):
+    questions = across_slices(file_questions(mtbench_file(), MTBENCH), 3)
+    for question, first, second in zip(questions, rows[2::2], rows[3::2]):
         assert first["question"] == second["question"] == question.prompt.id and first["slice"] == question.prompt.slice
         assert first["prompt_ids"] == prompt_ids(tokenizer, list(question.prompt.turns[:1]), False)
         answer = reply_of(first["continuation_ids"], 12, eos)  # the served request's answer: 12 tokens or to its end

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
-from eagle3.config.suites import HELDOUT, MTBENCH, TRAFFIC, SuiteSection
+from eagle3.config.suites import HELDOUT, MTBENCH, TRAFFIC
 from eagle3.data.conversation import SampleBuilder, TemplateMismatch
 from eagle3.data.prompts import BASE_SLICE, Prompt, decoded, file_lines, load_prompts, parse_line, prompt_id, rendered_prompt
 from eagle3.errors import UnreadableInput
@@ -43,17 +44,25 @@ def suite_questions(config: PipelineConfig, heldout: list[Prompt]) -> list[Quest
     """Every configured suite's questions, suite by suite. `heldout`: the held-out prompts (data/heldout.jsonl)."""
     questions = []
     for suite in config.benchmark.suites:
-        limit = suite.num_prompts or (config.benchmark.num_prompts if suite.name in (HELDOUT, TRAFFIC) else None)
-        questions += suite_source(suite, heldout)[:limit]
+        if suite.name in (HELDOUT, TRAFFIC):
+            questions += [Question(suite.name, p, False) for p in heldout
+                          if suite.name == HELDOUT or p.slice != BASE_SLICE][: suite.num_prompts or config.benchmark.num_prompts]
+        else:
+            questions += across_slices(file_questions(mtbench_file() if suite.name == MTBENCH else suite.path,
+                                                      suite.name), suite.num_prompts)
     return questions
 
 
-def suite_source(suite: SuiteSection, heldout: list[Prompt]) -> list[Question]:
-    if suite.name == HELDOUT:
-        return [Question(HELDOUT, prompt, False) for prompt in heldout]
-    if suite.name == TRAFFIC:
-        return [Question(TRAFFIC, prompt, False) for prompt in heldout if prompt.slice != BASE_SLICE]
-    return file_questions(mtbench_file() if suite.name == MTBENCH else suite.path, suite.name)
+def across_slices(questions: list[Question], limit: int | None) -> list[Question]:
+    """The first `limit` questions taken in turn from each slice (MT-bench's categories), so that a few questions still
+    cover every category; every question, in file order, without a limit."""
+    if limit is None:
+        return questions
+    by_slice: dict[str, list[Question]] = {}
+    for question in questions:
+        by_slice.setdefault(question.prompt.slice, []).append(question)
+    in_turn = [q for rank in zip_longest(*by_slice.values()) for q in rank if q is not None]
+    return in_turn[:limit]
 
 
 def mtbench_file() -> Path:
@@ -137,8 +146,9 @@ def reply_of(continuation: list[int], max_new_tokens: int, eos_ids: frozenset[in
 def continue_questions(questions: list[Question], tokenizer, thinking: bool, sent_ids: Callable[[Prompt], list[int]],
                        continue_greedy: Callable[[list[list[int]]], list[list[int]]], max_new_tokens: int,
                        eos_ids: frozenset[int], log: Log) -> list[dict]:
-    """One row per request, {id, question, turn, suite, slice, prompt_ids, continuation_ids}: round k sends turn k of
-    every question that has one, after the target's answer to turn k - 1 (`continue_greedy` continues a batch)."""
+    """One row per request, {id, question, turn, suite, slice, prompt_ids, continuation_ids}, question by question:
+    round k sends turn k of every question that has one, after the target's answer to turn k - 1 (`continue_greedy`
+    continues a batch)."""
     builders = [SampleBuilder(tokenizer, list(q.prompt.turns), thinking) if q.multi_turn else None for q in questions]
     rows, active, turn = [], list(range(len(questions))), 1
     while active:
@@ -154,12 +164,12 @@ def continue_questions(questions: list[Question], tokenizer, thinking: bool, sen
                 sent.append((i, ids))
         for (i, ids), continuation in zip(sent, continue_greedy([ids for _, ids in sent])):
             q = questions[i]
-            rows.append({"id": f"{q.suite}/{q.prompt.id}/{turn}", "question": q.prompt.id, "turn": turn,
+            rows.append({"id": f"{q.suite}/{i}/{turn}", "question": q.prompt.id, "turn": turn,
                          "suite": q.suite, "slice": q.prompt.slice, "prompt_ids": ids, "continuation_ids": continuation})
             if builders[i]:
                 builders[i].add_reply(reply_of(continuation, max_new_tokens, eos_ids))
         active, turn = [i for i, _ in sent if builders[i]], turn + 1
-    return rows
+    return sorted(rows, key=lambda row: (int(row["id"].split("/")[1]), row["turn"]))
 
 
 def heldout_prompts_file(path: Path) -> list[Prompt]:
