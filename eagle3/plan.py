@@ -16,6 +16,7 @@ from pathlib import Path
 from eagle3.config import PipelineConfig
 from eagle3.data.regenerate import greedy_length
 from eagle3.data.shards import TOKEN_BYTES
+from eagle3.data.suites import planned_requests
 from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.formats.target import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
@@ -118,9 +119,10 @@ def plan_memory(config: PipelineConfig) -> MemoryPlan:
 
 
 def stored_bytes(config: PipelineConfig) -> dict[str, int]:
-    """Upper bounds of what the data stage stores: hidden states (none online) and the held-out features."""
+    """Upper bounds of what the data stage stores: hidden states (none online) and the features of the benchmark's
+    requests (every suite's)."""
     data = config.data
-    heldout_tokens = config.heldout_set[0] * (data.max_length + greedy_length(config))
+    heldout_tokens = planned_requests(config) * (data.max_length + greedy_length(config))
     hidden = 0 if config.training.features == "online" else data.num_samples * data.max_length
     return {"hidden_states": projected_bytes(config, hidden)[1], "tokens": data.num_samples * data.max_length * TOKEN_BYTES,
             "heldout_features": projected_bytes(config, heldout_tokens)[1]}

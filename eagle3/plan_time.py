@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
+from eagle3.data.regenerate import greedy_length
+from eagle3.data.suites import planned_requests
 from eagle3.deployment.sweep import sweep_shapes
 from eagle3.formats.target import TargetSize, active_parameters, read_target_config
 from eagle3.train.memory import trainable_parameters
@@ -179,14 +181,14 @@ def regenerate_time(config: PipelineConfig, clock: Clock) -> StageTime:
     gpus, sglang = target_gpus(config, data.engine), data.engine == "sglang"
     in_flight, field_name = (data.concurrency, "data.concurrency") if sglang else (data.batch_size, "data.batch_size")
     prompt = max(data.max_length - data.max_new_tokens, 0)
-    heldout, greedy = config.heldout_set[0], config.heldout_set[1] + config.replay_shape.num_steps
+    heldout, greedy = planned_requests(config), greedy_length(config)
     tokens = data.num_samples * data.max_new_tokens + heldout * greedy
     decode_s, bound = clock.decode(tokens, in_flight, prompt + data.max_new_tokens / 2, gpus)
     return StageTime("regenerate", {
         f"1 server start{' (data.servers, started outside the pipeline)' if sglang else ''}": _h(clock.loads_s(1)),
         f"prompts: data.num_samples {data.num_samples:,} x {prompt:,} tokens (data.max_length - max_new_tokens), "
         f"prefill on {gpus} GPU(s)": _h(clock.prefill_s(data.num_samples * prompt, gpus)),
-        f"decode: {data.num_samples:,} x data.max_new_tokens {data.max_new_tokens:,} + {heldout} held-out x {greedy} "
+        f"decode: {data.num_samples:,} x data.max_new_tokens {data.max_new_tokens:,} + {heldout} benchmark requests x {greedy} "
         f"tokens, {in_flight} in flight ({field_name}), {bound}": _h(decode_s)})
 
 
@@ -196,7 +198,7 @@ def capture_time(config: PipelineConfig, clock: Clock) -> StageTime:
     if clock.target is None:
         return _unknown("capture")
     gpus = target_gpus(config, data.capture_engine)
-    heldout = config.heldout_set[0] * (data.max_length + config.heldout_set[1] + config.replay_shape.num_steps)
+    heldout = planned_requests(config) * (data.max_length + greedy_length(config))
     samples = 0 if config.training.features == "online" else data.num_samples * data.max_length
     what = ("held-out sequences only (training.features online)" if not samples else
             f"data.num_samples {data.num_samples:,} x data.max_length {data.max_length:,} + the held-out sequences")

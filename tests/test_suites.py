@@ -10,7 +10,8 @@ from eagle3.config import check_local_inputs, load_config
 from eagle3.config.suites import MTBENCH
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout, greedy_length, read_greedy
-from eagle3.data.suites import across_slices, file_questions, mtbench_file, reply_of
+from eagle3.data.prompts import rendered_prompt
+from eagle3.data.suites import across_slices, file_questions, mtbench_file, reply_of, suite_questions
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer, target_eos_ids
 from eagle3.errors import ConfigError, UnreadableInput
@@ -103,3 +104,14 @@ def test_the_second_turn_follows_the_targets_own_answer_and_every_turn_is_a_requ
 def test_a_reply_is_cut_at_max_new_tokens_or_after_its_end_token():
     assert reply_of([5, 6, 7, 8], 3, frozenset({9})) == [5, 6, 7]
     assert reply_of([5, 9, 7, 9], 3, frozenset({9})) == [5, 9]
+
+
+def test_the_traffic_suite_is_the_held_out_prompts_that_came_from_traffic(tmp_path):
+    config = load_config(TINY, [f"data.traffic={{records: {tmp_path}}}", "benchmark.num_prompts=3",
+                                "benchmark.suites=[heldout, {name: traffic, num_prompts: 2}]"])
+    heldout = [rendered_prompt(f"prompt {i}", slice_name) for i, slice_name in
+               enumerate(["base", "code", "base", "docs", "code", "base"])]
+    questions = suite_questions(config, heldout)
+    assert [(q.suite, q.prompt.slice) for q in questions] == [("heldout", "base"), ("heldout", "code"),
+                                                               ("heldout", "base"), ("traffic", "code"), ("traffic", "docs")]
+    assert not any(q.multi_turn for q in questions)

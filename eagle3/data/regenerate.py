@@ -262,7 +262,8 @@ def continue_heldout(config: PipelineConfig, generator, tokenizer, path: Path, l
     made = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     if made and all(row.get("key") == key for row in made):
         return greedy_fields(made)
-    progress = Progress("held-out continuations", total=len(questions), unit="requests", log=log)
+    requests = sum(q.prompt.user_turns if q.multi_turn else 1 for q in questions)
+    progress = Progress("held-out continuations", total=requests, unit="requests", log=log)
     batch_size = engine_batch(config)
 
     def continue_greedy(prompts: list[list[int]]) -> list[list[int]]:

@@ -177,3 +177,23 @@ def heldout_prompts_file(path: Path) -> list[Prompt]:
     if not path.is_file():
         raise UnreadableInput(f"{path}: no held-out prompts; run the data stage first (eagle3 data regenerate)")
     return load_prompts(str(path)).prompts
+
+
+MTBENCH_QUESTIONS, MTBENCH_TURNS = 80, 2
+
+
+def planned_requests(config: PipelineConfig) -> int:
+    """How many requests the benchmark's suites make (for sizing the data stage before it runs): one per held-out or
+    traffic prompt, one per turn of every other suite's questions."""
+    if config.benchmark is None:
+        return config.heldout_set[0]
+    total = 0
+    for suite in config.benchmark.suites:
+        if suite.name in (HELDOUT, TRAFFIC):
+            total += suite.num_prompts or config.benchmark.num_prompts
+        elif suite.name == MTBENCH:
+            total += MTBENCH_TURNS * min(suite.num_prompts or MTBENCH_QUESTIONS, MTBENCH_QUESTIONS)
+        else:
+            questions = file_questions(suite.path, suite.name)[: suite.num_prompts]
+            total += sum(q.prompt.user_turns if q.multi_turn else 1 for q in questions)
+    return total

@@ -128,11 +128,10 @@ class Production:
 
     def measurement(self, version: str) -> tuple[PipelineConfig, list[list[int]], float]:
         """The config, prompts and temperature a version is served and re-measured with: the serving shape,
-        concurrency, temperature and prompts it was chosen with (older versions: this config's shape, greedy, every
-        prompt; the first `num_prompts` requests of each suite), from the prompt set and max_new_tokens it was measured on when
-        published, so its recorded accept
-        length is comparable (a retrain's new prompts cannot fake a shortfall). A version published before
-        versions recorded their prompts is measured on this run's."""
+        concurrency, temperature and prompts it was chosen with (the first `num_prompts` requests of each suite; older
+        versions: this config's shape, greedy, every prompt), from the prompt set and max_new_tokens it was measured on
+        when published, so its recorded accept length is comparable (a retrain's new prompts cannot fake a
+        shortfall). A version published before versions recorded their prompts is measured on this run's."""
         manifest = self.registry.manifest(version)
         config, temperature, count = self.serving_config, 0.0, None
         if manifest.get("serving"):

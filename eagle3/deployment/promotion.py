@@ -70,8 +70,9 @@ def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log
     try:
         result = run_benchmark(url, prompts, b.max_new_tokens, concurrency or b.production_concurrency,
                                b.request_timeout_s, b.retries, log=log, temperature=temperature)
+        informational = {suite.name for suite in b.suites if suite.informational}
         for name, digest in suite_digests(prompts).items():
-            result["suites"][name]["sha256"] = digest
+            result["suites"][name].update(sha256=digest, informational=name in informational)
         for line in suite_lines(result["suites"]):
             log(f"{url}:{line}")
         return result | {"lost_requests": 0}
@@ -137,18 +138,17 @@ def production_on_run_prompts(config: PipelineConfig, prompts_file: Path, prompt
         "compares like with like")
     draft = registry.fetch(version, "sglang", config.stage_dir("bench") / "production-draft" / version, overwrite=True)
     result = measure_server(config, draft, prompts, log, role=f"production {version} on this run's prompts")
-    return {"version": version, **{k: result.get(k) for k in ("accept_length", "accept_rate", "lost_requests", "suites")}}
+    return {"version": version, **{k: result.get(k) for k in ("accept_length", "accept_rate", "lost_requests", "suites",
+                                                              "output_tokens_per_s")}}
 
 
-def candidate_metrics(config: PipelineConfig, served: dict, simulated_accept_length: float | None, data_quality: dict,
-                      chosen: dict) -> Metrics:
+def candidate_metrics(served: dict, simulated_accept_length: float | None, data_quality: dict, chosen: dict) -> Metrics:
     """The gate's inputs: acceptance from the candidate's greedy measurement (overall and per suite), throughput from
     the serving shape production would get (`chosen`: the sweep's choice, or the serving section's shape)."""
-    informational = tuple(s.name for s in config.benchmark.suites if s.informational)
     return Metrics(accept_length=served.get("accept_length"), accept_rate=served.get("accept_rate"),
                    simulated_accept_length=simulated_accept_length, lost_requests=served.get("lost_requests", 0),
                    data_problems=tuple(data_quality["problems"]), speedup=chosen.get("speedup"),
-                   throughput=throughput_text(chosen), suites=suite_figures(served.get("suites"), informational))
+                   throughput=throughput_text(chosen), suites=suite_figures(served.get("suites")))
 
 
 def gate_decision(config: PipelineConfig, registry, production: str | None, served: dict,
@@ -156,7 +156,7 @@ def gate_decision(config: PipelineConfig, registry, production: str | None, serv
     """The gate on the candidate against the production version's recorded metrics (its accept length re-measured on
     this run's prompts, when they differ from those it was measured on). With `chosen` {} (no speedup measured yet) it
     judges acceptance alone."""
-    candidate = candidate_metrics(config, served, simulated_accept_length, data_quality_of(config), chosen)
+    candidate = candidate_metrics(served, simulated_accept_length, data_quality_of(config), chosen)
     here = served.get("production_on_run_prompts") or {}
     remeasured = here if here.get("version") == production else None
     return decide_against_production(registry, candidate, production, config.gate, remeasured)

@@ -34,10 +34,11 @@ class SuiteFigures:
     informational: bool = False  # reported, never gating
 
 
-def suite_figures(suites: dict | None, informational: tuple[str, ...] = ()) -> tuple[SuiteFigures, ...]:
-    """A measurement's `suites` ({name: {accept_length, verify_ct, sha256, ...}}) as the gate reads them."""
+def suite_figures(suites: dict | None) -> tuple[SuiteFigures, ...]:
+    """A measurement's `suites` ({name: {accept_length, verify_ct, sha256, informational, ...}}) as the gate reads
+    them."""
     return tuple(SuiteFigures(name, f.get("accept_length"), f.get("verify_ct") or 0, f.get("sha256") or "",
-                              name in informational) for name, f in (suites or {}).items())
+                              bool(f.get("informational"))) for name, f in (suites or {}).items())
 
 
 @dataclass(frozen=True)
