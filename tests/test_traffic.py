@@ -233,19 +233,25 @@ def test_benchmark_reports_each_slice_and_labels_its_requests():
         result = run_benchmark(server.url, prompts, 6, 2, **FAST)
     assert all(body["custom_labels"] == {"eagle3": "benchmark"} for body in server.bodies)
     assert [row["slice"] for row in result["prompts"]] == ["code", "code", "docs", BASE_SLICE]
-    assert result["slices"] == {BASE_SLICE: {"requests": 1, "completion_tokens": 6, "verify_ct": 2, "accept_length": 3.0},
-                                "code": {"requests": 2, "completion_tokens": 12, "verify_ct": 4, "accept_length": 3.0},
-                                "docs": {"requests": 1, "completion_tokens": 6, "verify_ct": 2, "accept_length": 3.0}}
+    slices = result["suites"]["heldout"]["slices"]  # plain prompts belong to the held-out suite
+    picked = {name: {k: f[k] for k in ("requests", "completion_tokens", "verify_ct", "correct_drafts", "accept_length")}
+              for name, f in slices.items()}
+    assert picked == {"code": {"requests": 2, "completion_tokens": 12, "verify_ct": 4, "correct_drafts": 4, "accept_length": 3.0},
+                      "docs": {"requests": 1, "completion_tokens": 6, "verify_ct": 2, "correct_drafts": 2, "accept_length": 3.0},
+                      BASE_SLICE: {"requests": 1, "completion_tokens": 6, "verify_ct": 2, "correct_drafts": 2,
+                                   "accept_length": 3.0}}
     table = "\n".join(render_table(result))
-    assert "slice code" in table and "2 requests" in table
+    assert "  code" in table and "2 requests" in table
 
 
 def test_a_slice_that_drops_is_not_averaged_away():
     def answer(completion, verify):
         return {"meta_info": {"completion_tokens": completion, "spec_verify_ct": verify, "prompt_tokens": 3}}, 0.1, 1
     outcomes = [answer(31, 10), answer(19, 10), answer(62, 20)]
-    result = summarize("http://x", {"speculative_num_draft_tokens": 4}, outcomes, 1.0, ["code", "chat", "code"])
+    labels = [("traffic", "code"), ("traffic", "chat"), ("traffic", "code")]
+    result = summarize("http://x", {"speculative_num_draft_tokens": 4}, outcomes, 1.0, labels)
     assert result["accept_length"] == pytest.approx(112 / 40)
-    assert result["slices"]["code"] == {"requests": 2, "completion_tokens": 93, "verify_ct": 30,
-                                        "accept_length": pytest.approx(3.1)}
-    assert result["slices"]["chat"]["accept_length"] == pytest.approx(1.9)
+    slices = result["suites"]["traffic"]["slices"]
+    assert {k: slices["code"][k] for k in ("requests", "completion_tokens", "verify_ct", "accept_length")} == {
+        "requests": 2, "completion_tokens": 93, "verify_ct": 30, "accept_length": pytest.approx(3.1)}
+    assert slices["chat"]["accept_length"] == pytest.approx(1.9)

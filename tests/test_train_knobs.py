@@ -185,7 +185,7 @@ def test_a_training_only_config_keys_its_stages(tmp_path):
     """The stages a training-only config runs have cache keys; its held-out set is the replay's."""
     path, run = training_only_config(tmp_path), f"run.dir={tmp_path / 'run'}"
     config = load_config(path, [run])
-    assert config_inputs(config, "regenerate")["heldout"] == [4, 16 + 3]  # the continuations run 3 drafting steps on
+    assert config_inputs(config, "regenerate")["heldout"] == [4, 16 + 3, []]  # the continuations run 3 drafting steps on
     assert config_inputs(config, "train")["serving.num_steps"] is None
     assert stage_key("train", config, []) != stage_key("train", load_config(path, [run, "training.best_by=eval_loss"]), [])
 
