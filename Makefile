@@ -36,11 +36,11 @@ test: install
 e2e: install
 	$(PYTEST) -m e2e
 
-# SGLang's and speculators' own code from their published releases, run on the CPU against ours (tests/conformance).
-# Fetches the releases once into ~/.cache/eagle3/sglang and ~/.cache/eagle3/speculators (EAGLE3_SGLANG_CACHE,
-# EAGLE3_SPECULATORS_CACHE); skips when the index is unreachable.
+# SGLang's, speculators' and SpecForge's own code from their published releases, run on the CPU against ours
+# (tests/conformance). Fetches the releases once into ~/.cache/eagle3/{sglang,speculators,specforge}
+# (EAGLE3_SGLANG_CACHE, EAGLE3_SPECULATORS_CACHE, EAGLE3_SPECFORGE_CACHE); skips when the index is unreachable.
 conformance: install
-	$(PYTEST) -m "sglang or sglang_server or speculators" tests/conformance
+	$(PYTEST) -m "sglang or sglang_server or speculators or specforge" tests/conformance
 
 # The whole pipeline on the CPU: tiny target, data, vocab, training, export, simulation, servers, gate, registry.
 demo: install

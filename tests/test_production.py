@@ -18,15 +18,18 @@ import pytest
 import eagle3.procs as procs
 from drafts import write_draft
 from eagle3.config import load_config
+from eagle3.deployment.imports import import_draft
 from eagle3.deployment.production import Production
 from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout
 from eagle3.deployment.promotion import PROMPTS_FILE, PROMPTS_LAYOUT
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer
+from eagle3.errors import Eagle3Error
 from eagle3.fsutil import sha256_file
 from eagle3.procs import group_alive
 from eagle3.procs import LaunchError, in_systemd_scope, systemd_missing
-from eagle3.registry.registry import open_registry
+from eagle3.registry.gate import Metrics
+from eagle3.registry.registry import decide_against_production, open_registry
 from ports import free_port
 from test_config import TINY
 from test_data import micro_overrides
@@ -180,3 +183,55 @@ def test_production_is_remeasured_on_the_prompt_set_its_version_recorded(product
     older = production.remeasure("v1")  # published without a prompt set: this run's two held-out prompts
     assert [row["completion_tokens"] for row in older["prompts"]] == [8, 8]
     assert any("v1 records no prompt set" in line for line in lines)
+
+
+def imported_as_production(production_config, tmp_path, *overrides):
+    """Production v1, and a draft written elsewhere (another seed) imported with --as-production: (config, registry,
+    the source, the log lines, the import's result or the error it raised)."""
+    config = production_config(f"serving.port={free_port()}", *overrides)
+    registry = open_registry(config.registry, log=lambda line: None)
+    registry.promote("v1", None, ["production before the import"], by="test")
+    source = write_draft(tmp_path / "elsewhere", layout="sglang", release=RELEASE, seed=1, **MICRO_DRAFT)
+    lines = []
+    try:
+        outcome = import_draft(config, str(source), as_production=True, log=lines.append)
+    except Eagle3Error as err:
+        outcome = err
+    return config, registry, lines, outcome
+
+
+def test_a_draft_imported_as_production_is_the_baseline_the_next_run_is_gated_against(production_config, tmp_path):
+    config, registry, lines, result = imported_as_production(production_config, tmp_path,
+                                                             "production.keep_serving=false",
+                                                             "production.supervisor=none")
+    version = result["version"]
+    manifest = registry.manifest(version)
+    recorded = manifest["metrics"]["served"]["accept_length"]
+    assert registry.production_version() == version and result["production"]["previous"] == "v1"
+    # measured on the run's benchmark prompts before it was published, then served as production and re-measured
+    assert manifest["layouts"] == [PROMPTS_LAYOUT, "sglang"] and manifest["benchmark"]["prompts"] == len(HELDOUT)
+    assert result["production"]["measured"]["accept_length"] == recorded >= 1.0
+    assert any(f"version {version} measures accept length {recorded:.3f}, recorded {recorded:.3f}: as promoted" in line
+               for line in lines)
+    promoted = registry.history()[-1]
+    assert (promoted["event"], promoted["version"], promoted["previous"]) == ("promoted", version, "v1")
+    assert promoted["reasons"][0] == "imported as production"
+    # the next run's gate judges a candidate against the imported draft's figures
+    floor = recorded * (1 - config.gate.production_tolerance)
+    worse = decide_against_production(registry, Metrics(accept_length=floor - 0.01, accept_rate=0.9), version,
+                                      config.gate)
+    assert [r.rule for r in worse.reasons] == ["regression"]
+    assert f"below production's {recorded:.3f}" in worse.reasons[0].message
+    level = decide_against_production(registry, Metrics(accept_length=recorded, accept_rate=0.9), version, config.gate)
+    assert "regression" not in [r.rule for r in level.reasons]
+
+
+def test_an_import_that_production_cannot_serve_is_rolled_back(production_config, monkeypatch, tmp_path):
+    no_systemd(monkeypatch, tmp_path)  # production.supervisor systemd is then refused when production starts
+    _, registry, lines, error = imported_as_production(production_config, tmp_path, "production.supervisor=systemd")
+    assert isinstance(error, LaunchError) and "production.supervisor is systemd" in str(error)
+    (version,) = set(registry.versions()) - {"v1"}  # measured and published: a version, not production
+    assert registry.production_version() == "v1"
+    events = [(entry["event"], entry["version"]) for entry in registry.history()]
+    assert events[-2:] == [("promoted", version), ("rolled-back", "v1")]
+    assert any(line.startswith("import: restoring production v1 failed: LaunchError") for line in lines)

@@ -38,6 +38,15 @@ def add_registry_commands(commands) -> None:
     )
     history.add_argument("--json", action="store_true", help="machine-readable output")
     history.set_defaults(handler=run_registry_history)
+    imported = add_config_arguments(registry_commands.add_parser(
+        "import", help="a draft trained elsewhere (SpecForge/SGLang, speculators or native layout) as a version: "
+        "validated for the config's target and release, converted to the sglang layout, with its provenance"))
+    imported.add_argument("source", metavar="DIR|HUB_ID",
+                          help="the draft's directory; a hub id (owner/name) is fetched on the node (huggingface_hub)")
+    imported.add_argument("--as-production", action="store_true",
+                          help="measure it on the run's benchmark prompts and make it production, re-measured there "
+                          "as after a promotion (rolled back if that fails)")
+    imported.set_defaults(handler=run_registry_import)
     unlock = add_config_arguments(registry_commands.add_parser(
         "unlock", help="free the registry's lock left by a run that is gone; says whose it was (history: unlocked)"))
     unlock.add_argument("--force", action="store_true", help="free it even though its holder looks alive")
@@ -123,6 +132,9 @@ def run_registry_promote(args: argparse.Namespace) -> int:
         return EXIT_OK
     decision = decide_against_production(registry, metrics_of(candidate), previous, config.gate)
     reasons = [f"{reason.rule}: {reason.message}" for reason in decision.reasons] or [decision.summary()]
+    if candidate.get("metrics") is None:  # an import without --as-production: never measured
+        reasons = [f"unmeasured: {args.version} holds no figures (imported without --as-production): the gate cannot "
+                   "judge it; forced, the next run measures it on that run's prompts"]
     reasons += [f"note: {args.reason}"] if args.reason else []
     if not decision.promote and not args.force:
         registry.record("rejected", args.version, reasons, by="cli")
@@ -133,6 +145,27 @@ def run_registry_promote(args: argparse.Namespace) -> int:
     event = "promoted" if decision.promote else "forced"
     moved = registry.promote(args.version, previous, reasons, by="cli", event=event)
     print(f"production: {moved['version']} (was {moved['previous'] or 'unset'}), {event}")
+    return EXIT_OK
+
+
+def run_registry_import(args: argparse.Namespace) -> int:
+    """A refusal is one line naming the problem by its code (exit 1); nothing is published then."""
+    from eagle3.deployment.imports import ProductionRefused, import_draft
+    from eagle3.formats.external import ImportRefused
+
+    config = load_run_config(args)  # the sections it needs: import_draft says which are missing
+    try:
+        result = import_draft(config, args.source, args.as_production, log=lambda line: print(line, file=sys.stderr))
+    except (ImportRefused, ProductionRefused) as err:
+        print(f"eagle3: {err}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    news = "published" if result["published"] else "already in the registry, nothing published"
+    print(f"{args.source}: version {result['version']} ({result['layout_found']} layout found; {news})")
+    production = result["production"]
+    if production is not None:
+        measured = production["measured"]
+        figure = f", re-measured accept length {measured['accept_length']:.3f}" if measured else ""
+        print(f"production: {result['version']} (was {production['previous'] or 'unset'}){figure}")
     return EXIT_OK
 
 

@@ -231,16 +231,28 @@ def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served:
                    chosen: dict, parent: str | None, flow_run: str | None = None) -> dict:
     """What a version's manifest says of where it came from and what it measured."""
     return {
-        "config": config.model_dump(mode="json"),
-        "config_sha256": hashlib.sha256(config.model_dump_json().encode()).hexdigest(),
+        **config_fields(config),
         "inputs": fingerprints,  # stage -> content hash of its output (eagle3.stages.stage_fingerprint)
         "data_quality": data_quality_of(config),
-        "benchmark": prompt_set_fields(config),
-        # how production serves it and is re-measured: the chosen shape, on the first num_prompts of the prompt set
-        "serving": {**chosen["shape"], **{k: chosen[k] for k in ("temperature", "concurrency", "num_prompts")}},
-        "code_version": code_version(),
-        "metrics": registry_metrics(served, simulated, chosen),
+        **measured_fields(config, served, simulated, chosen),
         "lineage": {"parent": parent, "init_from": str(config.training.init_from or "") or None, "flow_run": flow_run},
+    }
+
+
+def config_fields(config: PipelineConfig) -> dict:
+    """What a version's manifest says of the config and the code that made it."""
+    return {"config": config.model_dump(mode="json"),
+            "config_sha256": hashlib.sha256(config.model_dump_json().encode()).hexdigest(),
+            "code_version": code_version()}
+
+
+def measured_fields(config: PipelineConfig, served: dict, simulated: float | None, chosen: dict) -> dict:
+    """What a version's manifest says of its measurement: the prompt set (published with it), the shape production
+    serves it with and is re-measured in (the chosen shape, on the first num_prompts of the prompt set), the figures."""
+    return {
+        "benchmark": prompt_set_fields(config),
+        "serving": {**chosen["shape"], **{k: chosen[k] for k in ("temperature", "concurrency", "num_prompts")}},
+        "metrics": registry_metrics(served, simulated, chosen),
     }
 
 

@@ -15,15 +15,7 @@ def check_names(
 ) -> dict[str, torch.Tensor]:
     """Return the tensors the loader keeps (canonical names); report those it would drop."""
     flags = engines.enabled_flags(raw.config)
-    for flag in sorted(flags - rule.flags):
-        never = flag == "norm_before_residual"
-        report.add(
-            ProblemCode.UNSUPPORTED_FLAG,
-            "error",
-            f"config sets {flag}, which {where} does not implement: it would serve a different network than the "
-            f"one trained" + (" (no SGLang release read implements it)" if never else ""),
-            "retrain without it" if never else "serve with a release that implements it and pass that release",
-        )
+    check_flags(flags, rule, where, report)
     loaded, skipped, sources = {}, [], {}
     for name, tensor in raw.tensors.items():
         canonical = engines.loaded_name(name, rule, flags)
@@ -56,6 +48,19 @@ def check_names(
             fix,
         )
     return loaded
+
+
+def check_flags(flags: set[str], rule: engines.DraftLoaderRule, where: str, report: Report) -> None:
+    """Report the architecture switches a draft uses that the release's loader does not implement."""
+    for flag in sorted(flags - rule.flags):
+        never = flag == "norm_before_residual"
+        report.add(
+            ProblemCode.UNSUPPORTED_FLAG,
+            "error",
+            f"config sets {flag}, which {where} does not implement: it would serve a different network than the "
+            f"one trained" + (" (no SGLang release read implements it)" if never else ""),
+            "retrain without it" if never else "serve with a release that implements it and pass that release",
+        )
 
 
 def check_config_fields(raw: RawCheckpoint, report: Report) -> None:

@@ -18,7 +18,7 @@ import torch
 from eagle3.formats import engines
 from eagle3.formats.checkpoint import PROVENANCE_KEY, RawCheckpoint, draft_shapes, read_checkpoint
 from eagle3.formats.layouts.speculators import SPECULATORS_RELEASE
-from eagle3.formats.loader_checks import check_config_fields, check_dtypes, check_names, sample_names
+from eagle3.formats.loader_checks import check_config_fields, check_dtypes, check_flags, check_names, sample_names
 from eagle3.formats.manifest import read_data_capture
 from eagle3.formats.problems import CONVERT_HINT, ProblemCode, Report
 from eagle3.formats.speculators_checks import check_speculators
@@ -48,7 +48,10 @@ def validate(
     data_manifest: Path | None = None,
     context_length: int | None = None,
     target_family: str | None = None,
+    data_layers: list[int] | None = None,
 ) -> Report:
+    """`data_layers`: the layers the training data were captured at, when no data manifest says (the pipeline
+    config's data.aux_layers, for a draft trained elsewhere)."""
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is not supported; choose one of {', '.join(ENGINES)}")
     if engine == "speculators":
@@ -68,7 +71,7 @@ def validate(
             "train an EAGLE-3 draft (or serve this one with --speculative-algorithm EAGLE)",
         )
         return report
-    ctx = _context(raw, target, data_manifest, target_family)
+    ctx = _context(raw, target, data_manifest, target_family, data_layers)
     if engine == "speculators":
         _check_vocab(raw, check_speculators(raw, ctx, report), ctx, report)
         layer = raw.config.get("transformer_layer_config")
@@ -79,7 +82,7 @@ def validate(
         _report_mla_draft(raw, ctx, release, context_length, report)
         return report
     rule, rule_note = engines.loader_rule(release)
-    where = f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (strictest; no release given)"
+    where = sglang_where(release)
     loaded = check_names(raw, rule, rule_note, where, report)
     check_config_fields(raw, report)
     num_aux = _check_shapes(raw, loaded, ctx, rule, where, report)
@@ -87,6 +90,22 @@ def validate(
     _check_aux_ids(raw, ctx, release, num_aux, report)
     _check_context(raw.config.get("max_position_embeddings"), context_length, report)
     return report
+
+
+def validate_for_conversion(raw: RawCheckpoint, flags: list[str], release: str | None,
+                            vocab_size: int | None) -> Report:
+    """What converting a native or speculators draft (`flags`: the switches its config decodes to) to the sglang
+    layout for SGLang `release` would carry over for SGLang to misread: switches the release does not implement and
+    the vocab map. Everything else is checked on the converted export, by `validate`."""
+    report = Report(path=str(raw.path), engine="sglang", engine_release=release)
+    check_flags(set(flags), engines.loader_rule(release)[0], sglang_where(release), report)
+    vocab = {name: raw.tensors[name] for name in engines.VOCAB_TENSORS if name in raw.tensors}
+    _check_vocab(raw, vocab, Context(vocab_size=vocab_size), report)
+    return report
+
+
+def sglang_where(release: str | None) -> str:
+    return f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (strictest; no release given)"
 
 
 def _report_mla_draft(raw: RawCheckpoint, ctx: Context, release: str | None, context_length: int | None,
@@ -115,7 +134,8 @@ def _eagle_shaped(raw: RawCheckpoint) -> bool:
     return fc is not None and hidden is not None and tuple(fc.shape) == (hidden, 2 * hidden) and not has_hidden_norm
 
 
-def _context(raw: RawCheckpoint, target: Path | None, data_manifest: Path | None, family: str | None) -> Context:
+def _context(raw: RawCheckpoint, target: Path | None, data_manifest: Path | None, family: str | None,
+             data_layers: list[int] | None) -> Context:
     ctx = Context(family=family)
     provenance = raw.config.get(PROVENANCE_KEY) or {}
     if target is not None:
@@ -128,6 +148,9 @@ def _context(raw: RawCheckpoint, target: Path | None, data_manifest: Path | None
         ctx.num_layers = ctx.num_layers or capture.get("num_hidden_layers")
         ctx.hidden_size = ctx.hidden_size or capture.get("hidden_size")
         ctx.family = ctx.family or capture.get("family")
+    elif data_layers is not None:
+        ctx.data_layers = list(data_layers)
+        ctx.data_layers_source = "the layers the pipeline captures (data.aux_layers)"
     elif provenance.get("aux_layers") is not None:
         ctx.data_layers = provenance["aux_layers"]
         ctx.data_layers_source = f"the checkpoint's own '{PROVENANCE_KEY}' record"

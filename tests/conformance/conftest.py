@@ -1,10 +1,10 @@
-"""The conformance suites: SGLang's own code, and speculators' (marker `speculators`), from their published
-releases, run against ours.
+"""The conformance suites: SGLang's own code, speculators' (marker `speculators`) and SpecForge's (marker
+`specforge`), from their published releases, run against ours.
 
-Selected with `make conformance` (`pytest -m "sglang or sglang_server or speculators" tests/conformance`); the
-default `pytest` run leaves them out (they fetch ~1.5 GB once into the cache, see releases.py). Each release's
-probe runs once per test module, in that release's child process; tests compare its answers with the
-project's code.
+Selected with `make conformance` (`pytest -m "sglang or sglang_server or speculators or specforge"
+tests/conformance`); the default `pytest` run leaves them out (they fetch ~1.8 GB once into the cache, see
+releases.py). Each release's probe runs once per test module, in that release's child process; tests compare its
+answers with the project's code.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import releases  # noqa: E402
 def pytest_collection_modifyitems(items):
     here = Path(__file__).parent
     for item in items:
-        if Path(item.fspath).is_relative_to(here) and not {"sglang_server", "speculators"} & set(item.keywords):
+        others = {"sglang_server", "speculators", "specforge"} & set(item.keywords)
+        if Path(item.fspath).is_relative_to(here) and not others:
             item.add_marker(pytest.mark.sglang)
 
 
@@ -58,3 +59,8 @@ def run_sglang():
 @pytest.fixture(scope="session")
 def run_speculators():
     yield from release_runner("speculators")
+
+
+@pytest.fixture(scope="session")
+def run_specforge():
+    yield from release_runner("specforge")

@@ -12,7 +12,8 @@ on one machine reuse it; a release is complete only once its marker is written.
 
 speculators (pure Python) is unpacked the same way beside it (`EAGLE3_SPECULATORS_CACHE`, default
 ~/.cache/eagle3/speculators): its wheel, the newest transformers its bounds allow (it pins none), and the
-pure-Python packages its imports need (requirements-speculators.txt).
+pure-Python packages its imports need (requirements-speculators.txt). So is SpecForge (`EAGLE3_SPECFORGE_CACHE`,
+default ~/.cache/eagle3/specforge): its wheel and the transformers release it pins.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def _unpack_release(release: str, into: Path) -> None:
          *(pins[name] for name in PINNED if name != "transformers" and name in pins))
 
 
-def _release_pins(site: Path) -> dict[str, str]:
-    (metadata,) = site.glob("sglang-*.dist-info/METADATA")
+def _release_pins(site: Path, package: str = "sglang") -> dict[str, str]:
+    (metadata,) = site.glob(f"{package}-*.dist-info/METADATA")
     pins = {}
     for line in metadata.read_text().splitlines():
         match = re.match(r"Requires-Dist: ([A-Za-z0-9_.-]+)\s*(==[^;\s]+)\s*$", line)
@@ -164,17 +165,35 @@ def prepare_speculators(release: str) -> list[Path]:
     return [INSIDE, release_dir / "site", release_dir / "pins", shared]
 
 
+def specforge_cache_root() -> Path:
+    return Path(os.environ.get("EAGLE3_SPECFORGE_CACHE", Path.home() / ".cache" / "eagle3" / "specforge"))
+
+
+def _unpack_specforge(release: str, into: Path) -> None:
+    """Its wheel, and the transformers release it pins with that release's own dependencies (its draft class is a
+    transformers PreTrainedModel: save_pretrained writes the checkpoint). torch is the project's."""
+    _unpack_wheel("specforge", release, into)
+    transformers = _release_pins(into / "site", "specforge")["transformers"]
+    _pip("install", "--quiet", "--target", str(into / "pins"), transformers)
+
+
+def prepare_specforge(release: str) -> list[Path]:
+    """The sys.path entries that run SpecForge `release` here (downloading what is missing)."""
+    release_dir = _install_once(specforge_cache_root() / release, lambda into: _unpack_specforge(release, into))
+    return [INSIDE, release_dir / "site", release_dir / "pins"]
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-PREPARE = {"sglang": prepare, "speculators": prepare_speculators}
+PREPARE = {"sglang": prepare, "speculators": prepare_speculators, "specforge": prepare_specforge}
 
 
 class ReleaseProcess:
     """A child process running `release` for the whole test session: SGLang's imports, most of a probe's
     time, are paid once. Each `run` sends one probe's job; `inside/run.py` answers it on one line. `package`:
-    sglang, or speculators."""
+    sglang, speculators or specforge."""
 
     def __init__(self, release: str, timeout_s: float = 900, package: str = "sglang"):
         path = os.pathsep.join(str(p) for p in PREPARE[package](release))
