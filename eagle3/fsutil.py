@@ -7,6 +7,7 @@ which is atomic on POSIX when source and destination share a file system.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -80,6 +81,18 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def cached_sha256(path: Path) -> str:
+    """sha256_file, hashed once per process while the file is unchanged (same inode, size and mtime): a stage key is
+    asked for several times per run, and what it hashes can be tens of GB (an import, a draft's weights)."""
+    stat = Path(path).stat()
+    return _sha256_of(str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
+    return sha256_file(Path(path))
 
 
 PACKAGE_PREFIX = "pkg:"  # pkg:NAME names the one data file (a model, a prompt set) an installed package ships

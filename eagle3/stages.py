@@ -1,8 +1,9 @@
-"""Stage identities for caching: a stage's key is a content hash of what it reads - the config fields it uses,
-the content of the target and of the prompt source, the fingerprints (manifest hashes) of the stage outputs it
-consumes, and the code version (a hash of the package source; an installed wheel has no git SHA). Unchanged
-inputs give the same key (the stage is skipped); a changed input changes the key of its stage and, through the
-fingerprints, of every stage downstream. Operational fields (ports, concurrency, retries, launchers) are in no key.
+"""Stage identities for caching: a stage's key is a content hash of what it reads - the config fields it uses, the
+content of the target, of the prompt source and of the draft training starts from (training.init_from), the
+fingerprints (manifest hashes) of the stage outputs it consumes, and the code version (a hash of the package source;
+an installed wheel has no git SHA). Unchanged inputs give the same key (the stage is skipped); a changed input
+changes the key of its stage and, through the fingerprints, of every stage downstream. Operational fields (ports,
+concurrency, retries, launchers) are in no key.
 
 The run directory carries a random token made the first time it is used, and every key includes it: a deleted
 or replaced run directory never reuses results that described the old one.
@@ -21,7 +22,6 @@ fingerprint hashes content, never when it was written (eagle3.formats.manifest.f
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -37,7 +37,8 @@ from eagle3.data.suites import suites_key
 from eagle3.data.traffic import traffic_snapshot
 from eagle3.engines.targets import target_identity
 from eagle3.formats.manifest import code_version, fingerprint
-from eagle3.fsutil import atomic_write_bytes, sha256_file
+from eagle3.fsutil import atomic_write_bytes, cached_sha256, sha256_file
+from eagle3.init_draft import init_draft
 
 TOKEN_FILE = ".run-token"
 IN_PROGRESS = "in-progress "
@@ -109,7 +110,7 @@ def config_inputs(config: PipelineConfig, stage: str) -> dict:
     if stage == "regenerate":
         picked["prompt_source"] = prompt_source_hash(config.data.prompts)
         if config.data.import_path is not None:  # by content, as the prompt source
-            picked["import_sha256"] = imported_file_hash(config.data.import_path)
+            picked["import_sha256"] = cached_sha256(config.data.import_path)
         # the traffic prompts by their content (never the records' location or the window's times; read once per
         # run directory) and the share taken from them
         snapshot = traffic_snapshot(config)
@@ -118,6 +119,9 @@ def config_inputs(config: PipelineConfig, stage: str) -> dict:
         # the benchmark's greedy continuations: how many held-out prompts, how long (the benchmark's, or the replay's),
         # and the other suites' questions by content
         picked["heldout"] = [config.heldout_set[0], greedy_length(config), suites_key(config)]
+    if stage == "train":  # the init draft by its content, never by its path or version id
+        draft = init_draft(config)
+        picked["training.init_from"] = None if draft is None else draft.sha256
     return picked
 
 
@@ -126,18 +130,6 @@ def prompt_source_hash(source: str) -> str:
     retrain, which runs in a fresh run directory)."""
     path = Path(source)
     return sha256_file(path) if path.is_file() else source
-
-
-def imported_file_hash(path: Path) -> str:
-    """The content of data.import_path, hashed once per process while the file is unchanged (a 1M x 4k-token import
-    is ~40 GB: the key is asked for several times per run)."""
-    stat = Path(path).stat()
-    return _hash_of(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _hash_of(path: str, size: int, mtime_ns: int) -> str:
-    return sha256_file(Path(path))
 
 
 def stage_key(stage: str, config: PipelineConfig, upstream: dict[str, str]) -> str:

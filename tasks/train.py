@@ -8,6 +8,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from eagle3.config import PipelineConfig
+from eagle3.init_draft import resolve_init_from
 from eagle3.report import training_report
 from eagle3.procs import terminate_on_sigterm
 from eagle3.train.launch import train
@@ -24,6 +25,7 @@ def train_draft(config: PipelineConfig, resolved: str, dataset: dict, vocab: dic
             if "loss" in record:
                 update_progress_artifact(progress, 100.0 * record["step"] / config.training.max_steps)
 
+        resolve_init_from(config, log_to_run())  # training.init_from fetched and converted once, for every rank
         with terminate_on_sigterm():  # a cancelled flow run takes the trainers' process groups with it
             out = train(config, resolved, log=log_to_run(), on_metrics=on_metrics)
         records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines() if line.strip()]

@@ -2,9 +2,13 @@
 output that no longer is what its key describes."""
 
 import json
+import shutil
 
+from drafts import write_draft
 from eagle3.config import load_config
 from eagle3.formats.manifest import MANIFEST_FILE, fingerprint, write_manifest
+from eagle3.registry.registry import Registry
+from eagle3.registry.store import LocalStore
 from eagle3.stages import IN_PROGRESS, begin, cache_key, done, finish, recorded_key, stage_key
 from test_config import TINY
 
@@ -102,3 +106,20 @@ def test_a_fingerprint_hashes_what_an_output_holds_not_when_it_was_written(tmp_p
     (out / "samples.jsonl").write_text("{}\n{}\n")
     write_manifest(out, kind="regenerated", fields={"samples": 1})
     assert fingerprint(out) != first
+
+
+def test_the_init_draft_is_keyed_by_its_content_not_its_path_or_version_id(tmp_path):
+    """training.init_from: another draft at the same path runs training again; the same draft elsewhere, or published
+    as a registry version, does not."""
+    draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.13")
+    key = stage_key("train", config(tmp_path, f"training.init_from={draft}"), D)
+    assert key != stage_key("train", config(tmp_path), D)  # from scratch
+    moved = shutil.copytree(draft, tmp_path / "elsewhere")
+    (moved / "notes.txt").write_text("a file no checkpoint reader reads\n")
+    assert stage_key("train", config(tmp_path, f"training.init_from={moved}"), D) == key
+    Registry(LocalStore(tmp_path / "registry")).publish("imported-1", {"sglang": draft}, {})
+    by_version = config(tmp_path, "training.init_from=imported-1", f"registry.path={tmp_path / 'registry'}")
+    assert stage_key("train", by_version, D) == key
+    shutil.rmtree(draft)
+    write_draft(draft, layout="sglang", release="0.5.13", seed=1)  # other weights at the same path
+    assert stage_key("train", config(tmp_path, f"training.init_from={draft}"), D) != key

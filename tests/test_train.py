@@ -23,6 +23,7 @@ from eagle3.model.ttt import draft_chain, target_positions, ttt_forward, ttt_sta
 from eagle3.model.weights import draft_as_served, draft_from_native, target_head
 from eagle3.distributed import Dist
 from eagle3.errors import Eagle3Error
+from eagle3.init_draft import resolve_init_from
 from eagle3.train.trainer import Trainer
 from test_config import TINY
 from test_data import micro_overrides
@@ -229,11 +230,14 @@ def test_a_warm_start_under_another_vocab_map_carries_the_head_rows_by_target_id
     _, run_dir = trained
     final = run_dir / "train" / "final"
     same_vocab, _ = run_copy(micro_data, tmp_path, "warm", [f"training.init_from={final}", "training.max_steps=2"])
-    Trainer(load_config(TINY, same_vocab), log=lambda line: None).run()  # accepted
+    warm = load_config(TINY, same_vocab)
+    resolve_init_from(warm, log=lambda line: None)
+    Trainer(warm, log=lambda line: None).run()  # accepted
     other = load_native(final)
     old_ids = VocabMap(other.tensors["d2t"], other.tensors["t2d"]).target_ids()
     other_map, _ = build_vocab_map(torch.arange(512, 0, -1), other.tensors["d2t"].numel())  # the lowest 128 ids
     remapped, _ = run_copy(micro_data, tmp_path, "remapped", [f"training.init_from={final}"])
+    resolve_init_from(load_config(TINY, remapped), log=lambda line: None)
     lines = []
     target = target_head(micro_target)
     head = target["lm_head"]

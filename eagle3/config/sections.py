@@ -188,7 +188,10 @@ class TrainingSection(Section):
     nnodes: int = Field(default=1, ge=1)
     fsdp: bool = Field(default=False, description="shard weights, gradients and optimizer state (FSDP2) instead of DDP")
     eval_fraction: float = Field(default=0.05, ge=0.0, lt=1.0, description="share of samples kept out for evaluation")
-    init_from: Path | None = Field(default=None, description="warm start from this native draft checkpoint")
+    init_from: str | None = Field(
+        default=None, min_length=1, description="fine-tune this draft: a version id of the registry (its sglang "
+        "layout) or a draft directory in the native, sglang or speculators layout; the vocab map may differ, the "
+        "architecture may not (docs/training.md)")
     eval_every: int = Field(default=100, gt=0)
     best_by: Literal["accept_length", "step_acc", "eval_loss"] = Field(
         default="accept_length", description="what makes train/best the best draft at an evaluation: accept_length - "

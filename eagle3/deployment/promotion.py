@@ -21,7 +21,6 @@ from eagle3.data.prompts import load_prompts
 from eagle3.data.regenerate import REGEN_DIR, read_greedy, sent_ids
 from eagle3.engines.targets import load_tokenizer
 from eagle3.errors import UnreadableInput
-from eagle3.formats.checkpoint import convert
 from eagle3.formats.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 from eagle3.registry.gate import Decision, Metrics, suite_figures, throughput_text
@@ -189,19 +188,16 @@ def registry_metrics(served: dict, simulated_accept_length: float | None, chosen
 
 
 def retrain_overrides(config: PipelineConfig, registry, log: Log = print) -> list[str]:
-    """A retrain is a fresh run (new run directory: the prompt source is read anew) warm-started from the
-    production draft, converted back to the trainer's layout."""
+    """A retrain is a fresh run (new run directory: the prompt source is read anew) that fine-tunes the production
+    version (training.init_from, resolved by the train stage as any version is)."""
     run_dir = retrain_dir(config.run.dir)
     overrides = [f"run.dir={run_dir}"]
     production = registry.production_version()
     if production is None:
         log("retrain: the registry has no production draft: training from scratch")
         return overrides
-    served = registry.fetch(production, "sglang", run_dir / "warm-start" / "sglang")
-    native = convert(served, run_dir / "warm-start" / "native", to="native", target_family=config.target.family,
-                     release=config.serving.release, target_num_layers=config.target.num_hidden_layers, log=log)
-    log(f"retrain: warm start from production version {production} ({native}) in {run_dir}")
-    return overrides + [f"training.init_from={native}"]
+    log(f"retrain: warm start from production version {production} in {run_dir}")
+    return overrides + [f"training.init_from={json.dumps(production)}"]  # quoted: an id like 2024 stays a string
 
 
 def prune_after_promotion(config: PipelineConfig, registry, log: Log = print) -> list[dict]:
@@ -235,7 +231,9 @@ def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served:
         "inputs": fingerprints,  # stage -> content hash of its output (eagle3.stages.stage_fingerprint)
         "data_quality": data_quality_of(config),
         **measured_fields(config, served, simulated, chosen),
-        "lineage": {"parent": parent, "init_from": str(config.training.init_from or "") or None, "flow_run": flow_run},
+        # the draft it was fine-tuned from, as its training recorded it (kind, where, sha256), or None
+        "lineage": {"parent": parent, "init_from": read_manifest(config.stage_dir("train") / "best").get("init_from"),
+                    "flow_run": flow_run},
     }
 
 
@@ -248,7 +246,7 @@ def config_fields(config: PipelineConfig) -> dict:
 
 def measured_fields(config: PipelineConfig, served: dict, simulated: float | None, chosen: dict) -> dict:
     """What a version's manifest says of its measurement: the prompt set (published with it), the shape production
-    serves it with and is re-measured in (the chosen shape, on the first num_prompts of the prompt set), the figures."""
+    serves it with and is re-measured in (the chosen shape, on the first num_prompts requests of each suite), the figures."""
     return {
         "benchmark": prompt_set_fields(config),
         "serving": {**chosen["shape"], **{k: chosen[k] for k in ("temperature", "concurrency", "num_prompts")}},

@@ -181,6 +181,11 @@ def detect_layout(config: dict, where: Path) -> str:
     )
 
 
+def is_checkpoint_file(name: str) -> bool:
+    """Whether read_checkpoint reads a file of this name in a checkpoint's directory: what a draft's content is."""
+    return name == CONFIG_FILE or name.endswith(".safetensors")
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -343,10 +348,11 @@ def write_draft_files(
     source: str | None = None,
     num_steps: int = DEFAULT_NUM_STEPS,
     verifier: Verifier | None = None,
+    manifest_fields: dict | None = None,
 ) -> None:
     """Check a draft and write its weights, config and manifest into an existing directory. `num_steps` is the
     drafting steps per verify step it is served with, and `verifier` the target it is for (the speculators layout
-    records both, and ships the target's embedding)."""
+    records both, and ships the target's embedding); `manifest_fields` are recorded in the manifest too."""
     adapter = LAYOUTS.get(to)
     if adapter is None:
         raise ConversionError(f"unknown layout {to!r}; choose one of {', '.join(LAYOUTS)}")
@@ -359,7 +365,8 @@ def write_draft_files(
         tensors.update(adapter.verifier_tensors(config, verifier))
     save_file(tensors, directory / WEIGHTS_FILE, metadata={"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(encoded, indent=2) + "\n")
-    write_manifest(directory, kind=f"draft-{to}", fields={"layout": to, "source": source, "engine_release": release})
+    write_manifest(directory, kind=f"draft-{to}",
+                   fields={"layout": to, "source": source, "engine_release": release, **(manifest_fields or {})})
 
 
 def convert(

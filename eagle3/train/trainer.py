@@ -40,7 +40,7 @@ from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData, micro_batches
 from eagle3.train.parallel import Parallel
 from eagle3.train.timing import Throughput, timed
-from eagle3.train.warm_start import warm_start
+from eagle3.train.warm_start import resolved_init, warm_start
 
 Log = Callable[[str], None]
 STATE_FILE = "trainer_state.pt"
@@ -117,6 +117,7 @@ class Trainer:
         self.eos_ids = target_eos_ids(config.target.path)
         head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
         vocab_map = self.read_vocab_map()
+        self.init = resolved_init(config)  # training.init_from, resolved before the trainer started
         self.model = self.build_model(head["embed"], head["lm_head"], vocab_map)
         self.teacher = self.build_teacher(head, vocab_map)
         self.ttt = TTTModel(self.model, train.ttt_steps)
@@ -177,8 +178,8 @@ class Trainer:
             model.d2t.copy_(vocab_map.d2t)
             model.t2d.copy_(vocab_map.t2d)
             model.lm_head.weight.copy_(lm_head[vocab_map.target_ids()])  # the target's rows
-        if self.config.training.init_from is not None:
-            warm_start(model, vocab_map, Path(self.config.training.init_from), self.log)
+        if self.init is not None:
+            warm_start(model, vocab_map, self.init, self.log)
         return model
 
     def build_teacher(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> TeacherHead:
@@ -351,13 +352,14 @@ class Trainer:
         return self.out / "checkpoints" / f"step-{step:07d}"
 
     def write_checkpoint(self, path: Path, with_state: bool = True) -> None:
-        """Every rank gathers, rank 0 writes atomically: the native draft, plus optimizer/scheduler/data
-        position/RNG."""
+        """Every rank gathers, rank 0 writes atomically: the native draft (its manifest names the init draft, if
+        any), plus optimizer/scheduler/data position/RNG."""
         tensors = self.parallel.full_state(self.ttt)
         state = self.trainer_state() if with_state else None
         if self.dist.main:
             with atomic_directory(path, overwrite=True) as tmp:
-                write_draft_files(NativeDraft(self.model.config, tensors), tmp, "native")
+                write_draft_files(NativeDraft(self.model.config, tensors), tmp, "native",
+                                  manifest_fields={"init_from": self.init.record if self.init else None})
                 if state is not None:
                     torch.save(state, tmp / STATE_FILE)
         self.dist.barrier()

@@ -1,32 +1,109 @@
-"""Training from an earlier draft (`training.init_from`; a retrain starts from production's)."""
+"""Training from an earlier draft (`training.init_from`; a retrain starts from production's).
+
+eagle3.init_draft resolves training.init_from once, before the trainer starts: a registry version or a draft
+directory in any layout becomes a native copy under run.dir/train/init/, with a record of where it came from. Here
+the trainer loads that copy. What may differ between the init draft and this run's draft (docs/training.md): the
+draft vocabulary (the head's rows follow their target ids) and the metadata the config sets anew; a difference in
+shape or in what the weights compute is refused, naming the tensor or the field with both values.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from eagle3.config import PipelineConfig
 from eagle3.errors import Eagle3Error
-from eagle3.formats.checkpoint import load_native
+from eagle3.formats.checkpoint import DraftConfig, expected_shapes, load_native
 from eagle3.formats.vocab_map import VocabMap, carry_rows
+from eagle3.fsutil import read_json
 from eagle3.model.draft import Eagle3Draft
 
+INIT_DIR, NATIVE_DIR, RECORD_FILE = "init", "native", "source.json"  # run.dir/train/init/{native/, source.json}
+VOCAB_TENSORS = ("d2t", "t2d")  # this run's vocab map, never the init draft's
+# Fields this run's config sets anew: what a draft was stored in, which family it names, how far serving may go, how
+# many head rows it has (they follow their target ids). Everything else in DraftConfig must agree.
+SET_ANEW = ("format", "format_version", "torch_dtype", "target_family", "max_position_embeddings", "draft_vocab_size")
+# Numerical details trained on with this config's value, a difference named in the log
+NOTED = ("rms_norm_eps",)
 
-def warm_start(model: Eagle3Draft, vocab_map: VocabMap, path: Path, log: Callable[[str], None]) -> None:
-    """Load the draft at `path` into `model`. A retrain on new prompts (traffic) counts other tokens, so its vocab map
+
+@dataclass(frozen=True)
+class ResolvedInit:
+    path: Path  # the native copy the trainer loads
+    record: dict  # where it came from: {init_from, kind, where, layout, sha256}
+
+    def describe(self) -> str:
+        r = self.record
+        return f"{r['init_from']} ({r['kind']} {r['where']}, {r['layout']} layout, sha256 {r['sha256'][:16]})"
+
+
+def init_dir(config: PipelineConfig) -> Path:
+    return config.stage_dir("train") / INIT_DIR
+
+
+def resolved_init(config: PipelineConfig) -> ResolvedInit | None:
+    """The resolved copy of training.init_from (None when the run trains from scratch); refused when it was not
+    resolved for this value."""
+    value = config.training.init_from
+    if value is None:
+        return None
+    record_path = init_dir(config) / RECORD_FILE
+    record = read_json(record_path, "missing") if record_path.is_file() else {}
+    if record.get("init_from") != value:
+        raise Eagle3Error(
+            f"training.init_from {value!r} was not resolved for this run ({record_path} "
+            f"{'names ' + repr(record.get('init_from')) if record else 'is missing'}): train with `eagle3 train` or "
+            "the pipeline's train stage, which fetch and convert it first (eagle3.init_draft.resolve_init_from)")
+    return ResolvedInit(init_dir(config) / NATIVE_DIR, record)
+
+
+def warm_start(model: Eagle3Draft, vocab_map: VocabMap, init: ResolvedInit, log: Callable[[str], None]) -> None:
+    """Load the init draft into `model`. A retrain on new prompts (traffic) counts other tokens, so its vocab map
     may differ: the head's rows follow their target ids, and a target id new to the draft vocabulary keeps the row
     `model` has (the target's own)."""
-    previous = load_native(path)
-    if previous.config.model_copy(update={"target_family": None}) != model.config.model_copy(update={"target_family": None}):
-        raise Eagle3Error(f"cannot warm start from {path}: its architecture differs from draft/target in the config")
-    tensors = dict(previous.tensors)
-    old_map = VocabMap(tensors.pop("d2t"), tensors.pop("t2d"))
-    if old_map.target_vocab_size != vocab_map.target_vocab_size:
-        raise Eagle3Error(f"cannot warm start from {path}: its t2d covers {old_map.target_vocab_size} target ids, "
-                          f"this run's target has {vocab_map.target_vocab_size}; train from scratch")
+    previous = load_native(init.path)
+    problem = carry_over_problem(previous.config, model.config)
+    if problem:
+        raise Eagle3Error(f"cannot warm start from training.init_from {init.describe()}: {problem}")
+    noted = [f"{field} {getattr(previous.config, field)} -> {getattr(model.config, field)}" for field in NOTED
+             if getattr(previous.config, field) != getattr(model.config, field)]
+    tensors = {name: t for name, t in previous.tensors.items() if name not in VOCAB_TENSORS}
+    old_map = VocabMap(previous.tensors["d2t"], previous.tensors["t2d"])
     head = model.lm_head.weight.detach().cpu().clone()  # [draft_vocab, H]: the target's rows, per this run's map
     kept = carry_rows(head, tensors.pop("lm_head.weight").cpu(), old_map.target_ids(), vocab_map.target_ids())
     model.load_draft_state({**tensors, "lm_head.weight": head, "d2t": vocab_map.d2t, "t2d": vocab_map.t2d})
     changed = "" if kept == vocab_map.draft_vocab_size else (
         f"; the vocab map changed: {kept} of {vocab_map.draft_vocab_size} head rows carried over by target id, "
         f"{vocab_map.draft_vocab_size - kept} new ones start from the target's head")
-    log(f"train: warm start from {path}{changed}")
+    trained_with = f"; trained with this config's {', '.join(noted)}" if noted else ""
+    log(f"train: warm start from {init.describe()}{changed}{trained_with}")
+
+
+def carry_over_problem(init: DraftConfig, ours: DraftConfig) -> str | None:
+    """Why the init draft's weights cannot start this run's draft: the first tensor whose shape differs (the head's
+    rows apart), then the first field that changes what the same weights compute; None when they carry over."""
+    init_shapes, our_shapes = expected_shapes(init), expected_shapes(ours)
+    for name in [*our_shapes, *(name for name in init_shapes if name not in our_shapes)]:
+        theirs, mine = init_shapes.get(name), our_shapes.get(name)
+        if name in VOCAB_TENSORS or (name == "lm_head.weight" and theirs[1:] == mine[1:]):
+            continue  # the draft vocabulary may differ: rows follow their target ids
+        if theirs != mine:
+            return (f"{name} {shape_text(theirs)} in the init draft, {shape_text(mine)} in this config; make the "
+                    "draft section and the target match the init draft's architecture, or train from scratch "
+                    "(no training.init_from)")
+    if init.aux_layers != ours.aux_layers:
+        return (f"it was trained on the hidden states of target layers {init.aux_layers} (aux_layers), this run's data "
+                f"on layers {ours.aux_layers} (data.aux_layers, the data set's manifest): its fc would read other "
+                f"features; capture the data at data.aux_layers {init.aux_layers}, or train from scratch")
+    for field in DraftConfig.model_fields:
+        if field not in SET_ANEW + NOTED and getattr(init, field) != getattr(ours, field):
+            return (f"{field} {getattr(init, field)!r} in the init draft, {getattr(ours, field)!r} in this config: the "
+                    "same weights would compute something else; set the config's value to the init draft's, or train "
+                    "from scratch")
+    return None
+
+
+def shape_text(shape: tuple[int, ...] | None) -> str:
+    return "absent" if shape is None else str(list(shape))

@@ -1,0 +1,128 @@
+"""`training.init_from`: the draft a run fine-tunes, a registry version (of config.registry) or a directory in any
+layout the project reads (native, sglang, speculators).
+
+It is resolved once, before the trainer starts (`resolve_init_from`): a version is fetched in the sglang layout
+(every version has it: our exports and imported drafts alike), a directory is read where it is, and either is
+converted to a native copy under run.dir/train/init/native with this config's target family, serving release and
+target layer count (the conversion refuses what a loader would misread, such as an absolute d2t). A record beside
+it says where it came from; the trainer loads the copy (eagle3/train/warm_start.py) and names the record in its
+checkpoints' manifests.
+
+The train stage's cache key holds the init draft's content (`InitDraft.sha256`: the sha256 of config.json and of
+each weights file), never its path or version id: another draft at the same path runs the stage again, the same
+draft elsewhere does not. A version's files are hashed by the registry's manifest, without a download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from eagle3.config import PipelineConfig
+from eagle3.config.sections import RegistrySection
+from eagle3.errors import Eagle3Error
+from eagle3.formats.checkpoint import CONFIG_FILE, is_checkpoint_file, read_checkpoint, save_native_draft, to_native
+from eagle3.fsutil import atomic_write_json, cached_sha256
+from eagle3.registry.registry import RegistryError, open_registry, registry_location
+from eagle3.train.warm_start import NATIVE_DIR, RECORD_FILE, init_dir
+
+Log = Callable[[str], None]
+VERSION_LAYOUT = "sglang"  # the layout a version is fetched in
+_VERSION_FILES: dict[tuple[str, str], dict[str, str]] = {}  # (registry, version) -> files; versions are immutable
+
+
+@dataclass(frozen=True)
+class InitDraft:
+    init_from: str  # the value as the config gives it
+    kind: str  # "version" or "directory"
+    where: str  # the registry's location, or the directory's absolute path
+    files: dict[str, str]  # config.json and each weights file -> sha256: the draft's content
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps(self.files, sort_keys=True).encode()).hexdigest()
+
+    def describe(self) -> str:
+        return f"directory {self.where}" if self.kind == "directory" else f"version {self.init_from} of {self.where}"
+
+
+def init_draft(config: PipelineConfig) -> InitDraft | None:
+    """What training.init_from names, with its content's hashes; None when the run trains from scratch. A value
+    that is neither a draft directory nor a version of config.registry is refused, naming both places looked at."""
+    value = config.training.init_from
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_dir():
+        return InitDraft(value, "directory", str(path.resolve()), directory_files(path))
+    if config.registry is None:
+        raise Eagle3Error(f"training.init_from {value!r}: no such directory, and the config has no registry section to "
+                          "look it up as a version; give a draft directory (native, sglang or speculators layout) or "
+                          "add the registry that holds the version")
+    return InitDraft(value, "version", registry_location(config.registry), version_files(config.registry, value))
+
+
+def directory_files(path: Path) -> dict[str, str]:
+    files = {file.name: cached_sha256(file) for file in sorted(path.iterdir())
+             if file.is_file() and is_checkpoint_file(file.name)}
+    if CONFIG_FILE not in files:
+        raise Eagle3Error(f"training.init_from {path}: no {CONFIG_FILE} there, so not a draft checkpoint; point it at "
+                          "a draft directory (native, sglang or speculators layout) or name a registry version")
+    return files
+
+
+def version_files(section: RegistrySection, version: str) -> dict[str, str]:
+    """The sha256 of the version's sglang files a checkpoint reader reads, from the registry's manifest."""
+    location = registry_location(section)
+    if (location, version) not in _VERSION_FILES:
+        try:
+            manifest = open_registry(section, log=lambda line: None).manifest(version)
+        except RegistryError as err:
+            raise Eagle3Error(f"training.init_from {version!r}: not a directory, nor a version of the registry "
+                              f"{location} ({err}); give an existing draft directory, or a version id that "
+                              "`eagle3 registry list` shows") from None
+        prefix = f"{VERSION_LAYOUT}/"
+        files = {name.removeprefix(prefix): entry["sha256"] for name, entry in manifest.get("files", {}).items()
+                 if name.startswith(prefix) and is_checkpoint_file(name.removeprefix(prefix))
+                 and "/" not in name.removeprefix(prefix)}
+        if CONFIG_FILE not in files:
+            raise Eagle3Error(f"training.init_from {version!r}: version {version} in {location} has no "
+                              f"{VERSION_LAYOUT} draft (layouts: {', '.join(manifest.get('layouts', [])) or 'none'}); "
+                              "publish it with its sglang layout, or give a draft directory")
+        _VERSION_FILES[(location, version)] = files
+    return _VERSION_FILES[(location, version)]
+
+
+def resolve_init_from(config: PipelineConfig, log: Log = print) -> Path | None:
+    """Fetch (a version) and convert training.init_from to run.dir/train/init/native, recording where it came from
+    beside it; return the native copy, or None when the run trains from scratch. Call it before the trainer
+    starts (after the stage's marker cleared what other inputs made)."""
+    draft = init_draft(config)
+    if draft is None:
+        return None
+    out = init_dir(config)
+    (out / RECORD_FILE).unlink(missing_ok=True)  # a failed resolution leaves no record: the trainer refuses
+    fetched = out / f"fetched-{VERSION_LAYOUT}"
+    try:
+        if draft.kind == "version":
+            source = open_registry(config.registry, log).fetch(draft.init_from, VERSION_LAYOUT, fetched, overwrite=True)
+        else:
+            source = Path(draft.init_from)
+        raw = read_checkpoint(source)
+        release = config.serving.release if config.serving is not None else None
+        native = to_native(raw, config.target.family, release, config.target.num_hidden_layers, log)
+        save_native_draft(native, out / NATIVE_DIR, "native", overwrite=True, source=draft.describe())
+    except Eagle3Error as err:
+        raise Eagle3Error(f"training.init_from {draft.init_from!r} ({draft.describe()}): {err}") from None
+    finally:
+        shutil.rmtree(fetched, ignore_errors=True)  # the native copy is what the trainer reads
+    record = {"init_from": draft.init_from, "kind": draft.kind, "where": draft.where, "layout": raw.layout,
+              "sha256": draft.sha256}
+    atomic_write_json(out / RECORD_FILE, record)
+    log(f"train: training.init_from {draft.init_from}: {draft.describe()}, {raw.layout} layout, sha256 "
+        f"{draft.sha256[:16]}; its native copy is {out / NATIVE_DIR}")
+    return out / NATIVE_DIR
