@@ -1,9 +1,11 @@
-"""The table the field publishes: benchmark suites as rows, drafting shapes as columns (accept length, accept rate;
-output tokens/s per served column), for the simulated shapes, the served shape, every sweep point and production's
-draft on the same requests. Written to run.dir/bench/suites.json; eagle3/report.py renders it."""
+"""The table the field publishes: benchmark suites as rows, drafting shapes (steps/topk/draft tokens) as columns
+(accept length, accept rate; output tokens/s per served column), for the simulated shapes, the served shape, every
+sweep point and production's draft on the same requests. Written to run.dir/bench/suites.json; eagle3/report.py
+renders it."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
@@ -16,10 +18,15 @@ def column(name: str, suites: dict | None, output_tokens_per_s: float | None = N
     return {"name": name, "suites": suites or {}, "output_tokens_per_s": output_tokens_per_s}
 
 
+def steps_topk_tokens(shape: dict) -> str:
+    """A drafting shape as published figures name it: steps/topk/draft tokens, e.g. 3/1/4."""
+    return f"{shape['num_steps']}/{shape['eagle_topk']}/{shape['num_draft_tokens']}"
+
+
 def acceptance_columns(config: PipelineConfig, simulated: dict, served: dict) -> list[dict]:
     """Every simulated shape (serving's first), then the served shape."""
-    columns = [column(f"{shape['label']} simulated", shape["suites"]) for shape in simulated.get("shapes", [])]
-    return columns + [column(f"{config.serving.shape.label()} served", served.get("suites"),
+    columns = [column(f"{steps_topk_tokens(shape)} simulated", shape["suites"]) for shape in simulated.get("shapes", [])]
+    return columns + [column(f"{steps_topk_tokens(asdict(config.serving.shape))} served", served.get("suites"),
                              served.get("output_tokens_per_s"))]
 
 
@@ -31,7 +38,7 @@ def suite_columns(config: PipelineConfig, simulated: dict, served: dict, swept: 
     for point in swept.get("points") or []:
         if point["levels"]:
             row = point["levels"][0]
-            columns.append(column(f"{point['label']} served @ {row['concurrency']}", row.get("suites"),
+            columns.append(column(f"{steps_topk_tokens(point['shape'])} served @ {row['concurrency']}", row.get("suites"),
                                   row["output_tokens_per_s"]))
     if production is not None:
         version, measured = production
