@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
-from eagle3.data.regenerate import greedy_length
+from eagle3.data.regenerate import greedy_length, simulated_shapes
 from eagle3.data.suites import planned_requests
-from eagle3.deployment.sweep import sweep_shapes
 from eagle3.formats.target import TargetSize, active_parameters, read_target_config
 from eagle3.train.memory import trainable_parameters
 from eagle3.train.trainer import trained_draft_config
@@ -266,7 +265,7 @@ def sweep_time(config: PipelineConfig, clock: Clock) -> StageTime:
     prompts = min(sweep.num_prompts or b.num_prompts, b.num_prompts)
     measure, bound = benchmark_s(config, clock, prompts, b.concurrency)
     point = clock.loads_s(1) + measure
-    shapes = len(sweep_shapes(config))
+    shapes = len(simulated_shapes(config))
     measured = max(1, min(shapes, int(sweep.budget_s // point) - 1))
     return StageTime("sweep", {
         f"{1 + measured} server starts: no draft + {measured} of {shapes} shape(s) within sweep.budget_s "

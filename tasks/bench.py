@@ -43,7 +43,7 @@ def sweep_serving(config: PipelineConfig, exported: dict, served: dict, simulate
     """The serving shape production gets (eagle3.deployment.sweep.choose_serving); the `sweep` artifact when it swept."""
     log = log_to_run()
     registry = open_registry(config.registry, log=log)
-    acceptance = gate_decision(config, registry, production, served, simulated["result"]["accept_length"], {})
+    acceptance = gate_decision(config, registry, production, served, simulated["result"], {})
     result = choose_serving(config, Path(exported["path"]), served, acceptance, log)
     if result["points"] is not None:
         chosen = result["chosen"]

@@ -66,11 +66,10 @@ def check_gate(config: PipelineConfig, version: str, exported: dict, served: dic
                production: str | None) -> Decision:
     """The gate's decision; a rejection raises GateRejected with the train-serve diagnosis attached."""
     registry = open_registry(config.registry, log=log_to_run())
-    simulated_length = simulated["result"]["accept_length"]
-    decision = gate_decision(config, registry, production, served, simulated_length, swept["chosen"])
+    decision = gate_decision(config, registry, production, served, simulated["result"], swept["chosen"])
     log_to_run()(f"gate: {decision.summary()}")
     if not decision.promote:
-        decision.diagnosis = diagnosis_of(config, Path(exported["path"]), served, simulated_length)
+        decision.diagnosis = diagnosis_of(config, Path(exported["path"]), served, simulated["result"]["accept_length"])
         raise GateRejected(decision)
     return decision
 

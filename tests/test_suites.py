@@ -11,7 +11,8 @@ from eagle3.config.suites import MTBENCH
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout, greedy_length, read_greedy
 from eagle3.data.prompts import rendered_prompt
-from eagle3.data.suites import across_slices, file_questions, mtbench_file, reply_of, suite_questions
+from eagle3.config.suites import mtbench_file
+from eagle3.data.suites import across_slices, file_questions, reply_of, suite_questions
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer, target_eos_ids
 from eagle3.errors import ConfigError, UnreadableInput

@@ -124,12 +124,18 @@ def server_accept_length(correct: int, verify_ct: int) -> float:
 def figures(rows: list[dict], drafts_per_step: int | None) -> dict:
     """Requests' counts summed and turned into accept length and rate as the whole is (rows: completion_tokens,
     verify_ct, correct_drafts - None where the server reported no count)."""
-    completion, verify = sum(r["completion_tokens"] for r in rows), sum(r["verify_ct"] for r in rows)
-    corrects = [r["correct_drafts"] for r in rows]
+    return pooled([{**r, "requests": 1} for r in rows], drafts_per_step)
+
+
+def pooled(parts: list[dict], drafts_per_step: int | None) -> dict:
+    """Figures of several parts (requests, or suites' figures) counted as one whole: their requests, completion
+    tokens, verify steps and correct drafts summed."""
+    completion, verify = sum(p["completion_tokens"] for p in parts), sum(p["verify_ct"] for p in parts)
+    corrects = [p["correct_drafts"] for p in parts]
     correct = None if None in corrects else sum(corrects)
     rate = accept_rate(correct, verify, drafts_per_step) if correct is not None and drafts_per_step else None
-    return {"requests": len(rows), "completion_tokens": completion, "verify_ct": verify, "correct_drafts": correct,
-            "accept_length": accept_length(completion, verify), "accept_rate": rate}
+    return {"requests": sum(p["requests"] for p in parts), "completion_tokens": completion, "verify_ct": verify,
+            "correct_drafts": correct, "accept_length": accept_length(completion, verify), "accept_rate": rate}
 
 
 def by_suite(rows: list[dict], drafts_per_step: int | None) -> dict:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError, model_validator
 from eagle3.config.monitor import MonitorSection
 from eagle3.config.node import NodeSection
 from eagle3.config.production import ProductionSection
-from eagle3.config.suites import TRAFFIC
+from eagle3.config.suites import MTBENCH, TRAFFIC, mtbench_file
 from eagle3.config.sections import (
     PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, RegistrySection,
     RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
@@ -222,6 +222,11 @@ def check_local_inputs(config: PipelineConfig) -> None:
     for suite in config.benchmark.suites if config.benchmark else ():
         if suite.path is not None and not suite.path.is_file():
             raise ConfigError(f"benchmark.suites {suite.name}: {suite.path}: no such file; give a JSONL of its prompts")
+        if suite.name == MTBENCH:
+            try:
+                mtbench_file()
+            except UnreadableInput as err:  # before any sample is made, not after the regeneration
+                raise ConfigError(f"benchmark.suites mtbench: {err}") from None
     imported = config.data.import_path
     if imported is not None and not imported.is_file():
         raise ConfigError(f"data.import_path {imported}: no such file; give the JSONL of rows to import, or remove the "

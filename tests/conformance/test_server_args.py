@@ -6,7 +6,8 @@ import pytest
 
 from eagle3.config import load_config
 from eagle3.config.production import TelemetrySection
-from eagle3.deployment.sweep import sweep_shapes, with_shape
+from eagle3.data.regenerate import simulated_shapes
+from eagle3.deployment.sweep import with_shape
 from eagle3.serve.launch import LAUNCHER_FLAGS, sglang_command
 from releases import RELEASES
 
@@ -23,7 +24,7 @@ def launcher_commands() -> dict[str, tuple[list[str], object]]:
         config = load_config(path, ["serving.engine=sglang"])
         served = [(f"{name}-plain", config, None)] + [
             (f"{name}-s{s.num_steps}k{s.eagle_topk}n{s.num_draft_tokens}-eagle3", with_shape(config, s), "/drafts/candidate")
-            for s in sweep_shapes(config)]
+            for s in simulated_shapes(config)]
         for label, shaped, draft in served:
             command = sglang_command(shaped, "/models/target", draft)
             commands[label] = (command[command.index("sglang.launch_server") + 1:], shaped)
