@@ -13,9 +13,11 @@ from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continu
 from eagle3.data.prompts import rendered_prompt
 from eagle3.config.suites import mtbench_file
 from eagle3.data.suites import across_slices, file_questions, reply_of, suite_questions
+from eagle3.deployment.promotion import candidate_metrics
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer, target_eos_ids
 from eagle3.errors import ConfigError, UnreadableInput
+from eagle3.registry.gate import decide
 from test_config import TINY
 from test_data import micro_overrides
 from test_production import write_heldout
@@ -116,3 +118,19 @@ def test_the_traffic_suite_is_the_held_out_prompts_that_came_from_traffic(tmp_pa
     assert [(q.suite, q.prompt.slice) for q in questions] == [("heldout", "base"), ("heldout", "code"),
                                                                ("heldout", "base"), ("traffic", "code"), ("traffic", "docs")]
     assert not any(q.multi_turn for q in questions)
+
+
+def test_the_gate_counts_gating_suites_only_and_refuses_a_gating_suite_that_made_no_request():
+    config = load_config(TINY, ["benchmark.suites=[heldout, {name: chat, path: c.jsonl, informational: true}, "
+                                "{name: code, path: d.jsonl}]"])
+    suite = lambda completion, verify, correct: {"requests": 4, "completion_tokens": completion,  # noqa: E731
+                                                 "verify_ct": verify, "correct_drafts": correct, "sha256": "s"}
+    served = {"accept_length": 1.5, "accept_rate": 0.1, "draft_tokens_per_step": 3,
+              "suites": {"heldout": suite(300, 100, 150), "chat": suite(110, 100, 10)}}
+    simulated = {"accept_length": 1.6, "suites": {"heldout": suite(300, 100, 150), "chat": suite(130, 100, 30)}}
+    metrics = candidate_metrics(config, served, simulated, {"problems": []}, {})
+    assert metrics.accept_length == pytest.approx(3.0) and metrics.accept_rate == pytest.approx(0.5)  # heldout alone
+    assert metrics.simulated_accept_length == pytest.approx(3.0)
+    decision = decide(metrics, None, config.gate)
+    assert [r.rule for r in decision.reasons] == ["too-few-verify-steps"]
+    assert decision.reasons[0].message.startswith("suite code: 0 verify steps")

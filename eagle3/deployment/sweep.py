@@ -98,7 +98,7 @@ def run_sweep(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
     prompts = first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), sweep.num_prompts)
     shapes = simulated_shapes(config)  # serving's shape, then sweep.points: the shapes the simulator replays
     log(f"sweep: {len(shapes)} drafting shape(s) x concurrency {b.concurrency} at temperature {b.temperature}, "
-        f"{len(prompts)} prompts each, budget {sweep.budget_s:.0f} s")
+        f"{len(prompts)} requests each (at most {most_per_suite(prompts)} per suite), budget {sweep.budget_s:.0f} s")
     baseline = measure_levels(config, None, prompts, log, "sweep baseline (no draft)")
     lost = [row for row in baseline if row["lost_requests"]]
     if lost:
@@ -159,12 +159,14 @@ def configured_choice(config: PipelineConfig, served: dict) -> dict:
             "output_tokens_per_s": served.get("output_tokens_per_s"),
             "baseline_output_tokens_per_s": (served.get("baseline") or {}).get("output_tokens_per_s"),
             "speedup": served.get("speedup"), "lost_requests": served.get("lost_requests", 0), "temperature": 0.0,
-            "num_prompts": served.get("num_prompts")}
+            # requests per suite, as the sweep records them: production is re-measured on as many of each suite
+            "num_prompts": max((f["requests"] for f in (served.get("suites") or {}).values()),
+                               default=served.get("num_prompts"))}
 
 
 def render_table(result: dict) -> list[str]:
     lines = [f"sweep: {len(result['points'])} shape(s) measured in {result['wall_s']:.0f} s, temperature "
-             f"{result['temperature']}, {result['num_prompts']} prompts"]
+             f"{result['temperature']}, at most {result['num_prompts']} requests per suite"]
     for point in result["points"]:
         if point["error"]:
             lines.append(f"  {point['label']}: FAILED {point['error']}")
