@@ -22,7 +22,7 @@ from eagle3.config.node import NodeSection
 from eagle3.formats.checkpoint import DraftConfig
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import ttt_forward, ttt_stats
+from eagle3.model.ttt import LossRows, ttt_forward, ttt_loss
 from eagle3.plan_time import draft_train_flops
 from eagle3.train.memory import training_step_peak_bytes
 
@@ -88,13 +88,14 @@ def kimi_step(seq: int, ttt: int, batch: int, device: str, steps: int) -> None:
     aux = torch.randn(batch, seq, KIMI["aux"] * KIMI["hidden"], device=dev)
     last = torch.randn(batch, seq, KIMI["hidden"], device=dev)
     ids = torch.randint(0, KIMI["vocab"], (batch, seq), device=dev)
-    mask = torch.ones(batch, seq, dtype=torch.long, device=dev)
+    rows = LossRows.of(torch.ones(batch, seq, dtype=torch.long), ttt).to(dev)  # every token generated
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
 
     def step() -> None:
+        taught = teacher(last, rows.teacher)
         with autocast:
-            logits = ttt_forward(model, aux, ids, ttt)
-        ttt_stats(logits, teacher(last), mask, model).loss_sum.sum().backward()
+            stats = ttt_loss(model, aux, ids, taught, rows)
+        stats.loss_sum.sum().backward()
         if optimizer is not None:
             optimizer.step()
         model.zero_grad(set_to_none=True)

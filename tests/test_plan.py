@@ -12,7 +12,7 @@ from eagle3.config import load_config
 from eagle3.errors import ConfigError
 from eagle3.formats.target import active_parameters, read_target_size
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import TTTModel
+from eagle3.model.ttt import LossRows, TTTModel
 from eagle3.plan import plan_memory, require_fit
 from eagle3.train.memory import AllocationPeak, training_step_peak_by_op, training_step_peak_bytes
 from test_config import TINY
@@ -116,10 +116,11 @@ def test_the_dry_run_counts_what_the_real_step_allocates():
     head = TeacherHead(torch.randn(40, 32).bfloat16(), torch.arange(16))
     aux, last = torch.randn(2, 24, 96), torch.randn(2, 24, 32)
     ids, mask = torch.randint(0, 40, (2, 24)), torch.ones(2, 24, dtype=torch.long)
+    rows = LossRows.of(mask, 3)
     with AllocationPeak() as real:
-        teacher = head(last)
+        teacher = head(last, rows.teacher)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            stats = TTTModel(model, 3)(aux, ids, teacher, mask)
+            stats = TTTModel(model)(aux, ids, teacher, rows)
         stats[0].sum().backward()
     assert training_step_peak_bytes(model.config, 2, 24, 3, pre_norm=False) == real.peak
     assert training_step_peak_by_op(model.config, 2, 24, 3, pre_norm=False) == real.peak_by_op

@@ -19,7 +19,7 @@ from eagle3.formats.vocab_map import VocabMap, build_vocab_map
 from eagle3.model import draft as draft_module
 from eagle3.model.draft import Eagle3Draft, causal_mask, init_weights
 from eagle3.model.teacher import TeacherHead, chunked_argmax
-from eagle3.model.ttt import draft_chain, target_positions, ttt_forward, ttt_stats
+from eagle3.model.ttt import LossRows, draft_chain, target_positions, ttt_forward, ttt_loss, ttt_stats
 from eagle3.model.weights import draft_as_served, draft_from_native, target_head
 from eagle3.distributed import Dist
 from eagle3.errors import Eagle3Error
@@ -87,11 +87,11 @@ class TestAlignment:
                 logits[0, t, x[0, t + shift]] = 10.0
             return logits
 
-        right = ttt_stats([one_hot(2), one_hot(3)], teacher, mask, model)
+        right = ttt_stats([one_hot(2), one_hot(3)], teacher, LossRows.of(mask, 2), model)
         assert right.count.tolist() == [4, 3]  # step 0: t in 0..3 (x_2..x_5); step 1: t in 0..2 (x_3..x_5)
         assert target_positions(mask, 2).tolist() == [4, 3]  # the loss's normaliser, from the mask alone
         assert right.correct.tolist() == [4, 3]
-        off_by_one = ttt_stats([one_hot(1), one_hot(2)], teacher, mask, model)
+        off_by_one = ttt_stats([one_hot(1), one_hot(2)], teacher, LossRows.of(mask, 2), model)
         assert off_by_one.correct.tolist() == [0, 0]
 
     def test_no_step_sees_the_future(self):
@@ -175,7 +175,7 @@ def test_compact_teacher_gives_the_loss_of_full_vocabulary_logits():
     last, lm_head = torch.randn(2, 12, 32, generator=generator), torch.randn(40, 32, generator=generator)
     loss_mask, ids = torch.ones(2, 12, dtype=torch.long), torch.randint(0, 40, (2, 12), generator=generator)
     step_logits = ttt_forward(model, torch.randn(2, 12, 96, generator=generator), ids, 3)
-    compact = ttt_stats(step_logits, TeacherHead(lm_head, hot)(last), loss_mask, model)
+    compact = ttt_stats(step_logits, TeacherHead(lm_head, hot)(last), LossRows.of(loss_mask, 3), model)
     full = last @ lm_head.T  # [B, T, V]
     argmax, probs = full.argmax(-1), full[..., hot].softmax(-1)
     in_draft = torch.zeros(40, dtype=torch.bool)
@@ -188,6 +188,29 @@ def test_compact_teacher_gives_the_loss_of_full_vocabulary_logits():
         assert compact.count[k] == valid.sum()
         correct = (hot[logits.argmax(-1)] == torch.nn.functional.pad(argmax[:, 1 + k :], (0, 1 + k))) & valid
         assert compact.correct[k] == correct.sum()
+
+
+def test_the_teacher_and_the_head_score_only_the_rows_the_loss_reads():
+    """Rows whose next token is not generated (prompt, padding) are never scored: the same loss, counts and accuracy
+    as scoring every position, from a teacher that scored only the loss's rows."""
+    model = tiny_draft(vocab=40, draft_vocab=16)
+    generator = torch.Generator().manual_seed(4)
+    head = TeacherHead(torch.randn(40, 32, generator=generator), model.hot_token_ids())
+    last, aux = torch.randn(2, 12, 32, generator=generator), torch.randn(2, 12, 96, generator=generator)
+    ids = torch.randint(0, 40, (2, 12), generator=generator)
+    loss_mask = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 6 + [0] * 3])  # a prompt, a reply, padding
+    rows = LossRows.of(loss_mask, 3)
+    assert [len(at) for at in rows.steps] == target_positions(loss_mask, 3).tolist()
+    dense, part = head(last), head(last, rows.teacher)
+    scored = torch.zeros(24, dtype=torch.bool).index_fill_(0, rows.teacher, True).view(2, 12)
+    assert scored.sum() == 13 and not scored[1, 9:].any()  # 7 + 6 generated tokens: the rows before them
+    torch.testing.assert_close(part.probs[scored], dense.probs[scored])
+    assert torch.equal(part.argmax[scored], dense.argmax[scored]) and not part.in_draft[~scored].any()
+    assert part.probs[~scored].abs().sum() == 0
+    every = ttt_stats(ttt_forward(model, aux, ids, 3), dense, rows, model)  # all logits, gathered at the rows
+    lean = ttt_loss(model, aux, ids, part, rows)  # the head run on the rows only
+    torch.testing.assert_close(lean.loss_sum, every.loss_sum)
+    assert torch.equal(lean.count, every.count) and torch.equal(lean.correct, every.correct)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from eagle3.model import draft as draft_module
 from eagle3.model.draft import Eagle3Draft, causal_mask
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import TTTModel, shift_left
+from eagle3.model.ttt import LossRows, TTTModel, shift_left
 from eagle3.train.memory import AllocationPeak
 from test_train import tiny_draft
 
@@ -75,7 +75,8 @@ def test_the_lean_step_gives_the_old_loss_and_gradients(bf16, monkeypatch):
     aux, ids, teacher, loss_mask = inputs(model, 13, torch.Generator().manual_seed(0))
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
-    for step in (lambda: TTTModel(model, STEPS)(aux, ids, teacher, loss_mask)[0], lambda: old_step(model, aux, ids, teacher, loss_mask)):
+    rows = LossRows.of(loss_mask, STEPS)
+    for step in (lambda: TTTModel(model)(aux, ids, teacher, rows)[0], lambda: old_step(model, aux, ids, teacher, loss_mask)):
         with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             losses = step()
         results.append((losses, torch.autograd.grad(losses.sum(), params)))
@@ -94,12 +95,13 @@ def test_the_lean_step_allocates_well_under_two_thirds_of_the_old_one():
         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 4, "draft_vocab_size": 512, "vocab_size": 1024,
         "intermediate_size": 96})
     peaks = []
-    with FakeTensorMode():
+    rows = LossRows.of(torch.ones(1, 256, dtype=torch.long), STEPS)  # on the host, as the trainer makes them
+    with FakeTensorMode(allow_non_fake_inputs=True):
         model = Eagle3Draft(config, torch.empty(1024, 32))
         aux, last = torch.empty(1, 256, 96), torch.empty(1, 256, 32)
         ids, loss_mask = torch.zeros(1, 256, dtype=torch.long), torch.ones(1, 256, dtype=torch.long)
         teacher = TeacherHead(torch.empty(1024, 32, dtype=torch.bfloat16), torch.arange(512))(last)
-        for step in (lambda: TTTModel(model, STEPS)(aux, ids, teacher, loss_mask)[0], lambda: old_step(model, aux, ids, teacher, loss_mask)):
+        for step in (lambda: TTTModel(model)(aux, ids, teacher, rows)[0], lambda: old_step(model, aux, ids, teacher, loss_mask)):
             with AllocationPeak() as tracker:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     losses = step()

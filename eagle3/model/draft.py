@@ -176,10 +176,18 @@ class Eagle3Draft(nn.Module):
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual from the hidden stream, then the MLP. Returns (pre-norm output [B, T, H], logits)."""
+        h = self.output(hidden, attended)
+        return h, self.logits(h)
+
+    def output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's pre-norm output [..., H]: residual from the hidden stream, then the MLP."""
         layer = self.midlayer
         h = hidden + attended
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h, self.lm_head(self.norm(h))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Pre-norm output [..., H] -> draft-vocabulary logits [..., Dv]."""
+        return self.lm_head(self.norm(h))
 
     def load_draft_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load canonical tensors (every one but the target's embedding, which stays); strict otherwise."""

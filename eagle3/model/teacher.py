@@ -5,6 +5,11 @@ counts only when that token is in the draft vocabulary, and accuracy compares ag
 softmax over the draft-vocabulary ids. Full [B, T, V] logits are never made: at Kimi-K2.5's 163,840
 ids, 8 x 4,096 tokens would take 10.7 GB in bf16. The argmax runs over lm_head's rows chunk by chunk
 ([B, T, TEACHER_CHUNK_ROWS] at a time) and the distribution needs only the draft rows ([B, T, Dv]).
+
+Nor are positions the loss never reads: row i predicts token i + 1 and counts only when that token is loss-masked
+(a generated one), so the trainer passes those rows (`LossRows.teacher`, from the loss mask on the host) and the head
+scores only them. On SmolLM2's ShareGPT rows that is a quarter to a half of the positions, and the full-vocabulary
+argmax was a third of the CPU step (docs/training.md).
 """
 
 from __future__ import annotations
@@ -36,14 +41,26 @@ class TeacherHead:
         self.norm, self.eps = norm, eps
 
     @torch.no_grad()
-    def __call__(self, last: torch.Tensor) -> Teacher:
-        """last [B, T, H] -> the teacher for those positions."""
+    def __call__(self, last: torch.Tensor, rows: torch.Tensor | None = None) -> Teacher:
+        """last [B, T, H] -> the teacher for those positions. `rows` [R] (flat indices into B x T, on the head's
+        device): score only these; the others get argmax 0, in_draft False and zero probabilities (never read)."""
+        if rows is None:
+            return self.scored(last)
+        batch, length, _ = last.shape
+        part = self.scored(last.reshape(batch * length, -1).index_select(0, rows))  # [R] ..., [R, Dv]
+        argmax = part.argmax.new_zeros(batch * length).index_copy_(0, rows, part.argmax)
+        in_draft = part.in_draft.new_zeros(batch * length).index_copy_(0, rows, part.in_draft)
+        probs = part.probs.new_zeros(batch * length, part.probs.shape[-1]).index_copy_(0, rows, part.probs)
+        return Teacher(argmax.view(batch, length), in_draft.view(batch, length), probs.view(batch, length, -1))
+
+    def scored(self, last: torch.Tensor) -> Teacher:
+        """last [..., H] -> the teacher at every position given."""
         last = last.float()
         if self.norm is not None:
             last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
         last = last.to(self.lm_head.dtype)  # bf16 on a GPU, like the head
         argmax = chunked_argmax(last, self.lm_head, TEACHER_CHUNK_ROWS)
-        probs = F.softmax((last @ self.hot_rows.T).float(), dim=-1)  # [B, T, Dv]
+        probs = F.softmax((last @ self.hot_rows.T).float(), dim=-1)  # [..., Dv]
         return Teacher(argmax=argmax, in_draft=self.in_draft[argmax], probs=probs)
 
 

@@ -31,10 +31,10 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def ttt_steps(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
-    """aux [B, T, n_aux * TH], input_ids [B, T] -> draft logits [B, T, draft_vocab] of each step, made as they are
-    asked for: `ttt_stats` scores each step before the next runs, so the backward (which takes the most recent work
-    first) frees each step's logits gradient before it makes the previous step's."""
+def ttt_outputs(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+    """aux [B, T, n_aux * TH], input_ids [B, T] -> each step's pre-norm output [B, T, H], made as it is asked for:
+    `ttt_stats` scores each step before the next runs, so the backward (which takes the most recent work first) frees
+    each step's logits gradient before it makes the previous step's."""
     length = input_ids.shape[1]
     index = torch.arange(length, device=input_ids.device)
     hidden = model.fc(aux)  # [B, T, H]
@@ -43,13 +43,41 @@ def ttt_steps(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, st
         q, new_k, new_v = model.project(shift_left(input_ids, 1 + k), hidden, index + k)
         keys.append(new_k)
         values.append(new_v)
-        hidden, step_logits = model.finish(hidden, model.midlayer.self_attn.attend_ttt(q, keys, values))
-        yield step_logits
+        hidden = model.output(hidden, model.midlayer.self_attn.attend_ttt(q, keys, values))
+        yield hidden
+
+
+def ttt_steps(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+    """Each step's logits [B, T, draft_vocab] at every index (`ttt_outputs`)."""
+    return (model.logits(hidden) for hidden in ttt_outputs(model, aux, input_ids, steps))
 
 
 def ttt_forward(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Every step's logits at once (`ttt_steps`)."""
     return list(ttt_steps(model, aux, input_ids, steps))
+
+
+@dataclass
+class LossRows:
+    """Where the loss reads, made on the host from the loss mask (static shapes on the device, no sync): step k scores
+    index t only when its target x_{t+2+k} is loss-masked, from teacher row t + 1 + k. Flat indices into B x T."""
+
+    steps: list[torch.Tensor]  # [R_k] per step: b * T + t
+
+    @classmethod
+    def of(cls, loss_mask: torch.Tensor, steps: int) -> LossRows:
+        """loss_mask [B, T] (host)."""
+        batch, length = loss_mask.shape
+        flat = torch.arange(batch * length).view(batch, length)
+        return cls([flat[:, : max(length - 2 - k, 0)][loss_mask[:, 2 + k :].bool()] for k in range(steps)])
+
+    @property
+    def teacher(self) -> torch.Tensor:
+        """[R] the teacher rows any step reads: step 0's, one on (every later step's are among them)."""
+        return self.steps[0] + 1
+
+    def to(self, device: torch.device) -> LossRows:
+        return LossRows([rows.to(device, non_blocking=True) for rows in self.steps])
 
 
 @dataclass
@@ -62,44 +90,53 @@ class StepStats:
 
 
 class SoftCrossEntropy(torch.autograd.Function):
-    """Per position, -(p * log_softmax(z)).sum(-1) = logsumexp(z) - p.z (p sums to 1), computed in float32.
+    """Per row, -(p * log_softmax(z)).sum(-1) = logsumexp(z) - p.z (p sums to 1), computed in float32.
 
-    logits z [..., Dv] in their own dtype, p [..., Dv] float32 -> [...]. Autograd would keep a float32 copy of every
-    TTT step's logits from the forward to the backward (4 bytes per draft id and position, all steps at once); this
-    keeps z as it came (2 bytes in bf16, and the caller holds it anyway) and recomputes the gradient, softmax(z) - p,
-    from it in the backward.
+    logits z [R, Dv] in their own dtype, p the rows `index` [R] of `probs` [N, Dv] float32 -> [R]. Autograd would keep
+    a float32 copy of every TTT step's logits and of its rows of p from the forward to the backward (4 bytes per draft
+    id and row each, all steps at once); this keeps z as it came (2 bytes in bf16, and the caller holds it anyway) and
+    the index, and gathers p and recomputes the gradient, softmax(z) - p, in the backward.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(logits, p)
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, probs, index)
         z = logits.float()
-        return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
+        # the gathered rows take the product in place: one [R, Dv] float32 tensor besides z, as p * z made
+        return torch.logsumexp(z, dim=-1) - probs.index_select(0, index).mul_(z).sum(-1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, p = ctx.saved_tensors
-        return ((torch.softmax(logits.float(), dim=-1) - p) * grad[..., None]).to(logits.dtype), None
+        logits, probs, index = ctx.saved_tensors
+        g = torch.softmax(logits.float(), dim=-1).sub_(probs.index_select(0, index))  # softmax(z) - p, in place
+        return g.mul_(grad[..., None]).to(logits.dtype), None, None
 
 
-def ttt_stats(step_logits: Iterable[torch.Tensor], teacher: Teacher, loss_mask: torch.Tensor, model: Eagle3Draft) -> StepStats:
+def row_logits(step_outputs: Iterable[torch.Tensor], rows: LossRows, model: Eagle3Draft) -> Iterator[torch.Tensor]:
+    """Each step's logits [R_k, Dv] at its loss rows only (the head and the loss skip the rest: prompts, padding)."""
+    for hidden, at in zip(step_outputs, rows.steps):
+        yield model.lm_head(model.norm(hidden).flatten(0, 1).index_select(0, at))
+
+
+def ttt_stats(step_logits: Iterable[torch.Tensor], teacher: Teacher, rows: LossRows, model: Eagle3Draft) -> StepStats:
     """Soft cross-entropy against the target's distribution restricted to the draft vocabulary.
 
-    Teacher row i predicts token i + 1. Step k at index t predicts x_{t+2+k}, so its target is row
-    t+1+k, valid when x_{t+2+k} is a generated (loss-masked) token and the target's argmax there lies
-    inside the draft vocabulary. `step_logits` may be `ttt_steps`' iterator: each step is scored as it comes.
+    Teacher row i predicts token i + 1. Step k at index t predicts x_{t+2+k}, so its target is row t+1+k; `rows` holds
+    the indices whose x_{t+2+k} is a generated (loss-masked) token, and of those a position counts when the target's
+    argmax lies inside the draft vocabulary. `step_logits`: each step's logits at its rows [R_k, Dv] (`row_logits`,
+    scored as they come), or at every index [B, T, Dv] (gathered here).
     """
     hot = model.hot_token_ids()  # [Dv] target id of each draft row
-    length = loss_mask.shape[1]
+    probs = teacher.probs.flatten(0, 1)  # [B * T, Dv]
+    argmax, in_draft = teacher.argmax.flatten(), teacher.in_draft.flatten()  # [B * T]
     losses, correct, count = [], [], []
-    for k, logits in enumerate(step_logits):
-        n = max(length - 2 - k, 0)  # indices t that have a token x_{t+2+k}; views below, no shifted copies
-        argmax = teacher.argmax[:, 1 + k : 1 + k + n]  # [B, n]: row t+1+k predicts x_{t+2+k}
-        valid = loss_mask[:, 2 + k :].bool() & teacher.in_draft[:, 1 + k : 1 + k + n]
-        p = teacher.probs[:, 1 + k : 1 + k + n]  # [B, n, Dv]
-        z = logits[:, :n]  # [B, n, Dv], in the head's dtype (bf16 on a GPU)
-        losses.append((SoftCrossEntropy.apply(z, p) * valid).sum())
-        correct.append(((hot[z.argmax(-1)] == argmax) & valid).sum())
+    for k, (z, at) in enumerate(zip(step_logits, rows.steps)):
+        if z.dim() == 3:
+            z = z.flatten(0, 1).index_select(0, at)  # [R_k, Dv], in the head's dtype (bf16 on a GPU)
+        target = at + 1 + k  # [R_k] teacher rows
+        valid = in_draft.index_select(0, target)
+        losses.append((SoftCrossEntropy.apply(z, probs, target) * valid).sum())
+        correct.append(((hot[z.argmax(-1)] == argmax.index_select(0, target)) & valid).sum())
         count.append(valid.sum())
     return StepStats(torch.stack(losses), torch.stack(correct).float(), torch.stack(count).float())
 
@@ -120,14 +157,20 @@ def draft_chain(model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, ste
 class TTTModel(torch.nn.Module):
     """The unrolled draft and its loss as one module, so DDP and FSDP see a forward call (and sync gradients)."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int):
+    def __init__(self, draft: Eagle3Draft):
         super().__init__()
-        self.draft, self.steps = draft, steps
+        self.draft = draft
 
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher, loss_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher, rows: LossRows) -> torch.Tensor:
         """[3, K]: StepStats' loss_sum, correct and count stacked (a tensor, which the wrappers' hooks follow)."""
-        stats = ttt_stats(ttt_steps(self.draft, aux, input_ids, self.steps), teacher, loss_mask, self.draft)
+        stats = ttt_loss(self.draft, aux, input_ids, teacher, rows)
         return torch.stack([stats.loss_sum, stats.correct, stats.count])
+
+
+def ttt_loss(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher, rows: LossRows) -> StepStats:
+    """The TTT forward scored at the loss rows: the training step's and evaluation's."""
+    steps = len(rows.steps)
+    return ttt_stats(row_logits(ttt_outputs(model, aux, input_ids, steps), rows, model), teacher, rows, model)
 
 
 def target_positions(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from eagle3.formats.checkpoint import DraftConfig
 from eagle3.model.draft import Eagle3Draft
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import TTTModel
+from eagle3.model.ttt import LossRows, TTTModel
 
 
 class AllocationPeak(TorchDispatchMode):
@@ -88,7 +88,9 @@ def training_step_peak_by_op(cfg: DraftConfig, sequences: int, seq_len: int, ttt
 @functools.lru_cache(maxsize=16)
 def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> tuple[int, dict[str, int]]:
     cfg = DraftConfig.model_validate_json(cfg_json)
-    with FakeTensorMode():
+    # every token generated (the most the loss reads); the rows are made on the host, as the trainer makes them
+    rows = LossRows.of(torch.ones(sequences, seq_len, dtype=torch.long), ttt_steps)
+    with FakeTensorMode(allow_non_fake_inputs=True):
         model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
         hot = torch.arange(cfg.draft_vocab_size)
         norm = torch.empty(cfg.hidden_size) if pre_norm else None
@@ -96,10 +98,9 @@ def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, 
         aux = torch.empty(sequences, seq_len, len(cfg.aux_layers) * cfg.target_hidden_size)
         last = torch.empty(sequences, seq_len, cfg.target_hidden_size)
         ids = torch.zeros(sequences, seq_len, dtype=torch.long)
-        loss_mask = torch.ones(sequences, seq_len, dtype=torch.long)
         with AllocationPeak() as tracker:
-            teacher = teacher_head(last)
+            teacher = teacher_head(last, rows.teacher)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                stats = TTTModel(model, ttt_steps)(aux, ids, teacher, loss_mask)
+                stats = TTTModel(model)(aux, ids, teacher, rows)
             stats[0].sum().backward()
     return tracker.peak, tracker.peak_by_op

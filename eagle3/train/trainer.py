@@ -35,7 +35,7 @@ from eagle3.formats.vocab_map import VocabMap, load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import StepStats, TTTModel, target_positions, ttt_stats, ttt_steps
+from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData, micro_batches
 from eagle3.train.parallel import Parallel
@@ -120,7 +120,7 @@ class Trainer:
         self.init = resolved_init(config)  # training.init_from, resolved before the trainer started
         self.model = self.build_model(head["embed"], head["lm_head"], vocab_map)
         self.teacher = self.build_teacher(head, vocab_map)
-        self.ttt = TTTModel(self.model, train.ttt_steps)
+        self.ttt = TTTModel(self.model)
         self.parallel = Parallel(self.dist, train.fsdp)
         self.wrapped = self.parallel.wrap(self.ttt)
         self.step_weights = train.ttt_step_decay ** torch.arange(train.ttt_steps, dtype=torch.float32, device=self.dist.device)
@@ -238,16 +238,16 @@ class Trainer:
         features = self.features.features(tokens, self.my_rows())  # this rank's rows, on the device
         mine = tokens.select(self.my_rows())
         ids = mine.input_ids.to(self.dist.device, non_blocking=True)  # [b, T]
-        loss_mask = loss_mask[self.my_rows(), : ids.shape[1]].to(self.dist.device, non_blocking=True)
+        # where the loss reads (generated tokens), from the host's mask: the teacher and the head score only there
+        rows = LossRows.of(loss_mask[self.my_rows(), : ids.shape[1]], self.config.training.ttt_steps).to(self.dist.device)
         if not len(mine.sample_ids):  # a last eval batch smaller than the ranks: nothing of it is this rank's
             return StepStats(*torch.zeros(3, self.config.training.ttt_steps, device=self.dist.device))
-        teacher = self.teacher(features.last)
+        teacher = self.teacher(features.last, rows.teacher)
         with autocast(self.dist.device):
             if train:
-                loss_sum, correct, count = self.wrapped(features.aux, ids, teacher, loss_mask)
+                loss_sum, correct, count = self.wrapped(features.aux, ids, teacher, rows)
                 return StepStats(loss_sum, correct.detach(), count.detach())
-            steps = ttt_steps(self.model, features.aux, ids, self.config.training.ttt_steps)
-            return ttt_stats(steps, teacher, loss_mask, self.model)
+            return ttt_loss(self.model, features.aux, ids, teacher, rows)
 
     def train_step(self, refs: list[SampleRef]) -> torch.Tensor:
         """One optimizer step on a global batch. Returns the global sums [loss sum, correct, tokens, valid
