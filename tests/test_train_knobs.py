@@ -12,7 +12,7 @@ from eagle3.cli import main
 from eagle3.config import load_config, require_sections
 from eagle3.data.capture import capture
 from eagle3.data.regenerate import regenerate
-from eagle3.data.shards import ShardReader
+from eagle3.data.shards import ShardReader, ShardWriter
 from eagle3.data.vocab import build_vocab
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.formats.checkpoint import load_native
@@ -213,3 +213,16 @@ def test_float32_capture_is_stored_recorded_and_read_as_float32(micro_data, tmp_
     capture(load_config(TINY, [*overrides, "data.feature_dtype=bfloat16"]), log=quiet)
     assert read_manifest(run_dir / "data" / "hidden")["capture"]["dtype"] == "bfloat16"
     assert ShardReader(sorted((run_dir / "data" / "hidden").glob("shard-*"))[0]).sample(0).aux_hidden.dtype == torch.bfloat16
+
+
+def test_samples_without_a_generated_token_in_reach_are_left_out(tmp_path):
+    """A prompt that filled data.max_length before the target answered, or a reply past seq_len, teaches nothing."""
+    masks = {"answered": [0, 0, 1, 1], "prompt-only": [0, 0, 0, 0], "reply-past-seq-len": [0, 0, 0, 1],
+             "answered-too": [0, 1, 1, 0]}
+    with ShardWriter(tmp_path / "shard-00000.safetensors", list(masks), [4] * 4, {}, {}) as writer:
+        for i, mask in enumerate(masks.values()):
+            writer.write(i, input_ids=torch.arange(4), loss_mask=torch.tensor(mask))
+    assert ShardReader(tmp_path / "shard-00000.safetensors").loss_tokens(3).tolist() == [1, 0, 0, 2]
+    data = TrainingData(tmp_path, 3, 0.0)
+    assert [ref.id for ref in data.train] == ["answered", "answered-too"] and data.without_loss == 2
+    assert [ref.id for ref in TrainingData(tmp_path, 4, 0.0).train] == ["answered", "reply-past-seq-len", "answered-too"]

@@ -166,6 +166,13 @@ class ShardReader:
     def length(self, index: int) -> int:
         return int(self.offsets[index + 1] - self.offsets[index])
 
+    def loss_tokens(self, limit: int) -> torch.Tensor:
+        """[S] each sample's loss-masked tokens among its first `limit` (one read of the mask column)."""
+        with safe_open(self.path, framework="pt") as f:
+            counted = torch.cat([torch.zeros(1, dtype=torch.int64), f.get_tensor("loss_mask").long().cumsum(0)])
+        starts = self.offsets[:-1]
+        return counted[torch.minimum(starts + limit, self.offsets[1:])] - counted[starts]
+
     def sample(self, index: int, columns: tuple[str, ...] | None = None) -> StoredSample:
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
         wanted = [c for c in (columns or self.columns) if c in self.columns]

@@ -40,14 +40,22 @@ def is_eval_sample(sample_id: str, fraction: float) -> bool:
 
 
 class TrainingData:
+    """The data set's samples that hold a generated (loss-masked) token in their first seq_len, split into training
+    and eval. One without (a prompt that filled data.max_length before the target answered, or a reply cut off by
+    seq_len) has nothing to learn: it would take a batch slot, and a batch of them an optimizer step on momentum alone.
+    `without_loss` counts them."""
+
     def __init__(self, dataset_dir: Path, seq_len: int, eval_fraction: float):
         self.readers = [ShardReader(p) for p in sorted(Path(dataset_dir).glob("shard-?????.safetensors"))]
         self.seq_len = seq_len
+        counts = [r.loss_tokens(seq_len) for r in self.readers]
         refs = [
             SampleRef(s, i, min(r.length(i), seq_len), r.ids[i])
             for s, r in enumerate(self.readers)
             for i in range(len(r))
+            if counts[s][i] > 0
         ]
+        self.without_loss = sum(len(r) for r in self.readers) - len(refs)
         named = named_eval_ids(dataset_dir)  # the rows' own split (imported data) wins over eval_fraction
         in_eval = [ref.id in named if named is not None else is_eval_sample(ref.id, eval_fraction) for ref in refs]
         self.eval = [ref for ref, evaluated in zip(refs, in_eval) if evaluated]

@@ -112,6 +112,9 @@ class Trainer:
         manifest = read_manifest(dataset)
         check_dataset(config, manifest)
         self.data = TrainingData(dataset, train.seq_len, train.eval_fraction)
+        if self.data.without_loss:
+            self.log(f"train: {self.data.without_loss} sample(s) without a generated token in their first "
+                     f"{train.seq_len} tokens left out (nothing to learn from them)")
         self.features = self.feature_backend(manifest)
         self.heldout = self.replayed_samples()
         self.eos_ids = target_eos_ids(config.target.path)
