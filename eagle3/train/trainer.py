@@ -211,7 +211,9 @@ class Trainer:
         while self.step < train.max_steps:
             batches = self.data.batches(self.epoch, train.batch_size, train.seed)
             if not batches:
-                raise Eagle3Error(f"the dataset has fewer training samples than one batch ({train.batch_size})")
+                raise Eagle3Error(f"the dataset has {len(self.data.train)} training samples, fewer than one batch "
+                                  f"({train.batch_size}), after {self.data.without_loss} without a generated token in "
+                                  f"their first {train.seq_len} tokens were left out")
             while self.batch_in_epoch < len(batches) and self.step < train.max_steps:
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
                 sums, seconds = timed(self.train_step, batches[self.batch_in_epoch], device=self.dist.device)
