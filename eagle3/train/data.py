@@ -56,6 +56,7 @@ class TrainingData:
             if counts[s][i] > 0
         ]
         self.without_loss = sum(len(r) for r in self.readers) - len(refs)
+        self.left_out_why = f"no generated token in their first {seq_len} tokens (training.seq_len), nothing to learn"
         named = named_eval_ids(dataset_dir)  # the rows' own split (imported data) wins over eval_fraction
         in_eval = [ref.id in named if named is not None else is_eval_sample(ref.id, eval_fraction) for ref in refs]
         self.eval = [ref for ref, evaluated in zip(refs, in_eval) if evaluated]

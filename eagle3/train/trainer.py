@@ -113,8 +113,7 @@ class Trainer:
         check_dataset(config, manifest)
         self.data = TrainingData(dataset, train.seq_len, train.eval_fraction)
         if self.data.without_loss:
-            self.log(f"train: {self.data.without_loss} sample(s) without a generated token in their first "
-                     f"{train.seq_len} tokens left out (nothing to learn from them)")
+            self.log(f"train: {self.data.without_loss} sample(s) left out: {self.data.left_out_why}")
         self.features = self.feature_backend(manifest)
         self.heldout = self.replayed_samples()
         self.eos_ids = target_eos_ids(config.target.path)
@@ -212,8 +211,7 @@ class Trainer:
             batches = self.data.batches(self.epoch, train.batch_size, train.seed)
             if not batches:
                 raise Eagle3Error(f"the dataset has {len(self.data.train)} training samples, fewer than one batch "
-                                  f"({train.batch_size}), after {self.data.without_loss} without a generated token in "
-                                  f"their first {train.seq_len} tokens were left out")
+                                  f"({train.batch_size}); {self.data.without_loss} left out: {self.data.left_out_why}")
             while self.batch_in_epoch < len(batches) and self.step < train.max_steps:
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
                 sums, seconds = timed(self.train_step, batches[self.batch_in_epoch], device=self.dist.device)
