@@ -201,4 +201,11 @@ def test_bench_command_takes_its_defaults_from_the_config(micro, draft_url, tmp_
     saved = json.loads((load_config(TINY, overrides).stage_dir("bench") / "served.json").read_text())
     assert saved["num_prompts"] == 2 and saved["max_new_tokens"] == 10
     assert [p["prompt_tokens"] for p in saved["prompts"]] == [len(p) for p in micro["prompts"][:2]]
+    assert len(saved["suites"]["heldout"]["sha256"]) == 64  # the gate compares figures on equal requests only
+    # a subset goes beside the run's served.json, which keeps every request
+    assert main(["bench", "--url", draft_url, "--config", str(TINY), "--num-prompts", "1"]
+                + [a for o in overrides for a in ("--set", o)]) == 0
+    bench = load_config(TINY, overrides).stage_dir("bench")
+    assert json.loads((bench / "served-first-1.json").read_text())["num_prompts"] == 1
+    assert json.loads((bench / "served.json").read_text())["num_prompts"] == 2
     assert main(["bench", "--url", draft_url]) == 2  # neither --prompts nor --config: one line, no traceback

@@ -78,7 +78,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.prompts is not None:
         prompts = load_prompt_file(args.prompts, tokenizer, thinking, args.num_prompts)
     else:  # the run's benchmark requests, every suite's (the first --num-prompts of each)
-        from eagle3.deployment.promotion import benchmark_prompts_file, prompt_ids_in
+        from eagle3.deployment.promotion import benchmark_prompts_file, label_suites, prompt_ids_in
         from eagle3.deployment.sweep import first_of_each_suite
 
         prompts = first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), args.num_prompts)
@@ -86,17 +86,27 @@ def run_bench(args: argparse.Namespace) -> int:
     result = run_benchmark(args.url, prompts, pick(args.max_new_tokens, settings.max_new_tokens),
                            pick(args.concurrency, settings.production_concurrency), settings.request_timeout_s,
                            settings.retries, baseline_url=args.baseline_url, temperature=args.temperature)
+    if config is not None and args.prompts is None:
+        label_suites(config, result, prompts)
     print("\n".join(render_table(result)))
     if result["suites"]:
         from eagle3.report import suites_text
 
         print("\n".join(suites_text([{"name": "served", "suites": result["suites"],
                                       "output_tokens_per_s": result["output_tokens_per_s"]}])))
-    out = args.out or (config.stage_dir("bench") / "served.json" if config else None)
+    out = args.out or (config.stage_dir("bench") / served_name(args) if config else None)
     if out is not None:
         atomic_write_json(out, result)
         print(f"bench: wrote {out}")
     return EXIT_PROBLEMS if result["mismatches"] else EXIT_OK
+
+
+def served_name(args: argparse.Namespace) -> str:
+    """The run's served.json holds every request of its suites, as `eagle3 report` and the gate read it; a subset or
+    other prompts go beside it."""
+    if args.prompts is not None:
+        return "served-prompts.json"
+    return "served.json" if args.num_prompts is None else f"served-first-{args.num_prompts}.json"
 
 
 def positive(text: str) -> int:

@@ -61,6 +61,14 @@ def prompt_ids_in(config: PipelineConfig, path: Path) -> list[SlicedPrompt]:
     return [SlicedPrompt(sent_ids(tokenizer, p, config.data.thinking), p.slice) for p in prompt_set.prompts]
 
 
+def label_suites(config: PipelineConfig, result: dict, prompts: list[SlicedPrompt]) -> None:
+    """Each suite of a benchmark `result` gets its requests' sha256 (the gate compares figures on equal ones only) and
+    whether the config marks it informational."""
+    informational = {suite.name for suite in config.benchmark.suites if suite.informational}
+    for name, digest in suite_digests(prompts).items():
+        result["suites"][name].update(sha256=digest, informational=name in informational)
+
+
 def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log: Log, concurrency: int | None = None,
                  temperature: float = 0.0) -> dict:
     """The benchmark of `prompts` on a serving `url` (at the production concurrency unless given; greedy unless a
@@ -70,9 +78,7 @@ def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log
     try:
         result = run_benchmark(url, prompts, b.max_new_tokens, concurrency or b.production_concurrency,
                                b.request_timeout_s, b.retries, log=log, temperature=temperature)
-        informational = {suite.name for suite in b.suites if suite.informational}
-        for name, digest in suite_digests(prompts).items():
-            result["suites"][name].update(sha256=digest, informational=name in informational)
+        label_suites(config, result, prompts)
         for line in suite_lines(result["suites"]):
             log(f"{url}:{line}")
         return result | {"lost_requests": 0}
