@@ -14,6 +14,7 @@ from eagle3.data.prompts import rendered_prompt
 from eagle3.config.suites import mtbench_file
 from eagle3.data.suites import across_slices, file_questions, reply_of, suite_questions
 from eagle3.deployment.promotion import candidate_metrics
+from eagle3.deployment.suites import suite_columns
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer, target_eos_ids
 from eagle3.errors import ConfigError, UnreadableInput
@@ -134,3 +135,16 @@ def test_the_gate_counts_gating_suites_only_and_refuses_a_gating_suite_that_made
     decision = decide(metrics, None, config.gate)
     assert [r.rule for r in decision.reasons] == ["too-few-verify-steps"]
     assert decision.reasons[0].message.startswith("suite code: 0 verify steps")
+
+
+def test_the_table_names_its_shapes_and_says_when_a_column_was_sampled():
+    config = load_config(TINY, ["benchmark.suites=[heldout, mtbench]"])
+    figures = {"heldout": {"accept_length": 2.0}, "mtbench": {"accept_length": 1.5}}
+    simulated = {"shapes": [{"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4, "suites": figures}]}
+    swept = {"temperature": 0.7, "points": [{"shape": {"num_steps": 7, "eagle_topk": 1, "num_draft_tokens": 8},
+                                             "levels": [{"concurrency": 4, "suites": figures, "output_tokens_per_s": 9.0}]}]}
+    names = [c["name"] for c in suite_columns(config, simulated, {"suites": figures}, swept, None)]
+    served = f"{config.serving.shape.num_steps}/{config.serving.shape.eagle_topk}/{config.serving.shape.num_draft_tokens}"
+    assert names == ["3/1/4 simulated", f"{served} served", "7/1/8 served @ 4, temperature 0.7"]
+    greedy = suite_columns(config, simulated, {"suites": figures}, {**swept, "temperature": 0.0}, None)
+    assert greedy[-1]["name"] == "7/1/8 served @ 4"

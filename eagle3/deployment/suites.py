@@ -35,11 +35,12 @@ def suite_columns(config: PipelineConfig, simulated: dict, served: dict, swept: 
     """acceptance_columns, each sweep point at the production concurrency, and production's draft (`production`:
     (version, its measurement on these requests))."""
     columns = acceptance_columns(config, simulated, served)
+    sampled = f", temperature {swept['temperature']:g}" if swept.get("temperature") else ""  # the others are greedy
     for point in swept.get("points") or []:
         if point["levels"]:
             row = point["levels"][0]
-            columns.append(column(f"{steps_topk_tokens(point['shape'])} served @ {row['concurrency']}", row.get("suites"),
-                                  row["output_tokens_per_s"]))
+            columns.append(column(f"{steps_topk_tokens(point['shape'])} served @ {row['concurrency']}{sampled}",
+                                  row.get("suites"), row["output_tokens_per_s"]))
     if production is not None:
         version, measured = production
         columns.append(column(f"production {version}", measured.get("suites"), measured.get("output_tokens_per_s")))
