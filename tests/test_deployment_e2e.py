@@ -280,8 +280,8 @@ def test_full_deployment_runs_on_a_worker_and_the_ui_shows_its_decision(prefect_
     # What an operator runs once: the pool, the registry's limit and the deployments, for this config.
     with phases("setup.sh"):
         sets = [arg for item in overrides for arg in ("--set", item)]
-        # a dozen `prefect` commands, each a fresh interpreter importing Prefect: 60-90 s on a quiet machine, and
-        # over 180 s twice with three other busy processes on the 2 cores (a bound on a hang, not a speed target)
+        # `prefect` commands, each a fresh interpreter importing Prefect: over 180 s twice with three other busy
+        # processes on the 2 cores (a bound on a hang, not a speed target)
         setup = run([str(REPO / "infra" / "setup.sh"), CONFIG, *sets], env, cwd=tmp_path, timeout_s=420)
     assert setup.returncode == 0, f"infra/setup.sh failed:\n{setup.stdout}\n{setup.stderr}"
 
