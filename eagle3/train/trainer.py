@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import signal
 from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 
 from eagle3.bench.simulate import HeldoutRef, heldout_samples, replay_stored
 from eagle3.config import PipelineConfig
@@ -33,12 +31,14 @@ from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
 from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import VocabMap, load_vocab_map
 from eagle3.fsutil import atomic_directory
-from eagle3.model.draft import Eagle3Draft, init_weights
+from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
 from eagle3.model.weights import target_head
+from eagle3.train.augment import noisy_features
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData, micro_batches
 from eagle3.train.parallel import Parallel
+from eagle3.train.schedule import optimizer_and_schedule
 from eagle3.train.timing import Throughput, timed
 from eagle3.train.warm_start import resolved_init, warm_start
 
@@ -72,23 +72,6 @@ def trained_draft_config(config: PipelineConfig) -> DraftConfig:
     )
 
 
-def lr_factor(step: int, warmup: int, total: int, floor: float, warmup_start: str) -> float:
-    """Linear warmup (from 1/warmup of the peak at step 0: lr_over_warmup, or from 0: zero), then cosine decay to
-    `floor` of the peak (training.warmup_start, training.lr_floor)."""
-    if step < warmup:
-        return (step + (warmup_start == "lr_over_warmup")) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def optimizer_and_schedule(model: torch.nn.Module, train) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """AdamW over the model's trainable parameters and its learning-rate schedule, as training.* sets them."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas, weight_decay=train.weight_decay)
-    return optimizer, LambdaLR(optimizer, lambda step: lr_factor(step, train.warmup_steps, train.max_steps,
-                                                                train.lr_floor, train.warmup_start))
-
-
 def autocast(device: torch.device):
     """bf16 matmuls on a GPU; float32 on the CPU (runs here, tests)."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -120,7 +103,7 @@ class Trainer:
         head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
         vocab_map = self.read_vocab_map()
         self.init = resolved_init(config)  # training.init_from, resolved before the trainer started
-        self.model = self.build_model(head["embed"], head["lm_head"], vocab_map)
+        self.model = self.build_model(head, vocab_map)
         self.teacher = self.build_teacher(head, vocab_map)
         self.ttt = TTTModel(self.model)
         self.parallel = Parallel(self.dist, train.fsdp)
@@ -170,18 +153,21 @@ class Trainer:
             )
         return vocab_map
 
-    def build_model(self, embed: torch.Tensor, lm_head: torch.Tensor, vocab_map: VocabMap) -> Eagle3Draft:
-        """The draft, made on this process's device (no CPU copy of the weights to move)."""
+    def build_model(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> Eagle3Draft:
+        """The draft, made on this process's device (no CPU copy of the weights to move), from the target's head
+        (`target_head`: embed, lm_head, norm)."""
         device = self.dist.device
         with torch.device(device):
-            model = Eagle3Draft(trained_draft_config(self.config), embed.to(device))
+            model = Eagle3Draft(trained_draft_config(self.config), head["embed"].to(device))
         init_weights(model, self.config.training.seed)  # from a CPU generator: the same draft on any device
         with torch.no_grad():
             model.d2t.copy_(vocab_map.d2t)
             model.t2d.copy_(vocab_map.t2d)
-            model.lm_head.weight.copy_(lm_head[vocab_map.target_ids()])  # the target's rows
+            model.lm_head.weight.copy_(head["lm_head"][vocab_map.target_ids()])  # the target's rows
         if self.init is not None:
             warm_start(model, vocab_map, self.init, self.log)
+        if self.config.training.freeze_head:
+            freeze_head(model, None if self.init is not None else head["norm"].to(device))
         return model
 
     def build_teacher(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> TeacherHead:
@@ -191,7 +177,8 @@ class Trainer:
         pre_norm = self.config.data.last_hidden == "pre_norm"
         norm = head["norm"].to(device) if pre_norm else None
         eps = read_target_info(Path(self.config.target.path)).rms_norm_eps
-        return TeacherHead(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps)
+        return TeacherHead(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps,
+                           self.config.training.teacher_temperature)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -248,7 +235,10 @@ class Trainer:
         teacher = self.teacher(features.last, rows.teacher)
         with autocast(self.dist.device):
             if train:
-                loss_sum, correct, count = self.wrapped(features.aux, ids, teacher, rows)
+                aux = features.aux
+                if self.config.training.feature_noise:  # training steps only: never evaluation or the replay
+                    aux = noisy_features(aux, self.config.training.feature_noise, len(self.config.data.aux_layers))
+                loss_sum, correct, count = self.wrapped(aux, ids, teacher, rows)
                 return StepStats(loss_sum, correct.detach(), count.detach())
             return ttt_loss(self.model, features.aux, ids, teacher, rows)
 
