@@ -84,3 +84,19 @@ def test_teacher_temperature_sharpens_the_distribution_not_the_argmax(micro_data
     plain_trainer, _ = trainer_for(micro_data, tmp_path, "soft")
     sharp_probs, plain_probs = trainer.teacher(features.last).probs, plain_trainer.teacher(features.last).probs
     assert torch.allclose(sharp_probs, torch.softmax(2 * plain_probs.log(), dim=-1), atol=1e-5)  # the config's 0.5
+
+
+def test_loss_positions_all_scores_the_prompts_in_training_steps_only(micro_data, tmp_path):
+    generated, _ = trainer_for(micro_data, tmp_path, "generated")
+    every, _ = trainer_for(micro_data, tmp_path, "every", ["training.loss_positions=all"])
+    refs = generated.data.train[:2]
+    batch, loss_mask = every.data.tokens(refs, every_position=True)
+    assert torch.equal(loss_mask.sum(1), batch.lengths)  # every real position, no padding
+    assert torch.equal(every.data.tokens(refs)[1], generated.data.tokens(refs)[1])
+    with torch.no_grad():
+        evaluated = [trainer.step_stats(refs, train=False).count for trainer in (generated, every)]
+        trained = [trainer.step_stats(refs, train=True).count for trainer in (generated, every)]
+    assert torch.equal(*evaluated) and torch.equal(trained[0], evaluated[0])
+    assert torch.all(trained[1] > trained[0])  # the prompts' positions joined the loss
+    generated.train_step(refs), every.train_step(refs)
+    assert not torch.equal(generated.model.fc.weight, every.model.fc.weight)

@@ -182,6 +182,11 @@ class TrainingSection(Section):
     feature_noise: float = Field(default=0.0, ge=0.0, description="training steps add uniform noise U(-a, a) x the "
                                  "feature's RMS to each captured aux state (a per layer and position); never in "
                                  "evaluation, replay or serving. 0: off")
+    loss_positions: Literal["generated", "all"] = Field(
+        default="generated", description="what a training step scores against the target's distribution: "
+        "generated - the target's reply tokens (what serving drafts); all - every real position, the prompt's too (the "
+        "target's prediction there is a teacher all the same): more signal per sample, more rows for the teacher and "
+        "the head. Evaluation scores the generated positions either way")
     teacher_temperature: float = Field(default=1.0, gt=0.0, description="the target's draft-vocabulary distribution "
                                        "the draft learns is softmax(logits / this): below 1 sharper, toward the "
                                        "argmax greedy acceptance checks")

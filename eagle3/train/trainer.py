@@ -89,6 +89,7 @@ class Trainer:
         if problem:
             raise Eagle3Error(problem)
         self.per_forward = train.sequences_per_forward(self.dist.world)  # this rank's rows per forward
+        self.every_position = train.loss_positions == "all"  # training steps only: evaluation scores the generated
         dataset = dataset_dir(config)
         if not (dataset / MANIFEST_FILE).exists():
             raise Eagle3Error(f"{dataset}: no data set here; run `eagle3 data capture` first")
@@ -224,7 +225,7 @@ class Trainer:
         """Per-step sums for this rank's rows of a global batch, on the device. Every rank calls this for every
         global batch (a tensor-parallel target computes features for all rows together). Evaluation calls the
         draft directly: no wrapper hooks, no collectives in the draft."""
-        tokens, loss_mask = self.data.tokens(refs)
+        tokens, loss_mask = self.data.tokens(refs, every_position=train and self.every_position)
         features = self.features.features(tokens, self.my_rows())  # this rank's rows, on the device
         mine = tokens.select(self.my_rows())
         ids = mine.input_ids.to(self.dist.device, non_blocking=True)  # [b, T]
@@ -258,7 +259,7 @@ class Trainer:
         Each loss is divided by the whole batch's normaliser, so the micro-batches sum to the loss of one batch."""
         self.wrapped.train()
         steps, device = self.config.training.ttt_steps, self.dist.device
-        positions = target_positions(self.data.tokens(refs)[1], steps).to(device)  # every row's: the global count
+        positions = target_positions(self.data.tokens(refs, self.every_position)[1], steps).to(device)  # every row's: the global count
         scale = self.dist.world * self.step_weights / positions.clamp_min(1)  # DDP/FSDP average over the ranks
         totals = torch.zeros(3, steps, device=device)
         parts = micro_batches(refs, self.dist.world, self.per_forward)
