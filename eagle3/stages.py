@@ -51,7 +51,9 @@ STAGE_INPUTS = {
     "vocab": ("vocab",),
     "train": ("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
               "training.warmup_steps", "training.warmup_start", "training.lr_floor", "training.adam_betas",
-              "training.weight_decay", "training.max_steps", "training.batch_size", "training.seq_len",
+              "training.weight_decay", "training.freeze_head", "training.feature_noise",
+              "training.teacher_temperature", "training.loss_positions",
+              "training.max_steps", "training.batch_size", "training.seq_len",
               "training.grad_clip", "training.eval_fraction", "training.init_from", "training.eval_every",
               "training.seed", "training.best_by", "training.replay_prompts", "training.replay_max_new_tokens",
               # the replay: counted as the served release counts, in serving's shape, over the benchmark's set

@@ -264,7 +264,7 @@ def test_a_warm_start_under_another_vocab_map_carries_the_head_rows_by_target_id
     lines = []
     target = target_head(micro_target)
     head = target["lm_head"]
-    model = Trainer(load_config(TINY, remapped), log=lines.append).build_model(target["embed"], head, other_map)
+    model = Trainer(load_config(TINY, remapped), log=lines.append).build_model(target, other_map)
     new_ids = other_map.target_ids()
     shared = [(j, int((old_ids == t).nonzero())) for j, t in enumerate(new_ids.tolist()) if t in old_ids]
     assert 0 < len(shared) < len(new_ids)

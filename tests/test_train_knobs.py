@@ -21,7 +21,8 @@ from eagle3.report import training_report
 from eagle3.stages import config_inputs, stage_key
 from eagle3.train.data import ShardFeatures, TrainingData
 from eagle3.train.timing import Throughput
-from eagle3.train.trainer import Trainer, lr_factor
+from eagle3.train.schedule import lr_factor
+from eagle3.train.trainer import Trainer
 from flows import run as flow_run
 from test_config import TINY
 from test_data import micro_overrides

@@ -176,6 +176,20 @@ class TrainingSection(Section):
     adam_betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW's (beta1, beta2)")
     weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW's decoupled weight decay, on every trained "
                                 "tensor (norms included)")
+    freeze_head: bool = Field(default=False, description="keep the draft's lm_head at the target's rows for the draft "
+                              "vocabulary and its final norm at the target's (an init_from draft's own when "
+                              "fine-tuning): only the layer below learns, to make a hidden state the target's head reads")
+    feature_noise: float = Field(default=0.0, ge=0.0, description="training steps add uniform noise U(-a, a) x the "
+                                 "feature's RMS to each captured aux state (a per layer and position); never in "
+                                 "evaluation, replay or serving. 0: off")
+    loss_positions: Literal["generated", "all"] = Field(
+        default="generated", description="what a training step scores against the target's distribution: "
+        "generated - the target's reply tokens (what serving drafts); all - every real position, the prompt's too (the "
+        "target's prediction there is a teacher all the same): more signal per sample, more rows for the teacher and "
+        "the head. Evaluation scores the generated positions either way")
+    teacher_temperature: float = Field(default=1.0, gt=0.0, description="the target's draft-vocabulary distribution "
+                                       "the draft learns is softmax(logits / this): below 1 sharper, toward the "
+                                       "argmax greedy acceptance checks")
     max_steps: int = Field(gt=0)
     batch_size: int = Field(gt=0, description="global batch per optimizer step, in sequences (all ranks, micro-batches)")
     micro_batch_size: int | None = Field(

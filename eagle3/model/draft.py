@@ -223,3 +223,14 @@ def init_weights(model: Eagle3Draft, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+
+def freeze_head(model: Eagle3Draft, target_norm: torch.Tensor | None) -> None:
+    """training.freeze_head: lm_head and the final norm stop training. `target_norm` [H], the target's final norm
+    weight, becomes the draft's first (a draft trained from scratch, whose lm_head already holds the target's rows);
+    None keeps what is there (an init_from draft's own). They stay in the state dict: SGLang loads both."""
+    with torch.no_grad():
+        if target_norm is not None:
+            model.norm.weight.copy_(target_norm)
+    model.norm.weight.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(False)

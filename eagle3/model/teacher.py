@@ -32,13 +32,16 @@ class Teacher:
 class TeacherHead:
     """The target's head on the trainer's device: every row for the argmax, the draft rows for the
     distribution. `norm` (the target's final norm weight, float32) is applied first when the stored last
-    hidden state is taken before it."""
+    hidden state is taken before it. `temperature` (training.teacher_temperature) divides the draft rows' logits
+    before the softmax: below 1 the distribution leans toward the argmax, which greedy acceptance checks; the argmax
+    itself (accuracy, which positions count) is the target's either way."""
 
-    def __init__(self, lm_head: torch.Tensor, hot: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-6):
+    def __init__(self, lm_head: torch.Tensor, hot: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-6,
+                 temperature: float = 1.0):
         self.lm_head = lm_head  # [V, H]
         self.hot_rows = lm_head.index_select(0, hot)  # [Dv, H]
         self.in_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device).index_fill_(0, hot, True)
-        self.norm, self.eps = norm, eps
+        self.norm, self.eps, self.temperature = norm, eps, temperature
 
     @torch.no_grad()
     def __call__(self, last: torch.Tensor, rows: torch.Tensor | None = None) -> Teacher:
@@ -60,7 +63,7 @@ class TeacherHead:
             last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
         last = last.to(self.lm_head.dtype)  # bf16 on a GPU, like the head
         argmax = chunked_argmax(last, self.lm_head, TEACHER_CHUNK_ROWS)
-        probs = F.softmax((last @ self.hot_rows.T).float(), dim=-1)  # [..., Dv]
+        probs = F.softmax((last @ self.hot_rows.T).float() / self.temperature, dim=-1)  # [..., Dv]
         return Teacher(argmax=argmax, in_draft=self.in_draft[argmax], probs=probs)
 
 

@@ -73,8 +73,9 @@ class TrainingData:
             batches += [chunk[i : i + batch_size] for i in range(0, len(chunk) - batch_size + 1, batch_size)]
         return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
-    def tokens(self, refs: list[SampleRef]) -> tuple[TokenBatch, torch.Tensor]:
-        """Right-padded token rows of `refs` cut to seq_len, and their loss mask [B, T] (padding has mask 0)."""
+    def tokens(self, refs: list[SampleRef], every_position: bool = False) -> tuple[TokenBatch, torch.Tensor]:
+        """Right-padded token rows of `refs` cut to seq_len, and their loss mask [B, T] (padding has mask 0):
+        the generated tokens, or with `every_position` (training.loss_positions all) every real one."""
         samples = [self.readers[ref.shard].sample(ref.index, ("input_ids", "loss_mask")) for ref in refs]
         width = max(ref.length for ref in refs)
         ids = torch.zeros(len(refs), width, dtype=torch.long)  # [B, T]
@@ -83,6 +84,8 @@ class TrainingData:
             ids[row, : ref.length] = sample.input_ids[: ref.length].long()
             loss_mask[row, : ref.length] = sample.loss_mask[: ref.length].long()
         lengths = torch.tensor([ref.length for ref in refs], dtype=torch.long)
+        if every_position:
+            loss_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
         return TokenBatch(ids, lengths, [ref.id for ref in refs]), loss_mask
 
 

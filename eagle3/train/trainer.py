@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import signal
 from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 
 from eagle3.bench.simulate import HeldoutRef, heldout_samples, replay_stored
 from eagle3.config import PipelineConfig
@@ -33,12 +31,14 @@ from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
 from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import VocabMap, load_vocab_map
 from eagle3.fsutil import atomic_directory
-from eagle3.model.draft import Eagle3Draft, init_weights
+from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
 from eagle3.model.weights import target_head
+from eagle3.train.augment import noisy_features
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData, micro_batches
 from eagle3.train.parallel import Parallel
+from eagle3.train.schedule import optimizer_and_schedule
 from eagle3.train.timing import Throughput, timed
 from eagle3.train.warm_start import resolved_init, warm_start
 
@@ -72,23 +72,6 @@ def trained_draft_config(config: PipelineConfig) -> DraftConfig:
     )
 
 
-def lr_factor(step: int, warmup: int, total: int, floor: float, warmup_start: str) -> float:
-    """Linear warmup (from 1/warmup of the peak at step 0: lr_over_warmup, or from 0: zero), then cosine decay to
-    `floor` of the peak (training.warmup_start, training.lr_floor)."""
-    if step < warmup:
-        return (step + (warmup_start == "lr_over_warmup")) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def optimizer_and_schedule(model: torch.nn.Module, train) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """AdamW over the model's trainable parameters and its learning-rate schedule, as training.* sets them."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=train.learning_rate, betas=train.adam_betas, weight_decay=train.weight_decay)
-    return optimizer, LambdaLR(optimizer, lambda step: lr_factor(step, train.warmup_steps, train.max_steps,
-                                                                train.lr_floor, train.warmup_start))
-
-
 def autocast(device: torch.device):
     """bf16 matmuls on a GPU; float32 on the CPU (runs here, tests)."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -106,6 +89,7 @@ class Trainer:
         if problem:
             raise Eagle3Error(problem)
         self.per_forward = train.sequences_per_forward(self.dist.world)  # this rank's rows per forward
+        self.every_position = train.loss_positions == "all"  # training steps only: evaluation scores the generated
         dataset = dataset_dir(config)
         if not (dataset / MANIFEST_FILE).exists():
             raise Eagle3Error(f"{dataset}: no data set here; run `eagle3 data capture` first")
@@ -120,7 +104,7 @@ class Trainer:
         head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
         vocab_map = self.read_vocab_map()
         self.init = resolved_init(config)  # training.init_from, resolved before the trainer started
-        self.model = self.build_model(head["embed"], head["lm_head"], vocab_map)
+        self.model = self.build_model(head, vocab_map)
         self.teacher = self.build_teacher(head, vocab_map)
         self.ttt = TTTModel(self.model)
         self.parallel = Parallel(self.dist, train.fsdp)
@@ -170,18 +154,21 @@ class Trainer:
             )
         return vocab_map
 
-    def build_model(self, embed: torch.Tensor, lm_head: torch.Tensor, vocab_map: VocabMap) -> Eagle3Draft:
-        """The draft, made on this process's device (no CPU copy of the weights to move)."""
+    def build_model(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> Eagle3Draft:
+        """The draft, made on this process's device (no CPU copy of the weights to move), from the target's head
+        (`target_head`: embed, lm_head, norm)."""
         device = self.dist.device
         with torch.device(device):
-            model = Eagle3Draft(trained_draft_config(self.config), embed.to(device))
+            model = Eagle3Draft(trained_draft_config(self.config), head["embed"].to(device))
         init_weights(model, self.config.training.seed)  # from a CPU generator: the same draft on any device
         with torch.no_grad():
             model.d2t.copy_(vocab_map.d2t)
             model.t2d.copy_(vocab_map.t2d)
-            model.lm_head.weight.copy_(lm_head[vocab_map.target_ids()])  # the target's rows
+            model.lm_head.weight.copy_(head["lm_head"][vocab_map.target_ids()])  # the target's rows
         if self.init is not None:
             warm_start(model, vocab_map, self.init, self.log)
+        if self.config.training.freeze_head:
+            freeze_head(model, None if self.init is not None else head["norm"].to(device))
         return model
 
     def build_teacher(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> TeacherHead:
@@ -191,7 +178,8 @@ class Trainer:
         pre_norm = self.config.data.last_hidden == "pre_norm"
         norm = head["norm"].to(device) if pre_norm else None
         eps = read_target_info(Path(self.config.target.path)).rms_norm_eps
-        return TeacherHead(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps)
+        return TeacherHead(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps,
+                           self.config.training.teacher_temperature)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -237,7 +225,7 @@ class Trainer:
         """Per-step sums for this rank's rows of a global batch, on the device. Every rank calls this for every
         global batch (a tensor-parallel target computes features for all rows together). Evaluation calls the
         draft directly: no wrapper hooks, no collectives in the draft."""
-        tokens, loss_mask = self.data.tokens(refs)
+        tokens, loss_mask = self.data.tokens(refs, every_position=train and self.every_position)
         features = self.features.features(tokens, self.my_rows())  # this rank's rows, on the device
         mine = tokens.select(self.my_rows())
         ids = mine.input_ids.to(self.dist.device, non_blocking=True)  # [b, T]
@@ -248,7 +236,10 @@ class Trainer:
         teacher = self.teacher(features.last, rows.teacher)
         with autocast(self.dist.device):
             if train:
-                loss_sum, correct, count = self.wrapped(features.aux, ids, teacher, rows)
+                aux = features.aux
+                if self.config.training.feature_noise:  # training steps only: never evaluation or the replay
+                    aux = noisy_features(aux, self.config.training.feature_noise, len(self.config.data.aux_layers))
+                loss_sum, correct, count = self.wrapped(aux, ids, teacher, rows)
                 return StepStats(loss_sum, correct.detach(), count.detach())
             return ttt_loss(self.model, features.aux, ids, teacher, rows)
 
@@ -268,7 +259,7 @@ class Trainer:
         Each loss is divided by the whole batch's normaliser, so the micro-batches sum to the loss of one batch."""
         self.wrapped.train()
         steps, device = self.config.training.ttt_steps, self.dist.device
-        positions = target_positions(self.data.tokens(refs)[1], steps).to(device)  # every row's: the global count
+        positions = target_positions(self.data.tokens(refs, self.every_position)[1], steps).to(device)  # every row's: the global count
         scale = self.dist.world * self.step_weights / positions.clamp_min(1)  # DDP/FSDP average over the ranks
         totals = torch.zeros(3, steps, device=device)
         parts = micro_batches(refs, self.dist.world, self.per_forward)

@@ -43,7 +43,8 @@ from eagle3.model.ttt import TTTModel
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef
 from eagle3.train.parallel import Parallel
-from eagle3.train.trainer import Trainer, optimizer_and_schedule
+from eagle3.train.schedule import optimizer_and_schedule
+from eagle3.train.trainer import Trainer
 
 # A random-init head gives logits of std ~0.02 * sqrt(H): a nearly flat next-token distribution whose entropy is
 # close to ln(draft vocab), so the soft cross-entropy could hardly fall whatever the trainer did. A trained target's
@@ -219,7 +220,7 @@ class SmokeTrainer(Trainer):
         train = config.training
         self.per_forward = train.sequences_per_forward(self.dist.world)
         head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
-        self.model = self.build_model(head["embed"], head["lm_head"], vocab_map)
+        self.model = self.build_model(head, vocab_map)
         self.teacher = self.build_teacher(head, vocab_map)
         self.ttt = TTTModel(self.model, train.ttt_steps)
         self.parallel = Parallel(self.dist, train.fsdp)
