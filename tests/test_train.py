@@ -17,6 +17,7 @@ from eagle3.data.vocab import build_vocab
 from eagle3.formats.checkpoint import DraftConfig, convert, load_native, save_native_draft
 from eagle3.formats.vocab_map import VocabMap, build_vocab_map
 from eagle3.model import draft as draft_module
+from eagle3.model import teacher as teacher_module
 from eagle3.model.draft import Eagle3Draft, causal_mask, init_weights
 from eagle3.model.teacher import TeacherHead, chunked_argmax
 from eagle3.model.ttt import LossRows, draft_chain, target_positions, ttt_forward, ttt_loss, ttt_stats
@@ -304,6 +305,29 @@ def test_micro_batches_make_the_update_of_one_batch(micro_data, tmp_path):
         trainer.optimizer.step()
     torch.testing.assert_close(dict(split.model.named_parameters()), dict(whole.model.named_parameters()))
     assert not torch.equal(whole.model.fc.weight, before)  # the step moved the draft
+
+
+def test_stored_features_take_the_full_vocabulary_argmax_once_per_position(micro_data, tmp_path, monkeypatch):
+    """Over stored features a position's teacher argmax is computed in its first batch and remembered: the same
+    samples in another batch (another width) take none and give the stats of a teacher that computes it; a batch with
+    a sample never scored computes it again."""
+    overrides, _ = run_copy(micro_data, tmp_path, "memo", [])
+    trainer = Trainer(load_config(TINY, overrides), log=lambda line: None)
+    computed, argmax = [], teacher_module.chunked_argmax
+    monkeypatch.setattr(teacher_module, "chunked_argmax", lambda x, *rest: computed.append(len(x)) or argmax(x, *rest))
+    refs = sorted(trainer.data.train, key=lambda ref: ref.length)
+    trainer.step_stats(refs[-3:], train=False)
+    assert len(computed) == 1 and trainer.teacher.memo.known.keys() == {ref.id for ref in refs[-3:]}
+    again = trainer.step_stats([refs[-3], refs[-2]], train=False)  # narrower than the first batch
+    assert len(computed) == 1
+    memo, trainer.teacher.memo = trainer.teacher.memo, None
+    fresh = trainer.step_stats([refs[-3], refs[-2]], train=False)
+    assert len(computed) == 2
+    for name in ("loss_sum", "correct", "count"):
+        torch.testing.assert_close(getattr(again, name), getattr(fresh, name))
+    trainer.teacher.memo = memo
+    trainer.step_stats([refs[0], refs[-1]], train=False)  # refs[0] was never scored
+    assert len(computed) == 3 and refs[0].id in memo.known
 
 
 def grads(trainer):

@@ -44,25 +44,28 @@ class TeacherHead:
         self.norm, self.eps, self.temperature = norm, eps, temperature
 
     @torch.no_grad()
-    def __call__(self, last: torch.Tensor, rows: torch.Tensor | None = None) -> Teacher:
+    def __call__(self, last: torch.Tensor, rows: torch.Tensor | None = None, argmax: torch.Tensor | None = None) -> Teacher:
         """last [B, T, H] -> the teacher for those positions. `rows` [R] (flat indices into B x T, on the head's
-        device): score only these; the others get argmax 0, in_draft False and zero probabilities (never read)."""
+        device): score only these; the others get argmax 0, in_draft False and zero probabilities (never read).
+        `argmax` [R]: the target's greedy tokens at the rows when already known (the full-vocabulary argmax is
+        skipped; eagle3/train/argmax_memo.py)."""
         if rows is None:
             return self.scored(last)
         batch, length, _ = last.shape
-        part = self.scored(last.reshape(batch * length, -1).index_select(0, rows))  # [R] ..., [R, Dv]
+        part = self.scored(last.reshape(batch * length, -1).index_select(0, rows), argmax)  # [R] ..., [R, Dv]
         argmax = part.argmax.new_zeros(batch * length).index_copy_(0, rows, part.argmax)
         in_draft = part.in_draft.new_zeros(batch * length).index_copy_(0, rows, part.in_draft)
         probs = part.probs.new_zeros(batch * length, part.probs.shape[-1]).index_copy_(0, rows, part.probs)
         return Teacher(argmax.view(batch, length), in_draft.view(batch, length), probs.view(batch, length, -1))
 
-    def scored(self, last: torch.Tensor) -> Teacher:
-        """last [..., H] -> the teacher at every position given."""
+    def scored(self, last: torch.Tensor, argmax: torch.Tensor | None = None) -> Teacher:
+        """last [..., H] -> the teacher at every position given (`argmax` [...]: the greedy tokens, when known)."""
         last = last.float()
         if self.norm is not None:
             last = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
         last = last.to(self.lm_head.dtype)  # bf16 on a GPU, like the head
-        argmax = chunked_argmax(last, self.lm_head, TEACHER_CHUNK_ROWS)
+        if argmax is None:
+            argmax = chunked_argmax(last, self.lm_head, TEACHER_CHUNK_ROWS)
         probs = F.softmax((last @ self.hot_rows.T).float() / self.temperature, dim=-1)  # [..., Dv]
         return Teacher(argmax=argmax, in_draft=self.in_draft[argmax], probs=probs)
 

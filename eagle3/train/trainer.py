@@ -32,9 +32,9 @@ from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import VocabMap, load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
-from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
 from eagle3.model.weights import target_head
+from eagle3.train.argmax_memo import RememberingTeacher
 from eagle3.train.augment import noisy_features
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData, micro_batches
 from eagle3.train.parallel import Parallel
@@ -147,11 +147,9 @@ class Trainer:
         cfg, vocab_map = self.config.vocab, load_vocab_map(self.config.stage_dir("vocab"))
         sizes = (cfg.draft_vocab_size, self.config.target.vocab_size)
         if (vocab_map.draft_vocab_size, vocab_map.target_vocab_size) != sizes:
-            raise Eagle3Error(
-                f"the vocab map in {self.config.stage_dir('vocab')} is {vocab_map.draft_vocab_size} of "
-                f"{vocab_map.target_vocab_size} ids; the config asks for {sizes[0]} of {sizes[1]}: "
-                "run `eagle3 vocab build` again"
-            )
+            raise Eagle3Error(f"the vocab map in {self.config.stage_dir('vocab')} is {vocab_map.draft_vocab_size} of "
+                              f"{vocab_map.target_vocab_size} ids; the config asks for {sizes[0]} of {sizes[1]}: "
+                              "run `eagle3 vocab build` again")
         return vocab_map
 
     def build_model(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> Eagle3Draft:
@@ -171,15 +169,16 @@ class Trainer:
             freeze_head(model, None if self.init is not None else head["norm"].to(device))
         return model
 
-    def build_teacher(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> TeacherHead:
+    def build_teacher(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> RememberingTeacher:
         """The target's head on the device, bf16 on a GPU (its matmuls run in bf16 there anyway)."""
         device = self.dist.device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         pre_norm = self.config.data.last_hidden == "pre_norm"
         norm = head["norm"].to(device) if pre_norm else None
         eps = read_target_info(Path(self.config.target.path)).rms_norm_eps
-        return TeacherHead(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps,
-                           self.config.training.teacher_temperature)
+        return RememberingTeacher(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps,
+                                  self.config.training.teacher_temperature,
+                                  remember=self.features.name == ShardFeatures.name)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -230,10 +229,11 @@ class Trainer:
         mine = tokens.select(self.my_rows())
         ids = mine.input_ids.to(self.dist.device, non_blocking=True)  # [b, T]
         # where the loss reads (generated tokens), from the host's mask: the teacher and the head score only there
-        rows = LossRows.of(loss_mask[self.my_rows(), : ids.shape[1]], self.config.training.ttt_steps).to(self.dist.device)
+        host_rows = LossRows.of(loss_mask[self.my_rows(), : ids.shape[1]], self.config.training.ttt_steps)
+        rows = host_rows.to(self.dist.device)
         if not len(mine.sample_ids):  # a last eval batch smaller than the ranks: nothing of it is this rank's
             return StepStats(*torch.zeros(3, self.config.training.ttt_steps, device=self.dist.device))
-        teacher = self.teacher(features.last, rows.teacher)
+        teacher = self.teacher.at(features.last, mine, host_rows.teacher)
         with autocast(self.dist.device):
             if train:
                 aux = features.aux
