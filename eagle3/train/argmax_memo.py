@@ -35,12 +35,14 @@ class ArgmaxMemo:
         return None if bool((found == UNKNOWN).any()) else found.long()
 
     def remember(self, batch: TokenBatch, rows: torch.Tensor, argmax: torch.Tensor) -> None:
-        """argmax [R] (host): the greedy tokens at flat rows [R] (host)."""
+        """argmax [R] (host): the greedy tokens at flat rows [R] (host). Static shapes only (index_copy, where)."""
         width = batch.input_ids.shape[1]
+        table = torch.full((len(batch.sample_ids) * width,), UNKNOWN, dtype=torch.int32)
+        table = table.index_copy_(0, rows, argmax.to(torch.int32)).view(-1, width)  # [B, T]
         for row, (sample_id, length) in enumerate(zip(batch.sample_ids, batch.lengths.tolist())):
-            mine = rows // width == row
-            seen = self.known.setdefault(sample_id, torch.full((length,), UNKNOWN, dtype=torch.int32))
-            seen[rows[mine] % width] = argmax[mine].to(torch.int32)
+            scored = table[row, :length].clone()  # its own storage, not a view of the batch's table
+            seen = self.known.get(sample_id)
+            self.known[sample_id] = scored if seen is None else torch.where(scored == UNKNOWN, seen, scored)
 
 
 class RememberingTeacher(TeacherHead):
