@@ -322,7 +322,9 @@ def test_a_failure_after_the_promotion_rolls_the_pointer_back(micro_flow):
         taken.bind((config.production.host, config.production.port))
         taken.listen()
         # another layout list: a new export (a new candidate version) of the same draft, so the gate passes
-        state = eagle3(CONFIG, micro_flow.overrides + ["export.layouts=[sglang, speculators]"], return_state=True)
+        # (no sweep: what fails is verify-production, after the gate)
+        state = eagle3(CONFIG, micro_flow.overrides + ["export.layouts=[sglang, speculators]", "sweep.enabled=false"],
+                       return_state=True)
     assert state.is_failed(), state.message
     stages = task_states(state.state_details.flow_run_id)
     # Prefect marks the transaction's committed-then-undone tasks RolledBack
@@ -367,7 +369,9 @@ def test_a_kimi_kind_tied_target_goes_through_the_whole_flow_to_a_promotion(pref
     # waived here, this test is about loading the target and its head (test_quality covers the check)
     overrides = micro_run_overrides(run_dir, kimi_target) + [f"target.vocab_size={KIMI_VOCAB}",
                                                              "target.trust_remote_code=true",
-                                                             "data.quality.waive=[looping]"]
+                                                             "data.quality.waive=[looping]",
+                                                             # loading the target is the point: one suite, no sweep
+                                                             "benchmark.suites=[heldout]", "sweep.enabled=false"]
     ensure_registry_limit(CONFIG, overrides)
     outcome = run_flow(overrides)
     state = outcome.state
