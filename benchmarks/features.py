@@ -3,7 +3,7 @@
 Offline = capture (the target's features of every sample, streamed into bf16 shards) + training reading them back.
 Online  = token shards + training that runs the target's forward for each batch. Both end with the same number of
 training steps over the same regenerated data; the held-out features the simulator needs are made in both and are
-not counted here. One torch thread (DESIGN §6: a second thread only waits on a shared 2-core machine).
+not counted here. One torch thread (docs/pipeline.md: a second thread only waits on a shared 2-core machine).
 
     python benchmarks/features.py [--target runs/targets/tiny] [--steps 60] [--samples 256]
 """

@@ -217,7 +217,7 @@ def in_systemd_scope(command: list[str], unit: str) -> list[str]:
 
 def wait_gpus_free(query: list[str] | None, free_mib: int, timeout_s: float, log: Callable[[str], None],
                    label: str = "") -> None:
-    """After a stop on the GPU node: wait until every GPU uses less than `free_mib` (DESIGN §4: one model at a time).
+    """After a stop on the GPU node: wait until every GPU uses less than `free_mib` (docs/gpu-node.md: one model at a time).
     No query, or no nvidia-smi here, is no wait."""
     if query is None:
         return

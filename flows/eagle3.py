@@ -62,7 +62,7 @@ def eagle3(config: str, overrides: list[str] | None = None,
 
 
 def train_and_deploy(config, resolved: str):
-    before = release_production(config)  # managed on the node: every stage below needs its GPUs (DESIGN §4)
+    before = release_production(config)  # managed on the node: every stage below needs its GPUs (docs/gpu-node.md)
     version = None
     try:
         regenerated = regenerate_answers(config)

@@ -1,6 +1,6 @@
 """What the command-line entries of the flow share (`eagle3 run` in flows/run.py, `eagle3 monitor` in
 flows/monitor.py). Imported before Prefect: the first start of an ephemeral API migrates its database (~30 s on 2 cores,
-longer than Prefect's default start-up timeout), and there is no network for telemetry (DESIGN §6)."""
+longer than Prefect's default start-up timeout), and there is no network for telemetry (docs/pipeline.md)."""
 
 from __future__ import annotations
 

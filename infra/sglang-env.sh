@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) the GPU node's SGLang virtualenv: SGLang at the release the project pins, plus this checkout
 # installed without dependencies (SGLang's CUDA torch stays). It is a separate environment: never the project's
-# .venv, whose CPU torch and Prefect must not meet SGLang's CUDA wheels (DESIGN §6).
+# .venv, whose CPU torch and Prefect must not meet SGLang's CUDA wheels (docs/pipeline.md).
 # It prints (on stdout, alone) the python to put in the config's `data.sglang_python`; progress goes to stderr.
 #
 #   infra/sglang-env.sh [DEST] [--no-gpu-check]      (DEST defaults to /opt/sglang)

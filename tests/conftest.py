@@ -3,7 +3,7 @@ import os
 import sys
 from pathlib import Path
 
-# Wherever Prefect starts (DESIGN §6): its first start migrates a fresh database; no network for telemetry.
+# Wherever Prefect starts (docs/pipeline.md): its first start migrates a fresh database; no network for telemetry.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 

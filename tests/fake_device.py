@@ -1,4 +1,4 @@
-"""A fake accelerator on a CPU-only machine, for the GPU-only paths (DESIGN §8; tests marked fake_cuda).
+"""A fake accelerator on a CPU-only machine, for the GPU-only paths (docs/conformance.md; tests marked fake_cuda).
 
 Inside `fake_accelerator()` the host is real and the accelerator is fake: tensors on FAKE_DEVICE have a
 shape, a dtype and a device but no data (torch's FakeTensorMode), every CPU tensor stays a real one,

@@ -9,7 +9,7 @@ KIMI_LAYERS = 61
 
 
 class TestKimiWorkedExample:
-    """DESIGN §3: speculators ids [2, 30, 58] (= our [1, 29, 57]) copied unchanged into eagle_config."""
+    """docs/contracts.md: speculators ids [2, 30, 58] (= our [1, 29, 57]) copied unchanged into eagle_config."""
 
     def test_release_0_5_12_captures_one_layer_late(self):
         capture = sglang_capture([2, 30, 58], "kimi_k25", "0.5.12", KIMI_LAYERS)

@@ -1,4 +1,4 @@
-"""GPU-only paths checked on the CPU (DESIGN §8): the trainer's step, evaluation, stop check and drafting
+"""GPU-only paths checked on the CPU (docs/conformance.md): the trainer's step, evaluation, stop check and drafting
 run on a fake accelerator (tests/fake_device.py), where a CPU tensor meeting a device tensor fails as it
 would on the node. Select them with `pytest -m fake_cuda`."""
 

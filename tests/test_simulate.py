@@ -1,5 +1,5 @@
 """The offline acceptance simulator on the micro target: equal to a brute-force speculative decoding
-loop, counted the way SGLang counts (DESIGN §3), and fed drafts loaded the way SGLang loads them."""
+loop, counted the way SGLang counts (docs/contracts.md), and fed drafts loaded the way SGLang loads them."""
 
 import itertools
 import json
@@ -166,7 +166,7 @@ def test_simulator_equals_brute_force_speculative_decoding(micro, kind, num_step
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Counting as DESIGN §3 states it
+# 2. Counting as docs/contracts.md states it
 
 
 def test_a_never_accepted_draft_gives_n_over_n_minus_1(micro):

@@ -1,4 +1,4 @@
-"""The reference server's telemetry as SGLang reports it (DESIGN §10): /metrics counters equal the served requests'
+"""The reference server's telemetry as SGLang reports it (docs/production-loop.md): /metrics counters equal the served requests'
 completion tokens and verify steps (health checks left out), request records read back by the monitor's reader, the
 release's own metric names, the declared custom labels on the counters and an undeclared one refused (SGLang would
 crash on it); and the launcher gives SGLang's flags to the production server only."""

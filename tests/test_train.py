@@ -71,7 +71,7 @@ def tiny_draft(vocab=16, seed=0, draft_vocab=None):
 
 
 class TestAlignment:
-    """DESIGN §3: step 0 at t reads f_t and x_{t+1} and predicts x_{t+2}; step k shifts by k."""
+    """docs/contracts.md: step 0 at t reads f_t and x_{t+1} and predicts x_{t+2}; step k shifts by k."""
 
     def test_targets_and_masks_by_hand(self):
         x = torch.tensor([[10, 11, 12, 13, 14, 15]])

@@ -1,5 +1,5 @@
 """Serving benchmark: SGLang's `/generate` (token ids in; greedy unless a temperature is given) over a prompt set
-with bounded concurrency, counted exactly as DESIGN §3 and the simulator count, so served and simulated numbers
+with bounded concurrency, counted exactly as docs/contracts.md and the simulator count, so served and simulated numbers
 compare.
 
 Every request is retried with backoff on connection errors, timeouts and 5xx; a request still failing after

@@ -2,7 +2,7 @@
 
 The reference server and the simulator count through `SpecRequest`, so their numbers are SGLang's;
 tests/conformance/test_counting.py feeds the same token runs to each release's own scheduler and
-tokenizer-manager code and compares every field. Read there (DESIGN §3, Acceptance):
+tokenizer-manager code and compares every field. Read there (docs/contracts.md, Acceptance):
 
 - A verify step yields a run: the accepted drafts, then the target's bonus token. The whole run is
   appended and the finish is checked once over it; tokens past the finish are not emitted.

@@ -12,7 +12,7 @@ from eagle3.config.sections import Section
 
 
 class TelemetrySection(Section):
-    """What the production server reports about its own traffic (DESIGN §10): SGLang's flags, off by default - the
+    """What the production server reports about its own traffic (docs/production-loop.md): SGLang's flags, off by default - the
     request records hold the operator's users' text."""
 
     metrics: bool = Field(default=False, description="--enable-metrics: Prometheus /metrics (accept length over any "
@@ -28,7 +28,7 @@ class TelemetrySection(Section):
 
 
 class ProductionSection(Section):
-    """The production endpoint (DESIGN §4): `managed` - the pipeline restarts it with the promoted draft (or, on
+    """The production endpoint (docs/gpu-node.md): `managed` - the pipeline restarts it with the promoted draft (or, on
     rollback, the previous one) and re-measures it; `external` - the pipeline moves the registry pointer and
     reports, someone else restarts the server."""
 

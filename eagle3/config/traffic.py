@@ -1,4 +1,4 @@
-"""data.traffic: production's own requests as a prompt source (DESIGN §10), off unless the section is given - the
+"""data.traffic: production's own requests as a prompt source (docs/production-loop.md), off unless the section is given - the
 request records hold the operator's users' text."""
 
 from __future__ import annotations

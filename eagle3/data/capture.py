@@ -9,7 +9,7 @@
   `run.dir/data/heldout/`, so the acceptance simulator needs no target (200 prompts x ~2.5 k tokens at Kimi's size:
   ~29 GB).
 
-Convention (DESIGN §3): aux layer k is the output of decoder layer k, i.e. HF hidden_states[k + 1]. The last hidden
+Convention (docs/contracts.md): aux layer k is the output of decoder layer k, i.e. HF hidden_states[k + 1]. The last hidden
 state is the input (`pre_norm`) or the output (`post_norm`, the default) of the target's final norm. Features go from
 the backend's device through pinned host memory straight to their place in the shard file (eagle3/data/shards.py).
 """

@@ -1,4 +1,4 @@
-"""The production endpoint (DESIGN §4), `managed` or `external`; every log line says which one is in effect.
+"""The production endpoint (docs/gpu-node.md), `managed` or `external`; every log line says which one is in effect.
 
 managed:  the pipeline owns the production server. It stops it before the candidate needs the node, and then
           serves a registry version again - the promoted one, or on rejection / rollback the previous one - and

@@ -1,7 +1,7 @@
 """Deployment steps between the export and the decision: measure a draft on a live server the way production
 will serve it, turn the measurements into the gate's inputs, and describe a candidate version for the registry.
 
-On the GPU node one model fits at a time (DESIGN §4): the no-draft baseline server and the candidate server run
+On the GPU node one model fits at a time (docs/gpu-node.md): the no-draft baseline server and the candidate server run
 one after the other, each stopped (and the GPUs' memory awaited) before the next starts.
 """
 

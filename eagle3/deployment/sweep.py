@@ -3,7 +3,7 @@ sweep.points), at every benchmark.concurrency level and at benchmark.temperature
 no-draft server at the same level. The shape with the most output tokens/s at the production concurrency (the
 first level) is chosen: production serves with it and is re-measured against its numbers.
 
-On the GPU node every point is a server start (one model fits at a time, DESIGN §4). The no-draft server goes
+On the GPU node every point is a server start (one model fits at a time, docs/gpu-node.md). The no-draft server goes
 first; its wall time (start and every level) estimates a point's, and a point that would end past
 sweep.budget_s is skipped and named. A point whose server does not start, or that loses requests, is recorded
 with its error and never chosen; the sweep goes on with the next point.

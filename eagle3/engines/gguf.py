@@ -5,7 +5,7 @@ transformers reads GGUF (with the `gguf` package), dequantizing every tensor to 
 model ("quantized with gguf"). So a clean model is built from the same config and takes the state dict with
 nothing missing and nothing unexpected, then is saved as any target. The weights are kept in float32: the
 dequantized values (4-bit codes times a float16 scale) are exactly float32 and would be rounded in bfloat16, and
-one precision end to end keeps the simulated and served continuations equal (DESIGN §9).
+one precision end to end keeps the simulated and served continuations equal (docs/real-target.md).
 """
 
 from __future__ import annotations

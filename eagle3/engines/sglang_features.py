@@ -1,6 +1,6 @@
 """The `sglang` feature backend: SGLang's model runner built inside this process (one torchrun rank), the target
 tensor-parallel over the ranks, one forward per batch giving the aux hidden states and the last hidden state as
-tensors on the rank's device. Nothing passes through Python lists, the scheduler or IPC (DESIGN §8).
+tensors on the rank's device. Nothing passes through Python lists, the scheduler or IPC (docs/conformance.md).
 
 Pinned release: 0.5.23. How the runner is brought up follows what its scheduler process does
 (managers/scheduler.py `run_scheduler_process` and `Scheduler.__init__`), without the scheduler:

@@ -1,6 +1,6 @@
 """The project's own tiny target: a byte-level BPE and a small Llama trained on Python's reference manual.
 
-A real target needs a GPU, and a random-init one gives a draft nothing to learn (DESIGN §6). This one
+A real target needs a GPU, and a random-init one gives a draft nothing to learn (docs/pipeline.md). This one
 trains in minutes on two CPU cores and its greedy continuations read like the manual, so draft accuracy
 and acceptance mean something in tests and demos.
 """

@@ -1,6 +1,6 @@
 """Reading, checking and converting EAGLE-3 draft checkpoints.
 
-Three layouts of the same draft (DESIGN §3), each an adapter in formats/layouts/ that owns its tensor
+Three layouts of the same draft (docs/contracts.md), each an adapter in formats/layouts/ that owns its tensor
 names and its config.json both ways: `native` (what our trainer writes), `sglang` and `speculators`.
 Every conversion goes through the native form and checks tensors, shapes, dtypes and the vocab map,
 so nothing a loader would skip or misread is written. Exports carry an `eagle3` block in config.json

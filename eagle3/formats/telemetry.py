@@ -1,4 +1,4 @@
-"""What SGLang reports about a running server (DESIGN §10), read the way SGLang writes it.
+"""What SGLang reports about a running server (docs/production-loop.md), read the way SGLang writes it.
 
 - `/metrics` (`--enable-metrics`): Prometheus text. Counters `sglang:generation_tokens_total` and (from 0.5.13)
   `sglang:spec_verify_calls_total` give the accept length over any window as Δ generation tokens / Δ verify calls;

@@ -1,6 +1,6 @@
 """The draft vocabulary map: which target tokens the draft's head predicts.
 
-Contract (DESIGN §3):
+Contract (docs/contracts.md):
 - the draft vocabulary is the `draft_vocab_size` most frequent target ids among the counted
   (loss-masked assistant) tokens, ties broken by the lower id, sorted ascending; when fewer distinct
   ids were seen, the lowest unused ids fill the rest;

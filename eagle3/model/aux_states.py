@@ -1,4 +1,4 @@
-"""Which of a transformers target's hidden states an aux layer id names (DESIGN §3, "Aux hidden-state layer ids").
+"""Which of a transformers target's hidden states an aux layer id names (docs/contracts.md, "Aux hidden-state layer ids").
 
 Inside the project aux id k means "the output of decoder layer k". A transformers forward with
 `output_hidden_states=True` returns the embeddings' output first, then each decoder layer's output, so id k

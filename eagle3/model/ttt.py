@@ -1,4 +1,4 @@
-"""Training-time test (TTT) and chain drafting, with one alignment (DESIGN §3):
+"""Training-time test (TTT) and chain drafting, with one alignment (docs/contracts.md):
 
     step 0, index t:  f_t = fc(aux_t) with embed(x_{t+1})  ->  predicts x_{t+2}
     step k, index t:  h^{k-1}_t (the draft's own pre-norm output) with embed(x_{t+1+k})  ->  x_{t+2+k}

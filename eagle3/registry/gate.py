@@ -1,7 +1,7 @@
 """The promotion gate: a pure function of the candidate's metrics, production's (if any) and the gate
 config. A candidate is promoted only when every rule passes; each failed rule is a named reason.
 
-Rules (DESIGN §3, "Promotion and rollback"), all applying to a first deployment except the comparison
+Rules (docs/contracts.md, "Promotion and rollback"), all applying to a first deployment except the comparison
 with production:
 - near-baseline: the acceptance rate is below `gate.min_accept_rate`;
 - regression: on any gating suite (benchmark.suites), the accept length is below production's on the same requests

@@ -11,7 +11,7 @@ Layout under the store's root (a directory, or a bucket prefix):
 - `history/<UTC time>-<uuid>.json` — one object per decision (promoted, rejected, rolled-back, forced, unlocked),
   never rewritten.
 - `lock.json` — who holds the registry's lock (eagle3/registry/lock.py).
-A promotion or rollback only moves the pointer: no version is ever deleted by it (DESIGN §3).
+A promotion or rollback only moves the pointer: no version is ever deleted by it (docs/contracts.md).
 """
 
 from __future__ import annotations

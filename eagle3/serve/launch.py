@@ -2,7 +2,7 @@
 until it serves; validate the draft against the release it reports; stop it and wait for the GPUs.
 
 The server runs in its own process group, so a stop takes its workers with it. Every log line names
-the endpoint and the launcher in effect (DESIGN §4).
+the endpoint and the launcher in effect (docs/gpu-node.md).
 """
 
 from __future__ import annotations

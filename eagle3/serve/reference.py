@@ -1,6 +1,6 @@
 """The reference server: the subset of SGLang's HTTP API the pipeline uses, with real speculative decoding
-(chains and trees, greedy and sampled) on a transformers target (DESIGN §4), counted the way SGLang counts
-(DESIGN §3).
+(chains and trees, greedy and sampled) on a transformers target (docs/gpu-node.md), counted the way SGLang counts
+(docs/contracts.md).
 
 Per request: the prefill forward gives the first completion token (no verify step). Each verify step:
 the draft proposes a tree (`eagle3.model.tree.draft_tree`; a chain with eagle_topk 1) from the target's aux

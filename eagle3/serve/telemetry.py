@@ -1,4 +1,4 @@
-"""The reference server's telemetry, as the SGLang release it stands for reports it (DESIGN §10).
+"""The reference server's telemetry, as the SGLang release it stands for reports it (docs/production-loop.md).
 
 - `/metrics` (`--enable-metrics`): the four metrics the monitor reads, with SGLang's names and label names, rendered
   by prometheus_client as SGLang renders them. The tokenizer manager's collector labels with model_name and

@@ -8,7 +8,7 @@ output with warnings and tracebacks from every rank, while the file holds every 
 
 The trainer's processes are stopped in a `finally`: an exception from a callback, a KeyboardInterrupt or a
 SIGTERM turned into an exception (`terminate_on_sigterm`) never leaves them running. A Prefect cancel signals
-the flow's process only (DESIGN §7), and the trainer, in a session of its own, would not see it.
+the flow's process only (docs/pipeline.md), and the trainer, in a session of its own, would not see it.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def train(config: PipelineConfig, resolved: Path | str, log: Log,
             tree.stop(config.training.stop_grace_s, log)
             for reader in readers:
                 reader.join(timeout=5.0)  # a pipe still held open by a stranger must not hold us
-    # the next stage's server needs this node's GPUs (DESIGN §4); a training-only config serves nothing next
+    # the next stage's server needs this node's GPUs (docs/gpu-node.md); a training-only config serves nothing next
     if config.training.launcher == "local" and config.serving is not None:
         wait_gpus_free(GPU_QUERY, config.serving.gpu_free_mib, config.serving.gpu_free_timeout_s, log, "train: ")
     if code == 0:

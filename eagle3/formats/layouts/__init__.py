@@ -1,4 +1,4 @@
-"""One adapter per draft layout (DESIGN §3), each owning its tensor names and its config.json, both ways:
+"""One adapter per draft layout (docs/contracts.md), each owning its tensor names and its config.json, both ways:
 `native` (what our trainer writes), `sglang` (LlamaForCausalLMEagle3) and `speculators` (vLLM). Reading,
 checking and converting between them is formats/checkpoint.py's, through LAYOUTS."""
 
