@@ -1,4 +1,4 @@
-"""Production's acceptance on live traffic (docs/contracts.md Acceptance, §10): one observation window at a time, judged
+"""Production's acceptance on live traffic (docs/contracts.md, Acceptance; docs/production-loop.md): one observation window at a time, judged
 against what the production version measured at its promotion, with a history kept in the registry's store.
 
 A window's accept length is Σ completion_tokens / Σ spec_verify_ct over the users' request records sent in it (the
