@@ -52,13 +52,17 @@ def micro_run_overrides(run_dir, target) -> list[str]:
         "benchmark.concurrency=2", f"serving.port={free_port()}", f"production.port={free_port()}",
         f"registry.path={run_dir / 'registry'}", f"production.state_dir={run_dir / 'production'}",
         f"serving.log_dir={run_dir / 'logs'}", "gate.min_accept_rate=0.05",
-        "sweep.points=[[2, 2, 4]]", "sweep.num_prompts=2",
+        # the sweep serves three more servers (~25 s): only the micro flow's first run makes it (SWEEP)
+        "sweep.points=[[2, 2, 4]]", "sweep.num_prompts=2", "sweep.enabled=false",
         # two suites: the held-out prompts, and MT-bench's first two questions (two turns each: four requests)
         "benchmark.suites=[heldout, {name: mtbench, num_prompts: 2}]", "gate.min_verify_steps=5",
         # no throughput rule: under pytest-xdist another worker's load falls on the baseline or the candidate by
         # chance (measured: a good draft at 0.40x); the rule's own test below sets a bar out of reach
         "gate.min_speedup=0",
     ]
+
+
+SWEEP = "sweep.enabled=true"  # no stage's cache key holds it: the runs after the first take its stages from the cache
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +104,7 @@ def micro_flow(prefect_api, tmp_path_factory, micro_target):
     for day in range(4):  # earlier retrains of this registry: the promotion keeps the newest run.keep_runs (3)
         make_run(run_dir, day, (run_dir / "registry").resolve())
     ensure_registry_limit(CONFIG, overrides)
-    first = run_flow(overrides)
+    first = run_flow(overrides, SWEEP)
     return MicroFlow(overrides, first, run_flow(overrides, "gate.min_speedup=50"))
 
 
@@ -322,9 +326,7 @@ def test_a_failure_after_the_promotion_rolls_the_pointer_back(micro_flow):
         taken.bind((config.production.host, config.production.port))
         taken.listen()
         # another layout list: a new export (a new candidate version) of the same draft, so the gate passes
-        # (no sweep: what fails is verify-production, after the gate)
-        state = eagle3(CONFIG, micro_flow.overrides + ["export.layouts=[sglang, speculators]", "sweep.enabled=false"],
-                       return_state=True)
+        state = eagle3(CONFIG, micro_flow.overrides + ["export.layouts=[sglang, speculators]"], return_state=True)
     assert state.is_failed(), state.message
     stages = task_states(state.state_details.flow_run_id)
     # Prefect marks the transaction's committed-then-undone tasks RolledBack
@@ -370,8 +372,8 @@ def test_a_kimi_kind_tied_target_goes_through_the_whole_flow_to_a_promotion(pref
     overrides = micro_run_overrides(run_dir, kimi_target) + [f"target.vocab_size={KIMI_VOCAB}",
                                                              "target.trust_remote_code=true",
                                                              "data.quality.waive=[looping]",
-                                                             # loading the target is the point: one suite, no sweep
-                                                             "benchmark.suites=[heldout]", "sweep.enabled=false"]
+                                                             # loading the target is the point: one suite
+                                                             "benchmark.suites=[heldout]"]
     ensure_registry_limit(CONFIG, overrides)
     outcome = run_flow(overrides)
     state = outcome.state
