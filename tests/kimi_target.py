@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from eagle3.engines.tiny import HELD_OUT_TOKENS, MAX_POSITIONS, MICRO, corpus_text, heldout_loss, train
-from fixtures_tiny import one_torch_thread
+from fixtures_tiny import once_per_session
 
 BPE_SIZE = 512  # the ranks: 256 bytes and the merges
 NUM_RESERVED = 256
@@ -199,5 +199,4 @@ def write_k25_config(out: Path, layers: int, hidden: int, vocab: int) -> Path:
 def kimi_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Kimi-kind target, built once per session with its head tied to its embedding (as SmolLM2, Qwen2.5-0.5B
     or Llama-3.2-1B: the flow test proves both kinds of real target at once)."""
-    with one_torch_thread():
-        return build_kimi_target(tmp_path_factory.mktemp("kimi-target"), tie_word_embeddings=True)
+    return once_per_session(tmp_path_factory, "kimi-target", lambda out: build_kimi_target(out, tie_word_embeddings=True))
