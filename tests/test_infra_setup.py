@@ -15,7 +15,7 @@ from test_flow import prefect_api  # noqa: F401  (the session's Prefect server)
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_a_pool_is_made_once_as_a_process_pool_of_one_and_another_type_is_refused(prefect_api, monkeypatch):
+def test_a_pool_is_made_once_as_a_process_pool_of_one_and_another_type_is_refused(prefect_api):
     name, taken = f"pool-{uuid.uuid4().hex[:8]}", f"pool-{uuid.uuid4().hex[:8]}"
     with get_client(sync_client=True) as client:
         for _ in range(2):  # again: updated in place, not made twice
