@@ -19,6 +19,7 @@ from drafts import write_draft
 from eagle3.config import load_config
 from eagle3.procs import GPU_QUERY, LaunchError, wrap
 from eagle3.serve.launch import Server, launch_and_validate, reference_command, server_for, sglang_command
+from eagle3.serve.warm import fork_module
 from ports import free_port
 from test_config import TINY
 
@@ -268,19 +269,44 @@ def micro_drafts(tmp_path_factory):
     return {"good": good, "absolute": absolute}
 
 
-def test_reference_server_becomes_healthy_and_reports_its_release(tmp_path, micro_target):
-    config = config_for(tmp_path)
+@pytest.mark.parametrize("warm", [True, False], ids=["forked-warm", "new-interpreter"])
+def test_reference_server_becomes_healthy_and_reports_its_release(tmp_path, micro_target, warm):
+    config = config_for(tmp_path, f"serving.warm_start={warm}")
     logs = []
     with server_for(config, micro_target, None, logs.append) as server:
+        assert server.warm is warm
         assert server.wait_healthy(120, interval_s=0.2) == RELEASE
         info = httpx.get(f"{server.url}/get_model_info", timeout=10).json()
         assert info["model_path"] == str(micro_target) and info["draft_model_path"] is None
         pgid = server.process.pid
+        assert os.getsid(pgid) == pgid  # a session of its own either way: a signal to the caller never reaches it
     assert not live_members(pgid)
     label = f"[candidate reference endpoint http://127.0.0.1:{config.serving.port}, launcher local] "
     assert logs and all(line.startswith(label) for line in logs)
     assert any(f"reports version {RELEASE}" in line for line in logs)
+    assert ("forked from the warm process" in logs[0]) is warm
     assert any(p.name.startswith("server-") for p in (tmp_path / "logs").iterdir())
+
+
+def test_a_production_server_that_outlives_the_run_is_never_forked(tmp_path):
+    config = config_for(tmp_path)
+    assert server_for(config, tmp_path, None, role="candidate").warm
+    assert not server_for(config, tmp_path, None, role="production", outlives_run=True).warm
+    assert not server_for(config, tmp_path, None, role="production", unit="eagle3-production.scope").warm
+    assert not server_for(config_for(tmp_path, "serving.engine=sglang"), tmp_path, None).warm
+
+
+def test_a_fork_runs_its_module_with_the_callers_environment_and_reports_its_exit(tmp_path, monkeypatch):
+    missing = [sys.executable, "-m", "json.tool", str(tmp_path / "missing.json")]
+    failed = fork_module(missing, tmp_path / "fail.log")  # the fork server is running from here on
+    assert failed.wait(60) == 2 and "missing.json" in (tmp_path / "fail.log").read_text()  # argparse's status
+    monkeypatch.setenv("EAGLE3_WARM_PROBE", "set after the fork server started")
+    probe = "import os; print('probe:', os.environ['EAGLE3_WARM_PROBE'], 'leads its session:', os.getsid(0) == os.getpid())"
+    forked = fork_module([sys.executable, "-m", "timeit", "-n", "1", "-r", "1", "-s", probe, "pass"], tmp_path / "env.log")
+    assert forked.wait(60) == 0 and forked.poll() == 0
+    assert "probe: set after the fork server started leads its session: True" in (tmp_path / "env.log").read_text()
+    with pytest.raises(ValueError, match="does not run a module"):
+        fork_module([sys.executable, "-c", "pass"], tmp_path / "never.log")
 
 
 def test_launch_and_validate_passes_a_good_draft(tmp_path, micro_target, micro_drafts):

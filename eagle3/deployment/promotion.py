@@ -95,7 +95,8 @@ def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[lis
     """Launch (in the systemd scope `unit`, if given, and validate the draft for the live release), benchmark
     `prompts` at the production concurrency, stop - or, with `keep_running`, leave the server up and return its
     process group as `pgid`."""
-    server = launch_and_validate(config, config.target.path, draft, log, role=role, unit=unit, telemetry=telemetry)
+    server = launch_and_validate(config, config.target.path, draft, log, role=role, unit=unit, telemetry=telemetry,
+                                 outlives_run=keep_running)
     try:
         result = benchmark_on(config, server.url, prompts, log, temperature=temperature) | {
             "server_version": server.release}

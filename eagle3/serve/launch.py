@@ -24,6 +24,7 @@ from eagle3.formats.telemetry import PIPELINE_LABEL
 from eagle3.procs import (
     GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, cpu_threads, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
+from eagle3.serve.warm import ForkedProcess, fork_module
 
 LOG_TAIL_LINES = 40
 
@@ -129,16 +130,17 @@ def reference_command(config: PipelineConfig, target_path, draft_path,
 
 
 class Server:
-    """One server process group; `with Server(...) as s:` starts it and always stops it."""
+    """One server process group; `with Server(...) as s:` starts it and always stops it. `warm`: forked from the warm
+    process (serve/warm.py; `command` runs a module with this interpreter) instead of a new interpreter."""
 
     def __init__(self, command: list[str], host: str, port: int, log_dir: Path, log: Callable[[str], None] = print,
                  label: str = "", gpu_query: list[str] | None = GPU_QUERY, gpu_free_mib: int = 2048,
-                 gpu_free_timeout_s: float = 600.0, grace_s: float = STOP_GRACE_S):
-        self.command, self.url, self.log_dir = command, f"http://{host}:{port}", Path(log_dir)
+                 gpu_free_timeout_s: float = 600.0, grace_s: float = STOP_GRACE_S, warm: bool = False):
+        self.command, self.url, self.log_dir, self.warm = command, f"http://{host}:{port}", Path(log_dir), warm
         self.label = label or f"endpoint {self.url}, launcher {command[0]}"
         self._log, self.gpu_query, self.gpu_free_mib = log, gpu_query, gpu_free_mib
         self.gpu_free_timeout_s, self.grace_s = gpu_free_timeout_s, grace_s
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | ForkedProcess | None = None
         self.log_path: Path | None = None
         self.release: str | None = None
 
@@ -149,7 +151,11 @@ class Server:
         self.refuse_a_held_endpoint()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"server-{self.url.rsplit(':', 1)[1]}-{timestamp()}.log"
-        self.log(f"starting: {shlex.join(self.command)} (log {self.log_path})")
+        forked = ", forked from the warm process" if self.warm else ""
+        self.log(f"starting: {shlex.join(self.command)} (log {self.log_path}{forked})")
+        if self.warm:
+            self.process = fork_module(self.command, self.log_path)
+            return
         with open(self.log_path, "ab") as out:
             try:
                 self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
@@ -224,9 +230,11 @@ class Server:
 
 
 def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None] = print, role: str = "candidate",
-               unit: str | None = None, telemetry: TelemetrySection | None = None) -> Server:
+               unit: str | None = None, telemetry: TelemetrySection | None = None, outlives_run: bool = False) -> Server:
     """The server for `config.serving`; with `unit`, its local process (the server, or the ssh / srun that holds it)
-    runs in that transient systemd scope; with `telemetry` (production only), SGLang's metrics and request records."""
+    runs in that transient systemd scope; with `telemetry` (production only), SGLang's metrics and request records.
+    A local reference server that ends with this process (not `outlives_run`, no unit) starts warm
+    (serving.warm_start)."""
     s = config.serving
     build = sglang_command if s.engine == "sglang" else reference_command
     ssh_host = s.ssh_host or s.host
@@ -238,12 +246,14 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
     return Server(command, s.host, s.port, s.log_dir or config.run.dir / "logs", log,
                   label=f"{role} {s.engine} endpoint http://{s.host}:{s.port}, launcher {via}",
                   gpu_query=wrap(GPU_QUERY, s.launcher, ssh_host, s.srun_args),
-                  gpu_free_mib=s.gpu_free_mib, gpu_free_timeout_s=s.gpu_free_timeout_s)
+                  gpu_free_mib=s.gpu_free_mib, gpu_free_timeout_s=s.gpu_free_timeout_s,
+                  warm=s.warm_start and s.engine == "reference" and s.launcher == "local" and unit is None
+                  and not outlives_run)
 
 
 def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[str], None] = print,
                         role: str = "candidate", unit: str | None = None,
-                        telemetry: TelemetrySection | None = None) -> Server:
+                        telemetry: TelemetrySection | None = None, outlives_run: bool = False) -> Server:
     """Start the server (in the systemd scope `unit`, if given), wait until healthy, validate the draft for the live
     release; return it running. Error codes in `export.waive` are accepted (the export stage logged and recorded
     them)."""
@@ -251,7 +261,7 @@ def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[st
 
     if draft is not None and not Path(draft).is_dir():
         raise LaunchError(f"draft {draft}: no such directory; nothing was launched")
-    server = server_for(config, target, draft, log, role, unit, telemetry)
+    server = server_for(config, target, draft, log, role, unit, telemetry, outlives_run)
     server.start()
     try:
         live = server.wait_healthy(config.serving.health_timeout_s)
