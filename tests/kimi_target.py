@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+import eagle3.engines.tiny
 from eagle3.engines.tiny import HELD_OUT_TOKENS, MAX_POSITIONS, MICRO, corpus_text, heldout_loss, train
-from fixtures_tiny import once_per_session
+from fixtures_tiny import build_key, once_per_session
 
 BPE_SIZE = 512  # the ranks: 256 bytes and the merges
 NUM_RESERVED = 256
@@ -199,4 +201,6 @@ def write_k25_config(out: Path, layers: int, hidden: int, vocab: int) -> Path:
 def kimi_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Kimi-kind target, built once per session with its head tied to its embedding (as SmolLM2, Qwen2.5-0.5B
     or Llama-3.2-1B: the flow test proves both kinds of real target at once)."""
-    return once_per_session(tmp_path_factory, "kimi-target", lambda out: build_kimi_target(out, tie_word_embeddings=True))
+    key = build_key("tie_word_embeddings=True", sys.modules[__name__], eagle3.engines.tiny)
+    return once_per_session(tmp_path_factory, "kimi-target", key,
+                            lambda out: build_kimi_target(out, tie_word_embeddings=True))
