@@ -19,7 +19,7 @@ from drafts import write_draft
 from eagle3.config import load_config
 from eagle3.procs import GPU_QUERY, LaunchError, wrap
 from eagle3.serve.launch import Server, launch_and_validate, reference_command, server_for, sglang_command
-from eagle3.serve.warm import fork_module
+from eagle3.warm import fork_module
 from ports import free_port
 from test_config import TINY
 
@@ -271,7 +271,7 @@ def micro_drafts(tmp_path_factory):
 
 @pytest.mark.parametrize("warm", [True, False], ids=["forked-warm", "new-interpreter"])
 def test_reference_server_becomes_healthy_and_reports_its_release(tmp_path, micro_target, warm):
-    config = config_for(tmp_path, f"serving.warm_start={warm}")
+    config = config_for(tmp_path, f"run.warm_start={warm}")
     logs = []
     with server_for(config, micro_target, None, logs.append) as server:
         assert server.warm is warm

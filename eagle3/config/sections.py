@@ -32,6 +32,8 @@ class RunSection(Section):
         default=None, ge=1, description="CPU threads (torch's OpenMP pool) of each busy job the run starts: a "
         "reference server, the trainer (split among its ranks). None: this machine's cores halved, as two jobs can be "
         "busy at once (the production server beside the trainer or a server under test). SGLang servers keep theirs")
+    warm_start: bool = Field(default=True, description="reference servers that end with the run and a one-process local "
+                             "trainer fork from a process that imported them (eagle3/warm.py); false: a new interpreter each")
 
 
 class TargetSection(Section):
@@ -336,8 +338,6 @@ class ServingSection(Section):
     ssh_host: str | None = Field(default=None, description="launcher ssh: the host to ssh to (None = host)")
     srun_args: list[str] = Field(default=[], description="launcher srun: arguments before the command, e.g. [--nodes=1]")
     health_timeout_s: float = Field(default=1800.0, gt=0.0, description="how long the server may take to become healthy")
-    warm_start: bool = Field(default=True, description="reference servers that end with the run are forked from one "
-                             "process that imported them (serve/warm.py: ~1 s a start, not ~9); false: one interpreter each")
     log_dir: Path | None = Field(default=None, description="server logs (None = run.dir/logs)")
     gpu_free_mib: int = Field(default=2048, gt=0, description="after a stop, wait until every GPU uses less than this")
     gpu_free_timeout_s: float = Field(default=600.0, gt=0.0, description="how long to wait for the GPUs' memory")

@@ -24,7 +24,7 @@ from eagle3.formats.telemetry import PIPELINE_LABEL
 from eagle3.procs import (
     GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, cpu_threads, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
-from eagle3.serve.warm import ForkedProcess, fork_module
+from eagle3.warm import ForkedProcess, fork_module
 
 LOG_TAIL_LINES = 40
 
@@ -131,7 +131,7 @@ def reference_command(config: PipelineConfig, target_path, draft_path,
 
 class Server:
     """One server process group; `with Server(...) as s:` starts it and always stops it. `warm`: forked from the warm
-    process (serve/warm.py; `command` runs a module with this interpreter) instead of a new interpreter."""
+    process (eagle3/warm.py; `command` runs a module with this interpreter) instead of a new interpreter."""
 
     def __init__(self, command: list[str], host: str, port: int, log_dir: Path, log: Callable[[str], None] = print,
                  label: str = "", gpu_query: list[str] | None = GPU_QUERY, gpu_free_mib: int = 2048,
@@ -234,7 +234,7 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
     """The server for `config.serving`; with `unit`, its local process (the server, or the ssh / srun that holds it)
     runs in that transient systemd scope; with `telemetry` (production only), SGLang's metrics and request records.
     A local reference server that ends with this process (not `outlives_run`, no unit) starts warm
-    (serving.warm_start)."""
+    (run.warm_start)."""
     s = config.serving
     build = sglang_command if s.engine == "sglang" else reference_command
     ssh_host = s.ssh_host or s.host
@@ -247,7 +247,7 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
                   label=f"{role} {s.engine} endpoint http://{s.host}:{s.port}, launcher {via}",
                   gpu_query=wrap(GPU_QUERY, s.launcher, ssh_host, s.srun_args),
                   gpu_free_mib=s.gpu_free_mib, gpu_free_timeout_s=s.gpu_free_timeout_s,
-                  warm=s.warm_start and s.engine == "reference" and s.launcher == "local" and unit is None
+                  warm=config.run.warm_start and s.engine == "reference" and s.launcher == "local" and unit is None
                   and not outlives_run)
 
 
