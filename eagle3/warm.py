@@ -1,13 +1,14 @@
-"""Warm starts: a module run with this interpreter (`python -m eagle3.cli serve`, `python -m eagle3.train`), forked
-from one process that imported torch, transformers and the project once.
+"""Warm starts: a module run with this interpreter (`python -m eagle3.cli serve`), forked from one process that
+imported torch, transformers and the project once.
 
-A new interpreter spends ~8 s importing torch and transformers (measured on 2 cores) before a reference server or
-the trainer does anything; a CPU run starts several (the candidate, the no-draft baseline, each sweep point, the
-trainer). Forked from Python's fork server (multiprocessing "forkserver", PRELOAD imported there), a reference server
-is healthy in ~1.2 s instead of ~9.7 s. The fork is a process of its own as a new interpreter would be: its own
-session and process group, the caller's environment as of the start (torch's thread count from OMP_NUM_THREADS
-included), its output in a log file or a pipe. The fork server's children end with the caller's process: whatever
-must outlive it starts as a new interpreter (run.warm_start, docs/serving-and-benchmark.md).
+A new interpreter spends ~8 s importing torch and transformers (measured on 2 cores) before a reference server does
+anything; a CPU run starts several (the candidate, the no-draft baseline, each sweep point). Forked from Python's fork
+server (multiprocessing "forkserver", PRELOAD imported there), a reference server is healthy in ~1.2 s instead of
+~9.7 s. The fork is a process of its own as a new interpreter would be: its own session and process group, the
+caller's environment as of the start (torch's thread count from OMP_NUM_THREADS included), its output in a log file.
+Its command line (ps, /proc) is the fork server's, and it ends with the caller's process: whatever must outlive the
+caller, or be found by its command line (the trainer), starts as a new interpreter (run.warm_start,
+docs/serving-and-benchmark.md).
 """
 
 from __future__ import annotations
@@ -19,24 +20,21 @@ import signal
 import subprocess
 import sys
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 
-# What a reference server and the trainer import on their way to work, transformers' model-loading and masking code
-# included (its heavy part: torch.distributed.tensor, torch._dynamo); a target of another architecture imports its
-# own modeling file in the fork.
-PRELOAD = ["eagle3.cli", "eagle3.serve.reference", "eagle3.train.trainer", "transformers.modeling_utils",
-           "transformers.masking_utils"]
+# What a reference server imports on its way to healthy, transformers' model-loading and masking code included (its
+# heavy part: torch.distributed.tensor, torch._dynamo); a target of another architecture imports its own modeling
+# file in the fork.
+PRELOAD = ["eagle3.cli", "eagle3.serve.reference", "transformers.modeling_utils", "transformers.masking_utils"]
 RUN_MODULE = [sys.executable, "-m"]
 
 
 class ForkedProcess:
-    """What the launchers use of subprocess.Popen (pid, poll, wait, stdout), for a process forked by the fork server."""
+    """What the launcher uses of subprocess.Popen (pid, poll, wait), for a process forked by the fork server."""
 
-    def __init__(self, process: multiprocessing.Process, stdout=None):
+    def __init__(self, process: multiprocessing.Process):
         self._process = process
         self.pid = process.pid
-        self.stdout = stdout  # with no log file: the fork's output and errors, as Popen(stdout=PIPE, stderr=STDOUT)
 
     def poll(self) -> int | None:
         return self._process.exitcode
@@ -48,33 +46,20 @@ class ForkedProcess:
         return self._process.exitcode
 
 
-def can_fork(command: list[str]) -> bool:
-    """Whether `command` is `python -m MODULE ...` with this interpreter."""
-    return command[:2] == RUN_MODULE and len(command) > 2
-
-
-def fork_module(command: list[str], log_path: Path | None = None, env: dict[str, str] | None = None) -> ForkedProcess:
+def fork_module(command: list[str], log_path: Path) -> ForkedProcess:
     """Run `command` (this interpreter's `python -m MODULE ARGS...`) as a fork of the warm process, as runpy runs
-    `-m`, in `env` (default: this process's environment), its output appended to `log_path`, or else readable from
-    the returned process's stdout. Returns once the fork leads its own process group, so that a stop can signal the
-    group at once."""
-    if not can_fork(command):
+    `-m`, in this process's environment, its output appended to `log_path`. Returns once the fork leads its own
+    process group, so that a stop can signal the group at once."""
+    if command[:2] != RUN_MODULE or len(command) < 3:
         raise ValueError(f"{command[:3]} does not run a module with this interpreter ({sys.executable} -m)")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
-    reader, writer = (None, None) if log_path is not None else context.Pipe(duplex=False)
-    sink = str(log_path) if log_path is not None else writer  # a connection travels to the fork as its descriptor
-    process = context.Process(target=_run_module, args=(command[2:], sink, dict(os.environ if env is None else env)),
+    process = context.Process(target=_run_module, args=(command[2:], str(log_path), dict(os.environ)),
                               daemon=True)  # stopped with the caller if it exits first
     process.start()
-    stdout = None
-    if reader is not None:
-        writer.close()  # the fork holds the only write end: its exit ends the stream
-        stdout = os.fdopen(os.dup(reader.fileno()), "rb")
-        reader.close()
     while process.exitcode is None and not _leads_group(process.pid):
         time.sleep(0.005)
-    return ForkedProcess(process, stdout)
+    return ForkedProcess(process)
 
 
 def _leads_group(pid: int) -> bool:
@@ -84,17 +69,16 @@ def _leads_group(pid: int) -> bool:
         return False
 
 
-def _run_module(argv: list[str], sink: str | Connection, environ: dict[str, str]) -> None:
-    """The fork's body: detached as a new interpreter started with start_new_session, output and errors to the log
-    file or the pipe, then the module argv[0] as __main__ with sys.argv = argv. SIGTERM ends it through SystemExit, so
-    its exit handlers run (uvicorn raises the signal again after its graceful shutdown)."""
+def _run_module(argv: list[str], log_path: str, environ: dict[str, str]) -> None:
+    """The fork's body: detached as a new interpreter started with start_new_session, output and errors to the log,
+    then the module argv[0] as __main__ with sys.argv = argv. SIGTERM ends it through SystemExit, so its exit handlers
+    run (uvicorn raises the signal again after its graceful shutdown)."""
     os.setsid()
-    out = os.open(sink, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if isinstance(sink, str) else sink.fileno()
+    out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for stream in (1, 2):
         os.dup2(out, stream)
     os.close(out)
-    # Python's streams over them, buffered as a new interpreter's: lines at once under PYTHONUNBUFFERED (a trainer's
-    # lines through a pipe), stderr by line
+    # Python's streams over them, buffered as a new interpreter's (by line under PYTHONUNBUFFERED), stderr by line
     sys.stdout = open(1, "w", buffering=1 if environ.get("PYTHONUNBUFFERED") else -1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
     os.environ.clear()

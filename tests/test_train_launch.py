@@ -54,8 +54,7 @@ def train_run(overrides, log, on_metrics=None):
 
 
 def running(run_dir: Path) -> list[int]:
-    """Live processes whose command line names the run directory: the trainer, torchrun and its workers. A trainer
-    forked from the warm process carries the fork server's command line: its process group tells it (pgid_from)."""
+    """Live processes whose command line names the run directory: the trainer, torchrun and its workers."""
     pids = []
     for pid, (state, _, _) in process_table().items():
         try:
@@ -268,8 +267,7 @@ def test_train_streams_its_lines_and_every_metrics_record(micro_data, tmp_path):
     assert any(line.startswith('train: {"step": 1,') for line in lines) and "train: 6 steps done" in "\n".join(lines)
     assert records == metrics(run_dir) and [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
     [log_file] = (run_dir / "logs").glob("train-*.log")
-    assert "train: 6 steps done" in log_file.read_text() and not group_alive(pgid_from(lines))
-    assert "forked from the warm process" in next(line for line in lines if line.startswith("train: process group"))
+    assert "train: 6 steps done" in log_file.read_text() and not running(run_dir)
 
 
 def test_sigterm_to_the_trainer_stops_it_resumably_and_a_rerun_resumes(micro_data, tmp_path):  # noqa: F811
@@ -283,7 +281,7 @@ def test_sigterm_to_the_trainer_stops_it_resumably_and_a_rerun_resumes(micro_dat
     with pytest.raises(TrainingStopped, match="run it again to resume"):
         train_run(overrides, lines.append, stop_at_step_2)
     stopped_at = max(r["step"] for r in metrics(run_dir))
-    assert 2 <= stopped_at < 500 and not group_alive(pgid_from(lines))
+    assert 2 <= stopped_at < 500 and not running(run_dir)
     assert [p.name for p in (run_dir / "train" / "checkpoints").iterdir()] == [f"step-{stopped_at:07d}"]
     longer = [*overrides, f"training.max_steps={stopped_at + 3}"]
     resumed = []

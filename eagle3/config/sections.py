@@ -32,8 +32,8 @@ class RunSection(Section):
         default=None, ge=1, description="CPU threads (torch's OpenMP pool) of each busy job the run starts: a "
         "reference server, the trainer (split among its ranks). None: this machine's cores halved, as two jobs can be "
         "busy at once (the production server beside the trainer or a server under test). SGLang servers keep theirs")
-    warm_start: bool = Field(default=True, description="reference servers that end with the run and a one-process local "
-                             "trainer fork from a process that imported them (eagle3/warm.py); false: a new interpreter each")
+    warm_start: bool = Field(default=True, description="local reference servers that end with the run fork from one "
+                             "process that imported them (eagle3/warm.py: ~1 s a start, not ~9); false: a new interpreter each")
 
 
 class TargetSection(Section):

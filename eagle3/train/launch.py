@@ -32,7 +32,6 @@ from eagle3.config import PipelineConfig
 from eagle3.errors import Eagle3Error
 from eagle3.procs import ProcessTree, cpu_threads, timestamp, with_threads
 from eagle3.procs import GPU_QUERY, wait_gpus_free, wrap
-from eagle3.warm import RUN_MODULE, ForkedProcess, fork_module
 from eagle3.train.__main__ import STOPPED_BY_SIGTERM
 from eagle3.train.trainer import METRICS_FILE
 
@@ -177,11 +176,9 @@ def train(config: PipelineConfig, resolved: Path | str, log: Log,
     with open(log_path, "ab", buffering=0) as log_file:
         try:
             for command, prefix in zip(commands, prefixes):
-                warm = starts_warm(config, command)
-                process = start(command, child_env(config), warm)
+                process = start(command, child_env(config))
                 tree.add(process)
-                forked = ", forked from the warm process" if warm else ""
-                log(f"train: process group {process.pid}: {shlex.join(command)} (log {log_path}{forked})")
+                log(f"train: process group {process.pid}: {shlex.join(command)} (log {log_path})")
                 readers.append(read_output(process, prefix, log_file, recent, output))
             ended = relay(output, tree, log, metrics, on_metrics)
             hand_out(metrics, on_metrics)  # the records written since the last poll
@@ -202,16 +199,8 @@ def train(config: PipelineConfig, resolved: Path | str, log: Log,
     raise TrainingFailed(failure_message(code, list(recent), log_path))
 
 
-def starts_warm(config: PipelineConfig, command: list[str]) -> bool:
-    """The one trainer process of a local run, with this interpreter, forks from the warm process (run.warm_start):
-    torchrun's workers and other pythons start as new interpreters."""
-    return config.run.warm_start and config.training.launcher == "local" and command[:3] == [*RUN_MODULE, "eagle3.train"]
-
-
-def start(command: list[str], env: dict[str, str], warm: bool = False) -> subprocess.Popen | ForkedProcess:
+def start(command: list[str], env: dict[str, str]) -> subprocess.Popen:
     try:
-        if warm:
-            return fork_module(command, env=env)
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True)
     except OSError as err:

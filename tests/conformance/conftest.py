@@ -45,8 +45,6 @@ def release_runner(package: str):
         return answers[key]
 
     yield run
-    for child in children.values():  # all asked first: they exit side by side, not one after another
-        child.ask_to_exit()
     for child in children.values():
         child.close()
 
