@@ -35,7 +35,7 @@ CHECKS: dict[str, tuple[Code, ...]] = {
     ),
     "captured layers vs the data's": (
         Code.CAPTURED_LAYERS_MISMATCH, Code.CAPTURED_LAYERS, Code.AUX_IDS_MISSING, Code.AUX_IDS_TOP_LEVEL,
-        Code.AUX_IDS_INVALID, Code.AUX_IDS_AMBIGUOUS, Code.AUX_COUNT,
+        Code.AUX_IDS_INVALID, Code.AUX_IDS_AMBIGUOUS, Code.AUX_COUNT, Code.AUX_STATES_DIFFER,
     ),
     "EAGLE3, not EAGLE": (Code.EAGLE_NOT_EAGLE3, Code.CONFIG_ARCHITECTURE),
     "max_position_embeddings vs prompt lengths": (Code.CONTEXT_LENGTH,),

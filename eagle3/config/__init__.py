@@ -22,7 +22,9 @@ from eagle3.config.sections import (
     RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
 )
 from eagle3.errors import ConfigError, UnreadableInput
-from eagle3.formats.engines import FAMILY_DELEGATES_TO, aux_layers_problem, sglang_default_inputs
+from eagle3.formats.engines import (
+    FAMILY_DELEGATES_TO, aux_layers_problem, served_features_problem, sglang_default_inputs, sglang_ids_for_layers,
+)
 from eagle3.formats.target import read_target_info
 from eagle3.formats.target_files import (
     THINKING_SWITCHES, TOKENIZER_MODEL_FILES, chat_template_text, thinking_switches, untrusted_code_problem,
@@ -61,6 +63,7 @@ class PipelineConfig(Section):
         if problem := aux_layers_problem(self.data.aux_layers, n):
             source = f" (SGLang's default for a {n}-layer target)" if defaulted else ""
             raise ValueError(f"data.aux_layers{source} {problem}")
+        self._check_served_capture()
         training = self.training
         if training.features == "online" and self.data.capture_engine == "sglang" and training.nnodes > 1:
             raise ValueError(
@@ -90,6 +93,20 @@ class PipelineConfig(Section):
             raise ValueError("benchmark.suites names traffic, production's held-out request prompts: they come from "
                              "data.traffic; add that section or remove the suite")
         return self
+
+    def _check_served_capture(self) -> None:
+        """The export writes the ids that make the served SGLang release capture data.aux_layers on the target's model
+        file: a family or release it cannot serve, or one whose capture is not what the draft trains on, is refused
+        here, before any data is made, never at the export after training."""
+        family, layers, n = self.target.family, self.data.aux_layers, self.target.num_hidden_layers
+        release = self.serving.release if self.serving is not None else None
+        pair = f"target.family {family} on serving.release {release or '(not given: every release in the table)'}"
+        try:
+            sglang_ids_for_layers(layers, family, release, n)
+        except ValueError as err:
+            raise ValueError(f"{pair} cannot be served: {err}; see docs/contracts.md (target families)") from None
+        if self.data.capture_engine == "local" and (problem := served_features_problem(family, release)):
+            raise ValueError(f"{pair}: {problem}")
 
     def _check_replay(self) -> None:
         """The held-out greedy sequences are the benchmark's prompts, continued as far as it decodes: the replay

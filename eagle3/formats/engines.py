@@ -191,27 +191,48 @@ def loaded_name(name: str, rule: DraftLoaderRule, flags: set[str]) -> str | None
 #   unless_max_is_n - ids unchanged when max(ids) == n (id n = the last layer's output), else +1
 
 
+# What the capture loop records at a boundary. The data stage trains on transformers' hidden_states, the residual
+# stream; a loop that records something else hands the served draft other features than it was trained on.
+RESIDUAL_STREAM = "the residual stream (hidden_states + residual, what transformers' hidden_states hold)"
+BRANCH_ONLY = ("the previous layer's feed-forward branch alone (its hidden_states, without the residual it returns "
+               "beside them)")
+
+
 @dataclass(frozen=True)
 class AuxIdRule:
     families: frozenset[str]
     releases: ReleaseRange
     shift: str  # "always" | "if_first_is_one" | "unless_max_is_n"
     captures_last_output: bool = False  # id n captures the last layer's output (before the final norm)
+    records: str = RESIDUAL_STREAM
 
 
 _DEEPSEEK = frozenset({"deepseek_v2", "kimi_k25", "glm4_moe_lite"})  # kimi_k25 delegates to DeepseekV3
+_QWEN = frozenset({"qwen2", "qwen3", "qwen3_moe"})  # qwen3_moe's loop is Qwen2-MoE's
+# One row per (families, releases) whose rule or record differs; tests/conformance/test_aux_ids.py runs each release's
+# own model files against every row (docs/contracts.md: adding a family).
 AUX_ID_RULES = (
     AuxIdRule(frozenset({"llama"}), ReleaseRange("0.5.10", "0.5.23"), "always"),
+    AuxIdRule(_QWEN, ReleaseRange("0.5.11", "0.5.23"), "always"),
     AuxIdRule(_DEEPSEEK, ReleaseRange("0.5.10", "0.5.12"), "always"),
     AuxIdRule(_DEEPSEEK, ReleaseRange("0.5.13", "0.5.23"), "if_first_is_one"),
     AuxIdRule(frozenset({"gpt_oss"}), ReleaseRange("0.5.10", "0.5.16"), "always"),
     AuxIdRule(frozenset({"gpt_oss"}), ReleaseRange("0.5.17", "0.5.23"), "unless_max_is_n", captures_last_output=True),
+    # Gemma 3: no EAGLE-3 capture before 0.5.12. From 0.5.17 its decoder layer returns (branch, residual) apart and
+    # the loop appends only the branch.
+    AuxIdRule(frozenset({"gemma3"}), ReleaseRange("0.5.12", "0.5.16"), "always", captures_last_output=True),
+    AuxIdRule(frozenset({"gemma3"}), ReleaseRange("0.5.17", "0.5.23"), "always", captures_last_output=True,
+              records=BRANCH_ONLY),
 )
 KNOWN_FAMILIES = frozenset().union(*(rule.families for rule in AUX_ID_RULES))
 
 # Target config `architectures` -> the SGLang model file that serves it.
 ARCHITECTURE_FAMILY = {
     "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v2",
     "KimiK25ForConditionalGeneration": "kimi_k25",
@@ -306,6 +327,24 @@ def sglang_capture(ids: list[int] | None, family: str | None, release: str | Non
     if len(set(inputs)) < len(inputs):
         explanation += f"; the loop captures a repeated layer once (inputs {inputs})"
     return Capture("known", layers, explanation, lost)
+
+
+def served_features_problem(family: str, release: str | None) -> str | None:
+    """Why SGLang `release` (None: any release in the table) would hand a draft of `family` other aux states than the
+    residual stream the transformers features hold; None when it hands the same, or the pair is not in the table
+    (sglang_capture reports that)."""
+    rows = [rule for rule in AUX_ID_RULES if family in rule.families]
+    if release is not None:
+        rows = [rule for rule in rows if parse_release(release) in rule.releases]
+    differing = [rule for rule in rows if rule.records != RESIDUAL_STREAM]
+    if not differing:
+        return None
+    faithful = [str(rule.releases) for rule in AUX_ID_RULES if family in rule.families and rule.records == RESIDUAL_STREAM]
+    where = f"SGLang {release}" if release else f"SGLang {', '.join(str(rule.releases) for rule in differing)}"
+    return (f"{family} on {where} captures {differing[0].records} as each aux state, while drafts are trained on "
+            f"{RESIDUAL_STREAM}: serve with SGLang {' or '.join(faithful) or '(no release)'}"
+            f"{'' if release else ' and name it in serving.release'}, or capture the features through SGLang "
+            "(data.capture_engine: sglang) on the release you serve")
 
 
 def aux_layers_problem(layers: list[int], num_layers: int) -> str | None:

@@ -82,4 +82,6 @@ def read_data_capture(path: Path) -> dict:
         "num_hidden_layers": target.get("num_hidden_layers"),
         "hidden_size": target.get("hidden_size"),
         "family": target.get("family"),
+        "engine": capture.get("engine"),  # the feature backend: local (transformers) or sglang
+        "engine_release": capture.get("engine_release"),
     }

@@ -53,6 +53,7 @@ class ProblemCode(StrEnum):
     AUX_COUNT = "aux-count"  # the number of captured states is not fc's input width
     CAPTURED_LAYERS = "captured-layers"  # the captured layers could not be worked out
     CAPTURED_LAYERS_MISMATCH = "captured-layers-mismatch"  # SGLang captures other layers than the data's
+    AUX_STATES_DIFFER = "aux-states-differ"  # SGLang's capture records another state than the data's features
     # serving
     CONTEXT_LENGTH = "context-length"  # max_position_embeddings below the serving context
 

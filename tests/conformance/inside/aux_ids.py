@@ -56,11 +56,19 @@ FAMILIES = {
     "glm4_moe_lite": (("glm4_moe_lite", "Glm4MoeLiteForCausalLM"), ("glm4_moe_lite", "Glm4MoeLiteModel"),
                       ("glm4_moe_lite", "Glm4MoeLiteDecoderLayer")),
     "gpt_oss": (("gpt_oss", "GptOssForCausalLM"), ("gpt_oss", "GptOssModel"), ("gpt_oss", "GptOssDecoderLayer")),
+    "qwen2": (("qwen2", "Qwen2ForCausalLM"), ("qwen2", "Qwen2Model"), ("qwen2", "Qwen2DecoderLayer")),
+    "qwen3": (("qwen3", "Qwen3ForCausalLM"), ("qwen3", "Qwen3Model"), ("qwen3", "Qwen3DecoderLayer")),
+    "qwen3_moe": (("qwen3_moe", "Qwen3MoeForCausalLM"), ("qwen3_moe", "Qwen3MoeModel"),
+                  ("qwen3_moe", "Qwen3MoeDecoderLayer")),
+    "gemma3": (("gemma3_causal", "Gemma3ForCausalLM"), ("gemma3_causal", "Gemma3TextModel"),
+               ("gemma3_causal", "Gemma3DecoderLayer")),
 }
 KIMI_LANGUAGE_MODEL = ("deepseek_v2", "DeepseekV3ForCausalLM")
 
 # Names the DeepSeek-style loops hand the layers after `first_k_dense_replace` to under TBO.
 TBO_EXECUTORS = ("model_forward_maybe_tbo", "model_forward_stages")
+# Checks some loops make of the process-wide parallel config (Qwen2-MoE's from 0.5.17).
+CONTEXT_PARALLEL_CHECKS = ("is_prefill_context_parallel_enabled",)
 # Keyword names by which a loop hands a layer the place to put its captured input (0.5.16 onwards).
 CAPTURE_SINKS = ("captured_last_layer_outputs", "capture_output")
 
@@ -223,6 +231,7 @@ def _stand_in(family, causal_cls, model_cls, layer_cls, n, first_k):
     inner.layers_to_capture = []  # the value every release's __init__ starts with
     inner.embed_tokens = _embed
     inner.norm = _final_norm
+    inner.rotary_emb = inner.rotary_emb_local = _no_rotary  # Gemma 3 computes both in its loop, for the layers
     inner.layers = [_RecordingLayer(i, layer_cls) for i in range(n)]
     if "first_k_dense_replace" in inspect.getsource(model_cls.forward):  # the loops that split off TBO
         _deepseek_model_attributes(inner, config)
@@ -257,6 +266,10 @@ def _embed(input_ids):
     return torch.full((input_ids.shape[0], 1), EMBEDDING_VALUE)
 
 
+def _no_rotary(hidden_states, positions):
+    return None  # the recording layers apply no attention
+
+
 def _final_norm(hidden_states, residual=None, *args, **kwargs):
     # RMSNorm's fused-add call returns (normed, new residual); the sum stands in for both.
     if residual is None:
@@ -278,6 +291,8 @@ class _RecordingLayer:
         self.index = index
         self.parameters = _layer_parameters(layer_cls)
         self.signature = inspect.Signature(list(self.parameters.values()))
+        # A layer annotated as returning a tuple returns one even for a single value (Gemma 3's `(hidden_states,)`).
+        self.returns_tuple = str(inspect.signature(layer_cls.forward).return_annotation).lower().startswith("tuple")
         self.calls = []
         # Read by the TBO hand-off (`input_data_scatter_mode=layers[k - 1].layer_scatter_modes...`).
         self.layer_scatter_modes = SimpleNamespace(layer_output_mode=None)
@@ -300,11 +315,11 @@ class _RecordingLayer:
         outputs = []
         if "residual" in self.parameters:
             outputs += [torch.full_like(hidden, LAYER_HIDDEN), torch.full_like(hidden, entering + 1 - LAYER_HIDDEN)]
-        else:  # 0.5.23 layout: the residual lives in forward_batch.residual_stream; one complete value out
+        else:  # one complete value out (0.5.23's residual stream; Gemma 3's layers before 0.5.13)
             outputs.append(torch.full_like(hidden, entering + 1))
         if "prev_topk_indices" in self.parameters:
             outputs.append(None)  # DSA top-k indices; none without DSA
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        return outputs[0] if len(outputs) == 1 and not self.returns_tuple else tuple(outputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,7 +359,7 @@ def _forward(inner, n, can_run_tbo):
     sinks = sorted({c["sink"] for layer in inner.layers for c in layer.calls if c["sink"]})
     result["sink_layers"] = [layer.index for layer in inner.layers if any(c["sink"] for c in layer.calls)]
     result["capture_site"] = (f"layer i captures its own input: the loop passes {'/'.join(sinks)} when i in "
-                              "layers_to_capture" if sinks else "the forward appends hidden_states + residual itself")
+                              "layers_to_capture" if sinks else "the forward appends the state its loop holds itself")
     if all(isinstance(b, int) for b in result.get("captured", [])):
         # Whole numbers are sums hidden + residual at a boundary; one part alone would not be whole.
         result["records"] = "hidden_states + residual (boundary b = input of layer b = output of layer b-1)"
@@ -388,6 +403,11 @@ def _patched(inner, handed_off, replaced):
             saved[name] = namespace[name]
             namespace[name] = hand_off(name)
             replaced.append(f"{name} (TBO executor) -> recorder")
+    for name in CONTEXT_PARALLEL_CHECKS:  # read from the parallel config a launched server publishes; none here
+        if name in namespace:
+            saved[name] = namespace[name]
+            namespace[name] = lambda *args, **kwargs: False
+            replaced.append(f"{name} -> False (no context parallelism)")
     if "residual_batch" in namespace:
         saved["residual_batch"] = namespace["residual_batch"]
         namespace["residual_batch"] = _ResidualStreamStandIn
