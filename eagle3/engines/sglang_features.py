@@ -129,11 +129,14 @@ class SGLangFeatures:
 
     def close(self) -> None:
         from sglang.srt.distributed.parallel_state import destroy_model_parallel
+        from sglang.srt.eplb.expert_location import set_global_expert_location_metadata
 
         # The model-parallel groups go; SGLang's WORLD wraps the trainer's process group and stays (a later runner in
-        # this process reuses it).
+        # this process reuses it). An MoE target's expert placement is process-global and set once per runner: a
+        # later runner refuses to start while it is held.
         self.runner = None
         destroy_model_parallel()
+        set_global_expert_location_metadata(None, allow_overwrite=True)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -36,9 +36,11 @@ def _fresh_parallel_state() -> None:
     """Another probe in this child (loader.py) may have built SGLang's model-parallel groups: a process builds them
     once, so drop them first (their WORLD stays and is reused)."""
     from sglang.srt.distributed.parallel_state import destroy_model_parallel, model_parallel_is_initialized
+    from sglang.srt.eplb.expert_location import set_global_expert_location_metadata
 
     if model_parallel_is_initialized():
         destroy_model_parallel()
+    set_global_expert_location_metadata(None, allow_overwrite=True)  # left by an MoE runner that failed to start
 
 
 def run(job: dict) -> dict:
