@@ -32,6 +32,8 @@ def add_step_commands(commands) -> None:
     tiny = commands.add_parser("make-tiny-target", help="build (or reuse) the tiny CPU target model")
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--micro", action="store_true", help="the smaller, faster variant the tests use")
+    tiny.add_argument("--family", default="llama", help="the architecture, named by the SGLang model file that serves "
+                      "it: llama (default), qwen2, qwen3, qwen3_moe or gemma3")
     tiny.set_defaults(handler=run_make_tiny_target)
     target = commands.add_parser("make-target", help="a target directory (safetensors, tokenizer, chat template) "
                                  "from a GGUF chat model")
@@ -67,9 +69,9 @@ def add_step_commands(commands) -> None:
 
 
 def run_make_tiny_target(args: argparse.Namespace) -> int:
-    from eagle3.engines.tiny import MICRO, TINY, build_tiny_target
+    from eagle3.engines.tiny import MICRO, TINY, build_tiny_target, of_family
 
-    out = build_tiny_target(args.out, MICRO if args.micro else TINY)
+    out = build_tiny_target(args.out, of_family(MICRO if args.micro else TINY, args.family))
     print(f"tiny target ready at {out}")
     return EXIT_OK
 

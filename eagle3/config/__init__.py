@@ -260,6 +260,19 @@ def check_local_inputs(config: PipelineConfig) -> None:
 def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
     """Load a YAML config, apply `section.field=value` overrides, and validate the result."""
     path = Path(path)
+    raw = read_config_file(path)
+    overridden = set()
+    for item in overrides:
+        overridden.add(apply_override(raw, item))
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(describe_errors(path, err, overridden)) from None
+
+
+def read_config_file(path: Path, extended_by: tuple[Path, ...] = ()) -> dict:
+    """A config file's sections; with `extends: OTHER.yaml` (a path relative to the file), OTHER's sections with this
+    file's fields over them (configs/tiny-qwen3-cpu.yaml is tiny-cpu.yaml on another target)."""
     try:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
@@ -270,13 +283,25 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
         raise ConfigError(f"{path}: not valid YAML: {err}".replace("\n", " ")) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    overridden = set()
-    for item in overrides:
-        overridden.add(apply_override(raw, item))
-    try:
-        return PipelineConfig.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(describe_errors(path, err, overridden)) from None
+    base = raw.pop("extends", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: extends is {base!r}; write the path of the config it extends, e.g. tiny-cpu.yaml")
+    chain = (*extended_by, path.resolve())
+    base_path = path.parent / base
+    if base_path.resolve() in chain:
+        raise ConfigError(f"{path}: extends {base}, which extends {path.name} again: remove one of the two")
+    return merged_sections(read_config_file(base_path, chain), raw)
+
+
+def merged_sections(base: dict, own: dict) -> dict:
+    """`own` over `base`, field by field: a mapping merges into the base's mapping, any other value replaces it."""
+    merged = dict(base)
+    for key, value in own.items():
+        both_mappings = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = merged_sections(merged[key], value) if both_mappings else value
+    return merged
 
 
 def apply_override(raw: dict, item: str) -> str:

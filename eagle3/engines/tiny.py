@@ -1,4 +1,5 @@
-"""The project's own tiny target: a byte-level BPE and a small Llama trained on Python's reference manual.
+"""The project's own tiny target: a byte-level BPE and a small Llama (or another family SGLang serves with EAGLE-3:
+Qwen2, Qwen3, Qwen3-MoE, Gemma 3) trained on Python's reference manual.
 
 A real target needs a GPU, and a random-init one gives a draft nothing to learn (docs/pipeline.md). This one
 trains in minutes on two CPU cores and its greedy continuations read like the manual, so draft accuracy
@@ -19,7 +20,8 @@ from typing import Callable
 import torch
 from pydoc_data.topics import topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+import transformers
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from eagle3.errors import Eagle3Error
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest, write_manifest
@@ -42,6 +44,32 @@ WARMUP_STEPS = 20
 LOSS_WINDOW = 10  # the reported final loss averages the last steps: one batch's loss is noisy
 
 
+# family (SGLang's model file) -> transformers' config and model classes, and what the family's architecture adds to
+# a recipe's shape. Every family keeps its own form: Qwen3's per-head q/k norms, Qwen3-MoE's routed experts, Gemma 3's
+# tied head, sandwich norms and sliding-window layers.
+FAMILY_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                             "norm_topk_prob": True}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"tie_word_embeddings": True, "sliding_window": 32}),
+}
+
+
+def family_model(family: str, **shape) -> PreTrainedModel:
+    """A randomly initialised model of `family` with `shape` (vocab_size, hidden_size, intermediate_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, ... as transformers names them)."""
+    config_class, model_class, extra = FAMILY_ARCHITECTURES[family]
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]  # Qwen3 and Gemma 3 default to 128 / 256
+    fields = {"head_dim": head_dim, **shape, **extra}
+    if family == "qwen3_moe":
+        fields["moe_intermediate_size"] = shape["intermediate_size"] // fields["num_experts_per_tok"]
+    if family == "gemma3":
+        fields["query_pre_attn_scalar"] = head_dim
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
+
+
 @dataclass(frozen=True)
 class TinyRecipe:
     name: str
@@ -57,6 +85,7 @@ class TinyRecipe:
     max_heldout_loss: float  # a target above this on the held-out corpus tail is refused, never published
     learning_rate: float
     seed: int
+    family: str = "llama"
 
 
 # ~1.3 M parameters; ~11 k tokens/s on 2 cores: 450 steps in ~2.5 min, training loss ~2.5. The bar is far below
@@ -68,6 +97,15 @@ TINY = TinyRecipe(name="tiny", vocab_size=2048, hidden_size=128, intermediate_si
 MICRO = TinyRecipe(name="micro", vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, seq_len=64, batch_size=16,
                    max_steps=400, max_heldout_loss=4.0, learning_rate=3e-3, seed=0)
+
+
+def of_family(recipe: TinyRecipe, family: str) -> TinyRecipe:
+    """The recipe with another family's architecture (same shape, corpus, tokenizer and training)."""
+    if family not in FAMILY_ARCHITECTURES:
+        raise Eagle3Error(f"no tiny target of family {family!r}: choose one of {', '.join(FAMILY_ARCHITECTURES)}")
+    if family == recipe.family:
+        return recipe
+    return dataclasses.replace(recipe, name=f"{recipe.name}-{family.replace('_', '-')}", family=family)
 
 
 def corpus_text() -> str:
@@ -103,20 +141,19 @@ def corpus_ids(tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
     return torch.tensor(tokenizer(corpus_text(), add_special_tokens=False, verbose=False)["input_ids"])  # [tokens]
 
 
-def tiny_model(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+def tiny_model(recipe: TinyRecipe, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id)
-    config = LlamaConfig(vocab_size=recipe.vocab_size, hidden_size=recipe.hidden_size,
+    model = family_model(recipe.family, vocab_size=recipe.vocab_size, hidden_size=recipe.hidden_size,
                          intermediate_size=recipe.intermediate_size, num_hidden_layers=recipe.num_hidden_layers,
-                         num_attention_heads=recipe.num_attention_heads,
-                         num_key_value_heads=recipe.num_key_value_heads, max_position_embeddings=MAX_POSITIONS,
-                         rope_theta=10000.0, tie_word_embeddings=False, **special)
-    model = LlamaForCausalLM(config)
+                         num_attention_heads=recipe.num_attention_heads, num_key_value_heads=recipe.num_key_value_heads,
+                         max_position_embeddings=MAX_POSITIONS, rope_theta=10000.0, tie_word_embeddings=False,
+                         **special)
     model.generation_config = GenerationConfig(do_sample=False, **special)
     return model
 
 
-def train(model: LlamaForCausalLM, ids: torch.Tensor, recipe: TinyRecipe, progress: Callable[[str], None]) -> dict:
+def train(model: PreTrainedModel, ids: torch.Tensor, recipe: TinyRecipe, progress: Callable[[str], None]) -> dict:
     """AdamW on random corpus windows for exactly max_steps; warm-up, then cosine decay."""
     generator = torch.Generator().manual_seed(recipe.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
@@ -154,7 +191,7 @@ def train(model: LlamaForCausalLM, ids: torch.Tensor, recipe: TinyRecipe, progre
 
 
 @torch.no_grad()
-def heldout_loss(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int) -> float:
+def heldout_loss(model: PreTrainedModel, ids: torch.Tensor, seq_len: int) -> float:
     """Mean next-token loss over the corpus tail that training never saw, in windows of seq_len."""
     windows = ids[-HELD_OUT_TOKENS:].view(-1, seq_len)  # [windows, seq]
     return model(input_ids=windows, labels=windows).loss.item()

@@ -16,7 +16,7 @@ import transformers
 
 from eagle3.engines.features import TransformersFeatures, pad_rows
 from eagle3.formats import engines
-from family_targets import AUX_LAYERS, FAMILY_TARGETS, NUM_LAYERS, VOCAB, build_family_target
+from family_targets import AUX_LAYERS, FAMILIES, NUM_LAYERS, VOCAB, build_family_target
 
 RELEASE = "0.5.23"  # the release the model-runner backend supports (sglang_features.SUPPORTED_RELEASES)
 LENGTHS = (7, 2, 5)
@@ -37,7 +37,7 @@ def worst_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return max(float((ours[i, :n] - theirs[i, :n]).abs().max()) for i, n in enumerate(batch().lengths))
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILY_TARGETS))
+@pytest.fixture(scope="module", params=FAMILIES)
 def family_run(request, run_sglang, tmp_path_factory):
     """(family, target directory, SGLang's {"aux", "last"}) for the tiny target of one family."""
     family = request.param
