@@ -67,11 +67,13 @@ def write_target(path: Path, layers: int = TARGET_LAYERS, hidden: int = 32, voca
     return path
 
 
-def write_data_manifest(path: Path, aux_layers: list[int], layers: int = TARGET_LAYERS, family: str = "llama") -> Path:
+def write_data_manifest(path: Path, aux_layers: list[int], layers: int = TARGET_LAYERS, family: str = "llama",
+                        engine: str = "local", engine_release: str | None = None) -> Path:
     manifest = {
         "kind": "dataset",
         "target": {"family": family, "num_hidden_layers": layers, "hidden_size": 32, "vocab_size": TARGET_VOCAB},
-        "capture": {"aux_layers": aux_layers, "last_hidden": "post_norm"},
+        "capture": {"aux_layers": aux_layers, "last_hidden": "post_norm", "engine": engine,
+                    "engine_release": engine_release},
     }
     path.write_text(json.dumps(manifest))
     return path

@@ -17,7 +17,7 @@ import transformers
 
 import eagle3.engines.tiny
 import eagle3.formats.manifest
-from eagle3.engines.tiny import MICRO, build_tiny_target
+from eagle3.engines.tiny import MICRO, build_tiny_target, of_family
 
 # Test targets are pure functions of the builder's code, its recipe and the library versions (test_tiny_target
 # builds MICRO again and compares it bit for bit with the session's copy); EAGLE3_TEST_TARGETS moves the cache.
@@ -82,8 +82,15 @@ def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, key: s
     return out
 
 
+def micro_target_of(tmp_path_factory: pytest.TempPathFactory, family: str) -> Path:
+    """The MICRO recipe as `family`'s architecture (~35 s to build on one core), once per machine."""
+    recipe = of_family(MICRO, family)
+    key = build_key(repr(recipe), eagle3.engines.tiny, eagle3.formats.manifest)
+    name = "micro-target" if family == MICRO.family else f"{recipe.name}-target"
+    return once_per_session(tmp_path_factory, name, key,
+                            lambda out: build_tiny_target(out, recipe, progress=lambda line: None))
+
+
 @pytest.fixture(scope="session")
 def micro_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    key = build_key(repr(MICRO), eagle3.engines.tiny, eagle3.formats.manifest)
-    return once_per_session(tmp_path_factory, "micro-target", key,
-                            lambda out: build_tiny_target(out, MICRO, progress=lambda line: None))
+    return micro_target_of(tmp_path_factory, MICRO.family)

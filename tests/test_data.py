@@ -124,7 +124,7 @@ def test_capture_resumes_by_shard(micro_run):
 
 @pytest.mark.parametrize(
     ("override", "names"),
-    [("data.thinking=true", "thinking: data has False, config gives True"), ("target.family=deepseek_v2", "family")],
+    [("data.thinking=true", "thinking: data has False, config gives True"), ("target.family=qwen2", "family")],
 )
 def test_data_made_under_other_settings_is_refused(micro_run, override, names):
     config, _ = micro_run

@@ -295,3 +295,26 @@ def test_sampled_requests_answer_with_sglangs_meta_info_keys(micro, drafts):
             assert meta["spec_num_proposed_drafts"] == meta["spec_verify_ct"] * 7
         default = client.post("/generate", json={"input_ids": micro["prompts"][0]})  # SGLang's default: 1.0
         assert default.status_code == 200 and len(default.json()["output_ids"]) == 128
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_a_verify_forward_sees_what_the_targets_own_masks_let_it_see(family, tmp_path):
+    """A chain verified over a prefix longer than Gemma 3's sliding window scores each node as a plain causal forward
+    over prefix + chain does (an explicit mask replaces transformers' own, window included); Llama has no window."""
+    from family_targets import SHAPE, build_family_target
+    from eagle3.model.tree import DraftTree, tree_attention
+    from eagle3.serve.reference import verify_masks
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_family_target(tmp_path / family, family),
+                                                 dtype=torch.float32).eval()
+    window = getattr(model.config, "sliding_window", None)
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(6, SHAPE["vocab_size"], (3 * (window or 16),), generator=generator).tolist()
+    chain = DraftTree.chain(torch.randint(6, SHAPE["vocab_size"], (3,), generator=generator).tolist())
+    positions, visible = tree_attention(len(prefix), chain)
+    with torch.no_grad():
+        verified = model(torch.tensor([prefix + chain.tokens]), position_ids=positions[None],
+                         attention_mask=verify_masks(model, positions, visible)).logits[0]
+        plain = model(torch.tensor([prefix + chain.tokens])).logits[0]
+    assert torch.allclose(verified, plain, atol=1e-5), float((verified - plain).abs().max())

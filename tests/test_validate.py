@@ -269,6 +269,24 @@ def test_kimi_ids_copied_from_speculators_mismatch_on_0_5_12_only(tmp_path):
     assert codes(validate(draft, **common)) == {"aux-ids-ambiguous"}
 
 
+def test_gemma3_served_where_its_capture_is_the_feed_forward_branch_differs_from_the_data(tmp_path):
+    """Gemma 3 from 0.5.17 records the branch alone (docs/contracts.md): transformers features differ from what it
+    serves; features SGLang computed on the served release are what it serves."""
+    target = write_target(tmp_path / "gemma", architecture="Gemma3ForCausalLM")
+    draft = write_draft(tmp_path / "draft", layout="sglang", release="0.5.16", target_family="gemma3",
+                        aux_layers=GOOD_DATA_LAYERS)
+    transformers_data = write_data_manifest(tmp_path / "local.json", GOOD_DATA_LAYERS, family="gemma3")
+    common = dict(target=target, context_length=512)
+    assert validate(draft, release="0.5.16", data_manifest=transformers_data, **common).ok
+    branch = validate(draft, release="0.5.23", data_manifest=transformers_data, **common)
+    assert codes(branch) == {"aux-states-differ"}
+    assert "feed-forward branch" in branch.of("error")[0].message and "transformers" in branch.of("error")[0].message
+    on_0_5_23 = write_data_manifest(tmp_path / "sglang.json", GOOD_DATA_LAYERS, family="gemma3", engine="sglang",
+                                    engine_release="0.5.23")
+    assert validate(draft, release="0.5.23", data_manifest=on_0_5_23, **common).ok
+    assert codes(validate(draft, release="0.5.21", data_manifest=on_0_5_23, **common)) == {"aux-states-differ"}
+
+
 def test_aux_ids_repeated_or_out_of_range(good):
     edit_config(good["path"], eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 0, 1]})
     assert "aux-ids-invalid" in codes(run(good))

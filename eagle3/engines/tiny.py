@@ -39,6 +39,41 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 MAX_POSITIONS = 2048
+
+
+@dataclass(frozen=True)
+class ChatMarkup:
+    """A family's chat form, as its published tokenizers write it: the special tokens, the BOS (None: the family has
+    none), the token a turn ends with (generation stops on it), the padding token, and the chat template."""
+
+    special_tokens: tuple[str, ...]
+    bos: str | None
+    end: str
+    pad: str
+    template: str
+
+
+PROJECT_CHAT = ChatMarkup(tuple(SPECIAL_TOKENS), BOS, END, PAD, CHAT_TEMPLATE)
+_CHATML_TURNS = ("{% for message in messages %}"
+                 "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+                 "{% endfor %}")
+_CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN2_CHAT = ChatMarkup(_CHATML_SPECIALS, None, "<|im_end|>", "<|endoftext|>",
+                        _CHATML_TURNS + "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Qwen3 thinks unless enable_thinking is false, which opens the reply with an empty think block
+QWEN3_CHAT = ChatMarkup(_CHATML_SPECIALS, None, "<|im_end|>", "<|endoftext|>", _CHATML_TURNS + (
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"))
+# Gemma: a BOS, turns between <start_of_turn> and <end_of_turn>, the assistant's role named `model`
+GEMMA3_CHAT = ChatMarkup(("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"), "<bos>", "<end_of_turn>",
+                         "<pad>", (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' "
+    "+ message['content'] + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"))
+FAMILY_CHAT = {"llama": PROJECT_CHAT, "qwen2": QWEN2_CHAT, "qwen3": QWEN3_CHAT, "qwen3_moe": QWEN3_CHAT,
+               "gemma3": GEMMA3_CHAT}
 HELD_OUT_TOKENS = 4096  # the corpus tail is never trained on, so it can measure what the model learned
 WARMUP_STEPS = 20
 LOSS_WINDOW = 10  # the reported final loss averages the last steps: one batch's loss is noisy
@@ -124,16 +159,17 @@ def recipe_hash(recipe: TinyRecipe) -> str:
     return digest.hexdigest()
 
 
-def train_tokenizer(text: str, vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE: every string encodes, and BPE training has no randomness (same text, same merges)."""
+def train_tokenizer(text: str, vocab_size: int, chat: ChatMarkup = PROJECT_CHAT) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with `chat`'s special tokens and template: every string encodes, and BPE training has no
+    randomness (same text, same merges)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(chat.special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator([text], trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=END, pad_token=PAD,
-                                   chat_template=CHAT_TEMPLATE, model_max_length=MAX_POSITIONS)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=chat.bos, eos_token=chat.end,
+                                   pad_token=chat.pad, chat_template=chat.template, model_max_length=MAX_POSITIONS)
 
 
 def corpus_ids(tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
@@ -206,7 +242,7 @@ def build_tiny_target(out_dir: Path, recipe: TinyRecipe = TINY, progress: Callab
         return out_dir
     progress(f"building the {recipe.name} target into {out_dir} ({recipe.max_steps} training steps)")
     torch.manual_seed(recipe.seed)
-    tokenizer = train_tokenizer(corpus_text(), recipe.vocab_size)
+    tokenizer = train_tokenizer(corpus_text(), recipe.vocab_size, FAMILY_CHAT[recipe.family])
     model = tiny_model(recipe, tokenizer)
     ids = corpus_ids(tokenizer)
     stats = train(model, ids[:-HELD_OUT_TOKENS], recipe, progress)

@@ -65,13 +65,28 @@ def target_forward(served: Served, ids: list[int], tree: DraftTree | None = None
     extra = {}
     if tree is not None and tree.tokens:
         positions, visible = tree_attention(len(ids), tree)
-        dtype = served.target.dtype  # the mask is added to the scores, in the target's precision
-        blocked = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
-        extra = {"position_ids": positions[None], "attention_mask": blocked[None, None]}  # [1, 1, T + N, T + N]
+        extra = {"position_ids": positions[None], "attention_mask": verify_masks(served.target, positions, visible)}
         ids = ids + tree.tokens
     out = served.target(torch.tensor([ids]), output_hidden_states=layers is not None, **extra)
     aux = aux_states(out.hidden_states, layers)[0].float() if layers else None
     return out.logits[0].float(), aux
+
+
+def verify_masks(target, positions: torch.Tensor, visible: torch.Tensor):
+    """The additive mask [1, 1, T + N, T + N] for `visible` [T + N, T + N], which transformers applies as given. An
+    explicit mask replaces the one transformers would build, sliding window included: a target with sliding-window
+    layers (Gemma 3; Qwen2 with use_sliding_window) gets a mask per layer type, those layers seeing only the keys less
+    than sliding_window positions back, as its own masks do."""
+    dtype = target.dtype  # the mask is added to the scores, in the target's precision
+
+    def additive(seen: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)[None, None]
+
+    layer_types = set(getattr(target.config, "layer_types", None) or ())
+    if "sliding_attention" not in layer_types:
+        return additive(visible)
+    within = positions[:, None] - positions[None, :] < target.config.sliding_window  # [T + N, T + N]
+    return {"full_attention": additive(visible), "sliding_attention": additive(visible & within)}
 
 
 def next_token(served: Served, logits: torch.Tensor, temperature: float) -> int:
