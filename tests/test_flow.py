@@ -392,13 +392,15 @@ def test_a_kimi_kind_tied_target_goes_through_the_whole_flow_to_a_promotion(pref
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_tiny_target_of_each_family_goes_through_the_whole_flow_to_a_promotion(prefect_api, tmp_path_factory,
                                                                                  family):
-    """The MICRO recipe as Qwen2, Qwen3, Qwen3-MoE and Gemma 3 (tied head): its shipped config's family and release,
-    regenerate, train, export for that family's SGLang file, serve, gate; simulated = served on the same draft."""
+    """The MICRO recipe as Qwen2, Qwen3, Qwen3-MoE, Gemma 3 (tied head) and DeepSeek-V2 (MLA), with its shipped config's
+    family, release and aux layers: regenerate, train, export for that family's SGLang file, serve, gate; simulated =
+    served on the same draft."""
     target = micro_target_of(tmp_path_factory, family)
     run_dir = tmp_path_factory.mktemp(f"{family}-flow")
     shipped = load_config(ROOT / "configs" / f"tiny-{family.replace('_', '-')}-cpu.yaml")
     overrides = micro_run_overrides(run_dir, target) + [
-        f"target.family={family}", f"serving.release={shipped.serving.release}", "benchmark.suites=[heldout]",
+        f"target.family={family}", f"serving.release={shipped.serving.release}",
+        f"data.aux_layers={shipped.data.aux_layers}", "benchmark.suites=[heldout]",
         # these micro targets answer with newlines more than the Llama one (Qwen3-MoE and Gemma 3: 42-44 % of the
         # generated tokens measured): the check that measures it is waived, this test is about the family
         "data.quality.waive=[empty-replies, duplicate-replies, repeated-token, looping]"]

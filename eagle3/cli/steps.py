@@ -33,7 +33,7 @@ def add_step_commands(commands) -> None:
     tiny.add_argument("out", type=Path)
     tiny.add_argument("--micro", action="store_true", help="the smaller, faster variant the tests use")
     tiny.add_argument("--family", default="llama", help="the architecture, named by the SGLang model file that serves "
-                      "it: llama (default), qwen2, qwen3, qwen3_moe or gemma3")
+                      "it: llama (default), qwen2, qwen3, qwen3_moe, gemma3 or deepseek_v2")
     tiny.set_defaults(handler=run_make_tiny_target)
     target = commands.add_parser("make-target", help="a target directory (safetensors, tokenizer, chat template) "
                                  "from a GGUF chat model")

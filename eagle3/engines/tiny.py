@@ -1,5 +1,5 @@
 """The project's own tiny target: a byte-level BPE and a small Llama (or another family SGLang serves with EAGLE-3:
-Qwen2, Qwen3, Qwen3-MoE, Gemma 3) trained on Python's reference manual.
+Qwen2, Qwen3, Qwen3-MoE, Gemma 3, DeepSeek-V2) trained on Python's reference manual.
 
 A real target needs a GPU, and a random-init one gives a draft nothing to learn (docs/pipeline.md). This one
 trains in minutes on two CPU cores and its greedy continuations read like the manual, so draft accuracy
@@ -73,7 +73,7 @@ GEMMA3_CHAT = ChatMarkup(("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of
     "+ message['content'] + '<end_of_turn>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"))
 FAMILY_CHAT = {"llama": PROJECT_CHAT, "qwen2": QWEN2_CHAT, "qwen3": QWEN3_CHAT, "qwen3_moe": QWEN3_CHAT,
-               "gemma3": GEMMA3_CHAT}
+               "gemma3": GEMMA3_CHAT, "deepseek_v2": PROJECT_CHAT}
 HELD_OUT_TOKENS = 4096  # the corpus tail is never trained on, so it can measure what the model learned
 WARMUP_STEPS = 20
 LOSS_WINDOW = 10  # the reported final loss averages the last steps: one batch's loss is noisy
@@ -89,6 +89,13 @@ FAMILY_ARCHITECTURES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                              "norm_topk_prob": True}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"tie_word_embeddings": True, "sliding_window": 32}),
+    # DeepSeek-V2: MLA attention, a dense first layer, then routed and shared experts; the fields SGLang's
+    # deepseek_v2.py reads that transformers' config lacks (moe_layer_freq, scoring_func), and YaRN rope scaling
+    # (its CPU rotary embedding asserts one), as DeepSeek's own configs carry them
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        "q_lora_rank": None, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
+        "scoring_func": "softmax", "routed_scaling_factor": 1.0}),
 }
 
 
@@ -102,6 +109,14 @@ def family_model(family: str, **shape) -> PreTrainedModel:
         fields["moe_intermediate_size"] = shape["intermediate_size"] // fields["num_experts_per_tok"]
     if family == "gemma3":
         fields["query_pre_attn_scalar"] = head_dim
+    if family == "deepseek_v2":  # every head attends over the shared latent: as many kv heads as heads
+        fields.update(kv_lora_rank=2 * head_dim, qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2,
+                      v_head_dim=head_dim, num_key_value_heads=shape["num_attention_heads"],
+                      moe_intermediate_size=shape["intermediate_size"] // fields["num_experts_per_tok"],
+                      rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                                    "original_max_position_embeddings": shape["max_position_embeddings"] // 4,
+                                    "mscale": 1.0, "mscale_all_dim": 1.0})
+        del fields["head_dim"]
     return getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
 
 

@@ -2,10 +2,7 @@
 target of that family, against the features the data stage trains on (transformers' hidden states). Where the aux-id
 table says the release records the residual stream, the two agree to rounding; where it says the loop records
 something else (Gemma 3 from 0.5.17), the run shows what: the previous layer's feed-forward branch, exactly.
-
-DeepSeek-V2 is left to the stand-in probe (test_aux_ids.py, every release): 0.5.23's DeepSeek file runs a prefill
-through the MHA path, which reads the MLA latent cache as keys under the CPU's torch_native attention backend (a
-shape error at the first layer), and its CPU rotary embedding asserts a YaRN rope_scaling.
+Every release's capture rule and loop (with stand-in layers) is test_aux_ids.py's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Probe: eagle3.engines.sglang_features.SGLangFeatures, run on this release's own model runner on the CPU.
+"""Probe: eagle3.engines.sglang_features.SGLangFeatures, run on this release's own model runner on the CPU (DeepSeek
+targets through the release's absorbed-MLA attention path: see _mla_prefill_on_torch_native).
 
 job = {"target": directory of the target, "family", "num_hidden_layers", "aux_layers", "rows": token rows (lists of
 ints), "slices": {label: [start, stop] | null (all rows)}, "out": path to write the tensors to}.
@@ -43,10 +44,24 @@ def _fresh_parallel_state() -> None:
     set_global_expert_location_metadata(None, allow_overwrite=True)  # left by an MoE runner that failed to start
 
 
+def _mla_prefill_on_torch_native() -> None:
+    """0.5.23 registers no DeepSeek attention handler for torch_native, so the DeepSeek file falls back to Triton's,
+    which sends a fresh prefill down the MHA path; torch_native then reads the MLA latent cache as the keys (a shape
+    error at the first layer). Registered instead: the release's own MLA dispatch (`_dispatch_mla_subtype`, the
+    absorbed path every backend takes for decode), the same attention in the latent space."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry, _dispatch_mla_subtype,
+    )
+
+    AttentionBackendRegistry.register("torch_native", _dispatch_mla_subtype)
+
+
 def run(job: dict) -> dict:
     from eagle3.engines.features import pad_rows
     from eagle3.engines.sglang_features import SGLangFeatures
 
+    if job["family"] == "deepseek_v2":
+        _mla_prefill_on_torch_native()
     _gloo_group()
     _fresh_parallel_state()
     started = time.perf_counter()
