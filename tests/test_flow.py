@@ -380,6 +380,11 @@ def test_a_kimi_kind_tied_target_goes_through_the_whole_flow_to_a_promotion(pref
                                                              "data.quality.waive=[looping]",
                                                              # loading the target is the point: one suite
                                                              "benchmark.suites=[heldout]"]
+    promoted_with_simulated_equal_to_served(overrides)
+
+
+def promoted_with_simulated_equal_to_served(overrides: list[str]) -> None:
+    """Runs the flow: the draft is promoted, and served acceptance equals the simulated one."""
     ensure_registry_limit(CONFIG, overrides)
     outcome = run_flow(overrides)
     state = outcome.state
@@ -404,14 +409,8 @@ def test_a_tiny_target_of_each_family_goes_through_the_whole_flow_to_a_promotion
         # these micro targets answer with newlines more than the Llama one (Qwen3-MoE and Gemma 3: 42-44 % of the
         # generated tokens measured): the check that measures it is waived, this test is about the family
         "data.quality.waive=[empty-replies, duplicate-replies, repeated-token, looping]"]
-    ensure_registry_limit(CONFIG, overrides)
-    outcome = run_flow(overrides)
-    state = outcome.state
-    assert state.is_completed() and state.name == "Completed", state.message
-    assert outcome.after == state.result() and outcome.events[-1] == "promoted"
-    manifest = open_registry(load_config(CONFIG, overrides).registry).manifest(state.result())
-    assert manifest["metrics"]["served"]["accept_length"] == pytest.approx(manifest["metrics"]["simulated"]["accept_length"])
     assert read_target_info(target).family == family
+    promoted_with_simulated_equal_to_served(overrides)
 
 
 def degraded_events(resource: str, expected: int, timeout_s: float = 60.0) -> list[dict]:
