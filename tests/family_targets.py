@@ -11,6 +11,9 @@ import torch
 from eagle3.engines.tiny import FAMILY_ARCHITECTURES, family_model
 
 FAMILIES = sorted(set(FAMILY_ARCHITECTURES) - {"llama"})  # Llama: the micro target (conformance/test_features.py)
+# The shipped CPU config of each family: configs/tiny-cpu.yaml on that family's tiny target
+FAMILY_CONFIGS = {family: Path(__file__).parent.parent / "configs" / f"tiny-{family.replace('_', '-')}-cpu.yaml"
+                  for family in FAMILIES}
 NUM_LAYERS = 5
 AUX_LAYERS = [1, 2, 3]
 VOCAB = 512

@@ -34,11 +34,11 @@ from eagle3.runs import retrain_runs
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.stages import IN_PROGRESS, TOKEN_FILE, marker, output_of
 from flows.eagle3 import eagle3, ensure_registry_limit
-from family_targets import FAMILIES
+from family_targets import FAMILIES, FAMILY_CONFIGS
 from fixtures_tiny import micro_target_of
 from kimi_target import VOCAB_SIZE as KIMI_VOCAB
 from ports import free_port
-from test_config import ROOT, TINY
+from test_config import TINY
 from test_data import micro_overrides
 from test_runs import make_run
 
@@ -85,10 +85,10 @@ class Outcome(NamedTuple):
     events: list[str]  # the registry's history, oldest first
 
 
-def run_flow(overrides: list[str], *extra: str) -> Outcome:
-    registry = open_registry(load_config(CONFIG, overrides).registry)
+def run_flow(overrides: list[str], *extra: str, config: str = CONFIG) -> Outcome:
+    registry = open_registry(load_config(config, overrides).registry)
     before = registry.production_version()
-    state = eagle3(CONFIG, [*overrides, *extra], return_state=True)
+    state = eagle3(config, [*overrides, *extra], return_state=True)
     return Outcome(state, before, registry.production_version(), [e["event"] for e in registry.history()])
 
 
@@ -383,34 +383,32 @@ def test_a_kimi_kind_tied_target_goes_through_the_whole_flow_to_a_promotion(pref
     promoted_with_simulated_equal_to_served(overrides)
 
 
-def promoted_with_simulated_equal_to_served(overrides: list[str]) -> None:
+def promoted_with_simulated_equal_to_served(overrides: list[str], config: str = CONFIG) -> None:
     """Runs the flow: the draft is promoted, and served acceptance equals the simulated one."""
-    ensure_registry_limit(CONFIG, overrides)
-    outcome = run_flow(overrides)
+    ensure_registry_limit(config, overrides)
+    outcome = run_flow(overrides, config=config)
     state = outcome.state
     assert state.is_completed() and state.name == "Completed", state.message
     assert outcome.after == state.result() and outcome.events[-1] == "promoted"
-    metrics = open_registry(load_config(CONFIG, overrides).registry).manifest(state.result())["metrics"]
+    metrics = open_registry(load_config(config, overrides).registry).manifest(state.result())["metrics"]
     assert metrics["served"]["accept_length"] == pytest.approx(metrics["simulated"]["accept_length"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_tiny_target_of_each_family_goes_through_the_whole_flow_to_a_promotion(prefect_api, tmp_path_factory,
                                                                                  family):
-    """The MICRO recipe as Qwen2, Qwen3, Qwen3-MoE, Gemma 3 (tied head) and DeepSeek-V2 (MLA), with its shipped config's
-    family, release and aux layers: regenerate, train, export for that family's SGLang file, serve, gate; simulated =
-    served on the same draft."""
+    """The family's shipped config (tiny-F-cpu.yaml: its family, release and aux layers) on the MICRO recipe as Qwen2,
+    Qwen3, Qwen3-MoE, Gemma 3 (tied head) and DeepSeek-V2 (MLA): regenerate, train, export for that family's SGLang
+    file, serve, gate; simulated = served on the same draft."""
     target = micro_target_of(tmp_path_factory, family)
     run_dir = tmp_path_factory.mktemp(f"{family}-flow")
-    shipped = load_config(ROOT / "configs" / f"tiny-{family.replace('_', '-')}-cpu.yaml")
     overrides = micro_run_overrides(run_dir, target) + [
-        f"target.family={family}", f"serving.release={shipped.serving.release}",
-        f"data.aux_layers={shipped.data.aux_layers}", "benchmark.suites=[heldout]",
+        "benchmark.suites=[heldout]",
         # these micro targets answer with newlines more than the Llama one (Qwen3-MoE and Gemma 3: 42-44 % of the
         # generated tokens measured): the check that measures it is waived, this test is about the family
         "data.quality.waive=[empty-replies, duplicate-replies, repeated-token, looping]"]
     assert read_target_info(target).family == family
-    promoted_with_simulated_equal_to_served(overrides)
+    promoted_with_simulated_equal_to_served(overrides, str(FAMILY_CONFIGS[family]))
 
 
 def degraded_events(resource: str, expected: int, timeout_s: float = 60.0) -> list[dict]:

@@ -10,10 +10,9 @@ from eagle3.config import check_target_facts, load_config
 from eagle3.engines.tiny import FAMILY_ARCHITECTURES, MICRO, of_family
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.formats.target import read_target_info
-from family_targets import FAMILIES, build_family_target
+from family_targets import FAMILIES, FAMILY_CONFIGS, build_family_target
 from test_config import ROOT, TINY
 
-FAMILY_CONFIGS = {family: ROOT / "configs" / f"tiny-{family.replace('_', '-')}-cpu.yaml" for family in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

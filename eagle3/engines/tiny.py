@@ -79,44 +79,52 @@ WARMUP_STEPS = 20
 LOSS_WINDOW = 10  # the reported final loss averages the last steps: one batch's loss is noisy
 
 
-# family (SGLang's model file) -> transformers' config and model classes, and what the family's architecture adds to
-# a recipe's shape. Every family keeps its own form: Qwen3's per-head q/k norms, Qwen3-MoE's routed experts, Gemma 3's
-# tied head, sandwich norms and sliding-window layers.
+# What each family adds to a shape (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+# num_attention_heads, num_key_value_heads, ... as transformers names them), given its head size. Every family keeps
+# its own form: Qwen3's per-head q/k norms, Qwen3-MoE's routed experts, Gemma 3's tied head, sandwich norms and
+# sliding-window layers, DeepSeek-V2's MLA attention, dense first layer and routed + shared experts.
+def _heads(shape: dict, head_dim: int) -> dict:
+    return {"head_dim": head_dim}  # Qwen3 and Gemma 3 would default to 128 / 256
+
+
+def _qwen3_moe(shape: dict, head_dim: int) -> dict:
+    return {"head_dim": head_dim, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+            "moe_intermediate_size": shape["intermediate_size"] // 2}
+
+
+def _gemma3(shape: dict, head_dim: int) -> dict:
+    return {"head_dim": head_dim, "query_pre_attn_scalar": head_dim, "tie_word_embeddings": True, "sliding_window": 32}
+
+
+def _deepseek_v2(shape: dict, head_dim: int) -> dict:
+    """Every head attends over one shared latent (as many kv heads as heads). Beside transformers' fields: the ones
+    SGLang's deepseek_v2.py reads that transformers' config lacks (moe_layer_freq, scoring_func), and YaRN rope
+    scaling (its CPU rotary embedding asserts one), as DeepSeek's own configs carry them."""
+    return {"kv_lora_rank": 2 * head_dim, "q_lora_rank": None, "qk_nope_head_dim": head_dim,
+            "qk_rope_head_dim": head_dim // 2, "v_head_dim": head_dim, "num_key_value_heads": shape["num_attention_heads"],
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+            "moe_intermediate_size": shape["intermediate_size"] // 2, "moe_layer_freq": 1, "n_group": 1,
+            "topk_group": 1, "topk_method": "greedy", "scoring_func": "softmax", "routed_scaling_factor": 1.0,
+            "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                             "original_max_position_embeddings": shape["max_position_embeddings"] // 4,
+                             "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+# family (SGLang's model file) -> transformers' config and model classes, and what the family adds to a shape
 FAMILY_ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
-                                                             "norm_topk_prob": True}),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"tie_word_embeddings": True, "sliding_window": 32}),
-    # DeepSeek-V2: MLA attention, a dense first layer, then routed and shared experts; the fields SGLang's
-    # deepseek_v2.py reads that transformers' config lacks (moe_layer_freq, scoring_func), and YaRN rope scaling
-    # (its CPU rotary embedding asserts one), as DeepSeek's own configs carry them
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
-        "q_lora_rank": None, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-        "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "greedy",
-        "scoring_func": "softmax", "routed_scaling_factor": 1.0}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _heads),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _heads),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _heads),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _qwen3_moe),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", _deepseek_v2),
 }
 
 
 def family_model(family: str, **shape) -> PreTrainedModel:
-    """A randomly initialised model of `family` with `shape` (vocab_size, hidden_size, intermediate_size,
-    num_hidden_layers, num_attention_heads, num_key_value_heads, ... as transformers names them)."""
-    config_class, model_class, extra = FAMILY_ARCHITECTURES[family]
-    head_dim = shape["hidden_size"] // shape["num_attention_heads"]  # Qwen3 and Gemma 3 default to 128 / 256
-    fields = {"head_dim": head_dim, **shape, **extra}
-    if family == "qwen3_moe":
-        fields["moe_intermediate_size"] = shape["intermediate_size"] // fields["num_experts_per_tok"]
-    if family == "gemma3":
-        fields["query_pre_attn_scalar"] = head_dim
-    if family == "deepseek_v2":  # every head attends over the shared latent: as many kv heads as heads
-        fields.update(kv_lora_rank=2 * head_dim, qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2,
-                      v_head_dim=head_dim, num_key_value_heads=shape["num_attention_heads"],
-                      moe_intermediate_size=shape["intermediate_size"] // fields["num_experts_per_tok"],
-                      rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
-                                    "original_max_position_embeddings": shape["max_position_embeddings"] // 4,
-                                    "mscale": 1.0, "mscale_all_dim": 1.0})
-        del fields["head_dim"]
+    """A randomly initialised model of `family` with `shape` (what the family adds goes over it)."""
+    config_class, model_class, added = FAMILY_ARCHITECTURES[family]
+    fields = {**shape, **added(shape, shape["hidden_size"] // shape["num_attention_heads"])}
     return getattr(transformers, model_class)(getattr(transformers, config_class)(**fields))
 
 

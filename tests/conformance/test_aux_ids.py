@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3.formats import engines
+from inside.aux_ids import LAYER_HIDDEN  # what a recording layer returns as its hidden_states beside the residual
 from releases import RELEASES
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "deepseek_v2", "kimi_k25", "glm4_moe_lite", "gpt_oss")
@@ -13,7 +14,6 @@ IDS = {
     61: [None, [0, 1, 2], [1, 29, 57], [2, 30, 58], [0, 30, 59], [1, 30, 60], [1, 30, 61], [2, 30, 61]],
     4: [None, [0, 1, 2], [1, 2, 3], [0, 2, 3], [2, 3], [1, 2, 4]],
 }
-LAYER_HIDDEN = 0.75  # what a recording layer returns as its hidden_states beside the residual (inside/aux_ids.py)
 # Kimi-K2.5 and DeepSeek-V3 keep their first layer dense; the overlap path starts after it.
 FIRST_K_DENSE = 1
 CASES = [{"family": family, "num_layers": n, "ids": ids, "first_k_dense_replace": FIRST_K_DENSE}

@@ -60,8 +60,7 @@ def run(job: dict) -> dict:
     from eagle3.engines.features import pad_rows
     from eagle3.engines.sglang_features import SGLangFeatures
 
-    if job["family"] == "deepseek_v2":
-        _mla_prefill_on_torch_native()
+    _mla_prefill_on_torch_native()  # read by the DeepSeek-style files only
     _gloo_group()
     _fresh_parallel_state()
     started = time.perf_counter()
