@@ -444,3 +444,39 @@ def test_absolute_d2t_simulates_at_baseline(trained, micro_target, tmp_path):
     n = served.completion_tokens / len(served.rows)
     assert served.accept_length > 1.3
     assert baseline.accept_length < 1.1 * n / (n - 1)  # ~ never accepted
+
+
+def test_eagle31_norms_train_export_and_load_as_trained(micro_data, tmp_path, micro_target):
+    """fc_norm, norm_before_fc and norm_output: trained, exported for a release that serves all three, and read back as
+    SGLang loads them with identical logits; a release that would skip one refuses the config and the export."""
+    norms = ["draft.fc_norm=true", "draft.norm_before_fc=true", "draft.norm_output=true"]
+    overrides, run_dir = run_copy(micro_data, tmp_path, "norms", [*norms, "serving.release=0.5.17",
+                                                                  "training.max_steps=20", "training.eval_every=20"])
+    Trainer(load_config(TINY, overrides), log=lambda line: None).run()
+    lines = [m for m in metrics(run_dir) if "loss" in m]
+    assert lines[-1]["loss"] < 0.8 * lines[0]["loss"]
+    final = run_dir / "train" / "final"
+    assert {"fc_norm.0.weight", "input_norm.weight"} <= set(load_native(final).tensors)
+    convert(final, run_dir / "export-sglang", to="sglang", release="0.5.17")
+    embed = target_head(micro_target)["embed"]
+    trained_model, served = draft_from_native(load_native(final), embed), draft_as_served(run_dir / "export-sglang",
+                                                                                          "0.5.17", embed)
+    assert served.config.flags() == ["fc_norm", "norm_output", "norm_before_fc"]
+    aux, ids = torch.randn(1, 20, 3 * 64), torch.randint(0, 512, (1, 20))
+    for a, b in zip(ttt_forward(trained_model, aux, ids, 3), ttt_forward(served, aux, ids, 3)):
+        assert torch.equal(a, b)
+    with pytest.raises(Eagle3Error, match="norm_before_fc"):
+        convert(final, tmp_path / "old", to="sglang", release="0.5.13")
+    with pytest.raises(Eagle3Error, match=r"SGLang 0\.5\.13 does not implement norm_before_fc \(served from 0\.5\.17\)"):
+        load_config(TINY, [*overrides, "serving.release=0.5.13"])
+
+
+def test_norm_output_carries_the_normed_state_and_the_head_reads_it_once():
+    model = tiny_draft()
+    plain = tiny_draft()
+    model.config = model.config.model_copy(update={"norm_output": True})
+    hidden, attended = torch.randn(1, 5, 32), torch.randn(1, 5, 32)
+    carried, logits = model.finish(hidden, attended)
+    h, plain_logits = plain.finish(hidden, attended)
+    torch.testing.assert_close(carried, plain.norm(h))
+    torch.testing.assert_close(logits, plain_logits)  # the same head input either way

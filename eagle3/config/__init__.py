@@ -13,17 +13,19 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
+from eagle3.config.draft import DraftSection
 from eagle3.config.monitor import MonitorSection
 from eagle3.config.node import NodeSection
 from eagle3.config.production import ProductionSection
 from eagle3.config.suites import MTBENCH, TRAFFIC, mtbench_file
 from eagle3.config.sections import (
-    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, DraftSection, ExportSection, GateSection, RegistrySection,
+    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, ExportSection, GateSection, RegistrySection,
     RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
 )
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.formats.engines import (
-    FAMILY_DELEGATES_TO, aux_layers_problem, served_features_problem, sglang_default_inputs, sglang_ids_for_layers,
+    FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, served_draft_problem, served_features_problem,
+    sglang_default_inputs, sglang_ids_for_layers,
 )
 from eagle3.formats.target import read_target_info
 from eagle3.formats.target_files import (
@@ -107,6 +109,10 @@ class PipelineConfig(Section):
             raise ValueError(f"{pair} cannot be served: {err}; see docs/contracts.md (target families)") from None
         if self.data.capture_engine == "local" and (problem := served_features_problem(family, release)):
             raise ValueError(f"{pair}: {problem}")
+        draft = self.draft
+        switches = [name for name in FLAG_CONFIG_KEYS if getattr(draft, name)]
+        if problem := served_draft_problem(draft.attention, switches, release):
+            raise ValueError(f"draft.attention {draft.attention} with {switches or 'no switches'}: {problem}")
 
     def _check_replay(self) -> None:
         """The held-out greedy sequences are the benchmark's prompts, continued as far as it decodes: the replay

@@ -143,25 +143,6 @@ class VocabSection(Section):
     draft_vocab_size: int = Field(gt=0)
 
 
-class DraftSection(Section):
-    intermediate_size: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: int = Field(gt=0)
-    rms_norm_eps: float = Field(default=1e-6, gt=0.0)
-    rope_theta: float = Field(default=10000.0, gt=0.0)
-    max_position_embeddings: int = Field(gt=0)
-    torch_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> DraftSection:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        return self
-
-
 class TrainingSection(Section):
     features: Literal["online", "offline"] = Field(
         default="offline", description="online: the trainer computes the target's features batch by batch and "

@@ -83,6 +83,8 @@ class DraftLoaderRule:
     flags: frozenset[str]  # architecture switches this release implements
     fixed_num_aux: int | None  # fc input width hard-coded as fixed_num_aux x target_hidden
     legacy_names: bool = False  # aux_norm_{low,mid,high} load as fc_norm.{0,1,2}
+    layer_tensors: tuple[str, ...] = LAYER_TENSORS
+    model_prefix: bool = True  # `model.<name>` loads as <name> (llama_eagle3's second lookup)
 
 
 SGLANG_LOADER_RULES = (
@@ -117,9 +119,65 @@ def loader_rule(release: str | None) -> tuple[DraftLoaderRule, str]:
 
 
 # SGLang's second EAGLE-3 draft architecture: one DeepSeek-V2 (MLA) decoder layer, for Kimi-K2.5 and
-# DeepSeek targets (models/kimi_k25_eagle3.py, from 0.5.12 on). Its loader is not in these tables.
+# DeepSeek targets (models/kimi_k25_eagle3.py, from 0.5.12 on). Its loader maps `layers.0.` to `midlayer.`
+# (either spelling loads), fuses q_a_proj with kv_a_proj_with_mqa (both must be there, else neither loads),
+# splits kv_b_proj after loading, and drops `model.`-prefixed names, input_norm and t2d without a word.
 MLA_DRAFT_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 MLA_DRAFT_FROM = (0, 5, 12)
+MLA_LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_a_proj.weight",  # [q_lora_rank, 2H]
+    "self_attn.q_a_layernorm.weight",
+    "self_attn.q_b_proj.weight",  # [heads * (nope + rope), q_lora_rank]
+    "self_attn.kv_a_proj_with_mqa.weight",  # [kv_lora_rank + rope, 2H]
+    "self_attn.kv_a_layernorm.weight",
+    "self_attn.kv_b_proj.weight",  # [heads * (nope + v), kv_lora_rank]
+    "self_attn.o_proj.weight",  # [H, heads * v]
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+MLA_FUSED_PAIR = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
+MLA_LOADER_RULES = (
+    # 0.5.12: no switches.
+    DraftLoaderRule(ReleaseRange("0.5.12", "0.5.12"), ("layers.0", "midlayer"), frozenset(), None,
+                    layer_tensors=MLA_LAYER_TENSORS, model_prefix=False),
+    # 0.5.13: fc_norm (or use_aux_norm) and norm_output.
+    DraftLoaderRule(ReleaseRange("0.5.13", "0.5.23"), ("layers.0", "midlayer"), frozenset({"fc_norm", "norm_output"}),
+                    None, layer_tensors=MLA_LAYER_TENSORS, model_prefix=False),
+)
+DRAFT_LOADERS = {"mha": SGLANG_LOADER_RULES, "mla": MLA_LOADER_RULES}
+DRAFT_ARCHITECTURES = {"mha": "LlamaForCausalLMEagle3", "mla": MLA_DRAFT_ARCHITECTURE}
+
+
+def draft_loader_rule(attention: str, release: str | None) -> DraftLoaderRule | None:
+    """The loader of a draft form in a release (None: the release has no such draft, or is not in the table)."""
+    if release is None:
+        return loader_rule(None)[0] if attention == "mha" else None
+    parsed = parse_release(release)
+    return next((rule for rule in DRAFT_LOADERS[attention] if parsed in rule.releases), None)
+
+
+def served_draft_problem(attention: str, flags: list[str], release: str | None) -> str | None:
+    """Why SGLang `release` (None: every release in the table) would not serve a draft of this form with these
+    switches as trained, as a sentence; None when it would."""
+    rule = draft_loader_rule(attention, release)
+    where = f"SGLang {release}" if release else "the oldest release in the table (no serving.release was given)"
+    if rule is None:
+        first = ".".join(map(str, MLA_DRAFT_FROM))
+        return (f"{where} has no {DRAFT_ARCHITECTURES[attention]} (it ships from {first}): name a release >= {first} "
+                "in serving.release")
+    skipped = [flag for flag in flags if flag not in rule.flags]
+    if skipped:
+        served_from = {flag: next((r.releases.first for r in DRAFT_LOADERS[attention] if flag in r.flags), None)
+                       for flag in skipped}
+        reasons = [f"{flag} (served from {first})" if first else f"{flag} (served by no release read)"
+                   for flag, first in served_from.items()]
+        return (f"{where} does not implement {', '.join(reasons)} in {DRAFT_ARCHITECTURES[attention]}: its loader "
+                "would skip the weights and serve another network; name a release that does in serving.release")
+    return None
 
 
 # Where SGLang reads each switch: fc_norm / use_aux_norm and norm_output from the top level of the
@@ -161,6 +219,8 @@ def misplaced_flags(config: dict) -> list[str]:
 def loaded_name(name: str, rule: DraftLoaderRule, flags: set[str]) -> str | None:
     """The canonical (midlayer.*) name a checkpoint tensor loads as, or None if the loader drops it."""
     if name.startswith("model."):
+        if not rule.model_prefix:
+            return None
         # The loader also tries `model.` + name, so the prefix is optional inside the draft's `model`
         # module; the head lives outside it.
         name = name.removeprefix("model.")
@@ -170,7 +230,7 @@ def loaded_name(name: str, rule: DraftLoaderRule, flags: set[str]) -> str | None
         return name
     for prefix in rule.layer_prefixes:
         rest = name.removeprefix(prefix + ".")
-        if rest != name and rest in LAYER_TENSORS:
+        if rest != name and rest in rule.layer_tensors:
             return f"{CANONICAL_LAYER_PREFIX}.{rest}"
     if rule.legacy_names:
         for legacy, new in LEGACY_FC_NORM_NAMES.items():

@@ -1,11 +1,13 @@
 """The EAGLE-3 draft as SGLang serves it (llama_eagle3.py), in plain torch.
 
     hidden  = fc(cat(aux states))                           [B, T, H]   fused target features
+              (EAGLE 3.1: `norm_before_fc` normalizes the concatenation, `fc_norm` each aux state, first)
     x       = cat(input_layernorm(embed(token)), hidden_norm(hidden))   [B, T, 2H]
     h       = hidden + o_proj(attention(x))                 residual from the hidden stream
     h       = h + mlp(post_attention_layernorm(h))          SwiGLU
     logits  = lm_head(norm(h))                              [B, T, draft_vocab]
-h (before `norm`) is what the next drafting step feeds back as its hidden stream.
+h (before `norm`; after it with EAGLE 3.1's `norm_output`) is what the next drafting step feeds back as its hidden
+stream.
 
 Module names equal the canonical tensor names (`fc`, `midlayer.*`, `norm`, `lm_head`), so the state
 dict is the native/sglang layout. `embed_tokens` is the target's, frozen, and never exported.
@@ -23,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from eagle3.errors import Eagle3Error
 from eagle3.formats.checkpoint import DraftConfig
 
-UNSUPPORTED_FLAGS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output")
+UNSUPPORTED_FLAGS = ("norm_before_residual",)  # speculators' option; no SGLang release serves it
 TTT_QUERY_CHUNK = 512  # query rows per attention call in training-time test
 
 
@@ -157,7 +159,10 @@ class Eagle3Draft(nn.Module):
             raise Eagle3Error(f"the draft model implements the plain EAGLE-3 head; unsupported: {flags or ['rope_scaling']}")
         self.config = cfg
         self.embed_tokens = nn.Embedding.from_pretrained(embed_tokens, freeze=True)  # the target's, [V, H]
-        self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        num_aux, width = len(cfg.aux_layers), cfg.target_hidden_size
+        self.input_norm = RMSNorm(num_aux * width, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(width, cfg.rms_norm_eps) for _ in range(num_aux)) if cfg.fc_norm else None
+        self.fc = nn.Linear(num_aux * width, cfg.hidden_size, bias=False)
         self.midlayer = DraftLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -168,6 +173,14 @@ class Eagle3Draft(nn.Module):
         """[draft_vocab] the target id each head row predicts, read the way SGLang reads d2t."""
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., n_aux * TH] (the captured states, concatenated) -> the fused target features [..., H]."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:  # after input_norm when both are on, as SGLang orders them
+            aux = torch.cat([norm(state) for norm, state in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
+        return self.fc(aux)
+
     def project(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """One drafting step's new block: tokens [B, T], hidden [B, T, H] -> (q, k, v) for attention."""
         layer = self.midlayer
@@ -175,19 +188,25 @@ class Eagle3Draft(nn.Module):
         return layer.self_attn.project(x, positions)
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual from the hidden stream, then the MLP. Returns (pre-norm output [B, T, H], logits)."""
+        """Residual from the hidden stream, then the MLP. Returns (the carried output [B, T, H], logits)."""
         h = self.output(hidden, attended)
         return h, self.logits(h)
 
     def output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """The layer's pre-norm output [..., H]: residual from the hidden stream, then the MLP."""
+        """What the next step carries [..., H]: the layer's output (residual from the hidden stream, then the MLP),
+        before the final norm, or after it under norm_output."""
         layer = self.midlayer
         h = hidden + attended
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h) if self.config.norm_output else h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Pre-norm output [..., H] -> draft-vocabulary logits [..., Dv]."""
-        return self.lm_head(self.norm(h))
+    def head_input(self, carried: torch.Tensor) -> torch.Tensor:
+        """The carried output -> what lm_head reads: it after the final norm (applied once)."""
+        return carried if self.config.norm_output else self.norm(carried)
+
+    def logits(self, carried: torch.Tensor) -> torch.Tensor:
+        """The carried output [..., H] -> draft-vocabulary logits [..., Dv]."""
+        return self.lm_head(self.head_input(carried))
 
     def load_draft_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load canonical tensors (every one but the target's embedding, which stays); strict otherwise."""
@@ -213,13 +232,13 @@ def ttt_chunk_mask(start: int, end: int, own_blocks: int, device=None) -> torch.
 
 
 def init_weights(model: Eagle3Draft, seed: int) -> None:
-    """Deterministic init of the trainable weights (Llama's normal(0, 0.02); norms at 1)."""
+    """Deterministic init of the trainable weights (Llama's normal(0, 0.02); norms, the only 1-D weights, at 1)."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if name.startswith("embed_tokens"):
             continue
         with torch.no_grad():
-            if name.endswith("norm.weight"):
+            if param.dim() == 1:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)

@@ -120,7 +120,7 @@ class DraftCache:
             raise ValueError(f"the verified prefix shrank from {start} to {length} positions: one cache per request")
         if length == start:
             return
-        hidden = self.model.fc(aux[None, start:])  # [1, new, H]
+        hidden = self.model.fuse(aux[None, start:])  # [1, new, H]
         positions = torch.arange(start, length, device=aux.device)
         q, k, v = self.model.project(tokens[None, start + 1 : length + 1], hidden, positions)
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)

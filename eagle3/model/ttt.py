@@ -37,7 +37,7 @@ def ttt_outputs(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, 
     each step's logits gradient before it makes the previous step's."""
     length = input_ids.shape[1]
     index = torch.arange(length, device=input_ids.device)
-    hidden = model.fc(aux)  # [B, T, H]
+    hidden = model.fuse(aux)  # [B, T, H]
     keys, values = [], []
     for k in range(steps):
         q, new_k, new_v = model.project(shift_left(input_ids, 1 + k), hidden, index + k)
@@ -115,7 +115,7 @@ class SoftCrossEntropy(torch.autograd.Function):
 def row_logits(step_outputs: Iterable[torch.Tensor], rows: LossRows, model: Eagle3Draft) -> Iterator[torch.Tensor]:
     """Each step's logits [R_k, Dv] at its loss rows only (the head and the loss skip the rest: prompts, padding)."""
     for hidden, at in zip(step_outputs, rows.steps):
-        yield model.lm_head(model.norm(hidden).flatten(0, 1).index_select(0, at))
+        yield model.lm_head(model.head_input(hidden).flatten(0, 1).index_select(0, at))
 
 
 def ttt_stats(step_logits: Iterable[torch.Tensor], teacher: Teacher, rows: LossRows, model: Eagle3Draft) -> StepStats:

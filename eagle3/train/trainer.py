@@ -69,6 +69,9 @@ def trained_draft_config(config: PipelineConfig) -> DraftConfig:
         aux_layers=list(config.data.aux_layers),
         target_num_hidden_layers=target.num_hidden_layers,
         target_family=target.family,
+        fc_norm=draft.fc_norm,
+        norm_before_fc=draft.norm_before_fc,
+        norm_output=draft.norm_output,
     )
 
 

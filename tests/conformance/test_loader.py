@@ -21,6 +21,7 @@ from releases import RELEASES
 
 HIDDEN, NUM_AUX, VOCAB = 32, 3, 256
 VOCAB_TENSORS = {"d2t", "t2d"}  # d2t becomes hot_token_id and t2d is ignored: no parameter for either
+SWITCHED = "export-with-served-switches"
 LOADER_ERRORS = {"skipped-tensor", "missing-tensor", "flag-misplaced", "draft-vocab-size", "unsupported-flag",
                  "duplicate-tensor", "shape-mismatch", "aux-count"}
 
@@ -77,6 +78,9 @@ def loaded(request, tmp_path_factory, run_sglang):
     root = tmp_path_factory.mktemp(f"loader-{release}")
     export = write_draft(root / "sglang-export", layout="sglang", release=release)
     paths = {name: derive(export, root / name, *changes) for name, changes in FIXTURES.items()}
+    # our export of a draft with every EAGLE 3.1 norm the release serves (none before 0.5.12)
+    paths[SWITCHED] = write_draft(root / SWITCHED, layout="sglang", release=release,
+                                  **{flag: True for flag in engines.loader_rule(release)[0].flags})
     answer = run_sglang(release, "loader", {"drafts": {name: str(path) for name, path in paths.items()}})
     return release, paths, answer["drafts"]
 
@@ -130,7 +134,15 @@ def test_the_loader_table_says_which_tensors_load(loaded, fixture):
             f"{'it loads as ' + ours if ours else 'it is dropped'}")
 
 
-@pytest.mark.parametrize("fixture", FIXTURES)
+def test_our_export_with_every_switch_the_release_serves_loads_whole(loaded):
+    release, paths, results = loaded
+    config = json.loads((paths[SWITCHED] / "config.json").read_text())
+    assert declared_switches(config) == engines.loader_rule(release)[0].flags
+    assert sglang_serves_as_written(results[SWITCHED], config), results[SWITCHED].get("error")
+    assert not validate(paths[SWITCHED], release=release).of("error")
+
+
+@pytest.mark.parametrize("fixture", [*FIXTURES, SWITCHED])
 def test_validate_passes_exactly_what_sglang_loads_whole(loaded, fixture):
     release, paths, results = loaded
     report = validate(paths[fixture], release=release)
@@ -140,20 +152,20 @@ def test_validate_passes_exactly_what_sglang_loads_whole(loaded, fixture):
         f"SGLang {release} on {fixture}: {results[fixture].get('error') or 'loaded'}; validate: {loader_errors}")
 
 
-@pytest.mark.parametrize("fixture", FIXTURES)
+@pytest.mark.parametrize("fixture", [*FIXTURES, SWITCHED])
 def test_the_served_draft_is_the_one_sglang_builds(loaded, fixture):
     """draft_as_served (the simulator's and reference server's draft) holds exactly the tensors SGLang
-    loaded and the same hot token ids; where SGLang fails, or builds a switch our draft model does not
-    implement, it refuses."""
+    loaded, the switches it built and the same hot token ids; where SGLang fails, it refuses."""
     release, paths, results = loaded
     result = results[fixture]
     embed = torch.randn(VOCAB, HIDDEN)
-    if "error" in result or built_switches(result):
+    if "error" in result:
         with pytest.raises(Eagle3Error):
             draft_as_served(paths[fixture], release, embed)
         return
     served = draft_as_served(paths[fixture], release, embed)
     state = served.state_dict()
+    assert set(served.config.flags()) == built_switches(result)
     assert served.hot_token_ids().tolist() == result["hot_token_id"]
     checkpoint = read_checkpoint(paths[fixture])
     for name, landed in result["sources"].items():
