@@ -225,7 +225,10 @@ def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     if size is None:
         stage.unknown = "target size unknown"
         return stage
-    draft_kv = 2 * draft.num_key_value_heads * draft.head_dim * KV_CACHE_BYTES / serving.tp  # one layer
+    if draft.attention == "mla":  # one latent plus the shared RoPE key per token, on every rank (not split by tp)
+        draft_kv = (draft.kv_lora_rank + draft.qk_rope_head_dim) * KV_CACHE_BYTES
+    else:
+        draft_kv = 2 * draft.num_key_value_heads * draft.head_dim * KV_CACHE_BYTES / serving.tp  # one layer
     stage.parts = {
         **target_parts(size, serving.tp, serving.context_length),
         f"draft weights, {DTYPE_NAMES[config.draft.torch_dtype]} (/{serving.tp})": _gib(

@@ -14,6 +14,9 @@ from eagle3.formats.vocab_map import build_vocab_map
 TARGET_LAYERS = 4
 TARGET_VOCAB = 256
 DRAFT_VOCAB = 64
+# a tiny MLA draft's sizes (DraftConfig overrides): 4 heads of 8 + 4 query/key dims and 8 value dims
+MLA = dict(attention="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+           num_key_value_heads=4, head_dim=12)
 
 
 def tiny_config(**overrides) -> DraftConfig:

@@ -467,7 +467,7 @@ def test_eagle31_norms_train_export_and_load_as_trained(micro_data, tmp_path, mi
         assert torch.equal(a, b)
     with pytest.raises(Eagle3Error, match="norm_before_fc"):
         convert(final, tmp_path / "old", to="sglang", release="0.5.13")
-    with pytest.raises(Eagle3Error, match=r"SGLang 0\.5\.13 does not implement norm_before_fc \(served from 0\.5\.17\)"):
+    with pytest.raises(Eagle3Error, match=r"norm_before_fc, which SGLang 0\.5\.13 does not implement \(served from 0\.5\.17\)"):
         load_config(TINY, [*overrides, "serving.release=0.5.13"])
 
 

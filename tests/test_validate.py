@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import write_data_manifest, write_target
-from drafts import write_draft
+from drafts import MLA, write_draft
 from eagle3.config import load_config
 from eagle3.errors import ConfigError
 from eagle3.formats.problems import ProblemCode
@@ -104,14 +104,20 @@ def test_switches_where_sglang_does_not_read_them_are_refused(good, top, nested,
     assert problem.message.startswith(field) and "top level" in problem.fix
 
 
-def test_sglangs_mla_draft_is_named_and_checked_where_it_can_be(good):
-    edit_config(good["path"], architectures=["Eagle3DeepseekV2ForCausalLM"])
-    report = run(good, release="0.5.13")
-    assert report.ok and codes(report, "unknown") == {"architecture-unchecked"}
-    assert "Eagle3DeepseekV2ForCausalLM" in report.of("unknown")[0].message
-    assert "config-architecture" in codes(run(good, release="0.5.11"))  # not in that release
-    edit_tensors(good["path"], lambda t: t.update(d2t=t["d2t"] + torch.arange(t["d2t"].numel())))
-    assert "d2t-absolute" in codes(run(good, release="0.5.13"))  # the vocab map is still checked
+def test_sglangs_mla_draft_is_checked_as_its_loader_reads_it(tmp_path):
+    path = write_draft(tmp_path / "mla", layout="sglang", release="0.5.23", fc_norm=True, norm_output=True, **MLA)
+    assert validate(path, release="0.5.23").ok
+    assert "config-architecture" in codes(validate(path, release="0.5.11"))  # not in that release
+    assert "unsupported-flag" in codes(validate(path, release="0.5.12"))  # fc_norm, norm_output from 0.5.13
+    edit_tensors(path, lambda t: t.update(d2t=t["d2t"] + torch.arange(t["d2t"].numel())))
+    assert "d2t-absolute" in codes(validate(path, release="0.5.23"))  # the vocab map is checked
+    pair = write_draft(tmp_path / "pair", layout="sglang", release="0.5.23", **MLA)
+    edit_tensors(pair, lambda t: t.pop("midlayer.self_attn.kv_a_proj_with_mqa.weight"))
+    (problem,) = [p for p in validate(pair, release="0.5.23").of("error") if "fused_qkv_a_proj_with_mqa" in p.message]
+    assert "q_a_proj" in problem.message and problem.code == "missing-tensor"
+    unsized = write_draft(tmp_path / "unsized", layout="sglang", release="0.5.23", **MLA)
+    edit_config(unsized, q_lora_rank=None)
+    assert any("q_lora_rank" in p.message for p in validate(unsized, release="0.5.23").of("error"))
 
 
 def test_missing_required_tensor(good):

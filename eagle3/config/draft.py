@@ -11,8 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from eagle3.config.sections import Section
-
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+from eagle3.formats.layouts.draft import MLA_SIZES
 
 
 class DraftSection(Section):
@@ -21,7 +20,8 @@ class DraftSection(Section):
                                              "kv_lora_rank and head-dim fields), SGLang >= 0.5.12")
     intermediate_size: int = Field(gt=0)
     num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: int = Field(gt=0, description="mha only; mla has one latent for all heads")
+    num_key_value_heads: int | None = Field(default=None, gt=0, description="mha (required); mla has one latent for "
+                                            "all heads")
     q_lora_rank: int | None = Field(default=None, gt=0)
     kv_lora_rank: int | None = Field(default=None, gt=0)
     qk_nope_head_dim: int | None = Field(default=None, gt=0)
@@ -43,14 +43,16 @@ class DraftSection(Section):
         if self.norm_before_residual:
             raise ValueError("draft.norm_before_residual: no SGLang release implements it (its drafts would run the "
                              "residual path another way and say nothing); set it false")
+        if self.attention == "mha" and self.num_key_value_heads is None:
+            raise ValueError("draft.num_key_value_heads is required for draft.attention mha")
         if self.attention == "mha" and self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        given = [name for name in MLA_FIELDS if getattr(self, name) is not None]
+        given = [name for name in MLA_SIZES if getattr(self, name) is not None]
         if self.attention == "mla":
-            if missing := [name for name in MLA_FIELDS if name not in given]:
+            if missing := [name for name in MLA_SIZES if name not in given]:
                 raise ValueError(f"draft.attention mla needs {', '.join('draft.' + n for n in missing)} (SGLang's MLA "
                                  "draft refuses a checkpoint without q_lora_rank)")
             if self.norm_before_fc:

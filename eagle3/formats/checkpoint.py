@@ -50,12 +50,17 @@ class NativeDraft:
 
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     """canonical name -> shape, from the config alone."""
+    if cfg.attention == "mla":
+        attention = mla_attention_shapes(cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
+                                         cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+    else:
+        attention = mha_attention_shapes(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
+                                         cfg.num_key_value_heads * cfg.head_dim)
     return draft_shapes(
         hidden=cfg.hidden_size,
         target_hidden=cfg.target_hidden_size,
         intermediate=cfg.intermediate_size,
-        q_width=cfg.num_attention_heads * cfg.head_dim,
-        kv_width=cfg.num_key_value_heads * cfg.head_dim,
+        attention=attention,
         num_aux=len(cfg.aux_layers),
         draft_vocab=cfg.draft_vocab_size,
         vocab=cfg.vocab_size,
@@ -64,12 +69,36 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     )
 
 
+def mha_attention_shapes(hidden: int, q_width: int, kv_width: int) -> dict[str, tuple[int, ...]]:
+    """A Llama layer's attention, which reads cat(embed, hidden) [2H]."""
+    return {
+        "self_attn.q_proj.weight": (q_width, 2 * hidden),
+        "self_attn.k_proj.weight": (kv_width, 2 * hidden),
+        "self_attn.v_proj.weight": (kv_width, 2 * hidden),
+        "self_attn.o_proj.weight": (hidden, q_width),
+    }
+
+
+def mla_attention_shapes(hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, nope: int, rope: int,
+                         v_dim: int) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V2 multi-latent attention reading cat(embed, hidden) [2H]: SGLang fuses the two down projections
+    into one of 2H inputs."""
+    return {
+        "self_attn.q_a_proj.weight": (q_lora_rank, 2 * hidden),
+        "self_attn.q_a_layernorm.weight": (q_lora_rank,),
+        "self_attn.q_b_proj.weight": (heads * (nope + rope), q_lora_rank),
+        "self_attn.kv_a_proj_with_mqa.weight": (kv_lora_rank + rope, 2 * hidden),
+        "self_attn.kv_a_layernorm.weight": (kv_lora_rank,),
+        "self_attn.kv_b_proj.weight": (heads * (nope + v_dim), kv_lora_rank),
+        "self_attn.o_proj.weight": (hidden, heads * v_dim),
+    }
+
+
 def draft_shapes(
     hidden: int,
     target_hidden: int,
     intermediate: int,
-    q_width: int,
-    kv_width: int,
+    attention: dict[str, tuple[int, ...]],
     num_aux: int,
     draft_vocab: int,
     vocab: int,
@@ -82,10 +111,7 @@ def draft_shapes(
         "midlayer.input_layernorm.weight": (hidden,),
         "midlayer.hidden_norm.weight": (hidden,),
         "midlayer.post_attention_layernorm.weight": (hidden,),
-        "midlayer.self_attn.q_proj.weight": (q_width, 2 * hidden),  # attention reads cat(embed, hidden)
-        "midlayer.self_attn.k_proj.weight": (kv_width, 2 * hidden),
-        "midlayer.self_attn.v_proj.weight": (kv_width, 2 * hidden),
-        "midlayer.self_attn.o_proj.weight": (hidden, q_width),
+        **{f"midlayer.{name}": shape for name, shape in attention.items()},
         "midlayer.mlp.gate_proj.weight": (intermediate, hidden),
         "midlayer.mlp.up_proj.weight": (intermediate, hidden),
         "midlayer.mlp.down_proj.weight": (hidden, intermediate),

@@ -164,7 +164,7 @@ def served_draft_problem(attention: str, flags: list[str], release: str | None) 
     """Why SGLang `release` (None: every release in the table) would not serve a draft of this form with these
     switches as trained, as a sentence; None when it would."""
     rule = draft_loader_rule(attention, release)
-    where = f"SGLang {release}" if release else "the oldest release in the table (no serving.release was given)"
+    where = f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (the strictest release; no release was given)"
     if rule is None:
         first = ".".join(map(str, MLA_DRAFT_FROM))
         return (f"{where} has no {DRAFT_ARCHITECTURES[attention]} (it ships from {first}): name a release >= {first} "
@@ -173,10 +173,11 @@ def served_draft_problem(attention: str, flags: list[str], release: str | None) 
     if skipped:
         served_from = {flag: next((r.releases.first for r in DRAFT_LOADERS[attention] if flag in r.flags), None)
                        for flag in skipped}
-        reasons = [f"{flag} (served from {first})" if first else f"{flag} (served by no release read)"
+        reasons = [f"{flag}, which {where} does not implement ("
+                   + (f"served from {first}" if first else "no SGLang release read implements it") + ")"
                    for flag, first in served_from.items()]
-        return (f"{where} does not implement {', '.join(reasons)} in {DRAFT_ARCHITECTURES[attention]}: its loader "
-                "would skip the weights and serve another network; name a release that does in serving.release")
+        return (f"the draft uses {'; '.join(reasons)}: {DRAFT_ARCHITECTURES[attention]}'s loader would skip its "
+                "weights and serve another network; name a release that does")
     return None
 
 

@@ -63,7 +63,9 @@ def check_flags(flags: set[str], rule: engines.DraftLoaderRule, where: str, repo
         )
 
 
-def check_config_fields(raw: RawCheckpoint, report: Report) -> None:
+def check_config_fields(raw: RawCheckpoint, report: Report, architecture: str) -> None:
+    """The config.json fields SGLang builds the draft from, for a draft of `architecture` (one of
+    engines.DRAFT_ARCHITECTURES)."""
     config = raw.config
     for sentence in engines.misplaced_flags(config):
         report.add(
@@ -75,14 +77,16 @@ def check_config_fields(raw: RawCheckpoint, report: Report) -> None:
             "norm_before_fc), and remove it from eagle_config",
         )
     architectures = config.get("architectures") or []
-    if raw.layout == "speculators" or "LlamaForCausalLMEagle3" not in architectures:
+    if raw.layout == "speculators" or architecture not in architectures:
         report.add(
             ProblemCode.CONFIG_ARCHITECTURE,
             "error",
-            f"architectures is {architectures}; SGLang's EAGLE3 worker loads LlamaForCausalLMEagle3",
+            f"architectures is {architectures}; SGLang's EAGLE3 worker loads {architecture}",
             CONVERT_HINT,
         )
-    if config.get("model_type") != "llama":
+    # transformers' AutoConfig reads the draft's config: 'llama' for the Llama form; the MLA form's sizes are kept by
+    # any config class (its MLA fields are read as attributes)
+    if architecture == engines.DRAFT_ARCHITECTURES["mha"] and config.get("model_type") != "llama":
         report.add(
             ProblemCode.CONFIG_MODEL_TYPE,
             "error",

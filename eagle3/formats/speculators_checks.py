@@ -11,7 +11,7 @@ import torch
 
 from eagle3.errors import UnreadableInput
 from eagle3.formats import engines
-from eagle3.formats.checkpoint import RawCheckpoint, draft_shapes
+from eagle3.formats.checkpoint import RawCheckpoint, draft_shapes, mha_attention_shapes
 from eagle3.formats.layouts import speculators
 from eagle3.formats.loader_checks import check_dtypes, sample_names
 from eagle3.formats.problems import ProblemCode, Report
@@ -117,9 +117,10 @@ def expected_tensors(config: dict, layer: dict) -> dict[str, tuple[int, ...]]:
     head_dim = layer.get("head_dim") or hidden // heads
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     vocab, draft_vocab = layer["vocab_size"], config.get("draft_vocab_size", 32000)
+    attention = mha_attention_shapes(hidden, heads * head_dim, (layer.get("num_key_value_heads") or heads) * head_dim)
     shapes = draft_shapes(
-        hidden=hidden, target_hidden=hidden, intermediate=layer["intermediate_size"], q_width=heads * head_dim,
-        kv_width=(layer.get("num_key_value_heads") or heads) * head_dim, num_aux=len(ids) if ids else DEFAULT_NUM_AUX,
+        hidden=hidden, target_hidden=hidden, intermediate=layer["intermediate_size"], attention=attention,
+        num_aux=len(ids) if ids else DEFAULT_NUM_AUX,
         draft_vocab=draft_vocab, vocab=vocab, norm_before_fc=bool(config.get("norm_before_fc")),
         fc_norm=bool(config.get("fc_norm")))
     if draft_vocab == vocab:

@@ -16,7 +16,11 @@ from pathlib import Path
 import torch
 
 from eagle3.formats import engines
-from eagle3.formats.checkpoint import PROVENANCE_KEY, RawCheckpoint, draft_shapes, read_checkpoint
+from eagle3.formats.checkpoint import (
+    PROVENANCE_KEY, RawCheckpoint, draft_shapes, mha_attention_shapes, mla_attention_shapes, read_checkpoint,
+)
+from eagle3.formats.layouts import sglang
+from eagle3.formats.layouts.draft import MLA_SIZES
 from eagle3.formats.layouts.speculators import SPECULATORS_RELEASE
 from eagle3.formats.loader_checks import check_config_fields, check_dtypes, check_flags, check_names, sample_names
 from eagle3.formats.manifest import read_data_capture
@@ -80,13 +84,18 @@ def validate(
         _check_context(layer.get("max_position_embeddings") if isinstance(layer, dict) else None, context_length,
                        report)
         return report
-    if engines.MLA_DRAFT_ARCHITECTURE in (raw.config.get("architectures") or []):
-        _report_mla_draft(raw, ctx, release, context_length, report)
-        return report
-    rule, rule_note = engines.loader_rule(release)
+    attention = sglang.attention_of(raw.config)
+    if attention == "mla":
+        rule, rule_note = _mla_loader_rule(release, report)
+        if rule is None:
+            return report
+    else:
+        rule, rule_note = engines.loader_rule(release)
     where = sglang_where(release)
     loaded = check_names(raw, rule, rule_note, where, report)
-    check_config_fields(raw, report)
+    check_config_fields(raw, report, engines.DRAFT_ARCHITECTURES[attention])
+    if attention == "mla":
+        _check_mla_fields(raw, loaded, report)
     num_aux = _check_shapes(raw, loaded, ctx, rule, where, report)
     _check_vocab(raw, loaded, ctx, report)
     _check_aux_ids(raw, ctx, release, num_aux, report)
@@ -110,23 +119,34 @@ def sglang_where(release: str | None) -> str:
     return f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (strictest; no release given)"
 
 
-def _report_mla_draft(raw: RawCheckpoint, ctx: Context, release: str | None, context_length: int | None,
-                      report: Report) -> None:
-    """SGLang's MLA draft: what does not depend on the draft's layer is checked; its tensors are not."""
+def _mla_loader_rule(release: str | None, report: Report) -> tuple[engines.DraftLoaderRule | None, str]:
+    """The MLA draft's loader for a release: the oldest one read when none is given; None (reported) for a release
+    without the architecture."""
     name = engines.MLA_DRAFT_ARCHITECTURE
-    if release is not None and engines.parse_release(release) < engines.MLA_DRAFT_FROM:
+    if release is None:
+        return engines.MLA_LOADER_RULES[0], f"no release given: checked against the oldest {name} loader (0.5.12)"
+    rule = engines.draft_loader_rule("mla", release)
+    if rule is None:
         report.add(ProblemCode.CONFIG_ARCHITECTURE, "error",
                    f"architectures is [{name}]; SGLang {release} does not have it (it ships from 0.5.12, "
                    "models/kimi_k25_eagle3.py)", "serve with SGLang >= 0.5.12")
-    report.add(ProblemCode.ARCHITECTURE_UNCHECKED, "unknown",
-               f"{name} (one DeepSeek-V2 MLA decoder layer, SGLang >= 0.5.12) is served by SGLang, but this project "
-               "checks the tensor names and shapes of LlamaForCausalLMEagle3 drafts only: they were not checked",
-               "check its tensors by hand against models/kimi_k25_eagle3.py of the release you serve")
-    _check_vocab(raw, {n: t for n, t in raw.tensors.items() if n in engines.VOCAB_TENSORS}, ctx, report)
-    ids = _nested_ids(raw.config) or raw.config.get("eagle_aux_hidden_state_layer_ids")
-    num_aux = len(ids) if ids else 3  # how models/kimi_k25_eagle3.py sizes its fc
-    _check_aux_ids(raw, ctx, release, num_aux, report)
-    _check_context(raw.config.get("max_position_embeddings"), context_length, report)
+    return rule, ""
+
+
+def _check_mla_fields(raw: RawCheckpoint, loaded: dict[str, torch.Tensor], report: Report) -> None:
+    """What SGLang's MLA draft needs beyond the names: every MLA size (it refuses a config without q_lora_rank), and
+    both halves of the down projection it fuses on load (with one missing, neither loads)."""
+    missing = [name for name in MLA_SIZES if raw.config.get(name) is None]
+    if missing:
+        report.add(ProblemCode.CONFIG_FIELD, "error", f"config.json lacks {', '.join(missing)} (an "
+                   f"{engines.MLA_DRAFT_ARCHITECTURE} draft is built from them; without q_lora_rank SGLang refuses it)",
+                   "write the MLA sizes the tensors were trained with")
+    halves = [f"{engines.CANONICAL_LAYER_PREFIX}.{name}" for name in engines.MLA_FUSED_PAIR]
+    present = [name for name in halves if name in loaded]
+    if len(present) == 1:
+        report.add(ProblemCode.MISSING_TENSOR, "error",
+                   f"only {present[0]} of the pair SGLang fuses into fused_qkv_a_proj_with_mqa is here: it loads "
+                   "neither, and both keep their random initialisation", "ship q_a_proj and kv_a_proj_with_mqa")
 
 
 def _eagle_shaped(raw: RawCheckpoint) -> bool:
@@ -181,6 +201,12 @@ def _check_shapes(
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
+    if sglang.attention_of(config) == "mla":
+        if any(config.get(name) is None for name in MLA_SIZES):
+            return None  # reported by _check_mla_fields
+        attention = mla_attention_shapes(hidden, heads, *(config[name] for name in MLA_SIZES))
+    else:
+        attention = mha_attention_shapes(hidden, heads * head_dim, (config.get("num_key_value_heads") or heads) * head_dim)
     target_hidden = config.get("target_hidden_size") or hidden
     draft_vocab = config.get("draft_vocab_size")
     ids = _nested_ids(config)
@@ -200,8 +226,7 @@ def _check_shapes(
         hidden=hidden,
         target_hidden=target_hidden,
         intermediate=config["intermediate_size"],
-        q_width=heads * head_dim,
-        kv_width=(config.get("num_key_value_heads") or heads) * head_dim,
+        attention=attention,
         num_aux=num_aux,
         draft_vocab=draft_vocab,
         vocab=config["vocab_size"],

@@ -104,7 +104,7 @@ class Attention(nn.Module):
         out = torch.stack([F.scaled_dot_product_attention(q[:, j::group], keys, values, attn_mask=bias)
                            for j in range(group)], dim=2)  # [B, kv_heads, group, Tq, d]
         b, t = q.shape[0], q.shape[2]
-        return self.o_proj(out.permute(0, 3, 1, 2, 4).reshape(b, t, self.heads * self.head_dim))  # head g * group + j
+        return self.o_proj(out.permute(0, 3, 1, 2, 4).reshape(b, t, -1))  # head g * group + j
 
     def attend_ttt(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         """Training-time test, step k: q [B, heads, T, d]; keys/values k + 1 blocks [B, kv_heads, T, d].
@@ -123,6 +123,47 @@ class Attention(nn.Module):
             mask = ttt_chunk_mask(start, end, len(keys) - 1, q.device)
             chunks.append(self.attend(q[:, :, start:end], chunk_keys, chunk_values, mask))  # [B, rows, H]
         return torch.cat(chunks, dim=1)
+
+
+class MLAAttention(Attention):
+    """DeepSeek-V2 multi-latent attention over the draft's cat(embed, hidden) input, as SGLang's MLA draft
+    (kimi_k25_eagle3.py) computes it, here in its decompressed form: every head's key is its own no-RoPE part (from
+    the shared latent through kv_b_proj) beside one RoPE part all heads share, so the keys and values are plain
+    multi-head ones and attend / attend_ttt serve both forms. SGLang's absorbed form computes the same scores."""
+
+    def __init__(self, cfg: DraftConfig):
+        nn.Module.__init__(self)
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.heads = self.kv_heads = heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.theta, self.interleaved = cfg.rope_theta, cfg.rope_interleave
+        self.q_a_proj = nn.Linear(2 * h, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * h, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, h, bias=False)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, 2H] -> q, k [B, heads, T, nope + rope] and v [B, heads, T, v_dim]; the softmax scale is
+        (nope + rope)^-0.5, SDPA's default for that width, as SGLang's without YaRN."""
+        b, t, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, t, self.heads, -1).transpose(1, 2)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_a_layernorm.weight.numel(), self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, self.heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, heads, T, nope], [B, heads, T, v_dim]
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        k_rope = self.rotated(k_rope[:, None], positions).expand(b, self.heads, t, self.rope)  # one for all heads
+        q = torch.cat([q_nope, self.rotated(q_rope, positions)], dim=-1)
+        return q, torch.cat([k_nope, k_rope], dim=-1), v
+
+    def rotated(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE on [B, heads, T, rope]. Interleaved pairs (2i, 2i + 1) are rotated as halves after gathering the
+        even then the odd entries: q and k are permuted alike, so their dot products are the interleaved ones."""
+        if self.interleaved:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return rotate(x, positions, self.theta)
 
 
 class MLP(nn.Module):
@@ -147,7 +188,7 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
 

@@ -119,7 +119,7 @@ def draft_as_served(path: Path, release: str | None, embed: torch.Tensor, seed: 
     config = served_config(raw, release)
     model = Eagle3Draft(config, embed)
     init_weights(model, seed)
-    rule, _ = engines.loader_rule(release)
+    rule = engines.draft_loader_rule(config.attention, release)
     flags = engines.enabled_flags(raw.config)
     state = {}
     for name, tensor in raw.tensors.items():
@@ -138,7 +138,9 @@ def served_config(raw, release: str | None) -> DraftConfig:
     if raw.layout != "sglang":
         return config
     # A switch the release does not implement is not built: its tensors are dropped with the rest.
-    rule, _ = engines.loader_rule(release)
+    rule = engines.draft_loader_rule(config.attention, release)
+    if rule is None:
+        raise UnreadableInput(f"{raw.path}: {engines.served_draft_problem(config.attention, [], release)}")
     config = config.model_copy(update={flag: False for flag in config.flags() if flag not in rule.flags})
     ids = (raw.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     capture = engines.sglang_capture(ids, config.target_family, release, config.target_num_hidden_layers)

@@ -20,6 +20,7 @@ import torch
 from eagle3.bench.simulate import HeldoutRef, heldout_samples, replay_stored
 from eagle3.config import PipelineConfig
 from eagle3.config.sections import batch_split_problem
+from eagle3.formats.layouts.draft import MLA_SIZES
 from eagle3.data.capture import check_dataset, dataset_dir
 from eagle3.distributed import Dist, setup_distributed
 from eagle3.engines.backends import target_backend
@@ -58,8 +59,9 @@ def trained_draft_config(config: PipelineConfig) -> DraftConfig:
         target_hidden_size=target.hidden_size,
         intermediate_size=draft.intermediate_size,
         num_attention_heads=draft.num_attention_heads,
-        num_key_value_heads=draft.num_key_value_heads,
-        head_dim=target.hidden_size // draft.num_attention_heads,
+        num_key_value_heads=draft.num_key_value_heads or draft.num_attention_heads,  # mla: every head its own key
+        head_dim=(draft.qk_nope_head_dim + draft.qk_rope_head_dim if draft.attention == "mla"
+                  else target.hidden_size // draft.num_attention_heads),
         rms_norm_eps=draft.rms_norm_eps,
         rope_theta=draft.rope_theta,
         max_position_embeddings=draft.max_position_embeddings,
@@ -72,6 +74,8 @@ def trained_draft_config(config: PipelineConfig) -> DraftConfig:
         fc_norm=draft.fc_norm,
         norm_before_fc=draft.norm_before_fc,
         norm_output=draft.norm_output,
+        attention=draft.attention,
+        **{name: getattr(draft, name) for name in MLA_SIZES},
     )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.errors import ConversionError
 from eagle3.formats import engines
@@ -21,6 +21,7 @@ PROVENANCE_KEY = "eagle3"  # our block inside exported config.json files
 # Architecture switches a draft may use beyond the plain EAGLE-3 head (speculators and SpecForge
 # options). Each changes the network; an engine that does not implement one computes something else.
 FLAGS = tuple(engines.FLAG_CONFIG_KEYS)
+MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 class DraftConfig(BaseModel):
@@ -51,6 +52,21 @@ class DraftConfig(BaseModel):
     norm_before_fc: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    # The attention form: mha (a Llama layer's, grouped heads of head_dim) or mla (DeepSeek-V2's multi-latent
+    # attention, whose sizes are the fields below; num_key_value_heads and head_dim are then unused)
+    attention: Literal["mha", "mla"] = "mha"
+    q_lora_rank: int | None = Field(default=None, gt=0)
+    kv_lora_rank: int | None = Field(default=None, gt=0)
+    qk_nope_head_dim: int | None = Field(default=None, gt=0)
+    qk_rope_head_dim: int | None = Field(default=None, gt=0)
+    v_head_dim: int | None = Field(default=None, gt=0)
+    rope_interleave: bool = True  # mla: RoPE on interleaved pairs (DeepSeek's), else on halves
+
+    @model_validator(mode="after")
+    def _mla_is_complete(self) -> DraftConfig:
+        if self.attention == "mla" and (missing := [name for name in MLA_SIZES if getattr(self, name) is None]):
+            raise ValueError(f"an MLA draft needs {', '.join(missing)}")
+        return self
 
     def flags(self) -> list[str]:
         return [flag for flag in FLAGS if getattr(self, flag)]
@@ -96,9 +112,15 @@ PLAIN_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 FLAG_TENSOR_PREFIXES = tuple(prefix for prefixes in engines.FLAG_TENSOR_PREFIXES.values() for prefix in prefixes)
 
 
+LAYER_NAMES = (*engines.LAYER_TENSORS, *engines.MLA_LAYER_TENSORS)  # either attention form's, under the layer
+
+
 def names_with_layer_at(layer_prefix: str, names: list[str] = ()) -> dict[str, str]:
-    """canonical -> layout name for the fixed tensors, plus the switch tensors among `names`."""
-    layer = {f"{engines.CANONICAL_LAYER_PREFIX}.{t}": f"{layer_prefix}.{t}" for t in engines.LAYER_TENSORS}
+    """canonical -> layout name for the fixed tensors, the layer's tensors among `names` (a Llama layer's when none
+    are), plus the switch tensors among `names`."""
+    canonical = engines.CANONICAL_LAYER_PREFIX
+    given = [t for t in LAYER_NAMES if f"{canonical}.{t}" in names] or engines.LAYER_TENSORS
+    layer = {f"{canonical}.{t}": f"{layer_prefix}.{t}" for t in given}
     flagged = {name: name for name in names if name.startswith(FLAG_TENSOR_PREFIXES)}
     return {**{name: name for name in PLAIN_TENSORS}, **layer, **flagged}
 
@@ -106,8 +128,9 @@ def names_with_layer_at(layer_prefix: str, names: list[str] = ()) -> dict[str, s
 def canonical_with_layer_at(layer_prefix: str, name: str) -> str | None:
     """The canonical name of a tensor in a layout whose decoder layer lives at `layer_prefix`; None if it has no
     place there."""
-    inverse = {layout_name: canonical for canonical, layout_name in names_with_layer_at(layer_prefix, [name]).items()}
-    return inverse.get(name)
+    every_layer_tensor = [f"{engines.CANONICAL_LAYER_PREFIX}.{t}" for t in LAYER_NAMES]
+    mapping = names_with_layer_at(layer_prefix, [*every_layer_tensor, name])
+    return {layout_name: canonical for canonical, layout_name in mapping.items()}.get(name)
 
 
 # ---------------------------------------------------------------------------------------------

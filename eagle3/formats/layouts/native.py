@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from eagle3.formats import engines
 from eagle3.formats.layouts.draft import (
+    MLA_SIZES,
     NATIVE_FORMAT,
     DraftConfig,
     Log,
@@ -35,7 +36,9 @@ def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, n
 
 
 def encode_config(cfg: DraftConfig, release: str | None, num_steps: int, verifier: Verifier | None) -> dict:
-    return cfg.model_dump()
+    if cfg.attention == "mla":
+        return cfg.model_dump()
+    return cfg.model_dump(exclude={"attention", "rope_interleave", *MLA_SIZES})  # a Llama-layer draft as before them
 
 
 def verifier_tensors(cfg: DraftConfig, verifier: Verifier) -> dict:

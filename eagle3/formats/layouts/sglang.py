@@ -1,5 +1,6 @@
-"""The sglang layout: `LlamaForCausalLMEagle3` with the decoder layer under `midlayer.*` (the names every release
-loads), and the aux ids nested in `eagle_config`, encoded for the target's model file and the SGLang release."""
+"""The sglang layout: `LlamaForCausalLMEagle3`, or `Eagle3DeepseekV2ForCausalLM` for an MLA draft, with the decoder
+layer under `midlayer.*` (the names every release loads, for both forms), and the aux ids nested in `eagle_config`,
+encoded for the target's model file and the SGLang release."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from eagle3.errors import ConversionError
 from eagle3.formats import engines
 from eagle3.formats.layouts.draft import (
     FLAGS,
+    MLA_SIZES,
     PROVENANCE_KEY,
     DraftConfig,
     Log,
@@ -20,11 +22,17 @@ from eagle3.formats.layouts.draft import (
     trained_fields,
 )
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+ARCHITECTURE = engines.DRAFT_ARCHITECTURES["mha"]
+MLA_MODEL_TYPE = "deepseek_v3"  # transformers' config class for it keeps the MLA sizes SGLang reads
 
 
 def detects(config: dict) -> bool:
-    return ARCHITECTURE in (config.get("architectures") or [])
+    return bool(set(engines.DRAFT_ARCHITECTURES.values()) & set(config.get("architectures") or []))
+
+
+def attention_of(config: dict) -> str:
+    """The draft form a config.json names: mla for SGLang's MLA draft architecture, else mha."""
+    return "mla" if engines.MLA_DRAFT_ARCHITECTURE in (config.get("architectures") or []) else "mha"
 
 
 def tensor_names(names: list[str] = ()) -> dict[str, str]:
@@ -32,8 +40,9 @@ def tensor_names(names: list[str] = ()) -> dict[str, str]:
 
 
 def canonical_name(name: str, config: dict) -> str | None:
-    """Read the way the newest release's loader reads it (`layers.0.*` and `aux_norm_*` included)."""
-    return engines.loaded_name(name, engines.NEWEST_LOADER_RULE, engines.enabled_flags(config))
+    """Read the way the newest release's loader of its form reads it (`layers.0.*` and `aux_norm_*` included)."""
+    newest = engines.DRAFT_LOADERS[attention_of(config)][-1]
+    return engines.loaded_name(name, newest, engines.enabled_flags(config))
 
 
 def encoded_release(raw: RawCheckpoint, given: str | None, log: Log) -> str | None:
@@ -63,6 +72,15 @@ def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, n
     fields = architecture_fields(config, config, raw.tensors)
     flags = engines.enabled_flags(config)
     fields.update(aux_layers=list(capture.layers), **{flag: flag in flags for flag in FLAGS})
+    if attention_of(config) == "mla":
+        missing = [name for name in MLA_SIZES if config.get(name) is None]
+        if missing:
+            raise ConversionError(f"{raw.path}: an {engines.MLA_DRAFT_ARCHITECTURE} config lacks {', '.join(missing)} "
+                                  "(SGLang refuses it without q_lora_rank)")
+        sizes = {name: config[name] for name in MLA_SIZES}
+        fields.update(attention="mla", **sizes, rope_interleave=bool(config.get("rope_interleave", True)),
+                      num_key_value_heads=fields["num_attention_heads"],
+                      head_dim=sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"])
     return trained_fields(raw, fields, family, num_layers)
 
 
@@ -72,15 +90,10 @@ def encode_config(cfg: DraftConfig, release: str | None, num_steps: int, verifie
     family = cfg.target_family
     if family is None:
         raise ConversionError("the target family is unknown: pass --target-family (e.g. llama, deepseek_v2)")
-    rule, _ = engines.loader_rule(release)
+    if problem := engines.served_draft_problem(cfg.attention, cfg.flags(), release):
+        raise ConversionError(problem)
+    rule = engines.draft_loader_rule(cfg.attention, release)
     where = f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (the strictest release; no release was given)"
-    for flag in cfg.flags():
-        if flag not in rule.flags:
-            raise ConversionError(
-                f"the draft uses {flag}, which {where} does not implement (its loader would silently ignore "
-                f"it and compute a different network); "
-                + ("no SGLang release read implements it" if flag == "norm_before_residual" else "pass a release that does")
-            )
     if rule.fixed_num_aux is not None and len(cfg.aux_layers) != rule.fixed_num_aux:
         raise ConversionError(
             f"{where} builds fc for exactly {rule.fixed_num_aux} aux states; the draft has {len(cfg.aux_layers)}"
@@ -99,6 +112,9 @@ def encode_config(cfg: DraftConfig, release: str | None, num_steps: int, verifie
         PROVENANCE_KEY: provenance(cfg, release),
     }
     config.update({flag: True for flag in cfg.flags()})
+    if cfg.attention == "mla":
+        config.update(architectures=[engines.MLA_DRAFT_ARCHITECTURE], model_type=MLA_MODEL_TYPE,
+                      rope_interleave=cfg.rope_interleave, **{name: getattr(cfg, name) for name in MLA_SIZES})
     return config
 
 

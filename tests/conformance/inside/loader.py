@@ -36,6 +36,7 @@ from safetensors.torch import load_file  # noqa: E402
 SETUP_STEPS: list[str] = []
 _PARALLEL_DONE = False
 _PARALLEL_FAILURE: "_StageError | None" = None
+LOADED = None  # the draft model the last load built (read by mla_draft.py)
 
 
 def run(job: dict) -> dict:
@@ -240,8 +241,9 @@ def _load(server_args, model_config, path: str) -> dict:
         seen["yielded"] = []
         return original(model, _recorded(weights, seen["yielded"]), target_device)
 
+    global LOADED
     loader.load_weights_and_postprocess = prefilled_then_loaded
-    model = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+    model = LOADED = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
     if "model" not in seen:
         raise RuntimeError(f"{type(loader).__name__}.load_model never reached load_weights_and_postprocess: "
                            "the sentinel could not be placed")
