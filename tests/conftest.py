@@ -24,7 +24,8 @@ from kimi_target import kimi_target  # noqa: E402,F401
 # the first worker builds the micro target (~45 s, tests/fixtures_tiny.py) and the second, which needs no target
 # there, would otherwise wait for it.
 RELEASE_CHILD_FILES = ("conformance/test_aux_ids.py", "conformance/test_counting.py", "conformance/test_families.py",
-                       "conformance/test_features.py", "conformance/test_loader.py", "conformance/test_server_args.py",
+                       "conformance/test_features.py", "conformance/test_loader.py", "conformance/test_mla_draft.py",
+                       "conformance/test_server_args.py",
                        "conformance/test_telemetry.py")
 LONGEST_FILES = ("conformance/test_eagle3_server.py", *RELEASE_CHILD_FILES, "test_deployment_e2e.py",
                  "conformance/test_plain_server.py", "test_flow.py", "test_stop.py", "test_train_launch.py",
