@@ -27,6 +27,7 @@ from prefect.testing.utilities import prefect_test_harness
 from eagle3.config import load_config
 from eagle3.procs import group_alive
 from eagle3.deployment.production import Production
+from eagle3.formats.engines import DRAFT_ARCHITECTURES
 from eagle3.formats.manifest import read_manifest
 from eagle3.formats.target import read_target_info
 from eagle3.registry.registry import open_registry
@@ -34,7 +35,7 @@ from eagle3.runs import retrain_runs
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.stages import IN_PROGRESS, TOKEN_FILE, marker, output_of
 from flows.eagle3 import eagle3, ensure_registry_limit
-from family_targets import FAMILIES, FAMILY_CONFIGS
+from family_targets import FLOW_CONFIGS
 from fixtures_tiny import micro_target_of
 from kimi_target import VOCAB_SIZE as KIMI_VOCAB
 from ports import free_port
@@ -394,21 +395,24 @@ def promoted_with_simulated_equal_to_served(overrides: list[str], config: str = 
     assert metrics["served"]["accept_length"] == pytest.approx(metrics["simulated"]["accept_length"])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("flavour", FLOW_CONFIGS)
 def test_a_tiny_target_of_each_family_goes_through_the_whole_flow_to_a_promotion(prefect_api, tmp_path_factory,
-                                                                                 family):
+                                                                                 flavour):
     """The family's shipped config (tiny-F-cpu.yaml: its family, release and aux layers) on the MICRO recipe as Qwen2,
-    Qwen3, Qwen3-MoE, Gemma 3 (tied head) and DeepSeek-V2 (MLA): regenerate, train, export for that family's SGLang
-    file, serve, gate; simulated = served on the same draft."""
+    Qwen3, Qwen3-MoE, Gemma 3 (tied head) and DeepSeek-V2 (MLA), and an MLA draft on DeepSeek-V2: regenerate, train,
+    export for that family's SGLang file and the draft's form, serve, gate; simulated = served on the same draft."""
+    family, config = FLOW_CONFIGS[flavour]
     target = micro_target_of(tmp_path_factory, family)
-    run_dir = tmp_path_factory.mktemp(f"{family}-flow")
+    run_dir = tmp_path_factory.mktemp(f"{flavour}-flow")
     overrides = micro_run_overrides(run_dir, target) + [
         "benchmark.suites=[heldout]",
         # these micro targets answer with newlines more than the Llama one (Qwen3-MoE and Gemma 3: 42-44 % of the
         # generated tokens measured): the check that measures it is waived, this test is about the family
         "data.quality.waive=[empty-replies, duplicate-replies, repeated-token, looping]"]
     assert read_target_info(target).family == family
-    promoted_with_simulated_equal_to_served(overrides, str(FAMILY_CONFIGS[family]))
+    promoted_with_simulated_equal_to_served(overrides, str(config))
+    exported = json.loads((load_config(config, overrides).stage_dir("export") / "sglang" / "config.json").read_text())
+    assert exported["architectures"] == [DRAFT_ARCHITECTURES[load_config(config, overrides).draft.attention]]
 
 
 def degraded_events(resource: str, expected: int, timeout_s: float = 60.0) -> list[dict]:
