@@ -74,7 +74,7 @@ def kimi_step(seq: int, ttt: int, batch: int, device: str, steps: int) -> None:
     """The trainer's step (teacher, TTT forward, loss, backward, AdamW) on a Kimi-shaped draft, next to
     the memory eagle3 plan measures for it on storage-less tensors."""
     config = draft_config(**KIMI)
-    estimate = training_step_peak_bytes(config, batch, seq, ttt, pre_norm=False)
+    estimate = training_step_peak_bytes(config, batch, seq, ttt, pre_norm=False, recompute=True)
     print(f"Kimi-sized draft, batch {batch} x {seq}, TTT {ttt}: eagle3 plan's measured step {estimate / 2**30:.1f} GiB "
           "(activations, teacher, gradients; weights and optimizer apart)")
     dev = torch.device(device)

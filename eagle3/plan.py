@@ -51,6 +51,7 @@ class MemoryPlan:
     storage: dict[str, int]  # bytes on disk, upper bounds (every sample at data.max_length)
     features: str  # training.features: online (the target on the training GPUs) or offline
     time: TimePlan
+    recompute: str  # training.recompute as decided, and why
 
     def fits(self, stage: StagePlan) -> bool | None:
         return None if stage.per_gpu_gib is None else stage.per_gpu_gib <= self.gpu_memory_gib
@@ -69,6 +70,7 @@ class MemoryPlan:
             "fits": self.all_fit,
             "target": {"weights_gib": _gib(self.target.weight_bytes) if self.target else None, "note": self.target_note},
             "training_features": self.features,
+            "recompute": self.recompute,
             "storage_bytes": self.storage,
             "stages": [{"name": s.name, "per_gpu_gib": s.per_gpu_gib, "fits": self.fits(s), "gpus": s.gpus,
                         "parts": s.parts, "knob": s.knob, "unknown": s.unknown,
@@ -78,7 +80,7 @@ class MemoryPlan:
 
     def table(self) -> list[str]:
         lines = [f"target: {self.target_note}", f"GPU memory: {self.gpu_memory_gib:g} GiB (node.gpu_memory_gib)",
-                 f"training features: {self.features}",
+                 f"training features: {self.features}", self.recompute,
                  "disk, at most: " + ", ".join(f"{name.replace('_', ' ')} {human_bytes(n)}" for name, n in self.storage.items())]
         for stage in self.stages:
             if stage.unknown:
@@ -111,11 +113,35 @@ def target_size(config: PipelineConfig) -> tuple[TargetSize | None, str]:
 
 def plan_memory(config: PipelineConfig) -> MemoryPlan:
     size, note = target_size(config)
+    config, recompute = chosen_recompute(config)
     stages = [regeneration_stage(config, size), capture_stage(config, size), training_stage(config, size)]
     if config.serving is not None:  # a training-only config serves nothing
         stages.append(serving_stage(config, size))
     return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, stored_bytes(config), config.training.features,
-                      plan_time(config, size, note))
+                      plan_time(config, size, note), recompute)
+
+
+def chosen_recompute(config: PipelineConfig) -> tuple[PipelineConfig, str]:
+    """The config with training.recompute decided, and why: `auto` keeps every intermediate (the faster step) when
+    the training stage fits node.gpu_memory_gib that way, else recomputes. The run's resolved config carries the
+    choice to the trainers."""
+    setting = config.training.recompute
+    if setting != "auto":
+        return config, f"training.recompute {setting}: set in the config"
+    lean = training_stage(with_recompute(config, "none"), target_size(config)[0])
+    budget = config.node.gpu_memory_gib
+    if lean.per_gpu_gib is not None and lean.per_gpu_gib <= budget:
+        choice, why = "none", f"the step fits without recomputing ({lean.per_gpu_gib:.1f} GiB per GPU of {budget:g})"
+    elif lean.per_gpu_gib is None:
+        choice, why = "norms_mlp", f"the training stage cannot be sized ({lean.unknown}): the smaller step is taken"
+    else:
+        choice, why = "norms_mlp", (f"without recomputing the step needs {lean.per_gpu_gib:.1f} GiB per GPU, over "
+                                    f"node.gpu_memory_gib {budget:g}")
+    return with_recompute(config, choice), f"training.recompute auto -> {choice}: {why}"
+
+
+def with_recompute(config: PipelineConfig, choice: str) -> PipelineConfig:
+    return config.model_copy(update={"training": config.training.model_copy(update={"recompute": choice})})
 
 
 def stored_bytes(config: PipelineConfig) -> dict[str, int]:
@@ -178,7 +204,8 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
     stage = StagePlan("train", world, knob=(
         f"{fewer} or lower training.seq_len ({train.seq_len})"
         + ("" if train.fsdp or world == 1 else ", or set training.fsdp true")))
-    shape = (cfg, per_rank, train.seq_len, train.ttt_steps, config.data.last_hidden == "pre_norm")
+    recompute = train.recompute == "norms_mlp"  # chosen_recompute has decided `auto`
+    shape = (cfg, per_rank, train.seq_len, train.ttt_steps, config.data.last_hidden == "pre_norm", recompute)
     step = training_step_peak_bytes(*shape)
     stage.step_by_op = {op: _gib(n) for op, n in training_step_peak_by_op(*shape).items() if n >= GIB / 100}
     stage.parts = {

@@ -17,7 +17,7 @@ from eagle3.config import (
 from eagle3.config.sections import RegistrySection
 from eagle3.deployment.promotion import retrain_overrides
 from eagle3.init_draft import init_draft
-from eagle3.plan import require_fit
+from eagle3.plan import chosen_recompute, require_fit
 from eagle3.registry.registry import open_registry, registry_location
 from tasks.common import log_to_run
 
@@ -62,6 +62,8 @@ def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[Pipel
                                                   log_to_run())
         run_config = load_config(config, overrides)
     init_draft(run_config)  # a training.init_from that names no draft is refused before any stage
+    run_config, recompute = chosen_recompute(run_config)  # the trainers read the plan's choice
+    log_to_run()(f"load-config: {recompute}")
     resolved = resolved_config_file(run_config)
     log_to_run()(f"load-config: resolved config in {resolved}")
     return run_config, str(resolved)

@@ -13,7 +13,7 @@ from eagle3.errors import ConfigError
 from eagle3.formats.target import active_parameters, read_target_size
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, TTTModel
-from eagle3.plan import plan_memory, require_fit
+from eagle3.plan import chosen_recompute, plan_memory, require_fit
 from eagle3.train.memory import AllocationPeak, training_step_peak_by_op, training_step_peak_bytes
 from test_config import TINY
 from test_data import micro_overrides
@@ -37,11 +37,17 @@ def test_the_kimi_config_fits_the_node(capsys):
     assert plan["training_features"] == "online" and plan["storage_bytes"]["hidden_states"] == 0
     assert stages["train"]["parts"]["target weights (/8)"] == pytest.approx(553.39 / 8, rel=1e-3)
     assert stages["train"]["parts"]["KV cache, 65,536 tokens"] > 0  # one global micro-batch: 8 GPUs x 2 x 4,096
-    # issue 28: the draft's step at TTT 7 on the config's 2 sequences of 4,096 tokens per forward, where it goes, and
-    # on one sequence (27.6 GiB before)
-    step = stages["train"]["parts"][STEP]
-    assert step <= 2 * 14 and sum(stages["train"]["step_by_op_gib"].values()) == pytest.approx(step, abs=0.1)
-    assert plan_memory(load_config(KIMI, ["training.micro_batch_size=1"])).stages[2].parts[STEP] <= 14
+    # training.recompute auto: the step fits the H200 keeping every intermediate, so nothing is recomputed
+    assert plan["recompute"].startswith("training.recompute auto -> none: the step fits without recomputing")
+    assert stages["train"]["per_gpu_gib"] <= 141 - 10
+    # issue 28: the draft's step at TTT 7 on the config's 2 sequences of 4,096 tokens per forward when recomputing,
+    # where it goes, and on one sequence (27.6 GiB before)
+    lean = plan_memory(load_config(KIMI, ["training.recompute=norms_mlp"])).to_dict()["stages"][2]
+    step = lean["parts"][STEP]
+    assert step <= 2 * 14 and sum(lean["step_by_op_gib"].values()) == pytest.approx(step, abs=0.1)
+    assert step < stages["train"]["parts"][STEP] and lean["per_gpu_gib"] <= 120.7
+    one = plan_memory(load_config(KIMI, ["training.micro_batch_size=1", "training.recompute=norms_mlp"]))
+    assert one.stages[2].parts[STEP] <= 14
 
 
 def test_offline_training_stores_the_hidden_states_and_frees_the_training_gpus():
@@ -71,8 +77,9 @@ def test_the_training_stage_grows_with_the_sequences_per_forward_and_lists_its_p
     def train_stage(*overrides):
         plan = plan_memory(load_config(KIMI, ["training.features=offline", *overrides]))
         return plan, plan.stages[2]
-    small_plan, small = train_stage("training.batch_size=8", "training.micro_batch_size=1")
-    large_plan, large = train_stage("training.batch_size=128", "training.micro_batch_size=16")
+    small_plan, small = train_stage("training.batch_size=8", "training.micro_batch_size=1", "training.recompute=norms_mlp")
+    large_plan, large = train_stage("training.batch_size=128", "training.micro_batch_size=16",
+                                    "training.recompute=norms_mlp")
     step = STEP
     # 16 vs 1 sequence; one set of the weights' bf16 copies (the peak comes in the forward, before any gradient)
     assert 13 * small.parts[step] < large.parts[step] < 16 * small.parts[step]
@@ -81,8 +88,10 @@ def test_the_training_stage_grows_with_the_sequences_per_forward_and_lists_its_p
                                      "lower training.micro_batch_size (16 sequences per GPU per forward now) or "
                                      "lower training.seq_len (4096)"]
     # the global batch sets how many micro-batches a step runs, not their memory
-    assert train_stage("training.batch_size=128", "training.micro_batch_size=1")[1].parts == small.parts
-    _, whole_share = train_stage("training.batch_size=128", "training.micro_batch_size=null")  # 16 per GPU at once
+    assert train_stage("training.batch_size=128", "training.micro_batch_size=1",
+                       "training.recompute=norms_mlp")[1].parts == small.parts
+    _, whole_share = train_stage("training.batch_size=128", "training.micro_batch_size=null",  # 16 per GPU at once
+                                 "training.recompute=norms_mlp")
     assert whole_share.parts == large.parts and whole_share.knob.startswith(
         "set training.micro_batch_size under the 16 sequences per GPU per forward now (each rank's share of "
         "training.batch_size) or lower training.seq_len (4096)")
@@ -122,8 +131,8 @@ def test_the_dry_run_counts_what_the_real_step_allocates():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             stats = TTTModel(model)(aux, ids, teacher, rows)
         stats[0].sum().backward()
-    assert training_step_peak_bytes(model.config, 2, 24, 3, pre_norm=False) == real.peak
-    assert training_step_peak_by_op(model.config, 2, 24, 3, pre_norm=False) == real.peak_by_op
+    assert training_step_peak_bytes(model.config, 2, 24, 3, pre_norm=False, recompute=True) == real.peak
+    assert training_step_peak_by_op(model.config, 2, 24, 3, pre_norm=False, recompute=True) == real.peak_by_op
     assert sum(real.peak_by_op.values()) == real.peak and real.peak_by_op["mm"] > 0
 
 
@@ -217,3 +226,30 @@ def test_a_dense_target_multiplies_every_parameter_but_its_input_embedding():
     layer = (2 * 64 * 4 * 16 + 2 * 64 * 2 * 16) + 3 * 64 * 256  # attention (GQA) + MLP at intermediate 4 x hidden
     assert active_parameters(text) == (4 * layer + 512 * 64, 4 * layer + 2 * 512 * 64)
     assert active_parameters({**text, "tie_word_embeddings": True}) == (4 * layer + 512 * 64,) * 2  # the head multiplies
+
+
+def test_auto_recompute_keeps_every_intermediate_where_the_step_fits_and_recomputes_where_it_does_not():
+    roomy = plan_memory(load_config(TINY))
+    assert roomy.recompute.startswith("training.recompute auto -> none: the step fits without recomputing")
+    assert roomy.all_fit
+    tight = plan_memory(load_config(TINY, ["node.gpu_memory_gib=5.22"]))  # between the two steps' stages (5.20, 5.24)
+    assert tight.recompute.startswith("training.recompute auto -> norms_mlp: without recomputing the step needs 5.2")
+    assert tight.all_fit and tight.stages[2].parts[STEP.replace("7", "4")] < roomy.stages[2].parts[STEP.replace("7", "4")]
+    assert chosen_recompute(load_config(TINY, ["training.recompute=norms_mlp"]))[0].training.recompute == "norms_mlp"
+
+
+def test_recomputing_changes_the_memory_not_the_gradients():
+    model = tiny_draft(vocab=40, draft_vocab=16)
+    head = TeacherHead(torch.randn(40, 32).bfloat16(), torch.arange(16))
+    aux, last = torch.randn(2, 24, 96), torch.randn(2, 24, 32)
+    ids, mask = torch.randint(0, 40, (2, 24)), torch.ones(2, 24, dtype=torch.long)
+    rows = LossRows.of(mask, 3)
+    grads = []
+    for recompute in (True, False):
+        model.set_recompute(recompute)
+        model.zero_grad()
+        TTTModel(model)(aux, ids, head(last, rows.teacher), rows)[0].sum().backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    lean, kept = (training_step_peak_bytes(model.config, 2, 24, 3, pre_norm=False, recompute=r) for r in (True, False))
+    assert lean < kept

@@ -143,9 +143,11 @@ def run_vocab_build(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     from eagle3.config import resolved_config_file
     from eagle3.init_draft import resolve_init_from
+    from eagle3.plan import chosen_recompute
     from eagle3.train.launch import train
 
-    config = load_run_config(args)
+    config, recompute = chosen_recompute(load_run_config(args))  # the trainers read the plan's choice
+    print(f"train: {recompute}")
     resolve_init_from(config)
     train(config, resolved_config_file(config), log=print)
     return EXIT_OK

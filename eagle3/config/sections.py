@@ -144,6 +144,10 @@ class VocabSection(Section):
 
 
 class TrainingSection(Section):
+    recompute: Literal["auto", "none", "norms_mlp"] = Field(
+        default="auto", description="norms_mlp: the backward recomputes the norms and the SwiGLU product instead of "
+        "keeping their float32 intermediates (less memory, a slower step); auto: only when the step would not fit "
+        "node.gpu_memory_gib without it (`eagle3 plan` says which and why; the results are the same either way)")
     features: Literal["online", "offline"] = Field(
         default="offline", description="online: the trainer computes the target's features batch by batch and "
         "nothing is stored; offline: they are captured to data/hidden first and read back")

@@ -30,6 +30,8 @@ TTT_QUERY_CHUNK = 512  # query rows per attention call in training-time test
 
 
 class RMSNorm(nn.Module):
+    recompute = True  # Eagle3Draft.set_recompute turns it off for the whole draft
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -37,7 +39,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # its float32 intermediates (three tensors of x's size at 4 bytes) would be kept per call, 4 calls a TTT step
-        return recomputed(self.normed, x)
+        return recomputed(self.normed, x) if self.recompute else self.normed(x)
 
     def normed(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -167,6 +169,8 @@ class MLAAttention(Attention):
 
 
 class MLP(nn.Module):
+    recompute = True  # Eagle3Draft.set_recompute turns it off for the whole draft
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -175,7 +179,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # silu's output ([T, intermediate]) would be kept for the backward beside both inputs and the product
-        return self.down_proj(recomputed(swiglu, self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(recomputed(swiglu, gate, up) if self.recompute else swiglu(gate, up))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -209,6 +214,13 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def set_recompute(self, on: bool) -> None:
+        """training.recompute: whether the backward recomputes the norms and the SwiGLU product (less memory, a
+        slower step) or keeps their intermediates. The same values either way."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.recompute = on
 
     def hot_token_ids(self) -> torch.Tensor:
         """[draft_vocab] the target id each head row predicts, read the way SGLang reads d2t."""

@@ -70,28 +70,33 @@ def trainable_parameters(cfg: DraftConfig) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def training_step_peak_bytes(cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> int:
+def training_step_peak_bytes(cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool,
+                              recompute: bool) -> int:
     """Peak bytes one rank allocates during a step on `sequences` x `seq_len` tokens: teacher outputs,
-    TTT activations, loss, gradients, and the transients between them (not the weights or the batch).
+    TTT activations, loss, gradients, and the transients between them (not the weights or the batch), with the
+    backward recomputing the norms and the SwiGLU product or not (training.recompute).
     Measured once per shape in a process (seconds at Kimi's size, and the config check, `eagle3 plan` and the
     flow's load-config each ask)."""
-    return _measured_peak(cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm)[0]
+    return _measured_peak(cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm, recompute)[0]
 
 
-def training_step_peak_by_op(cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> dict[str, int]:
+def training_step_peak_by_op(cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool,
+                             recompute: bool) -> dict[str, int]:
     """What `training_step_peak_bytes` counts, by the aten op that made each tensor alive at the peak (largest first):
     where a step's memory goes (`_to_copy`: dtype casts, `mm`: matmul outputs, ...)."""
-    by_op = _measured_peak(cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm)[1]
+    by_op = _measured_peak(cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm, recompute)[1]
     return dict(sorted(by_op.items(), key=lambda item: -item[1]))
 
 
 @functools.lru_cache(maxsize=16)
-def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool) -> tuple[int, dict[str, int]]:
+def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool,
+                   recompute: bool) -> tuple[int, dict[str, int]]:
     cfg = DraftConfig.model_validate_json(cfg_json)
     # every token generated (the most the loss reads); the rows are made on the host, as the trainer makes them
     rows = LossRows.of(torch.ones(sequences, seq_len, dtype=torch.long), ttt_steps)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
+        model.set_recompute(recompute)
         hot = torch.arange(cfg.draft_vocab_size)
         norm = torch.empty(cfg.hidden_size) if pre_norm else None
         teacher_head = TeacherHead(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16), hot, norm)

@@ -79,6 +79,15 @@ def trained_draft_config(config: PipelineConfig) -> DraftConfig:
     )
 
 
+def recomputes(setting: str, device: torch.device) -> bool:
+    """training.recompute. `auto` reaches a trainer decided (the plan writes its choice into the run's resolved config,
+    eagle3.plan.chosen_recompute) except when the trainer is built directly: then it recomputes on a GPU, whose memory
+    the plan was not asked about, and not on the CPU, whose memory it does not save."""
+    if setting == "auto":
+        return device.type != "cpu"
+    return setting == "norms_mlp"
+
+
 def autocast(device: torch.device):
     """bf16 matmuls on a GPU; float32 on the CPU (runs here, tests)."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
@@ -166,6 +175,7 @@ class Trainer:
         with torch.device(device):
             model = Eagle3Draft(trained_draft_config(self.config), head["embed"].to(device))
         init_weights(model, self.config.training.seed)  # from a CPU generator: the same draft on any device
+        model.set_recompute(recomputes(self.config.training.recompute, device))
         with torch.no_grad():
             model.d2t.copy_(vocab_map.d2t)
             model.t2d.copy_(vocab_map.t2d)
