@@ -13,7 +13,8 @@ from eagle3.errors import ConfigError
 from eagle3.formats.target import active_parameters, read_target_size
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, TTTModel
-from eagle3.plan import chosen_recompute, plan_memory, require_fit
+from eagle3.plan import chosen_recompute, plan_memory, require_fit, target_size
+from eagle3.plan_time import plan_time
 from eagle3.train.memory import AllocationPeak, training_step_peak_by_op, training_step_peak_bytes
 from test_config import TINY
 from test_data import micro_overrides
@@ -21,7 +22,8 @@ from test_train import tiny_draft
 
 KIMI = Path(__file__).parent.parent / "configs" / "kimi-k25-8xh200.yaml"
 STEP = "training step, measured (TTT 7: activations, teacher, gradients)"
-TOO_BIG = ["training.batch_size=512", "training.micro_batch_size=64"]  # 1 TB per GPU; a longer seq_len costs the dry run minutes
+# 1 TB per GPU (a longer seq_len costs the dry run minutes); recomputing, so that one dry run sizes it
+TOO_BIG = ["training.batch_size=512", "training.micro_batch_size=64", "training.recompute=norms_mlp"]
 
 
 def test_the_kimi_config_fits_the_node(capsys):
@@ -155,7 +157,8 @@ def test_the_serve_stage_counts_the_draft_in_its_own_dtype(micro_target, tmp_pat
 
 
 def kimi_hours(*overrides: str) -> dict:
-    return plan_memory(load_config(KIMI, list(overrides))).time.to_dict()
+    config = load_config(KIMI, list(overrides))
+    return plan_time(config, *target_size(config)).to_dict()  # the hours alone: no dry run of the step
 
 
 def test_the_kimi_plan_gives_hours_per_stage_with_its_assumptions_and_their_fields(capsys):
@@ -253,3 +256,10 @@ def test_recomputing_changes_the_memory_not_the_gradients():
     assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
     lean, kept = (training_step_peak_bytes(model.config, 2, 24, 3, pre_norm=False, recompute=r) for r in (True, False))
     assert lean < kept
+
+
+def test_the_kimi_mla_draft_fits_the_node_at_one_sequence_per_forward():
+    plan = plan_memory(load_config(KIMI.with_name("kimi-k25-mla-8xh200.yaml")))
+    assert plan.all_fit and plan.recompute.startswith("training.recompute auto -> none")
+    train, serve = plan.stages[2], plan.stages[3]
+    assert train.per_gpu_gib <= 141 - 10 and serve.parts["draft KV cache"] < 0.2  # one 576-wide latent per token

@@ -97,6 +97,11 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, heads, Tq, d]; keys/values [B, kv_heads, Tk, d]; mask [Tq, Tk] or [B, 1, Tq, Tk], True = visible."""
+        return self.o_proj(self.attended_heads(q, keys, values, mask).flatten(2))
+
+    def attended_heads(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """The attention's output per head, [B, Tq, heads, dv] (before o_proj)."""
         group = self.heads // self.kv_heads  # query heads g * group .. (g + 1) * group - 1 share kv head g
         # One call per position j in the group, over query heads j, group + j, ...: each sees the kv heads as they
         # are. Neither enable_gqa (with a mask, it sends CUDA to the math kernel, which materialises the scores) nor
@@ -105,8 +110,7 @@ class Attention(nn.Module):
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
         out = torch.stack([F.scaled_dot_product_attention(q[:, j::group], keys, values, attn_mask=bias)
                            for j in range(group)], dim=2)  # [B, kv_heads, group, Tq, d]
-        b, t = q.shape[0], q.shape[2]
-        return self.o_proj(out.permute(0, 3, 1, 2, 4).reshape(b, t, -1))  # head g * group + j
+        return out.permute(0, 3, 1, 2, 4).flatten(2, 3)  # head g * group + j
 
     def attend_ttt(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         """Training-time test, step k: q [B, heads, T, d]; keys/values k + 1 blocks [B, kv_heads, T, d].
@@ -148,8 +152,11 @@ class MLAAttention(Attention):
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=False)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, 2H] -> q, k [B, heads, T, nope + rope] and v [B, heads, T, v_dim]; the softmax scale is
-        (nope + rope)^-0.5, SDPA's default for that width, as SGLang's without YaRN."""
+        """x [B, T, 2H] -> q, k [B, heads, T, nope + rope] and v [B, heads, T, nope + rope]: the value's v_dim
+        columns, then zeros. The fused kernels (CPU's flash, CUDA's flash) take one head width; narrower values fall
+        back to the math kernel, which materialises the scores (52 GiB of a Kimi-sized step). Padded once here, not
+        per query chunk. The softmax scale is (nope + rope)^-0.5, SDPA's default for that width, as SGLang's without
+        YaRN."""
         b, t, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, t, self.heads, -1).transpose(1, 2)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_a_layernorm.weight.numel(), self.rope], dim=-1)
@@ -158,7 +165,12 @@ class MLAAttention(Attention):
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         k_rope = self.rotated(k_rope[:, None], positions).expand(b, self.heads, t, self.rope)  # one for all heads
         q = torch.cat([q_nope, self.rotated(q_rope, positions)], dim=-1)
-        return q, torch.cat([k_nope, k_rope], dim=-1), v
+        return q, torch.cat([k_nope, k_rope], dim=-1), F.pad(v, (0, self.nope + self.rope - self.v_dim))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """As a Llama layer's, on values `project` zero-padded to the queries' width; the padding is dropped
+        before o_proj."""
+        return self.o_proj(self.attended_heads(q, keys, values, mask)[..., : self.v_dim].flatten(2))
 
     def rotated(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE on [B, heads, T, rope]. Interleaved pairs (2i, 2i + 1) are rotated as halves after gathering the
