@@ -22,7 +22,7 @@ from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.formats.target import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.plan_time import TimePlan, plan_time
 from eagle3.train.memory import trainable_parameters, training_step_peak_by_op, training_step_peak_bytes
-from eagle3.train.trainer import trained_draft_config
+from eagle3.train.architecture import trained_draft_config
 
 GIB = 2**30
 RUNTIME_RESERVE_GIB = 5.0  # CUDA context, NCCL buffers, allocator fragmentation, SGLang's CUDA graphs

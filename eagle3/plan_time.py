@@ -17,7 +17,7 @@ from eagle3.data.regenerate import greedy_length, simulated_shapes
 from eagle3.data.suites import planned_requests
 from eagle3.formats.target import TargetSize, active_parameters, read_target_config
 from eagle3.train.memory import trainable_parameters
-from eagle3.train.trainer import trained_draft_config
+from eagle3.train.architecture import trained_draft_config
 
 HOUR = 3600.0
 

@@ -188,3 +188,22 @@ def test_local_inputs_are_checked_naming_the_field_and_the_fix(micro_target, tmp
 
 def test_a_target_only_on_the_gpu_node_is_declared_by_its_config_file():
     check_local_inputs(load_config(KIMI))  # /models/Kimi-K2.5 is not here; target.config_file says what it is
+
+
+MLA_DRAFT = Path(__file__).parent.parent / "configs" / "tiny-deepseek-v2-mla-cpu.yaml"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["serving.release=0.5.11"], "SGLang 0.5.11 is not among the releases read that have Eagle3DeepseekV2ForCausalLM "
+                                 "(0.5.12, 0.5.13–0.5.23)"),
+    (["serving.release=0.5.12", "draft.fc_norm=true"], "fc_norm, which SGLang 0.5.12 does not implement (served from "
+                                                       "0.5.13)"),
+    (["draft.norm_before_fc=true"], "SGLang's MLA draft (Eagle3DeepseekV2ForCausalLM) has no input norm"),
+    (["draft.q_lora_rank=null"], "draft.attention mla needs draft.q_lora_rank"),
+    (["draft.attention=mha", "draft.num_key_value_heads=2"], "describe an MLA draft: set draft.attention mla or remove them"),
+    (["draft.norm_before_residual=true"], "draft.norm_before_residual: no SGLang release implements it"),
+])
+def test_a_draft_form_the_served_release_cannot_build_is_refused_at_load(overrides, message):
+    with pytest.raises(ConfigError) as refused:
+        load_config(MLA_DRAFT, overrides)
+    assert message in str(refused.value) and len(str(refused.value).splitlines()) == 1

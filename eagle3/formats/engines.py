@@ -123,7 +123,6 @@ def loader_rule(release: str | None) -> tuple[DraftLoaderRule, str]:
 # (either spelling loads), fuses q_a_proj with kv_a_proj_with_mqa (both must be there, else neither loads),
 # splits kv_b_proj after loading, and drops `model.`-prefixed names, input_norm and t2d without a word.
 MLA_DRAFT_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
-MLA_DRAFT_FROM = (0, 5, 12)
 MLA_LAYER_TENSORS = (
     "input_layernorm.weight",
     "hidden_norm.weight",
@@ -140,11 +139,9 @@ MLA_LAYER_TENSORS = (
     "mlp.down_proj.weight",
 )
 MLA_FUSED_PAIR = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
-MLA_LOADER_RULES = (
-    # 0.5.12: no switches.
+MLA_LOADER_RULES = (  # 0.5.12: no switches; 0.5.13: fc_norm (or use_aux_norm) and norm_output
     DraftLoaderRule(ReleaseRange("0.5.12", "0.5.12"), ("layers.0", "midlayer"), frozenset(), None,
                     layer_tensors=MLA_LAYER_TENSORS, model_prefix=False),
-    # 0.5.13: fc_norm (or use_aux_norm) and norm_output.
     DraftLoaderRule(ReleaseRange("0.5.13", "0.5.23"), ("layers.0", "midlayer"), frozenset({"fc_norm", "norm_output"}),
                     None, layer_tensors=MLA_LAYER_TENSORS, model_prefix=False),
 )
@@ -153,31 +150,29 @@ DRAFT_ARCHITECTURES = {"mha": "LlamaForCausalLMEagle3", "mla": MLA_DRAFT_ARCHITE
 
 
 def draft_loader_rule(attention: str, release: str | None) -> DraftLoaderRule | None:
-    """The loader of a draft form in a release (None: the release has no such draft, or is not in the table)."""
+    """The loader of a draft form in a release (mha: the strictest one for a release not in the table; mla: None for a
+    release without the form or not in the table)."""
+    if attention == "mha":
+        return loader_rule(release)[0]
     if release is None:
-        return loader_rule(None)[0] if attention == "mha" else None
-    parsed = parse_release(release)
-    return next((rule for rule in DRAFT_LOADERS[attention] if parsed in rule.releases), None)
+        return None
+    return next((rule for rule in MLA_LOADER_RULES if parse_release(release) in rule.releases), None)
 
 
 def served_draft_problem(attention: str, flags: list[str], release: str | None) -> str | None:
-    """Why SGLang `release` (None: every release in the table) would not serve a draft of this form with these
-    switches as trained, as a sentence; None when it would."""
-    rule = draft_loader_rule(attention, release)
+    """Why SGLang `release` (None: the strictest) would not serve a draft of this form with these switches as trained,
+    as a sentence; None when it would."""
+    rule, name = draft_loader_rule(attention, release), DRAFT_ARCHITECTURES[attention]
     where = f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (the strictest release; no release was given)"
     if rule is None:
-        first = ".".join(map(str, MLA_DRAFT_FROM))
-        return (f"{where} has no {DRAFT_ARCHITECTURES[attention]} (it ships from {first}): name a release >= {first} "
-                "in serving.release")
-    skipped = [flag for flag in flags if flag not in rule.flags]
-    if skipped:
-        served_from = {flag: next((r.releases.first for r in DRAFT_LOADERS[attention] if flag in r.flags), None)
-                       for flag in skipped}
-        reasons = [f"{flag}, which {where} does not implement ("
-                   + (f"served from {first}" if first else "no SGLang release read implements it") + ")"
-                   for flag, first in served_from.items()]
-        return (f"the draft uses {'; '.join(reasons)}: {DRAFT_ARCHITECTURES[attention]}'s loader would skip its "
-                "weights and serve another network; name a release that does")
+        read = ", ".join(str(r.releases) for r in MLA_LOADER_RULES)
+        return f"{where} is not among the releases read that have {name} ({read}): name one in serving.release"
+    reasons = [f"{flag}, which {where} does not implement ("
+               + next((f"served from {r.releases.first}" for r in DRAFT_LOADERS[attention] if flag in r.flags),
+                      "no SGLang release read implements it") + ")" for flag in flags if flag not in rule.flags]
+    if reasons:
+        return (f"the draft uses {'; '.join(reasons)}: {name}'s loader would skip its weights and serve another "
+                "network; name a release that does")
     return None
 
 

@@ -20,14 +20,13 @@ import torch
 from eagle3.bench.simulate import HeldoutRef, heldout_samples, replay_stored
 from eagle3.config import PipelineConfig
 from eagle3.config.sections import batch_split_problem
-from eagle3.formats.layouts.draft import MLA_SIZES
 from eagle3.data.capture import check_dataset, dataset_dir
 from eagle3.distributed import Dist, setup_distributed
 from eagle3.engines.backends import target_backend
 from eagle3.engines.features import FeatureBackend
 from eagle3.engines.targets import target_eos_ids
 from eagle3.errors import Eagle3Error, UnreadableInput
-from eagle3.formats.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
+from eagle3.formats.checkpoint import NativeDraft, load_native, write_draft_files
 from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
 from eagle3.formats.target import read_target_info
 from eagle3.formats.vocab_map import VocabMap, load_vocab_map
@@ -35,6 +34,7 @@ from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
 from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
 from eagle3.model.weights import target_head
+from eagle3.train.architecture import recomputes, trained_draft_config
 from eagle3.train.argmax_memo import RememberingTeacher
 from eagle3.train.augment import noisy_features
 from eagle3.train.data import SampleRef, ShardFeatures, TrainingData, micro_batches
@@ -49,43 +49,6 @@ METRICS_FILE = "metrics.jsonl"
 # training.best_by -> the eval record's key that scores it, and whether lower is better
 BEST_BY = {"accept_length": ("eval_accept_length", False), "step_acc": ("eval_weighted_acc", False),
            "eval_loss": ("eval_loss", True)}
-
-
-def trained_draft_config(config: PipelineConfig) -> DraftConfig:
-    """The architecture a run trains: the `draft` section's sizes around the target's width and vocabulary."""
-    target, draft = config.target, config.draft
-    return DraftConfig(
-        hidden_size=target.hidden_size,  # SGLang swaps in the target's embedding: sizes must match
-        target_hidden_size=target.hidden_size,
-        intermediate_size=draft.intermediate_size,
-        num_attention_heads=draft.num_attention_heads,
-        num_key_value_heads=draft.num_key_value_heads or draft.num_attention_heads,  # mla: every head its own key
-        head_dim=(draft.qk_nope_head_dim + draft.qk_rope_head_dim if draft.attention == "mla"
-                  else target.hidden_size // draft.num_attention_heads),
-        rms_norm_eps=draft.rms_norm_eps,
-        rope_theta=draft.rope_theta,
-        max_position_embeddings=draft.max_position_embeddings,
-        vocab_size=target.vocab_size,
-        draft_vocab_size=config.vocab.draft_vocab_size,
-        torch_dtype=draft.torch_dtype,
-        aux_layers=list(config.data.aux_layers),
-        target_num_hidden_layers=target.num_hidden_layers,
-        target_family=target.family,
-        fc_norm=draft.fc_norm,
-        norm_before_fc=draft.norm_before_fc,
-        norm_output=draft.norm_output,
-        attention=draft.attention,
-        **{name: getattr(draft, name) for name in MLA_SIZES},
-    )
-
-
-def recomputes(setting: str, device: torch.device) -> bool:
-    """training.recompute. `auto` reaches a trainer decided (the plan writes its choice into the run's resolved config,
-    eagle3.plan.chosen_recompute) except when the trainer is built directly: then it recomputes on a GPU, whose memory
-    the plan was not asked about, and not on the CPU, whose memory it does not save."""
-    if setting == "auto":
-        return device.type != "cpu"
-    return setting == "norms_mlp"
 
 
 def autocast(device: torch.device):

@@ -1,0 +1,46 @@
+"""The draft a run trains: its architecture from the pipeline config, and what its backward keeps."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.config import PipelineConfig
+from eagle3.formats.checkpoint import DraftConfig
+from eagle3.formats.layouts.draft import MLA_SIZES
+
+
+def trained_draft_config(config: PipelineConfig) -> DraftConfig:
+    """The architecture a run trains: the `draft` section's sizes around the target's width and vocabulary."""
+    target, draft = config.target, config.draft
+    return DraftConfig(
+        hidden_size=target.hidden_size,  # SGLang swaps in the target's embedding: sizes must match
+        target_hidden_size=target.hidden_size,
+        intermediate_size=draft.intermediate_size,
+        num_attention_heads=draft.num_attention_heads,
+        num_key_value_heads=draft.num_key_value_heads or draft.num_attention_heads,  # mla: every head its own key
+        head_dim=(draft.qk_nope_head_dim + draft.qk_rope_head_dim if draft.attention == "mla"
+                  else target.hidden_size // draft.num_attention_heads),
+        rms_norm_eps=draft.rms_norm_eps,
+        rope_theta=draft.rope_theta,
+        max_position_embeddings=draft.max_position_embeddings,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=config.vocab.draft_vocab_size,
+        torch_dtype=draft.torch_dtype,
+        aux_layers=list(config.data.aux_layers),
+        target_num_hidden_layers=target.num_hidden_layers,
+        target_family=target.family,
+        fc_norm=draft.fc_norm,
+        norm_before_fc=draft.norm_before_fc,
+        norm_output=draft.norm_output,
+        attention=draft.attention,
+        **{name: getattr(draft, name) for name in MLA_SIZES},
+    )
+
+
+def recomputes(setting: str, device: torch.device) -> bool:
+    """training.recompute. `auto` reaches a trainer decided (the plan writes its choice into the run's resolved config,
+    eagle3.plan.chosen_recompute) except when the trainer is built directly: then it recomputes on a GPU, whose memory
+    the plan was not asked about, and not on the CPU, whose memory it does not save."""
+    if setting == "auto":
+        return device.type != "cpu"
+    return setting == "norms_mlp"
