@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from eagle3.model.draft import TTT_QUERY_CHUNK, Attention, causal_mask
+from eagle3.model.draft import Attention, causal_mask, ttt_chunk_rows
 from eagle3.model.teacher import TeacherHead
 from eagle3.train.memory import AllocationPeak
 
@@ -66,12 +66,13 @@ def attention_benchmark(seq: int, steps: int, heads: int) -> None:
     dense_s, dense_gib = measure(every_step(lambda *a: dense(attention, *a)))
     chunk_s, chunk_gib = measure(every_step(attention.attend_ttt))
     dense_entries = sum((k + 1) * seq * seq for k in range(steps))
-    chunks = range(0, seq, TTT_QUERY_CHUNK)
-    chunk_entries = sum(min(TTT_QUERY_CHUNK, seq - s) * (min(s + TTT_QUERY_CHUNK, seq) + k * min(TTT_QUERY_CHUNK, seq - s))
+    rows = ttt_chunk_rows(seq)
+    chunks = range(0, seq, rows)
+    chunk_entries = sum(min(rows, seq - s) * (min(s + rows, seq) + k * min(rows, seq - s))
                         for k in range(steps) for s in chunks)
     print(f"TTT attention, T {seq}, K {steps}, {heads} heads x {HEAD_DIM} ({kv} kv), float32, forward + backward of all steps:")
     print(f"  dense [T, (k+1)T] mask: {dense_s:7.2f} s, peak {dense_gib:6.2f} GiB, {dense_entries / 1e6:8.1f} M entries per head")
-    print(f"  query chunks of {TTT_QUERY_CHUNK}:    {chunk_s:7.2f} s, peak {chunk_gib:6.2f} GiB, {chunk_entries / 1e6:8.1f} M entries per head")
+    print(f"  query chunks of {rows}:    {chunk_s:7.2f} s, peak {chunk_gib:6.2f} GiB, {chunk_entries / 1e6:8.1f} M entries per head")
     print(f"  ratio dense / chunks: time {dense_s / chunk_s:.2f}x, peak memory {dense_gib / chunk_gib:.2f}x, "
           f"entries {dense_entries / chunk_entries:.2f}x; max |difference| {difference:.2e}")
 

@@ -71,6 +71,7 @@ def main() -> int:
     job = specforge_job(config, plan, args.run_dir / "specforge")
     ours = train_eagle3(config, plan)
     theirs = train_specforge(python, job, args.keep_specforge)
+    name_aux_layers(config, Path(job["out"]) / "sglang")
     drafts = {"eagle3": export_draft(config, ours["final"], args.run_dir / "drafts" / "eagle3"),
               "specforge": export_draft(config, Path(job["out"]) / "sglang", args.run_dir / "drafts" / "specforge")}
     scores = {name: score(config, path) for name, path in drafts.items()}
@@ -225,6 +226,20 @@ def train_specforge(python: Path, job: dict, keep: bool) -> dict:
     subprocess.run([str(python), str(ROOT / "benchmarks" / "specforge_driver.py"), str(previous)],
                    check=True, env=env, stdin=subprocess.DEVNULL)
     return json.loads((out / "summary.json").read_text())
+
+
+def name_aux_layers(config, draft: Path) -> None:
+    """SpecForge's export names no aux ids (SGLang would capture its defaults); it trained on the features stored at
+    data.aux_layers, so its config gets the ids that capture those, for the config's family and release."""
+    from eagle3.formats.engines import sglang_ids_for_layers
+
+    path = draft / "config.json"
+    written = json.loads(path.read_text())
+    if not (written.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+        ids = sglang_ids_for_layers(config.data.aux_layers, config.target.family, config.serving.release,
+                                    config.target.num_hidden_layers)
+        written["eagle_config"] = {**(written.get("eagle_config") or {}), "eagle_aux_hidden_state_layer_ids": ids}
+        path.write_text(json.dumps(written, indent=2) + "\n")
 
 
 def export_draft(config, source: Path, out: Path) -> Path:
