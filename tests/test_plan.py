@@ -121,13 +121,18 @@ def test_a_missing_target_leaves_its_stages_unknown_not_fitting():
     assert plan.all_fit and plan.fits(plan.stages[2]) is True
 
 
-def test_the_dry_run_counts_what_the_real_step_allocates():
-    """Storage-less tensors take the same kernels and sizes as real ones: the counts agree exactly."""
+def tiny_step():
+    """(draft, teacher head, aux, last, ids, loss rows): a step of 2 x 24 tokens, TTT 3, on a tiny draft."""
     model = tiny_draft(vocab=40, draft_vocab=16)
     head = TeacherHead(torch.randn(40, 32).bfloat16(), torch.arange(16))
     aux, last = torch.randn(2, 24, 96), torch.randn(2, 24, 32)
     ids, mask = torch.randint(0, 40, (2, 24)), torch.ones(2, 24, dtype=torch.long)
-    rows = LossRows.of(mask, 3)
+    return model, head, aux, last, ids, LossRows.of(mask, 3)
+
+
+def test_the_dry_run_counts_what_the_real_step_allocates():
+    """Storage-less tensors take the same kernels and sizes as real ones: the counts agree exactly."""
+    model, head, aux, last, ids, rows = tiny_step()
     with AllocationPeak() as real:
         teacher = head(last, rows.teacher)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -242,11 +247,7 @@ def test_auto_recompute_keeps_every_intermediate_where_the_step_fits_and_recompu
 
 
 def test_recomputing_changes_the_memory_not_the_gradients():
-    model = tiny_draft(vocab=40, draft_vocab=16)
-    head = TeacherHead(torch.randn(40, 32).bfloat16(), torch.arange(16))
-    aux, last = torch.randn(2, 24, 96), torch.randn(2, 24, 32)
-    ids, mask = torch.randint(0, 40, (2, 24)), torch.ones(2, 24, dtype=torch.long)
-    rows = LossRows.of(mask, 3)
+    model, head, aux, last, ids, rows = tiny_step()
     grads = []
     for recompute in (True, False):
         model.set_recompute(recompute)
