@@ -25,7 +25,7 @@ CHECKS: dict[str, tuple[Code, ...]] = {
     "tensors the release would skip": (
         Code.SKIPPED_TENSOR, Code.MISSING_TENSOR, Code.DUPLICATE_TENSOR, Code.UNSUPPORTED_FLAG, Code.FLAG_MISPLACED,
     ),
-    "tensor shapes and dtypes vs config.json": (Code.SHAPE_MISMATCH, Code.DTYPE, Code.ARCHITECTURE_UNCHECKED),
+    "tensor shapes and dtypes vs config.json": (Code.SHAPE_MISMATCH, Code.DTYPE),
     "config.json fields the engine reads": (
         Code.CONFIG_MODEL_TYPE, Code.CONFIG_NUM_LAYERS, Code.CONFIG_TIE_EMBEDDINGS, Code.CONFIG_TORCH_DTYPE,
         Code.CONFIG_FIELD, Code.SPECULATORS_CONFIG, Code.VERIFIER,

@@ -2,7 +2,8 @@
 
 Two attention forms, both served by SGLang: `mha` (a Llama decoder layer, LlamaForCausalLMEagle3) and `mla`
 (DeepSeek-V2 multi-latent attention, Eagle3DeepseekV2ForCausalLM, the form whose KV cache matches a DeepSeek or
-Kimi target's). The EAGLE 3.1 norms are switches of either form (docs/contracts.md, "Architecture switches")."""
+Kimi target's). The EAGLE 3.1 norms are switches of either form (docs/contracts.md, "The EAGLE 3.1 switches in our
+draft")."""
 
 from __future__ import annotations
 

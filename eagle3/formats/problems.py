@@ -16,7 +16,6 @@ class ProblemCode(StrEnum):
     # what the draft is
     EAGLE_NOT_EAGLE3 = "eagle-not-eagle3"  # an EAGLE v1/v2 draft, which SGLang's EAGLE3 algorithm cannot serve
     CONFIG_ARCHITECTURE = "config-architecture"  # architectures names no draft class the release loads
-    ARCHITECTURE_UNCHECKED = "architecture-unchecked"  # a draft class whose tensors this project does not check
     # which tensors the loader keeps
     UNSUPPORTED_FLAG = "unsupported-flag"  # an architecture switch the release does not implement
     FLAG_MISPLACED = "flag-misplaced"  # a switch written where the release does not read it

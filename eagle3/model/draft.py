@@ -216,7 +216,8 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         flags = [flag for flag in UNSUPPORTED_FLAGS if getattr(cfg, flag)]
         if flags or cfg.rope_scaling:
-            raise Eagle3Error(f"the draft model implements the plain EAGLE-3 head; unsupported: {flags or ['rope_scaling']}")
+            raise Eagle3Error(f"the draft model does not implement {flags or ['rope_scaling']} (no SGLang release serves "
+                              "norm_before_residual; rope scaling is not trained)")
         self.config = cfg
         self.embed_tokens = nn.Embedding.from_pretrained(embed_tokens, freeze=True)  # the target's, [V, H]
         num_aux, width = len(cfg.aux_layers), cfg.target_hidden_size
