@@ -395,15 +395,15 @@ def promoted_with_simulated_equal_to_served(overrides: list[str], config: str = 
     assert metrics["served"]["accept_length"] == pytest.approx(metrics["simulated"]["accept_length"])
 
 
-@pytest.mark.parametrize("flavour", FLOW_CONFIGS)
+@pytest.mark.parametrize("family", FLOW_CONFIGS)
 def test_a_tiny_target_of_each_family_goes_through_the_whole_flow_to_a_promotion(prefect_api, tmp_path_factory,
-                                                                                 flavour):
+                                                                                 family):
     """The family's shipped config (tiny-F-cpu.yaml: its family, release and aux layers) on the MICRO recipe as Qwen2,
-    Qwen3, Qwen3-MoE, Gemma 3 (tied head) and DeepSeek-V2 (MLA), and an MLA draft on DeepSeek-V2: regenerate, train,
-    export for that family's SGLang file and the draft's form, serve, gate; simulated = served on the same draft."""
-    family, config = FLOW_CONFIGS[flavour]
+    Qwen3, Qwen3-MoE, Gemma 3 (tied head) and DeepSeek-V2 (MLA target, with SGLang's MLA draft form): regenerate,
+    train, export for that family's SGLang file and the draft's form, serve, gate; simulated = served."""
+    config = FLOW_CONFIGS[family]
     target = micro_target_of(tmp_path_factory, family)
-    run_dir = tmp_path_factory.mktemp(f"{flavour}-flow")
+    run_dir = tmp_path_factory.mktemp(f"{family}-flow")
     overrides = micro_run_overrides(run_dir, target) + [
         "benchmark.suites=[heldout]",
         # these micro targets answer with newlines more than the Llama one (Qwen3-MoE and Gemma 3: 42-44 % of the

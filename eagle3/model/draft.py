@@ -289,7 +289,7 @@ class Eagle3Draft(nn.Module):
 def ttt_chunk_rows(length: int) -> int:
     """Query rows per TTT attention call: an eighth of the sequence, from TTT_MIN_CHUNK to TTT_QUERY_CHUNK. A call
     scores its rows against each later block's rows where only the row's own index is visible, so smaller chunks waste
-    less (256 tokens: 64 rows, ~15 % off the CPU step against 512); the concatenated keys the calls keep for the
+    less (but each call costs its own overhead: 128 rows at the least); the concatenated keys the calls keep for the
     backward stay ~4.5 x the sequence a step (at 4,096 tokens the chunk is 512, as the Kimi plan was sized)."""
     return min(TTT_QUERY_CHUNK, max(TTT_MIN_CHUNK, -(-length // 8)))
 
