@@ -78,23 +78,13 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: DraftConfig):
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.heads, self.kv_heads, self.head_dim, self.theta = cfg.num_attention_heads, cfg.num_key_value_heads, d, cfg.rope_theta
-        self.q_proj = nn.Linear(2 * h, self.heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+class BlockAttention(nn.Module):
+    """What both attention forms share: attention over blocks of keys and values with an explicit mask, and TTT's
+    chunked form of it. A form gives `heads`, `kv_heads`, `o_proj` and `project`."""
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, 2H] -> rotated q [B, heads, T, d] and the new block's k, v [B, kv_heads, T, d]."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rotate(q, positions, self.theta), rotate(k, positions, self.theta), v
+    heads: int
+    kv_heads: int
+    o_proj: nn.Linear
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, heads, Tq, d]; keys/values [B, kv_heads, Tk, d]; mask [Tq, Tk] or [B, 1, Tq, Tk], True = visible."""
@@ -133,14 +123,35 @@ class Attention(nn.Module):
         return torch.cat(chunks, dim=1)
 
 
-class MLAAttention(Attention):
+class Attention(BlockAttention):
+    """A Llama layer's attention: grouped heads of head_dim."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim, self.theta = cfg.num_attention_heads, cfg.num_key_value_heads, d, cfg.rope_theta
+        self.q_proj = nn.Linear(2 * h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, 2H] -> rotated q [B, heads, T, d] and the new block's k, v [B, kv_heads, T, d]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(q, positions, self.theta), rotate(k, positions, self.theta), v
+
+
+class MLAAttention(BlockAttention):
     """DeepSeek-V2 multi-latent attention over the draft's cat(embed, hidden) input, as SGLang's MLA draft
     (kimi_k25_eagle3.py) computes it, here in its decompressed form: every head's key is its own no-RoPE part (from
     the shared latent through kv_b_proj) beside one RoPE part all heads share, so the keys and values are plain
     multi-head ones and attend / attend_ttt serve both forms. SGLang's absorbed form computes the same scores."""
 
     def __init__(self, cfg: DraftConfig):
-        nn.Module.__init__(self)
+        super().__init__()
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.heads = self.kv_heads = heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim

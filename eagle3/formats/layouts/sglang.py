@@ -72,15 +72,10 @@ def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, n
     fields = architecture_fields(config, config, raw.tensors)
     flags = engines.enabled_flags(config)
     fields.update(aux_layers=list(capture.layers), **{flag: flag in flags for flag in FLAGS})
-    if attention_of(config) == "mla":
-        missing = [name for name in MLA_SIZES if config.get(name) is None]
-        if missing:
-            raise ConversionError(f"{raw.path}: an {engines.MLA_DRAFT_ARCHITECTURE} config lacks {', '.join(missing)} "
-                                  "(SGLang refuses it without q_lora_rank)")
-        sizes = {name: config[name] for name in MLA_SIZES}
-        fields.update(attention="mla", **sizes, rope_interleave=bool(config.get("rope_interleave", True)),
-                      num_key_value_heads=fields["num_attention_heads"],
-                      head_dim=sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"])
+    if attention_of(config) == "mla":  # DraftConfig refuses a missing MLA size; head_dim is not an MLA draft's
+        fields.update(attention="mla", **{name: config.get(name) for name in MLA_SIZES},
+                      rope_interleave=bool(config.get("rope_interleave", True)),
+                      num_key_value_heads=fields["num_attention_heads"])
     return trained_fields(raw, fields, family, num_layers)
 
 
