@@ -32,7 +32,7 @@ def test_the_model_the_teacher_and_a_training_step_live_on_the_device(micro_data
     with fake_accelerator() as device:
         trainer = fake_trainer(micro_data, tmp_path, device)
         assert {t.device for t in [*trainer.model.parameters(), *trainer.model.buffers()]} == {device}
-        assert trainer.teacher.lm_head.device == trainer.teacher.in_draft.device == device
+        assert trainer.teacher.lm_head.device == trainer.teacher.draft_row.device == device
         # token rows from the shards, their stored features moved to the device, then TTT forward, teacher, loss,
         # backward, clipping, AdamW step
         sums = trainer.train_step(trainer.data.train[:4])

@@ -64,7 +64,7 @@ def inputs(model, length, generator):
     aux, last = torch.randn(2, length, 96, generator=generator), torch.randn(2, length, 32, generator=generator)
     ids = torch.randint(0, 40, (2, length), generator=generator)
     loss_mask = (torch.rand(2, length, generator=generator) > 0.2).long()
-    return aux, ids, head(last), loss_mask
+    return aux, ids, head, last, loss_mask
 
 
 @pytest.mark.parametrize("bf16", [False, True])  # the CPU's float32 step, and autocast's bf16 (the GPU's policy)
@@ -72,11 +72,12 @@ def test_the_lean_step_gives_the_old_loss_and_gradients(bf16, monkeypatch):
     monkeypatch.setattr(draft_module, "TTT_QUERY_CHUNK", 5)  # several query chunks, the last one short
     model = tiny_draft(vocab=40, draft_vocab=16)  # 4 query heads over 2 kv heads
     assert model.midlayer.self_attn.kv_heads < model.midlayer.self_attn.heads
-    aux, ids, teacher, loss_mask = inputs(model, 13, torch.Generator().manual_seed(0))
+    aux, ids, head, last, loss_mask = inputs(model, 13, torch.Generator().manual_seed(0))
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
     rows = LossRows.of(loss_mask, STEPS)
-    for step in (lambda: TTTModel(model)(aux, ids, teacher, rows)[0], lambda: old_step(model, aux, ids, teacher, loss_mask)):
+    for step in (lambda: TTTModel(model)(aux, ids, head(last, rows.teacher), rows)[0],
+                 lambda: old_step(model, aux, ids, head(last), loss_mask)):
         with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             losses = step()
         results.append((losses, torch.autograd.grad(losses.sum(), params)))
@@ -100,8 +101,10 @@ def test_the_lean_step_allocates_well_under_two_thirds_of_the_old_one():
         model = Eagle3Draft(config, torch.empty(1024, 32))
         aux, last = torch.empty(1, 256, 96), torch.empty(1, 256, 32)
         ids, loss_mask = torch.zeros(1, 256, dtype=torch.long), torch.ones(1, 256, dtype=torch.long)
-        teacher = TeacherHead(torch.empty(1024, 32, dtype=torch.bfloat16), torch.arange(512))(last)
-        for step in (lambda: TTTModel(model)(aux, ids, teacher, rows)[0], lambda: old_step(model, aux, ids, teacher, loss_mask)):
+        head = TeacherHead(torch.empty(1024, 32, dtype=torch.bfloat16), torch.arange(512))
+        compact, dense = head(last, rows.teacher), head(last)
+        for step in (lambda: TTTModel(model)(aux, ids, compact, rows)[0],
+                     lambda: old_step(model, aux, ids, dense, loss_mask)):
             with AllocationPeak() as tracker:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     losses = step()

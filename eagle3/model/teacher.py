@@ -24,9 +24,16 @@ TEACHER_CHUNK_ROWS = 8192  # lm_head rows scored at once for the argmax
 
 @dataclass
 class Teacher:
-    argmax: torch.Tensor  # [B, T] the target's greedy next token (row i predicts token i + 1)
-    in_draft: torch.Tensor  # [B, T] bool: that token is in the draft vocabulary
-    probs: torch.Tensor  # [B, T, Dv] float32 softmax over the draft-vocabulary logits
+    """The target at the positions scored: [B, T] (every position) or [R] (the loss's rows)."""
+
+    argmax: torch.Tensor  # the target's greedy next token (row i predicts token i + 1)
+    draft_argmax: torch.Tensor  # that token's draft-vocabulary row, -1 where it has none
+    probs: torch.Tensor  # [..., Dv] float32 softmax over the draft-vocabulary logits
+
+    @property
+    def in_draft(self) -> torch.Tensor:
+        """The greedy token is in the draft vocabulary."""
+        return self.draft_argmax >= 0
 
 
 class TeacherHead:
@@ -40,23 +47,18 @@ class TeacherHead:
                  temperature: float = 1.0):
         self.lm_head = lm_head  # [V, H]
         self.hot_rows = lm_head.index_select(0, hot)  # [Dv, H]
-        self.in_draft = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device).index_fill_(0, hot, True)
+        rows = torch.arange(len(hot), device=lm_head.device)
+        self.draft_row = torch.full((lm_head.shape[0],), -1, device=lm_head.device).index_copy_(0, hot, rows)  # [V]
         self.norm, self.eps, self.temperature = norm, eps, temperature
 
     @torch.no_grad()
     def __call__(self, last: torch.Tensor, rows: torch.Tensor | None = None, argmax: torch.Tensor | None = None) -> Teacher:
-        """last [B, T, H] -> the teacher for those positions. `rows` [R] (flat indices into B x T, on the head's
-        device): score only these; the others get argmax 0, in_draft False and zero probabilities (never read).
-        `argmax` [R]: the target's greedy tokens at the rows when already known (the full-vocabulary argmax is
-        skipped; eagle3/train/argmax_memo.py)."""
+        """last [B, T, H] -> the teacher at every position, or at `rows` [R] only (flat indices into B x T, on the
+        head's device), as the loss reads it (`LossRows.teacher`). `argmax` [R]: the target's greedy tokens at the rows
+        when already known (the full-vocabulary argmax is skipped; eagle3/train/argmax_memo.py)."""
         if rows is None:
             return self.scored(last)
-        batch, length, _ = last.shape
-        part = self.scored(last.reshape(batch * length, -1).index_select(0, rows), argmax)  # [R] ..., [R, Dv]
-        argmax = part.argmax.new_zeros(batch * length).index_copy_(0, rows, part.argmax)
-        in_draft = part.in_draft.new_zeros(batch * length).index_copy_(0, rows, part.in_draft)
-        probs = part.probs.new_zeros(batch * length, part.probs.shape[-1]).index_copy_(0, rows, part.probs)
-        return Teacher(argmax.view(batch, length), in_draft.view(batch, length), probs.view(batch, length, -1))
+        return self.scored(last.flatten(0, 1).index_select(0, rows), argmax)
 
     def scored(self, last: torch.Tensor, argmax: torch.Tensor | None = None) -> Teacher:
         """last [..., H] -> the teacher at every position given (`argmax` [...]: the greedy tokens, when known)."""
@@ -67,7 +69,7 @@ class TeacherHead:
         if argmax is None:
             argmax = chunked_argmax(last, self.lm_head, TEACHER_CHUNK_ROWS)
         probs = F.softmax((last @ self.hot_rows.T).float() / self.temperature, dim=-1)  # [..., Dv]
-        return Teacher(argmax=argmax, in_draft=self.in_draft[argmax], probs=probs)
+        return Teacher(argmax=argmax, draft_argmax=self.draft_row[argmax], probs=probs)
 
 
 def chunked_argmax(x: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:

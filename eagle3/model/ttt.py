@@ -59,25 +59,34 @@ def ttt_forward(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, 
 
 @dataclass
 class LossRows:
-    """Where the loss reads, made on the host from the loss mask (static shapes on the device, no sync): step k scores
-    index t only when its target x_{t+2+k} is loss-masked, from teacher row t + 1 + k. Flat indices into B x T."""
+    """Where the loss reads, made on the host from the loss mask (static shapes on the device, no sync). Flat indices
+    into B x T.
 
-    steps: list[torch.Tensor]  # [R_k] per step: b * T + t
+    Teacher row u (index i of its sequence) predicts token i + 1 and is scored when that token is loss-masked. Every
+    TTT step scores those same rows: step k reaches token i + 1 from index i - 1 - k, which exists when i >= 1 + k. So
+    each step's logits line up with the teacher's rows as they are, and the loss gathers nothing the size of the draft
+    vocabulary (a gather of [R, Dv] float32 probabilities per step, forward and backward, was ~10 % of a CPU step).
+    """
+
+    teacher: torch.Tensor  # [R] teacher rows u: index i in 1..T-2 whose token i + 1 is loss-masked
+    steps: list[torch.Tensor]  # [R] per step: the index scored at row u, u - 1 - k (u itself where absent)
+    present: list[torch.Tensor]  # [R] bool per step: i >= 1 + k, so the index exists
 
     @classmethod
     def of(cls, loss_mask: torch.Tensor, steps: int) -> LossRows:
         """loss_mask [B, T] (host)."""
         batch, length = loss_mask.shape
-        flat = torch.arange(batch * length).view(batch, length)
-        return cls([flat[:, : max(length - 2 - k, 0)][loss_mask[:, 2 + k :].bool()] for k in range(steps)])
-
-    @property
-    def teacher(self) -> torch.Tensor:
-        """[R] the teacher rows any step reads: step 0's, one on (every later step's are among them)."""
-        return self.steps[0] + 1
+        scored = torch.zeros(batch, length, dtype=torch.bool)
+        scored[:, 1 : length - 1] = loss_mask[:, 2:].bool()  # row 0 is reached by no step: it would need index -1
+        teacher = torch.arange(batch * length).view(batch, length)[scored]
+        index = torch.arange(length).expand(batch, length)[scored]
+        present = [index >= 1 + k for k in range(steps)]
+        return cls(teacher, [torch.where(here, teacher - 1 - k, teacher) for k, here in enumerate(present)], present)
 
     def to(self, device: torch.device) -> LossRows:
-        return LossRows([rows.to(device, non_blocking=True) for rows in self.steps])
+        def moved(tensors):
+            return [t.to(device, non_blocking=True) for t in tensors]
+        return LossRows(self.teacher.to(device, non_blocking=True), moved(self.steps), moved(self.present))
 
 
 @dataclass
@@ -92,24 +101,23 @@ class StepStats:
 class SoftCrossEntropy(torch.autograd.Function):
     """Per row, -(p * log_softmax(z)).sum(-1) = logsumexp(z) - p.z (p sums to 1), computed in float32.
 
-    logits z [R, Dv] in their own dtype, p the rows `index` [R] of `probs` [N, Dv] float32 -> [R]. Autograd would keep
-    a float32 copy of every TTT step's logits and of its rows of p from the forward to the backward (4 bytes per draft
-    id and row each, all steps at once); this keeps z as it came (2 bytes in bf16, and the caller holds it anyway) and
-    the index, and gathers p and recomputes the gradient, softmax(z) - p, in the backward.
+    logits z [R, Dv] in their own dtype, probs p [R, Dv] float32 -> [R]. Autograd would keep a float32 copy of every
+    TTT step's logits from the forward to the backward (4 bytes per draft id and row, all steps at once); this keeps z
+    as it came (2 bytes in bf16, and the caller holds it anyway) and recomputes the gradient, softmax(z) - p, in the
+    backward.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(logits, probs, index)
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, probs)
         z = logits.float()
-        # the gathered rows take the product in place: one [R, Dv] float32 tensor besides z, as p * z made
-        return torch.logsumexp(z, dim=-1) - probs.index_select(0, index).mul_(z).sum(-1)
+        return torch.logsumexp(z, dim=-1) - (probs * z).sum(-1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, probs, index = ctx.saved_tensors
-        g = torch.softmax(logits.float(), dim=-1).sub_(probs.index_select(0, index))  # softmax(z) - p, in place
-        return g.mul_(grad[..., None]).to(logits.dtype), None, None
+        logits, probs = ctx.saved_tensors
+        g = torch.softmax(logits.float(), dim=-1).sub_(probs)  # softmax(z) - p, in place
+        return g.mul_(grad[..., None]).to(logits.dtype), None
 
 
 def row_logits(step_outputs: Iterable[torch.Tensor], rows: LossRows, model: Eagle3Draft) -> Iterator[torch.Tensor]:
@@ -121,22 +129,20 @@ def row_logits(step_outputs: Iterable[torch.Tensor], rows: LossRows, model: Eagl
 def ttt_stats(step_logits: Iterable[torch.Tensor], teacher: Teacher, rows: LossRows, model: Eagle3Draft) -> StepStats:
     """Soft cross-entropy against the target's distribution restricted to the draft vocabulary.
 
-    Teacher row i predicts token i + 1. Step k at index t predicts x_{t+2+k}, so its target is row t+1+k; `rows` holds
-    the indices whose x_{t+2+k} is a generated (loss-masked) token, and of those a position counts when the target's
-    argmax lies inside the draft vocabulary. `step_logits`: each step's logits at its rows [R_k, Dv] (`row_logits`,
-    scored as they come), or at every index [B, T, Dv] (gathered here).
+    `teacher` is scored at `rows.teacher`; step k's logits at row u are the draft's at index u - 1 - k (`LossRows`).
+    A row counts where that index exists and the target's argmax lies inside the draft vocabulary. `step_logits`: each
+    step's logits at its rows [R, Dv] (`row_logits`, scored as they come), or at every index [B, T, Dv] (gathered
+    here). A step is right at a row when the draft's logit for the target's argmax is its largest (a tie counts).
     """
-    hot = model.hot_token_ids()  # [Dv] target id of each draft row
-    probs = teacher.probs.flatten(0, 1)  # [B * T, Dv]
-    argmax, in_draft = teacher.argmax.flatten(), teacher.in_draft.flatten()  # [B * T]
+    target_row = teacher.draft_argmax.clamp_min(0)[:, None]  # [R, 1] the draft row of the target's argmax
     losses, correct, count = [], [], []
-    for k, (z, at) in enumerate(zip(step_logits, rows.steps)):
+    for z, at, present in zip(step_logits, rows.steps, rows.present):
         if z.dim() == 3:
-            z = z.flatten(0, 1).index_select(0, at)  # [R_k, Dv], in the head's dtype (bf16 on a GPU)
-        target = at + 1 + k  # [R_k] teacher rows
-        valid = in_draft.index_select(0, target)
-        losses.append((SoftCrossEntropy.apply(z, probs, target) * valid).sum())
-        correct.append(((hot[z.argmax(-1)] == argmax.index_select(0, target)) & valid).sum())
+            z = z.flatten(0, 1).index_select(0, at)  # [R, Dv], in the head's dtype (bf16 on a GPU)
+        valid = present & teacher.in_draft
+        losses.append((SoftCrossEntropy.apply(z, teacher.probs) * valid).sum())
+        # no argmax over Dv: on the CPU it costs as much as the loss itself, a row's max a tenth of it
+        correct.append(((z.gather(1, target_row)[:, 0] >= z.amax(-1)) & valid).sum())
         count.append(valid.sum())
     return StepStats(torch.stack(losses), torch.stack(correct).float(), torch.stack(count).float())
 

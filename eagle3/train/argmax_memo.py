@@ -59,5 +59,5 @@ class RememberingTeacher(TeacherHead):
         known = None if self.memo is None else self.memo.lookup(batch, rows)
         teacher = self(last, device_rows, None if known is None else known.to(last.device, non_blocking=True))
         if self.memo is not None and known is None:
-            self.memo.remember(batch, rows, teacher.argmax.flatten().index_select(0, device_rows).cpu())
+            self.memo.remember(batch, rows, teacher.argmax.cpu())
         return teacher
