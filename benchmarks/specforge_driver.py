@@ -25,7 +25,10 @@ The draft is saved twice: SpecForge's checkpoint (`training_state.pt` with `draf
 `save_pretrained`, `apply_legacy_rope_scaling`) from the float32 weights as trained (its exporter rebuilds the draft
 in bf16 first; float32 keeps precision out of the comparison).
 
-    <specforge-venv>/bin/python benchmarks/specforge_driver.py JOB.json
+    <specforge-venv>/bin/python benchmarks/specforge_driver.py JOB.json [--lockstep]
+
+With --lockstep each step waits for a line on stdin and answers one on stdout when done (its log goes to stderr):
+vs_specforge.py runs it a step after each of its own trainer's, so a drift of the machine's speed falls on both.
 """
 
 from __future__ import annotations
@@ -113,13 +116,15 @@ def load_batch(files: list[str], max_length: int, collate):
     return TrainBatch(sample_ids=ids, strategy="eagle3", tensors=collate(rows), metadata={"target_repr": "hidden_state"})
 
 
-def train(job: dict, core, log) -> list[dict]:
+def train(job: dict, core, log, lockstep: bool) -> list[dict]:
     from specforge.data.utils import DataCollatorWithPadding
 
     collate = DataCollatorWithPadding()
     records = []
     with open(os.path.join(job["out"], "metrics.jsonl"), "w") as metrics:
         for step, files in enumerate(job["steps"], start=1):
+            if lockstep and not sys.stdin.readline():
+                raise SystemExit(f"specforge: told to stop before step {step}")
             lr = core.backend.optimizer.get_learning_rate()  # the rate this step uses
             start, cpu = time.perf_counter(), time.process_time()
             batch = load_batch(files, job["max_length"], collate)
@@ -131,6 +136,8 @@ def train(job: dict, core, log) -> list[dict]:
                       **{k: round(float(v), 5) for k, v in result.metrics.items() if isinstance(v, (int, float))}}
             metrics.write(json.dumps(record) + "\n")
             records.append(record)
+            if lockstep:
+                print(step, flush=True)
             if step == 1 or step % 25 == 0 or step == len(job["steps"]):
                 log(f"specforge: step {step}/{len(job['steps'])} {json.dumps(record)}")
     return records
@@ -170,16 +177,16 @@ def settings(cfg, backend) -> dict:
                                    "attention_backend": type(cfg.training).model_fields["attention_backend"].default}}
 
 
-def main(job_path: str) -> int:
+def main(job_path: str, lockstep: bool) -> int:
     with open(job_path) as f:
         job = json.load(f)
     torch.set_num_threads(1)
     os.makedirs(job["out"], exist_ok=True)
-    log = lambda line: print(line, flush=True)  # noqa: E731
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731  (stdout: the lockstep's answers)
     use_torch_loss()
     load = os.getloadavg()[0]
     cfg, model, backend, strategy, core = build(job)
-    records = train(job, core, log)
+    records = train(job, core, log, lockstep)
     save(job, model, strategy)
     timed = records[WARMUP_STEPS:] or records
     summary = {"steps": len(records), "median_step_time_s": statistics.median(r["step_time_s"] for r in timed),
@@ -197,4 +204,4 @@ def main(job_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], "--lockstep" in sys.argv[2:]))

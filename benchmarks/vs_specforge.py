@@ -8,17 +8,18 @@
 2. The batches this project's trainer takes, step by step (TrainingData's order for training.seed), each sample
    written once as a SpecForge offline sample file (input_ids, loss_mask, hidden_state, aux_hidden_state), and the
    vocab map as the d2t/t2d file SpecForge loads.
-3. This project's trainer, in this process. Then SpecForge's, through benchmarks/specforge_driver.py with the python
-   of a venv of its own (RUN_DIR/specforge-venv, made here on first use: SpecForge's wheel with --no-deps, its
-   transformers pin, this project's torch version; the project's venv is never touched), on the same batches, with
-   the same learning rate, warmup steps and step count; everything else at each trainer's own default.
+3. This project's trainer, in this process, and SpecForge's in lockstep with it (its step i right after this
+   project's step i, one busy at a time), through benchmarks/specforge_driver.py with the python of a venv of its
+   own (RUN_DIR/specforge-venv, made here on first use: SpecForge's wheel with --no-deps, its transformers pin, this
+   project's torch version; the project's venv is never touched), on the same batches, with the same learning rate,
+   warmup steps and step count; everything else at each trainer's own default.
 4. Both final drafts in the sglang layout (SpecForge's by this project's `convert`), replayed by this project's
    simulator over every benchmark suite of the config (held-out ShareGPT prompts and MT-bench, one question per
    category), at serving's chain and at 3/1/4.
 
 Prints accept length per suite and shape for both, their ratio, and the step-time ratio (median of each trainer's
 steps after the first five: wall time, and the process's CPU time, which another process's load on the cores
-disturbs less). One thread per trainer, one trainer at a time. Figures: RUN_DIR/results.json; docs/training.md.
+disturbs less). One thread per trainer. Figures: RUN_DIR/results.json; docs/training.md.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def main() -> int:
     prepare_data(config)
     plan = training_plan(config)
     job = specforge_job(config, plan, args.run_dir / "specforge")
-    ours = train_eagle3(config, plan)
-    theirs = train_specforge(python, job, args.keep_specforge)
+    theirs = kept_specforge(job) if args.keep_specforge else None
+    partner = None if theirs else LockstepSpecForge(python, job)
+    ours = train_eagle3(config, plan, partner)
+    theirs = theirs or partner.finish()
     name_aux_layers(config, Path(job["out"]) / "sglang")
     drafts = {"eagle3": export_draft(config, ours["final"], args.run_dir / "drafts" / "eagle3"),
               "specforge": export_draft(config, Path(job["out"]) / "sglang", args.run_dir / "drafts" / "specforge")}
@@ -179,31 +182,63 @@ def specforge_job(config, plan: list, out: Path) -> dict:
             "out": str(out / "train")}
 
 
-def train_eagle3(config, plan: list) -> dict:
-    """This project's trainer from scratch, each step timed in wall and CPU time; checks it took the planned batches."""
+def train_eagle3(config, plan: list, partner: LockstepSpecForge | None) -> dict:
+    """This project's trainer from scratch, each step timed in wall and CPU time, SpecForge's step after each (when
+    `partner`); checks it took the planned batches."""
     from eagle3.train.trainer import Trainer
 
     class TimedTrainer(Trainer):
         def train_step(self, refs):
-            start = time.process_time()
+            start, cpu = time.perf_counter(), time.process_time()
             sums = super().train_step(refs)
-            self.cpu_times.append(time.process_time() - start)
+            self.times.append((time.perf_counter() - start, time.process_time() - cpu))
             self.taken.append([ref.id for ref in refs])
+            if partner:
+                partner.step()
             return sums
 
     shutil.rmtree(config.stage_dir("train"), ignore_errors=True)
     trainer = TimedTrainer(config)
-    trainer.cpu_times, trainer.taken = [], []
+    trainer.times, trainer.taken = [], []
     load = os.getloadavg()[0]
     trainer.run()
     if trainer.taken != [[ref.id for ref in batch] for batch in plan]:
         sys.exit("vs-specforge: this project's trainer took other batches than the ones SpecForge is given")
     metrics = [json.loads(line) for line in (config.stage_dir("train") / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in metrics if "step_time_s" in m]
+    timed = trainer.times[WARMUP_STEPS:]
     return {"final": config.stage_dir("train") / "final", "load_average_at_start": load,
-            "median_step_time_s": statistics.median(m["step_time_s"] for m in steps[WARMUP_STEPS:]),
-            "median_step_cpu_s": statistics.median(trainer.cpu_times[WARMUP_STEPS:]),
-            "final_step": steps[-1], "settings": trainer_settings(config)}
+            "median_step_time_s": round(statistics.median(wall for wall, _ in timed), 4),
+            "median_step_cpu_s": round(statistics.median(cpu for _, cpu in timed), 4),
+            "final_step": [m for m in metrics if "step_time_s" in m][-1], "settings": trainer_settings(config)}
+
+
+class LockstepSpecForge:
+    """SpecForge's trainer (benchmarks/specforge_driver.py --lockstep, in its venv) taking its step i right after
+    this project's step i, one process busy at a time. The machine's speed drifts by 15 % and more within minutes
+    here (a fixed matmul loop: 3.2 to 4.3 ms); trainers run one after the other saw different machines (this
+    project's median step 0.43 to 0.50 s over five runs of the same job). Step by step, both see the same one."""
+
+    def __init__(self, python: Path, job: dict):
+        self.out, job_path = Path(job["out"]), Path(job["out"]).parent / "job.json"
+        shutil.rmtree(self.out, ignore_errors=True)
+        self.out.mkdir(parents=True)
+        job_path.write_text(json.dumps(job))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        self.process = subprocess.Popen([str(python), str(ROOT / "benchmarks" / "specforge_driver.py"), str(job_path),
+                                         "--lockstep"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def step(self) -> None:
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+        if not self.process.stdout.readline():
+            sys.exit(f"vs-specforge: SpecForge's trainer exited with status {self.process.wait()}; its error is above")
+
+    def finish(self) -> dict:
+        """SpecForge's summary, once it has saved its draft."""
+        self.process.stdin.close()
+        if self.process.wait() != 0:
+            sys.exit(f"vs-specforge: SpecForge's trainer exited with status {self.process.returncode}")
+        return json.loads((self.out / "summary.json").read_text())
 
 
 def trainer_settings(config) -> dict:
@@ -214,18 +249,13 @@ def trainer_settings(config) -> dict:
             "ploss_decay": train.ttt_step_decay}
 
 
-def train_specforge(python: Path, job: dict, keep: bool) -> dict:
+def kept_specforge(job: dict) -> dict | None:
+    """SpecForge's summary from the last run when its job was the same (--keep-specforge), else None."""
     out, previous = Path(job["out"]), Path(job["out"]).parent / "job.json"
-    if keep and (out / "summary.json").is_file() and previous.is_file() and json.loads(previous.read_text()) == job:
+    if (out / "summary.json").is_file() and previous.is_file() and json.loads(previous.read_text()) == job:
         print(f"vs-specforge: SpecForge's draft and timings kept from the last run with this job ({out})")
         return {**json.loads((out / "summary.json").read_text()), "kept": True}
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    (out.parent / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    subprocess.run([str(python), str(ROOT / "benchmarks" / "specforge_driver.py"), str(previous)],
-                   check=True, env=env, stdin=subprocess.DEVNULL)
-    return json.loads((out / "summary.json").read_text())
+    return None
 
 
 def name_aux_layers(config, draft: Path) -> None:
@@ -272,10 +302,10 @@ def table(results: dict) -> list[str]:
     for kind, key in (("wall", "median_step_time_s"), ("CPU", "median_step_cpu_s")):
         lines.append(f"step time, median ({kind}): eagle3 {mine[key]:.3f} s, specforge {other[key]:.3f} s: eagle3 "
                      f"{other[key] / mine[key]:.2f}x SpecForge's step speed")
-    if other.get("kept"):
-        lines.append("(SpecForge's draft and step times kept from an earlier run: --keep-specforge)")
-    lines.append(f"(a shared machine: load average {mine['load_average_at_start']:.1f} at eagle3's start, "
-                 f"{other['load_average_at_start']:.1f} at SpecForge's, on {results['cores']} cores)")
+    lines.append("(SpecForge's draft and step times kept from an earlier run: --keep-specforge)" if other.get("kept")
+                 else "(the trainers in lockstep: SpecForge's step i right after this project's step i)")
+    lines.append(f"(a shared machine: load average {mine['load_average_at_start']:.1f} at the start, on "
+                 f"{results['cores']} cores)")
     return lines
 
 
