@@ -135,6 +135,20 @@ class ProcessTree:
         return True
 
 
+def on_parent_exit(parent: int, act: Callable[[], None], poll_s: float = 0.5) -> threading.Thread:
+    """Call `act` once the parent process `parent` of this one is gone (this one is then re-parented): a SIGKILL of
+    the parent, which no clean-up of its own can answer, included. The parent's pid is passed rather than read
+    here, so a parent gone before this process started is seen too."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        act()
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 class Terminated(SystemExit):
     """SIGTERM arrived inside `terminate_on_sigterm()`; uncaught, the process exits with status 143 like a
     process the signal ended."""

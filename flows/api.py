@@ -4,22 +4,21 @@ Prefect starts its ephemeral API as a child in the caller's process group, so th
 SIGTERM a `timeout` wrapper sends to its group, stops the API at the same moment as the run: the run's clean-up
 (the registry lock's release, its flow run's final state) then finds no API ("All connection attempts failed") and
 the lock's slot stays taken in the database. Started here in a session of its own, the API outlives the run's
-clean-up and is stopped last. Same server, same database (PREFECT_HOME's) and same services as Prefect's ephemeral
-one: uvicorn on Prefect's app factory in ephemeral mode. Imported before Prefect: PREFECT_API_URL must be set
-before Prefect reads its settings.
+clean-up and is stopped last; and it stops itself when the run is gone without a clean-up (SIGKILL:
+flows/api_server.py). Same server, same database (PREFECT_HOME's) and same services as Prefect's ephemeral one:
+uvicorn on Prefect's app factory in ephemeral mode. Imported before Prefect: PREFECT_API_URL must be set before
+Prefect reads its settings.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 
@@ -45,10 +44,7 @@ def run_api(log=print) -> Iterator[str | None]:
         return
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
-    packages = Path(importlib.util.find_spec("prefect").origin).parent.parent  # found, not imported: see above
-    command = [sys.executable, "-m", "uvicorn", "--app-dir", str(packages), "--factory",
-               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "error", "--lifespan", "on"]
+    command = [sys.executable, "-m", "flows.api_server", str(os.getpid()), str(port)]
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
     server = subprocess.Popen(command, env=env, start_new_session=True)
     tree = ProcessTree([server])
@@ -57,7 +53,16 @@ def run_api(log=print) -> Iterator[str | None]:
         os.environ["PREFECT_API_URL"] = url
         yield url
     finally:
+        send_queued_logs()
         tree.stop(STOP_GRACE_S, log)
+
+
+def send_queued_logs() -> None:
+    """Prefect ships a run's logs from a queue; what is still queued at exit goes to an API that has stopped, and
+    the run's output would end in "Error logging to API" after its decision. Sent now, while the API is up."""
+    handlers = sys.modules.get("prefect.logging.handlers")  # not loaded: nothing ran on Prefect, nothing queued
+    if handlers is not None:
+        handlers.APILogHandler().flush()
 
 
 def wait_healthy(url: str, server: subprocess.Popen) -> None:

@@ -74,14 +74,11 @@ def run_flow(args, config, started: dict) -> int:
 
 
 def tell_prefect(signum: int, flow_run_id) -> str:
-    """The run's final state says where it stopped; Prefect's queued logs reach the API before it stops."""
-    from prefect.logging.handlers import APILogHandler
-
+    """The run's final state says where it stopped (its queued logs reach the API before it stops: flows/api.py)."""
     from flows.stop import mark_stopped, stop_message, stopped_stage
 
     message = stop_message(signum, stopped_stage(flow_run_id))
     mark_stopped(flow_run_id, message)
-    APILogHandler().flush()
     return message
 
 

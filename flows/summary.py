@@ -70,10 +70,10 @@ def summary(state, config: PipelineConfig, mode: str = "full") -> str:
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     lines += ["", f"accept length: simulated {fmt(simulated.get('accept_length'))}, served "
               f"{fmt(served.get('accept_length'))}", *suites_text(suites.get("columns") or []),
-              f"decision: {decision(state)}",
               f"artifacts (data, vocab, training, export-validation, acceptance, sweep, suites, decision) of flow run {flow_run_id}: "
               + (f"{ui_url()}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts" if PREFECT_API_URL.value() else
                  f"kept in the Prefect database under PREFECT_HOME; run `prefect server start` and open "
                  f"http://127.0.0.1:4200/v2/runs/flow-run/{flow_run_id}?tab=Artifacts"),
-              f"outputs: {run_dir or f'a retrain directory under {config.run.dir}'}"]
+              f"outputs: {run_dir or f'a retrain directory under {config.run.dir}'}",
+              f"decision: {decision(state)}"]  # last: what a reader of the run's end looks for
     return "\n".join(lines)

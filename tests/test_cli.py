@@ -1,6 +1,7 @@
 """The command line as a user runs it: exit codes and one-line errors, through `main()` in this process; one real
 process shows a bad input never prints a traceback."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import write_data_manifest
-from eagle3.cli import main
+from eagle3.cli import build_parser, main
 from eagle3.formats.vocab_map import build_vocab_map, save_vocab_map
+from flows import monitor as flow_monitor
 from flows import run as flow_run
 from test_config import TINY
 
@@ -149,3 +151,31 @@ def test_a_bad_input_in_a_real_process_is_one_line_never_a_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "eagle3.cli", "run", str(tmp_path / "missing.yaml")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stderr.strip() == f"eagle3 run: {tmp_path / 'missing.yaml'}: no such config file"
+
+
+def subcommands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command path of the parser (`registry list`, ...), nested ones included."""
+    found = []
+    for action in parser._actions:  # argparse lists its subcommands nowhere public
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += [prefix + (name,)] + subcommands(sub, prefix + (name,))
+    return found
+
+
+def test_every_command_answers_help(monkeypatch, capsys):
+    """`eagle3 COMMAND --help` prints that command's usage and exits 0, for every command; `run` and `monitor` hand
+    --help to the flow's own parser, which answers it before anything starts."""
+    handed = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: handed.append(argv[3:]))
+    flow_entries = {"run": flow_run.main, "monitor": flow_monitor.main}
+    commands = subcommands(build_parser())
+    assert {("run",), ("monitor",), ("registry", "list"), ("data", "capture")} <= set(commands)
+    for command in commands:
+        with pytest.raises(SystemExit) as exited:
+            main([*command, "--help"])
+            assert handed[-1] == ["--help"], command  # run / monitor: the flow process gets --help
+            flow_entries[command[0]](handed[-1])
+        assert exited.value.code == 0, command
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: eagle3 {' '.join(command)}"), (command, out[:200])

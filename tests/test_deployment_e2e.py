@@ -90,9 +90,10 @@ class Processes:
                 proc.wait(timeout=5)
         return self.sweep()
 
-    def sweep(self) -> list[str]:
+    def marked(self) -> list[tuple[int, str]]:
+        """(pid, command) of every live process carrying this test's marker (a zombie's environment reads empty)."""
         needle = f"{self.marker[0]}={self.marker[1]}".encode()
-        killed = []
+        found = []
         for entry in Path("/proc").glob("[0-9]*"):
             pid = int(entry.name)
             if pid == os.getpid():
@@ -100,9 +101,17 @@ class Processes:
             try:
                 if needle not in (entry / "environ").read_bytes().split(b"\0"):
                     continue
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append((pid, (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")))
+            except OSError:
+                continue
+        return found
+
+    def sweep(self) -> list[str]:
+        killed = []
+        for pid, command in self.marked():
+            try:
                 pgid = os.getpgid(pid)
-            except (OSError, ProcessLookupError):
+            except ProcessLookupError:
                 continue
             killed.append(f"{pid}: {command[:160]}")
             if pgid == os.getpgrp():

@@ -2,8 +2,10 @@
 
 - the holder record and the rule that tells a gone holder from a live one (no Prefect);
 - `eagle3 run` stopped by SIGTERM to its process group (as `timeout` sends it) during training: last line, exit
-  status, no process left, the flow run Crashed with the message, and the next run on the registry goes straight
-  to its stages and resumes training (e2e: two flow runs, ~2 min);
+  status, no process left, the flow run Crashed with the message; the next run on the registry goes straight to its
+  stages and resumes training, and when it is killed with SIGKILL (its process alone) no process of it is left
+  within seconds; the run after that frees the killed run's slot, promotes, and its last line is its decision
+  (e2e: three flow runs, ~2.5 min);
 - a holder killed with SIGKILL, then the Prefect server restarted (its leases are in its memory, the slot count in
   its database): the next holder frees the slot and says whose it was; `eagle3 registry unlock` frees one by hand.
   A real `prefect server start` of its own; the holders are a small flow taking the lock through the same code.
@@ -93,31 +95,54 @@ def metric_lines(path: Path) -> int:
 
 
 @pytest.mark.e2e
-def test_a_stopped_run_says_so_holds_nothing_and_the_next_run_resumes_at_once(micro_target, tmp_path):
+def test_a_stopped_run_says_so_holds_nothing_and_a_killed_one_leaves_no_process(micro_target, tmp_path):
     marker = uuid.uuid4().hex
     env = run_env(tmp_path, marker)
     processes = Processes(env, ("EAGLE3_STOP_TEST", marker), tmp_path)
-    overrides = micro_run_overrides(tmp_path / "run", micro_target) + ["training.max_steps=5000"]
+    # long enough that each stop lands in training (a few steps in), short enough that the last run finishes it
+    overrides = micro_run_overrides(tmp_path / "run", micro_target) + ["training.max_steps=200"]
     metrics = load_config(CONFIG, overrides).stage_dir("train") / METRICS_FILE
     command = [sys.executable, "-m", "eagle3.cli", "run", CONFIG, *[arg for o in overrides for arg in ("--set", o)]]
+
+    def run_until_training(attempt: str) -> tuple[subprocess.Popen, Path]:
+        before = metric_lines(metrics)
+        run, log = processes.start(f"{attempt}-run", command, cwd=ROOT)
+        seconds = wait_for(lambda: run.poll() is not None or metric_lines(metrics) > before + 1, 240,
+                           "training steps", log)
+        print(f"{attempt} run: training after {seconds:.0f} s")
+        return run, log
+
     try:
-        for attempt in ("first", "second"):
-            before = metric_lines(metrics)
-            run, log = processes.start(f"{attempt}-run", command, cwd=ROOT)
-            seconds = wait_for(lambda: run.poll() is not None or metric_lines(metrics) > before + 1, 240,
-                               "training steps", log)
-            os.killpg(run.pid, signal.SIGTERM)  # the whole group, as `timeout` and a terminal's Ctrl-C do
-            assert run.wait(timeout=120) == 128 + signal.SIGTERM, tail(log)
-            lines = log.read_text().splitlines()
-            assert lines[-1] == "eagle3 run: stopped by SIGTERM during train; a re-run resumes", tail(log)
-            assert processes.sweep() == []  # the trainer, the temporary Prefect API: gone with the run
-            assert not any("registry lock: waiting" in line for line in lines), tail(log)
-            print(f"{attempt} run: training after {seconds:.0f} s")
+        run, log = run_until_training("stopped")
+        os.killpg(run.pid, signal.SIGTERM)  # the whole group, as `timeout` and a terminal's Ctrl-C do
+        assert run.wait(timeout=120) == 128 + signal.SIGTERM, tail(log)
+        lines = log.read_text().splitlines()
+        assert lines[-1] == "eagle3 run: stopped by SIGTERM during train; a re-run resumes", tail(log)
+        assert processes.sweep() == []  # the trainer, the temporary Prefect API: gone with the run
+        assert not any("registry lock: waiting" in line for line in lines), tail(log)
+
+        # the run's process alone, as an out-of-memory killer ends it: no clean-up of its own runs, yet its trainer
+        # and its temporary Prefect API (which watches it) exit within seconds
+        run, log = run_until_training("killed")
+        assert any("train: resumed from" in line for line in log.read_text().splitlines()), tail(log)
+        run.kill()
+        assert run.wait(timeout=10) == -signal.SIGKILL
+        gone = wait_for(lambda: not processes.marked(), 20, "exit of the killed run's processes", log)
+        print(f"killed run: its processes gone {gone:.1f} s after the kill")
+        # the next run frees the killed run's slot, saying whose it was, resumes and promotes: its last line is its
+        # decision (the logs Prefect still had queued were sent before its temporary API stopped)
+        run, log = processes.start("finishing-run", command, cwd=ROOT)
+        assert run.wait(timeout=600) == 0, tail(log)
+        lines = log.read_text().splitlines()
+        assert lines[-1].startswith("decision: promoted "), tail(log)
+        assert any("registry lock: freed the slot of" in line and "is dead" in line for line in lines), tail(log)
         assert any("train: resumed from" in line for line in lines), tail(log)
+        assert not any("Error logging to API" in line for line in lines), tail(log)
         with sqlite3.connect(tmp_path / "prefect-home" / "prefect.db") as db:
-            ended = db.execute("select s.type, s.message from flow_run r join flow_run_state s on s.id = r.state_id"
-                               ).fetchall()
-        assert ended == [("CRASHED", "stopped by SIGTERM during train; a re-run resumes")] * 2
+            ended = db.execute("select s.type, s.message from flow_run r join flow_run_state s on s.id = r.state_id "
+                               "order by r.created").fetchall()
+        assert [state for state, _ in ended] == ["CRASHED", "RUNNING", "COMPLETED"]  # nobody told Prefect of the kill
+        assert ended[0][1] == "stopped by SIGTERM during train; a re-run resumes"
     finally:
         processes.stop()
 

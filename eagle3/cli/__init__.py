@@ -17,9 +17,17 @@ from eagle3.errors import ConversionError, Eagle3Error
 __all__ = ["build_parser", "main"]
 
 
+PASSED_ON = ("run", "monitor")  # commands whose own parser (in flows/) reads every argument after the command
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unread = parser.parse_known_args(argv)
+    if args.command in PASSED_ON:
+        # argparse leaves an option before the first positional (`eagle3 run --help`) out of the remainder
+        args.arguments = unread + args.arguments
+    elif unread:
+        parser.error(f"unrecognized arguments: {' '.join(unread)}")
     try:
         return args.handler(args)
     except ConversionError as err:
