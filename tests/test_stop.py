@@ -100,7 +100,7 @@ def test_a_stopped_run_says_so_holds_nothing_and_a_killed_one_leaves_no_process(
     env = run_env(tmp_path, marker)
     processes = Processes(env, ("EAGLE3_STOP_TEST", marker), tmp_path)
     # long enough that each stop lands in training (a few steps in), short enough that the last run finishes it
-    overrides = micro_run_overrides(tmp_path / "run", micro_target) + ["training.max_steps=200"]
+    overrides = micro_run_overrides(tmp_path / "run", micro_target) + ["training.max_steps=60"]
     metrics = load_config(CONFIG, overrides).stage_dir("train") / METRICS_FILE
     command = [sys.executable, "-m", "eagle3.cli", "run", CONFIG, *[arg for o in overrides for arg in ("--set", o)]]
 
