@@ -81,7 +81,6 @@ class TestAlignment:
             last[0, i, x[0, i + 1]] = 10.0  # row i predicts token i + 1 (through an identity head)
         rows = LossRows.of(mask, 2)
         teacher = TeacherHead(torch.eye(16), torch.arange(16))(last, rows.teacher)
-        model = tiny_draft()
 
         def one_hot(shift):  # draft logits whose argmax at index t is x[t + shift]
             logits = torch.zeros(1, 6, 16)
@@ -89,11 +88,11 @@ class TestAlignment:
                 logits[0, t, x[0, t + shift]] = 10.0
             return logits
 
-        right = ttt_stats([one_hot(2), one_hot(3)], teacher, rows, model)
+        right = ttt_stats([one_hot(2), one_hot(3)], teacher, rows)
         assert right.count.tolist() == [4, 3]  # step 0: t in 0..3 (x_2..x_5); step 1: t in 0..2 (x_3..x_5)
         assert target_positions(mask, 2).tolist() == [4, 3]  # the loss's normaliser, from the mask alone
         assert right.correct.tolist() == [4, 3]
-        off_by_one = ttt_stats([one_hot(1), one_hot(2)], teacher, rows, model)
+        off_by_one = ttt_stats([one_hot(1), one_hot(2)], teacher, rows)
         assert off_by_one.correct.tolist() == [0, 0]
 
     def test_no_step_sees_the_future(self):
@@ -178,7 +177,7 @@ def test_compact_teacher_gives_the_loss_of_full_vocabulary_logits():
     loss_mask, ids = torch.ones(2, 12, dtype=torch.long), torch.randint(0, 40, (2, 12), generator=generator)
     step_logits = ttt_forward(model, torch.randn(2, 12, 96, generator=generator), ids, 3)
     rows = LossRows.of(loss_mask, 3)
-    compact = ttt_stats(step_logits, TeacherHead(lm_head, hot)(last, rows.teacher), rows, model)
+    compact = ttt_stats(step_logits, TeacherHead(lm_head, hot)(last, rows.teacher), rows)
     full = last @ lm_head.T  # [B, T, V]
     argmax, probs = full.argmax(-1), full[..., hot].softmax(-1)
     in_draft = torch.zeros(40, dtype=torch.bool)
@@ -209,7 +208,7 @@ def test_the_teacher_and_the_head_score_only_the_rows_the_loss_reads():
     assert scored.sum() == 13 and not scored[1, 9:].any()  # 7 + 6 generated tokens: the rows before them
     torch.testing.assert_close(part.probs, dense.probs[scored])
     assert torch.equal(part.argmax, dense.argmax[scored]) and torch.equal(part.in_draft, dense.in_draft[scored])
-    every = ttt_stats(ttt_forward(model, aux, ids, 3), part, rows, model)  # all logits, gathered at the rows
+    every = ttt_stats(ttt_forward(model, aux, ids, 3), part, rows)  # all logits, gathered at the rows
     lean = ttt_loss(model, aux, ids, part, rows)  # the head run on the rows only
     torch.testing.assert_close(lean.loss_sum, every.loss_sum)
     assert torch.equal(lean.count, every.count) and torch.equal(lean.correct, every.correct)

@@ -126,7 +126,7 @@ def row_logits(step_outputs: Iterable[torch.Tensor], rows: LossRows, model: Eagl
         yield model.lm_head(model.head_input(hidden).flatten(0, 1).index_select(0, at))
 
 
-def ttt_stats(step_logits: Iterable[torch.Tensor], teacher: Teacher, rows: LossRows, model: Eagle3Draft) -> StepStats:
+def ttt_stats(step_logits: Iterable[torch.Tensor], teacher: Teacher, rows: LossRows) -> StepStats:
     """Soft cross-entropy against the target's distribution restricted to the draft vocabulary.
 
     `teacher` is scored at `rows.teacher`; step k's logits at row u are the draft's at index u - 1 - k (`LossRows`).
@@ -176,7 +176,7 @@ class TTTModel(torch.nn.Module):
 def ttt_loss(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher, rows: LossRows) -> StepStats:
     """The TTT forward scored at the loss rows: the training step's and evaluation's."""
     steps = len(rows.steps)
-    return ttt_stats(row_logits(ttt_outputs(model, aux, input_ids, steps), rows, model), teacher, rows, model)
+    return ttt_stats(row_logits(ttt_outputs(model, aux, input_ids, steps), rows, model), teacher, rows)
 
 
 def target_positions(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
