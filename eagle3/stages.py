@@ -78,6 +78,15 @@ STAGE_OUTPUTS = {
     "simulate": "bench/simulated.json",
 }
 # stage -> what it resumes from (cleared when its inputs changed); the other stages rewrite their output whole
+# stage -> {the name its task takes an upstream output by: that output's stage}
+STAGE_UPSTREAM = {
+    "regenerate": {},
+    "capture": {"regenerated": "regenerate"},
+    "vocab": {"regenerated": "regenerate"},
+    "train": {"dataset": "capture", "vocab": "vocab"},
+    "export": {"trained": "train"},
+    "simulate": {"exported": "export", "dataset": "capture"},
+}
 RESUMES_FROM = {"regenerate": ("data/regen",), "train": ("train",)}
 # stage -> fields whose change keeps what it resumes from: more or fewer samples of the same kind (the samples
 # already written are kept; only new ones are generated), other quality thresholds over the same replies, or other
@@ -254,3 +263,26 @@ def mark(stage: str, config: PipelineConfig, upstream: dict[str, str], prefix: s
     inputs = resume_inputs(stage, config, upstream)
     text = f"{prefix}{stage_key(stage, config, upstream)}\n{keyed(inputs)}\n{json.dumps(inputs, sort_keys=True)}\n"
     atomic_write_bytes(marker(config, stage), text.encode())
+
+
+def run_by_hand(stage: str, config: PipelineConfig, work: Callable[[], None], log: Callable[[str], None]) -> None:
+    """A stage run outside the flow (`eagle3 train`, `eagle3 data capture`, ...), marked as the flow marks its stages:
+    a later flow run with other settings then starts it afresh (naming what changed) instead of resuming from work
+    made for other inputs, and one with the same settings finds it done. Its inputs are the outputs on disk; where
+    one is not here (the step's own error says so, or it reads it elsewhere) it runs unmarked, and a flow run makes
+    it again."""
+    missing = [source for source in STAGE_UPSTREAM[stage].values() if not output_of(config, source).exists()]
+    if missing:
+        work()
+        log(f"{stage}: not marked for `eagle3 run` (no {', '.join(missing)} output in {config.run.dir}): a flow run "
+            "makes it again")
+        return
+    upstream = {name: stage_fingerprint(config, source) for name, source in STAGE_UPSTREAM[stage].items()}
+    begin(stage, config, upstream, log)
+    try:
+        work()
+    except BaseException:
+        if not output_of(config, stage).exists():  # refused before it made anything: no mark of it either
+            marker(config, stage).unlink(missing_ok=True)
+        raise
+    finish(stage, config, upstream)

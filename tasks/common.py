@@ -7,7 +7,7 @@ from collections.abc import Callable
 from prefect import get_run_logger
 
 from eagle3.config import PipelineConfig
-from eagle3.stages import begin, cache_key, done, finish, marker, output_of, stage_fingerprint
+from eagle3.stages import STAGE_UPSTREAM, begin, cache_key, done, finish, marker, output_of, stage_fingerprint
 
 
 def log_to_run():
@@ -36,6 +36,9 @@ def run_stage(stage: str, config: PipelineConfig, upstream: dict, work: Callable
     under this key, which Prefect's result store may have forgotten - and return where its output is, its content
     hash (the next stage's cache input) and what `outputs` reads from it. `upstream`: the task's stage-output
     parameters, by name."""
+    if set(upstream) != set(STAGE_UPSTREAM[stage]):  # the one list of what each stage reads (eagle3/stages.py)
+        raise ValueError(f"the {stage} task passes {sorted(upstream)}, STAGE_UPSTREAM names "
+                         f"{sorted(STAGE_UPSTREAM[stage])}")
     fingerprints = upstream_fingerprints(upstream)
     if done(stage, config, fingerprints):
         log_to_run()(f"{stage}: {output_of(config, stage)} was finished under this very key ({marker(config, stage)}):"

@@ -18,7 +18,7 @@ from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.formats.checkpoint import load_native
 from eagle3.formats.manifest import read_manifest
 from eagle3.report import training_report
-from eagle3.stages import config_inputs, stage_key
+from eagle3.stages import begin, config_inputs, done, stage_fingerprint, stage_key
 from eagle3.train.data import ShardFeatures, TrainingData
 from eagle3.train.timing import Throughput
 from eagle3.train.schedule import lr_factor
@@ -167,6 +167,17 @@ def test_a_training_only_config_makes_its_data_and_trains_through_eagle3_train(m
     evals = [m for m in metrics(run_dir) if "eval_time_s" in m]
     assert len(evals) == 2 and all(m["eval_accept_length"] > 1.0 and m["eval_replay_time_s"] > 0 for m in evals)
     assert "best by accept_length (eval_accept_length " in capsys.readouterr().out
+    # marked as the flow marks it: a flow run with these settings takes it as done; one with another learning rate
+    # starts training afresh, naming the change, instead of resuming from these checkpoints
+    upstream = {"dataset": stage_fingerprint(config, "capture"), "vocab": stage_fingerprint(config, "vocab")}
+    assert done("train", config, upstream)
+    other = load_config(path, overrides + ["training.learning_rate=1e-3"])
+    said = []
+    begin("train", other, upstream, said.append)
+    assert not done("train", other, upstream)
+    assert [path.name for path in (run_dir / "train").iterdir()] == [".best.stage-key"]  # its in-progress mark alone
+    assert said == [f"train: its inputs changed since {run_dir / 'train'} was made (config.training.learning_rate: "
+                    "0.003 -> 0.001): starting it afresh"]
 
 
 def test_a_stage_that_needs_a_missing_section_names_it(tmp_path, capsys):

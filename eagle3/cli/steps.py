@@ -1,5 +1,6 @@
 """The pipeline's offline steps one at a time, outside Prefect: `eagle3 data …`, `make-tiny-target`, `make-target`,
-`vocab build`, `train`, `simulate` and `diagnose`."""
+`vocab build`, `train`, `simulate` and `diagnose`. The stage steps mark their outputs as the flow does
+(`eagle3.stages.run_by_hand`): a later `eagle3 run` takes them when its settings are theirs, else makes them again."""
 
 from __future__ import annotations
 
@@ -86,19 +87,22 @@ def run_make_target(args: argparse.Namespace) -> int:
 
 def run_regenerate(args: argparse.Namespace) -> int:
     from eagle3.data.regenerate import regenerate
+    from eagle3.stages import run_by_hand
 
     config = load_run_config(args)
     if config.data.import_path is not None:
         raise Eagle3Error(f"data.import_path is set ({config.data.import_path}): this run trains on imported rows; run "
                           "`eagle3 data import`, or remove data.import_path to regenerate the answers")
-    regenerate(config)
+    run_by_hand("regenerate", config, lambda: regenerate(config), print)
     return EXIT_OK
 
 
 def run_import(args: argparse.Namespace) -> int:
     from eagle3.data.importer import import_rows
+    from eagle3.stages import run_by_hand
 
-    import_rows(load_run_config(args), args.file)
+    config = load_run_config(args)
+    run_by_hand("regenerate", config, lambda: import_rows(config, args.file), print)  # the stage the flow imports in
     return EXIT_OK
 
 
@@ -127,16 +131,19 @@ def run_quality(args: argparse.Namespace) -> int:
 def run_capture(args: argparse.Namespace) -> int:
     from eagle3.config import resolved_config_file
     from eagle3.data.node_capture import capture_with_engine
+    from eagle3.stages import run_by_hand
 
     config = load_run_config(args)
-    capture_with_engine(config, resolved_config_file(config))
+    run_by_hand("capture", config, lambda: capture_with_engine(config, resolved_config_file(config)), print)
     return EXIT_OK
 
 
 def run_vocab_build(args: argparse.Namespace) -> int:
     from eagle3.data.vocab import build_vocab
+    from eagle3.stages import run_by_hand
 
-    build_vocab(load_run_config(args))
+    config = load_run_config(args)
+    run_by_hand("vocab", config, lambda: build_vocab(config), print)
     return EXIT_OK
 
 
@@ -145,11 +152,12 @@ def run_train(args: argparse.Namespace) -> int:
     from eagle3.init_draft import resolve_init_from
     from eagle3.plan import chosen_recompute
     from eagle3.train.launch import train
+    from eagle3.stages import run_by_hand
 
     config, recompute = chosen_recompute(load_run_config(args))  # the trainers read the plan's choice
     print(f"train: {recompute}")
     resolve_init_from(config)
-    train(config, resolved_config_file(config), log=print)
+    run_by_hand("train", config, lambda: train(config, resolved_config_file(config), log=print), print)
     return EXIT_OK
 
 
