@@ -145,7 +145,8 @@ def forget(registry: Registry, holder: Holder) -> None:
 
 
 def granted_lease() -> str | None:
-    """The lease Prefect just granted: the flow engine's concurrency context notes each one for its clean-up."""
+    """The lease Prefect just granted: the flow engine's concurrency context notes each one for its clean-up. Not a
+    public API: pyproject.toml pins the Prefect minor release this is tested on (tests/test_stop.py)."""
     context = ConcurrencyContext.get()
     return str(context.cleanup_lease_ids[-1]) if context and context.cleanup_lease_ids else None
 
