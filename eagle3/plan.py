@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.config import PipelineConfig
+from eagle3.config import PipelineConfig, derived
 from eagle3.data.regenerate import greedy_length
 from eagle3.data.shards import TOKEN_BYTES
 from eagle3.data.suites import planned_requests
@@ -141,7 +141,7 @@ def chosen_recompute(config: PipelineConfig) -> tuple[PipelineConfig, str]:
 
 
 def with_recompute(config: PipelineConfig, choice: str) -> PipelineConfig:
-    return config.model_copy(update={"training": config.training.model_copy(update={"recompute": choice})})
+    return derived(config, {"training.recompute": choice})
 
 
 def stored_bytes(config: PipelineConfig) -> dict[str, int]:

@@ -10,7 +10,7 @@ from prefect.client.schemas.sorting import TaskRunSort
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
 from eagle3.bench.simulate import RESULT_FILE
-from eagle3.config import PipelineConfig
+from eagle3.config import PipelineConfig, derived
 from eagle3.deployment.promotion import SERVED_FILE
 from eagle3.deployment.suites import SUITES_FILE
 from eagle3.fsutil import read_json
@@ -41,7 +41,7 @@ def bench_records(run_dir: Path | None, config: PipelineConfig) -> tuple[dict, d
     """The run's simulated.json, served.json and suites.json ({} for each one not written)."""
     if run_dir is None:
         return {}, {}, {}
-    bench = config.model_copy(update={"run": config.run.model_copy(update={"dir": run_dir})}).stage_dir("bench")
+    bench = derived(config, {"run.dir": run_dir}).stage_dir("bench")
     return tuple(read_json(bench / name, "") if (bench / name).is_file() else {}
                  for name in (RESULT_FILE, SERVED_FILE, SUITES_FILE))
 

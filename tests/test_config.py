@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.cli import main
-from eagle3.config import check_local_inputs, load_config, resolved_config_file, sglang_default_aux_layers
+from eagle3.config import check_local_inputs, derived, load_config, resolved_config_file, sglang_default_aux_layers
 from eagle3.errors import ConfigError
 
 ROOT = Path(__file__).parent.parent
@@ -207,3 +207,17 @@ def test_a_draft_form_the_served_release_cannot_build_is_refused_at_load(overrid
     with pytest.raises(ConfigError) as refused:
         load_config(MLA_DRAFT, overrides)
     assert message in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+def test_a_derived_config_is_validated_as_a_loaded_one(tmp_path):
+    """Sweep points, production's endpoint, the chosen recompute: every copy with changes passes the config's checks."""
+    config = load_config(TINY)
+    copy = derived(config, {"serving.port": 1234, "training.recompute": "none"})
+    assert (copy.serving.port, copy.training.recompute, copy.serving.num_steps) == (1234, "none", config.serving.num_steps)
+    assert config.serving.port != 1234  # the original is left as it was
+    with pytest.raises(ConfigError, match=r"serving.num_steps: Input should be greater than or equal to 1 \(got 0\)"):
+        derived(config, {"serving.num_steps": 0})
+    with pytest.raises(ConfigError, match="serving.nope: unknown field; allowed here: context_length"):
+        derived(config, {"serving.nope": 1})
+    with pytest.raises(ConfigError, match="monitoring.window: the config has no monitoring section to change"):
+        derived(config, {"monitoring.window": 1})

@@ -276,6 +276,25 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
         raise ConfigError(describe_errors(path, err, overridden)) from None
 
 
+def derived(config: PipelineConfig, changes: dict[str, object]) -> PipelineConfig:
+    """A copy of `config` with `changes` ({"section.field": value}) applied and validated as a loaded config is (a
+    sweep point, production's serving endpoint, a chosen recompute): a change the config refuses is a ConfigError
+    naming the field, never a copy that skipped the checks."""
+    raw = config.model_dump()
+    for dotted, value in changes.items():
+        *sections, field = dotted.split(".")
+        node = raw
+        for name in sections:
+            if node.get(name) is None:
+                raise ConfigError(f"{dotted}: the config has no {name} section to change")
+            node = node[name]
+        node[field] = value
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(describe_errors(Path(f"{config.run.name} (derived)"), err, set())) from None
+
+
 def read_config_file(path: Path, extended_by: tuple[Path, ...] = ()) -> dict:
     """A config file's sections; with `extends: OTHER.yaml` (a path relative to the file), OTHER's sections with this
     file's fields over them (configs/tiny-qwen3-cpu.yaml is tiny-cpu.yaml on another target)."""

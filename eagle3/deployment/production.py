@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3.config import PipelineConfig
+from eagle3.config import PipelineConfig, derived
 from eagle3.deployment.promotion import (
     PROMPTS_FILE,
     PROMPTS_LAYOUT,
@@ -40,8 +40,7 @@ class Production:
         self.url = f"http://{p.host}:{p.port}"
         self.state = Path(p.state_dir) / STATE_FILE
         # the production server is the serving section's engine and launcher on the production endpoint
-        self.serving_config = config.model_copy(
-            update={"serving": config.serving.model_copy(update={"host": p.host, "port": p.port})})
+        self.serving_config = derived(config, {"serving.host": p.host, "serving.port": p.port})
         self._log = log
 
     def log(self, message: str) -> None:
@@ -136,8 +135,8 @@ class Production:
         config, temperature, count = self.serving_config, 0.0, None
         if manifest.get("serving"):
             serving = manifest["serving"]
-            benchmark = config.benchmark.model_copy(update={"concurrency": [serving["concurrency"]]})
-            config = with_shape(config, DraftShape.of(serving)).model_copy(update={"benchmark": benchmark})
+            shaped = with_shape(config, DraftShape.of(serving))
+            config = derived(shaped, {"benchmark.concurrency": [serving["concurrency"]]})
             temperature, count = serving["temperature"], serving["num_prompts"]
         recorded = manifest.get("benchmark")
         if recorded is None:
@@ -146,8 +145,7 @@ class Production:
             return config, first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), count), temperature
         fetched = self.registry.fetch(version, PROMPTS_LAYOUT,
                                       Path(self.config.production.state_dir) / "prompts" / version)
-        benchmark = config.benchmark.model_copy(update={"max_new_tokens": recorded["max_new_tokens"]})
-        config = config.model_copy(update={"benchmark": benchmark})
+        config = derived(config, {"benchmark.max_new_tokens": recorded["max_new_tokens"]})
         prompts = first_of_each_suite(prompt_ids_in(config, fetched / PROMPTS_FILE), count)
         self.log(f"measured on version {version}'s own prompt set: {len(prompts)} of its {recorded['prompts']} prompts "
                  f"(sha256 {recorded['sha256'][:12]}), max_new_tokens {recorded['max_new_tokens']}, temperature "

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.bench.client import SlicedPrompt
-from eagle3.config import PipelineConfig
+from eagle3.config import PipelineConfig, derived
 from eagle3.data.regenerate import simulated_shapes
 from eagle3.deployment.promotion import benchmark_on, benchmark_prompts_file, prompt_ids_in
 from eagle3.errors import Eagle3Error
@@ -36,7 +36,7 @@ class SweepError(Eagle3Error):
 
 def with_shape(config: PipelineConfig, shape: DraftShape) -> PipelineConfig:
     """The config that serves `shape`."""
-    return config.model_copy(update={"serving": config.serving.model_copy(update=asdict(shape))})
+    return derived(config, {f"serving.{name}": value for name, value in asdict(shape).items()})
 
 
 def measure_levels(config: PipelineConfig, draft: Path | None, prompts: list[list[int]], log: Log, role: str) -> list[dict]:
