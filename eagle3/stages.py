@@ -77,7 +77,6 @@ STAGE_OUTPUTS = {
     "export": "export/sglang",
     "simulate": "bench/simulated.json",
 }
-# stage -> what it resumes from (cleared when its inputs changed); the other stages rewrite their output whole
 # stage -> {the name its task takes an upstream output by: that output's stage}
 STAGE_UPSTREAM = {
     "regenerate": {},
@@ -87,6 +86,7 @@ STAGE_UPSTREAM = {
     "export": {"trained": "train"},
     "simulate": {"exported": "export", "dataset": "capture"},
 }
+# stage -> what it resumes from (cleared when its inputs changed); the other stages rewrite their output whole
 RESUMES_FROM = {"regenerate": ("data/regen",), "train": ("train",)}
 # stage -> fields whose change keeps what it resumes from: more or fewer samples of the same kind (the samples
 # already written are kept; only new ones are generated), other quality thresholds over the same replies, or other
