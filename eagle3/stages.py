@@ -265,6 +265,20 @@ def mark(stage: str, config: PipelineConfig, upstream: dict[str, str], prefix: s
     atomic_write_bytes(marker(config, stage), text.encode())
 
 
+def run_marked(stage: str, config: PipelineConfig, upstream: dict[str, str], work: Callable[[], None],
+               log: Callable[[str], None]) -> None:
+    """`work` between the stage's in-progress and finished marks (the flow's tasks and the steps run by hand). A
+    stage refused before it made anything leaves no mark either."""
+    begin(stage, config, upstream, log)
+    try:
+        work()
+    except BaseException:
+        if not output_of(config, stage).exists():
+            marker(config, stage).unlink(missing_ok=True)
+        raise
+    finish(stage, config, upstream)
+
+
 def run_by_hand(stage: str, config: PipelineConfig, work: Callable[[], None], log: Callable[[str], None]) -> None:
     """A stage run outside the flow (`eagle3 train`, `eagle3 data capture`, ...), marked as the flow marks its stages:
     a later flow run with other settings then starts it afresh (naming what changed) instead of resuming from work
@@ -278,11 +292,4 @@ def run_by_hand(stage: str, config: PipelineConfig, work: Callable[[], None], lo
             "makes it again")
         return
     upstream = {name: stage_fingerprint(config, source) for name, source in STAGE_UPSTREAM[stage].items()}
-    begin(stage, config, upstream, log)
-    try:
-        work()
-    except BaseException:
-        if not output_of(config, stage).exists():  # refused before it made anything: no mark of it either
-            marker(config, stage).unlink(missing_ok=True)
-        raise
-    finish(stage, config, upstream)
+    run_marked(stage, config, upstream, work, log)

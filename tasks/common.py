@@ -7,7 +7,7 @@ from collections.abc import Callable
 from prefect import get_run_logger
 
 from eagle3.config import PipelineConfig
-from eagle3.stages import STAGE_UPSTREAM, begin, cache_key, done, finish, marker, output_of, stage_fingerprint
+from eagle3.stages import STAGE_UPSTREAM, cache_key, done, marker, output_of, run_marked, stage_fingerprint
 
 
 def log_to_run():
@@ -44,7 +44,5 @@ def run_stage(stage: str, config: PipelineConfig, upstream: dict, work: Callable
         log_to_run()(f"{stage}: {output_of(config, stage)} was finished under this very key ({marker(config, stage)}):"
                      " kept, not made again")
     else:
-        begin(stage, config, fingerprints, log_to_run())
-        work()
-        finish(stage, config, fingerprints)
+        run_marked(stage, config, fingerprints, work, log_to_run())
     return {"path": str(output_of(config, stage)), "fingerprint": stage_fingerprint(config, stage), **outputs()}
