@@ -34,6 +34,7 @@ from eagle3.formats.checkpoint import convert
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape
+from eagle3.stages.table import record_path
 from eagle3.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +97,7 @@ def main() -> None:
     with serve_in_thread(create_app(target)) as (plain, _):
         for shape in SHAPES:
             shaped = with_shape(config, shape)
-            simulated = simulate(shaped, draft, log=lambda line: None)
+            simulated = simulate(shaped, draft, record_path(shaped, "simulated"), log=lambda line: None)
             with serve_in_thread(create_app(target, draft, shape, RELEASE)) as (url, _):
                 greedy, sampled = run(url, plain, 0.0), run(url, plain, args.temperature)
             print(f"{shape.label():34} {simulated.accept_length:6.3f} {greedy['accept_length']:7.3f} "

@@ -26,7 +26,6 @@ from eagle3.formats.target import read_target_info
 from eagle3.formats.validate import validate
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.weights import target_verifier
-from eagle3.stages import export_dirs
 
 Log = Callable[[str], None]
 VALIDATION_FILE = "validation.json"
@@ -38,6 +37,12 @@ class ExportInvalid(Eagle3Error):
     def __init__(self, message: str, problems: list[dict]):
         super().__init__(message)
         self.problems = problems
+
+
+def export_dirs(config: PipelineConfig) -> dict[str, Path]:
+    """Every export layout's directory; the served one (sglang) is the export stage's output (eagle3.stages.table)."""
+    return {layout: config.stage_dir("export") / layout for layout in config.export.layouts}
+
 
 
 def export_draft(config: PipelineConfig, log: Log = print) -> dict:

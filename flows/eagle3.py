@@ -22,9 +22,10 @@ from prefect.transactions import transaction
 from eagle3.registry.gate import GateRejected
 from eagle3.registry.registry import open_registry
 from eagle3.runs import run_in_use
-from tasks.bench import measure_served, simulate_acceptance, sweep_serving
+from eagle3.fsutil import read_json
+from eagle3.stages.table import STAGES
+from tasks.bench import measure_served, sweep_serving
 from tasks.common import log_to_run
-from tasks.data import capture_hidden_states, regenerate_answers
 from tasks.deploy import (
     check_gate,
     promote,
@@ -37,12 +38,10 @@ from tasks.deploy import (
     serve_production,
     verify_production,
 )
-from tasks.export import export_and_validate
 from tasks.lock import registry_lock
 from tasks.monitor import emit_degraded, load_monitor_config, publish_monitor_report, watch_production
 from tasks.run import ensure_registry_limit, load_run_config, registry_limit_name
-from tasks.train import train_draft
-from tasks.vocab import build_draft_vocab
+from tasks.stages import STAGE_TASKS
 
 __all__ = ["eagle3", "ensure_registry_limit"]
 
@@ -65,16 +64,15 @@ def train_and_deploy(config, resolved: str):
     before = release_production(config)  # managed on the node: every stage below needs its GPUs (docs/gpu-node.md)
     version = None
     try:
-        regenerated = regenerate_answers(config)
-        dataset = capture_hidden_states(config, resolved, regenerated)
-        vocab = build_draft_vocab(config, regenerated)
-        trained = train_draft(config, resolved, dataset, vocab)
-        exported = export_and_validate(config, trained)
-        simulated = simulate_acceptance(config, exported, dataset)
+        made = {}  # the cached stages in the table's order, each given the outputs it reads
+        for stage in STAGES.values():
+            made[stage.name] = STAGE_TASKS[stage.name](
+                config, resolved, {name: made[source] for name, source in stage.upstream.items()})
+        exported, simulated = made["export"], read_json(made["simulate"].path, "the simulate stage's record")
         served = measure_served(config, exported, simulated)
         swept = sweep_serving(config, exported, served, simulated, before)
-        fingerprints = {name: out["fingerprint"] for name, out in
-                        (("data", dataset), ("vocab", vocab), ("train", trained), ("export", exported))}
+        fingerprints = {name: made[stage].fingerprint for name, stage in
+                        (("data", "capture"), ("vocab", "vocab"), ("train", "train"), ("export", "export"))}
         version = publish_candidate(config, fingerprints, exported, served, simulated, swept, before)
         with transaction():
             decision = check_gate(config, version, exported, served, simulated, swept, before)

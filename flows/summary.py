@@ -9,13 +9,11 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.sorting import TaskRunSort
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
-from eagle3.bench.simulate import RESULT_FILE
 from eagle3.config import PipelineConfig, derived
-from eagle3.deployment.promotion import SERVED_FILE
-from eagle3.deployment.suites import SUITES_FILE
 from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
 from eagle3.report import suites_text
+from eagle3.stages.table import record_path
 
 
 def stage_rows(flow_run_id) -> list[tuple[str, str, float]]:
@@ -41,9 +39,9 @@ def bench_records(run_dir: Path | None, config: PipelineConfig) -> tuple[dict, d
     """The run's simulated.json, served.json and suites.json ({} for each one not written)."""
     if run_dir is None:
         return {}, {}, {}
-    bench = derived(config, {"run.dir": run_dir}).stage_dir("bench")
-    return tuple(read_json(bench / name, "") if (bench / name).is_file() else {}
-                 for name in (RESULT_FILE, SERVED_FILE, SUITES_FILE))
+    run_config = derived(config, {"run.dir": run_dir})
+    paths = [record_path(run_config, record) for record in ("simulated", "served", "suites")]
+    return tuple(read_json(path, "") if path.is_file() else {} for path in paths)
 
 
 def ui_url() -> str:

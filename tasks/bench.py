@@ -2,57 +2,46 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eagle3.bench.simulate import RESULT_FILE, simulate
 from eagle3.config import PipelineConfig
 from eagle3.deployment.promotion import gate_decision, measure_candidate
 from eagle3.deployment.suites import acceptance_columns, production_on_these_requests, suite_columns, write_suites
 from eagle3.deployment.sweep import choose_serving
-from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
 from eagle3.report import acceptance_report, suites_report, suites_text, sweep_report
-from tasks.common import cached, log_to_run, run_stage
-
-
-@task(**cached("simulate"))
-def simulate_acceptance(config: PipelineConfig, exported: dict, dataset: dict) -> dict:
-    """`dataset`: the held-out sequences and features it replays come from the data stage."""
-    def work() -> None:
-        simulate(config, Path(exported["path"]), log=log_to_run())
-
-    return run_stage("simulate", config, {"exported": exported, "dataset": dataset}, work,
-                     lambda: {"result": read_json(config.stage_dir("bench") / RESULT_FILE, "")})
+from eagle3.stages.run import StageOutput
+from eagle3.stages.table import record_path
+from tasks.common import log_to_run
 
 
 @task(name="measure-candidate", cache_policy=NO_CACHE)
-def measure_served(config: PipelineConfig, exported: dict, simulated: dict) -> dict:
-    served = measure_candidate(config, Path(exported["path"]), log=log_to_run())
-    columns = acceptance_columns(config, simulated["result"], served)
-    create_markdown_artifact(key="acceptance", markdown=acceptance_report(simulated["result"], served, columns),
+def measure_served(config: PipelineConfig, exported: StageOutput, simulated: dict) -> dict:
+    """`simulated`: the simulate stage's record."""
+    served = measure_candidate(config, exported.path, record_path(config, "served"), log=log_to_run())
+    columns = acceptance_columns(config, simulated, served)
+    create_markdown_artifact(key="acceptance", markdown=acceptance_report(simulated, served, columns),
                              description="simulated vs served accept length per suite, histogram, per request, speedup")
     return served
 
 
 @task(name="sweep", cache_policy=NO_CACHE)
-def sweep_serving(config: PipelineConfig, exported: dict, served: dict, simulated: dict, production: str | None) -> dict:
+def sweep_serving(config: PipelineConfig, exported: StageOutput, served: dict, simulated: dict,
+                  production: str | None) -> dict:
     """The serving shape production gets (eagle3.deployment.sweep.choose_serving); the `sweep` artifact when it swept."""
     log = log_to_run()
     registry = open_registry(config.registry, log=log)
-    acceptance = gate_decision(config, registry, production, served, simulated["result"], {})
-    result = choose_serving(config, Path(exported["path"]), served, acceptance, log)
+    acceptance = gate_decision(config, registry, production, served, simulated, {})
+    result = choose_serving(config, exported.path, served, acceptance, record_path(config, "sweep"), log)
     if result["points"] is not None:
         chosen = result["chosen"]
         create_markdown_artifact(key="sweep", markdown=sweep_report(result),
                                  description=f"chosen: {chosen['label']}, {chosen['speedup']:.2f}x the no-draft server")
     manifest = registry.manifest(production) if production else None
-    columns = suite_columns(config, simulated["result"], served, result,
-                            production_on_these_requests(served, manifest, production))
-    log(f"suites table: {write_suites(config, columns)}")
+    columns = suite_columns(config, simulated, served, result, production_on_these_requests(served, manifest, production))
+    log(f"suites table: {write_suites(config, columns, record_path(config, 'suites'))}")
     for line in suites_text(columns):
         log(line)
     create_markdown_artifact(key="suites", markdown=suites_report(columns),

@@ -8,8 +8,6 @@ S3 clients retry in their own bodies.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -27,9 +25,11 @@ from eagle3.deployment.promotion import (
     version_id,
 )
 from eagle3.deployment.production import Production
+from eagle3.export import export_dirs
 from eagle3.registry.gate import Decision, GateRejected, Reason
 from eagle3.registry.registry import open_registry
 from eagle3.report import decision_report
+from eagle3.stages.run import StageOutput
 from tasks.common import log_to_run
 
 
@@ -48,28 +48,28 @@ def release_production(config: PipelineConfig) -> str | None:
 
 
 @task(name="publish-candidate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
-def publish_candidate(config: PipelineConfig, fingerprints: dict, exported: dict, served: dict, simulated: dict,
+def publish_candidate(config: PipelineConfig, fingerprints: dict, exported: StageOutput, served: dict, simulated: dict,
                       swept: dict, production: str | None) -> str:
     registry = open_registry(config.registry, log=log_to_run())
-    version = version_id(config, exported["fingerprint"])
+    version = version_id(config, exported.fingerprint)
     if version in registry.versions():
         log_to_run()(f"registry: version {version} (this export) is already published: not uploading it again")
         return version
-    fields = version_fields(config, fingerprints, served, simulated["result"]["accept_length"], swept["chosen"],
+    fields = version_fields(config, fingerprints, served, simulated["accept_length"], swept["chosen"],
                             production, flow_run_id())
-    registry.publish(version, version_dirs(config, exported["dirs"]), fields)
+    registry.publish(version, version_dirs(config, export_dirs(config)), fields)
     return version
 
 
 @task(name="gate", cache_policy=NO_CACHE)
-def check_gate(config: PipelineConfig, version: str, exported: dict, served: dict, simulated: dict, swept: dict,
+def check_gate(config: PipelineConfig, version: str, exported: StageOutput, served: dict, simulated: dict, swept: dict,
                production: str | None) -> Decision:
     """The gate's decision; a rejection raises GateRejected with the train-serve diagnosis attached."""
     registry = open_registry(config.registry, log=log_to_run())
-    decision = gate_decision(config, registry, production, served, simulated["result"], swept["chosen"])
+    decision = gate_decision(config, registry, production, served, simulated, swept["chosen"])
     log_to_run()(f"gate: {decision.summary()}")
     if not decision.promote:
-        decision.diagnosis = diagnosis_of(config, Path(exported["path"]), served, simulated["result"]["accept_length"])
+        decision.diagnosis = diagnosis_of(config, exported.path, served, simulated["accept_length"])
         raise GateRejected(decision)
     return decision
 

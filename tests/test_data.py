@@ -19,7 +19,7 @@ from eagle3.engines.generators import LocalGenerator, make_generator, target_gre
 from eagle3.engines.targets import DataMismatch
 from eagle3.formats.manifest import read_data_capture, read_manifest
 from eagle3.formats.vocab_map import load_vocab_map, read_stats
-from eagle3.stages import begin, finish
+from eagle3.stages.keys import begin, finish
 from test_config import KIMI, TINY
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import httpx
 import pytest
+from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
@@ -33,10 +34,14 @@ from eagle3.formats.target import read_target_info
 from eagle3.registry.registry import open_registry
 from eagle3.runs import retrain_runs
 from eagle3.serve.inprocess import serve_in_thread
-from eagle3.stages import IN_PROGRESS, TOKEN_FILE, marker, output_of
+from eagle3.stages.keys import IN_PROGRESS, TOKEN_FILE, marker
+from eagle3.stages.run import StageOutput
+from eagle3.stages.table import STAGES, output_of
 from flows.eagle3 import eagle3, ensure_registry_limit
+from tasks.stages import stage_task
 from family_targets import FLOW_CONFIGS
 from fixtures_tiny import micro_target_of
+from helpers import TOY
 from kimi_target import VOCAB_SIZE as KIMI_VOCAB
 from ports import free_port
 from test_config import TINY
@@ -458,3 +463,24 @@ def test_the_monitor_mode_emits_the_degraded_event_and_plots_production(prefect_
     assert len(degraded_events(resource, 2, timeout_s=2)) == 1  # none from the suppressed drop
     report = artifacts(states[1].state_details.flow_run_id)["monitor"]
     assert "data:image/svg+xml;base64," in report and report.count("| low |") == 2 and "| code |" in report
+
+
+def test_a_stage_added_to_the_table_is_a_task_cached_on_its_key(prefect_api, tmp_path, monkeypatch):
+    """The toy stage (tests/helpers.py) as the flow runs the table's stages: the second call is a cache hit, and
+    another value of a field of its key makes it again."""
+    monkeypatch.setitem(STAGES, "toy", TOY)
+    make = lambda *sets: load_config(CONFIG, [f"run.dir={tmp_path / 'run'}", f"target.path={tmp_path}", *sets])  # noqa: E731
+    vocab = output_of(make(), "vocab")
+    vocab.mkdir(parents=True)
+    (vocab / "d2t.txt").write_text("0\n")
+    upstream = {"vocab": StageOutput("vocab", vocab, "vocab-fingerprint")}
+    toy = stage_task("toy")
+
+    @flow
+    def run_toy(config):
+        return toy(config, "resolved.yaml", upstream, return_state=True)
+
+    first, again, other = run_toy(make()), run_toy(make()), run_toy(make("training.seed=9"))
+    assert first.is_completed() and first.result().path == output_of(make(), "toy")
+    assert again.name == "Cached" and other.name != "Cached"
+    assert output_of(make(), "toy").read_text().startswith("9 ")

@@ -15,7 +15,7 @@ from eagle3.data.regenerate import read_regenerated
 from eagle3.errors import ConfigError
 from eagle3.formats.manifest import read_manifest
 from eagle3.report import data_report
-from eagle3.stages import stage_key
+from eagle3.stages.keys import stage_key
 from eagle3.train.data import TrainingData
 from eagle3.train.trainer import Trainer
 from test_config import TINY
@@ -199,9 +199,9 @@ def test_an_import_over_a_regenerated_set_leaves_it_when_a_row_is_bad(imported, 
     assert (regen / "manifest.json").read_text() == manifest
 
 
-def test_regenerating_a_run_that_imports_is_refused_naming_the_field(micro_target, tmp_path, capsys):
+def test_the_regenerate_step_of_a_run_that_imports_imports_and_says_so(micro_target, tmp_path, capsys):
     source = write_jsonl(tmp_path / "rows.jsonl", outside_rows(AutoTokenizer.from_pretrained(micro_target), count=2))
-    overrides = micro_overrides(tmp_path / "run", micro_target) + [f"data.import_path={source}"]
-    assert main(["data", "regenerate", *cli_args(overrides)]) == 2
-    assert "data.import_path is set" in capsys.readouterr().err
-    assert not (tmp_path / "run" / "data" / "regen").exists()
+    overrides = micro_overrides(tmp_path / "run", micro_target) + TRAINING + [f"data.import_path={source}"]
+    assert main(["data", "regenerate", *cli_args(overrides)]) == 0  # the stage `eagle3 run` runs: it imports
+    assert f"data.import_path is set: importing {source}" in capsys.readouterr().out
+    assert read_manifest(tmp_path / "run" / "data" / "regen")["imported"]["path"] == str(source)

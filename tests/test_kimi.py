@@ -23,7 +23,7 @@ from eagle3.formats.target_files import thinking_switches
 from eagle3.serve.launch import reference_command, sglang_command
 from eagle3.serve.reference import load as load_served
 from eagle3.shape import DraftShape
-from eagle3.stages import stage_key
+from eagle3.stages.keys import stage_key
 from kimi_target import BPE_SIZE, END_OF_TURN_ID, VOCAB_SIZE, write_k25_config
 from test_config import ROOT, TINY
 

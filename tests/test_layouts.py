@@ -22,7 +22,7 @@ from eagle3.formats.layouts import LAYOUTS
 from eagle3.formats.layouts.speculators import ARCHITECTURE, SPECULATORS_RELEASE
 from eagle3.formats.manifest import MANIFEST_FILE
 from eagle3.model.weights import target_verifier
-from eagle3.stages import stage_key
+from eagle3.stages.keys import stage_key
 
 TINY = Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml"
 KIMI = dict(target_family="kimi_k25", aux_layers=[2, 3, 5], target_num_hidden_layers=8)

@@ -3,13 +3,20 @@ output that no longer is what its key describes."""
 
 import json
 import shutil
+import typing
+from dataclasses import replace
+
+from pydantic import BaseModel
 
 from drafts import write_draft
-from eagle3.config import load_config
+from eagle3.cli import main
+from eagle3.config import PipelineConfig, load_config
 from eagle3.formats.manifest import MANIFEST_FILE, fingerprint, write_manifest
 from eagle3.registry.registry import Registry
 from eagle3.registry.store import LocalStore
-from eagle3.stages import IN_PROGRESS, begin, cache_key, done, finish, recorded_key, stage_key
+from eagle3.stages.keys import IN_PROGRESS, begin, cache_key, done, finish, recorded_key, stage_key
+from eagle3.stages.table import OPERATIONAL, STAGES, output_of
+from helpers import TOY
 from test_config import TINY
 
 D = {"dataset": "d"}  # the fingerprints of the outputs a stage consumes, by parameter name
@@ -123,3 +130,67 @@ def test_the_init_draft_is_keyed_by_its_content_not_its_path_or_version_id(tmp_p
     shutil.rmtree(draft)
     write_draft(draft, layout="sglang", release="0.5.13", seed=1)  # other weights at the same path
     assert stage_key("train", config(tmp_path, f"training.init_from={draft}"), D) != key
+
+
+def config_fields(model, prefix: str = "") -> list[str]:
+    """Every leaf field of a config model, dotted; a section (a model, or an optional one) is walked into."""
+    fields = []
+    for name, info in model.model_fields.items():
+        sections = [t for t in (info.annotation, *typing.get_args(info.annotation))
+                    if isinstance(t, type) and issubclass(t, BaseModel)]
+        fields += config_fields(sections[0], f"{prefix}{name}.") if sections else [prefix + name]
+    return fields
+
+
+def uncovered(model) -> list[str]:
+    """Config fields in no stage's key and not listed as operational."""
+    covering = [field for stage in STAGES.values() for field in stage.key_fields()] + list(OPERATIONAL)
+    return [field for field in config_fields(model)
+            if not any(field == name or field.startswith(name + ".") for name in covering)]
+
+
+def test_every_config_field_is_in_a_stage_key_or_operational_with_a_reason():
+    assert uncovered(PipelineConfig) == []
+    leaves = config_fields(PipelineConfig)
+    named = lambda name: any(leaf == name or leaf.startswith(name + ".") for leaf in leaves)  # noqa: E731
+    keyed = {field for stage in STAGES.values() for field in stage.key_fields()}
+    assert [name for name in keyed | set(OPERATIONAL) if not named(name)] == []  # no stale names
+    assert sorted(keyed & set(OPERATIONAL)) == []
+    assert all(reason.strip() for reason in OPERATIONAL.values())
+
+
+def test_a_new_setting_left_out_of_every_key_is_named(monkeypatch):
+    class Training(PipelineConfig.model_fields["training"].annotation):
+        lr_floor_2: float = 0.0
+
+    class Config(PipelineConfig):
+        training: Training
+
+    assert uncovered(Config) == ["training.lr_floor_2"]
+    monkeypatch.setitem(STAGES, "train", replace(STAGES["train"], key=STAGES["train"].key + ("training.lr_floor_2",)))
+    assert uncovered(Config) == []
+
+
+def test_a_new_stage_is_one_table_entry_and_its_runner(tmp_path, monkeypatch, capsys):
+    """A toy stage (tests/helpers.py) added to the table: the CLI has its step, and its key and marker follow its fields and
+    its upstream's content (the flow's task for it: tests/test_flow.py)."""
+    monkeypatch.setitem(STAGES, "toy", TOY)
+    base = config(tmp_path)
+    vocab = output_of(base, "vocab")
+    vocab.mkdir(parents=True)
+    write_manifest(vocab, "vocab", {"coverage": 0.5})  # the upstream output the toy reads, on disk
+
+    def toy(*sets: str) -> str:
+        assert main(["toy", "--config", str(TINY), *[a for s in (f"run.dir={tmp_path / 'run'}",
+                     f"target.path={tmp_path / 'target'}", *sets) for a in ("--set", s)]]) == 0
+        return capsys.readouterr().out
+
+    assert "toy: wrote" in toy()
+    assert output_of(base, "toy").read_text() == f"{base.training.seed} {base.vocab.draft_vocab_size}\n"
+    assert done("toy", base, {"vocab": fingerprint(vocab)})
+    assert "kept, not made again" in toy()
+    assert "toy: wrote" in toy("training.seed=7")  # a field of its key
+    assert output_of(base, "toy").read_text().startswith("7 ")
+    assert "kept, not made again" in toy("training.seed=7", "serving.port=1234")  # in no key of its
+    write_manifest(vocab, "vocab", {"coverage": 0.75})
+    assert "toy: wrote" in toy("training.seed=7")  # its upstream's content

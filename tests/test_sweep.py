@@ -10,7 +10,8 @@ from drafts import write_draft
 from eagle3.config import load_config
 from eagle3.deployment.production import Production
 from eagle3.deployment.promotion import PROMPTS_LAYOUT, benchmark_prompts_file, prompt_set_fields
-from eagle3.deployment.sweep import RESULT_FILE, run_sweep
+from eagle3.deployment.sweep import run_sweep
+from eagle3.stages.table import record_path
 from eagle3.registry.registry import metrics_of, open_registry
 from ports import free_port
 from test_config import TINY
@@ -35,7 +36,7 @@ def sweep_config(tmp_path, micro_target):
 def test_the_fastest_shape_at_the_production_concurrency_is_chosen(sweep_config):
     make, draft = sweep_config
     config, lines = make(), []
-    result = run_sweep(config, draft, log=lines.append)
+    result = run_sweep(config, draft, record_path(config, "sweep"), log=lines.append)
     assert [p["label"] for p in result["points"]] == ["steps 3, topk 1, draft tokens 4", "steps 2, topk 2, draft tokens 4"]
     for point in result["points"]:
         assert point["error"] is None and [row["concurrency"] for row in point["levels"]] == [2, 1]
@@ -45,14 +46,15 @@ def test_the_fastest_shape_at_the_production_concurrency_is_chosen(sweep_config)
     fastest = max(result["points"], key=lambda p: p["levels"][0]["output_tokens_per_s"])
     chosen = result["chosen"]
     assert chosen["label"] == fastest["label"] and chosen["concurrency"] == 2 and chosen["num_prompts"] == 2
-    assert json.loads((config.stage_dir("bench") / RESULT_FILE).read_text()) == result
+    assert json.loads(record_path(config, "sweep").read_text()) == result
     assert any(line.startswith("  chosen: ") for line in lines)
 
 
 def test_points_past_the_budget_are_skipped_and_named_but_the_serving_shape_is_measured(sweep_config):
     make, draft = sweep_config
     lines = []
-    result = run_sweep(make("sweep.budget_s=0.5", "benchmark.concurrency=1"), draft, log=lines.append)
+    config = make("sweep.budget_s=0.5", "benchmark.concurrency=1")
+    result = run_sweep(config, draft, record_path(config, "sweep"), log=lines.append)
     assert [p["label"] for p in result["points"]] == ["steps 3, topk 1, draft tokens 4"]
     assert result["skipped"] == [{"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 4}]
     assert any("skipped steps 2, topk 2, draft tokens 4" in line and "sweep.budget_s" in line for line in lines)

@@ -25,7 +25,7 @@ from eagle3.formats.telemetry import UNLABELLED
 from eagle3.errors import ConfigError
 from eagle3.formats.manifest import read_manifest
 from eagle3.formats.telemetry import RequestRecord
-from eagle3.stages import config_inputs
+from eagle3.stages.keys import config_inputs
 from fake_sglang import FakeSGLang
 from s3_server import serve_moto_s3
 from test_config import TINY
@@ -179,23 +179,17 @@ def test_regenerate_mixes_traffic_records_provenance_and_benchmarks_it_as_sent(t
             assert list(ids) == encode(tokenizer, prompt.text)  # no second template
 
 
-def test_data_key_hashes_the_traffic_prompts_never_the_files_times(tmp_path, micro_target, tokenizer):
+def test_the_data_key_holds_the_traffic_selection_and_reads_no_records(tmp_path, micro_target, tokenizer):
+    """The snapshot is the regenerate stage's work (once per run directory, whose token is in every key): computing
+    the key reads no request record and writes nothing."""
     now, records = time.time(), tmp_path / "records"
     write_records(records, [(now - 10, record_line(now - 10, chat(tokenizer, "first"), labels={"app": "code"}))])
     config = traffic_config(tmp_path / "run", micro_target, str(records))
-    snapshot = config.stage_dir("data") / TRAFFIC_FILE
     key = config_inputs(config, "regenerate")["traffic"]
-    assert key == {"prompts_sha256": json.loads(snapshot.read_text())["prompts_sha256"], "share": 0.5}
-    snapshot.unlink()  # read again (as a fresh run would): newer file times, a later window, the same prompts
-    os.utime(record_file(records, now - 10), (now + 5, now + 5))
-    assert config_inputs(config, "regenerate")["traffic"] == key
-    write_records(records, [(now - 5, record_line(now - 5, chat(tokenizer, "second"), labels={"app": "code"}))])
-    snapshot.unlink()
-    changed = config_inputs(config, "regenerate")["traffic"]
-    assert changed["prompts_sha256"] != key["prompts_sha256"]
-    # the same records under another name: the key follows the content (and the share), not the location
-    moved = traffic_config(tmp_path / "run", micro_target, f"{records}/", "data.traffic.share=0.25")
-    assert config_inputs(moved, "regenerate")["traffic"] == {**changed, "share": 0.25}
+    assert not (config.stage_dir("data") / TRAFFIC_FILE).exists()
+    assert key == {**config.data.traffic.model_dump(mode="json"), "slice_label": "app"}
+    shared = traffic_config(tmp_path / "run", micro_target, str(records), "data.traffic.share=0.25")
+    assert config_inputs(shared, "regenerate")["traffic"] == {**key, "share": 0.25}
     plain = load_config(TINY, micro_overrides(tmp_path / "plain", micro_target))
     assert config_inputs(plain, "regenerate")["traffic"] is None
 

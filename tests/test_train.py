@@ -303,7 +303,11 @@ def test_micro_batches_make_the_update_of_one_batch(micro_data, tmp_path):
     before = whole.model.fc.weight.detach().clone()
     for trainer in trainers.values():
         trainer.optimizer.step()
-    torch.testing.assert_close(dict(split.model.named_parameters()), dict(whole.model.named_parameters()))
+    # AdamW's first step moves each weight by ~lr x sign(gradient): where a gradient is ~0, the last bits of another
+    # summation order move it by another fraction of lr (seen: 3.4e-5 at lr 3e-3), so the drafts agree to lr / 20
+    lr = whole.config.training.learning_rate
+    torch.testing.assert_close(dict(split.model.named_parameters()), dict(whole.model.named_parameters()),
+                               atol=lr / 20, rtol=0)
     assert not torch.equal(whole.model.fc.weight, before)  # the step moved the draft
 
 
@@ -435,12 +439,12 @@ def test_absolute_d2t_simulates_at_baseline(trained, micro_target, tmp_path):
     overrides, run_dir = trained
     config = load_config(TINY, [*overrides, "benchmark.num_prompts=6", "benchmark.max_new_tokens=24"])
     good = convert(run_dir / "train" / "final", tmp_path / "good", to="sglang", release="0.5.13")
-    served = simulate(config, good, log=lambda line: None)
+    served = simulate(config, good, tmp_path / "good.json", log=lambda line: None)
     broken = convert(run_dir / "train" / "final", tmp_path / "absolute", to="sglang", release="0.5.13")
     tensors = load_file(broken / "model.safetensors")
     tensors["d2t"] = tensors["d2t"] + torch.arange(tensors["d2t"].numel())  # absolute ids: the classic mistake
     save_file(tensors, broken / "model.safetensors")
-    baseline = simulate(config, broken, log=lambda line: None)
+    baseline = simulate(config, broken, tmp_path / "absolute.json", log=lambda line: None)
     n = served.completion_tokens / len(served.rows)
     assert served.accept_length > 1.3
     assert baseline.accept_length < 1.1 * n / (n - 1)  # ~ never accepted

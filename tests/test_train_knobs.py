@@ -18,7 +18,7 @@ from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.formats.checkpoint import load_native
 from eagle3.formats.manifest import read_manifest
 from eagle3.report import training_report
-from eagle3.stages import begin, config_inputs, done, stage_fingerprint, stage_key
+from eagle3.stages.keys import begin, config_inputs, done, stage_fingerprint, stage_key
 from eagle3.train.data import ShardFeatures, TrainingData
 from eagle3.train.timing import Throughput
 from eagle3.train.schedule import lr_factor

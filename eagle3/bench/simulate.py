@@ -43,7 +43,6 @@ from eagle3.progress import Progress
 from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
-RESULT_FILE = "simulated.json"
 
 
 @dataclass
@@ -221,9 +220,9 @@ def simulate_shapes(config: PipelineConfig, checkpoint: Path, log: Log = print) 
     return [simulate_shape(draft, samples, shape, config, eos_ids, log) for shape in simulated_shapes(config)]
 
 
-def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print) -> AcceptanceResult:
-    """Simulate the served draft at `checkpoint` (`simulate_shapes`), log and write the figures to
-    bench/simulated.json. Returns serving's shape's result."""
+def simulate(config: PipelineConfig, checkpoint: Path, out: Path, log: Log = print) -> AcceptanceResult:
+    """Simulate the served draft at `checkpoint` (`simulate_shapes`), log and write the figures to `out`. Returns
+    serving's shape's result."""
     results = simulate_shapes(config, checkpoint, log)
     result = results[0]
     for line in render_table(result):
@@ -231,7 +230,6 @@ def simulate(config: PipelineConfig, checkpoint: Path, log: Log = print) -> Acce
     for shaped in results:
         for line in suite_lines(shaped.to_dict()["suites"]):
             log(f"simulate {shaped.shape.label()}:{line}")
-    out = config.stage_dir("bench") / RESULT_FILE
     shapes = [{"label": r.shape.label(), **{k: v for k, v in r.to_dict().items() if k != "prompts"}} for r in results]
     atomic_write_json(out, {"checkpoint": str(checkpoint), "engine_release": config.serving.release,
                             "max_new_tokens": config.benchmark.max_new_tokens, **result.to_dict(), "shapes": shapes})

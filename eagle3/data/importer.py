@@ -58,6 +58,7 @@ class RowError(UnreadableInput):
 def make_samples(config: PipelineConfig, log: Log = print) -> Path:
     """The data stage's samples: the rows of data.import_path when it is set, else the target's regenerated answers."""
     if config.data.import_path is not None:
+        log(f"data: data.import_path is set: importing {config.data.import_path} instead of regenerating answers")
         return import_rows(config, log=log)
     return regenerate(config, log=log)
 

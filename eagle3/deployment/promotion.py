@@ -30,7 +30,6 @@ from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
 
 Log = Callable[[str], None]
-SERVED_FILE = "served.json"
 PROMPTS_LAYOUT, PROMPTS_FILE = "benchmark", "prompts.jsonl"  # a version's prompt set, published beside its layouts
 
 
@@ -110,8 +109,8 @@ def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[lis
     return result
 
 
-def measure_candidate(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
-    """The candidate's served result (run.dir/bench/served.json), with a no-draft baseline's throughput and the
+def measure_candidate(config: PipelineConfig, draft: Path, out: Path, log: Log = print) -> dict:
+    """The candidate's served result (written to `out`), with a no-draft baseline's throughput and the
     speedup when `benchmark.baseline` is set."""
     prompts_file = benchmark_prompts_file(config)
     prompts = prompt_ids_in(config, prompts_file)
@@ -124,7 +123,7 @@ def measure_candidate(config: PipelineConfig, draft: Path, log: Log = print) -> 
     production = production_on_run_prompts(config, prompts_file, prompts, log)
     if production is not None:
         result["production_on_run_prompts"] = production
-    atomic_write_json(config.stage_dir("bench") / SERVED_FILE, result)
+    atomic_write_json(out, result)
     return result
 
 

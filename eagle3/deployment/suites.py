@@ -11,7 +11,6 @@ from pathlib import Path
 from eagle3.config import PipelineConfig
 from eagle3.fsutil import atomic_write_json
 
-SUITES_FILE = "suites.json"
 
 
 def column(name: str, suites: dict | None, output_tokens_per_s: float | None = None) -> dict:
@@ -59,7 +58,6 @@ def production_on_these_requests(served: dict, manifest: dict | None, version: s
     return (version, recorded) if version is not None and mine and mine == theirs else None
 
 
-def write_suites(config: PipelineConfig, columns: list[dict]) -> Path:
-    path = config.stage_dir("bench") / SUITES_FILE
-    atomic_write_json(path, {"max_new_tokens": config.benchmark.max_new_tokens, "columns": columns})
-    return path
+def write_suites(config: PipelineConfig, columns: list[dict], out: Path) -> Path:
+    atomic_write_json(out, {"max_new_tokens": config.benchmark.max_new_tokens, "columns": columns})
+    return out

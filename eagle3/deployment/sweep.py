@@ -27,7 +27,6 @@ from eagle3.serve.launch import launch_and_validate
 from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
-RESULT_FILE = "sweep.json"
 
 
 class SweepError(Eagle3Error):
@@ -92,8 +91,8 @@ def choose(points: list[dict]) -> dict | None:
     return {"shape": point["shape"], "label": point["label"], **row}
 
 
-def run_sweep(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
-    """Measure every shape that fits the budget; write run.dir/bench/sweep.json; return it."""
+def run_sweep(config: PipelineConfig, draft: Path, out: Path, log: Log = print) -> dict:
+    """Measure every shape that fits the budget; write the result to `out`; return it."""
     started, sweep, b = time.monotonic(), config.sweep, config.benchmark
     prompts = first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), sweep.num_prompts)
     shapes = simulated_shapes(config)  # serving's shape, then sweep.points: the shapes the simulator replays
@@ -122,7 +121,7 @@ def run_sweep(config: PipelineConfig, draft: Path, log: Log = print) -> dict:
               "chosen": chosen}
     for line in render_table(result):
         log(line)
-    atomic_write_json(config.stage_dir("bench") / RESULT_FILE, result)
+    atomic_write_json(out, result)
     return result
 
 
@@ -137,17 +136,19 @@ def measure_point(config: PipelineConfig, shape: DraftShape, draft: Path, prompt
     return {"shape": asdict(shape), "label": shape.label(), "levels": rows, "error": None}
 
 
-def choose_serving(config: PipelineConfig, draft: Path, served: dict, acceptance: Decision, log: Log = print) -> dict:
+def choose_serving(config: PipelineConfig, draft: Path, served: dict, acceptance: Decision, out: Path,
+                   log: Log = print) -> dict:
     """The serving shape production gets ({"chosen", "points"}): the sweep's choice, or the serving section's own
     as the candidate's measurement found it when the sweep is off or when the gate rejects the candidate on
-    acceptance already (`acceptance`: its decision without throughput; each point is a server start)."""
+    acceptance already (`acceptance`: its decision without throughput; each point is a server start). A sweep's
+    result is written to `out`."""
     if not config.sweep.enabled:
         log("sweep: off (sweep.enabled false): production serves the serving section's shape")
     elif not acceptance.promote:
         log("sweep: skipped, the gate rejects the candidate on acceptance alone: "
             + "; ".join(f"{r.rule}: {r.message}" for r in acceptance.reasons))
     else:
-        return run_sweep(config, draft, log)
+        return run_sweep(config, draft, out, log)
     return {"chosen": configured_choice(config, served), "points": None}
 
 

@@ -31,67 +31,13 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
-from eagle3.data.capture import dataset_dir
-from eagle3.data.regenerate import greedy_length
-from eagle3.data.suites import suites_key
-from eagle3.data.traffic import traffic_snapshot
-from eagle3.engines.targets import target_identity
+from eagle3.export import export_dirs
 from eagle3.formats.manifest import code_version, fingerprint
-from eagle3.fsutil import atomic_write_bytes, cached_sha256, sha256_file
-from eagle3.init_draft import init_draft
+from eagle3.fsutil import atomic_write_bytes
+from eagle3.stages.table import STAGES, output_of
 
 TOKEN_FILE = ".run-token"
 IN_PROGRESS = "in-progress "
-
-# stage -> the config fields (sections or dotted fields) that decide its output
-STAGE_INPUTS = {
-    "regenerate": ("data.prompts", "data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length",
-                   "data.temperature", "data.thinking", "data.heldout_fraction", "data.quality"),
-    "capture": ("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype", "training.features"),
-    "vocab": ("vocab",),
-    "train": ("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
-              "training.warmup_steps", "training.warmup_start", "training.lr_floor", "training.adam_betas",
-              "training.weight_decay", "training.freeze_head", "training.feature_noise",
-              "training.teacher_temperature", "training.loss_positions",
-              "training.max_steps", "training.batch_size", "training.seq_len",
-              "training.grad_clip", "training.eval_fraction", "training.init_from", "training.eval_every",
-              "training.seed", "training.best_by", "training.replay_prompts", "training.replay_max_new_tokens",
-              # the replay: counted as the served release counts, in serving's shape, over the benchmark's set
-              "serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
-              "benchmark.num_prompts", "benchmark.max_new_tokens"),
-    "export": ("export", "serving.release", "serving.context_length", "target.family", "target.num_hidden_layers",
-               # the speculators layout records the serving num_steps as speculative_tokens, names the target as its
-               # verifier and ships the target's embedding
-               "serving.num_steps", "target.path", "target.weight_prefix"),
-    "simulate": ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
-                 "benchmark.max_new_tokens", "benchmark.num_prompts", "benchmark.suites", "sweep.points",
-                 "data.thinking"),
-}
-READS_TARGET = ("regenerate", "capture")  # the target's config and tokenizer content are in their keys
-
-# stage -> its output under run.dir (what the marker sits beside); capture's depends on training.features
-STAGE_OUTPUTS = {
-    "regenerate": "data/regen",
-    "vocab": "vocab",
-    "train": "train/best",
-    "export": "export/sglang",
-    "simulate": "bench/simulated.json",
-}
-# stage -> {the name its task takes an upstream output by: that output's stage}
-STAGE_UPSTREAM = {
-    "regenerate": {},
-    "capture": {"regenerated": "regenerate"},
-    "vocab": {"regenerated": "regenerate"},
-    "train": {"dataset": "capture", "vocab": "vocab"},
-    "export": {"trained": "train"},
-    "simulate": {"exported": "export", "dataset": "capture"},
-}
-# stage -> what it resumes from (cleared when its inputs changed); the other stages rewrite their output whole
-RESUMES_FROM = {"regenerate": ("data/regen",), "train": ("train",)}
-# stage -> fields whose change keeps what it resumes from: more or fewer samples of the same kind (the samples
-# already written are kept; only new ones are generated), other quality thresholds over the same replies, or other
-# held-out continuations (benchmark.num_prompts / max_new_tokens: only the continuations are made again)
-REFINES = {"regenerate": ("data.num_samples", "data.quality", "heldout")}
 
 
 def run_token(run_dir: Path) -> str:
@@ -109,38 +55,16 @@ def run_token(run_dir: Path) -> str:
 
 
 def config_inputs(config: PipelineConfig, stage: str) -> dict:
+    """The values of the config fields the stage's key covers, and what its by-content fields point at."""
     values = config.model_dump(mode="json")
     picked = {}
-    for dotted in STAGE_INPUTS[stage]:
+    for dotted in STAGES[stage].key:
         node = values
         for part in dotted.split("."):
             node = None if node is None else node[part]  # a section a training-only config leaves out: None
         picked[dotted] = node
-    if stage in READS_TARGET:
-        picked["target"] = target_identity(config.target)
-    if stage == "regenerate":
-        picked["prompt_source"] = prompt_source_hash(config.data.prompts)
-        if config.data.import_path is not None:  # by content, as the prompt source
-            picked["import_sha256"] = cached_sha256(config.data.import_path)
-        # the traffic prompts by their content (never the records' location or the window's times; read once per
-        # run directory) and the share taken from them
-        snapshot = traffic_snapshot(config)
-        picked["traffic"] = None if snapshot is None else {"prompts_sha256": snapshot["prompts_sha256"],
-                                                           "share": config.data.traffic.share}
-        # the benchmark's greedy continuations: how many held-out prompts, how long (the benchmark's, or the replay's),
-        # and the other suites' questions by content
-        picked["heldout"] = [config.heldout_set[0], greedy_length(config), suites_key(config)]
-    if stage == "train":  # the init draft by its content, never by its path or version id
-        draft = init_draft(config)
-        picked["training.init_from"] = None if draft is None else draft.sha256
+    picked.update({name: item.value(config) for name, item in STAGES[stage].by_content.items()})
     return picked
-
-
-def prompt_source_hash(source: str) -> str:
-    """A local prompt file by content; `builtin:` sources and s3:// URIs by name (an S3 object is read anew by a
-    retrain, which runs in a fresh run directory)."""
-    path = Path(source)
-    return sha256_file(path) if path.is_file() else source
 
 
 def stage_key(stage: str, config: PipelineConfig, upstream: dict[str, str]) -> str:
@@ -150,7 +74,7 @@ def stage_key(stage: str, config: PipelineConfig, upstream: dict[str, str]) -> s
 
 def resume_inputs(stage: str, config: PipelineConfig, upstream: dict[str, str]) -> dict:
     """What the stage resumes from was made for: its inputs less the fields that only refine the output."""
-    inputs = {k: v for k, v in config_inputs(config, stage).items() if k not in REFINES.get(stage, ())}
+    inputs = {k: v for k, v in config_inputs(config, stage).items() if k not in STAGES[stage].refines}
     return key_inputs(stage, inputs, upstream, config)
 
 
@@ -162,15 +86,6 @@ def key_inputs(stage: str, inputs: dict, upstream: dict[str, str], config: Pipel
 def keyed(payload: dict) -> str:
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
     return f"eagle3-{payload['stage']}-{digest[:40]}"
-
-
-def output_of(config: PipelineConfig, stage: str) -> Path:
-    return dataset_dir(config) if stage == "capture" else config.run.dir / STAGE_OUTPUTS[stage]
-
-
-def export_dirs(config: PipelineConfig) -> dict[str, Path]:
-    """Every export layout's directory; the served one (sglang) is the stage's output, the one its marker sits by."""
-    return {layout: config.stage_dir("export") / layout for layout in config.export.layouts}
 
 
 def stage_fingerprint(config: PipelineConfig, stage: str) -> str:
@@ -222,7 +137,7 @@ def begin(stage: str, config: PipelineConfig, upstream: dict[str, str], log: Cal
     inputs = resume_inputs(stage, config, upstream)
     key, resumes, made_for = recorded(config, stage)
     if key is not None and resumes != keyed(inputs):
-        for relative in RESUMES_FROM.get(stage, ()):
+        for relative in STAGES[stage].resumes:
             if (config.run.dir / relative).exists():
                 log(f"{stage}: its inputs changed since {config.run.dir / relative} was made "
                     f"({changed_inputs(made_for, inputs)}): starting it afresh")
@@ -263,33 +178,3 @@ def mark(stage: str, config: PipelineConfig, upstream: dict[str, str], prefix: s
     inputs = resume_inputs(stage, config, upstream)
     text = f"{prefix}{stage_key(stage, config, upstream)}\n{keyed(inputs)}\n{json.dumps(inputs, sort_keys=True)}\n"
     atomic_write_bytes(marker(config, stage), text.encode())
-
-
-def run_marked(stage: str, config: PipelineConfig, upstream: dict[str, str], work: Callable[[], None],
-               log: Callable[[str], None]) -> None:
-    """`work` between the stage's in-progress and finished marks (the flow's tasks and the steps run by hand). A
-    stage refused before it made anything leaves no mark either."""
-    begin(stage, config, upstream, log)
-    try:
-        work()
-    except BaseException:
-        if not output_of(config, stage).exists():
-            marker(config, stage).unlink(missing_ok=True)
-        raise
-    finish(stage, config, upstream)
-
-
-def run_by_hand(stage: str, config: PipelineConfig, work: Callable[[], None], log: Callable[[str], None]) -> None:
-    """A stage run outside the flow (`eagle3 train`, `eagle3 data capture`, ...), marked as the flow marks its stages:
-    a later flow run with other settings then starts it afresh (naming what changed) instead of resuming from work
-    made for other inputs, and one with the same settings finds it done. Its inputs are the outputs on disk; where
-    one is not here (the step's own error says so, or it reads it elsewhere) it runs unmarked, and a flow run makes
-    it again."""
-    missing = [source for source in STAGE_UPSTREAM[stage].values() if not output_of(config, source).exists()]
-    if missing:
-        work()
-        log(f"{stage}: not marked for `eagle3 run` (no {', '.join(missing)} output in {config.run.dir}): a flow run "
-            "makes it again")
-        return
-    upstream = {name: stage_fingerprint(config, source) for name, source in STAGE_UPSTREAM[stage].items()}
-    run_marked(stage, config, upstream, work, log)

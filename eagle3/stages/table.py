@@ -1,0 +1,271 @@
+"""The one table of the pipeline's cached stages. Each `Stage` names everything the rest of the project spells about
+it: its output under run.dir, the config fields its key covers, the stages whose outputs it reads, what it resumes
+from, the `eagle3` step that runs it by hand and the library call that does the work. The keys and markers
+(eagle3.stages.keys), the Prefect tasks and the flow's order (tasks/stages.py, flows/eagle3.py), the CLI steps
+(eagle3.cli.steps) and the config-field coverage test read it; a new stage is one entry here and its runner.
+
+`OPERATIONAL` is the other half of the coverage: every config field is in some stage's key or listed there with the
+reason it changes no stage's output (tests/test_stages.py holds the two lists against the config's fields).
+
+The run's records that the uncached steps write (served, sweep, suites) are named in `RECORDS`, with the simulated
+result the simulate stage writes, so each file name is spelled once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eagle3.config import PipelineConfig
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """What a stage's runner is given: the config, the run's resolved config file (trainers and node commands read
+    it), the log, and `progress(fraction done)` for a stage that can tell."""
+    config: PipelineConfig
+    resolved: Path
+    log: Callable[[str], None]
+    progress: Callable[[float], None] = lambda fraction: None
+
+
+@dataclass(frozen=True)
+class ByContent:
+    """A key input computed from what config fields point at (a file's, a target's, a draft's content), in place of
+    the fields' values. Reads local files only: a key never fetches, generates or writes."""
+    fields: tuple[str, ...]
+    value: Callable[[PipelineConfig], object]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # of its marker, Prefect task, `eagle3` step and report line
+    output: str | Callable[[PipelineConfig], Path]  # what it makes, under run.dir (its marker sits beside it)
+    key: tuple[str, ...]  # config sections or dotted fields whose values decide its output
+    runner: Callable[[StageRun], None]
+    command: tuple[str, ...]  # the `eagle3` step that runs it by hand
+    help: str
+    upstream: Mapping[str, str] = field(default_factory=dict)  # {the name its task takes an output by: that stage}
+    by_content: Mapping[str, ByContent] = field(default_factory=dict)
+    resumes: tuple[str, ...] = ()  # under run.dir: what it resumes from, cleared when its inputs changed
+    refines: tuple[str, ...] = ()  # key inputs whose change keeps what it resumes from
+    needs: tuple[str, ...] = ()  # config sections a training-only config may lack that it cannot run without
+
+    def key_fields(self) -> tuple[str, ...]:
+        return self.key + tuple(name for item in self.by_content.values() for name in item.fields)
+
+
+def dataset(config: PipelineConfig) -> Path:
+    """The data set the trainer reads: feature shards, or token shards when training computes features online."""
+    from eagle3.data.capture import dataset_dir
+
+    return dataset_dir(config)
+
+
+# ---- runners: the library call each stage makes (imported when it runs: `eagle3 --help` stays light)
+
+def regenerate(run: StageRun) -> None:
+    from eagle3.data.importer import make_samples
+
+    make_samples(run.config, log=run.log)
+
+
+def capture(run: StageRun) -> None:
+    from eagle3.data.node_capture import capture_with_engine
+
+    capture_with_engine(run.config, run.resolved, log=run.log)
+
+
+def vocab(run: StageRun) -> None:
+    from eagle3.data.vocab import build_vocab
+
+    build_vocab(run.config, log=run.log)
+
+
+def train(run: StageRun) -> None:
+    from eagle3.init_draft import resolve_init_from
+    from eagle3.train.launch import train as launch
+
+    def on_metrics(record: dict) -> None:
+        if "loss" in record:
+            run.progress(record["step"] / run.config.training.max_steps)
+
+    resolve_init_from(run.config, run.log)  # training.init_from fetched and converted once, for every rank
+    launch(run.config, run.resolved, log=run.log, on_metrics=on_metrics)
+
+
+def export(run: StageRun) -> None:
+    from eagle3.export import export_draft
+
+    export_draft(run.config, log=run.log)
+
+
+def simulate(run: StageRun) -> None:
+    from eagle3.bench.simulate import simulate as replay
+
+    replay(run.config, output_of(run.config, "export"), record_path(run.config, "simulated"), log=run.log)
+
+
+# ---- key inputs read from content
+
+def target_content(config: PipelineConfig) -> dict:
+    from eagle3.engines.targets import target_identity
+
+    return target_identity(config.target)
+
+
+def prompt_source(config: PipelineConfig) -> str:
+    """A local prompt file by content; `builtin:` sources and s3:// URIs by name (an S3 object is read anew by a
+    retrain, which runs in a fresh run directory)."""
+    from eagle3.fsutil import sha256_file
+
+    path = Path(config.data.prompts)
+    return sha256_file(path) if path.is_file() else config.data.prompts
+
+
+def imported_rows(config: PipelineConfig) -> str | None:
+    from eagle3.fsutil import cached_sha256
+
+    return None if config.data.import_path is None else cached_sha256(config.data.import_path)
+
+
+def traffic_selection(config: PipelineConfig) -> dict | None:
+    """What picks the traffic prompts: the data stage snapshots them once per run directory (and again when this
+    changes), and every key holds the run directory's token."""
+    traffic = config.data.traffic
+    if traffic is None:
+        return None
+    return {**traffic.model_dump(mode="json"), "slice_label": config.production.telemetry.slice_label}
+
+
+def heldout_set(config: PipelineConfig) -> list:
+    """The benchmark's greedy continuations the data stage makes: how many held-out prompts, how long (the
+    benchmark's, or the replay's, past the deepest simulated shape), and the other suites' questions by content."""
+    from eagle3.data.regenerate import greedy_length
+    from eagle3.data.suites import suites_key
+
+    return [config.heldout_set[0], greedy_length(config), suites_key(config)]
+
+
+def init_draft_content(config: PipelineConfig) -> str | None:
+    """The draft training starts from, by its content, never by its path or version id."""
+    from eagle3.init_draft import init_draft
+
+    draft = init_draft(config)
+    return None if draft is None else draft.sha256
+
+
+TARGET = ByContent(("target",), target_content)  # its config and tokenizer files' content, dtype and shape
+REPLAY = ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
+          "benchmark.num_prompts", "benchmark.max_new_tokens")  # counted as the served release counts, in its shape
+
+STAGES: dict[str, Stage] = {stage.name: stage for stage in (
+    Stage("regenerate", "data/regen", runner=regenerate, command=("data", "regenerate"),
+          help="the target writes the assistant turns of the training prompts (or data.import_path's rows are "
+          "imported), with the held-out suites' greedy continuations",
+          key=("data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length", "data.temperature",
+               "data.thinking", "data.heldout_fraction", "data.quality"),
+          by_content={"target": TARGET, "prompt_source": ByContent(("data.prompts",), prompt_source),
+                      "import_sha256": ByContent(("data.import_path",), imported_rows),
+                      "traffic": ByContent(("data.traffic", "production.telemetry.slice_label"), traffic_selection),
+                      "heldout": ByContent(("benchmark.num_prompts", "benchmark.max_new_tokens", "benchmark.suites",
+                                            "training.replay_prompts", "training.replay_max_new_tokens",
+                                            "serving.num_steps", "sweep.points"), heldout_set)},
+          resumes=("data/regen",),
+          # more or fewer samples of the same kind (only new ones are generated), other quality thresholds over the
+          # same replies, or other held-out continuations (only the continuations are made again)
+          refines=("data.num_samples", "data.quality", "heldout")),
+    Stage("capture", dataset, runner=capture, command=("data", "capture"),
+          help="capture the target's hidden states for the regenerated samples (token shards only with "
+          "training.features online)",
+          key=("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype",
+               "training.features"),
+          by_content={"target": TARGET}, upstream={"regenerated": "regenerate"}),
+    Stage("vocab", "vocab", runner=vocab, command=("vocab", "build"),
+          help="build d2t/t2d from the regenerated training split", key=("vocab",),
+          upstream={"regenerated": "regenerate"}),
+    Stage("train", "train/best", runner=train, command=("train",),
+          help="train the draft (torchrun as training.* says); a training-only config (no serving, benchmark or "
+          "registry section) is enough",
+          key=("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
+               "training.warmup_steps", "training.warmup_start", "training.lr_floor", "training.adam_betas",
+               "training.weight_decay", "training.freeze_head", "training.feature_noise",
+               "training.teacher_temperature", "training.loss_positions", "training.max_steps",
+               "training.batch_size", "training.seq_len", "training.grad_clip", "training.eval_fraction",
+               "training.eval_every", "training.seed", "training.best_by", "training.replay_prompts",
+               "training.replay_max_new_tokens", *REPLAY),
+          by_content={"training.init_from": ByContent(("training.init_from",), init_draft_content)},
+          upstream={"dataset": "capture", "vocab": "vocab"}, resumes=("train",)),
+    Stage("export", "export/sglang", runner=export, command=("export",),
+          help="write every export.layouts layout; the served one validated as its release loads it",
+          # the speculators layout records the serving num_steps as speculative_tokens, names the target as its
+          # verifier and ships the target's embedding
+          key=("export", "serving.release", "serving.context_length", "serving.num_steps", "target.family",
+               "target.num_hidden_layers", "target.path", "target.weight_prefix"),
+          upstream={"trained": "train"}),
+    Stage("simulate", "bench/simulated.json", runner=simulate, command=("simulate",),
+          help="offline acceptance: replay drafting over the held-out suites in serving's shape and the sweep's",
+          key=(*REPLAY, "benchmark.suites", "sweep.points", "data.thinking"),
+          upstream={"exported": "export", "dataset": "capture"}, needs=("serving", "benchmark")),
+)}
+
+# the run's records under run.dir, each written by one step and read by others
+RECORDS = {"simulated": STAGES["simulate"].output, "served": "bench/served.json", "sweep": "bench/sweep.json",
+           "suites": "bench/suites.json"}
+
+
+def output_of(config: PipelineConfig, stage: str) -> Path:
+    output = STAGES[stage].output
+    return output(config) if callable(output) else config.run.dir / output
+
+
+def record_path(config: PipelineConfig, record: str) -> Path:
+    return config.run.dir / RECORDS[record]
+
+
+UNCACHED = "read by the steps after simulate (measure, sweep, gate, publish, promote), which run every time"
+SPEED = "how fast or where it runs, not what it makes"
+OPERATIONAL = {
+    "run.name": "names the run in the registry and the logs",
+    "run.dir": "where the outputs are; its token is in every key",
+    "run.keep_runs": "retention of old retrain directories",
+    "run.cpu_threads": SPEED,
+    "run.warm_start": SPEED,
+    "data.sglang_python": "the interpreter SGLang runs in: the same greedy replies",
+    "data.sglang_engine_args": "engine flags (memory, attention backend): the same greedy replies",
+    "data.batch_size": SPEED,
+    "data.shard_samples": "how the same rows are cut into shard files",
+    "data.servers": SPEED,
+    "data.concurrency": SPEED,
+    "data.retries": "retries of failed requests: the same replies once answered",
+    "data.request_timeout_s": "how long a request may take",
+    "training.recompute": "recomputes activations in the backward: the same gradients, less memory",
+    "training.micro_batch_size": "gradient accumulation over the same batch",
+    "training.nproc_per_node": SPEED,
+    "training.nnodes": SPEED,
+    "training.fsdp": "how the same parameters are sharded",
+    "training.save_every": "how often checkpoints are written (resume points)",
+    "training.keep_last": "how many checkpoints are kept",
+    "training.launcher": SPEED,
+    "training.hosts": SPEED,
+    "training.rdzv_endpoint": SPEED,
+    "training.srun_args": SPEED,
+    "training.python": "the interpreter the trainers run in",
+    "training.stop_grace_s": "how long a stopped trainer gets to save",
+    **{f"serving.{name}": UNCACHED for name in (
+        "engine", "launcher", "host", "port", "tp", "extra_args", "ssh_host", "srun_args", "health_timeout_s",
+        "log_dir", "gpu_free_mib", "gpu_free_timeout_s")},
+    **{f"benchmark.{name}": UNCACHED for name in ("concurrency", "temperature", "request_timeout_s", "retries",
+                                                  "baseline")},
+    **{f"sweep.{name}": UNCACHED for name in ("enabled", "num_prompts", "budget_s")},
+    "gate": UNCACHED,
+    "registry": "where versions are published (a warm start's version is keyed by its content)",
+    **{f"production.{name}": UNCACHED for name in ("mode", "host", "port", "keep_serving", "state_dir", "supervisor")},
+    "production.telemetry.metrics": UNCACHED,
+    "production.telemetry.records_dir": UNCACHED,
+    "monitor": "the monitor flow's, which caches nothing",
+    "node": "the GPU node's figures for `eagle3 plan`'s memory and time estimates",
+}
