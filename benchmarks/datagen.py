@@ -22,7 +22,7 @@ from eagle3.data.regenerate import engine_batch, greedy_length, read_regenerated
 from eagle3.engines.generators import LocalGenerator, target_greedy
 from eagle3.engines.targets import load_tokenizer
 from eagle3.engines.tiny import TINY, build_tiny_target
-from eagle3.formats.manifest import read_manifest
+from eagle3.records.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from eagle3.bench.simulate import replay
-from eagle3.formats.checkpoint import DraftConfig
+from eagle3.draft.checkpoint import DraftConfig
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.tree import DraftCache, draft_tree
 from eagle3.shape import DraftShape

@@ -19,7 +19,7 @@ import time
 import torch
 
 from eagle3.config.node import NodeSection
-from eagle3.formats.checkpoint import DraftConfig
+from eagle3.draft.checkpoint import DraftConfig
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, ttt_forward, ttt_loss

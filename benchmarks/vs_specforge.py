@@ -154,7 +154,7 @@ def specforge_job(config, plan: list, out: Path) -> dict:
     this project's trainer reads them), the vocab map as its d2t/t2d file, and the run's settings."""
     from eagle3.data.capture import dataset_dir
     from eagle3.data.shards import ShardReader
-    from eagle3.formats.vocab_map import load_vocab_map
+    from eagle3.draft.vocab_map import load_vocab_map
 
     samples = out / "samples"
     samples.mkdir(parents=True, exist_ok=True)
@@ -261,7 +261,7 @@ def kept_specforge(job: dict) -> dict | None:
 def name_aux_layers(config, draft: Path) -> None:
     """SpecForge's export names no aux ids (SGLang would capture its defaults); it trained on the features stored at
     data.aux_layers, so its config gets the ids that capture those, for the config's family and release."""
-    from eagle3.formats.engines import sglang_ids_for_layers
+    from eagle3.contract.engines import sglang_ids_for_layers
 
     path = draft / "config.json"
     written = json.loads(path.read_text())
@@ -274,7 +274,7 @@ def name_aux_layers(config, draft: Path) -> None:
 
 def export_draft(config, source: Path, out: Path) -> Path:
     """A draft in the sglang layout by this project's conversion (which checks tensors, shapes and the vocab map)."""
-    from eagle3.formats.checkpoint import convert
+    from eagle3.draft.checkpoint import convert
 
     return convert(source, out, "sglang", target_family=config.target.family, release=config.serving.release,
                    target_num_layers=config.target.num_hidden_layers, overwrite=True)

@@ -19,11 +19,11 @@ from safetensors.torch import load_file, save_file
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
 from eagle3.errors import Eagle3Error
-from eagle3.formats.checkpoint import WEIGHTS_FILE, convert
-from eagle3.formats.manifest import MANIFEST_FILE, read_manifest, write_manifest
-from eagle3.formats.problems import Report
-from eagle3.formats.target import read_target_info
-from eagle3.formats.validate import validate
+from eagle3.draft.checkpoint import WEIGHTS_FILE, convert
+from eagle3.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
+from eagle3.contract.problems import Report
+from eagle3.target.info import read_target_info
+from eagle3.validation.validate import validate
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.weights import target_verifier
 

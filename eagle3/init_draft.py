@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
-from eagle3.config.sections import RegistrySection
+from eagle3.config.deployment import RegistrySection
 from eagle3.errors import Eagle3Error
-from eagle3.formats.checkpoint import CONFIG_FILE, is_checkpoint_file, read_checkpoint, save_native_draft, to_native
+from eagle3.draft.checkpoint import CONFIG_FILE, is_checkpoint_file, read_checkpoint, save_native_draft, to_native
 from eagle3.fsutil import atomic_write_json, cached_sha256
 from eagle3.registry.registry import RegistryError, open_registry, registry_location
 from eagle3.train.warm_start import NATIVE_DIR, RECORD_FILE, init_dir

@@ -19,7 +19,7 @@ from eagle3.data.shards import TOKEN_BYTES
 from eagle3.data.suites import planned_requests
 from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
 from eagle3.errors import ConfigError, UnreadableInput
-from eagle3.formats.target import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
+from eagle3.target.info import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.plan_time import TimePlan, plan_time
 from eagle3.train.memory import trainable_parameters, training_step_peak_by_op, training_step_peak_bytes
 from eagle3.train.architecture import trained_draft_config

@@ -15,7 +15,7 @@ from pathlib import Path
 from eagle3.config import PipelineConfig
 from eagle3.data.regenerate import greedy_length, simulated_shapes
 from eagle3.data.suites import planned_requests
-from eagle3.formats.target import TargetSize, active_parameters, read_target_config
+from eagle3.target.info import TargetSize, active_parameters, read_target_config
 from eagle3.train.memory import trainable_parameters
 from eagle3.train.architecture import trained_draft_config
 

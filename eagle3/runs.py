@@ -23,7 +23,7 @@ import yaml
 from pydantic import ValidationError
 
 from eagle3.config import RESOLVED_FILE
-from eagle3.config.sections import RegistrySection
+from eagle3.config.deployment import RegistrySection
 from eagle3.data.storage import human_bytes
 from eagle3.errors import Eagle3Error
 from eagle3.registry.registry import registry_location

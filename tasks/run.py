@@ -14,7 +14,7 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from eagle3.config import (
     DEPLOYMENT_SECTIONS, PipelineConfig, check_local_inputs, load_config, require_sections, resolved_config_file,
 )
-from eagle3.config.sections import RegistrySection
+from eagle3.config.deployment import RegistrySection
 from eagle3.deployment.promotion import retrain_overrides
 from eagle3.init_draft import init_draft
 from eagle3.plan import chosen_recompute, require_fit

@@ -13,8 +13,8 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from eagle3.config import PipelineConfig
 from eagle3.data.quality import DataQualityError
 from eagle3.export import VALIDATION_FILE
-from eagle3.formats.inspect import inspect_path
-from eagle3.formats.manifest import read_manifest
+from eagle3.draft.inspect import inspect_path
+from eagle3.records.manifest import read_manifest
 from eagle3.fsutil import read_json
 from eagle3.procs import terminate_on_sigterm
 from eagle3.report import data_report, quality_section, training_report, validation_report, vocab_report

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import eagle3.engines.tiny
-import eagle3.formats.manifest
+import eagle3.records.manifest
 from eagle3.engines.tiny import MICRO, build_tiny_target, of_family
 
 # Test targets are pure functions of the builder's code, its recipe and the library versions (test_tiny_target
@@ -85,7 +85,7 @@ def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, key: s
 def micro_target_of(tmp_path_factory: pytest.TempPathFactory, family: str) -> Path:
     """The MICRO recipe as `family`'s architecture (~35 s to build on one core), once per machine."""
     recipe = of_family(MICRO, family)
-    key = build_key(repr(recipe), eagle3.engines.tiny, eagle3.formats.manifest)
+    key = build_key(repr(recipe), eagle3.engines.tiny, eagle3.records.manifest)
     name = "micro-target" if family == MICRO.family else f"{recipe.name}-target"
     return once_per_session(tmp_path_factory, name, key,
                             lambda out: build_tiny_target(out, recipe, progress=lambda line: None))

@@ -27,9 +27,13 @@ def test_shipped_configs_validate():
 
 
 def test_every_stage_lives_under_the_run_directory():
+    from eagle3.stages.table import RECORDS, STAGES, output_of, record_path
+
     config = load_config(TINY, ["run.dir=/tmp/somewhere"])
+    outputs = [output_of(config, stage) for stage in STAGES] + [record_path(config, record) for record in RECORDS]
+    assert all(path.is_relative_to("/tmp/somewhere") for path in outputs), outputs
     assert config.stage_dir("vocab") == Path("/tmp/somewhere/vocab")
-    with pytest.raises(ValueError, match="stages are"):
+    with pytest.raises(ValueError, match="unknown run directory 'nope'; they are data, vocab"):
         config.stage_dir("nope")
 
 

@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eagle3.formats import engines
-from eagle3.formats.engines import loaded_name, loader_rule, sglang_capture, sglang_ids_for_layers
+from eagle3.contract import engines
+from eagle3.contract.engines import loaded_name, loader_rule, sglang_capture, sglang_ids_for_layers
 
 KIMI_LAYERS = 61
 

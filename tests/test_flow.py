@@ -28,9 +28,9 @@ from prefect.testing.utilities import prefect_test_harness
 from eagle3.config import load_config
 from eagle3.procs import group_alive
 from eagle3.deployment.production import Production
-from eagle3.formats.engines import DRAFT_ARCHITECTURES
-from eagle3.formats.manifest import read_manifest
-from eagle3.formats.target import read_target_info
+from eagle3.contract.engines import DRAFT_ARCHITECTURES
+from eagle3.records.manifest import read_manifest
+from eagle3.target.info import read_target_info
 from eagle3.registry.registry import open_registry
 from eagle3.runs import retrain_runs
 from eagle3.serve.inprocess import serve_in_thread

@@ -2,7 +2,7 @@
 
 import pytest
 
-from eagle3.config.sections import GateSection
+from eagle3.config.deployment import GateSection
 from eagle3.registry.gate import Metrics, SuiteFigures, decide
 
 GATE = GateSection(min_accept_rate=0.25, production_tolerance=0.05, sim_serve_tolerance=0.10)

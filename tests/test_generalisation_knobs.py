@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eagle3.config import load_config
-from eagle3.formats.checkpoint import load_native
+from eagle3.draft.checkpoint import load_native
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.weights import target_head
 from eagle3.train.augment import noisy_features

@@ -13,7 +13,7 @@ from eagle3.data.capture import dataset_dir
 from eagle3.data.importer import import_rows, make_samples
 from eagle3.data.regenerate import read_regenerated
 from eagle3.errors import ConfigError
-from eagle3.formats.manifest import read_manifest
+from eagle3.records.manifest import read_manifest
 from eagle3.report import data_report
 from eagle3.stages.keys import stage_key
 from eagle3.train.data import TrainingData

@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 from eagle3.config import load_config
 from eagle3.deployment.promotion import retrain_overrides
 from eagle3.errors import Eagle3Error
-from eagle3.formats.checkpoint import convert
-from eagle3.formats.layouts.draft import PROVENANCE_KEY
-from eagle3.formats.manifest import read_manifest
+from eagle3.draft.checkpoint import convert
+from eagle3.draft.layouts.shared import PROVENANCE_KEY
+from eagle3.records.manifest import read_manifest
 from eagle3.init_draft import init_draft, resolve_init_from
 from eagle3.registry.registry import Registry
 from eagle3.registry.store import LocalStore

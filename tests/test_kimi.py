@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from eagle3.config import check_local_inputs, load_config
-from eagle3.config.sections import TargetSection
+from eagle3.config.run import TargetSection
 from eagle3.data.conversation import prompt_ids, render
 from eagle3.data.importer import Where, conversation_row
 from eagle3.engines.generators import LocalGenerator
 from eagle3.engines.targets import load_target_model, load_tokenizer, resolve_dtype, target_identity
 from eagle3.errors import ConfigError, UnreadableInput
-from eagle3.formats.target_files import thinking_switches
+from eagle3.target.files import thinking_switches
 from eagle3.serve.launch import reference_command, sglang_command
 from eagle3.serve.reference import load as load_served
 from eagle3.shape import DraftShape

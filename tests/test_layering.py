@@ -12,7 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = (
     ("eagle3.errors", "eagle3.fsutil", "eagle3.progress", "eagle3.shape", "eagle3.plots", "eagle3.procs",
      "eagle3.distributed", "eagle3.http_retry", "eagle3.warm"),
-    ("eagle3.formats",),
+    ("eagle3.records", "eagle3.contract"),  # run records; the serving engine's contract, as data
+    ("eagle3.target",),  # a target model's files, read
+    ("eagle3.draft",),  # the draft on disk: layouts, checkpoints, the vocab map
+    ("eagle3.validation",),  # a draft checked against the contract
     ("eagle3.config",),
     ("eagle3.model",),
     ("eagle3.engines",),  # what runs a target: the tiny engine, generators, feature backends
@@ -104,6 +107,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle():
     assert cycles(import_graph()) == []
+
+
+def room(module: str) -> str:
+    """The package (or top-level module) a module lives in: eagle3.draft.layouts.sglang is in eagle3.draft."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "eagle3" else parts[0]
+
+
+def test_no_import_cycle_between_packages():
+    rooms = {}
+    for module, deps in import_graph().items():
+        rooms.setdefault(room(module), set()).update(room(dep) for dep in deps if room(dep) != room(module))
+    assert cycles(rooms) == []
 
 
 def test_no_module_imports_from_a_layer_above_its_own():

@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse
 
 from eagle3.config import load_config
 from eagle3.deployment.monitor import Monitor
-from eagle3.formats.telemetry import UNLABELLED
+from eagle3.records.telemetry import UNLABELLED
 from eagle3.registry.registry import open_registry
 from eagle3.report import monitor_report
 from eagle3.serve.inprocess import serve_in_thread

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from eagle3 import cli
 from eagle3.config import load_config
 from eagle3.errors import ConfigError
-from eagle3.formats.target import active_parameters, read_target_size
+from eagle3.target.info import active_parameters, read_target_size
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, TTTModel
 from eagle3.plan import chosen_recompute, plan_memory, require_fit, target_size

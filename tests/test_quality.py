@@ -9,11 +9,12 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.cli import main
 from eagle3.config import load_config
-from eagle3.config.sections import GateSection, QualitySection
+from eagle3.config.data import QualitySection
+from eagle3.config.deployment import GateSection
 from eagle3.data.quality import Reply, replies_in_file, report
 from eagle3.data.regenerate import regenerate, regenerated_replies
 from eagle3.errors import UnreadableInput
-from eagle3.formats.manifest import read_manifest
+from eagle3.records.manifest import read_manifest
 from eagle3.registry.gate import Metrics, decide
 from test_config import TINY
 from test_data import micro_overrides

@@ -14,7 +14,7 @@ from eagle3.bench.counting import correct_drafts_of
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.cli import main
 from eagle3.engines.targets import load_tokenizer
-from eagle3.formats.checkpoint import NativeDraft, save_native_draft
+from eagle3.draft.checkpoint import NativeDraft, save_native_draft
 from eagle3.model.weights import draft_as_served
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app

@@ -12,7 +12,7 @@ from test_config import TINY
 
 from eagle3.cli import main
 from eagle3.config import load_config
-from eagle3.config.sections import GateSection, RegistrySection
+from eagle3.config.deployment import GateSection, RegistrySection
 from eagle3.registry.gate import Metrics
 from eagle3.registry.registry import (
     PointerConflict,

@@ -22,8 +22,8 @@ from eagle3.data.regenerate import GREEDY_FILE, REGEN_DIR, continue_heldout
 from eagle3.data.shards import shard_file
 from eagle3.engines.features import TransformersFeatures
 from eagle3.engines.targets import load_tokenizer
-from eagle3.formats.checkpoint import DraftConfig, NativeDraft, save_native_draft
-from eagle3.formats.vocab_map import build_vocab_map
+from eagle3.draft.checkpoint import DraftConfig, NativeDraft, save_native_draft
+from eagle3.draft.vocab_map import build_vocab_map
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.tree import DraftTree
 from eagle3.model.ttt import draft_chain

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from drafts import write_draft
 from eagle3.cli import main
 from eagle3.config import PipelineConfig, load_config
-from eagle3.formats.manifest import MANIFEST_FILE, fingerprint, write_manifest
+from eagle3.records.manifest import MANIFEST_FILE, fingerprint, write_manifest
 from eagle3.registry.registry import Registry
 from eagle3.registry.store import LocalStore
 from eagle3.stages.keys import IN_PROGRESS, begin, cache_key, done, finish, recorded_key, stage_key

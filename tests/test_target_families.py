@@ -9,7 +9,7 @@ import pytest
 from eagle3.config import check_target_facts, load_config
 from eagle3.engines.tiny import FAMILY_ARCHITECTURES, MICRO, of_family
 from eagle3.errors import ConfigError, Eagle3Error
-from eagle3.formats.target import read_target_info
+from eagle3.target.info import read_target_info
 from family_targets import FAMILIES, FAMILY_CONFIGS, MLA_DRAFT_CONFIG, build_family_target
 from test_config import ROOT, TINY
 

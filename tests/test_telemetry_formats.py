@@ -1,4 +1,4 @@
-"""eagle3.formats.telemetry's readers: SGLang's /metrics text and its request-record files (a directory or an S3
+"""eagle3.records.telemetry's readers: SGLang's /metrics text and its request-record files (a directory or an S3
 prefix), the time window, and errors that name the file and line."""
 
 import json
@@ -10,7 +10,7 @@ import boto3
 import pytest
 
 from eagle3.errors import UnreadableInput
-from eagle3.formats.telemetry import (
+from eagle3.records.telemetry import (
     GENERATION_TOKENS, RECORD_HOUR, VERIFY_CALLS, metric_total, parse_metrics, read_request_records,
 )
 from s3_server import new_bucket, serve_moto_s3

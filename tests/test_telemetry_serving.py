@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from eagle3.formats.telemetry import (
+from eagle3.records.telemetry import (
     ACCEPT_LENGTH, ACCEPT_RATE, GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records,
 )
-from eagle3.config.production import TelemetrySection
+from eagle3.config.deployment import TelemetrySection
 from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
 from eagle3.serve.launch import LaunchError, reference_command, server_for, sglang_command

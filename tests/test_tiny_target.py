@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3.engines.tiny import MICRO, build_tiny_target, corpus_ids, heldout_loss, tiny_model
 from eagle3.errors import Eagle3Error
-from eagle3.formats.manifest import read_manifest
+from eagle3.records.manifest import read_manifest
 
 # Contents end in a space and a newline, where a merge across the turn boundary would show.
 CONVERSATION = [

@@ -4,7 +4,6 @@ ids-only requests decoded, duplicates counted, capped per slice and in total, mi
 share - regenerated without a second chat template, recorded in the data manifest, and keyed by content."""
 
 import json
-import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -21,10 +20,10 @@ from eagle3.data.traffic import TRAFFIC_FILE, describe_traffic, mixed, select_tr
 from eagle3.deployment.promotion import benchmark_prompts_file, prompt_ids_in
 from eagle3.engines.generators import LocalGenerator
 from eagle3.engines.targets import load_tokenizer
-from eagle3.formats.telemetry import UNLABELLED
+from eagle3.records.telemetry import UNLABELLED
 from eagle3.errors import ConfigError
-from eagle3.formats.manifest import read_manifest
-from eagle3.formats.telemetry import RequestRecord
+from eagle3.records.manifest import read_manifest
+from eagle3.records.telemetry import RequestRecord
 from eagle3.stages.keys import config_inputs
 from fake_sglang import FakeSGLang
 from s3_server import serve_moto_s3

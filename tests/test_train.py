@@ -14,8 +14,8 @@ from eagle3.config import load_config
 from eagle3.data.capture import capture
 from eagle3.data.regenerate import regenerate
 from eagle3.data.vocab import build_vocab
-from eagle3.formats.checkpoint import DraftConfig, convert, load_native, save_native_draft
-from eagle3.formats.vocab_map import VocabMap, build_vocab_map
+from eagle3.draft.checkpoint import DraftConfig, convert, load_native, save_native_draft
+from eagle3.draft.vocab_map import VocabMap, build_vocab_map
 from eagle3.model import draft as draft_module
 from eagle3.model import teacher as teacher_module
 from eagle3.model.draft import Eagle3Draft, causal_mask, init_weights

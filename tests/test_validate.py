@@ -10,8 +10,8 @@ from conftest import write_data_manifest, write_target
 from drafts import MLA, write_draft
 from eagle3.config import load_config
 from eagle3.errors import ConfigError
-from eagle3.formats.problems import ProblemCode
-from eagle3.formats.validate import validate
+from eagle3.contract.problems import ProblemCode
+from eagle3.validation.validate import validate
 from test_config import TINY
 
 GOOD_DATA_LAYERS = [0, 1, 2]

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagle3.errors import UnreadableInput
-from eagle3.formats.vocab_map import (
+from eagle3.draft.vocab_map import (
     VocabMap,
     VocabMapError,
     analyze_d2t,

@@ -62,7 +62,7 @@ from eagle3.config.suites import HELDOUT
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import BASE_SLICE, decoded, file_records, parse_line, source_path
 from eagle3.errors import Eagle3Error, UnreadableInput
-from eagle3.formats.telemetry import PIPELINE_LABEL
+from eagle3.records.telemetry import PIPELINE_LABEL
 from eagle3.http_retry import SHOWN_FAILURES, RetriesExhausted, send_with_retries
 from eagle3.progress import Progress
 

@@ -12,9 +12,9 @@ import httpx
 
 from eagle3.data.conversation import chat_template_hash
 from eagle3.engines.targets import load_tokenizer
-from eagle3.formats.manifest import read_manifest
-from eagle3.formats.problems import ProblemCode as Code
-from eagle3.formats.validate import validate
+from eagle3.records.manifest import read_manifest
+from eagle3.contract.problems import ProblemCode as Code
+from eagle3.validation.validate import validate
 
 VOCAB_LINE = "draft vocab vs tokenizer"
 CONTINUATION_LINE = "replayed continuation vs the server's greedy output"

@@ -49,7 +49,7 @@ def add_checkpoint_commands(commands) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from eagle3.formats.inspect import inspect_path, render
+    from eagle3.draft.inspect import inspect_path, render
 
     result = inspect_path(args.path)
     print(json.dumps(result, indent=2) if args.json else render(result))
@@ -58,8 +58,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_convert(args: argparse.Namespace) -> int:
     from eagle3.errors import ConversionError
-    from eagle3.formats.checkpoint import convert
-    from eagle3.formats.target import read_target_info
+    from eagle3.draft.checkpoint import convert
+    from eagle3.target.info import read_target_info
     from eagle3.model.weights import target_verifier
 
     family, num_layers, verifier = args.target_family, None, None
@@ -87,7 +87,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from eagle3.formats.validate import validate
+    from eagle3.validation.validate import validate
 
     report = validate(
         args.path,

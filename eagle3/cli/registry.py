@@ -151,7 +151,7 @@ def run_registry_promote(args: argparse.Namespace) -> int:
 def run_registry_import(args: argparse.Namespace) -> int:
     """A refusal is one line naming the problem by its code (exit 1); nothing is published then."""
     from eagle3.deployment.imports import ProductionRefused, import_draft
-    from eagle3.formats.external import ImportRefused
+    from eagle3.validation.external import ImportRefused
 
     config = load_run_config(args)  # the sections it needs: import_draft says which are missing
     try:

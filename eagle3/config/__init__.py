@@ -13,22 +13,22 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
+from eagle3.config.base import Section
+from eagle3.config.data import PROMPT_SUFFIXES, DataSection, VocabSection
+from eagle3.config.deployment import GateSection, MonitorSection, ProductionSection, RegistrySection
 from eagle3.config.draft import DraftSection
-from eagle3.config.monitor import MonitorSection
 from eagle3.config.node import NodeSection
-from eagle3.config.production import ProductionSection
+from eagle3.config.run import RUN_DIRS, RunSection, TargetSection
+from eagle3.config.serving import BenchmarkSection, ExportSection, ServingSection, SweepSection
 from eagle3.config.suites import MTBENCH, TRAFFIC, mtbench_file
-from eagle3.config.sections import (
-    PROMPT_SUFFIXES, STAGES, BenchmarkSection, DataSection, ExportSection, GateSection, RegistrySection,
-    RunSection, Section, ServingSection, SweepSection, TargetSection, TrainingSection, VocabSection,
-)
+from eagle3.config.training import TrainingSection
 from eagle3.errors import ConfigError, UnreadableInput
-from eagle3.formats.engines import (
+from eagle3.contract.engines import (
     FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, served_draft_problem, served_features_problem,
     sglang_default_inputs, sglang_ids_for_layers,
 )
-from eagle3.formats.target import read_target_info
-from eagle3.formats.target_files import (
+from eagle3.target.info import read_target_info
+from eagle3.target.files import (
     THINKING_SWITCHES, TOKENIZER_MODEL_FILES, chat_template_text, thinking_switches, untrusted_code_problem,
 )
 from eagle3.fsutil import atomic_write_bytes, named_file
@@ -145,8 +145,8 @@ class PipelineConfig(Section):
         return self.serving.shape if self.serving is not None else DraftShape(DEFAULT_NUM_STEPS)
 
     def stage_dir(self, stage: str) -> Path:
-        if stage not in STAGES:
-            raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+        if stage not in RUN_DIRS:
+            raise ValueError(f"unknown run directory {stage!r}; they are {', '.join(RUN_DIRS)}")
         return self.run.dir / stage
 
 

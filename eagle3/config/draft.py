@@ -11,8 +11,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from eagle3.config.sections import Section
-from eagle3.formats.layouts.draft import MLA_SIZES
+from eagle3.config.base import Section
+from eagle3.draft.layouts.shared import MLA_SIZES
 
 
 class DraftSection(Section):

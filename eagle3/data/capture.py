@@ -33,7 +33,7 @@ from eagle3.engines.backends import local_device, target_backend
 from eagle3.engines.features import FeatureBackend, Features, pad_rows
 from eagle3.engines.targets import check_same, load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error, UnreadableInput
-from eagle3.formats.manifest import code_version, read_manifest, write_manifest
+from eagle3.records.manifest import code_version, read_manifest, write_manifest
 from eagle3.fsutil import atomic_write_json
 from eagle3.progress import Progress
 

@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 
 from eagle3.errors import Eagle3Error
-from eagle3.formats.target_files import thinking_switches
+from eagle3.target.files import thinking_switches
 
 
 @dataclass(frozen=True)

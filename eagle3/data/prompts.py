@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from eagle3.config.sections import PROMPT_SUFFIXES
+from eagle3.config.data import PROMPT_SUFFIXES
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_bytes, named_file
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.config.sections import QualitySection
+from eagle3.config.data import QualitySection
 from eagle3.data.prompts import file_records, parse_turns
 from eagle3.errors import Eagle3Error, UnreadableInput
 

@@ -29,7 +29,7 @@ from eagle3.data.traffic import describe_traffic, mixed, prompt_sources, traffic
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer, target_eos_ids, target_identity
 from eagle3.errors import UnreadableInput
-from eagle3.formats.manifest import code_version, write_manifest
+from eagle3.records.manifest import code_version, write_manifest
 from eagle3.fsutil import atomic_write_bytes, atomic_write_json
 from eagle3.progress import Progress
 from eagle3.shape import DraftShape

@@ -1,6 +1,6 @@
 """Production traffic as a prompt source (config data.traffic; off unless given: it is the operator's users' text).
 
-SGLang's request records (eagle3.formats.telemetry) hold each request as the server received it: for a chat request
+SGLang's request records (eagle3.records.telemetry) hold each request as the server received it: for a chat request
 SGLang has already applied the chat template, so the record's `text` (or `input_ids`) is the rendered prompt. Each
 becomes a rendered Prompt (eagle3.data.prompts), sent to the target as is; ids-only records are decoded with the
 target's tokenizer. The pipeline's own requests (PIPELINE_LABEL) never become prompts. Duplicates, records without a
@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 from eagle3.config import PipelineConfig
 from eagle3.data.prompts import Prompt, load_prompts, rendered_prompt, write_prompts
 from eagle3.engines.targets import load_tokenizer
-from eagle3.formats.telemetry import RequestRecord, read_request_records
+from eagle3.records.telemetry import RequestRecord, read_request_records
 from eagle3.fsutil import atomic_write_json, read_json, sha256_file
 
 TRAFFIC_FILE, TRAFFIC_PROMPTS = "traffic.json", "traffic.jsonl"  # under run.dir/data

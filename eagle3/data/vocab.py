@@ -12,8 +12,8 @@ from eagle3.config import PipelineConfig
 from eagle3.data.capture import regenerated_manifest
 from eagle3.data.regenerate import REGEN_DIR, read_regenerated
 from eagle3.engines.targets import DataMismatch
-from eagle3.formats.manifest import fingerprint, write_manifest
-from eagle3.formats.vocab_map import build_vocab_map, save_vocab_map
+from eagle3.records.manifest import fingerprint, write_manifest
+from eagle3.draft.vocab_map import build_vocab_map, save_vocab_map
 
 
 def count_loss_tokens(records, vocab_size: int) -> torch.Tensor:

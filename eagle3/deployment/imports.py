@@ -4,7 +4,7 @@ production's draft (docs/registry-and-gate.md, "Importing a draft").
 - SOURCE is a directory, or a Hugging Face hub id: a path that does not exist is fetched with
   huggingface_hub.snapshot_download where that package is installed, i.e. on the GPU node (tests use directories).
 - The draft is validated for the config's target, serving release and data.aux_layers, then converted to the sglang
-  layout and validated again (eagle3/formats/external.py). A refusal publishes nothing.
+  layout and validated again (eagle3/validation/external.py). A refusal publishes nothing.
 - The version is `import-<16 hex>` of the sha256 over the original files (each name and sha256) and what they were
   converted for (release, family, target layers, data layers): the same files for the same serving are the same
   version, published once. Its manifest records `provenance` (source, layout found, every step, each original file's
@@ -38,8 +38,8 @@ from eagle3.deployment.promotion import (
 )
 from eagle3.deployment.sweep import configured_choice
 from eagle3.errors import Eagle3Error, UnreadableInput
-from eagle3.formats.external import Converted, Serving, convert_external
-from eagle3.formats.target import read_target_info
+from eagle3.validation.external import Converted, Serving, convert_external
+from eagle3.target.info import read_target_info
 from eagle3.fsutil import sha256_file
 from eagle3.registry.registry import Registry, RegistryError, open_registry
 

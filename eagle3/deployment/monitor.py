@@ -29,7 +29,7 @@ import httpx
 from eagle3.bench.counting import accept_length
 from eagle3.config import PipelineConfig
 from eagle3.errors import ConfigError
-from eagle3.formats.telemetry import GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records
+from eagle3.records.telemetry import GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records
 
 WINDOWS, ALARMS = "monitor/windows/", "monitor/alarms/"
 SUFFICIENT = ("ok", "low")

@@ -16,13 +16,13 @@ from eagle3.bench.client import BenchmarkError, SlicedPrompt, run_benchmark, sui
 from eagle3.bench.counting import pooled
 from eagle3.bench.diagnose import diagnose
 from eagle3.config import PipelineConfig
-from eagle3.config.production import TelemetrySection
+from eagle3.config.deployment import TelemetrySection
 from eagle3.data.capture import dataset_dir
 from eagle3.data.prompts import load_prompts
 from eagle3.data.regenerate import REGEN_DIR, read_greedy, sent_ids
 from eagle3.engines.targets import load_tokenizer
 from eagle3.errors import UnreadableInput
-from eagle3.formats.manifest import code_version, read_manifest
+from eagle3.records.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 from eagle3.registry.gate import Decision, Metrics, SuiteFigures, suite_figures, throughput_text
 from eagle3.registry.registry import decide_against_production, open_registry, registry_location

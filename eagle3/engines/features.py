@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from eagle3.config.sections import TargetSection
+from eagle3.config.run import TargetSection
 from eagle3.engines.targets import load_target_model
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 
 from eagle3.config import PipelineConfig
-from eagle3.config.sections import TargetSection
+from eagle3.config.run import TargetSection
 from eagle3.engines.targets import eos_ids_of, load_target_model
 from eagle3.errors import Eagle3Error
 from eagle3.http_retry import RetriesExhausted, send_with_retries

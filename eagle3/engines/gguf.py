@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.errors import UnreadableInput
-from eagle3.formats.manifest import write_manifest
+from eagle3.records.manifest import write_manifest
 from eagle3.fsutil import atomic_directory, named_file, sha256_file
 
 # model_type -> the class rebuilt from its config; only architectures whose round trip is tested here.

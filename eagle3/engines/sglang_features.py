@@ -41,7 +41,7 @@ from torch import nn
 
 from eagle3.engines.features import Features, TokenBatch
 from eagle3.errors import Eagle3Error
-from eagle3.formats import engines
+from eagle3.contract import engines
 
 SUPPORTED_RELEASES = engines.ReleaseRange("0.5.23", "0.5.23")
 

@@ -8,10 +8,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from eagle3.config.sections import TargetSection
+from eagle3.config.run import TargetSection
 from eagle3.errors import Eagle3Error, UnreadableInput
-from eagle3.formats.target import read_target_info
-from eagle3.formats.target_files import config_files, tokenizer_files
+from eagle3.target.info import read_target_info
+from eagle3.target.files import config_files, tokenizer_files
 
 
 class DataMismatch(Eagle3Error):

@@ -24,7 +24,7 @@ import transformers
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from eagle3.errors import Eagle3Error
-from eagle3.formats.manifest import MANIFEST_FILE, read_manifest, write_manifest
+from eagle3.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from eagle3.fsutil import atomic_directory
 
 BOS, END, PAD = "<|bos|>", "<|end|>", "<|pad|>"

@@ -3,7 +3,7 @@
 Inside the project aux id k means "the output of decoder layer k". A transformers forward with
 `output_hidden_states=True` returns the embeddings' output first, then each decoder layer's output, so id k
 is `hidden_states[k + 1]`; a forward hook on `model.model.layers[k]` records the same tensor. What an SGLang
-release captures for an id is another matter, kept per model file and release in `eagle3.formats.engines`.
+release captures for an id is another matter, kept per model file and release in `eagle3.contract.engines`.
 """
 
 from __future__ import annotations

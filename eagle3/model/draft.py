@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eagle3.errors import Eagle3Error
-from eagle3.formats.checkpoint import DraftConfig
+from eagle3.draft.checkpoint import DraftConfig
 
 UNSUPPORTED_FLAGS = ("norm_before_residual",)  # speculators' option; no SGLang release serves it
 TTT_QUERY_CHUNK = 512  # the most query rows per attention call in training-time test

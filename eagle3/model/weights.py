@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 
 from eagle3.errors import UnreadableInput
-from eagle3.formats import engines
-from eagle3.formats.checkpoint import DraftConfig, NativeDraft, Verifier, read_checkpoint, to_native
-from eagle3.formats.target import read_target_info
+from eagle3.contract import engines
+from eagle3.draft.checkpoint import DraftConfig, NativeDraft, Verifier, read_checkpoint, to_native
+from eagle3.target.info import read_target_info
 from eagle3.model.draft import Eagle3Draft, init_weights
 
 TARGET_HEAD = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from eagle3.config.sections import GateSection
+from eagle3.config.deployment import GateSection
 from eagle3.errors import Eagle3Error
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from eagle3.config.sections import GateSection, RegistrySection
+from eagle3.config.deployment import GateSection, RegistrySection
 from eagle3.fsutil import atomic_directory, sha256_file
 from eagle3.registry.gate import Decision, Metrics, decide, suite_figures, throughput_text
 from eagle3.registry.s3 import S3Store

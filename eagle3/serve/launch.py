@@ -18,9 +18,9 @@ from typing import Callable
 import httpx
 
 from eagle3.config import PipelineConfig
-from eagle3.config.production import TelemetrySection
-from eagle3.formats.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
-from eagle3.formats.telemetry import PIPELINE_LABEL
+from eagle3.config.deployment import TelemetrySection
+from eagle3.contract.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
+from eagle3.records.telemetry import PIPELINE_LABEL
 from eagle3.procs import (
     GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, cpu_threads, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
@@ -257,7 +257,7 @@ def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[st
     """Start the server (in the systemd scope `unit`, if given), wait until healthy, validate the draft for the live
     release; return it running. Error codes in `export.waive` are accepted (the export stage logged and recorded
     them)."""
-    from eagle3.formats.validate import validate
+    from eagle3.validation.validate import validate
 
     if draft is not None and not Path(draft).is_dir():
         raise LaunchError(f"draft {draft}: no such directory; nothing was launched")

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from eagle3.formats.engines import parse_release
-from eagle3.formats.telemetry import ACCEPT_LENGTH, ACCEPT_RATE, GENERATION_TOKENS, RECORD_HOUR, VERIFY_CALLS
+from eagle3.contract.engines import parse_release
+from eagle3.records.telemetry import ACCEPT_LENGTH, ACCEPT_RATE, GENERATION_TOKENS, RECORD_HOUR, VERIFY_CALLS
 
 SPEC_VERIFY_CALLS_FROM = (0, 5, 13)
 IS_STREAMING_FROM = (0, 5, 17)

@@ -17,7 +17,7 @@ marker records those inputs, so the log names each one that changed.
 
 The files decide, not the orchestrator's memory: an output finished under the key its inputs give now is done
 (`done`), whatever Prefect's result store holds (a fresh PREFECT_HOME, a reset database, expired results). And a
-fingerprint hashes content, never when it was written (eagle3.formats.manifest.fingerprint).
+fingerprint hashes content, never when it was written (eagle3.records.manifest.fingerprint).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Callable
 
 from eagle3.config import PipelineConfig
 from eagle3.export import export_dirs
-from eagle3.formats.manifest import code_version, fingerprint
+from eagle3.records.manifest import code_version, fingerprint
 from eagle3.fsutil import atomic_write_bytes
 from eagle3.stages.table import STAGES, output_of
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from eagle3.config import PipelineConfig
-from eagle3.formats.checkpoint import DraftConfig
-from eagle3.formats.layouts.draft import MLA_SIZES
+from eagle3.draft.checkpoint import DraftConfig
+from eagle3.draft.layouts.shared import MLA_SIZES
 
 
 def trained_draft_config(config: PipelineConfig) -> DraftConfig:

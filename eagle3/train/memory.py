@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from eagle3.formats.checkpoint import DraftConfig
+from eagle3.draft.checkpoint import DraftConfig
 from eagle3.model.draft import Eagle3Draft
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, TTTModel

@@ -19,17 +19,17 @@ import torch
 
 from eagle3.bench.simulate import HeldoutRef, heldout_samples, replay_stored
 from eagle3.config import PipelineConfig
-from eagle3.config.sections import batch_split_problem
+from eagle3.config.training import batch_split_problem
 from eagle3.data.capture import check_dataset, dataset_dir
 from eagle3.distributed import Dist, setup_distributed
 from eagle3.engines.backends import target_backend
 from eagle3.engines.features import FeatureBackend
 from eagle3.engines.targets import target_eos_ids
 from eagle3.errors import Eagle3Error, UnreadableInput
-from eagle3.formats.checkpoint import NativeDraft, load_native, write_draft_files
-from eagle3.formats.manifest import MANIFEST_FILE, read_manifest
-from eagle3.formats.target import read_target_info
-from eagle3.formats.vocab_map import VocabMap, load_vocab_map
+from eagle3.draft.checkpoint import NativeDraft, load_native, write_draft_files
+from eagle3.records.manifest import MANIFEST_FILE, read_manifest
+from eagle3.target.info import read_target_info
+from eagle3.draft.vocab_map import VocabMap, load_vocab_map
 from eagle3.fsutil import atomic_directory
 from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
 from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss

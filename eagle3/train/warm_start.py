@@ -15,8 +15,8 @@ from typing import Callable
 
 from eagle3.config import PipelineConfig
 from eagle3.errors import Eagle3Error
-from eagle3.formats.checkpoint import DraftConfig, expected_shapes, load_native
-from eagle3.formats.vocab_map import VocabMap, carry_rows
+from eagle3.draft.checkpoint import DraftConfig, expected_shapes, load_native
+from eagle3.draft.vocab_map import VocabMap, carry_rows
 from eagle3.fsutil import read_json
 from eagle3.model.draft import Eagle3Draft
 

@@ -36,8 +36,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from eagle3.config import PipelineConfig
 from eagle3.distributed import Dist
 from eagle3.engines.features import FeatureBackend, TokenBatch, TransformersFeatures
-from eagle3.formats.target import read_target_info
-from eagle3.formats.vocab_map import VocabMap, build_vocab_map
+from eagle3.target.info import read_target_info
+from eagle3.draft.vocab_map import VocabMap, build_vocab_map
 from eagle3.model.teacher import TEACHER_CHUNK_ROWS, chunked_argmax
 from eagle3.model.ttt import TTTModel
 from eagle3.model.weights import target_head

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.formats import engines
+from eagle3.contract import engines
 from inside.aux_ids import LAYER_HIDDEN  # what a recording layer returns as its hidden_states beside the residual
 from releases import RELEASES
 

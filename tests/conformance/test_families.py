@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from eagle3.engines.features import TransformersFeatures, pad_rows
-from eagle3.formats import engines
+from eagle3.contract import engines
 from family_targets import AUX_LAYERS, FAMILIES, NUM_LAYERS, VOCAB, build_family_target
 
 RELEASE = "0.5.23"  # the release the model-runner backend supports (sglang_features.SUPPORTED_RELEASES)

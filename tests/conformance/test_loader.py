@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from drafts import write_draft
 from eagle3.errors import Eagle3Error
-from eagle3.formats import engines
-from eagle3.formats.checkpoint import read_checkpoint
-from eagle3.formats.validate import validate
+from eagle3.contract import engines
+from eagle3.draft.checkpoint import read_checkpoint
+from eagle3.validation.validate import validate
 from eagle3.model.weights import draft_as_served
 from releases import RELEASES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3.config import load_config
-from eagle3.config.production import TelemetrySection
+from eagle3.config.deployment import TelemetrySection
 from eagle3.data.regenerate import simulated_shapes
 from eagle3.deployment.sweep import with_shape
 from eagle3.serve.launch import LAUNCHER_FLAGS, sglang_command

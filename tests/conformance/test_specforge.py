@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.config import load_config
 from eagle3.deployment.imports import import_draft
-from eagle3.formats.checkpoint import load_native
+from eagle3.draft.checkpoint import load_native
 from eagle3.fsutil import sha256_file
 from eagle3.model.weights import draft_as_served
 from eagle3.registry.registry import open_registry

@@ -1,5 +1,5 @@
 """The production telemetry the monitor reads, per release, against SGLang's own code: its metrics collectors render
-the four metrics (names, label names, totals) that eagle3.formats.telemetry parses and that the reference server,
+the four metrics (names, label names, totals) that eagle3.records.telemetry parses and that the reference server,
 standing for that release, exposes alike; its FileRequestMetricsExporter writes the request record that
 read_request_records reads, with the same record keys as the reference server's and request parameters that are
 fields of the release's GenerateReqInput. The custom labels: started with --tokenizer-metrics-allowed-custom-labels
@@ -15,10 +15,10 @@ import json
 import httpx
 import pytest
 
-from eagle3.formats.telemetry import (
+from eagle3.records.telemetry import (
     ACCEPT_LENGTH, ACCEPT_RATE, GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records,
 )
-from eagle3.config.production import TelemetrySection
+from eagle3.config.deployment import TelemetrySection
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.launch import custom_label_keys
 from eagle3.serve.reference import create_app

@@ -3,7 +3,7 @@ layout, with a record of every step: what `eagle3 registry import` stores as a v
 
 Every layout adapter reads: SGLang's and SpecForge's `LlamaForCausalLMEagle3` (`midlayer.*` or `layers.0.*`),
 speculators' (`Eagle3DraftModel`, or `Eagle3Speculator` of its older releases) and this project's native layout. A
-draft is refused on its validation errors, each named by its problem code (eagle3.formats.problems):
+draft is refused on its validation errors, each named by its problem code (eagle3.contract.problems):
 - a draft SGLang loads as it is (the sglang layout, or one no adapter converts: an EAGLE-1/2 draft, another
   architecture) is validated as that release's loader reads it, before anything is converted: names the loader
   skips (`layers.0.*` up to 0.5.11), the vocab map (an absolute d2t), the aux ids under the family's rule against
@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.errors import Eagle3Error
-from eagle3.formats.checkpoint import (
+from eagle3.draft.checkpoint import (
     CONFIG_FILE, NativeDraft, draft_config, layout_of, native_tensors, read_checkpoint, write_draft_files,
 )
-from eagle3.formats.layouts.draft import RawCheckpoint
-from eagle3.formats.loader_checks import sample_names
-from eagle3.formats.problems import Problem, Report
-from eagle3.formats.validate import sglang_where, validate, validate_for_conversion
+from eagle3.draft.layouts.shared import RawCheckpoint
+from eagle3.validation.loader_checks import sample_names
+from eagle3.contract.problems import Problem, Report
+from eagle3.validation.validate import sglang_where, validate, validate_for_conversion
 from eagle3.fsutil import atomic_directory
 
 Log = Callable[[str], None]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.formats.checkpoint import CONFIG_FILE, read_checkpoint
-from eagle3.formats.vocab_map import D2TAnalysis, analyze_d2t, read_d2t_t2d, read_stats
+from eagle3.draft.checkpoint import CONFIG_FILE, read_checkpoint
+from eagle3.draft.vocab_map import D2TAnalysis, analyze_d2t, read_d2t_t2d, read_stats
 
 
 def inspect_path(path: Path) -> dict:

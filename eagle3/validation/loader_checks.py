@@ -1,13 +1,13 @@
 """What SGLang's draft loader makes of a checkpoint before any shape is compared: the tensor names it
-keeps, the config.json fields it reads, and the tensors' dtypes (part of `eagle3.formats.validate`)."""
+keeps, the config.json fields it reads, and the tensors' dtypes (part of `eagle3.validation.validate`)."""
 
 from __future__ import annotations
 
 import torch
 
-from eagle3.formats import engines
-from eagle3.formats.checkpoint import RawCheckpoint
-from eagle3.formats.problems import CONVERT_HINT, ProblemCode, Report
+from eagle3.contract import engines
+from eagle3.draft.checkpoint import RawCheckpoint
+from eagle3.contract.problems import CONVERT_HINT, ProblemCode, Report
 
 
 def check_names(

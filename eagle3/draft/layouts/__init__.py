@@ -1,6 +1,6 @@
 """One adapter per draft layout (docs/contracts.md), each owning its tensor names and its config.json, both ways:
 `native` (what our trainer writes), `sglang` (LlamaForCausalLMEagle3) and `speculators` (vLLM). Reading,
-checking and converting between them is formats/checkpoint.py's, through LAYOUTS."""
+checking and converting between them is eagle3/draft/checkpoint.py's, through LAYOUTS."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Protocol
 
 import torch
 
-from eagle3.formats.layouts import native, sglang, speculators
-from eagle3.formats.layouts.draft import DraftConfig, Log, RawCheckpoint, Verifier
+from eagle3.draft.layouts import native, sglang, speculators
+from eagle3.draft.layouts.shared import DraftConfig, Log, RawCheckpoint, Verifier
 
 
 class LayoutAdapter(Protocol):

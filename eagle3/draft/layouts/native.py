@@ -4,8 +4,8 @@ DraftConfig itself: the architecture plus the aux layers the training data were 
 
 from __future__ import annotations
 
-from eagle3.formats import engines
-from eagle3.formats.layouts.draft import (
+from eagle3.contract import engines
+from eagle3.draft.layouts.shared import (
     MLA_SIZES,
     NATIVE_FORMAT,
     DraftConfig,

@@ -1,6 +1,6 @@
 """Reading, checking and converting EAGLE-3 draft checkpoints.
 
-Three layouts of the same draft (docs/contracts.md), each an adapter in formats/layouts/ that owns its tensor
+Three layouts of the same draft (docs/contracts.md), each an adapter in eagle3/draft/layouts/ that owns its tensor
 names and its config.json both ways: `native` (what our trainer writes), `sglang` and `speculators`.
 Every conversion goes through the native form and checks tensors, shapes, dtypes and the vocab map,
 so nothing a loader would skip or misread is written. Exports carry an `eagle3` block in config.json
@@ -21,9 +21,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from eagle3.errors import ConversionError, UnreadableInput
-from eagle3.formats import engines
-from eagle3.formats.layouts import LAYOUTS, LayoutAdapter
-from eagle3.formats.layouts.draft import (
+from eagle3.contract import engines
+from eagle3.draft.layouts import LAYOUTS, LayoutAdapter
+from eagle3.draft.layouts.shared import (
     NATIVE_FORMAT,
     PROVENANCE_KEY,
     DraftConfig,
@@ -32,8 +32,8 @@ from eagle3.formats.layouts.draft import (
     RawCheckpoint,
     Verifier,
 )
-from eagle3.formats.manifest import write_manifest
-from eagle3.formats.vocab_map import VocabMap, VocabMapError, check_invariants
+from eagle3.records.manifest import write_manifest
+from eagle3.draft.vocab_map import VocabMap, VocabMapError, check_invariants
 from eagle3.fsutil import atomic_directory, read_json
 from eagle3.shape import DEFAULT_NUM_STEPS
 

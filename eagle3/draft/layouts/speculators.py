@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from eagle3.errors import ConversionError
-from eagle3.formats import engines
-from eagle3.formats.layouts.draft import (
+from eagle3.contract import engines
+from eagle3.draft.layouts.shared import (
     FLAGS,
     PROVENANCE_KEY,
     DraftConfig,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.errors import UnreadableInput
-from eagle3.formats.engines import ARCHITECTURE_FAMILY
+from eagle3.contract.engines import ARCHITECTURE_FAMILY
 from eagle3.fsutil import read_json
 
 

@@ -1,7 +1,7 @@
 """What speculators' loader (`SpeculatorModel.from_pretrained` of SPECULATORS_RELEASE, read from its wheel and run
 on our exports in tests/conformance/test_speculators.py) makes of a checkpoint: the config it validates, the
 verifier it reads, the tensors it keeps and the shapes it builds, and the layers vLLM captures for the ids (part
-of `eagle3.formats.validate`, which adds the vocab map and the context length)."""
+of `eagle3.validation.validate`, which adds the vocab map and the context length)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 from eagle3.errors import UnreadableInput
-from eagle3.formats import engines
-from eagle3.formats.checkpoint import RawCheckpoint, draft_shapes, mha_attention_shapes
-from eagle3.formats.layouts import speculators
-from eagle3.formats.loader_checks import check_dtypes, sample_names
-from eagle3.formats.problems import ProblemCode, Report
-from eagle3.formats.target import read_target_info
+from eagle3.contract import engines
+from eagle3.draft.checkpoint import RawCheckpoint, draft_shapes, mha_attention_shapes
+from eagle3.draft.layouts import speculators
+from eagle3.validation.loader_checks import check_dtypes, sample_names
+from eagle3.contract.problems import ProblemCode, Report
+from eagle3.target.info import read_target_info
 
 WHERE = f"speculators {speculators.SPECULATORS_RELEASE}"
 REEXPORT = "re-export with `eagle3 convert SRC DST --to speculators --target DIR`"

@@ -12,7 +12,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.errors import ConversionError
-from eagle3.formats import engines
+from eagle3.contract import engines
 
 Log = Callable[[str], None]
 NATIVE_FORMAT = "eagle3-native"

@@ -1,10 +1,10 @@
 """Validate a draft checkpoint against what a serving engine will actually do with it.
 
-Each problem has a code (eagle3.formats.problems), a severity and a fix. A check whose inputs are missing
+Each problem has a code (eagle3.contract.problems), a severity and a fix. A check whose inputs are missing
 (no target, no data manifest, no release where the answer depends on it) is reported with severity
 "unknown": it was not passed, it was not checked. The engine is SGLang (LlamaForCausalLMEagle3), or speculators'
-own loader (`--engine speculators`, checked in eagle3.formats.speculators_checks). For SGLang the tensor names,
-config fields and dtypes are checked in eagle3.formats.loader_checks; the shapes, the vocab map, the aux ids and
+own loader (`--engine speculators`, checked in eagle3.validation.speculators_checks). For SGLang the tensor names,
+config fields and dtypes are checked in eagle3.validation.loader_checks; the shapes, the vocab map, the aux ids and
 the context length here.
 """
 
@@ -15,19 +15,19 @@ from pathlib import Path
 
 import torch
 
-from eagle3.formats import engines
-from eagle3.formats.checkpoint import (
+from eagle3.contract import engines
+from eagle3.draft.checkpoint import (
     PROVENANCE_KEY, RawCheckpoint, draft_shapes, mha_attention_shapes, mla_attention_shapes, read_checkpoint,
 )
-from eagle3.formats.layouts import sglang
-from eagle3.formats.layouts.draft import MLA_SIZES
-from eagle3.formats.layouts.speculators import SPECULATORS_RELEASE
-from eagle3.formats.loader_checks import check_config_fields, check_dtypes, check_flags, check_names, sample_names
-from eagle3.formats.manifest import read_data_capture
-from eagle3.formats.problems import CONVERT_HINT, ProblemCode, Report
-from eagle3.formats.speculators_checks import check_speculators
-from eagle3.formats.target import read_target_info
-from eagle3.formats.vocab_map import analyze_d2t
+from eagle3.draft.layouts import sglang
+from eagle3.draft.layouts.shared import MLA_SIZES
+from eagle3.draft.layouts.speculators import SPECULATORS_RELEASE
+from eagle3.validation.loader_checks import check_config_fields, check_dtypes, check_flags, check_names, sample_names
+from eagle3.records.manifest import read_data_capture
+from eagle3.contract.problems import CONVERT_HINT, ProblemCode, Report
+from eagle3.validation.speculators_checks import check_speculators
+from eagle3.target.info import read_target_info
+from eagle3.draft.vocab_map import analyze_d2t
 
 ENGINES = ("sglang", "speculators")
 

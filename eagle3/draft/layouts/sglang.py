@@ -5,8 +5,8 @@ encoded for the target's model file and the SGLang release."""
 from __future__ import annotations
 
 from eagle3.errors import ConversionError
-from eagle3.formats import engines
-from eagle3.formats.layouts.draft import (
+from eagle3.contract import engines
+from eagle3.draft.layouts.shared import (
     FLAGS,
     MLA_SIZES,
     PROVENANCE_KEY,

@@ -1,0 +1,134 @@
+"""Serving the draft and measuring it: the export layouts (`export`), the serving engine and drafting shape
+(`serving`), the benchmark (`benchmark`, its suites in eagle3.config.suites) and the shape sweep (`sweep`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from packaging.version import InvalidVersion, Version
+from pydantic import Field, field_validator, model_validator
+
+from eagle3.config.base import Section
+from eagle3.config.suites import HELDOUT, SuiteSection, distinct_names, suites_from
+from eagle3.contract.problems import ProblemCode
+from eagle3.shape import DEFAULT_NUM_STEPS, DraftShape, shape_problem
+
+
+class ExportSection(Section):
+    layouts: list[Literal["sglang", "speculators"]] = Field(default=["sglang"], min_length=1)
+    waive: list[ProblemCode] = Field(
+        default=[], description="validation problem codes accepted on purpose (e.g. a false positive); each is "
+        "logged and recorded in the export's validation.json")
+    verifier: str | None = Field(
+        default=None, description="the verifier the speculators layout names, e.g. the hub id the target is published "
+        "under, where the export is loaded on another machine (None: target.path, resolved)")
+    fault: Literal["absolute-d2t"] | None = Field(
+        default=None, description="demo and tests only: write the served export's d2t as absolute ids (the bug "
+        "the pipeline exists to catch), to exercise the gate; the validator refuses it unless its codes are waived")
+
+    @model_validator(mode="after")
+    def _sglang_first(self) -> ExportSection:
+        if "sglang" not in self.layouts:
+            raise ValueError(f"export.layouts {self.layouts} must include sglang: it is the layout that is served")
+        return self
+
+
+class ServingSection(Section):
+    engine: Literal["reference", "sglang"] = "reference"
+    release: str | None = Field(default=None, description="SGLang release, e.g. 0.5.13; None = read from the server")
+    launcher: Literal["local", "ssh", "srun"] = "local"
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, gt=0, lt=65536)
+    tp: int = Field(default=1, ge=1)
+    context_length: int = Field(gt=0)
+    num_steps: int = Field(default=DEFAULT_NUM_STEPS, ge=1)
+    eagle_topk: int = Field(default=1, ge=1)
+    num_draft_tokens: int | None = Field(default=None, description="None = num_steps + 1 (chain drafting)")
+    extra_args: list[str] = []
+    ssh_host: str | None = Field(default=None, description="launcher ssh: the host to ssh to (None = host)")
+    srun_args: list[str] = Field(default=[], description="launcher srun: arguments before the command, e.g. [--nodes=1]")
+    health_timeout_s: float = Field(default=1800.0, gt=0.0, description="how long the server may take to become healthy")
+    log_dir: Path | None = Field(default=None, description="server logs (None = run.dir/logs)")
+    gpu_free_mib: int = Field(default=2048, gt=0, description="after a stop, wait until every GPU uses less than this")
+    gpu_free_timeout_s: float = Field(default=600.0, gt=0.0, description="how long to wait for the GPUs' memory")
+
+    @field_validator("release")
+    @classmethod
+    def _release_is_version(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            Version(value)
+        except InvalidVersion:
+            raise ValueError(f"'{value}' is not a release number; write it like 0.5.13") from None
+        return value
+
+    @model_validator(mode="after")
+    def _drafting_shape(self) -> ServingSection:
+        self.num_draft_tokens = DraftShape(self.num_steps, self.eagle_topk, self.num_draft_tokens).num_draft_tokens
+        return self
+
+    @property
+    def shape(self) -> DraftShape:
+        return DraftShape(self.num_steps, self.eagle_topk, self.num_draft_tokens)
+
+
+class BenchmarkSection(Section):
+    max_new_tokens: int = Field(gt=0)
+    num_prompts: int = Field(gt=0)
+    concurrency: list[int] = Field(default=[4], min_length=1, description="requests in flight: one level, or a list "
+                                   "the sweep measures at each of; the first is production's")
+    temperature: float = Field(default=0.0, ge=0.0, description="production traffic's sampling temperature: the sweep "
+                               "measures at it (the acceptance checks, simulated and served, decode greedily)")
+    request_timeout_s: float = Field(default=600.0, gt=0.0)
+    retries: int = Field(default=2, ge=0)
+    baseline: bool = Field(default=True, description="also measure the target without a draft (speedup); on the GPU "
+                           "node that is one more server start")
+    suites: list[SuiteSection] = Field(default=[SuiteSection(name=HELDOUT)], min_length=1, description="the prompt "
+                                       "sets measured, each reported and gated on its own (eagle3/config/suites.py)")
+
+    _suites = field_validator("suites", mode="before")(suites_from)
+    _distinct = field_validator("suites")(distinct_names)
+
+    @property
+    def gating_suites(self) -> list[str]:
+        return [suite.name for suite in self.suites if not suite.informational]
+
+    @field_validator("concurrency", mode="before")
+    @classmethod
+    def _levels(cls, value: Any) -> Any:
+        return [value] if isinstance(value, int) else value
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive_levels(cls, value: list[int]) -> list[int]:
+        if min(value) < 1 or len(set(value)) != len(value):
+            raise ValueError(f"{value}: give distinct levels, each at least 1")
+        return value
+
+    @property
+    def production_concurrency(self) -> int:
+        return self.concurrency[0]
+
+
+class SweepSection(Section):
+    """After the candidate passes its measurement: serve it under each drafting shape and pick the one with the most
+    output tokens/s at the production concurrency (eagle3.deployment.sweep). On the GPU node every point is a server start."""
+
+    enabled: bool = True
+    points: list[tuple[int, int, int]] = Field(default=[], description="(num_steps, eagle_topk, num_draft_tokens) "
+                                               "to serve, in this order, after the serving section's own shape")
+    num_prompts: int | None = Field(default=None, gt=0, description="requests of each benchmark suite per measurement "
+                                    "(None: every one): the first ones of each suite")
+    budget_s: float = Field(default=7200.0, gt=0.0, description="wall time the sweep may take; points that would "
+                            "run past it are skipped, each point's time estimated from the no-draft server's")
+
+    @field_validator("points")
+    @classmethod
+    def _sglang_shapes(cls, value: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        for i, point in enumerate(value):
+            problem = shape_problem(*point)
+            if problem:
+                raise ValueError(f"points[{i}] {list(point)}: {problem}")
+        return value

@@ -1,0 +1,1 @@
+"""The serving engine contract, as data: what each SGLang release does with a draft, and the problem codes a check can report."""

@@ -1,0 +1,1 @@
+"""Checking a draft against what a serving engine will do with it, and judging drafts trained elsewhere."""
