@@ -16,7 +16,7 @@ from eagle3.cli import build_parser, main
 from eagle3.draft.vocab_map import build_vocab_map, save_vocab_map
 from flows import monitor as flow_monitor
 from flows import run as flow_run
-from test_config import TINY
+from test_config import ROOT, TINY
 
 
 @pytest.fixture
@@ -137,10 +137,10 @@ def test_convert_refusal_exits_1_with_the_cause(native_draft, tmp_path, eagle3):
 
 def test_run_hands_its_arguments_to_the_flow_process(monkeypatch, capsys):
     handed = []
-    monkeypatch.setattr(os, "execv", lambda path, argv: handed.append((path, argv)))
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: handed.append((path, argv, env["PYTHONPATH"].split(os.pathsep)[0])))
     main(["run", str(TINY), "--set", "training.max_stepz=3", "--mode", "benchmark"])
     assert handed == [(sys.executable, [sys.executable, "-m", "flows.run", str(TINY), "--set", "training.max_stepz=3",
-                                        "--mode", "benchmark"])]
+                                        "--mode", "benchmark"], str(ROOT))]  # the checkout's flows, not installed ones
     # what that process does with them: the config refused in one line before Prefect starts a run
     assert flow_run.main([str(TINY), "--set", "training.max_stepz=3"]) == 1
     assert "training.max_stepz (from --set): unknown field" in capsys.readouterr().err
@@ -167,7 +167,7 @@ def test_every_command_answers_help(monkeypatch, capsys):
     """`eagle3 COMMAND --help` prints that command's usage and exits 0, for every command; `run` and `monitor` hand
     --help to the flow's own parser, which answers it before anything starts."""
     handed = []
-    monkeypatch.setattr(os, "execv", lambda path, argv: handed.append(argv[3:]))
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: handed.append(argv[3:]))
     flow_entries = {"run": flow_run.main, "monitor": flow_monitor.main}
     commands = subcommands(build_parser())
     assert {("run",), ("monitor",), ("registry", "list"), ("data", "capture")} <= set(commands)

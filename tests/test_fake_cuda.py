@@ -53,6 +53,7 @@ def test_evaluation_and_the_acceptance_replay_stay_on_the_device(micro_data, tmp
 def test_the_stop_check_reduces_a_device_tensor(micro_data, tmp_path):
     with fake_accelerator() as device:
         trainer = fake_trainer(micro_data, tmp_path, device)
+        assert trainer.stop_everywhere() is False
         trainer.stop_requested = True
         assert trainer.stop_everywhere() is True
 

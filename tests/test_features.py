@@ -17,6 +17,7 @@ from eagle3.data.shards import ShardReader, ShardWriter, read_dataset
 from eagle3.data.storage import log_projection
 from eagle3.data.vocab import build_vocab
 from eagle3.engines.features import TransformersFeatures, pad_rows
+from eagle3.engines.sglang_features import SGLangFeatures
 from eagle3.errors import Eagle3Error
 from eagle3.model.aux_states import aux_states, hidden_state_index
 from eagle3.train.trainer import Trainer
@@ -180,3 +181,23 @@ def test_the_storage_projection_of_an_online_run_is_zero_bytes_of_hidden_states(
     log_projection(load_config(KIMI, ["training.features=offline"]), offline.append)
     assert "no hidden state will be stored (training.features online): 0 bytes" in online[0]
     assert "57,349 bytes per token" in offline[0] and "47.0 TB" in offline[0]
+
+
+def test_the_sglang_backend_cuts_its_flat_states_into_rows_without_python_lists(monkeypatch):
+    """After SGLang's forward (its model runner runs in a release child: tests/conformance/test_features.py), the
+    backend cuts the flat token states into padded rows by tensor copies: a .tolist() there would copy every state
+    to the host on a GPU."""
+    backend = object.__new__(SGLangFeatures)  # the runner is the edge: its forward's flat [N, D] states made here
+
+    def forward(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = torch.cat(rows).float()[:, None]  # [N, 1]: each token's id as its state
+        return flat, torch.cat([flat, -flat], dim=1)  # last [N, 1], aux [N, 2]
+
+    backend._forward = forward
+    batch = pad_rows([[5, 6, 7], [], [8]], ["a", "b", "c"])
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("the feature path made a Python list"))
+        every, last_row = backend.features(batch), backend.features(batch, slice(2, 3))
+    assert torch.equal(every.last[..., 0], torch.tensor([[5.0, 6, 7], [0, 0, 0], [8, 0, 0]]))
+    assert torch.equal(every.aux[2, 0], torch.tensor([8.0, -8.0]))
+    assert torch.equal(last_row.last, torch.tensor([[[8.0]]]))  # one row, padded to its own length

@@ -320,16 +320,6 @@ def test_a_managed_production_server_outlives_the_run_until_released(micro_flow,
     assert all(line.startswith(f"[production managed {production.url}]") for line in lines)
 
 
-def test_an_external_production_is_reported_not_restarted(micro_flow, tmp_path):
-    overrides, first = micro_flow.overrides, micro_flow.first.state
-    config = load_config(CONFIG, overrides + ["production.mode=external", f"production.state_dir={tmp_path}"])
-    lines = []
-    production = Production(config, open_registry(config.registry), lines.append)
-    production.release_node()
-    assert production.serve(first.result(), "promoted") is None and not list(tmp_path.iterdir())
-    assert "external" in lines[0] and first.result() in lines[1] and "does not restart it" in lines[1]
-
-
 def test_a_failure_after_the_promotion_rolls_the_pointer_back(micro_flow):
     config = load_config(CONFIG, micro_flow.overrides)
     registry = open_registry(config.registry)

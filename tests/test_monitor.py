@@ -200,7 +200,7 @@ def test_the_command_hands_its_arguments_to_the_flow_process_and_refuses_a_confi
     from flows import monitor as flow_monitor
 
     handed = []
-    monkeypatch.setattr(os, "execv", lambda path, argv: handed.append((path, argv)))
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: handed.append((path, argv)))
     main(["monitor", str(TINY), "--set", "monitor.consecutive=2"])
     assert handed == [(sys.executable, [sys.executable, "-m", "flows.monitor", str(TINY), "--set",
                                         "monitor.consecutive=2"])]

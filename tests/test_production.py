@@ -235,3 +235,12 @@ def test_an_import_that_production_cannot_serve_is_rolled_back(production_config
     events = [(entry["event"], entry["version"]) for entry in registry.history()]
     assert events[-2:] == [("promoted", version), ("rolled-back", "v1")]
     assert any(line.startswith("import: restoring production v1 failed: LaunchError") for line in lines)
+
+
+def test_an_external_production_is_reported_not_restarted(production_config, tmp_path):
+    config = production_config("production.mode=external", f"production.state_dir={tmp_path / 'external'}")
+    lines = []
+    production = Production(config, open_registry(config.registry), lines.append)
+    production.release_node()
+    assert production.serve("v1", "promoted") is None and not (tmp_path / "external").exists()
+    assert "external" in lines[0] and "v1" in lines[1] and "does not restart it" in lines[1]

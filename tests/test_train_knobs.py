@@ -21,7 +21,7 @@ from eagle3.report import training_report
 from eagle3.stages.keys import begin, config_inputs, done, stage_fingerprint, stage_key
 from eagle3.train.data import ShardFeatures, TrainingData
 from eagle3.train.timing import Throughput
-from eagle3.train.schedule import lr_factor
+from eagle3.train.schedule import lr_factor, optimizer_and_schedule
 from eagle3.train.trainer import Trainer
 from flows import run as flow_run
 from test_config import TINY
@@ -55,20 +55,22 @@ def test_warmup_start_and_floor_shape_the_schedule():
     assert lr_factor(99, 5, 100, 0.0, "zero") == pytest.approx(0.5 * (1 + math.cos(math.pi * 94 / 95)))
 
 
-def test_the_knobs_reach_the_optimizer_and_the_scheduler(micro_data, tmp_path):
-    default, _ = run_copy(micro_data, tmp_path, "default", ["training.max_steps=40"])
-    trainer = Trainer(load_config(TINY, default), log=quiet)
-    group = trainer.optimizer.param_groups[0]
+def test_the_knobs_reach_the_optimizer_and_the_scheduler():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].weight.requires_grad_(False)  # as training.freeze_head leaves the head out
+    training = load_config(TINY, ["training.max_steps=40", "training.warmup_steps=5"]).training
+    optimizer, scheduler = optimizer_and_schedule(model, training)
+    group = optimizer.param_groups[0]
     assert (group["betas"], group["weight_decay"]) == ((0.9, 0.95), 0.0)
-    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(3e-3 / 5)  # warmup_steps 5 (test_train.TRAIN)
+    assert not any(p is model[1].weight for p in group["params"]) and len(group["params"]) == 3
+    assert scheduler.get_last_lr()[0] == pytest.approx(training.learning_rate / 5)
     knobs = ["training.max_steps=40", "training.warmup_start=zero", "training.lr_floor=0.3",
              "training.adam_betas=[0.8, 0.99]", "training.weight_decay=0.01"]
-    tuned, _ = run_copy(micro_data, tmp_path, "tuned", knobs)
-    trainer = Trainer(load_config(TINY, tuned), log=quiet)
-    group = trainer.optimizer.param_groups[0]
+    optimizer, scheduler = optimizer_and_schedule(model, load_config(TINY, knobs).training)
+    group = optimizer.param_groups[0]
     assert (group["betas"], group["weight_decay"]) == ((0.8, 0.99), 0.01)
-    assert trainer.scheduler.get_last_lr()[0] == 0.0
-    assert trainer.scheduler.lr_lambdas[0](40) == pytest.approx(0.3)  # the floor at the end of the schedule
+    assert scheduler.get_last_lr()[0] == 0.0
+    assert scheduler.lr_lambdas[0](40) == pytest.approx(0.3)  # the floor at the end of the schedule
 
 
 def test_knob_values_are_checked_at_load():

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from eagle3.cli.checkpoints import add_checkpoint_commands
-from eagle3.cli.common import EXIT_PROBLEMS, EXIT_UNREADABLE
+from eagle3.cli.common import EXIT_PROBLEMS, EXIT_UNREADABLE, exec_flow
 from eagle3.cli.configs import add_config_commands
 from eagle3.cli.registry import add_registry_commands
 from eagle3.cli.serving import add_serving_commands
@@ -61,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run_flow(args: argparse.Namespace) -> int:
     """The flow lives outside the library (which never imports Prefect): this process becomes the flow's, so a
     signal to it reaches the flow directly."""
-    os.execv(sys.executable, [sys.executable, "-m", "flows.run", *args.arguments])
+    exec_flow("run", args.arguments)
 
 
 def run_monitor(args: argparse.Namespace) -> int:
     """As run_flow: the monitor's flow run is this process."""
-    os.execv(sys.executable, [sys.executable, "-m", "flows.monitor", *args.arguments])
+    exec_flow("monitor", args.arguments)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -40,3 +41,18 @@ class DeprecatedFlag(argparse.Action):
 def add_release_argument(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--release", help=help)
     parser.add_argument(*DEPRECATED_RELEASE_FLAGS, dest="release", action=DeprecatedFlag, help=argparse.SUPPRESS)
+
+
+def exec_flow(module: str, arguments: list[str]) -> None:
+    """Become `python -m flows.<module>` of the checkout this library runs from, so a signal to this process reaches
+    the flow. Only the library is installed: flows/ and tasks/ are the deployments' code (prefect.yaml's
+    entrypoints), run from the checkout, never installed as top-level packages that could shadow a user's own."""
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / "flows" / f"{module}.py").is_file():
+        from eagle3.errors import Eagle3Error
+
+        raise Eagle3Error(f"this command runs flows/{module}.py of the project's checkout, and none is beside this "
+                          f"eagle3 ({checkout}): install eagle3 from its checkout (`make install`, or `pip install -e "
+                          ".` there)")
+    path = os.pathsep.join([str(checkout), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.execve(sys.executable, [sys.executable, "-m", f"flows.{module}", *arguments], {**os.environ, "PYTHONPATH": path})

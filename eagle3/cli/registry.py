@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, load_run_config
+from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, exec_flow, load_run_config
 
 
 def add_registry_commands(commands) -> None:
@@ -57,7 +56,7 @@ def run_registry_unlock(args: argparse.Namespace) -> int:
     """The lock is Prefect's (a global concurrency limit), which the library never imports: flows/unlock.py frees it,
     in this process."""
     arguments = ["--config", str(args.config), *[arg for o in args.overrides for arg in ("--set", o)]]
-    os.execv(sys.executable, [sys.executable, "-m", "flows.unlock", *arguments, *(["--force"] if args.force else [])])
+    exec_flow("unlock", [*arguments, *(["--force"] if args.force else [])])
 
 
 def open_config_registry(args: argparse.Namespace):

@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -86,11 +83,6 @@ def test_the_tolerance_tells_neighbouring_layers_apart(sglang_run, micro_target)
     finally:
         shifted.close()
     assert worst_difference(expected.aux, computed["all"]["aux"], batch().lengths) > 100 * ATOL
-
-
-def test_the_feature_path_makes_no_python_lists():
-    source = Path(sglang_features.__file__).read_text()
-    assert not re.search(r"\.tolist\(", source), "sglang_features.py turns tensors into Python lists"
 
 
 def test_pre_norm_is_refused_with_what_to_use_instead(micro_target):
