@@ -22,7 +22,6 @@ from prefect.transactions import transaction
 from eagle3.registry.gate import GateRejected
 from eagle3.registry.registry import open_registry
 from eagle3.runs import run_in_use
-from eagle3.fsutil import read_json
 from eagle3.stages.table import STAGES
 from tasks.bench import measure_served, sweep_serving
 from tasks.common import log_to_run
@@ -68,18 +67,16 @@ def train_and_deploy(config, resolved: str):
         for stage in STAGES.values():
             made[stage.name] = STAGE_TASKS[stage.name](
                 config, resolved, {name: made[source] for name, source in stage.upstream.items()})
-        exported, simulated = made["export"], read_json(made["simulate"].path, "the simulate stage's record")
-        served = measure_served(config, exported, simulated)
-        swept = sweep_serving(config, exported, served, simulated, before)
+        candidate = sweep_serving(config, measure_served(config, made["export"], made["simulate"]), before)
         fingerprints = {name: made[stage].fingerprint for name, stage in
                         (("data", "capture"), ("vocab", "vocab"), ("train", "train"), ("export", "export"))}
-        version = publish_candidate(config, fingerprints, exported, served, simulated, swept, before)
+        version = publish_candidate(config, fingerprints, candidate, before)
         with transaction():
-            decision = check_gate(config, version, exported, served, simulated, swept, before)
+            decision = check_gate(config, version, candidate, before)
             promote(config, version, before, decision.notes)
             production = verify_production(config, version)
     except GateRejected as rejected:
-        record_rejection(config, version, rejected, served, before)
+        record_rejection(config, version, rejected, candidate, before)
         production = serve_production(config, before, f"candidate {version} rejected")
         report_decision(config, version, rejected.decision, before, production)
         return Completed(name="RolledBack", message=rejected.decision.summary())
@@ -103,4 +100,4 @@ def watch(config: str, overrides: list[str]):
 
 def remeasure_production(config):
     production = remeasure(config)
-    return Failed(message=production["warning"]) if production["warning"] else production
+    return Failed(message=production.warning) if production.warning else production

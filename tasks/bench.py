@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
-from eagle3.deployment.promotion import gate_decision, measure_candidate
+from eagle3.deployment.promotion import Candidate, gate_decision, measure_candidate
 from eagle3.deployment.suites import acceptance_columns, production_on_these_requests, suite_columns, write_suites
 from eagle3.deployment.sweep import choose_serving
+from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
 from eagle3.report import acceptance_report, suites_report, suites_text, sweep_report
 from eagle3.stages.run import StageOutput
@@ -18,33 +21,34 @@ from tasks.common import log_to_run
 
 
 @task(name="measure-candidate", cache_policy=NO_CACHE)
-def measure_served(config: PipelineConfig, exported: StageOutput, simulated: dict) -> dict:
-    """`simulated`: the simulate stage's record."""
+def measure_served(config: PipelineConfig, exported: StageOutput, simulated: StageOutput) -> Candidate:
     served = measure_candidate(config, exported.path, record_path(config, "served"), log=log_to_run())
-    columns = acceptance_columns(config, simulated, served)
-    create_markdown_artifact(key="acceptance", markdown=acceptance_report(simulated, served, columns),
+    candidate = Candidate(exported.path, exported.fingerprint, read_json(simulated.path, "the simulated record"), served)
+    columns = acceptance_columns(config, candidate.simulated, served)
+    create_markdown_artifact(key="acceptance", markdown=acceptance_report(candidate.simulated, served, columns),
                              description="simulated vs served accept length per suite, histogram, per request, speedup")
-    return served
+    return candidate
 
 
 @task(name="sweep", cache_policy=NO_CACHE)
-def sweep_serving(config: PipelineConfig, exported: StageOutput, served: dict, simulated: dict,
-                  production: str | None) -> dict:
-    """The serving shape production gets (eagle3.deployment.sweep.choose_serving); the `sweep` artifact when it swept."""
+def sweep_serving(config: PipelineConfig, candidate: Candidate, production: str | None) -> Candidate:
+    """The candidate with the serving shape production gets (eagle3.deployment.sweep.choose_serving); the `sweep`
+    artifact when it swept."""
     log = log_to_run()
     registry = open_registry(config.registry, log=log)
-    acceptance = gate_decision(config, registry, production, served, simulated, {})
-    result = choose_serving(config, exported.path, served, acceptance, record_path(config, "sweep"), log)
+    acceptance = gate_decision(config, registry, production, candidate)  # its shape not chosen yet: acceptance alone
+    result = choose_serving(config, candidate.export, candidate.served, acceptance, record_path(config, "sweep"), log)
     if result["points"] is not None:
         chosen = result["chosen"]
         create_markdown_artifact(key="sweep", markdown=sweep_report(result),
                                  description=f"chosen: {chosen['label']}, {chosen['speedup']:.2f}x the no-draft server")
     manifest = registry.manifest(production) if production else None
-    columns = suite_columns(config, simulated, served, result, production_on_these_requests(served, manifest, production))
+    columns = suite_columns(config, candidate.simulated, candidate.served, result,
+                            production_on_these_requests(candidate.served, manifest, production))
     log(f"suites table: {write_suites(config, columns, record_path(config, 'suites'))}")
     for line in suites_text(columns):
         log(line)
     create_markdown_artifact(key="suites", markdown=suites_report(columns),
                              description="accept length per suite and drafting shape: simulated, served, sweep, "
                              "production")
-    return result
+    return replace(candidate, chosen=result["chosen"])

@@ -17,6 +17,7 @@ from prefect.transactions import get_transaction
 
 from eagle3.config import PipelineConfig
 from eagle3.deployment.promotion import (
+    Candidate,
     diagnosis_of,
     gate_decision,
     prune_after_promotion,
@@ -24,12 +25,11 @@ from eagle3.deployment.promotion import (
     version_fields,
     version_id,
 )
-from eagle3.deployment.production import Production
+from eagle3.deployment.production import Production, ProductionCheck
 from eagle3.export import export_dirs
 from eagle3.registry.gate import Decision, GateRejected, Reason
 from eagle3.registry.registry import open_registry
 from eagle3.report import decision_report
-from eagle3.stages.run import StageOutput
 from tasks.common import log_to_run
 
 
@@ -48,28 +48,27 @@ def release_production(config: PipelineConfig) -> str | None:
 
 
 @task(name="publish-candidate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
-def publish_candidate(config: PipelineConfig, fingerprints: dict, exported: StageOutput, served: dict, simulated: dict,
-                      swept: dict, production: str | None) -> str:
+def publish_candidate(config: PipelineConfig, fingerprints: dict, candidate: Candidate, production: str | None) -> str:
     registry = open_registry(config.registry, log=log_to_run())
-    version = version_id(config, exported.fingerprint)
+    version = version_id(config, candidate.fingerprint)
     if version in registry.versions():
         log_to_run()(f"registry: version {version} (this export) is already published: not uploading it again")
         return version
-    fields = version_fields(config, fingerprints, served, simulated["accept_length"], swept["chosen"],
-                            production, flow_run_id())
+    fields = version_fields(config, fingerprints, candidate.served, candidate.simulated["accept_length"],
+                            candidate.chosen, production, flow_run_id())
     registry.publish(version, version_dirs(config, export_dirs(config)), fields)
     return version
 
 
 @task(name="gate", cache_policy=NO_CACHE)
-def check_gate(config: PipelineConfig, version: str, exported: StageOutput, served: dict, simulated: dict, swept: dict,
-               production: str | None) -> Decision:
+def check_gate(config: PipelineConfig, version: str, candidate: Candidate, production: str | None) -> Decision:
     """The gate's decision; a rejection raises GateRejected with the train-serve diagnosis attached."""
     registry = open_registry(config.registry, log=log_to_run())
-    decision = gate_decision(config, registry, production, served, simulated, swept["chosen"])
+    decision = gate_decision(config, registry, production, candidate)
     log_to_run()(f"gate: {decision.summary()}")
     if not decision.promote:
-        decision.diagnosis = diagnosis_of(config, exported.path, served, simulated["accept_length"])
+        decision.diagnosis = diagnosis_of(config, candidate.export, candidate.served,
+                                          candidate.simulated["accept_length"])
         raise GateRejected(decision)
     return decision
 
@@ -101,30 +100,30 @@ def restore_pointer(transaction) -> None:
 
 
 @task(name="serve-production", cache_policy=NO_CACHE)
-def serve_production(config: PipelineConfig, version: str | None, why: str) -> dict:
+def serve_production(config: PipelineConfig, version: str | None, why: str) -> ProductionCheck:
     """Serve `version` on the production endpoint (managed) and re-measure it against its recorded numbers."""
     log = log_to_run()
     production = Production(config, open_registry(config.registry, log=log), log)
-    return checked(production, version, production.serve(version, why), config)
+    return production.checked(version, production.serve(version, why))
 
 
 @task(name="verify-production", cache_policy=NO_CACHE)
-def verify_production(config: PipelineConfig, version: str) -> dict:
+def verify_production(config: PipelineConfig, version: str) -> ProductionCheck:
     """After the promotion: production serves the new version at the accept length it was promoted on, or rolls back."""
     served = serve_production.fn(config, version, "promoted")
-    if served["warning"]:
-        raise GateRejected(Decision(False, [Reason("production-check", served["warning"])]))
+    if served.warning:
+        raise GateRejected(Decision(False, [Reason("production-check", served.warning)]))
     return served
 
 
 @task(name="record-rejection", cache_policy=NO_CACHE)
-def record_rejection(config: PipelineConfig, version: str | None, rejection: GateRejected, served: dict,
+def record_rejection(config: PipelineConfig, version: str | None, rejection: GateRejected, candidate: Candidate,
                      production: str | None) -> None:
     """History records the rejection with the candidate's measurement. Production must still be what it was
     before the run: a rollback hook that failed is an error here, not a line in a log."""
     registry = open_registry(config.registry, log=log_to_run())
     registry.require_production(production, f"after rejecting {version}")
-    measured = {k: served.get(k) for k in ("accept_length", "accept_rate", "lost_requests")}
+    measured = {k: candidate.served.get(k) for k in ("accept_length", "accept_rate", "lost_requests")}
     registry.record("rejected", version, [f"{r.rule}: {r.message}" for r in rejection.decision.reasons],
                     by="pipeline", run=flow_run_id(), extra={"candidate": measured})
 
@@ -138,13 +137,13 @@ def prune_old_runs(config: PipelineConfig) -> list[dict]:
 
 @task(name="report-decision", cache_policy=NO_CACHE)
 def report_decision(config: PipelineConfig, version: str | None, decision: Decision, before: str | None,
-                    production: dict, removed_runs: list[dict] | None = None) -> None:
+                    production: ProductionCheck, removed_runs: list[dict] | None = None) -> None:
     """The decision artifact and event. `removed_runs`: what the retention removed (None: it did not run)."""
     registry = open_registry(config.registry, log=log_to_run())
     outcome = "promoted" if decision.promote else "rolled back"
     text = decision_report(outcome, version, [vars(r) for r in decision.reasons], decision.diagnosis,
-                           registry.location, before, registry.production_version(), production["measured"],
-                           production["warning"], removed_runs, config.run.keep_runs, decision.notes,
+                           registry.location, before, registry.production_version(), production.measured,
+                           production.warning, removed_runs, config.run.keep_runs, decision.notes,
                            decision.measured)
     create_markdown_artifact(key="decision", markdown=text, description=f"{outcome}: {decision.summary()}")
     emit_event(event=f"eagle3.draft.{'promoted' if decision.promote else 'rolled-back'}",
@@ -154,16 +153,11 @@ def report_decision(config: PipelineConfig, version: str | None, decision: Decis
 
 
 @task(name="remeasure-production", cache_policy=NO_CACHE)
-def remeasure(config: PipelineConfig) -> dict:
+def remeasure(config: PipelineConfig) -> ProductionCheck:
     """The benchmark deployment: production measured again (managed: restarted and measured; external: measured
     where it serves) and compared with its recorded numbers."""
     log = log_to_run()
     registry = open_registry(config.registry, log=log)
     production = Production(config, registry, log)
     version = registry.production_version()
-    return checked(production, version, production.remeasure(version), config)
-
-
-def checked(production: Production, version: str | None, measured: dict | None, config: PipelineConfig) -> dict:
-    return {"version": version, "measured": measured,
-            "warning": production.check(version, measured, config.gate.production_tolerance)}
+    return production.checked(version, production.remeasure(version))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.config import PipelineConfig, derived
@@ -31,6 +32,15 @@ from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
 STATE_FILE = "server.json"
+
+
+@dataclass(frozen=True)
+class ProductionCheck:
+    """Production after a run, or re-measured: the version it serves, its measurement (None: nothing measured) and
+    the shortfall against the figures it was promoted on (None: it holds them)."""
+    version: str | None
+    measured: dict | None
+    warning: str | None
 
 
 class Production:
@@ -184,6 +194,9 @@ class Production:
             return warning
         self.log(f"version {version} measures accept length {now:.3f}, recorded {recorded:.3f}: as promoted")
         return None
+
+    def checked(self, version: str | None, measured: dict | None) -> ProductionCheck:
+        return ProductionCheck(version, measured, self.check(version, measured, self.config.gate.production_tolerance))
 
 
 def boot_id() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +33,18 @@ from eagle3.serve.launch import launch_and_validate
 Log = Callable[[str], None]
 PROMPTS_LAYOUT, PROMPTS_FILE = "benchmark", "prompts.jsonl"  # a version's prompt set, published beside its layouts
 
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The draft a run made, as the gate judges it and its registry version records it: the served export and its
+    fingerprint, the simulate stage's record, the candidate's served record, and the serving shape chosen for it
+    (the sweep's, or serving's own as served; None until chosen)."""
+    export: Path
+    fingerprint: str
+    simulated: dict
+    served: dict
+    chosen: dict | None = None
 
 def benchmark_prompts_file(config: PipelineConfig) -> Path:
     """The run's benchmark requests (every configured suite's, as the data stage made them: ids, suite, slice) as a
@@ -171,15 +184,15 @@ def candidate_metrics(config: PipelineConfig, served: dict, simulated: dict, dat
                    speedup=chosen.get("speedup"), throughput=throughput_text(chosen), suites=measured + tuple(missing))
 
 
-def gate_decision(config: PipelineConfig, registry, production: str | None, served: dict, simulated: dict,
-                  chosen: dict) -> Decision:
-    """The gate on the candidate (`simulated`: its simulated.json) against the production version's recorded metrics
-    (re-measured on this run's requests, when they differ from those it was measured on and that measurement is
-    whole). With `chosen` {} (no speedup measured yet) it judges acceptance alone."""
-    candidate = candidate_metrics(config, served, simulated, data_quality_of(config), chosen)
-    here = served.get("production_on_run_prompts") or {}
+def gate_decision(config: PipelineConfig, registry, production: str | None, candidate: Candidate) -> Decision:
+    """The gate on the candidate against the production version's recorded metrics (re-measured on this run's
+    requests, when they differ from those it was measured on and that measurement is whole). With its shape not
+    chosen yet (`chosen` None: no speedup measured) it judges acceptance alone."""
+    metrics = candidate_metrics(config, candidate.served, candidate.simulated, data_quality_of(config),
+                                candidate.chosen or {})
+    here = candidate.served.get("production_on_run_prompts") or {}
     whole = here.get("version") == production and not here.get("lost_requests") and here.get("accept_length")
-    return decide_against_production(registry, candidate, production, config.gate, here if whole else None)
+    return decide_against_production(registry, metrics, production, config.gate, here if whole else None)
 
 
 def data_quality_of(config: PipelineConfig) -> dict:
