@@ -39,7 +39,7 @@ def time_continuations(config, count: int) -> None:
     prompts = [prompt_ids(tokenizer, list(p.turns), config.data.thinking)
                for p in load_prompts(config.data.prompts, limit=count).prompts]
     generator = LocalGenerator(config.target.path, config.data.max_new_tokens, 0.0)
-    length, batch = greedy_length(config), engine_batch(config)
+    length, batch = greedy_length(config), engine_batch(config.data)
     start = time.perf_counter()
     alone = [target_greedy(generator.model, ids, length) for ids in prompts]
     alone_s = time.perf_counter() - start

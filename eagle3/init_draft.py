@@ -104,7 +104,7 @@ def resolve_init_from(config: PipelineConfig, log: Log = print) -> Path | None:
     draft = init_draft(config)
     if draft is None:
         return None
-    out = init_dir(config)
+    out = init_dir(config.run)
     (out / RECORD_FILE).unlink(missing_ok=True)  # a failed resolution leaves no record: the trainer refuses
     fetched = out / f"fetched-{VERSION_LAYOUT}"
     try:

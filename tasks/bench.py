@@ -24,7 +24,7 @@ from tasks.common import log_to_run
 def measure_served(config: PipelineConfig, exported: StageOutput, simulated: StageOutput) -> Candidate:
     served = measure_candidate(config, exported.path, record_path(config, "served"), log=log_to_run())
     candidate = Candidate(exported.path, exported.fingerprint, read_json(simulated.path, "the simulated record"), served)
-    columns = acceptance_columns(config, candidate.simulated, served)
+    columns = acceptance_columns(config.serving, candidate.simulated, served)
     create_markdown_artifact(key="acceptance", markdown=acceptance_report(candidate.simulated, served, columns),
                              description="simulated vs served accept length per suite, histogram, per request, speedup")
     return candidate
@@ -43,9 +43,9 @@ def sweep_serving(config: PipelineConfig, candidate: Candidate, production: str 
         create_markdown_artifact(key="sweep", markdown=sweep_report(result),
                                  description=f"chosen: {chosen['label']}, {chosen['speedup']:.2f}x the no-draft server")
     manifest = registry.manifest(production) if production else None
-    columns = suite_columns(config, candidate.simulated, candidate.served, result,
+    columns = suite_columns(config.serving, candidate.simulated, candidate.served, result,
                             production_on_these_requests(candidate.served, manifest, production))
-    log(f"suites table: {write_suites(config, columns, record_path(config, 'suites'))}")
+    log(f"suites table: {write_suites(config.benchmark, columns, record_path(config, 'suites'))}")
     for line in suites_text(columns):
         log(line)
     create_markdown_artifact(key="suites", markdown=suites_report(columns),

@@ -50,13 +50,13 @@ def release_production(config: PipelineConfig) -> str | None:
 @task(name="publish-candidate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
 def publish_candidate(config: PipelineConfig, fingerprints: dict, candidate: Candidate, production: str | None) -> str:
     registry = open_registry(config.registry, log=log_to_run())
-    version = version_id(config, candidate.fingerprint)
+    version = version_id(config.run, candidate.fingerprint)
     if version in registry.versions():
         log_to_run()(f"registry: version {version} (this export) is already published: not uploading it again")
         return version
     fields = version_fields(config, fingerprints, candidate.served, candidate.simulated["accept_length"],
                             candidate.chosen, production, flow_run_id())
-    registry.publish(version, version_dirs(config, export_dirs(config)), fields)
+    registry.publish(version, version_dirs(config.run, export_dirs(config)), fields)
     return version
 
 

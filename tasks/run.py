@@ -58,7 +58,7 @@ def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[Pipel
     check_local_inputs(run_config)
     require_fit(run_config, config)  # refused before any stage when a GPU stage would not fit
     if mode == "retrain":
-        overrides = overrides + retrain_overrides(run_config, open_registry(run_config.registry, log=log_to_run()),
+        overrides = overrides + retrain_overrides(run_config.run, open_registry(run_config.registry, log=log_to_run()),
                                                   log_to_run())
         run_config = load_config(config, overrides)
     init_draft(run_config)  # a training.init_from that names no draft is refused before any stage

@@ -2,6 +2,8 @@
 run on a fake accelerator (tests/fake_device.py), where a CPU tensor meeting a device tensor fails as it
 would on the node. Select them with `pytest -m fake_cuda`."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
@@ -53,9 +55,16 @@ def test_evaluation_and_the_acceptance_replay_stay_on_the_device(micro_data, tmp
 def test_the_stop_check_reduces_a_device_tensor(micro_data, tmp_path):
     with fake_accelerator() as device:
         trainer = fake_trainer(micro_data, tmp_path, device)
-        assert trainer.stop_everywhere() is False
         trainer.stop_requested = True
         assert trainer.stop_everywhere() is True
+
+
+def test_no_rank_stops_until_one_is_asked_to():
+    """On the host: the fake accelerator reads every number back as 1, so only a real device tells False apart."""
+    rank = SimpleNamespace(stop_requested=False, dist=Dist(device=torch.device("cpu")))
+    assert Trainer.stop_everywhere(rank) is False
+    rank.stop_requested = True
+    assert Trainer.stop_everywhere(rank) is True
 
 
 def test_a_collective_refuses_a_host_tensor():

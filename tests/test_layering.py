@@ -1,5 +1,6 @@
-"""The project's import order, read from the source (imports inside functions included): no cycle between modules,
-no module importing one from a layer above its own, and the library never importing Prefect."""
+"""The project's structure, read from the source (imports inside functions included): no cycle between modules or
+packages, no module importing one from a layer above its own, the library never importing Prefect, no module over
+450 lines, and library functions below the stages taking the config sections they use."""
 
 import ast
 from pathlib import Path
@@ -151,3 +152,139 @@ def test_every_module_is_in_a_layer():
 def test_no_module_is_over_450_lines():
     long = {name: n for name, path in project_modules().items() if (n := len(path.read_text().splitlines())) > 450}
     assert long == {}
+
+
+# Library functions below the stages take the config sections they use, not the whole PipelineConfig: the config is
+# narrowed where a stage starts (eagle3.stages.table's runners, the tasks, the CLI). A function that still takes it
+# is listed below with what it reads, and the test keeps that list true: a new function that takes the whole config
+# fails here, and so does one that reads a single section (it takes that section instead).
+# properties and methods of PipelineConfig -> the sections they read
+DERIVED = {"stage_dir": ("run",), "heldout_set": ("benchmark", "training"), "replay_shape": ("serving",),
+           "model_dump": ("all",), "model_dump_json": ("all",)}
+HANDS_ON = "hands it on"  # passes the whole config to another function that takes it
+
+# function -> what it reads of the config: the sections, and HANDS_ON where it passes the config on
+TAKES_THE_CONFIG = {
+    "eagle3.bench.simulate.heldout_samples": (HANDS_ON, "run"),
+    "eagle3.bench.simulate.simulate": ("benchmark", HANDS_ON, "serving"),
+    "eagle3.bench.simulate.simulate_shape": ("benchmark", "serving"),
+    "eagle3.bench.simulate.simulate_shapes": ("benchmark", HANDS_ON, "serving", "target"),
+    "eagle3.data.capture.capture": ("data", HANDS_ON, "run", "training"),
+    "eagle3.data.capture.capture_settings": ("data", "target"),
+    "eagle3.data.capture.check_dataset": ("data", HANDS_ON, "target", "training"),
+    "eagle3.data.capture.dataset_dir": ("run", "training"),
+    "eagle3.data.capture.dataset_fields": ("data", HANDS_ON, "training"),
+    "eagle3.data.capture.feature_widths": ("data", "target"),
+    "eagle3.data.capture.heldout_fields": ("data", HANDS_ON, "target"),
+    "eagle3.data.capture.regenerated_manifest": ("data", "run", "target"),
+    "eagle3.data.importer.check_fits": ("data", "target"),
+    "eagle3.data.importer.import_rows": ("data", HANDS_ON, "run", "target"),
+    "eagle3.data.importer.make_samples": ("data", HANDS_ON),
+    "eagle3.data.importer.parse_row": ("data", HANDS_ON),
+    "eagle3.data.importer.write_rows": ("data", HANDS_ON),
+    "eagle3.data.node_capture.capture_with_engine": ("data", HANDS_ON),
+    "eagle3.data.node_capture.node_command": ("data", "serving"),
+    "eagle3.data.node_capture.run_on_node": (HANDS_ON,),
+    "eagle3.data.regenerate.benchmark_questions": ("benchmark", "run", "training"),
+    "eagle3.data.regenerate.continue_heldout": ("benchmark", "data", HANDS_ON, "target", "training"),
+    "eagle3.data.regenerate.greedy_length": ("benchmark", HANDS_ON, "training"),
+    "eagle3.data.regenerate.regenerate": ("data", HANDS_ON, "run", "target"),
+    "eagle3.data.regenerate.samples_fields": ("data", HANDS_ON, "target"),
+    "eagle3.data.regenerate.simulated_shapes": ("serving", "sweep"),
+    "eagle3.data.regenerate.split_prompts": ("data", HANDS_ON, "run"),
+    "eagle3.data.storage.check_storage": ("data", HANDS_ON, "target"),
+    "eagle3.data.storage.log_projection": ("data", HANDS_ON, "run", "training"),
+    "eagle3.data.storage.projected_bytes": ("data", "target"),
+    "eagle3.data.suites.planned_requests": ("benchmark", "training"),
+    "eagle3.data.traffic.prompt_sources": ("data", HANDS_ON, "run"),
+    "eagle3.data.traffic.traffic_prompts": (HANDS_ON, "run"),
+    "eagle3.data.traffic.traffic_snapshot": ("data", "production", "run", "target"),
+    "eagle3.data.vocab.build_vocab": (HANDS_ON, "run", "target", "vocab"),
+    "eagle3.deployment.imports.import_as_production": ("gate", HANDS_ON, "serving"),
+    "eagle3.deployment.imports.import_draft": (HANDS_ON, "registry", "run"),
+    "eagle3.deployment.imports.import_fields": (HANDS_ON,),
+    "eagle3.deployment.imports.serving_of": ("data", "serving", "target"),
+    "eagle3.deployment.monitor.Monitor.__init__": (HANDS_ON,),
+    "eagle3.deployment.monitor.from_records": ("monitor", "production"),
+    "eagle3.deployment.monitor.observe": (HANDS_ON, "monitor", "production"),
+    "eagle3.deployment.monitor.source_of": ("monitor", "production"),
+    "eagle3.deployment.production.Production.__init__": (HANDS_ON, "production"),
+    "eagle3.deployment.promotion.benchmark_prompts_file": ("benchmark", "run"),
+    "eagle3.deployment.promotion.config_fields": ("all",),
+    "eagle3.deployment.promotion.diagnosis_of": (HANDS_ON, "serving", "target"),
+    "eagle3.deployment.promotion.gate_decision": ("benchmark", "gate", "run"),
+    "eagle3.deployment.promotion.measure_candidate": ("benchmark", HANDS_ON),
+    "eagle3.deployment.promotion.measure_server": ("benchmark", HANDS_ON, "target"),
+    "eagle3.deployment.promotion.measured_fields": (HANDS_ON,),
+    "eagle3.deployment.promotion.production_on_run_prompts": (HANDS_ON, "registry", "run"),
+    "eagle3.deployment.promotion.prompt_ids_in": ("data", "target"),
+    "eagle3.deployment.promotion.prompt_set_fields": ("benchmark", "run"),
+    "eagle3.deployment.promotion.prune_after_promotion": ("registry", "run"),
+    "eagle3.deployment.promotion.version_fields": (HANDS_ON, "run"),
+    "eagle3.deployment.sweep.choose_serving": (HANDS_ON, "serving", "sweep"),
+    "eagle3.deployment.sweep.measure_levels": ("benchmark", HANDS_ON, "target"),
+    "eagle3.deployment.sweep.measure_point": ("benchmark", HANDS_ON),
+    "eagle3.deployment.sweep.run_sweep": ("benchmark", HANDS_ON, "sweep"),
+    "eagle3.deployment.sweep.with_shape": (HANDS_ON,),
+    "eagle3.engines.backends.target_backend": ("data", "target"),
+    "eagle3.engines.generators.make_generator": ("data", "target", "training"),
+    "eagle3.serve.launch.launch_and_validate": ("export", HANDS_ON, "serving"),
+    "eagle3.serve.launch.reference_command": ("run", "serving", "target"),
+    "eagle3.serve.launch.server_for": (HANDS_ON, "run", "serving"),
+    "eagle3.serve.launch.sglang_command": ("data", "serving", "target"),
+    "eagle3.train.architecture.trained_draft_config": ("data", "draft", "target", "vocab"),
+    "eagle3.train.launch.child_env": ("run", "training"),
+    "eagle3.train.launch.launch_commands": (HANDS_ON, "training"),
+    "eagle3.train.launch.node_command": ("run", "training"),
+    "eagle3.train.launch.train": (HANDS_ON, "run", "serving", "training"),
+    "eagle3.train.launch.trainer_python": ("data", "training"),
+    "eagle3.train.trainer.Trainer.__init__": (HANDS_ON, "run", "target", "training"),
+    "eagle3.train.warm_start.resolved_init": ("run", "training"),
+}
+
+
+def reads(function: ast.FunctionDef, name: str) -> tuple[str, ...]:
+    parents = {child: node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
+    found = set()
+    for node in ast.walk(function):
+        if isinstance(node, ast.Name) and node.id == name:
+            parent = parents.get(node)
+            if isinstance(parent, ast.Attribute) and parent.value is node:
+                found.update(DERIVED.get(parent.attr, (parent.attr,)))
+            else:
+                found.add(HANDS_ON)
+    return tuple(sorted(found))
+
+
+def whole_config_takers() -> dict[str, tuple[str, ...]]:
+    """Every function below the stages' layer with a parameter annotated PipelineConfig -> what it reads of it."""
+    below = layer_of("eagle3.stages")
+    found = {}
+    for module, path in project_modules().items():
+        if not module.startswith("eagle3.") or module.startswith("eagle3.config") or layer_of(module) >= below:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef):
+                        item.qualname = f"{node.name}.{item.name}"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for arg in node.args.args + node.args.kwonlyargs:
+                if arg.annotation is not None and "PipelineConfig" in ast.unparse(arg.annotation):
+                    found[f"{module}.{getattr(node, 'qualname', node.name)}"] = reads(node, arg.arg)
+    return found
+
+
+def test_no_function_below_the_stages_takes_the_whole_config_unlisted():
+    found = whole_config_takers()
+    assert {name: found[name] for name in sorted(set(found) - set(TAKES_THE_CONFIG))} == {}
+    assert sorted(set(TAKES_THE_CONFIG) - set(found)) == []  # no stale entry
+
+
+def test_the_list_says_what_each_function_reads_and_none_reads_one_section_alone():
+    found = whole_config_takers()
+    assert {name: found[name] for name in TAKES_THE_CONFIG if found.get(name) != TAKES_THE_CONFIG[name]} == {}
+    assert [name for name, read in found.items() if len(read) == 1 and read != (HANDS_ON,) and read != ("all",)] == []

@@ -319,5 +319,5 @@ def store_heldout(config, micro):
     """What the data stage leaves for the simulator: greedy continuations, then their features in data/heldout."""
     store_requests(config, micro)
     backend = TransformersFeatures(str(micro["path"]), AUX_LAYERS, "post_norm", torch.device("cpu"))
-    write_shard(shard_file(config.stage_dir("data") / HELDOUT_DIR, 0), heldout_records(config), {}, backend,
+    write_shard(shard_file(config.stage_dir("data") / HELDOUT_DIR, 0), heldout_records(config.run), {}, backend,
                 feature_widths(config), batch_size=4)

@@ -115,7 +115,7 @@ def test_the_traffic_suite_is_the_held_out_prompts_that_came_from_traffic(tmp_pa
                                 "benchmark.suites=[heldout, {name: traffic, num_prompts: 2}]"])
     heldout = [rendered_prompt(f"prompt {i}", slice_name) for i, slice_name in
                enumerate(["base", "code", "base", "docs", "code", "base"])]
-    questions = suite_questions(config, heldout)
+    questions = suite_questions(config.benchmark, heldout)
     assert [(q.suite, q.prompt.slice) for q in questions] == [("heldout", "base"), ("heldout", "code"),
                                                                ("heldout", "base"), ("traffic", "code"), ("traffic", "docs")]
     assert not any(q.multi_turn for q in questions)
@@ -129,7 +129,7 @@ def test_the_gate_counts_gating_suites_only_and_refuses_a_gating_suite_that_made
     served = {"accept_length": 1.5, "accept_rate": 0.1, "draft_tokens_per_step": 3,
               "suites": {"heldout": suite(300, 100, 150), "chat": suite(110, 100, 10)}}
     simulated = {"accept_length": 1.6, "suites": {"heldout": suite(300, 100, 150), "chat": suite(130, 100, 30)}}
-    metrics = candidate_metrics(config, served, simulated, {"problems": []}, {})
+    metrics = candidate_metrics(config.benchmark, served, simulated, {"problems": []}, {})
     assert metrics.accept_length == pytest.approx(3.0) and metrics.accept_rate == pytest.approx(0.5)  # heldout alone
     assert metrics.simulated_accept_length == pytest.approx(3.0)
     decision = decide(metrics, None, config.gate)
@@ -143,8 +143,8 @@ def test_the_table_names_its_shapes_and_says_when_a_column_was_sampled():
     simulated = {"shapes": [{"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4, "suites": figures}]}
     swept = {"temperature": 0.7, "points": [{"shape": {"num_steps": 7, "eagle_topk": 1, "num_draft_tokens": 8},
                                              "levels": [{"concurrency": 4, "suites": figures, "output_tokens_per_s": 9.0}]}]}
-    names = [c["name"] for c in suite_columns(config, simulated, {"suites": figures}, swept, None)]
+    names = [c["name"] for c in suite_columns(config.serving, simulated, {"suites": figures}, swept, None)]
     served = f"{config.serving.shape.num_steps}/{config.serving.shape.eagle_topk}/{config.serving.shape.num_draft_tokens}"
     assert names == ["3/1/4 simulated", f"{served} served", "7/1/8 served @ 4, temperature 0.7"]
-    greedy = suite_columns(config, simulated, {"suites": figures}, {**swept, "temperature": 0.0}, None)
+    greedy = suite_columns(config.serving, simulated, {"suites": figures}, {**swept, "temperature": 0.0}, None)
     assert greedy[-1]["name"] == "7/1/8 served @ 4"

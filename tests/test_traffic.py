@@ -137,7 +137,7 @@ def test_rendered_prompt_is_regenerated_as_sent_with_the_answer_alone_in_the_los
     sent = encode(tokenizer, text)
     assert prompt_ids(tokenizer, [{"role": "user", "content": text}], False) != sent  # what a second template makes
     record, = generate_batch(LocalGenerator(str(micro_target), 8, 0.0), tokenizer, [rendered_prompt(text, "code")],
-                             config)
+                             config.data)
     assert record["input_ids"][: len(sent)] == sent and len(record["input_ids"]) > len(sent)
     assert record["loss_mask"] == [0] * len(sent) + [1] * (len(record["input_ids"]) - len(sent))
     assert record["replies"][0][:2] == [len(sent), len(record["input_ids"])]

@@ -88,7 +88,7 @@ def run_bench(args: argparse.Namespace) -> int:
                            pick(args.concurrency, settings.production_concurrency), settings.request_timeout_s,
                            settings.retries, baseline_url=args.baseline_url, temperature=args.temperature)
     if config is not None and args.prompts is None:
-        label_suites(config, result, prompts)
+        label_suites(config.benchmark, result, prompts)
     print("\n".join(render_table(result)))
     if result["suites"]:
         from eagle3.report import suites_text

@@ -18,7 +18,7 @@ from eagle3.config.data import PROMPT_SUFFIXES, DataSection, VocabSection
 from eagle3.config.deployment import GateSection, MonitorSection, ProductionSection, RegistrySection
 from eagle3.config.draft import DraftSection
 from eagle3.config.node import NodeSection
-from eagle3.config.run import RUN_DIRS, RunSection, TargetSection
+from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection, ExportSection, ServingSection, SweepSection
 from eagle3.config.suites import MTBENCH, TRAFFIC, mtbench_file
 from eagle3.config.training import TrainingSection
@@ -145,9 +145,7 @@ class PipelineConfig(Section):
         return self.serving.shape if self.serving is not None else DraftShape(DEFAULT_NUM_STEPS)
 
     def stage_dir(self, stage: str) -> Path:
-        if stage not in RUN_DIRS:
-            raise ValueError(f"unknown run directory {stage!r}; they are {', '.join(RUN_DIRS)}")
-        return self.run.dir / stage
+        return self.run.stage_dir(stage)
 
 
 def require_sections(config: PipelineConfig, names: tuple[str, ...], by: str) -> None:

@@ -27,6 +27,12 @@ class RunSection(Section):
     warm_start: bool = Field(default=True, description="local reference servers that end with the run fork from one "
                              "process that imported them (eagle3/warm.py: ~1 s a start, not ~9); false: a new interpreter each")
 
+    def stage_dir(self, stage: str) -> Path:
+        """One of the run directory's parts (RUN_DIRS)."""
+        if stage not in RUN_DIRS:
+            raise ValueError(f"unknown run directory {stage!r}; they are {', '.join(RUN_DIRS)}")
+        return self.dir / stage
+
 
 class TargetSection(Section):
     path: str = Field(min_length=1, description="target model directory (or hub id on the GPU node)")

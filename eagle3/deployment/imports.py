@@ -162,7 +162,7 @@ def import_as_production(config: PipelineConfig, registry: Registry, version: st
             served = measure_server(config, staged, prompt_ids_in(config, prompts_file), log,
                                     role=f"imported draft {version}")
             refuse_unusable(version, served)
-            chosen = configured_choice(config, served)
+            chosen = configured_choice(config.serving, served)
             registry.publish(version, {"sglang": staged, PROMPTS_LAYOUT: prompts_file.parent},
                              fields | measured_fields(config, served, None, chosen))
         registry.promote(version, before, [REASON, f"source: {fields['provenance']['source']}"], by=by)

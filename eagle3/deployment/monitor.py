@@ -28,6 +28,7 @@ import httpx
 
 from eagle3.bench.counting import accept_length
 from eagle3.config import PipelineConfig
+from eagle3.config.deployment import MonitorSection, ProductionSection
 from eagle3.errors import ConfigError
 from eagle3.records.telemetry import GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records
 
@@ -63,8 +64,8 @@ def source_of(config: PipelineConfig) -> str:
     return wanted
 
 
-def production_url(config: PipelineConfig) -> str:
-    return f"http://{config.production.host}:{config.production.port}"
+def production_url(production: ProductionSection) -> str:
+    return f"http://{production.host}:{production.port}"
 
 
 def from_records(config: PipelineConfig, now: float) -> Observation:
@@ -123,7 +124,7 @@ def serving(url: str, timeout_s: float) -> bool:
 
 def observe(config: PipelineConfig, previous: dict | None, now: float) -> Observation | str:
     """One window of production, or why it could not be observed (production unavailable)."""
-    url, timeout = production_url(config), config.monitor.timeout_s
+    url, timeout = production_url(config.production), config.monitor.timeout_s
     if source_of(config) == "records":
         if not serving(url, timeout):
             return f"production at {url} does not answer /health (stopped, e.g. by a retrain on the node)"
@@ -147,9 +148,8 @@ def baseline_of(manifest: dict) -> dict:
             "speedup": production.get("speedup")}
 
 
-def judge(observation: Observation, baseline: dict, config: PipelineConfig) -> tuple[str, str, float | None]:
+def judge(observation: Observation, baseline: dict, monitor: MonitorSection) -> tuple[str, str, float | None]:
     """(verdict, reason, threshold) of one observed window."""
-    monitor = config.monitor
     measured = accept_length(observation.completion_tokens, observation.verify_steps)
     if baseline.get("accept_length") is None:
         return "insufficient", "the production version recorded no accept length at its promotion", None
@@ -203,7 +203,7 @@ class Monitor:
             entry.update(verdict="unavailable", reason=observed)
         else:
             baseline = baseline_of(self.registry.manifest(version))
-            verdict, reason, threshold = judge(observed, baseline, self.config)
+            verdict, reason, threshold = judge(observed, baseline, self.config.monitor)
             entry.update(verdict=verdict, reason=reason, source=observed.source, span_s=observed.span_s,
                          accept_length=accept_length(observed.completion_tokens, observed.verify_steps),
                          output_tokens_per_s=observed.completion_tokens / observed.span_s if observed.span_s else None,

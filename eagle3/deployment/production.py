@@ -133,7 +133,7 @@ class Production:
         if version is None:
             return None
         config, prompts, temperature = self.measurement(version)
-        return benchmark_on(config, self.url, prompts, self._log, temperature=temperature)
+        return benchmark_on(config.benchmark, self.url, prompts, self._log, temperature=temperature)
 
     def measurement(self, version: str) -> tuple[PipelineConfig, list[list[int]], float]:
         """The config, prompts and temperature a version is served and re-measured with: the serving shape,

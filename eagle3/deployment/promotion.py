@@ -18,6 +18,8 @@ from eagle3.bench.counting import pooled
 from eagle3.bench.diagnose import diagnose
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
+from eagle3.config.run import RunSection
+from eagle3.config.serving import BenchmarkSection
 from eagle3.data.capture import dataset_dir
 from eagle3.data.prompts import load_prompts
 from eagle3.data.regenerate import REGEN_DIR, read_greedy, sent_ids
@@ -73,24 +75,23 @@ def prompt_ids_in(config: PipelineConfig, path: Path) -> list[SlicedPrompt]:
     return [SlicedPrompt(sent_ids(tokenizer, p, config.data.thinking), p.slice) for p in prompt_set.prompts]
 
 
-def label_suites(config: PipelineConfig, result: dict, prompts: list[SlicedPrompt]) -> None:
+def label_suites(benchmark: BenchmarkSection, result: dict, prompts: list[SlicedPrompt]) -> None:
     """Each suite of a benchmark `result` gets its requests' sha256 (the gate compares figures on equal ones only) and
     whether the config marks it informational."""
-    informational = {suite.name for suite in config.benchmark.suites if suite.informational}
+    informational = {suite.name for suite in benchmark.suites if suite.informational}
     for name, digest in suite_digests(prompts).items():
         result["suites"][name].update(sha256=digest, informational=name in informational)
 
 
-def benchmark_on(config: PipelineConfig, url: str, prompts: list[list[int]], log: Log, concurrency: int | None = None,
-                 temperature: float = 0.0) -> dict:
+def benchmark_on(benchmark: BenchmarkSection, url: str, prompts: list[list[int]], log: Log,
+                 concurrency: int | None = None, temperature: float = 0.0) -> dict:
     """The benchmark of `prompts` on a serving `url` (at the production concurrency unless given; greedy unless a
     temperature is given). Requests lost after their retries give a result with `lost_requests` (the gate
     rejects it) instead of numbers."""
-    b = config.benchmark
     try:
-        result = run_benchmark(url, prompts, b.max_new_tokens, concurrency or b.production_concurrency,
-                               b.request_timeout_s, b.retries, log=log, temperature=temperature)
-        label_suites(config, result, prompts)
+        result = run_benchmark(url, prompts, benchmark.max_new_tokens, concurrency or benchmark.production_concurrency,
+                               benchmark.request_timeout_s, benchmark.retries, log=log, temperature=temperature)
+        label_suites(benchmark, result, prompts)
         for line in suite_lines(result["suites"]):
             log(f"{url}:{line}")
         return result | {"lost_requests": 0}
@@ -110,7 +111,7 @@ def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[lis
     server = launch_and_validate(config, config.target.path, draft, log, role=role, unit=unit, telemetry=telemetry,
                                  outlives_run=keep_running)
     try:
-        result = benchmark_on(config, server.url, prompts, log, temperature=temperature) | {
+        result = benchmark_on(config.benchmark, server.url, prompts, log, temperature=temperature) | {
             "server_version": server.release}
     except BaseException:
         server.stop()
@@ -161,25 +162,25 @@ def production_on_run_prompts(config: PipelineConfig, prompts_file: Path, prompt
                                                               "output_tokens_per_s")}}
 
 
-def gating(config: PipelineConfig, measured: dict) -> dict:
+def gating(benchmark: BenchmarkSection, measured: dict) -> dict:
     """Accept length and rate over the requests of the gating suites (an informational suite never moves the gate);
     the measurement's own figures when it has no suites."""
-    names = config.benchmark.gating_suites
+    names = benchmark.gating_suites
     suites = [figures for name, figures in (measured.get("suites") or {}).items() if name in names]
     return pooled(suites, measured.get("draft_tokens_per_step")) if suites else measured
 
 
-def candidate_metrics(config: PipelineConfig, served: dict, simulated: dict, data_quality: dict,
+def candidate_metrics(benchmark: BenchmarkSection, served: dict, simulated: dict, data_quality: dict,
                       chosen: dict) -> Metrics:
     """The gate's inputs: acceptance from the candidate's greedy measurement and its simulation, over the gating suites
     and per suite (a gating suite that made no request counts as 0 verify steps), throughput from the serving shape
     production would get (`chosen`: the sweep's choice, or the serving section's shape)."""
-    head = gating(config, served)
+    head = gating(benchmark, served)
     measured = suite_figures(served.get("suites"))
-    missing = [SuiteFigures(name, None, 0, "") for name in config.benchmark.gating_suites
+    missing = [SuiteFigures(name, None, 0, "") for name in benchmark.gating_suites
                if name not in {s.name for s in measured}]
     return Metrics(accept_length=head.get("accept_length"), accept_rate=head.get("accept_rate"),
-                   simulated_accept_length=gating(config, simulated).get("accept_length"),
+                   simulated_accept_length=gating(benchmark, simulated).get("accept_length"),
                    lost_requests=served.get("lost_requests", 0), data_problems=tuple(data_quality["problems"]),
                    speedup=chosen.get("speedup"), throughput=throughput_text(chosen), suites=measured + tuple(missing))
 
@@ -188,16 +189,16 @@ def gate_decision(config: PipelineConfig, registry, production: str | None, cand
     """The gate on the candidate against the production version's recorded metrics (re-measured on this run's
     requests, when they differ from those it was measured on and that measurement is whole). With its shape not
     chosen yet (`chosen` None: no speedup measured) it judges acceptance alone."""
-    metrics = candidate_metrics(config, candidate.served, candidate.simulated, data_quality_of(config),
+    metrics = candidate_metrics(config.benchmark, candidate.served, candidate.simulated, data_quality_of(config.run),
                                 candidate.chosen or {})
     here = candidate.served.get("production_on_run_prompts") or {}
     whole = here.get("version") == production and not here.get("lost_requests") and here.get("accept_length")
     return decide_against_production(registry, metrics, production, config.gate, here if whole else None)
 
 
-def data_quality_of(config: PipelineConfig) -> dict:
+def data_quality_of(run: RunSection) -> dict:
     """The quality report of the run's regenerated data (its manifest's `quality`: figures, problems, passed)."""
-    return read_manifest(config.stage_dir("data") / REGEN_DIR)["quality"]
+    return read_manifest(run.stage_dir("data") / REGEN_DIR)["quality"]
 
 
 def diagnosis_of(config: PipelineConfig, draft: Path, served: dict, simulated_accept_length: float | None) -> dict:
@@ -221,10 +222,10 @@ def registry_metrics(served: dict, simulated_accept_length: float | None, chosen
             "production": {k: chosen.get(k) for k in production}, "engine_release": served.get("server_version")}
 
 
-def retrain_overrides(config: PipelineConfig, registry, log: Log = print) -> list[str]:
+def retrain_overrides(run: RunSection, registry, log: Log = print) -> list[str]:
     """A retrain is a fresh run (new run directory: the prompt source is read anew) that fine-tunes the production
     version (training.init_from, resolved by the train stage as any version is)."""
-    run_dir = retrain_dir(config.run.dir)
+    run_dir = retrain_dir(run.dir)
     overrides = [f"run.dir={run_dir}"]
     production = registry.production_version()
     if production is None:
@@ -251,10 +252,10 @@ def prune_after_promotion(config: PipelineConfig, registry, log: Log = print) ->
                       protected, log)
 
 
-def version_id(config: PipelineConfig, export_fingerprint: str) -> str:
+def version_id(run: RunSection, export_fingerprint: str) -> str:
     """<run name>-<export hash>: one version per export, so a re-run of the same export re-verifies it instead of
     publishing a copy."""
-    return f"{config.run.name}-{export_fingerprint[:16]}"
+    return f"{run.name}-{export_fingerprint[:16]}"
 
 
 def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served: dict, simulated: float | None,
@@ -263,7 +264,7 @@ def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served:
     return {
         **config_fields(config),
         "inputs": fingerprints,  # stage -> content hash of its output (eagle3.stages.stage_fingerprint)
-        "data_quality": data_quality_of(config),
+        "data_quality": data_quality_of(config.run),
         **measured_fields(config, served, simulated, chosen),
         # the draft it was fine-tuned from, as its training recorded it (kind, where, sha256), or None
         "lineage": {"parent": parent, "init_from": read_manifest(config.stage_dir("train") / "best").get("init_from"),
@@ -296,7 +297,7 @@ def prompt_set_fields(config: PipelineConfig) -> dict:
             "max_new_tokens": config.benchmark.max_new_tokens}
 
 
-def version_dirs(config: PipelineConfig, exported: dict[str, str]) -> dict[str, Path]:
+def version_dirs(run: RunSection, exported: dict[str, str]) -> dict[str, Path]:
     """What a version publishes: each exported layout's directory, and the prompt set it was measured on."""
     return {layout: Path(path) for layout, path in exported.items()} | {
-        PROMPTS_LAYOUT: config.stage_dir("bench") / PROMPTS_LAYOUT}
+        PROMPTS_LAYOUT: run.stage_dir("bench") / PROMPTS_LAYOUT}

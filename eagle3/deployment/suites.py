@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from eagle3.config import PipelineConfig
+from eagle3.config.serving import BenchmarkSection, ServingSection
 from eagle3.fsutil import atomic_write_json
 
 
@@ -22,18 +22,18 @@ def steps_topk_tokens(shape: dict) -> str:
     return f"{shape['num_steps']}/{shape['eagle_topk']}/{shape['num_draft_tokens']}"
 
 
-def acceptance_columns(config: PipelineConfig, simulated: dict, served: dict) -> list[dict]:
+def acceptance_columns(serving: ServingSection, simulated: dict, served: dict) -> list[dict]:
     """Every simulated shape (serving's first), then the served shape."""
     columns = [column(f"{steps_topk_tokens(shape)} simulated", shape["suites"]) for shape in simulated.get("shapes", [])]
-    return columns + [column(f"{steps_topk_tokens(asdict(config.serving.shape))} served", served.get("suites"),
+    return columns + [column(f"{steps_topk_tokens(asdict(serving.shape))} served", served.get("suites"),
                              served.get("output_tokens_per_s"))]
 
 
-def suite_columns(config: PipelineConfig, simulated: dict, served: dict, swept: dict,
+def suite_columns(serving: ServingSection, simulated: dict, served: dict, swept: dict,
                   production: tuple[str, dict] | None) -> list[dict]:
     """acceptance_columns, each sweep point at the production concurrency, and production's draft (`production`:
     (version, its measurement on these requests))."""
-    columns = acceptance_columns(config, simulated, served)
+    columns = acceptance_columns(serving, simulated, served)
     sampled = f", temperature {swept['temperature']:g}" if swept.get("temperature") else ""  # the others are greedy
     for point in swept.get("points") or []:
         if point["levels"]:
@@ -58,6 +58,6 @@ def production_on_these_requests(served: dict, manifest: dict | None, version: s
     return (version, recorded) if version is not None and mine and mine == theirs else None
 
 
-def write_suites(config: PipelineConfig, columns: list[dict], out: Path) -> Path:
-    atomic_write_json(out, {"max_new_tokens": config.benchmark.max_new_tokens, "columns": columns})
+def write_suites(benchmark: BenchmarkSection, columns: list[dict], out: Path) -> Path:
+    atomic_write_json(out, {"max_new_tokens": benchmark.max_new_tokens, "columns": columns})
     return out

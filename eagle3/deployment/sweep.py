@@ -18,6 +18,7 @@ from typing import Callable
 
 from eagle3.bench.client import SlicedPrompt
 from eagle3.config import PipelineConfig, derived
+from eagle3.config.serving import ServingSection
 from eagle3.data.regenerate import simulated_shapes
 from eagle3.deployment.promotion import benchmark_on, benchmark_prompts_file, prompt_ids_in
 from eagle3.errors import Eagle3Error
@@ -42,7 +43,7 @@ def measure_levels(config: PipelineConfig, draft: Path | None, prompts: list[lis
     """One server start; the benchmark at every concurrency level, at benchmark.temperature."""
     server = launch_and_validate(config, config.target.path, draft, log, role=role)
     try:
-        return [benchmark_on(config, server.url, prompts, log, level, config.benchmark.temperature)
+        return [benchmark_on(config.benchmark, server.url, prompts, log, level, config.benchmark.temperature)
                 for level in config.benchmark.concurrency]
     finally:
         server.stop()
@@ -149,12 +150,12 @@ def choose_serving(config: PipelineConfig, draft: Path, served: dict, acceptance
             + "; ".join(f"{r.rule}: {r.message}" for r in acceptance.reasons))
     else:
         return run_sweep(config, draft, out, log)
-    return {"chosen": configured_choice(config, served), "points": None}
+    return {"chosen": configured_choice(config.serving, served), "points": None}
 
 
-def configured_choice(config: PipelineConfig, served: dict) -> dict:
+def configured_choice(serving: ServingSection, served: dict) -> dict:
     """Without a sweep: the serving section's shape as the candidate's greedy measurement found it."""
-    shape = config.serving.shape
+    shape = serving.shape
     return {"shape": asdict(shape), "label": shape.label(), "concurrency": served["concurrency"],
             "accept_length": served.get("accept_length"), "accept_rate": served.get("accept_rate"),
             "output_tokens_per_s": served.get("output_tokens_per_s"),

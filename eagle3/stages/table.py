@@ -147,7 +147,7 @@ def heldout_set(config: PipelineConfig) -> list:
     from eagle3.data.regenerate import greedy_length
     from eagle3.data.suites import suites_key
 
-    return [config.heldout_set[0], greedy_length(config), suites_key(config)]
+    return [config.heldout_set[0], greedy_length(config), suites_key(config.benchmark)]
 
 
 def init_draft_content(config: PipelineConfig) -> str | None:
