@@ -1,3 +1,4 @@
+import itertools
 import json
 import os
 import sys
@@ -7,14 +8,34 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-import pytest
-from xdist.scheduler import LoadFileScheduling
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings  # noqa: E402
+from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from xdist.scheduler import LoadFileScheduling  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from drafts import TARGET_LAYERS, TARGET_VOCAB, write_draft  # noqa: E402
-from fixtures_tiny import micro_target  # noqa: E402,F401  (registered here so the session builds it once)
+from eagle3.config import load_config  # noqa: E402
+from eagle3.config.deployment import RegistrySection  # noqa: E402
+from eagle3.data.conversation import prompt_ids  # noqa: E402
+from eagle3.data.prompts import pydoc_prompt_turns  # noqa: E402
+from eagle3.draft.checkpoint import NativeDraft, save_native_draft  # noqa: E402
+from eagle3.draft.vocab_map import build_vocab_map  # noqa: E402
+from eagle3.engines.targets import load_tokenizer  # noqa: E402
+from eagle3.model.weights import target_head  # noqa: E402
+from eagle3.registry.registry import open_registry  # noqa: E402
+# micro_target and kimi_target: registered here so the session builds each once
+from fixtures_tiny import micro_target, one_torch_thread  # noqa: E402,F401
+from helpers import (  # noqa: E402
+    CONFIG, MICRO_DRAFT, PREFIX, RELEASE, TINY, build_micro_data, greedy_reply, lens_draft, micro_overrides, rewrite,
+    write_heldout,
+)
 from kimi_target import kimi_target  # noqa: E402,F401
+from ports import free_port  # noqa: E402
+from s3_server import new_bucket, serve_moto_s3  # noqa: E402
 
 
 # pytest-xdist (`--dist loadfile`, the Makefile's sessions) hands each unit of tests whole to one worker, in
@@ -98,6 +119,82 @@ def sglang_draft(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def micro_data(tmp_path_factory, micro_target):
     """The trainer tests' micro data set, built once per session; tests train in copies (test_train.run_copy)."""
-    from test_train import build_micro_data
-
     return build_micro_data(tmp_path_factory.mktemp("train-data"), micro_target)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny forwards: a second OpenMP thread only waits when the cores are shared (a module marks itself
+    `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """One throwaway Prefect server for the session; task results (the cache) kept in a temporary directory."""
+    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: tmp_path_factory.mktemp("prefect-results")}):
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+
+
+@pytest.fixture
+def production_config(tmp_path, micro_target):
+    """A managed production on the micro target that keeps serving; registry version v1 holds a good draft."""
+    def config(*overrides):
+        return load_config(TINY, micro_overrides(tmp_path / "run", micro_target) + [
+            f"registry.path={tmp_path / 'registry'}", f"production.port={free_port()}",
+            f"production.state_dir={tmp_path / 'production'}", "production.keep_serving=true",
+            f"serving.log_dir={tmp_path / 'logs'}", "serving.context_length=512", "benchmark.num_prompts=2",
+            "benchmark.max_new_tokens=8", "benchmark.concurrency=2", *overrides])
+
+    write_heldout(config())
+    draft = write_draft(tmp_path / "export" / "sglang", layout="sglang", release=RELEASE, **MICRO_DRAFT)
+    open_registry(config().registry, log=lambda line: None).publish("v1", {"sglang": draft}, {})
+    return config
+
+
+@pytest.fixture(scope="module")
+def drafts(micro, tmp_path_factory):
+    """The lens draft with its feature path scaled by 1e-3: the final norm undoes the scale, so it drafts
+    like the lens when its layer loads, while the random init of a skipped layer (std 0.02) outweighs
+    it. Exported as SGLang 0.5.13 would read it; plus the same with absolute d2t and with layers.0.* names."""
+    root = tmp_path_factory.mktemp("drafts")
+    draft = lens_draft(micro)
+    with torch.no_grad():
+        draft.fc.weight.mul_(1e-3)
+    good = save_native_draft(NativeDraft(CONFIG, draft.export_state()), root / "good", to="sglang", release=RELEASE)
+    absolute = rewrite(good, root / "absolute", lambda t: {**t, "d2t": t["d2t"] + torch.arange(t["d2t"].numel())})
+    renamed = rewrite(good, root / "renamed", lambda t: {k.replace("midlayer.", "layers.0."): v for k, v in t.items()})
+    return {"good": good, "absolute": absolute, "renamed": renamed}
+
+
+@pytest.fixture
+def moto_s3(monkeypatch, tmp_path):
+    yield from serve_moto_s3(monkeypatch, tmp_path)
+
+
+@pytest.fixture(params=["local", "s3"])
+def section(request, tmp_path) -> RegistrySection:
+    if request.param == "local":
+        return RegistrySection(backend="local", path=tmp_path / "registry")
+    server = request.getfixturevalue("moto_s3")
+    return RegistrySection(backend="s3", bucket=new_bucket(server.url), prefix=PREFIX, endpoint_url=server.url)
+
+
+@pytest.fixture(scope="module")
+def micro(micro_target):
+    """The target, three rendered pydoc prompts (one continues with newlines only), and a vocab map
+    counted over their greedy continuations (ids below 256, so that absolute ids + arange stay in range)."""
+    model = AutoModelForCausalLM.from_pretrained(micro_target, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(str(micro_target))
+    turns = [t for i, t in enumerate(itertools.islice(pydoc_prompt_turns(), 60)) if i in (0, 20, 50)]
+    prompts = [prompt_ids(tokenizer, messages, False) for messages in turns]
+    eos = model.generation_config.eos_token_id
+    seqs = [p + greedy_reply(model, p, 24, eos) for p in prompts]
+    counts = torch.bincount(torch.tensor(sum(seqs, [])), minlength=512)
+    counts[256:] = 0
+    vocab_map, _ = build_vocab_map(counts, CONFIG.draft_vocab_size)
+    embed = target_head(micro_target)["embed"]
+    return dict(model=model, prompts=prompts, seqs=seqs, eos=eos, vocab_map=vocab_map, embed=embed,
+                turns=turns, path=micro_target)

@@ -19,10 +19,9 @@ from eagle3.engines.targets import load_tokenizer
 from eagle3.model.weights import draft_as_served
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape
-from test_config import TINY
-from test_data import micro_overrides
-from test_reference_server import RELEASE, STEPS, drafts, one_thread, prompt_of, requests  # noqa: F401  (fixtures)
-from test_simulate import micro, store_requests  # noqa: F401  (the module fixture)
+from helpers import RELEASE, STEPS, TINY, micro_overrides, prompt_of, requests, store_requests
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAX_NEW = 24
 FAST = dict(timeout_s=60, retries=2, backoff_s=0.01, log=lambda line: None)

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from conftest import write_data_manifest
 from eagle3.cli import build_parser, main
 from eagle3.draft.vocab_map import build_vocab_map, save_vocab_map
+from helpers import ROOT, TINY
 from flows import monitor as flow_monitor
 from flows import run as flow_run
-from test_config import ROOT, TINY
 
 
 @pytest.fixture

@@ -10,10 +10,7 @@ import pytest
 from eagle3.cli import main
 from eagle3.config import check_local_inputs, derived, load_config, resolved_config_file, sglang_default_aux_layers
 from eagle3.errors import ConfigError
-
-ROOT = Path(__file__).parent.parent
-TINY = ROOT / "configs" / "tiny-cpu.yaml"
-KIMI = ROOT / "configs" / "kimi-k25-8xh200.yaml"
+from helpers import KIMI, ROOT, TINY
 
 
 def test_shipped_configs_validate():

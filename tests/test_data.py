@@ -20,26 +20,7 @@ from eagle3.engines.targets import DataMismatch
 from eagle3.records.manifest import read_data_capture, read_manifest
 from eagle3.draft.vocab_map import load_vocab_map, read_stats
 from eagle3.stages.keys import begin, finish
-from test_config import KIMI, TINY
-
-
-def micro_overrides(run_dir, target):
-    return [
-        f"run.dir={run_dir}",
-        f"target.path={target}",
-        "target.hidden_size=64",
-        "target.vocab_size=512",
-        "vocab.draft_vocab_size=128",
-        "data.num_samples=24",
-        "data.max_new_tokens=24",
-        "data.max_length=96",
-        "data.batch_size=8",
-        "data.shard_samples=10",
-        # the micro target (held-out loss ~2.9) answers a sixth to two fifths of the prompts with newlines only,
-        # which the default bars refuse: its tests waive those two checks on purpose (a degenerate target still
-        # fails the others: test_quality.py)
-        "data.quality.waive=[empty-replies, duplicate-replies]",
-    ]
+from helpers import KIMI, TINY, micro_overrides
 
 
 @pytest.fixture(scope="module")

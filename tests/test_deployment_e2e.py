@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -30,8 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 from browser import render_until, require_chromium
+from helpers import Processes, micro_run_overrides, tail, wait_healthy
 from ports import free_port
-from test_flow import micro_run_overrides
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 VENV = Path(sys.prefix)  # the project's virtualenv, the one running the tests
 PREFECT = str(Path(sys.executable).parent / "prefect")
 CONFIG = "configs/tiny-cpu.yaml"  # relative: the flow run resolves it in the checkout (the pull step)
-SERVER_START_S = 120  # a fresh database is migrated first
 RUN_TIMEOUT_S = 150
 DECISION = re.compile(r"Decision:\W*(promoted|rolled back)", re.IGNORECASE)
 
@@ -60,77 +58,6 @@ class Phases:
 
     def __str__(self) -> str:
         return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
-
-
-def tail(path: Path, lines: int = 60) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
-
-
-class Processes:
-    """Background processes, each in its own process group; `stop()` ends the groups and then every process that
-    carries this test's marker in its environment (the flow run's process starts its own session, and so do the
-    servers and trainers it launches), so nothing outlives the test."""
-
-    def __init__(self, env: dict[str, str], marker: tuple[str, str], logs: Path) -> None:
-        self.env, self.marker, self.logs = env, marker, logs
-        self.started: list[subprocess.Popen] = []
-
-    def start(self, name: str, command: list[str], cwd: Path) -> tuple[subprocess.Popen, Path]:
-        log = self.logs / f"{name}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(command, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        self.started.append(proc)
-        return proc, log
-
-    def stop(self) -> list[str]:
-        for proc in reversed(self.started):
-            stop_group(proc.pid, lambda proc=proc: proc.poll() is not None)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        return self.sweep()
-
-    def marked(self) -> list[tuple[int, str]]:
-        """(pid, command) of every live process carrying this test's marker (a zombie's environment reads empty)."""
-        needle = f"{self.marker[0]}={self.marker[1]}".encode()
-        found = []
-        for entry in Path("/proc").glob("[0-9]*"):
-            pid = int(entry.name)
-            if pid == os.getpid():
-                continue
-            try:
-                if needle not in (entry / "environ").read_bytes().split(b"\0"):
-                    continue
-                found.append((pid, (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")))
-            except OSError:
-                continue
-        return found
-
-    def sweep(self) -> list[str]:
-        killed = []
-        for pid, command in self.marked():
-            try:
-                pgid = os.getpgid(pid)
-            except ProcessLookupError:
-                continue
-            killed.append(f"{pid}: {command[:160]}")
-            if pgid == os.getpgrp():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            else:
-                stop_group(pgid, lambda pid=pid: not Path(f"/proc/{pid}").exists(), grace_s=3)
-        return killed
-
-
-def stop_group(pgid: int, gone, grace_s: float = 10.0) -> None:
-    """SIGTERM to the group, SIGKILL to whatever is left after `grace_s`."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and not gone():
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -170,18 +97,6 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         print(f"phases: {phases}")
         if leftovers:
             print("killed at teardown (still running after the server and the worker stopped):", *leftovers, sep="\n  ")
-
-
-def wait_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"prefect server start exited {server.returncode}:\n{tail(log)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/api/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    pytest.fail(f"no /api/health from the Prefect server within {SERVER_START_S} s:\n{tail(log)}")
 
 
 def run(command: list[str], env: dict[str, str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:

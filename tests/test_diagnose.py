@@ -18,6 +18,7 @@ from eagle3.validation.validate import validate
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
 from fixtures_tiny import one_torch_thread
+from helpers import TINY
 
 MICRO = dict(hidden_size=64, target_hidden_size=64, head_dim=16, vocab_size=512, draft_vocab_size=64)
 
@@ -112,7 +113,6 @@ def test_missing_inputs_are_unknown(setup):
 
 def test_cli_reads_the_bench_results_and_exits_1_on_a_failed_check(setup, tmp_path, capsys):
     from eagle3.cli import main
-    from test_config import TINY
 
     draft, target, data = setup
     run = tmp_path / "run"

@@ -15,8 +15,7 @@ from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.ttt import draft_chain
 from eagle3.train.trainer import Trainer
 from fake_device import fake_accelerator
-from test_config import TINY
-from test_train import run_copy, tiny_draft
+from helpers import TINY, run_copy, tiny_draft
 
 pytestmark = pytest.mark.fake_cuda
 quiet = lambda line: None  # noqa: E731

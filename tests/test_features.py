@@ -21,8 +21,7 @@ from eagle3.engines.sglang_features import SGLangFeatures
 from eagle3.errors import Eagle3Error
 from eagle3.model.aux_states import aux_states, hidden_state_index
 from eagle3.train.trainer import Trainer
-from test_config import KIMI, TINY
-from test_data import micro_overrides
+from helpers import KIMI, TINY, micro_overrides
 
 QUIET = lambda line: None  # noqa: E731
 ROWS = [[0, 2, 204, 38, 88, 277, 15, 9], [0, 2, 204], [0, 2, 204, 15, 479, 273]]

@@ -23,7 +23,6 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 from prefect.states import State
-from prefect.testing.utilities import prefect_test_harness
 
 from eagle3.config import load_config
 from eagle3.procs import group_alive
@@ -41,45 +40,16 @@ from flows.eagle3 import eagle3, ensure_registry_limit
 from tasks.stages import stage_task
 from family_targets import FLOW_CONFIGS
 from fixtures_tiny import micro_target_of
-from helpers import TOY
+from helpers import (
+    BASELINE, TINY, TOY, ProductionEdge, make_run, micro_run_overrides, monitor_for, monitor_overrides, traffic,
+)
 from kimi_target import VOCAB_SIZE as KIMI_VOCAB
-from ports import free_port
-from test_config import TINY
-from test_data import micro_overrides
-from test_runs import make_run
 
 CONFIG = str(TINY)
 BROKEN = ["export.fault=absolute-d2t", "export.waive=[d2t-absolute]"]
 
 
-def micro_run_overrides(run_dir, target) -> list[str]:
-    """The tiny config shrunk to the micro target: a full flow run in well under a minute on 2 cores. Training
-    computes the target's features online (the offline path runs in test_data, test_train and the deployment test)."""
-    return micro_overrides(run_dir, target) + ["training.features=online",
-        "training.max_steps=30", "training.batch_size=8", "training.seq_len=96", "training.warmup_steps=5",
-        "training.eval_every=15", "training.save_every=15", "benchmark.num_prompts=4", "benchmark.max_new_tokens=24",
-        "benchmark.concurrency=2", f"serving.port={free_port()}", f"production.port={free_port()}",
-        f"registry.path={run_dir / 'registry'}", f"production.state_dir={run_dir / 'production'}",
-        f"serving.log_dir={run_dir / 'logs'}", "gate.min_accept_rate=0.05",
-        # the sweep serves three more servers (~25 s): only the micro flow's first run makes it (SWEEP)
-        "sweep.points=[[2, 2, 4]]", "sweep.num_prompts=2", "sweep.enabled=false",
-        # two suites: the held-out prompts, and MT-bench's first two questions (two turns each: four requests)
-        "benchmark.suites=[heldout, {name: mtbench, num_prompts: 2}]", "gate.min_verify_steps=5",
-        # no throughput rule: under pytest-xdist another worker's load falls on the baseline or the candidate by
-        # chance (measured: a good draft at 0.40x); the rule's own test below sets a bar out of reach
-        "gate.min_speedup=0",
-    ]
-
-
 SWEEP = "sweep.enabled=true"  # no stage's cache key holds it: the runs after the first take its stages from the cache
-
-
-@pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory):
-    """One throwaway Prefect server for the session; task results (the cache) kept in a temporary directory."""
-    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: tmp_path_factory.mktemp("prefect-results")}):
-        with prefect_test_harness(server_startup_timeout=120):
-            yield
 
 
 class Outcome(NamedTuple):
@@ -428,8 +398,6 @@ def degraded_events(resource: str, expected: int, timeout_s: float = 60.0) -> li
 def test_the_monitor_mode_emits_the_degraded_event_and_plots_production(prefect_api, tmp_path):
     """Production serves traffic far below what its version measured at promotion: the monitor mode (no registry
     lock) emits the event with the figures on this registry's resource, and a second drop in the cool-down none."""
-    from test_monitor import BASELINE, monitor_for, monitor_overrides, traffic
-    from test_monitor import Production as ProductionEdge
     from tasks.run import registry_resource
 
     server = ProductionEdge()

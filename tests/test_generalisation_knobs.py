@@ -1,7 +1,6 @@
 """The knobs aimed at a draft that fits a small data set rather than learning the target (docs/training.md):
 training.freeze_head, training.feature_noise and training.teacher_temperature, on the micro data set."""
 
-import pytest
 import torch
 
 from eagle3.config import load_config
@@ -10,8 +9,7 @@ from eagle3.model.teacher import TeacherHead
 from eagle3.model.weights import target_head
 from eagle3.train.augment import noisy_features
 from eagle3.train.trainer import Trainer
-from test_config import TINY
-from test_train import run_copy
+from helpers import TINY, run_copy
 
 quiet = lambda line: None  # noqa: E731
 HEAD = ("lm_head.weight", "norm.weight")

@@ -18,8 +18,7 @@ from eagle3.report import data_report
 from eagle3.stages.keys import stage_key
 from eagle3.train.data import TrainingData
 from eagle3.train.trainer import Trainer
-from test_config import TINY
-from test_data import micro_overrides
+from helpers import TINY, micro_overrides
 
 MAX_LENGTH = 160
 TRAINING = [f"data.max_length={MAX_LENGTH}", "training.batch_size=4", f"training.seq_len={MAX_LENGTH}", "training.max_steps=6", "training.eval_every=3",

@@ -10,7 +10,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 
 from flows.setup import PROJECT_FILE, SetupError, deployments_file, ensure_work_pool
-from test_flow import prefect_api  # noqa: F401  (the session's Prefect server)
+
 
 ROOT = Path(__file__).resolve().parent.parent
 

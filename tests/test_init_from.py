@@ -20,8 +20,7 @@ from eagle3.registry.store import LocalStore
 from eagle3.train.trainer import Trainer
 from eagle3.train.warm_start import carry_over_problem
 from drafts import tiny_config
-from test_config import TINY
-from test_train import metrics, run_copy
+from helpers import TINY, metrics, run_copy
 
 QUIET = lambda line: None  # noqa: E731
 FIRST_EVAL = ["training.max_steps=2"]  # evaluated at its last step: the first evaluation, two small steps in

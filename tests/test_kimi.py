@@ -24,10 +24,8 @@ from eagle3.serve.launch import reference_command, sglang_command
 from eagle3.serve.reference import load as load_served
 from eagle3.shape import DraftShape
 from eagle3.stages.keys import stage_key
+from helpers import ROOT, TINY
 from kimi_target import BPE_SIZE, END_OF_TURN_ID, VOCAB_SIZE, write_k25_config
-from test_config import ROOT, TINY
-
-# aux layers [1, 2]: the DeepSeek files Kimi delegates to cannot capture layer 0's output from 0.5.13 on
 KIMI_SIZES = ["target.hidden_size=64", f"target.vocab_size={VOCAB_SIZE}", "vocab.draft_vocab_size=128",
               "data.aux_layers=[1, 2]"]
 

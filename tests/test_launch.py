@@ -20,12 +20,8 @@ from eagle3.config import load_config
 from eagle3.procs import GPU_QUERY, LaunchError, wrap
 from eagle3.serve.launch import Server, launch_and_validate, reference_command, server_for, sglang_command
 from eagle3.warm import fork_module
+from helpers import MICRO_DRAFT, RELEASE, TINY
 from ports import free_port
-from test_config import TINY
-
-RELEASE = "0.5.13"
-MICRO_DRAFT = dict(hidden_size=64, target_hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=512,
-                   draft_vocab_size=64, torch_dtype="float32", max_position_embeddings=512)
 
 
 def config_for(tmp_path, *overrides):

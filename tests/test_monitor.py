@@ -5,84 +5,28 @@ raise one alarm, a second drop during the cool-down none; an unavailable server 
 lives in the registry's store, S3 included."""
 
 import base64
-import json
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
 
-from eagle3.config import load_config
 from eagle3.deployment.monitor import Monitor
 from eagle3.records.telemetry import UNLABELLED
-from eagle3.registry.registry import open_registry
 from eagle3.report import monitor_report
 from eagle3.serve.inprocess import serve_in_thread
-from test_config import TINY
-from test_registry import PREFIX, fields, moto_s3, section, write_checkpoint  # noqa: F401  (fixtures)
+from helpers import (
+    BASELINE, TINY, ProductionEdge, monitor_for, traffic, write_record,
+)
 
 T0 = datetime(2026, 11, 30, 12, 0).timestamp()
-BASELINE = 3.0  # the production version's served accept length at its promotion
-
-
-class Production:
-    """The edge of a production server: /health, and /metrics with the two counters the monitor reads."""
-
-    def __init__(self):
-        self.tokens, self.verify_calls = 0.0, 0.0
-        self.app = FastAPI()
-        self.app.get("/health")(lambda: {})
-        self.app.get("/metrics", response_class=PlainTextResponse)(self.metrics)
-
-    def metrics(self) -> str:
-        labels = '{model_name="kimi",engine_type="unified"}'
-        return (f"# TYPE sglang:generation_tokens_total counter\nsglang:generation_tokens_total{labels} {self.tokens}\n"
-                f"# TYPE sglang:spec_verify_calls_total counter\nsglang:spec_verify_calls_total{labels} "
-                f"{self.verify_calls}\nsglang:spec_accept_length{labels} 2.5\n")
 
 
 @pytest.fixture
 def production():
-    server = Production()
+    server = ProductionEdge()
     with serve_in_thread(server.app) as (url, _):
         server.port = int(url.rsplit(":", 1)[1])
         yield server
-
-
-def write_record(directory: Path, sent: float, completion: int, verify: int, labels: dict | None = None) -> None:
-    """One finished request, as SGLang's exporter writes it (hourly files named in local time)."""
-    name = f"sglang-request-metrics-{datetime.fromtimestamp(sent).strftime('%Y%m%d_%H')}.log"
-    parameters = {"text": "def f(x):", "sampling_params": {"max_new_tokens": 256}, "custom_labels": labels}
-    record = {"request_parameters": json.dumps(parameters), "prompt_tokens": 12, "completion_tokens": completion,
-              "spec_verify_ct": verify, "spec_accept_length": completion / verify, "response_sent_to_client_ts": sent}
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / name, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def monitor_overrides(tmp_path, port: int, *overrides: str) -> list[str]:
-    return [f"registry.path={tmp_path / 'registry'}", f"production.port={port}",
-            f"production.telemetry.records_dir={tmp_path / 'records'}", "monitor.window_s=600",
-            "monitor.min_verify_steps=100", "monitor.consecutive=3", "monitor.cooldown_s=3600", *overrides]
-
-
-def monitor_for(registry_section, tmp_path, port: int, *overrides: str) -> Monitor:
-    """A registry whose production version recorded BASELINE, watched on production.port."""
-    config = load_config(TINY, monitor_overrides(tmp_path, port, *overrides))
-    registry = open_registry(registry_section or config.registry, log=lambda line: None)
-    manifest = fields(accept_length=BASELINE)
-    manifest["metrics"]["production"] = {"accept_length": BASELINE, "output_tokens_per_s": 900.0,
-                                         "baseline_output_tokens_per_s": 400.0, "speedup": 2.25}
-    registry.publish("v1", {"sglang": write_checkpoint(tmp_path / "v1", 1)}, manifest)
-    registry.promote("v1", None, ["first"], by="test")
-    return Monitor(config, registry, log=lambda line: None)
-
-
-def traffic(tmp_path, start: float, accept: float, steps: int = 200) -> None:
-    """Users' requests in [start, start + 600 s) with the given accept length, `steps` verify steps in all."""
-    for i in range(4):
-        write_record(tmp_path / "records", start + 60 + 120 * i, int(accept * steps / 4), steps // 4, {"app": "code"})
 
 
 def test_a_window_from_records_counts_users_requests_per_slice(production, tmp_path):
@@ -130,7 +74,7 @@ def test_insufficient_windows_never_alarm_even_when_low(production, tmp_path):
 
 
 def test_k_low_windows_raise_one_alarm_and_a_second_drop_in_the_cool_down_none(section, tmp_path):  # noqa: F811
-    with serve_in_thread(Production().app) as (url, _):
+    with serve_in_thread(ProductionEdge().app) as (url, _):
         monitor = monitor_for(section, tmp_path, int(url.rsplit(":", 1)[1]))
         verdicts = []
         for i, accept in enumerate([2.0, 2.0, 3.0, 2.0, 2.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0]):

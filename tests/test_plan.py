@@ -16,9 +16,7 @@ from eagle3.model.ttt import LossRows, TTTModel
 from eagle3.plan import chosen_recompute, plan_memory, require_fit, target_size
 from eagle3.plan_time import plan_time
 from eagle3.train.memory import AllocationPeak, training_step_peak_by_op, training_step_peak_bytes
-from test_config import TINY
-from test_data import micro_overrides
-from test_train import tiny_draft
+from helpers import TINY, micro_overrides, tiny_draft
 
 KIMI = Path(__file__).parent.parent / "configs" / "kimi-k25-8xh200.yaml"
 STEP = "training step, measured (TTT 7: activations, teacher, gradients)"

@@ -17,52 +17,17 @@ import pytest
 
 import eagle3.procs as procs
 from drafts import write_draft
-from eagle3.config import load_config
 from eagle3.deployment.imports import import_draft
 from eagle3.deployment.production import Production
-from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout
 from eagle3.deployment.promotion import PROMPTS_FILE, PROMPTS_LAYOUT
-from eagle3.engines.generators import make_generator
-from eagle3.engines.targets import load_tokenizer
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import sha256_file
 from eagle3.procs import group_alive
 from eagle3.procs import LaunchError, in_systemd_scope, systemd_missing
 from eagle3.registry.gate import Metrics
 from eagle3.registry.registry import decide_against_production, open_registry
+from helpers import HELDOUT, MICRO_DRAFT, RELEASE
 from ports import free_port
-from test_config import TINY
-from test_data import micro_overrides
-from test_launch import MICRO_DRAFT, RELEASE
-
-HELDOUT = ["Explain what a Python list comprehension is.", "What does the len() function return?"]
-
-
-def write_heldout(config) -> None:
-    """What the data stage leaves for the benchmark: the held-out prompts and their requests, continued greedily by the
-    configured target."""
-    heldout = config.stage_dir("data") / HELDOUT_FILE
-    heldout.parent.mkdir(parents=True)
-    heldout.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in HELDOUT))
-    (config.stage_dir("data") / REGEN_DIR).mkdir()
-    continue_heldout(config, make_generator(config), load_tokenizer(config.target),
-                     config.stage_dir("data") / REGEN_DIR / GREEDY_FILE, lambda line: None)
-
-
-@pytest.fixture
-def production_config(tmp_path, micro_target):
-    """A managed production on the micro target that keeps serving; registry version v1 holds a good draft."""
-    def config(*overrides):
-        return load_config(TINY, micro_overrides(tmp_path / "run", micro_target) + [
-            f"registry.path={tmp_path / 'registry'}", f"production.port={free_port()}",
-            f"production.state_dir={tmp_path / 'production'}", "production.keep_serving=true",
-            f"serving.log_dir={tmp_path / 'logs'}", "serving.context_length=512", "benchmark.num_prompts=2",
-            "benchmark.max_new_tokens=8", "benchmark.concurrency=2", *overrides])
-
-    write_heldout(config())
-    draft = write_draft(tmp_path / "export" / "sglang", layout="sglang", release=RELEASE, **MICRO_DRAFT)
-    open_registry(config().registry, log=lambda line: None).publish("v1", {"sglang": draft}, {})
-    return config
 
 
 def systemd_here(monkeypatch, tmp_path) -> Path:

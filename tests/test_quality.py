@@ -16,8 +16,7 @@ from eagle3.data.regenerate import regenerate, regenerated_replies
 from eagle3.errors import UnreadableInput
 from eagle3.records.manifest import read_manifest
 from eagle3.registry.gate import Metrics, decide
-from test_config import TINY
-from test_data import micro_overrides
+from helpers import TINY, micro_overrides
 
 PROSE = [tuple(range(start, start + 20)) for start in range(0, 200, 20)]  # ten distinct replies, no repeated id
 

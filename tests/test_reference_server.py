@@ -1,11 +1,9 @@
 """The reference server over real HTTP (uvicorn on 127.0.0.1, httpx): greedy output unchanged by the
 draft, counts equal to the simulator's, SGLang's meta_info keys, and drafts loaded by SGLang's rules."""
 
-import contextlib
 import json
 import shutil
 
-import httpx
 import pytest
 import torch
 import uvicorn
@@ -14,55 +12,19 @@ from eagle3.bench.counting import correct_drafts_of
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.cli import main
 from eagle3.engines.targets import load_tokenizer
-from eagle3.draft.checkpoint import NativeDraft, save_native_draft
 from eagle3.model.weights import draft_as_served
-from eagle3.serve.inprocess import serve_in_thread
-from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape
-from fixtures_tiny import one_torch_thread
-from test_simulate import CONFIG, NEWLINE, greedy_reply, lens_draft, micro, rewrite  # noqa: F401  (micro: the module fixture)
+from helpers import (
+    MAX_NEW, NEWLINE, RELEASE, STEPS, generate, greedy_reply, prompt_of, requests, serving,
+)
 
-STEPS, RELEASE, MAX_NEW = 3, "0.5.13", 24
 BASE_KEYS = {"prompt_tokens", "completion_tokens", "finish_reason", "e2e_latency", "response_sent_to_client_ts"}
 SPEC_KEYS = {"spec_verify_ct", "spec_accept_length", "spec_accept_rate", "spec_num_correct_drafts",  # 0.5.13's
              "spec_num_proposed_drafts", "spec_correct_drafts_histogram",
              "spec_accepted_drafts", "spec_proposed_drafts", "spec_accept_histogram"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with one_torch_thread():  # tiny forwards: a second OpenMP thread only waits when the cores are shared
-        yield
-
-
-@contextlib.contextmanager
-def serving(*args, **kwargs):
-    """create_app(*args, **kwargs) served on a free port; yields an httpx client."""
-    with serve_in_thread(create_app(*args, **kwargs)) as (url, _):
-        with httpx.Client(base_url=url, timeout=120) as client:
-            yield client
-
-
-def generate(client, max_new_tokens=MAX_NEW, **body) -> dict:
-    body = {**body, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-    response = client.post("/generate", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-@pytest.fixture(scope="module")
-def drafts(micro, tmp_path_factory):
-    """The lens draft with its feature path scaled by 1e-3: the final norm undoes the scale, so it drafts
-    like the lens when its layer loads, while the random init of a skipped layer (std 0.02) outweighs
-    it. Exported as SGLang 0.5.13 would read it; plus the same with absolute d2t and with layers.0.* names."""
-    root = tmp_path_factory.mktemp("drafts")
-    draft = lens_draft(micro)
-    with torch.no_grad():
-        draft.fc.weight.mul_(1e-3)
-    good = save_native_draft(NativeDraft(CONFIG, draft.export_state()), root / "good", to="sglang", release=RELEASE)
-    absolute = rewrite(good, root / "absolute", lambda t: {**t, "d2t": t["d2t"] + torch.arange(t["d2t"].numel())})
-    renamed = rewrite(good, root / "renamed", lambda t: {k.replace("midlayer.", "layers.0."): v for k, v in t.items()})
-    return {"good": good, "absolute": absolute, "renamed": renamed}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +37,6 @@ def plain(micro):
 def speculative(micro, drafts):
     with serving(micro["path"], drafts["good"], shape=DraftShape(STEPS), release=RELEASE) as client:
         yield client
-
-
-def requests(micro):
-    """The rendered pydoc prompts as ids, and two plain texts (one continues with a token outside the draft vocab)."""
-    return [{"input_ids": p} for p in micro["prompts"]] + [{"text": "import os\n"}, {"text": "The"}]
-
-
-def prompt_of(micro, request) -> list[int]:
-    if "input_ids" in request:
-        return request["input_ids"]
-    return load_tokenizer(str(micro["path"]))(request["text"])["input_ids"]  # the tokenizer's defaults, as SGLang
 
 
 def test_greedy_output_is_the_targets_with_and_without_the_draft(micro, plain, speculative):

@@ -1,14 +1,12 @@
 """The draft registry on both backends: a local directory, and S3 served by moto over real HTTP on 127.0.0.1."""
 
 import json
-import random
 import threading
 from pathlib import Path
 
 import boto3
 import pytest
-from s3_server import MotoServer, S3Proxy, new_bucket, serve_moto_s3
-from test_config import TINY
+from s3_server import MotoServer, S3Proxy, new_bucket
 
 from eagle3.cli import main
 from eagle3.config import load_config
@@ -22,48 +20,11 @@ from eagle3.registry.registry import (
     open_registry,
     registry_location,
 )
-
-PREFIX = "drafts"
-
-
-def write_checkpoint(path: Path, seed: int) -> Path:
-    """A checkpoint-like directory: a config, two weight-sized random files, one in a subdirectory."""
-    rng = random.Random(seed)
-    (path / "shards").mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"], "seed": seed}))
-    (path / "model.safetensors").write_bytes(rng.randbytes(50_000))
-    (path / "shards" / "extra.bin").write_bytes(rng.randbytes(3_000))
-    return path
-
-
-def fields(accept_length: float = 2.4, accept_rate: float = 0.47, simulated: float = 2.5, parent: str | None = None) -> dict:
-    return {
-        "config_hash": "c0ffee", "data_hash": "da7a", "vocab_hash": "70c4b", "code_version": "0.1.0+test",
-        "lineage": {"parent": parent, "run": "run-1"},
-        "metrics": {
-            "served": {"accept_length": accept_length, "accept_rate": accept_rate, "histogram": [3, 5, 8, 4],
-                       "output_tokens_per_s": 812.5, "lost_requests": 0, "server_version": "0.5.13"},
-            "simulated": {"accept_length": simulated},
-            "engine_release": "0.5.13",
-        },
-    }
+from helpers import PREFIX, TINY, fields, write_checkpoint
 
 
 def tree(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture
-def moto_s3(monkeypatch, tmp_path):
-    yield from serve_moto_s3(monkeypatch, tmp_path)
-
-
-@pytest.fixture(params=["local", "s3"])
-def section(request, tmp_path) -> RegistrySection:
-    if request.param == "local":
-        return RegistrySection(backend="local", path=tmp_path / "registry")
-    server = request.getfixturevalue("moto_s3")
-    return RegistrySection(backend="s3", bucket=new_bucket(server.url), prefix=PREFIX, endpoint_url=server.url)
 
 
 @pytest.fixture

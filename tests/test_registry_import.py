@@ -17,7 +17,7 @@ from eagle3.deployment.imports import IMPORTS_DIR, import_draft
 from eagle3.draft.checkpoint import load_native
 from eagle3.fsutil import sha256_file
 from eagle3.registry.registry import open_registry
-from test_config import TINY
+from helpers import TINY
 
 LAYERS, DATA_LAYERS, RELEASE = 8, [1, 3, 5], "0.5.13"
 

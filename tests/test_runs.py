@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from eagle3.config import RESOLVED_FILE, load_config
 from eagle3.data.storage import human_bytes
@@ -23,20 +22,7 @@ from eagle3.runs import (
     run_in_use,
     runs_base,
 )
-from test_config import TINY
-
-DAY = 86400
-
-
-def make_run(base, day: int, registry, size: int = 1000):
-    """A retrain run made `day` days after 2024-01-01 for `registry` (None: no resolved config), with a `size`-byte
-    shard."""
-    run = retrain_dir(base, when=1704067200 + day * DAY)
-    (run / "data").mkdir(parents=True)
-    (run / "data" / "shard.bin").write_bytes(b"x" * size)
-    if registry is not None:
-        (run / RESOLVED_FILE).write_text(yaml.safe_dump({"registry": {"backend": "local", "path": str(registry)}}))
-    return run
+from helpers import TINY, make_run
 
 
 @pytest.fixture

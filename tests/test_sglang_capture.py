@@ -14,8 +14,7 @@ from eagle3.data.node_capture import node_command
 from eagle3.data.regenerate import regenerate
 from eagle3.data.shards import read_dataset
 from eagle3.engines.features import TransformersFeatures
-from test_config import KIMI, TINY
-from test_data import micro_overrides
+from helpers import KIMI, TINY, micro_overrides
 
 
 def test_the_node_command_is_torchrun_over_the_serving_gpus_reading_the_resolved_config():

@@ -7,8 +7,8 @@ import pytest
 from eagle3.config import load_config
 from eagle3.data.regenerate import read_samples, regenerate
 from eagle3.engines.generators import EngineError
+from helpers import TINY
 from fake_sglang import FakeSGLang, answer_for
-from test_config import TINY
 
 
 @pytest.fixture

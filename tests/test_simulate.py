@@ -1,113 +1,37 @@
 """The offline acceptance simulator on the micro target: equal to a brute-force speculative decoding
 loop, counted the way SGLang counts (docs/contracts.md), and fed drafts loaded the way SGLang loads them."""
 
-import itertools
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from eagle3.bench.client import summarize
 from eagle3.bench.counting import SpecRequest
-from eagle3.bench.simulate import AcceptanceResult, PromptResult, replay, simulate_prompt, target_greedy
+from eagle3.bench.simulate import AcceptanceResult, PromptResult, replay, simulate_prompt
 from eagle3.cli import main
 from eagle3.config import load_config
 from eagle3.data.capture import HELDOUT_DIR, feature_widths, heldout_records, write_shard
-from eagle3.data.conversation import prompt_ids
-from eagle3.data.prompts import pydoc_prompt_turns
-from eagle3.data.regenerate import GREEDY_FILE, REGEN_DIR, continue_heldout
 from eagle3.data.shards import shard_file
 from eagle3.engines.features import TransformersFeatures
-from eagle3.engines.targets import load_tokenizer
-from eagle3.draft.checkpoint import DraftConfig, NativeDraft, save_native_draft
-from eagle3.draft.vocab_map import build_vocab_map
-from eagle3.model.draft import Eagle3Draft, init_weights
+from eagle3.draft.checkpoint import NativeDraft, save_native_draft
+from eagle3.model.draft import Eagle3Draft
 from eagle3.model.tree import DraftTree
 from eagle3.model.ttt import draft_chain
-from eagle3.model.weights import draft_as_served, target_head
+from eagle3.model.weights import draft_as_served
 from eagle3.shape import DraftShape
-from fixtures_tiny import one_torch_thread
-from test_config import TINY
-from test_data import micro_overrides
-
-AUX_LAYERS = [0, 1, 2]
-NEWLINE = 204  # the micro target's "\n": its greedy continuations repeat it, so a draft proposing it is often right
-CONFIG = DraftConfig(
-    hidden_size=64, target_hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, vocab_size=512,
-    draft_vocab_size=128, torch_dtype="float32", aux_layers=AUX_LAYERS, target_num_hidden_layers=4,
-    target_family="llama",
+from helpers import (
+    AUX_LAYERS, CONFIG, NEWLINE, TINY, lens_draft, micro_overrides, random_draft, rewrite, store_requests,
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with one_torch_thread():  # many tiny forwards: a second OpenMP thread only waits when the cores are shared
-        yield
-
-
-def greedy_reply(model, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
-    """The target's greedy reply: its continuation up to EOS (kept) or max_new_tokens."""
-    continuation = target_greedy(model, prompt, max_new_tokens)
-    return continuation[: continuation.index(eos) + 1] if eos in continuation else continuation
-
-
-@pytest.fixture(scope="module")
-def micro(micro_target):
-    """The target, three rendered pydoc prompts (one continues with newlines only), and a vocab map
-    counted over their greedy continuations (ids below 256, so that absolute ids + arange stay in range)."""
-    model = AutoModelForCausalLM.from_pretrained(micro_target, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(str(micro_target))
-    turns = [t for i, t in enumerate(itertools.islice(pydoc_prompt_turns(), 60)) if i in (0, 20, 50)]
-    prompts = [prompt_ids(tokenizer, messages, False) for messages in turns]
-    eos = model.generation_config.eos_token_id
-    seqs = [p + greedy_reply(model, p, 24, eos) for p in prompts]
-    counts = torch.bincount(torch.tensor(sum(seqs, [])), minlength=512)
-    counts[256:] = 0
-    vocab_map, _ = build_vocab_map(counts, CONFIG.draft_vocab_size)
-    embed = target_head(micro_target)["embed"]
-    return dict(model=model, prompts=prompts, seqs=seqs, eos=eos, vocab_map=vocab_map, embed=embed,
-                turns=turns, path=micro_target)
-
-
-def random_draft(micro, seed: int = 1) -> Eagle3Draft:
-    """Llama init scaled to std 0.1, so that every part of the network moves the drafts."""
-    model = Eagle3Draft(CONFIG, micro["embed"])
-    init_weights(model, seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not name.endswith("norm.weight") and not name.startswith("embed_tokens"):
-                param.mul_(5.0)
-        model.d2t.copy_(micro["vocab_map"].d2t)
-        model.t2d.copy_(micro["vocab_map"].t2d)
-    return model.eval()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def constant_draft(micro, token: int) -> Eagle3Draft:
     """Every head row predicts `token` (offsets: i + d2t[i] == token)."""
     model = random_draft(micro)
     model.d2t.copy_(token - torch.arange(CONFIG.draft_vocab_size))
-    return model
-
-
-def lens_draft(micro) -> Eagle3Draft:
-    """A draft that reads the target: fc passes the output of layer 2 through, attention and MLP add
-    nothing, and norm + lm_head are the target's (its rows for the draft vocabulary). At index t it
-    predicts the target's guess for x_{t+1} from one layer early, so it depends on the features and is
-    right on repeats; features shifted by one position would make it right far more often."""
-    model = random_draft(micro)
-    head = target_head(micro["path"])
-    hidden = CONFIG.hidden_size
-    with torch.no_grad():
-        model.fc.weight.zero_()
-        model.fc.weight[:, 2 * hidden :] = torch.eye(hidden)  # aux = cat(layer 0, layer 1, layer 2)
-        model.midlayer.self_attn.o_proj.weight.zero_()
-        model.midlayer.mlp.down_proj.weight.zero_()
-        model.norm.weight.copy_(head["norm"])
-        model.lm_head.weight.copy_(head["lm_head"][model.hot_token_ids()])
     return model
 
 
@@ -246,13 +170,6 @@ def chains(draft, micro, num_steps=3):
     return [draft_chain(draft, aux[:p], torch.tensor(seq[: p + 1]), num_steps) for p in range(start, len(seq))]
 
 
-def rewrite(src, dst, edit):
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    save_file(edit(tensors), dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 @torch.no_grad()
 def test_served_drafts_follow_the_loader_rules(micro, tmp_path):
     draft = random_draft(micro)  # seed 1: the loader's random init (seed 0) differs from it
@@ -301,18 +218,6 @@ def test_simulate_command_writes_the_result(micro, tmp_path, capsys):
     assert {key: saved[key] for key in expected} == expected
     assert saved["num_prompts"] == 2 and len(saved["histogram"]) <= config.serving.num_steps + 1
     assert saved["correct_drafts"] > 0  # the exported lens draft is right on the newline run
-
-
-def store_requests(config, micro):
-    """What the data stage leaves for the benchmark: its requests with the micro target's greedy continuations."""
-    regen = config.stage_dir("data") / REGEN_DIR
-    regen.mkdir(parents=True, exist_ok=True)
-
-    class Greedy:
-        def continue_greedy(self, prompts, length):
-            return [target_greedy(micro["model"], p, length) for p in prompts]
-
-    continue_heldout(config, Greedy(), load_tokenizer(str(micro["path"])), regen / GREEDY_FILE, lambda line: None)
 
 
 def store_heldout(config, micro):

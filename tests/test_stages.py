@@ -16,8 +16,7 @@ from eagle3.registry.registry import Registry
 from eagle3.registry.store import LocalStore
 from eagle3.stages.keys import IN_PROGRESS, begin, cache_key, done, finish, recorded_key, stage_key
 from eagle3.stages.table import OPERATIONAL, STAGES, output_of
-from helpers import TOY
-from test_config import TINY
+from helpers import TINY, TOY
 
 D = {"dataset": "d"}  # the fingerprints of the outputs a stage consumes, by parameter name
 

@@ -30,11 +30,9 @@ from eagle3.registry.lock import LAPSE_S, Holder, clear_holder, holder_gone, rea
 from eagle3.registry.registry import open_registry
 from eagle3.registry.store import LocalStore
 from eagle3.train.trainer import METRICS_FILE
+from helpers import TINY, Processes, micro_run_overrides, tail, wait_healthy
 from tasks.run import registry_limit_name
 from ports import free_port
-from test_config import TINY
-from test_deployment_e2e import Processes, tail, wait_healthy
-from test_flow import micro_run_overrides, prefect_api  # noqa: F401  (the session's Prefect server)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(TINY)

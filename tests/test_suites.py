@@ -19,9 +19,7 @@ from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer, target_eos_ids
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.registry.gate import decide
-from test_config import TINY
-from test_data import micro_overrides
-from test_production import write_heldout
+from helpers import TINY, micro_overrides, write_heldout
 
 
 def test_suites_are_named_once_and_keep_the_held_out_set(tmp_path, micro_target):

@@ -13,11 +13,8 @@ from eagle3.deployment.promotion import PROMPTS_LAYOUT, benchmark_prompts_file, 
 from eagle3.deployment.sweep import run_sweep
 from eagle3.stages.table import record_path
 from eagle3.registry.registry import metrics_of, open_registry
+from helpers import MICRO_DRAFT, RELEASE, TINY, micro_overrides, write_heldout
 from ports import free_port
-from test_config import TINY
-from test_data import micro_overrides
-from test_launch import MICRO_DRAFT, RELEASE
-from test_production import write_heldout
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from eagle3.engines.tiny import FAMILY_ARCHITECTURES, MICRO, of_family
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.target.info import read_target_info
 from family_targets import FAMILIES, FAMILY_CONFIGS, MLA_DRAFT_CONFIG, build_family_target
-from test_config import ROOT, TINY
+from helpers import ROOT, TINY
 
 
 

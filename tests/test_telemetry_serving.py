@@ -15,9 +15,11 @@ from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
 from eagle3.serve.launch import LaunchError, reference_command, server_for, sglang_command
 from eagle3.shape import DraftShape
-from test_production import production_config  # noqa: F401  (the fixture)
-from test_reference_server import STEPS, drafts, generate, one_thread, serving  # noqa: F401  (fixtures)
-from test_simulate import micro  # noqa: F401  (the module fixture)
+from helpers import STEPS, generate, serving
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 
 
 def serve_traffic(client, micro, labels=("code", "chat", "code")) -> list[dict]:

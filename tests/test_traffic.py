@@ -25,10 +25,9 @@ from eagle3.errors import ConfigError
 from eagle3.records.manifest import read_manifest
 from eagle3.records.telemetry import RequestRecord
 from eagle3.stages.keys import config_inputs
+from helpers import TINY, micro_overrides
 from fake_sglang import FakeSGLang
 from s3_server import serve_moto_s3
-from test_config import TINY
-from test_data import micro_overrides
 
 FAST = dict(timeout_s=30, retries=1, backoff_s=0.01, log=lambda line: None)
 

@@ -1,6 +1,5 @@
 """The draft, its TTT alignment, and the trainer on the micro target: DDP equivalence, exact resume."""
 
-import json
 import os
 import signal
 import subprocess
@@ -11,14 +10,11 @@ import pytest
 import torch
 
 from eagle3.config import load_config
-from eagle3.data.capture import capture
-from eagle3.data.regenerate import regenerate
-from eagle3.data.vocab import build_vocab
-from eagle3.draft.checkpoint import DraftConfig, convert, load_native, save_native_draft
+from eagle3.draft.checkpoint import convert, load_native
 from eagle3.draft.vocab_map import VocabMap, build_vocab_map
 from eagle3.model import draft as draft_module
 from eagle3.model import teacher as teacher_module
-from eagle3.model.draft import Eagle3Draft, causal_mask, init_weights
+from eagle3.model.draft import causal_mask
 from eagle3.model.teacher import TeacherHead, chunked_argmax
 from eagle3.model.ttt import LossRows, draft_chain, target_positions, ttt_forward, ttt_loss, ttt_stats
 from eagle3.model.weights import draft_as_served, draft_from_native, target_head
@@ -26,48 +22,7 @@ from eagle3.distributed import Dist
 from eagle3.errors import Eagle3Error
 from eagle3.init_draft import resolve_init_from
 from eagle3.train.trainer import Trainer
-from test_config import TINY
-from test_data import micro_overrides
-
-TRAIN = ["data.num_samples=64", "training.batch_size=8", "training.seq_len=96", "training.warmup_steps=5",
-         "training.eval_every=10", "training.save_every=2", "training.ttt_steps=3", "benchmark.num_prompts=8"]
-
-
-def build_micro_data(run_dir, micro_target):
-    """Regenerated, captured (offline features and online token shards) and vocab-mapped micro data, shared by the
-    trainer tests of every module (the `micro_data` fixture in conftest.py)."""
-    config = load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN)
-    quiet = lambda line: None  # noqa: E731
-    regenerate(config, log=quiet)
-    capture(config, log=quiet)
-    capture(load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN + ["training.features=online"]), log=quiet)
-    build_vocab(config, log=quiet)
-    return run_dir, micro_overrides(run_dir, micro_target) + TRAIN
-
-
-def run_copy(micro_data, tmp_path, name, extra=()):
-    """A run directory that shares the data stage's outputs but trains on its own."""
-    run_dir, overrides = micro_data
-    target = tmp_path / name
-    target.mkdir()
-    for stage in ("data", "vocab"):
-        os.symlink(run_dir / stage, target / stage)
-    return [*overrides, f"run.dir={target}", *extra], target
-
-
-def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
-
-
-def tiny_draft(vocab=16, seed=0, draft_vocab=None):
-    config = DraftConfig(hidden_size=32, target_hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
-                         max_position_embeddings=64, vocab_size=vocab, draft_vocab_size=draft_vocab or vocab,
-                         torch_dtype="float32",
-                         aux_layers=[0, 1, 2], target_num_hidden_layers=4)
-    model = Eagle3Draft(config, torch.randn(vocab, 32, generator=torch.Generator().manual_seed(seed)))
-    init_weights(model, seed)
-    return model  # d2t all zero: draft row i predicts target id i
+from helpers import TINY, metrics, run_copy, tiny_draft
 
 
 class TestAlignment:

@@ -23,10 +23,8 @@ from eagle3.train.data import ShardFeatures, TrainingData
 from eagle3.train.timing import Throughput
 from eagle3.train.schedule import lr_factor, optimizer_and_schedule
 from eagle3.train.trainer import Trainer
+from helpers import TINY, metrics, micro_overrides, run_copy
 from flows import run as flow_run
-from test_config import TINY
-from test_data import micro_overrides
-from test_train import metrics, run_copy
 
 quiet = lambda line: None  # noqa: E731
 TRAINING_ONLY = ("run", "target", "data", "vocab", "draft", "training")

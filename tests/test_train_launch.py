@@ -15,9 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_config import TINY
-from test_data import micro_overrides
-from test_train import metrics, run_copy
 
 from eagle3.config import load_config, resolved_config_file
 from eagle3.errors import ConfigError, Eagle3Error
@@ -32,6 +29,7 @@ from eagle3.train.launch import (
     stopped_by_sigterm,
     train,
 )
+from helpers import TINY, metrics, micro_overrides, run_copy
 
 SHORT = ["training.max_steps=6", "training.eval_every=3", "training.save_every=2"]
 

@@ -14,7 +14,7 @@ from eagle3.model.draft import Eagle3Draft, causal_mask
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, TTTModel, shift_left
 from eagle3.train.memory import AllocationPeak
-from test_train import tiny_draft
+from helpers import tiny_draft
 
 STEPS = 3
 

@@ -14,8 +14,8 @@ from eagle3.model.weights import draft_as_served
 from eagle3.serve.reference import Served, decode
 from eagle3.shape import DraftShape
 from fixtures_tiny import one_torch_thread
-from test_reference_server import RELEASE, drafts  # noqa: F401  (drafts: the module fixture)
-from test_simulate import micro  # noqa: F401  (the module fixture)
+from helpers import RELEASE
+
 
 VOCAB = 6
 # root -> a(2), b(4); a -> c(2), d(5); b -> e(1): node i has token TREE.tokens[i]

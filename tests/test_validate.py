@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from conftest import write_data_manifest, write_target
 from drafts import MLA, write_draft
@@ -12,7 +11,7 @@ from eagle3.config import load_config
 from eagle3.errors import ConfigError
 from eagle3.contract.problems import ProblemCode
 from eagle3.validation.validate import validate
-from test_config import TINY
+from helpers import TINY, codes, edit_tensors
 
 GOOD_DATA_LAYERS = [0, 1, 2]
 
@@ -30,10 +29,6 @@ def run(good, **changes):
     return report
 
 
-def codes(report, severity="error"):
-    return {p.code for p in report.of(severity)}
-
-
 def edit_config(path, **changes):
     config = json.loads((path / "config.json").read_text())
     for key, value in changes.items():
@@ -42,12 +37,6 @@ def edit_config(path, **changes):
         else:
             config[key] = value
     (path / "config.json").write_text(json.dumps(config))
-
-
-def edit_tensors(path, mutate):
-    tensors = load_file(path / "model.safetensors")
-    mutate(tensors)
-    save_file(tensors, path / "model.safetensors")
 
 
 def test_good_checkpoint_is_clean(good):
@@ -212,7 +201,6 @@ def test_weights_not_in_the_declared_dtype_is_a_warning(good):
 def test_draft_vocab_size_disagrees_or_is_missing(good):
     edit_config(good["path"], draft_vocab_size=100)
     assert {"draft-vocab-size", "shape-mismatch"} == codes(run(good))
-
 
 
 def test_a_missing_or_null_draft_vocab_size_says_what_sglang_does(good):

@@ -13,7 +13,7 @@ from eagle3.draft.checkpoint import convert, load_native
 from eagle3.contract.problems import ProblemCode as Code
 from eagle3.validation.validate import validate
 from eagle3.model.weights import target_verifier
-from test_validate import codes, edit_tensors
+from helpers import codes, edit_tensors
 
 DATA_LAYERS = [0, 1, 2]
 

@@ -37,8 +37,8 @@ from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape
 from fixtures_tiny import one_torch_thread
+from helpers import CONFIG, lens_draft, random_draft
 from servers import CPU_FLAGS, sglang_server
-from test_simulate import CONFIG, lens_draft, micro, random_draft  # noqa: F401  (micro: the module fixture)
 
 pytestmark = pytest.mark.sglang_server
 

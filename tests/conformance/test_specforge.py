@@ -25,9 +25,7 @@ from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape
 from fixtures_tiny import one_torch_thread
-from test_config import TINY
-from test_data import micro_overrides
-from test_simulate import AUX_LAYERS, CONFIG, lens_draft, micro  # noqa: F401  (micro: the module fixture)
+from helpers import AUX_LAYERS, CONFIG, TINY, lens_draft, micro_overrides
 
 pytestmark = pytest.mark.specforge
 

@@ -23,9 +23,9 @@ from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.launch import custom_label_keys
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape
+from helpers import STEPS
 from releases import RELEASES
-from test_reference_server import STEPS, drafts, one_thread  # noqa: F401  (fixtures)
-from test_simulate import micro  # noqa: F401  (the module fixture)
+
 
 MONITORED = (GENERATION_TOKENS, VERIFY_CALLS, ACCEPT_LENGTH, ACCEPT_RATE)
 ALLOWED = custom_label_keys(TelemetrySection())  # what the launcher declares by default: ["eagle3", "app"]
