@@ -150,8 +150,9 @@ def stored_bytes(config: PipelineConfig) -> dict[str, int]:
     data = config.data
     heldout_tokens = planned_requests(config) * (data.max_length + greedy_length(config))
     hidden = 0 if config.training.features == "online" else data.num_samples * data.max_length
-    return {"hidden_states": projected_bytes(config, hidden)[1], "tokens": data.num_samples * data.max_length * TOKEN_BYTES,
-            "heldout_features": projected_bytes(config, heldout_tokens)[1]}
+    return {"hidden_states": projected_bytes(config.data, config.target, hidden)[1],
+            "tokens": data.num_samples * data.max_length * TOKEN_BYTES,
+            "heldout_features": projected_bytes(config.data, config.target, heldout_tokens)[1]}
 
 
 def target_parts(size: TargetSize, tp: int, tokens: int) -> dict[str, float]:

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # a config the monitor cannot use creates no flow run
         config = load_config(args.config, args.overrides)
         require_sections(config, ("registry",), "eagle3 monitor")
-        source_of(config)
+        source_of(config.monitor, config.production)
     except Eagle3Error as err:
         print(f"eagle3 monitor: {err}", file=sys.stderr)
         return EXIT_FAILED

@@ -132,7 +132,8 @@ def record_rejection(config: PipelineConfig, version: str | None, rejection: Gat
 def prune_old_runs(config: PipelineConfig) -> list[dict]:
     """Once production serves the promoted version: remove old retrain run directories (run.keep_runs); return
     what was removed."""
-    return prune_after_promotion(config, open_registry(config.registry, log=log_to_run()), log_to_run())
+    log = log_to_run()
+    return prune_after_promotion(config.run, config.registry, open_registry(config.registry, log=log), log)
 
 
 @task(name="report-decision", cache_policy=NO_CACHE)

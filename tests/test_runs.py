@@ -131,7 +131,8 @@ def test_after_a_promotion_the_base_of_this_retrain_is_pruned_sparing_production
     runs = [make_run(tmp_path, day, registry) for day in range(4)]
     this = config.model_copy(update={"run": config.run.model_copy(update={"dir": runs[3]})})
     built = FakeRegistry("v1", {"config": {"run": {"dir": str(runs[0])}}})
-    assert [r["path"] for r in prune_after_promotion(this, built, print)] == [str(runs[1]), str(runs[2])]
+    removed = prune_after_promotion(this.run, this.registry, built, print)
+    assert [r["path"] for r in removed] == [str(runs[1]), str(runs[2])]
     assert retrain_runs(tmp_path) == [runs[0], runs[3]]
 
 
@@ -139,7 +140,7 @@ def test_a_production_manifest_without_its_run_directory_removes_nothing(tmp_pat
     config = load_config(TINY, [f"run.dir={tmp_path}", f"registry.path={tmp_path / 'registry'}", "run.keep_runs=1"])
     runs = [make_run(tmp_path, day, (tmp_path / "registry").resolve()) for day in range(3)]
     lines = []
-    assert prune_after_promotion(config, FakeRegistry("v1", {"metrics": {}}), lines.append) == []
+    assert prune_after_promotion(config.run, config.registry, FakeRegistry("v1", {"metrics": {}}), lines.append) == []
     assert retrain_runs(tmp_path) == runs and "names no run directory" in lines[0]
 
 

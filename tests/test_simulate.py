@@ -225,4 +225,4 @@ def store_heldout(config, micro):
     store_requests(config, micro)
     backend = TransformersFeatures(str(micro["path"]), AUX_LAYERS, "post_norm", torch.device("cpu"))
     write_shard(shard_file(config.stage_dir("data") / HELDOUT_DIR, 0), heldout_records(config.run), {}, backend,
-                feature_widths(config), batch_size=4)
+                feature_widths(config.data, config.target), batch_size=4)

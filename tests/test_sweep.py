@@ -66,8 +66,9 @@ def test_production_serves_and_remeasures_a_version_as_it_was_chosen(sweep_confi
                "num_prompts": 1}
     production = {"accept_length": 1.9, "speedup": 1.5, "concurrency": 1, "temperature": 0.7,
                   "output_tokens_per_s": 30.0, "baseline_output_tokens_per_s": 20.0}
-    registry.publish("v1", {"sglang": draft, PROMPTS_LAYOUT: benchmark_prompts_file(config).parent},
-                     {"serving": serving, "benchmark": prompt_set_fields(config),
+    prompts = benchmark_prompts_file(config.benchmark, config.run).parent
+    registry.publish("v1", {"sglang": draft, PROMPTS_LAYOUT: prompts},
+                     {"serving": serving, "benchmark": prompt_set_fields(config.benchmark, config.run),
                       "metrics": {"served": {"accept_length": 2.3}, "production": production}})
     prod = Production(config, registry, lambda line: None)
     served_config, prompts, temperature = prod.measurement("v1")

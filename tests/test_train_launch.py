@@ -119,12 +119,13 @@ def test_config_refuses_launchers_that_cannot_reach_every_node(overrides, messag
 
 def test_child_env_is_unbuffered_and_splits_the_runs_threads_among_the_ranks(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "16")  # the caller's pool does not leak into the ranks
-    assert child_env(config_for("run.cpu_threads=8"))["PYTHONUNBUFFERED"] == "1"
-    assert child_env(config_for("run.cpu_threads=8"))["OMP_NUM_THREADS"] == "8"
-    assert child_env(config_for("run.cpu_threads=8", "training.nproc_per_node=2"))["MKL_NUM_THREADS"] == "4"
-    assert child_env(config_for("run.cpu_threads=1", "training.nproc_per_node=2"))["OMP_NUM_THREADS"] == "1"
+    env_of = lambda *sets: child_env(config_for(*sets).run, config_for(*sets).training)  # noqa: E731
+    assert env_of("run.cpu_threads=8")["PYTHONUNBUFFERED"] == "1"
+    assert env_of("run.cpu_threads=8")["OMP_NUM_THREADS"] == "8"
+    assert env_of("run.cpu_threads=8", "training.nproc_per_node=2")["MKL_NUM_THREADS"] == "4"
+    assert env_of("run.cpu_threads=1", "training.nproc_per_node=2")["OMP_NUM_THREADS"] == "1"
     half = max(1, len(os.sched_getaffinity(0)) // 2)  # unset: half the machine, two jobs can be busy at once
-    assert child_env(config_for())["OMP_NUM_THREADS"] == str(half)
+    assert child_env(config_for().run, config_for().training)["OMP_NUM_THREADS"] == str(half)
 
 
 def test_failure_message_puts_the_workers_errors_first():

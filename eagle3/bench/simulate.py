@@ -25,6 +25,7 @@ from eagle3.bench import counting
 from eagle3.bench.client import suite_lines
 from eagle3.bench.counting import SpecRequest
 from eagle3.config import PipelineConfig
+from eagle3.config.serving import BenchmarkSection, ServingSection
 from eagle3.config.suites import HELDOUT
 from eagle3.data.capture import HELDOUT_DIR
 from eagle3.data.prompts import BASE_SLICE
@@ -197,12 +198,12 @@ def heldout_samples(config: PipelineConfig, suites: tuple[str, ...] = (HELDOUT,)
 
 
 @torch.no_grad()
-def simulate_shape(draft: Eagle3Draft, samples: list[HeldoutRef], shape: DraftShape, config: PipelineConfig,
-                   eos_ids: frozenset[int], log: Log) -> AcceptanceResult:
+def simulate_shape(draft: Eagle3Draft, samples: list[HeldoutRef], shape: DraftShape, benchmark: BenchmarkSection,
+                   serving: ServingSection, eos_ids: frozenset[int], log: Log) -> AcceptanceResult:
     progress = Progress(f"simulate {shape.label()}", total=len(samples), unit="requests", log=log)
     rows = []
     for ref in samples:
-        row = replay_stored(draft, ref.load(), shape, config.benchmark.max_new_tokens, eos_ids, config.serving.release)
+        row = replay_stored(draft, ref.load(), shape, benchmark.max_new_tokens, eos_ids, serving.release)
         rows.append(replace(row, suite=ref.suite, slice=ref.slice))
         progress.advance(1, tokens=row.completion_tokens)
     return AcceptanceResult(shape, rows)
@@ -217,7 +218,8 @@ def simulate_shapes(config: PipelineConfig, checkpoint: Path, log: Log = print) 
     draft = draft.to(local_device()).eval()
     samples = heldout_samples(config, tuple(suite.name for suite in config.benchmark.suites))
     eos_ids = target_eos_ids(config.target.path)
-    return [simulate_shape(draft, samples, shape, config, eos_ids, log) for shape in simulated_shapes(config)]
+    return [simulate_shape(draft, samples, shape, config.benchmark, config.serving, eos_ids, log)
+            for shape in simulated_shapes(config)]
 
 
 def simulate(config: PipelineConfig, checkpoint: Path, out: Path, log: Log = print) -> AcceptanceResult:

@@ -79,10 +79,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.prompts is not None:
         prompts = load_prompt_file(args.prompts, tokenizer, thinking, args.num_prompts)
     else:  # the run's benchmark requests, every suite's (the first --num-prompts of each)
-        from eagle3.deployment.promotion import benchmark_prompts_file, label_suites, prompt_ids_in
+        from eagle3.deployment.promotion import label_suites, run_prompt_ids
         from eagle3.deployment.sweep import first_of_each_suite
 
-        prompts = first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), args.num_prompts)
+        prompts = first_of_each_suite(run_prompt_ids(config), args.num_prompts)
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is refused, not replaced)
     result = run_benchmark(args.url, prompts, pick(args.max_new_tokens, settings.max_new_tokens),
                            pick(args.concurrency, settings.production_concurrency), settings.request_timeout_s,

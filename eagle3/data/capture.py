@@ -26,7 +26,7 @@ import torch
 
 from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
-from eagle3.config.run import RunSection
+from eagle3.config.run import RunSection, TargetSection
 from eagle3.data.conversation import chat_template_hash
 from eagle3.data.regenerate import REGEN_DIR, read_greedy, read_regenerated, training_ids
 from eagle3.data.shards import FEATURE_DTYPES, SPLIT_FILE, ShardWriter, read_stamp, shard_file, stored_feature_dtype
@@ -69,13 +69,13 @@ def regenerated_manifest(config: PipelineConfig) -> dict:
     return manifest
 
 
-def capture_settings(config: PipelineConfig) -> dict:
+def capture_settings(data: DataSection, target: TargetSection) -> dict:
     """What stored features depend on besides the samples themselves."""
     return {
-        "target": target_identity(config.target),
-        "aux_layers": list(config.data.aux_layers),
-        "last_hidden": config.data.last_hidden,
-        "engine": config.data.capture_engine,
+        "target": target_identity(target),
+        "aux_layers": list(data.aux_layers),
+        "last_hidden": data.last_hidden,
+        "engine": data.capture_engine,
     }
 
 
@@ -110,7 +110,7 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
     records = sorted(read_regenerated(regen), key=lambda r: order[r["id"]])
     online = config.training.features == "online"
     out = dataset_dir(config)
-    settings = capture_settings(config)
+    settings = capture_settings(config.data, config.target)
     dtype = config.data.feature_dtype
     if online:  # token shards: no features, so no feature dtype
         jobs = shard_jobs(records, out, config.data.shard_samples, {"tokens_only": True}, None)
@@ -131,13 +131,14 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
             if job.todo:
                 write_shard(job.path, job.samples, job.stamp, None, {}, config.data.batch_size)
     if pending:
-        backend = backend_for() if backend_for else target_backend(config, local_device())
+        backend = backend_for() if backend_for else target_backend(config.data, config.target, local_device())
         release = backend.release
         progress = Progress("capture", total=sum(len(job.samples) for job in pending), unit="samples", log=log)
         try:
             for job in pending:
                 write_shard(job.path, job.samples, {**job.stamp, "engine_release": release}, backend,
-                            feature_widths(config), config.data.batch_size, main, progress, FEATURE_DTYPES[dtype])
+                            feature_widths(config.data, config.target), config.data.batch_size, main, progress,
+                            FEATURE_DTYPES[dtype])
         finally:
             backend.close()
     if main:
@@ -205,9 +206,9 @@ def write_shard(path: Path, shard: list[dict], stamp: dict, backend: FeatureBack
                 progress.advance(len(batch), tokens=sum(lengths[start : start + batch_size]))
 
 
-def feature_widths(config: PipelineConfig) -> dict[str, int]:
-    hidden = config.target.hidden_size
-    return {"aux_hidden": len(config.data.aux_layers) * hidden, "last_hidden": hidden}
+def feature_widths(data: DataSection, target: TargetSection) -> dict[str, int]:
+    hidden = target.hidden_size
+    return {"aux_hidden": len(data.aux_layers) * hidden, "last_hidden": hidden}
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -259,7 +260,8 @@ def heldout_fields(config: PipelineConfig, jobs: list[ShardJob], release: str | 
     sequences = [r for job in jobs for r in job.samples]
     tokens = sum(len(r["input_ids"]) for r in sequences)
     return {"target": target_identity(config.target), "capture": capture_fields(config.data, release),
-            "sequences": len(sequences), "tokens": tokens, "bytes": projected_bytes(config, tokens)[1],
+            "sequences": len(sequences), "tokens": tokens,
+            "bytes": projected_bytes(config.data, config.target, tokens)[1],
             "continuation_tokens": sum(sum(r["loss_mask"]) for r in sequences), "code_version": code_version()}
 
 
@@ -273,7 +275,7 @@ def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | 
                    heldout_manifest: dict) -> dict:
     tokens = sum(len(r["input_ids"]) for r in records)
     online = config.training.features == "online"
-    per_token, total = projected_bytes(config, tokens)
+    per_token, total = projected_bytes(config.data, config.target, tokens)
     return {
         "target": regen_manifest["target"],
         "chat_template_sha256": regen_manifest["chat_template_sha256"],

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection
+from eagle3.config.run import TargetSection
 from eagle3.data.conversation import split_reasoning, template_sample
 from eagle3.data.prompts import parse_turns
 from eagle3.data.quality import refuse_failed
@@ -157,7 +159,7 @@ def parse_row(line: bytes, where: Where, config: PipelineConfig, tokenizer, tall
     else:
         record = conversation_row(row, line, where, tokenizer, config.data.thinking)
         tally.formats["conversations"] += 1
-    check_fits(record["input_ids"], where, config)
+    check_fits(record["input_ids"], where, config.data, config.target)
     split = row_split(row, where, tally)
     if split is not None:
         record["split"] = split
@@ -235,15 +237,15 @@ def conversation_row(row: dict, line: bytes, where: Where, tokenizer, thinking: 
     return record
 
 
-def check_fits(ids: list[int], where: Where, config: PipelineConfig) -> None:
-    if len(ids) > config.data.max_length:
-        raise where.error("input_ids", f"{len(ids)} tokens, longer than data.max_length {config.data.max_length}; "
+def check_fits(ids: list[int], where: Where, data: DataSection, target: TargetSection) -> None:
+    if len(ids) > data.max_length:
+        raise where.error("input_ids", f"{len(ids)} tokens, longer than data.max_length {data.max_length}; "
                           "raise data.max_length or shorten the row")
     low, high = min(ids), max(ids)
-    if low < 0 or high >= config.target.vocab_size:
+    if low < 0 or high >= target.vocab_size:
         bad = low if low < 0 else high
         raise where.error("input_ids", f"token id {bad} is outside the target's vocabulary (target.vocab_size "
-                          f"{config.target.vocab_size}); the rows must be tokenized with the target's tokenizer")
+                          f"{target.vocab_size}); the rows must be tokenized with the target's tokenizer")
 
 
 def row_split(row: dict, where: Where, tally: Tally) -> str | None:

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         capture(config, log=print if dist.main else (lambda line: None),
-                backend_for=lambda: target_backend(config, dist.device, dist.rank, dist.world), main=dist.main)
+                backend_for=lambda: target_backend(config.data, config.target, dist.device, dist.rank, dist.world),
+                main=dist.main)
     except Eagle3Error as err:
         print(f"eagle3 capture: {err}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection
+from eagle3.config.run import TargetSection
 from eagle3.data.shards import FEATURE_DTYPES, TOKEN_BYTES, bytes_per_token
 from eagle3.errors import Eagle3Error
 
@@ -20,15 +22,15 @@ class StorageError(Eagle3Error):
     """The projected dataset does not fit on the disk."""
 
 
-def projected_bytes(config: PipelineConfig, tokens: int) -> tuple[int, int]:
-    itemsize = FEATURE_DTYPES[config.data.feature_dtype].itemsize
-    per_token = bytes_per_token(len(config.data.aux_layers), config.target.hidden_size, itemsize)
+def projected_bytes(data: DataSection, target: TargetSection, tokens: int) -> tuple[int, int]:
+    itemsize = FEATURE_DTYPES[data.feature_dtype].itemsize
+    per_token = bytes_per_token(len(data.aux_layers), target.hidden_size, itemsize)
     return per_token, per_token * tokens
 
 
 def check_storage(config: PipelineConfig, tokens: int, directory: Path, log: Log) -> None:
     """Print the projection and refuse to start when it exceeds the free space (with the numbers)."""
-    per_token, total = projected_bytes(config, tokens)
+    per_token, total = projected_bytes(config.data, config.target, tokens)
     existing = directory
     while not existing.exists():
         existing = existing.parent
@@ -61,7 +63,7 @@ def log_projection(config: PipelineConfig, log: Log) -> None:
         log(f"storage: no hidden state will be stored (training.features online): 0 bytes; token shards "
             f"{TOKEN_BYTES} bytes per token, up to {human_bytes(TOKEN_BYTES * tokens)} under {config.stage_dir('data')}")
         return
-    per_token, total = projected_bytes(config, tokens)
+    per_token, total = projected_bytes(config.data, config.target, tokens)
     log(
         f"storage: capture will store {per_token:,} bytes per token; {config.data.num_samples:,} samples x up to "
         f"{config.data.max_length:,} tokens = up to {human_bytes(total)} under {config.stage_dir('data')}"

@@ -154,12 +154,12 @@ def import_as_production(config: PipelineConfig, registry: Registry, version: st
             f"are immutable: `eagle3 registry promote {version} --force` makes it production, and the next run "
             "measures it on that run's prompts")
     # measured on the run's benchmark prompts: without them it is refused here, before production stops
-    prompts_file = None if exists else benchmark_prompts_file(config)
+    prompts_file = None if exists else benchmark_prompts_file(config.benchmark, config.run)
     production = Production(config, registry, log)
     production.release_node()
     try:
         if not exists:
-            served = measure_server(config, staged, prompt_ids_in(config, prompts_file), log,
+            served = measure_server(config, staged, prompt_ids_in(config.data, config.target, prompts_file), log,
                                     role=f"imported draft {version}")
             refuse_unusable(version, served)
             chosen = configured_choice(config.serving, served)

@@ -51,8 +51,8 @@ class Observation:
     note: str = ""
 
 
-def source_of(config: PipelineConfig) -> str:
-    telemetry, wanted = config.production.telemetry, config.monitor.source
+def source_of(monitor: MonitorSection, production: ProductionSection) -> str:
+    telemetry, wanted = production.telemetry, monitor.source
     if wanted == "auto":
         wanted = "records" if telemetry.records_dir is not None else "metrics"
     if wanted == "records" and telemetry.records_dir is None:
@@ -68,11 +68,11 @@ def production_url(production: ProductionSection) -> str:
     return f"http://{production.host}:{production.port}"
 
 
-def from_records(config: PipelineConfig, now: float) -> Observation:
+def from_records(monitor: MonitorSection, production: ProductionSection, now: float) -> Observation:
     """The users' requests sent in [now - window_s, now), in total and per slice."""
-    window, key = config.monitor.window_s, config.production.telemetry.slice_label
+    window, key = monitor.window_s, production.telemetry.slice_label
     slices: dict[str, dict] = {}
-    for record in read_request_records(config.production.telemetry.records_dir, now - window, now):
+    for record in read_request_records(production.telemetry.records_dir, now - window, now):
         if record.from_pipeline:
             continue
         part = slices.setdefault(record.slice_of(key), {"requests": 0, "completion_tokens": 0,
@@ -125,10 +125,10 @@ def serving(url: str, timeout_s: float) -> bool:
 def observe(config: PipelineConfig, previous: dict | None, now: float) -> Observation | str:
     """One window of production, or why it could not be observed (production unavailable)."""
     url, timeout = production_url(config.production), config.monitor.timeout_s
-    if source_of(config) == "records":
+    if source_of(config.monitor, config.production) == "records":
         if not serving(url, timeout):
             return f"production at {url} does not answer /health (stopped, e.g. by a retrain on the node)"
-        return from_records(config, now)
+        return from_records(config.monitor, config.production, now)
     try:
         counters = scrape(url, timeout, now)
     except httpx.HTTPError as err:

@@ -20,9 +20,9 @@ from eagle3.deployment.promotion import (
     PROMPTS_FILE,
     PROMPTS_LAYOUT,
     benchmark_on,
-    benchmark_prompts_file,
     measure_server,
     prompt_ids_in,
+    run_prompt_ids,
 )
 from eagle3.deployment.sweep import first_of_each_suite, with_shape
 from eagle3.fsutil import atomic_write_json, read_json
@@ -152,11 +152,11 @@ class Production:
         if recorded is None:
             self.log(f"version {version} records no prompt set (published before versions kept theirs): measured on "
                      "this run's held-out prompts, so a shortfall may come from other prompts")
-            return config, first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), count), temperature
+            return config, first_of_each_suite(run_prompt_ids(config), count), temperature
         fetched = self.registry.fetch(version, PROMPTS_LAYOUT,
                                       Path(self.config.production.state_dir) / "prompts" / version)
         config = derived(config, {"benchmark.max_new_tokens": recorded["max_new_tokens"]})
-        prompts = first_of_each_suite(prompt_ids_in(config, fetched / PROMPTS_FILE), count)
+        prompts = first_of_each_suite(prompt_ids_in(config.data, config.target, fetched / PROMPTS_FILE), count)
         self.log(f"measured on version {version}'s own prompt set: {len(prompts)} of its {recorded['prompts']} prompts "
                  f"(sha256 {recorded['sha256'][:12]}), max_new_tokens {recorded['max_new_tokens']}, temperature "
                  f"{temperature}, {config.benchmark.production_concurrency} concurrent")

@@ -17,8 +17,9 @@ from eagle3.bench.client import BenchmarkError, SlicedPrompt, run_benchmark, sui
 from eagle3.bench.counting import pooled
 from eagle3.bench.diagnose import diagnose
 from eagle3.config import PipelineConfig
-from eagle3.config.deployment import TelemetrySection
-from eagle3.config.run import RunSection
+from eagle3.config.data import DataSection
+from eagle3.config.deployment import RegistrySection, TelemetrySection
+from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection
 from eagle3.data.capture import dataset_dir
 from eagle3.data.prompts import load_prompts
@@ -48,19 +49,19 @@ class Candidate:
     served: dict
     chosen: dict | None = None
 
-def benchmark_prompts_file(config: PipelineConfig) -> Path:
+def benchmark_prompts_file(benchmark: BenchmarkSection, run: RunSection) -> Path:
     """The run's benchmark requests (every configured suite's, as the data stage made them: ids, suite, slice) as a
     file under run.dir/bench/benchmark/: published with the version, so production is re-measured on the very
     requests it was measured on."""
-    path = config.stage_dir("bench") / PROMPTS_LAYOUT / PROMPTS_FILE
-    suites = {suite.name for suite in config.benchmark.suites}
-    rows = [row for row in read_greedy(config.stage_dir("data") / REGEN_DIR) if row["suite"] in suites]
+    path = run.stage_dir("bench") / PROMPTS_LAYOUT / PROMPTS_FILE
+    suites = {suite.name for suite in benchmark.suites}
+    rows = [row for row in read_greedy(run.stage_dir("data") / REGEN_DIR) if row["suite"] in suites]
     atomic_write_bytes(path, "".join(json.dumps({"id": r["id"], "suite": r["suite"], "slice": r["slice"],
                                                  "input_ids": r["prompt_ids"]}) + "\n" for r in rows).encode())
     return path
 
 
-def prompt_ids_in(config: PipelineConfig, path: Path) -> list[SlicedPrompt]:
+def prompt_ids_in(data: DataSection, target: TargetSection, path: Path) -> list[SlicedPrompt]:
     """A prompt-set file's requests as the target is sent them, each naming its suite and slice: the ids as they are
     (a run's benchmark requests), or for a version published before suites its prompts through the chat template
     (except a traffic prompt that was rendered already)."""
@@ -71,8 +72,13 @@ def prompt_ids_in(config: PipelineConfig, path: Path) -> list[SlicedPrompt]:
     if prompt_set.malformed or not prompt_set.prompts:
         number, why = prompt_set.malformed[0] if prompt_set.malformed else (0, "no prompt")
         raise UnreadableInput(f"{path}:{number}: {why}; write the prompt set again (eagle3 data regenerate)")
-    tokenizer = load_tokenizer(config.target)
-    return [SlicedPrompt(sent_ids(tokenizer, p, config.data.thinking), p.slice) for p in prompt_set.prompts]
+    tokenizer = load_tokenizer(target)
+    return [SlicedPrompt(sent_ids(tokenizer, p, data.thinking), p.slice) for p in prompt_set.prompts]
+
+
+def run_prompt_ids(config: PipelineConfig) -> list[SlicedPrompt]:
+    """The ids of the run's benchmark requests, each with its suite and slice."""
+    return prompt_ids_in(config.data, config.target, benchmark_prompts_file(config.benchmark, config.run))
 
 
 def label_suites(benchmark: BenchmarkSection, result: dict, prompts: list[SlicedPrompt]) -> None:
@@ -126,8 +132,8 @@ def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[lis
 def measure_candidate(config: PipelineConfig, draft: Path, out: Path, log: Log = print) -> dict:
     """The candidate's served result (written to `out`), with a no-draft baseline's throughput and the
     speedup when `benchmark.baseline` is set."""
-    prompts_file = benchmark_prompts_file(config)
-    prompts = prompt_ids_in(config, prompts_file)
+    prompts_file = benchmark_prompts_file(config.benchmark, config.run)
+    prompts = prompt_ids_in(config.data, config.target, prompts_file)
     baseline = (measure_server(config, None, prompts, log, role="baseline (no draft)") if config.benchmark.baseline
                 else None)
     result = measure_server(config, draft, prompts, log, role="candidate")
@@ -235,11 +241,11 @@ def retrain_overrides(run: RunSection, registry, log: Log = print) -> list[str]:
     return overrides + [f"training.init_from={json.dumps(production)}"]  # quoted: an id like 2024 stays a string
 
 
-def prune_after_promotion(config: PipelineConfig, registry, log: Log = print) -> list[dict]:
+def prune_after_promotion(run: RunSection, section: RegistrySection, registry, log: Log = print) -> list[dict]:
     """Retention, once production serves the promoted version: remove this registry's retrain runs beyond the
     newest run.keep_runs, never the one that built production (its manifest names it) nor this run. Returns the
     removed runs ({"path", "bytes"})."""
-    protected = [config.run.dir]
+    protected = [run.dir]
     production = registry.production_version()
     if production is not None:
         built = registry.manifest(production).get("config", {}).get("run", {}).get("dir")
@@ -248,8 +254,7 @@ def prune_after_promotion(config: PipelineConfig, registry, log: Log = print) ->
                 "one that built it cannot be told apart")
             return []
         protected.append(Path(built))
-    return prune_runs(runs_base(config.run.dir), config.run.keep_runs, registry_location(config.registry),
-                      protected, log)
+    return prune_runs(runs_base(run.dir), run.keep_runs, registry_location(section), protected, log)
 
 
 def version_id(run: RunSection, export_fingerprint: str) -> str:
@@ -283,18 +288,18 @@ def measured_fields(config: PipelineConfig, served: dict, simulated: float | Non
     """What a version's manifest says of its measurement: the prompt set (published with it), the shape production
     serves it with and is re-measured in (the chosen shape, on the first num_prompts requests of each suite), the figures."""
     return {
-        "benchmark": prompt_set_fields(config),
+        "benchmark": prompt_set_fields(config.benchmark, config.run),
         "serving": {**chosen["shape"], **{k: chosen[k] for k in ("temperature", "concurrency", "num_prompts")}},
         "metrics": registry_metrics(served, simulated, chosen),
     }
 
 
-def prompt_set_fields(config: PipelineConfig) -> dict:
+def prompt_set_fields(benchmark: BenchmarkSection, run: RunSection) -> dict:
     """What a version records of the prompt set it was measured on (the file is published with it)."""
-    path = config.stage_dir("bench") / PROMPTS_LAYOUT / PROMPTS_FILE
+    path = run.stage_dir("bench") / PROMPTS_LAYOUT / PROMPTS_FILE
     return {"file": f"{PROMPTS_LAYOUT}/{PROMPTS_FILE}", "sha256": sha256_file(path),
             "prompts": sum(1 for line in path.read_text().splitlines() if line.strip()),
-            "max_new_tokens": config.benchmark.max_new_tokens}
+            "max_new_tokens": benchmark.max_new_tokens}
 
 
 def version_dirs(run: RunSection, exported: dict[str, str]) -> dict[str, Path]:

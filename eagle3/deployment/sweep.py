@@ -20,7 +20,7 @@ from eagle3.bench.client import SlicedPrompt
 from eagle3.config import PipelineConfig, derived
 from eagle3.config.serving import ServingSection
 from eagle3.data.regenerate import simulated_shapes
-from eagle3.deployment.promotion import benchmark_on, benchmark_prompts_file, prompt_ids_in
+from eagle3.deployment.promotion import benchmark_on, run_prompt_ids
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_write_json
 from eagle3.registry.gate import Decision
@@ -95,7 +95,7 @@ def choose(points: list[dict]) -> dict | None:
 def run_sweep(config: PipelineConfig, draft: Path, out: Path, log: Log = print) -> dict:
     """Measure every shape that fits the budget; write the result to `out`; return it."""
     started, sweep, b = time.monotonic(), config.sweep, config.benchmark
-    prompts = first_of_each_suite(prompt_ids_in(config, benchmark_prompts_file(config)), sweep.num_prompts)
+    prompts = first_of_each_suite(run_prompt_ids(config), sweep.num_prompts)
     shapes = simulated_shapes(config)  # serving's shape, then sweep.points: the shapes the simulator replays
     log(f"sweep: {len(shapes)} drafting shape(s) x concurrency {b.concurrency} at temperature {b.temperature}, "
         f"{len(prompts)} requests each (at most {most_per_suite(prompts)} per suite), budget {sweep.budget_s:.0f} s")

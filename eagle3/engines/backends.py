@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection
+from eagle3.config.run import TargetSection
 from eagle3.engines.features import FeatureBackend, TransformersFeatures
 
 
@@ -13,9 +14,9 @@ def local_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def target_backend(config: PipelineConfig, device: torch.device, tp_rank: int = 0, tp_size: int = 1) -> FeatureBackend:
+def target_backend(data: DataSection, target: TargetSection, device: torch.device, tp_rank: int = 0,
+                   tp_size: int = 1) -> FeatureBackend:
     """The backend `data.capture_engine` names, for this process."""
-    data, target = config.data, config.target
     if data.capture_engine == "sglang":
         from eagle3.engines.sglang_features import SGLangFeatures  # the node's SGLang environment only
 

@@ -1,7 +1,7 @@
-"""Stage identities for caching: a stage's key is a content hash of what it reads - the config fields it uses, the
-content of the target, of the prompt source and of the draft training starts from (training.init_from), the
-fingerprints (manifest hashes) of the stage outputs it consumes, and the code version (a hash of the package source;
-an installed wheel has no git SHA). Unchanged inputs give the same key (the stage is skipped); a changed input
+"""Stage identities for caching: a stage's key is a content hash of what it reads - the config fields its entry in
+eagle3.stages.table names, the content its by-content fields point at (the target, the prompt source, imported rows,
+the draft training starts from), the fingerprints (manifest hashes) of the stage outputs it consumes, and the code
+version (a hash of the package source; an installed wheel has no git SHA). Unchanged inputs give the same key (the stage is skipped); a changed input
 changes the key of its stage and, through the fingerprints, of every stage downstream. Operational fields (ports,
 concurrency, retries, launchers) are in no key.
 

@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection
+from eagle3.config.run import RunSection
+from eagle3.config.training import TrainingSection
 from eagle3.errors import Eagle3Error
 from eagle3.procs import ProcessTree, cpu_threads, timestamp, with_threads
 from eagle3.procs import GPU_QUERY, wait_gpus_free, wrap
@@ -70,7 +73,7 @@ def launch_commands(config: PipelineConfig, resolved: Path | str, cwd: Path) -> 
     """The local processes to start: the node command itself, one srun step, or one ssh per host."""
     t = config.training
     if t.launcher == "local":
-        return [node_command(config, resolved, trainer_python(config))]
+        return [node_command(config, resolved, trainer_python(config.data, config.training))]
     command = node_command(config, resolved, t.python)
     if t.launcher == "srun":
         # --kill-on-bad-exit: a node that fails takes the others down instead of leaving them at a collective
@@ -81,15 +84,15 @@ def launch_commands(config: PipelineConfig, resolved: Path | str, cwd: Path) -> 
     return [wrap(remote, "ssh", host) for host in t.hosts]
 
 
-def trainer_python(config: PipelineConfig) -> str:
+def trainer_python(data: DataSection, training: TrainingSection) -> str:
     """Here: this python, or the node's SGLang python when the trainer builds SGLang's model runner (online)."""
-    online_sglang = config.training.features == "online" and config.data.capture_engine == "sglang"
-    return config.data.sglang_python if online_sglang else sys.executable
+    online_sglang = training.features == "online" and data.capture_engine == "sglang"
+    return data.sglang_python if online_sglang else sys.executable
 
 
-def child_env(config: PipelineConfig) -> dict[str, str]:
+def child_env(run: RunSection, training: TrainingSection) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a pipe would hold the trainer's lines back until it exits
-    return with_threads(env, cpu_threads(config.run.cpu_threads, config.training.nproc_per_node))
+    return with_threads(env, cpu_threads(run.cpu_threads, training.nproc_per_node))
 
 
 # -- metrics ------------------------------------------------------------------------------------
@@ -176,7 +179,7 @@ def train(config: PipelineConfig, resolved: Path | str, log: Log,
     with open(log_path, "ab", buffering=0) as log_file:
         try:
             for command, prefix in zip(commands, prefixes):
-                process = start(command, child_env(config))
+                process = start(command, child_env(config.run, config.training))
                 tree.add(process)
                 log(f"train: process group {process.pid}: {shlex.join(command)} (log {log_path})")
                 readers.append(read_output(process, prefix, log_file, recent, output))

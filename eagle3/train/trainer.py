@@ -82,7 +82,7 @@ class Trainer:
         self.eos_ids = target_eos_ids(config.target.path)
         head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
         vocab_map = self.read_vocab_map()
-        self.init = resolved_init(config)  # training.init_from, resolved before the trainer started
+        self.init = resolved_init(config.run, config.training)  # training.init_from, resolved before training
         self.model = self.build_model(head, vocab_map)
         self.teacher = self.build_teacher(head, vocab_map)
         self.ttt = TTTModel(self.model)
@@ -101,7 +101,8 @@ class Trainer:
     def feature_backend(self, manifest: dict) -> FeatureBackend:
         """Online: the target on this rank (tensor-parallel over the ranks with SGLang); offline: the stored shards."""
         if self.config.training.features == "online":
-            return target_backend(self.config, self.dist.device, self.dist.rank, self.dist.world)
+            return target_backend(self.config.data, self.config.target, self.dist.device, self.dist.rank,
+                                  self.dist.world)
         return ShardFeatures(self.data, manifest["capture"]["engine_release"], self.dist.device)
 
     def replayed_samples(self) -> list[HeldoutRef] | None:

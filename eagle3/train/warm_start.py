@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig
 from eagle3.config.run import RunSection
+from eagle3.config.training import TrainingSection
 from eagle3.errors import Eagle3Error
 from eagle3.draft.checkpoint import DraftConfig, expected_shapes, load_native
 from eagle3.draft.vocab_map import VocabMap, carry_rows
@@ -44,20 +44,20 @@ def init_dir(run: RunSection) -> Path:
     return run.stage_dir("train") / INIT_DIR
 
 
-def resolved_init(config: PipelineConfig) -> ResolvedInit | None:
+def resolved_init(run: RunSection, training: TrainingSection) -> ResolvedInit | None:
     """The resolved copy of training.init_from (None when the run trains from scratch); refused when it was not
     resolved for this value."""
-    value = config.training.init_from
+    value = training.init_from
     if value is None:
         return None
-    record_path = init_dir(config.run) / RECORD_FILE
+    record_path = init_dir(run) / RECORD_FILE
     record = read_json(record_path, "missing") if record_path.is_file() else {}
     if record.get("init_from") != value:
         raise Eagle3Error(
             f"training.init_from {value!r} was not resolved for this run ({record_path} "
             f"{'names ' + repr(record.get('init_from')) if record else 'is missing'}): train with `eagle3 train` or "
             "the pipeline's train stage, which fetch and convert it first (eagle3.init_draft.resolve_init_from)")
-    return ResolvedInit(init_dir(config.run) / NATIVE_DIR, record)
+    return ResolvedInit(init_dir(run) / NATIVE_DIR, record)
 
 
 def warm_start(model: Eagle3Draft, vocab_map: VocabMap, init: ResolvedInit, log: Callable[[str], None]) -> None:
