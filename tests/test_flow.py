@@ -350,9 +350,10 @@ def test_a_kimi_kind_tied_target_goes_through_the_whole_flow_to_a_promotion(pref
 
 
 def promoted_with_simulated_equal_to_served(overrides: list[str], config: str = CONFIG) -> None:
-    """Runs the flow: the draft is promoted, and served acceptance equals the simulated one."""
+    """Runs the flow: the draft is promoted, and served acceptance equals the simulated one (no no-draft server
+    beside the candidate: the throughput rule is off, and the micro flow's tests measure the speedup)."""
     ensure_registry_limit(config, overrides)
-    outcome = run_flow(overrides, config=config)
+    outcome = run_flow(overrides, "benchmark.baseline=false", config=config)
     state = outcome.state
     assert state.is_completed() and state.name == "Completed", state.message
     assert outcome.after == state.result() and outcome.events[-1] == "promoted"
