@@ -40,7 +40,7 @@ class ExportInvalid(Eagle3Error):
 
 
 def export_dirs(config: PipelineConfig) -> dict[str, Path]:
-    """Every export layout's directory; the served one (sglang) is the export stage's output (eagle3.stages.table)."""
+    """Every export layout's directory; the served one (sglang) is the export stage's output."""
     return {layout: config.stage_dir("export") / layout for layout in config.export.layouts}
 
 

@@ -65,6 +65,13 @@ def dataset(config: PipelineConfig) -> Path:
     return dataset_dir(config)
 
 
+def served_export(config: PipelineConfig) -> Path:
+    """The served layout's directory (sglang): what the export stage's marker sits beside."""
+    from eagle3.export import export_dirs
+
+    return export_dirs(config)["sglang"]
+
+
 # ---- runners: the library call each stage makes (imported when it runs: `eagle3 --help` stays light)
 
 def regenerate(run: StageRun) -> None:
@@ -199,7 +206,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
                "training.replay_max_new_tokens", *REPLAY),
           by_content={"training.init_from": ByContent(("training.init_from",), init_draft_content)},
           upstream={"dataset": "capture", "vocab": "vocab"}, resumes=("train",)),
-    Stage("export", "export/sglang", runner=export, command=("export",),
+    Stage("export", served_export, runner=export, command=("export",),
           help="write every export.layouts layout; the served one validated as its release loads it",
           # the speculators layout records the serving num_steps as speculative_tokens, names the target as its
           # verifier and ships the target's embedding
