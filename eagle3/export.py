@@ -26,6 +26,7 @@ from eagle3.target.info import read_target_info
 from eagle3.validation.validate import validate
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.weights import target_verifier
+from eagle3.train.trainer import best_draft
 
 Log = Callable[[str], None]
 VALIDATION_FILE = "validation.json"
@@ -47,7 +48,7 @@ def export_dirs(config: PipelineConfig) -> dict[str, Path]:
 
 def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     """Export and validate; return {dirs: {layout: path}, validation: the report with `waived` problems}."""
-    source = config.stage_dir("train") / "best"
+    source = best_draft(config.run)
     out = config.stage_dir("export")
     (out / VALIDATION_FILE).unlink(missing_ok=True)  # never report an earlier export's checklist as this one's
     target = Path(config.target.path)

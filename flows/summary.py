@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from prefect.client.schemas.sorting import TaskRunSort
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.sorting import ArtifactSort, TaskRunSort
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
 from eagle3.config import PipelineConfig, derived
@@ -22,6 +22,15 @@ def stage_rows(flow_run_id) -> list[tuple[str, str, float]]:
                                      sort=TaskRunSort.EXPECTED_START_TIME_ASC)
     return [(run.name.rsplit("-", 1)[0], run.state_name or "",
              (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0) for run in runs]
+
+
+def artifact_keys(flow_run_id) -> list[str]:
+    """The keys of the artifacts this flow run made, oldest first (a stage the cache skipped made none)."""
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])),
+            sort=ArtifactSort.CREATED_DESC)
+    return list(dict.fromkeys(artifact.key for artifact in reversed(artifacts) if artifact.key))
 
 
 def run_dir_of(flow_run_id, config: PipelineConfig, mode: str) -> Path | None:
@@ -68,7 +77,7 @@ def summary(state, config: PipelineConfig, mode: str = "full") -> str:
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     lines += ["", f"accept length: simulated {fmt(simulated.get('accept_length'))}, served "
               f"{fmt(served.get('accept_length'))}", *suites_text(suites.get("columns") or []),
-              f"artifacts (data, vocab, training, export-validation, acceptance, sweep, suites, decision) of flow run {flow_run_id}: "
+              f"artifacts ({', '.join(artifact_keys(flow_run_id)) or 'none'}) of flow run {flow_run_id}: "
               + (f"{ui_url()}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts" if PREFECT_API_URL.value() else
                  f"kept in the Prefect database under PREFECT_HOME; run `prefect server start` and open "
                  f"http://127.0.0.1:4200/v2/runs/flow-run/{flow_run_id}?tab=Artifacts"),

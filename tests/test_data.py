@@ -141,7 +141,7 @@ def test_storage_projection_refuses_a_disk_that_is_too_small(tmp_path):
     lines = []
     tokens = kimi.data.num_samples * kimi.data.max_length  # 200k samples x 4096 tokens
     with pytest.raises(StorageError, match=r"needs 47.0 TB \(819,200,000 tokens x 57,349 bytes\)") as err:
-        check_storage(kimi, tokens, tmp_path / "data" / "hidden", lines.append)
+        check_storage(kimi.data, kimi.target, tokens, tmp_path / "data" / "hidden", lines.append)
     assert "free at" in str(err.value)
     assert "57,349 bytes per token (3 aux + 1 last state x 7168 x bf16)" in lines[0]
 

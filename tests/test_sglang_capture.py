@@ -19,7 +19,7 @@ from helpers import KIMI, TINY, micro_overrides
 
 def test_the_node_command_is_torchrun_over_the_serving_gpus_reading_the_resolved_config():
     config = load_config(KIMI)
-    command = node_command(config, "/data/run/config.resolved.yaml")
+    command = node_command(config.data, config.serving, "/data/run/config.resolved.yaml")
     assert command == ["/opt/sglang/bin/python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
                        "-m", "eagle3.data.node_capture", "--config", "/data/run/config.resolved.yaml"]
 

@@ -15,7 +15,8 @@ from eagle3.records.manifest import MANIFEST_FILE, fingerprint, write_manifest
 from eagle3.registry.registry import Registry
 from eagle3.registry.store import LocalStore
 from eagle3.stages.keys import IN_PROGRESS, begin, cache_key, done, finish, recorded_key, stage_key
-from eagle3.stages.table import OPERATIONAL, STAGES, output_of
+from eagle3.config.run import RUN_DIRS
+from eagle3.stages.table import OPERATIONAL, RECORDS, STAGES, output_of, record_path, under_run
 from helpers import TINY, TOY
 
 D = {"dataset": "d"}  # the fingerprints of the outputs a stage consumes, by parameter name
@@ -156,6 +157,18 @@ def test_every_config_field_is_in_a_stage_key_or_operational_with_a_reason():
     assert [name for name in keyed | set(OPERATIONAL) if not named(name)] == []  # no stale names
     assert sorted(keyed & set(OPERATIONAL)) == []
     assert all(reason.strip() for reason in OPERATIONAL.values())
+
+
+def test_each_run_directory_part_holds_some_stage_output_or_record_and_nothing_lies_outside_them(tmp_path):
+    """The run directory's parts (RUN_DIRS, what `stage_dir` takes) and the table's outputs, resume points and records
+    name the same places: none of them outside a part, no part that nothing makes."""
+    for features in ("offline", "online"):
+        run = config(tmp_path, f"training.features={features}")
+        paths = [output_of(run, name) for name in STAGES] + [record_path(run, record) for record in RECORDS]
+        paths += [under_run(run, resumed) for stage in STAGES.values() for resumed in stage.resumes]
+        parts = [path.relative_to(run.run.dir).parts[0] for path in paths]
+        assert set(parts) == set(RUN_DIRS), parts
+        assert output_of(run, "capture").name == ("tokens" if features == "online" else "hidden")
 
 
 def test_a_new_setting_left_out_of_every_key_is_named(monkeypatch):

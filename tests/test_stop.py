@@ -133,6 +133,10 @@ def test_a_stopped_run_says_so_holds_nothing_and_a_killed_one_leaves_no_process(
         assert run.wait(timeout=600) == 0, tail(log)
         lines = log.read_text().splitlines()
         assert lines[-1].startswith("decision: promoted "), tail(log)
+        # the artifacts this run made, read from its flow run: the stages it ran, not the ones the cache skipped
+        made = next(line for line in lines if line.startswith("artifacts (")).split("(")[1].split(")")[0].split(", ")
+        assert {"train-progress", "training", "export-validation", "acceptance", "decision"} <= set(made), made
+        assert "data" not in made and "vocab" not in made, made
         assert any("registry lock: freed the slot of" in line and "is dead" in line for line in lines), tail(log)
         assert any("train: resumed from" in line for line in lines), tail(log)
         assert not any("Error logging to API" in line for line in lines), tail(log)

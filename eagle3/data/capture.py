@@ -123,7 +123,7 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
         log(f"capture: hidden-state capture skipped (training.features online: the trainer computes the features); "
             f"{len(records)} samples stored as token shards in {out}")
     else:
-        check_storage(config, sum(len(r["input_ids"]) for job in jobs if job.todo for r in job.samples), out, log)
+        check_storage(config.data, config.target, sum(len(r["input_ids"]) for job in jobs if job.todo for r in job.samples), out, log)
     pending = [job for job in feature_jobs if job.todo]
     release = None
     if online and main:
@@ -146,7 +146,7 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
         named_eval = write_split(out, records)
         release = release or recorded_release([job.path for job in feature_jobs])
         heldout_manifest = write_manifest(config.stage_dir("data") / HELDOUT_DIR, kind="heldout",
-                                          fields=heldout_fields(config, heldout, release))
+                                          fields=heldout_fields(config.data, config.target, heldout, release))
         write_manifest(out, kind="tokens" if online else "dataset",
                        fields={**dataset_fields(config, regen_manifest, release, records, heldout_manifest),
                                "named_eval_samples": named_eval})
@@ -256,12 +256,11 @@ def recorded_release(paths: list[Path]) -> str | None:
     return releases.pop() if len(releases) == 1 else None
 
 
-def heldout_fields(config: PipelineConfig, jobs: list[ShardJob], release: str | None) -> dict:
+def heldout_fields(data: DataSection, target: TargetSection, jobs: list[ShardJob], release: str | None) -> dict:
     sequences = [r for job in jobs for r in job.samples]
     tokens = sum(len(r["input_ids"]) for r in sequences)
-    return {"target": target_identity(config.target), "capture": capture_fields(config.data, release),
-            "sequences": len(sequences), "tokens": tokens,
-            "bytes": projected_bytes(config.data, config.target, tokens)[1],
+    return {"target": target_identity(target), "capture": capture_fields(data, release),
+            "sequences": len(sequences), "tokens": tokens, "bytes": projected_bytes(data, target, tokens)[1],
             "continuation_tokens": sum(sum(r["loss_mask"]) for r in sequences), "code_version": code_version()}
 
 

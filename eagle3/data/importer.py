@@ -84,7 +84,7 @@ def import_rows(config: PipelineConfig, source: Path | None = None, log: Log = p
     out = config.stage_dir("data") / REGEN_DIR
     tokenizer = load_tokenizer(config.target)
     with atomic_directory(out, overwrite=True) as tmp:
-        tally, digest = write_rows(source, tmp, config, tokenizer, log)
+        tally, digest = write_rows(source, tmp, config.data, config.target, tokenizer, log)
         prompt_set, _, heldout = split_prompts(config, tokenizer, log)
         if (out / GREEDY_FILE).is_file():  # reused when made for the same prompts and length
             shutil.copy2(out / GREEDY_FILE, tmp / GREEDY_FILE)
@@ -104,7 +104,8 @@ def import_rows(config: PipelineConfig, source: Path | None = None, log: Log = p
     return out
 
 
-def write_rows(source: Path, out: Path, config: PipelineConfig, tokenizer, log: Log) -> tuple[Tally, str]:
+def write_rows(source: Path, out: Path, data: DataSection, target: TargetSection, tokenizer,
+               log: Log) -> tuple[Tally, str]:
     """Check every row of `source` and append it to the shards in `out`, in file order; returns the tally and the
     file's sha256."""
     tally, digest, pending = Tally(), hashlib.sha256(), []
@@ -119,14 +120,14 @@ def write_rows(source: Path, out: Path, config: PipelineConfig, tokenizer, log: 
             digest.update(line)
             tokens = 0
             if line.strip():
-                record = parse_row(line, Where(source, number), config, tokenizer, tally)
+                record = parse_row(line, Where(source, number), data, target, tokenizer, tally)
                 pending.append((tally.rows - 1, record))
                 tokens = len(record["input_ids"])
             if len(pending) >= WRITE_ROWS:
-                append_records(out, pending, config.data.shard_samples)
+                append_records(out, pending, data.shard_samples)
                 pending = []
             progress.advance(len(line), tokens=tokens)
-    append_records(out, pending, config.data.shard_samples)
+    append_records(out, pending, data.shard_samples)
     if not tally.rows:
         raise RowError(f"{source}: no rows (the file is empty); give one JSON object per line")
     if tally.named and not tally.splits["train"]:
@@ -143,7 +144,7 @@ class Where:
         return RowError(f"{self.path}, line {self.line}, field {name}: {what}")
 
 
-def parse_row(line: bytes, where: Where, config: PipelineConfig, tokenizer, tally: Tally) -> dict:
+def parse_row(line: bytes, where: Where, data: DataSection, target: TargetSection, tokenizer, tally: Tally) -> dict:
     """One line as a sample record in regeneration's format (id, input_ids, loss_mask, replies; conversation,
     ended_early and split when there are), counted in `tally`; RowError names what is wrong."""
     try:
@@ -157,9 +158,9 @@ def parse_row(line: bytes, where: Where, config: PipelineConfig, tokenizer, tall
         record = token_row(row, where)
         tally.formats["tokens"] += 1
     else:
-        record = conversation_row(row, line, where, tokenizer, config.data.thinking)
+        record = conversation_row(row, line, where, tokenizer, data.thinking)
         tally.formats["conversations"] += 1
-    check_fits(record["input_ids"], where, config.data, config.target)
+    check_fits(record["input_ids"], where, data, target)
     split = row_split(row, where, tally)
     if split is not None:
         record["split"] = split

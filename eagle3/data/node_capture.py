@@ -15,21 +15,23 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.config import PipelineConfig, load_config
+from eagle3.config.data import DataSection
+from eagle3.config.serving import ServingSection
 from eagle3.data.capture import Log, capture, dataset_dir
 from eagle3.distributed import setup_distributed
 from eagle3.engines.backends import target_backend
 from eagle3.errors import Eagle3Error
 from eagle3.procs import STOP_GRACE_S, ProcessTree, terminate_on_sigterm
 
-def node_command(config: PipelineConfig, resolved: Path | str) -> list[str]:
+def node_command(data: DataSection, serving: ServingSection, resolved: Path | str) -> list[str]:
     """The command that runs capture on the GPU node with its SGLang python, one rank per tensor-parallel GPU."""
-    return [config.data.sglang_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(config.serving.tp), "-m", "eagle3.data.node_capture", "--config", str(resolved)]
+    return [data.sglang_python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(serving.tp), "-m", "eagle3.data.node_capture", "--config", str(resolved)]
 
 
-def run_on_node(config: PipelineConfig, resolved: Path | str, log: Callable[[str], None]) -> None:
+def run_on_node(data: DataSection, serving: ServingSection, resolved: Path | str, log: Callable[[str], None]) -> None:
     """Run the node command in its own process group; Ctrl-C or a failure never leaves it behind."""
-    command = node_command(config, resolved)
+    command = node_command(data, serving, resolved)
     log(f"capture: running {' '.join(command)}")
     try:
         # stdin closed: nothing the node command loads (a target's remote code included) can wait on a prompt
@@ -49,7 +51,7 @@ def capture_with_engine(config: PipelineConfig, resolved: Path | str, log: Log =
     """Capture with `data.capture_engine`: here (transformers), or SGLang on the GPU node - torchrun in the node's
     SGLang environment reading the run's resolved config. Returns the training data set's directory."""
     if config.data.capture_engine == "sglang":
-        run_on_node(config, resolved, log=log)
+        run_on_node(config.data, config.serving, resolved, log=log)
         return dataset_dir(config)
     return capture(config, log=log)
 

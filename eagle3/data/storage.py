@@ -28,16 +28,16 @@ def projected_bytes(data: DataSection, target: TargetSection, tokens: int) -> tu
     return per_token, per_token * tokens
 
 
-def check_storage(config: PipelineConfig, tokens: int, directory: Path, log: Log) -> None:
+def check_storage(data: DataSection, target: TargetSection, tokens: int, directory: Path, log: Log) -> None:
     """Print the projection and refuse to start when it exceeds the free space (with the numbers)."""
-    per_token, total = projected_bytes(config.data, config.target, tokens)
+    per_token, total = projected_bytes(data, target, tokens)
     existing = directory
     while not existing.exists():
         existing = existing.parent
     free = shutil.disk_usage(existing).free
     log(
-        f"capture: {per_token:,} bytes per token ({len(config.data.aux_layers)} aux + 1 last state x "
-        f"{config.target.hidden_size} x {DTYPE_NAMES[config.data.feature_dtype]}) x {tokens:,} tokens = {human_bytes(total)}; "
+        f"capture: {per_token:,} bytes per token ({len(data.aux_layers)} aux + 1 last state x "
+        f"{target.hidden_size} x {DTYPE_NAMES[data.feature_dtype]}) x {tokens:,} tokens = {human_bytes(total)}; "
         f"{human_bytes(free)} free at {existing}"
     )
     if total > free:

@@ -164,7 +164,7 @@ def import_as_production(config: PipelineConfig, registry: Registry, version: st
             refuse_unusable(version, served)
             chosen = configured_choice(config.serving, served)
             registry.publish(version, {"sglang": staged, PROMPTS_LAYOUT: prompts_file.parent},
-                             fields | measured_fields(config, served, None, chosen))
+                             fields | measured_fields(config.benchmark, config.run, served, None, chosen))
         registry.promote(version, before, [REASON, f"source: {fields['provenance']['source']}"], by=by)
         measured = production.serve(version, REASON)
         warning = production.check(version, measured, config.gate.production_tolerance)

@@ -122,13 +122,13 @@ def serving(url: str, timeout_s: float) -> bool:
         return False
 
 
-def observe(config: PipelineConfig, previous: dict | None, now: float) -> Observation | str:
+def observe(monitor: MonitorSection, production: ProductionSection, previous: dict | None, now: float) -> Observation | str:
     """One window of production, or why it could not be observed (production unavailable)."""
-    url, timeout = production_url(config.production), config.monitor.timeout_s
-    if source_of(config.monitor, config.production) == "records":
+    url, timeout = production_url(production), monitor.timeout_s
+    if source_of(monitor, production) == "records":
         if not serving(url, timeout):
             return f"production at {url} does not answer /health (stopped, e.g. by a retrain on the node)"
-        return from_records(config.monitor, config.production, now)
+        return from_records(monitor, production, now)
     try:
         counters = scrape(url, timeout, now)
     except httpx.HTTPError as err:
@@ -197,7 +197,7 @@ class Monitor:
         version = self.registry.production_version()
         entry = {"t": now, "time": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
                  "version": version, "registry": self.registry.location}
-        observed = (observe(self.config, last_with_counters(recent), now) if version
+        observed = (observe(self.config.monitor, self.config.production, last_with_counters(recent), now) if version
                     else "the registry has no production version")
         if isinstance(observed, str):
             entry.update(verdict="unavailable", reason=observed)

@@ -32,6 +32,7 @@ from eagle3.registry.gate import Decision, Metrics, SuiteFigures, suite_figures,
 from eagle3.registry.registry import decide_against_production, open_registry, registry_location
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
+from eagle3.train.trainer import best_draft
 
 Log = Callable[[str], None]
 PROMPTS_LAYOUT, PROMPTS_FILE = "benchmark", "prompts.jsonl"  # a version's prompt set, published beside its layouts
@@ -270,9 +271,9 @@ def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served:
         **config_fields(config),
         "inputs": fingerprints,  # stage -> content hash of its output (eagle3.stages.stage_fingerprint)
         "data_quality": data_quality_of(config.run),
-        **measured_fields(config, served, simulated, chosen),
+        **measured_fields(config.benchmark, config.run, served, simulated, chosen),
         # the draft it was fine-tuned from, as its training recorded it (kind, where, sha256), or None
-        "lineage": {"parent": parent, "init_from": read_manifest(config.stage_dir("train") / "best").get("init_from"),
+        "lineage": {"parent": parent, "init_from": read_manifest(best_draft(config.run)).get("init_from"),
                     "flow_run": flow_run},
     }
 
@@ -284,11 +285,12 @@ def config_fields(config: PipelineConfig) -> dict:
             "code_version": code_version()}
 
 
-def measured_fields(config: PipelineConfig, served: dict, simulated: float | None, chosen: dict) -> dict:
+def measured_fields(benchmark: BenchmarkSection, run: RunSection, served: dict, simulated: float | None,
+                    chosen: dict) -> dict:
     """What a version's manifest says of its measurement: the prompt set (published with it), the shape production
     serves it with and is re-measured in (the chosen shape, on the first num_prompts requests of each suite), the figures."""
     return {
-        "benchmark": prompt_set_fields(config.benchmark, config.run),
+        "benchmark": prompt_set_fields(benchmark, run),
         "serving": {**chosen["shape"], **{k: chosen[k] for k in ("temperature", "concurrency", "num_prompts")}},
         "metrics": registry_metrics(served, simulated, chosen),
     }

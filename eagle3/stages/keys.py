@@ -34,7 +34,7 @@ from eagle3.config import PipelineConfig
 from eagle3.export import export_dirs
 from eagle3.records.manifest import code_version, fingerprint
 from eagle3.fsutil import atomic_write_bytes
-from eagle3.stages.table import STAGES, output_of
+from eagle3.stages.table import STAGES, output_of, under_run
 
 TOKEN_FILE = ".run-token"
 IN_PROGRESS = "in-progress "
@@ -137,11 +137,11 @@ def begin(stage: str, config: PipelineConfig, upstream: dict[str, str], log: Cal
     inputs = resume_inputs(stage, config, upstream)
     key, resumes, made_for = recorded(config, stage)
     if key is not None and resumes != keyed(inputs):
-        for relative in STAGES[stage].resumes:
-            if (config.run.dir / relative).exists():
-                log(f"{stage}: its inputs changed since {config.run.dir / relative} was made "
-                    f"({changed_inputs(made_for, inputs)}): starting it afresh")
-                shutil.rmtree(config.run.dir / relative)
+        for path in (under_run(config, resumed) for resumed in STAGES[stage].resumes):
+            if path.exists():
+                log(f"{stage}: its inputs changed since {path} was made ({changed_inputs(made_for, inputs)}): "
+                    "starting it afresh")
+                shutil.rmtree(path)
     mark(stage, config, upstream, IN_PROGRESS)
 
 

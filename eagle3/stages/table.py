@@ -43,14 +43,16 @@ class ByContent:
 @dataclass(frozen=True)
 class Stage:
     name: str  # of its marker, Prefect task, `eagle3` step and report line
-    output: str | Callable[[PipelineConfig], Path]  # what it makes, under run.dir (its marker sits beside it)
+    output: str | Callable[[PipelineConfig], Path]  # what it makes, under run.dir (its marker sits beside it): a
+    # path, or the library's function that names it
     key: tuple[str, ...]  # config sections or dotted fields whose values decide its output
     runner: Callable[[StageRun], None]
     command: tuple[str, ...]  # the `eagle3` step that runs it by hand
     help: str
     upstream: Mapping[str, str] = field(default_factory=dict)  # {the name its task takes an output by: that stage}
     by_content: Mapping[str, ByContent] = field(default_factory=dict)
-    resumes: tuple[str, ...] = ()  # under run.dir: what it resumes from, cleared when its inputs changed
+    resumes: tuple[str | Callable[[PipelineConfig], Path], ...] = ()  # under run.dir, as `output`: what it resumes
+    # from, cleared when its inputs changed
     refines: tuple[str, ...] = ()  # key inputs whose change keeps what it resumes from
     needs: tuple[str, ...] = ()  # config sections a training-only config may lack that it cannot run without
 
@@ -58,11 +60,23 @@ class Stage:
         return self.key + tuple(name for item in self.by_content.values() for name in item.fields)
 
 
+def regenerated(config: PipelineConfig) -> Path:
+    from eagle3.data.regenerate import REGEN_DIR
+
+    return config.stage_dir("data") / REGEN_DIR
+
+
 def dataset(config: PipelineConfig) -> Path:
     """The data set the trainer reads: feature shards, or token shards when training computes features online."""
     from eagle3.data.capture import dataset_dir
 
     return dataset_dir(config)
+
+
+def best_draft(config: PipelineConfig) -> Path:
+    from eagle3.train.trainer import best_draft
+
+    return best_draft(config.run)
 
 
 def served_export(config: PipelineConfig) -> Path:
@@ -170,7 +184,7 @@ REPLAY = ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving
           "benchmark.num_prompts", "benchmark.max_new_tokens")  # counted as the served release counts, in its shape
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (
-    Stage("regenerate", "data/regen", runner=regenerate, command=("data", "regenerate"),
+    Stage("regenerate", regenerated, runner=regenerate, command=("data", "regenerate"),
           help="the target writes the assistant turns of the training prompts (or data.import_path's rows are "
           "imported), with the held-out suites' greedy continuations",
           key=("data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length", "data.temperature",
@@ -181,7 +195,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
                       "heldout": ByContent(("benchmark.num_prompts", "benchmark.max_new_tokens", "benchmark.suites",
                                             "training.replay_prompts", "training.replay_max_new_tokens",
                                             "serving.num_steps", "sweep.points"), heldout_set)},
-          resumes=("data/regen",),
+          resumes=(regenerated,),
           # more or fewer samples of the same kind (only new ones are generated), other quality thresholds over the
           # same replies, or other held-out continuations (only the continuations are made again)
           refines=("data.num_samples", "data.quality", "heldout")),
@@ -194,7 +208,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("vocab", "vocab", runner=vocab, command=("vocab", "build"),
           help="build d2t/t2d from the regenerated training split", key=("vocab",),
           upstream={"regenerated": "regenerate"}),
-    Stage("train", "train/best", runner=train, command=("train",),
+    Stage("train", best_draft, runner=train, command=("train",),
           help="train the draft (torchrun as training.* says); a training-only config (no serving, benchmark or "
           "registry section) is enough",
           key=("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
@@ -225,8 +239,11 @@ RECORDS = {"simulated": STAGES["simulate"].output, "served": "bench/served.json"
 
 
 def output_of(config: PipelineConfig, stage: str) -> Path:
-    output = STAGES[stage].output
-    return output(config) if callable(output) else config.run.dir / output
+    return under_run(config, STAGES[stage].output)
+
+
+def under_run(config: PipelineConfig, path: str | Callable[[PipelineConfig], Path]) -> Path:
+    return path(config) if callable(path) else config.run.dir / path
 
 
 def record_path(config: PipelineConfig, record: str) -> Path:

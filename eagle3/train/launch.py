@@ -56,14 +56,13 @@ class TrainingStopped(Eagle3Error):
 # -- commands -----------------------------------------------------------------------------------
 
 
-def node_command(config: PipelineConfig, resolved: Path | str, python: str) -> list[str]:
+def node_command(run: RunSection, t: TrainingSection, resolved: Path | str, python: str) -> list[str]:
     """What runs on each node: the trainer itself, or torchrun starting nproc_per_node of them."""
-    t = config.training
     entry = ["-m", "eagle3.train", "--config", str(resolved)]
     torchrun = [python, "-m", "torch.distributed.run"]
     if t.nnodes > 1:
         return [*torchrun, "--nnodes", str(t.nnodes), "--nproc-per-node", str(t.nproc_per_node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", t.rdzv_endpoint, "--rdzv-id", config.run.name, *entry]
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", t.rdzv_endpoint, "--rdzv-id", run.name, *entry]
     if t.nproc_per_node > 1:
         return [*torchrun, "--standalone", "--nproc-per-node", str(t.nproc_per_node), *entry]
     return [python, *entry]
@@ -73,8 +72,8 @@ def launch_commands(config: PipelineConfig, resolved: Path | str, cwd: Path) -> 
     """The local processes to start: the node command itself, one srun step, or one ssh per host."""
     t = config.training
     if t.launcher == "local":
-        return [node_command(config, resolved, trainer_python(config.data, config.training))]
-    command = node_command(config, resolved, t.python)
+        return [node_command(config.run, t, resolved, trainer_python(config.data, t))]
+    command = node_command(config.run, t, resolved, t.python)
     if t.launcher == "srun":
         # --kill-on-bad-exit: a node that fails takes the others down instead of leaving them at a collective
         counts = [f"--nodes={t.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]

@@ -19,6 +19,7 @@ import torch
 
 from eagle3.bench.simulate import HeldoutRef, heldout_samples, replay_stored
 from eagle3.config import PipelineConfig
+from eagle3.config.run import RunSection
 from eagle3.config.training import batch_split_problem
 from eagle3.data.capture import check_dataset, dataset_dir
 from eagle3.distributed import Dist, setup_distributed
@@ -46,6 +47,7 @@ from eagle3.train.warm_start import resolved_init, warm_start
 Log = Callable[[str], None]
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.jsonl"
+BEST_DIR = "best"  # the draft scoring best on the eval split, what the export stage reads
 # training.best_by -> the eval record's key that scores it, and whether lower is better
 BEST_BY = {"accept_length": ("eval_accept_length", False), "step_acc": ("eval_weighted_acc", False),
            "eval_loss": ("eval_loss", True)}
@@ -284,7 +286,7 @@ class Trainer:
         self.record(record)
         if record["new_best"]:
             self.best = score
-            self.write_checkpoint(self.out / "best", with_state=False)
+            self.write_checkpoint(self.out / BEST_DIR, with_state=False)
 
     def loss_metrics(self, totals: torch.Tensor) -> dict:
         """The eval split's numbers from the global [loss sum, correct, count] x [K] (host)."""
@@ -420,3 +422,8 @@ def _step_of(line: str) -> float:
         return json.loads(line)["step"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return float("inf")
+
+
+def best_draft(run: RunSection) -> Path:
+    """The train stage's output: the checkpoint scoring best on the eval split."""
+    return run.stage_dir("train") / BEST_DIR
