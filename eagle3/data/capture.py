@@ -123,7 +123,8 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
         log(f"capture: hidden-state capture skipped (training.features online: the trainer computes the features); "
             f"{len(records)} samples stored as token shards in {out}")
     else:
-        check_storage(config.data, config.target, sum(len(r["input_ids"]) for job in jobs if job.todo for r in job.samples), out, log)
+        tokens = sum(len(r["input_ids"]) for job in jobs if job.todo for r in job.samples)
+        check_storage(config.data, config.target, tokens, out, log)
     pending = [job for job in feature_jobs if job.todo]
     release = None
     if online and main:

@@ -122,7 +122,8 @@ def serving(url: str, timeout_s: float) -> bool:
         return False
 
 
-def observe(monitor: MonitorSection, production: ProductionSection, previous: dict | None, now: float) -> Observation | str:
+def observe(monitor: MonitorSection, production: ProductionSection, previous: dict | None,
+            now: float) -> Observation | str:
     """One window of production, or why it could not be observed (production unavailable)."""
     url, timeout = production_url(production), monitor.timeout_s
     if source_of(monitor, production) == "records":

@@ -56,15 +56,16 @@ class TrainingStopped(Eagle3Error):
 # -- commands -----------------------------------------------------------------------------------
 
 
-def node_command(run: RunSection, t: TrainingSection, resolved: Path | str, python: str) -> list[str]:
+def node_command(run: RunSection, training: TrainingSection, resolved: Path | str, python: str) -> list[str]:
     """What runs on each node: the trainer itself, or torchrun starting nproc_per_node of them."""
     entry = ["-m", "eagle3.train", "--config", str(resolved)]
     torchrun = [python, "-m", "torch.distributed.run"]
-    if t.nnodes > 1:
-        return [*torchrun, "--nnodes", str(t.nnodes), "--nproc-per-node", str(t.nproc_per_node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", t.rdzv_endpoint, "--rdzv-id", run.name, *entry]
-    if t.nproc_per_node > 1:
-        return [*torchrun, "--standalone", "--nproc-per-node", str(t.nproc_per_node), *entry]
+    if training.nnodes > 1:
+        return [*torchrun, "--nnodes", str(training.nnodes), "--nproc-per-node", str(training.nproc_per_node),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", training.rdzv_endpoint, "--rdzv-id", run.name,
+                *entry]
+    if training.nproc_per_node > 1:
+        return [*torchrun, "--standalone", "--nproc-per-node", str(training.nproc_per_node), *entry]
     return [python, *entry]
 
 
