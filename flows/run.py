@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     # has unwound (its lock released, its trainers and servers stopped) and the API is still up
     with terminate_on_sigterm():
         try:
-            with run_api():
+            with run_api() as private_url:
                 try:
-                    return run_flow(args, config, started)
+                    return run_flow(args, config, started, private_api=private_url is not None)
                 except (Terminated, KeyboardInterrupt) as stop:
                     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
                     signum = signal_of(stop)
@@ -60,14 +60,14 @@ def signal_of(stop: BaseException) -> int:
     return signal.SIGINT if isinstance(stop, KeyboardInterrupt) else stop.code - 128
 
 
-def run_flow(args, config, started: dict) -> int:
+def run_flow(args, config, started: dict, private_api: bool) -> int:
     from flows.eagle3 import eagle3, ensure_registry_limit
     from flows.summary import summary
 
     ensure_registry_limit(args.config, args.overrides)
     flow = eagle3.with_options(on_running=[lambda _flow, run, _state: started.update(id=run.id)])
     state = flow(args.config, args.overrides, args.mode, return_state=True)
-    print(summary(state, config, args.mode))
+    print(summary(state, config, args.mode, private_api))
     if state.is_failed() or state.is_crashed() or state.is_cancelled():
         return EXIT_FAILED
     return EXIT_ROLLED_BACK if state.name == "RolledBack" else EXIT_PROMOTED

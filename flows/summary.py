@@ -66,7 +66,9 @@ def decision(state) -> str:
     return f"{state.name} - {state.message}"
 
 
-def summary(state, config: PipelineConfig, mode: str = "full") -> str:
+def summary(state, config: PipelineConfig, mode: str, private_api: bool) -> str:
+    """`private_api`: the run's own temporary API (flows/api.py), which serves no UI and stops with the run: the
+    artifacts are then named by where they stay, the Prefect database, not by a link that is dead once the run ends."""
     flow_run_id = state.state_details.flow_run_id
     lines = ["", f"{'stage':24s} {'state':10s} {'seconds':>8s}"]
     rows = stage_rows(flow_run_id)
@@ -78,7 +80,7 @@ def summary(state, config: PipelineConfig, mode: str = "full") -> str:
     lines += ["", f"accept length: simulated {fmt(simulated.get('accept_length'))}, served "
               f"{fmt(served.get('accept_length'))}", *suites_text(suites.get("columns") or []),
               f"artifacts ({', '.join(artifact_keys(flow_run_id)) or 'none'}) of flow run {flow_run_id}: "
-              + (f"{ui_url()}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts" if PREFECT_API_URL.value() else
+              + (f"{ui_url()}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts" if not private_api else
                  f"kept in the Prefect database under PREFECT_HOME; run `prefect server start` and open "
                  f"http://127.0.0.1:4200/v2/runs/flow-run/{flow_run_id}?tab=Artifacts"),
               f"outputs: {run_dir or f'a retrain directory under {config.run.dir}'}",

@@ -37,6 +37,7 @@ from eagle3.stages.keys import IN_PROGRESS, TOKEN_FILE, marker
 from eagle3.stages.run import StageOutput
 from eagle3.stages.table import STAGES, output_of
 from flows.eagle3 import eagle3, ensure_registry_limit
+from flows.summary import summary
 from tasks.stages import stage_task
 from family_targets import FLOW_CONFIGS
 from fixtures_tiny import micro_target_of
@@ -150,6 +151,17 @@ def test_a_full_micro_run_promotes_and_its_artifacts_read_back(micro_flow):
     assert "median step time (s)" in found["training"] and "evaluation, total (s)" in found["training"]
     speedup = f"speedup {manifest['metrics']['production']['speedup']:.2f}x over the no-draft server"
     assert speedup in found["decision"]
+    # `eagle3 run`'s summary of this run: the artifacts it made, and where to open them (a UI link on a Prefect server
+    # the run did not start; the database and how to open it after a run on its own temporary API, which is gone)
+    lines = summary(state, config, "full", private_api=False).splitlines()
+    listed = next(line for line in lines if line.startswith("artifacts ("))
+    assert set(listed.split("(")[1].split(")")[0].split(", ")) == set(found), listed
+    run_id = state.state_details.flow_run_id
+    assert listed.endswith(f"/v2/runs/flow-run/{run_id}?tab=Artifacts") and "127.0.0.1:4200" not in listed
+    assert lines[-1] == f"decision: promoted {version}"
+    lines = summary(state, config, "full", private_api=True).splitlines()
+    listed = next(line for line in lines if line.startswith("artifacts ("))
+    assert f"run `prefect server start` and open http://127.0.0.1:4200/v2/runs/flow-run/{run_id}" in listed
 
 
 def test_every_suite_is_simulated_served_and_tabled_per_shape(micro_flow):

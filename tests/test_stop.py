@@ -134,9 +134,12 @@ def test_a_stopped_run_says_so_holds_nothing_and_a_killed_one_leaves_no_process(
         lines = log.read_text().splitlines()
         assert lines[-1].startswith("decision: promoted "), tail(log)
         # the artifacts this run made, read from its flow run: the stages it ran, not the ones the cache skipped
-        made = next(line for line in lines if line.startswith("artifacts (")).split("(")[1].split(")")[0].split(", ")
+        listed = next(line for line in lines if line.startswith("artifacts ("))
+        made = listed.split("(")[1].split(")")[0].split(", ")
         assert {"train-progress", "training", "export-validation", "acceptance", "decision"} <= set(made), made
         assert "data" not in made and "vocab" not in made, made
+        # its temporary API is gone with it: the summary says where the artifacts stay and how to open them
+        assert "run `prefect server start` and open http://127.0.0.1:4200/v2/runs/flow-run/" in listed, listed
         assert any("registry lock: freed the slot of" in line and "is dead" in line for line in lines), tail(log)
         assert any("train: resumed from" in line for line in lines), tail(log)
         assert not any("Error logging to API" in line for line in lines), tail(log)
