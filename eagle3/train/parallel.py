@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
