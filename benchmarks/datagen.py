@@ -18,7 +18,7 @@ from eagle3.data.capture import capture
 from eagle3.data.storage import human_bytes, projected_bytes
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import load_prompts
-from eagle3.data.regenerate import engine_batch, greedy_length, read_regenerated, regenerate
+from eagle3.data.regenerate import engine_batch, greedy_length, read_regenerated, regen_dir, regenerate
 from eagle3.engines.generators import LocalGenerator, target_greedy
 from eagle3.engines.targets import load_tokenizer
 from eagle3.engines.tiny import TINY, build_tiny_target
@@ -73,7 +73,7 @@ def main() -> None:
         quiet = lambda line: None  # noqa: E731
         regen_s = timed(regenerate, config, log=quiet)
         capture_s = timed(capture, config, log=quiet)
-        records = list(read_regenerated(config.stage_dir("data") / "regen"))
+        records = list(read_regenerated(regen_dir(config.run)))
         tokens = sum(len(r["input_ids"]) for r in records)
         generated = sum(sum(r["loss_mask"]) for r in records)
         dataset = read_manifest(config.stage_dir("data") / "hidden")

@@ -29,7 +29,7 @@ from eagle3.config.serving import BenchmarkSection, ServingSection
 from eagle3.config.suites import HELDOUT
 from eagle3.data.capture import HELDOUT_DIR
 from eagle3.data.prompts import BASE_SLICE
-from eagle3.data.regenerate import REGEN_DIR, greedy_length, read_greedy, simulated_shapes
+from eagle3.data.regenerate import greedy_length, read_greedy, regen_dir, simulated_shapes
 from eagle3.data.shards import ShardReader, StoredSample
 from eagle3.engines.backends import local_device
 from eagle3.engines.generators import target_greedy
@@ -181,7 +181,7 @@ def heldout_samples(config: PipelineConfig, suites: tuple[str, ...] = (HELDOUT,)
     stored = [(reader, i) for reader in readers for i in range(len(reader))]
     if not stored:
         raise UnreadableInput(f"{directory}: no held-out features; run the data stage (eagle3 data capture)")
-    requests = read_greedy(config.stage_dir("data") / REGEN_DIR)
+    requests = read_greedy(regen_dir(config.run))
     if len(requests) != len(stored):
         raise UnreadableInput(f"{directory}: {len(stored)} stored sequences for {len(requests)} benchmark requests: run "
                               "the data stage again (eagle3 data capture)")

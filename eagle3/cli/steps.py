@@ -105,13 +105,13 @@ def run_import(args: argparse.Namespace) -> int:
 def run_quality(args: argparse.Namespace) -> int:
     from eagle3.data.conversation import encode
     from eagle3.data.quality import describe_figures, replies_in_file, report
-    from eagle3.data.regenerate import REGEN_DIR, regenerated_replies
+    from eagle3.data.regenerate import regen_dir, regenerated_replies
     from eagle3.engines.targets import load_tokenizer
 
     config = load_run_config(args)
     tokenizer = load_tokenizer(config.target)
     if args.file is None:
-        source, limit = config.stage_dir("data") / REGEN_DIR, config.data.max_new_tokens
+        source, limit = regen_dir(config.run), config.data.max_new_tokens
         replies = regenerated_replies(source, tokenizer)
     else:
         source, limit = args.file, None
@@ -128,7 +128,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
     """Reads run.dir/bench/simulated.json and served.json (written by `simulate` and `bench`)."""
     from eagle3.bench.diagnose import diagnose
     from eagle3.data.capture import dataset_dir
-    from eagle3.data.regenerate import GREEDY_FILE, REGEN_DIR, read_greedy
+    from eagle3.data.regenerate import GREEDY_FILE, read_greedy, regen_dir
     from eagle3.fsutil import read_json
     from eagle3.stages.table import output_of, record_path
 
@@ -136,7 +136,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
     simulated = read_json(record_path(config, "simulated"), "missing: run `eagle3 simulate` first")
     served = read_json(record_path(config, "served"), "missing: run `eagle3 bench --config …` first")
     longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])), default=None)
-    greedy_path = config.stage_dir("data") / REGEN_DIR / GREEDY_FILE
+    greedy_path = regen_dir(config.run) / GREEDY_FILE
     greedy = None  # the first held-out prompt's stored continuation, compared with the server's at --url
     if args.url and greedy_path.is_file():
         greedy = next(iter(read_greedy(greedy_path.parent)), None)

@@ -28,7 +28,7 @@ from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.data.conversation import chat_template_hash
-from eagle3.data.regenerate import REGEN_DIR, read_greedy, read_regenerated, training_ids
+from eagle3.data.regenerate import read_greedy, read_regenerated, regen_dir, training_ids
 from eagle3.data.shards import FEATURE_DTYPES, SPLIT_FILE, ShardWriter, read_stamp, shard_file, stored_feature_dtype
 from eagle3.data.storage import check_storage, projected_bytes
 from eagle3.engines.backends import local_device, target_backend
@@ -52,7 +52,7 @@ def dataset_dir(config: PipelineConfig) -> Path:
 
 def regenerated_manifest(config: PipelineConfig) -> dict:
     """The regeneration manifest, refused when it was made for another target, tokenizer or template."""
-    regen = config.stage_dir("data") / REGEN_DIR
+    regen = regen_dir(config.run)
     try:
         manifest = read_manifest(regen)
     except FileNotFoundError:
@@ -92,7 +92,7 @@ def heldout_records(run: RunSection) -> list[dict]:
     """The held-out greedy sequences as samples: loss_mask marks the continuation (the prompt's end is where it starts)."""
     return [{"id": r["id"], "input_ids": r["prompt_ids"] + r["continuation_ids"],
              "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["continuation_ids"])}
-            for r in read_greedy(run.stage_dir("data") / REGEN_DIR)]
+            for r in read_greedy(regen_dir(run))]
 
 
 def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], FeatureBackend] | None = None,
@@ -105,7 +105,7 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
     """
     regen_manifest = regenerated_manifest(config)
     # in split order, so that more samples fill new shards and leave the full shards before them current
-    regen = config.stage_dir("data") / REGEN_DIR
+    regen = regen_dir(config.run)
     order = {sample_id: index for index, sample_id in enumerate(training_ids(regen))}
     records = sorted(read_regenerated(regen), key=lambda r: order[r["id"]])
     online = config.training.features == "online"

@@ -33,11 +33,11 @@ from eagle3.data.quality import refuse_failed
 from eagle3.data.regenerate import (
     GREEDY_FILE,
     IDS_FILE,
-    REGEN_DIR,
     Log,
     append_records,
     check_quality,
     continue_heldout,
+    regen_dir,
     regenerate,
     samples_fields,
     split_prompts,
@@ -81,7 +81,7 @@ def import_rows(config: PipelineConfig, source: Path | None = None, log: Log = p
     source = source or config.data.import_path
     if source is None:
         raise Eagle3Error("nothing to import: give the JSONL file (eagle3 data import FILE) or set data.import_path")
-    out = config.stage_dir("data") / REGEN_DIR
+    out = regen_dir(config.run)
     tokenizer = load_tokenizer(config.target)
     with atomic_directory(out, overwrite=True) as tmp:
         tally, digest = write_rows(source, tmp, config.data, config.target, tokenizer, log)

@@ -19,6 +19,7 @@ from typing import Callable
 
 from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
+from eagle3.config.run import RunSection
 from eagle3.config.suites import HELDOUT
 from eagle3.data.conversation import SampleBuilder, TemplateMismatch, chat_template_hash, encode
 from eagle3.data.conversation import prompt_ids as render_prompt_ids
@@ -40,6 +41,11 @@ REGEN_DIR = "regen"
 IDS_FILE = "sample_ids.json"
 HELDOUT_FILE = "heldout.jsonl"
 GREEDY_FILE = "heldout_greedy.jsonl"  # the target's greedy continuations of every benchmark suite's requests
+
+
+def regen_dir(run: RunSection) -> Path:
+    """The regenerate stage's output: the samples, their manifest and the held-out continuations."""
+    return run.stage_dir("data") / REGEN_DIR
 MALFORMED_FILE = "malformed.json"
 
 
@@ -92,7 +98,7 @@ def read_samples(directory: Path):
 
 def regenerate(config: PipelineConfig, log: Log = print, generator=None) -> Path:
     """Regenerate the training split's answers; returns the output directory (with its manifest)."""
-    out = config.stage_dir("data") / REGEN_DIR
+    out = regen_dir(config.run)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(config.target)
     prompt_set, train, heldout = split_prompts(config, tokenizer, log)

@@ -10,7 +10,7 @@ import torch
 
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import regenerated_manifest
-from eagle3.data.regenerate import REGEN_DIR, read_regenerated
+from eagle3.data.regenerate import read_regenerated, regen_dir
 from eagle3.engines.targets import DataMismatch
 from eagle3.records.manifest import fingerprint, write_manifest
 from eagle3.draft.vocab_map import build_vocab_map, save_vocab_map
@@ -32,7 +32,7 @@ def count_loss_tokens(records, vocab_size: int) -> torch.Tensor:
 
 def build_vocab(config: PipelineConfig, log: Callable[[str], None] = print) -> Path:
     regenerated_manifest(config)  # refuses data made for another target or template
-    regen = config.stage_dir("data") / REGEN_DIR
+    regen = regen_dir(config.run)
     counts = count_loss_tokens(read_regenerated(regen), config.target.vocab_size)
     vocab_map, stats = build_vocab_map(counts, config.vocab.draft_vocab_size)
     out = config.stage_dir("vocab")

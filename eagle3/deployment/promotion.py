@@ -23,7 +23,7 @@ from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection
 from eagle3.data.capture import dataset_dir
 from eagle3.data.prompts import load_prompts
-from eagle3.data.regenerate import REGEN_DIR, read_greedy, sent_ids
+from eagle3.data.regenerate import read_greedy, regen_dir, sent_ids
 from eagle3.engines.targets import load_tokenizer
 from eagle3.errors import UnreadableInput
 from eagle3.records.manifest import code_version, read_manifest
@@ -56,7 +56,7 @@ def benchmark_prompts_file(benchmark: BenchmarkSection, run: RunSection) -> Path
     requests it was measured on."""
     path = run.stage_dir("bench") / PROMPTS_LAYOUT / PROMPTS_FILE
     suites = {suite.name for suite in benchmark.suites}
-    rows = [row for row in read_greedy(run.stage_dir("data") / REGEN_DIR) if row["suite"] in suites]
+    rows = [row for row in read_greedy(regen_dir(run)) if row["suite"] in suites]
     atomic_write_bytes(path, "".join(json.dumps({"id": r["id"], "suite": r["suite"], "slice": r["slice"],
                                                  "input_ids": r["prompt_ids"]}) + "\n" for r in rows).encode())
     return path
@@ -205,7 +205,7 @@ def gate_decision(config: PipelineConfig, registry, production: str | None, cand
 
 def data_quality_of(run: RunSection) -> dict:
     """The quality report of the run's regenerated data (its manifest's `quality`: figures, problems, passed)."""
-    return read_manifest(run.stage_dir("data") / REGEN_DIR)["quality"]
+    return read_manifest(regen_dir(run))["quality"]
 
 
 def diagnosis_of(config: PipelineConfig, draft: Path, served: dict, simulated_accept_length: float | None) -> dict:

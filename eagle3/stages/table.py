@@ -61,9 +61,9 @@ class Stage:
 
 
 def regenerated(config: PipelineConfig) -> Path:
-    from eagle3.data.regenerate import REGEN_DIR
+    from eagle3.data.regenerate import regen_dir
 
-    return config.stage_dir("data") / REGEN_DIR
+    return regen_dir(config.run)
 
 
 def dataset(config: PipelineConfig) -> Path:
@@ -73,7 +73,7 @@ def dataset(config: PipelineConfig) -> Path:
     return dataset_dir(config)
 
 
-def best_draft(config: PipelineConfig) -> Path:
+def trained(config: PipelineConfig) -> Path:
     from eagle3.train.trainer import best_draft
 
     return best_draft(config.run)
@@ -208,7 +208,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("vocab", "vocab", runner=vocab, command=("vocab", "build"),
           help="build d2t/t2d from the regenerated training split", key=("vocab",),
           upstream={"regenerated": "regenerate"}),
-    Stage("train", best_draft, runner=train, command=("train",),
+    Stage("train", trained, runner=train, command=("train",),
           help="train the draft (torchrun as training.* says); a training-only config (no serving, benchmark or "
           "registry section) is enough",
           key=("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
