@@ -30,7 +30,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from eagle3.engines.tiny import TINY, build_tiny_target
-    from flows.eagle3 import eagle3, ensure_registry_limit
+    from prefect.client.orchestration import get_client
+
+    from flows.eagle3 import eagle3
     from flows.summary import stage_rows
 
     start = time.perf_counter()
@@ -43,7 +45,8 @@ def main() -> None:
                  f"production.state_dir={run_dir / 'production'}", f"target.path={ROOT / 'runs' / 'targets' / 'tiny'}",
                  *args.overrides]
     start = time.perf_counter()
-    ensure_registry_limit(config, overrides)  # the first call starts the ephemeral API (and migrates its database)
+    with get_client(sync_client=True) as client:  # the first call starts the ephemeral API (and migrates its database)
+        client.hello()
     api_s = time.perf_counter() - start
     start = time.perf_counter()
     state = eagle3(config, overrides, return_state=True)

@@ -2,9 +2,9 @@
 roll back.
 
 Ends Completed (promoted), Completed named RolledBack (the gate, or production's check after the promotion,
-rejected the candidate; the message gives the reasons), or Failed (an error). Runs for one registry never overlap:
-they hold a global concurrency limit of 1, taken strictly, with the holder recorded in the registry: a waiting run
-says who holds it, and frees the slot of a holder that is gone (tasks/lock.py). Modes: `full`; `retrain` (a fresh
+rejected the candidate; the message gives the reasons), or Failed (an error). Runs for one registry never overlap,
+on any Prefect API or machine: each holds the lock kept in the registry's own store (eagle3/registry/lock.py); a
+waiting run says who holds it and takes over a holder whose lease ran out. Modes: `full`; `retrain` (a fresh
 run directory, warm start from the production draft); `benchmark` (re-measure production only); `monitor` (one window of
 production's acceptance on live traffic; the event `eagle3.acceptance.degraded` on an alarm; takes no lock). A run
 marks its directory in use while it runs; after a promotion that production serves, old retrain run directories are
@@ -20,7 +20,6 @@ from prefect.states import Completed, Failed
 from prefect.transactions import transaction
 
 from eagle3.registry.gate import GateRejected
-from eagle3.registry.registry import open_registry
 from eagle3.runs import run_in_use
 from eagle3.stages.table import STAGES
 from tasks.bench import measure_served, sweep_serving
@@ -37,12 +36,10 @@ from tasks.deploy import (
     serve_production,
     verify_production,
 )
-from tasks.lock import registry_lock
+from tasks.lock import flow_run_lock
 from tasks.monitor import emit_degraded, load_monitor_config, publish_monitor_report, watch_production
-from tasks.run import ensure_registry_limit, load_run_config, registry_limit_name
+from tasks.run import load_run_config
 from tasks.stages import STAGE_TASKS
-
-__all__ = ["eagle3", "ensure_registry_limit"]
 
 
 @flow(name="eagle3")
@@ -52,7 +49,7 @@ def eagle3(config: str, overrides: list[str] | None = None,
         return watch(config, overrides or [])
     run_config, resolved = load_run_config(config, overrides or [], mode)
     log = log_to_run()
-    with registry_lock(open_registry(run_config.registry, log=log), registry_limit_name(run_config.registry), log):
+    with flow_run_lock(run_config.registry, log):
         if mode == "benchmark":
             return remeasure_production(run_config)
         with run_in_use(run_config.run.dir, log):  # the retention of another run never removes this one

@@ -2,7 +2,9 @@
 process, on the Prefect API configured (PREFECT_API_URL) or else a temporary one of its own (flows/api.py), then a
 summary table.
 
-Exit status: 0 promoted (or benchmark done), 3 rolled back, 1 failed; stopped by a signal: 128 + its number (143
+Exit status: 0 promoted (or benchmark done), 3 rolled back, 1 failed, 4 lost the registry's lock (another run took it
+over: this one stopped before its next side effect, with the last line "eagle3 run: lost the registry's lock: ...");
+stopped by a signal: 128 + its number (143
 SIGTERM, 130 SIGINT), after the run released what it held (the registry's lock, the servers and trainers it started,
 its temporary Prefect API), with the last line "eagle3 run: stopped by SIGTERM during <stage>; a re-run resumes".
 """
@@ -14,7 +16,7 @@ import sys
 
 from flows.entry import config_parser
 
-EXIT_PROMOTED, EXIT_FAILED, EXIT_ROLLED_BACK = 0, 1, 3
+EXIT_PROMOTED, EXIT_FAILED, EXIT_ROLLED_BACK, EXIT_LOCK_LOST = 0, 1, 3, 4
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,13 +63,16 @@ def signal_of(stop: BaseException) -> int:
 
 
 def run_flow(args, config, started: dict, private_api: bool) -> int:
-    from flows.eagle3 import eagle3, ensure_registry_limit
+    from eagle3.guard import LockLost
+    from flows.eagle3 import eagle3
     from flows.summary import summary
 
-    ensure_registry_limit(args.config, args.overrides)
     flow = eagle3.with_options(on_running=[lambda _flow, run, _state: started.update(id=run.id)])
     state = flow(args.config, args.overrides, args.mode, return_state=True)
     print(summary(state, config, args.mode, private_api))
+    if state.is_failed() and isinstance(lost := state.result(raise_on_failure=False), LockLost):
+        print(f"eagle3 run: {lost}", file=sys.stderr, flush=True)
+        return EXIT_LOCK_LOST
     if state.is_failed() or state.is_crashed() or state.is_cancelled():
         return EXIT_FAILED
     return EXIT_ROLLED_BACK if state.name == "RolledBack" else EXIT_PROMOTED

@@ -1,7 +1,7 @@
 """`python -m flows.setup CONFIG [--set section.field=value ...]`: the Prefect side of infra/setup.sh, in one process.
 
-On the server PREFECT_API_URL names (the script checks it answers): the work pools, the registry's concurrency limit,
-and the prefect file the deployments are made from. Prints three lines for the script (the registry's event resource,
+On the server PREFECT_API_URL names (the script checks it answers): the work pools and the
+prefect file the deployments are made from. Prints three lines for the script (the registry's event resource,
 the prefect file, the deployments' names) and says what it did on stderr. Exit status 1 with one line on a fault.
 """
 
@@ -94,15 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.client.orchestration import get_client
 
     from eagle3.config import load_config
-    from tasks.run import ensure_registry_limit, registry_resource
+    from tasks.run import registry_resource
 
     try:
         say(f"Prefect server: {require_server()}")
         with get_client(sync_client=True) as client:
             for pool in WORK_POOLS:
                 ensure_work_pool(client, pool)
-        # promotions and rollbacks of one registry never overlap
-        say(f"Registry concurrency limit: {ensure_registry_limit(args.config, args.overrides)}")
         # the monitor emits on the registry's event resource; the retrain's trigger (prefect.yaml) matches it
         resource = registry_resource(load_config(args.config, args.overrides).registry)
         say(f"Registry event resource: {resource}")

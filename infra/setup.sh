@@ -2,7 +2,6 @@
 # One-time (and idempotent) Prefect set-up for the GPU node, run from the node's checkout:
 #   - the work pool `gpu-node` (type process, one flow run at a time: the node holds one target at a time);
 #   - the work pool `eagle3-monitor` (type process, one at a time): the monitor never queues behind a GPU run;
-#   - the registry's global concurrency limit for CONFIG (tasks.run.ensure_registry_limit);
 #   - the deployments of prefect.yaml (eagle3/full, eagle3/retrain, eagle3/benchmark, eagle3/monitor), and with them
 #     the automation that runs eagle3/retrain on the monitor's event `eagle3.acceptance.degraded` for this registry.
 # Run it again after pulling a new checkout or changing prefect.yaml: everything is created or updated in place.
@@ -56,8 +55,8 @@ for item in ${OVERRIDES[@]+"${OVERRIDES[@]}"}; do SETS+=(--set "$item"); done
 
 # The Prefect side in one process (flows/setup.py): the server must answer at PREFECT_API_URL; the work pools
 # `gpu-node` and `eagle3-monitor` (type process, one flow run at a time: the node holds one target; the monitor's
-# windows form a streak; an existing pool of another type is an error, not replaced); the registry's concurrency limit;
-# and the prefect file to deploy (prefect.yaml, or a temporary copy defaulting to CONFIG and the overrides, since
+# windows form a streak; an existing pool of another type is an error, not replaced); and the
+# prefect file to deploy (prefect.yaml, or a temporary copy defaulting to CONFIG and the overrides, since
 # `prefect deploy --all` takes no parameters). It prints the registry's event resource, that file and the names.
 SETUP=$("$PY" -m flows.setup "$CONFIG" ${SETS[@]+"${SETS[@]}"})
 { read -r EAGLE3_REGISTRY_RESOURCE; read -r DEPLOY_FILE; read -r DEPLOYMENTS; } <<< "$SETUP"

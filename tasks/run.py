@@ -1,15 +1,11 @@
-"""Run set-up: the config for this mode, and the registry's global concurrency limit (one run per registry)."""
+"""Run set-up: the config for this mode, and the name of the registry's Prefect event resource."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from eagle3.config import (
     DEPLOYMENT_SECTIONS, PipelineConfig, check_local_inputs, load_config, require_sections, resolved_config_file,
@@ -27,26 +23,9 @@ def registry_hash(section: RegistrySection) -> str:
     return hashlib.sha256(registry_location(section).encode()).hexdigest()[:16]
 
 
-def registry_limit_name(section: RegistrySection) -> str:
-    """One limit per registry location."""
-    return "eagle3-registry-" + registry_hash(section)
-
-
 def registry_resource(section: RegistrySection) -> str:
     """The Prefect event resource of one registry: the monitor's events name it, the retrain's trigger matches it."""
     return "eagle3.registry." + registry_hash(section)
-
-
-def ensure_registry_limit(config: str, overrides: list[str] | None = None) -> str:
-    """Create the registry's limit (1 slot) when missing; return its name. The infra script and `eagle3 run` call it."""
-    name = registry_limit_name(load_config(config, overrides or []).registry)
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            with contextlib.suppress(ObjectAlreadyExists):  # another first run created it meanwhile: that one will do
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-    return name
 
 
 @task(name="load-config", cache_policy=NO_CACHE)

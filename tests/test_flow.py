@@ -36,7 +36,7 @@ from eagle3.serve.inprocess import serve_in_thread
 from eagle3.stages.keys import IN_PROGRESS, TOKEN_FILE, marker
 from eagle3.stages.run import StageOutput
 from eagle3.stages.table import STAGES, output_of
-from flows.eagle3 import eagle3, ensure_registry_limit
+from flows.eagle3 import eagle3
 from flows.summary import summary
 from tasks.stages import stage_task
 from family_targets import FLOW_CONFIGS
@@ -85,7 +85,6 @@ def micro_flow(prefect_api, tmp_path_factory, micro_target):
     overrides = micro_run_overrides(run_dir, micro_target) + ["benchmark.baseline=false"]
     for day in range(4):  # earlier retrains of this registry: the promotion keeps the newest run.keep_runs (3)
         make_run(run_dir, day, (run_dir / "registry").resolve())
-    ensure_registry_limit(CONFIG, overrides)
     first = run_flow(overrides, SWEEP)
     table = json.loads((load_config(CONFIG, overrides).stage_dir("bench") / "suites.json").read_text())
     return MicroFlow(overrides, first, table, run_flow(overrides, "gate.min_speedup=50", "benchmark.baseline=true"))
@@ -364,7 +363,6 @@ def test_a_kimi_kind_tied_target_goes_through_the_whole_flow_to_a_promotion(pref
 def promoted_with_simulated_equal_to_served(overrides: list[str], config: str = CONFIG) -> None:
     """Runs the flow: the draft is promoted, and served acceptance equals the simulated one (no no-draft server
     beside the candidate: the throughput rule is off, and the micro flow's tests measure the speedup)."""
-    ensure_registry_limit(config, overrides)
     outcome = run_flow(overrides, "benchmark.baseline=false", config=config)
     state = outcome.state
     assert state.is_completed() and state.name == "Completed", state.message

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lowest first. A module may import from its own layer or a lower one; within a layer, no cycle.
 LAYERS = (
     ("eagle3.errors", "eagle3.fsutil", "eagle3.progress", "eagle3.shape", "eagle3.plots", "eagle3.procs",
-     "eagle3.distributed", "eagle3.http_retry", "eagle3.warm"),
+     "eagle3.distributed", "eagle3.http_retry", "eagle3.warm", "eagle3.guard"),
     ("eagle3.records", "eagle3.contract"),  # run records; the serving engine's contract, as data
     ("eagle3.target",),  # a target model's files, read
     ("eagle3.draft",),  # the draft on disk: layouts, checkpoints, the vocab map

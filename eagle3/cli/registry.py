@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, exec_flow, load_run_config
+from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_config_arguments, load_run_config
 
 
 def add_registry_commands(commands) -> None:
@@ -53,10 +53,30 @@ def add_registry_commands(commands) -> None:
 
 
 def run_registry_unlock(args: argparse.Namespace) -> int:
-    """The lock is Prefect's (a global concurrency limit), which the library never imports: flows/unlock.py frees it,
-    in this process."""
-    arguments = ["--config", str(args.config), *[arg for o in args.overrides for arg in ("--set", o)]]
-    exec_flow("unlock", [*arguments, *(["--force"] if args.force else [])])
+    """Free the registry's lock by hand (its record, in the registry's store); a holder that looks alive only with
+    --force. Exit 0 freed or not held, 1 refused."""
+    from eagle3.registry.lock import looks_alive, read_holder, unlock
+    from eagle3.registry.store import PointerConflict
+
+    _, registry = open_config_registry(args)
+    holder, _ = read_holder(registry.store)
+    if holder is None:
+        print(f"registry {registry.location}: not locked, nothing to free")
+        return EXIT_OK
+    alive = looks_alive(holder)
+    if alive and not args.force:
+        print(f"registry {registry.location}: held by {holder.describe()}, which looks alive (renewed "
+              f"{holder.renewed}, lease {holder.lease_s:.0f} s); stop that run, or free it anyway with --force",
+              file=sys.stderr)
+        return EXIT_PROBLEMS
+    why = "freed by hand (eagle3 registry unlock" + (" --force, its holder looked alive)" if alive else ")")
+    try:
+        freed = unlock(registry, by="eagle3 registry unlock", reason=why)
+    except PointerConflict:
+        print(f"registry {registry.location}: its lock changed hands while this ran; look again", file=sys.stderr)
+        return EXIT_PROBLEMS
+    print(f"registry {registry.location}: freed the lock of {freed.describe() if freed else 'nobody'}: {why}")
+    return EXIT_OK
 
 
 def open_config_registry(args: argparse.Namespace):

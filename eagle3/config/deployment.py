@@ -29,6 +29,9 @@ class RegistrySection(Section):
     bucket: str | None = None
     prefix: str = ""
     endpoint_url: str | None = None
+    lock_lease_s: float = Field(default=300.0, ge=1.0, description="the lease of a run's lock on the registry: its "
+                                "holder renews it every quarter of this; a holder whose record stays unchanged this "
+                                "long is taken over by a waiting run (docs/registry-and-gate.md)")
 
     @model_validator(mode="after")
     def _backend_location(self) -> RegistrySection:

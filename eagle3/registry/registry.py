@@ -8,9 +8,10 @@ Layout under the store's root (a directory, or a bucket prefix):
   store's conditional write: two promotions that read the same pointer cannot both win. Callers say which
   production version they decided against (`expected`); the etag check underneath makes that atomic. Its
   version is None after the first promotion was rolled back (there was no production version before).
-- `history/<UTC time>-<uuid>.json` — one object per decision (promoted, rejected, rolled-back, forced, unlocked),
+- `history/<UTC time>-<uuid>.json` — one object per decision (promoted, rejected, rolled-back, forced, unlocked,
+  taken-over),
   never rewritten.
-- `lock.json` — who holds the registry's lock (eagle3/registry/lock.py).
+- `lock.json` — the registry's lock: who holds it, and its lease (eagle3/registry/lock.py).
 A promotion or rollback only moves the pointer: no version is ever deleted by it (docs/contracts.md).
 """
 
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+from eagle3 import guard
 from eagle3.config.deployment import GateSection, RegistrySection
 from eagle3.fsutil import atomic_directory, sha256_file
 from eagle3.registry.gate import Decision, Metrics, decide, suite_figures, throughput_text
@@ -37,7 +39,7 @@ __all__ = ["PointerConflict", "Registry", "RegistryError", "check_version_id", "
 VERSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 VERSION_RULE = "1-128 letters, digits, '.', '_' or '-', starting with a letter or digit, with no '..'"
 VERSIONS, HISTORY, POINTER, MANIFEST = "versions/", "history/", "production", "manifest.json"
-EVENTS = ("promoted", "rejected", "rolled-back", "forced", "unlocked")  # unlocked: eagle3/registry/lock.py
+EVENTS = ("promoted", "rejected", "rolled-back", "forced", "unlocked", "taken-over")  # the last two: registry/lock.py
 RESERVED_FIELDS = ("version", "created", "layouts", "files")  # written by the registry itself
 KNOWN_SHOWN = 8
 
@@ -144,6 +146,7 @@ class Registry:
         `progress(done, total, name)` is called after each verified file. On any failure the uploaded files are
         removed as far as the store allows and the error is re-raised; without a manifest they are never listed."""
         check_version_id(version_id)
+        guard.require(f"publishing version {version_id}")
         reserved = sorted(set(manifest_fields) & set(RESERVED_FIELDS))
         if reserved:
             raise RegistryError(f"version {version_id}: the fields {reserved} are written by the registry; drop them")
@@ -276,6 +279,7 @@ class Registry:
         between concurrent moves."""
         if current is not None and current["version"] == version:
             raise RegistryError(f"version {version} is already production in {self.location}: nothing to do")
+        guard.require(f"moving the production pointer to {version}")
         pointer = {
             "version": version,
             "previous": current["version"] if current else None,

@@ -17,6 +17,7 @@ from typing import Callable
 
 import httpx
 
+from eagle3 import guard
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
 from eagle3.contract.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
@@ -148,6 +149,7 @@ class Server:
         self._log(f"[{self.label}] {message}")
 
     def start(self) -> None:
+        guard.require(f"starting the server {self.label}")
         self.refuse_a_held_endpoint()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"server-{self.url.rsplit(':', 1)[1]}-{timestamp()}.log"

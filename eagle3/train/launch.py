@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from eagle3 import guard
 from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
 from eagle3.config.run import RunSection
@@ -166,6 +167,7 @@ def train(config: PipelineConfig, resolved: Path | str, log: Log,
     Raises TrainingStopped when the trainer stopped on SIGTERM (a re-run resumes), TrainingFailed on any other
     failure. However this returns or raises, no process of the training is left running.
     """
+    guard.require("starting the trainer")
     train_dir = config.stage_dir("train")
     log_path = config.run.dir / "logs" / f"train-{timestamp()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
