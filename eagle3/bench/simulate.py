@@ -29,7 +29,7 @@ from eagle3.config.serving import BenchmarkSection, ServingSection
 from eagle3.config.suites import HELDOUT
 from eagle3.data.capture import HELDOUT_DIR
 from eagle3.data.prompts import BASE_SLICE
-from eagle3.data.regenerate import greedy_length, read_greedy, regen_dir, simulated_shapes
+from eagle3.data.regenerate import GREEDY_FILE, greedy_length, read_greedy, regen_dir, simulated_shapes
 from eagle3.data.shards import ShardReader, StoredSample
 from eagle3.engines.backends import local_device
 from eagle3.engines.generators import target_greedy
@@ -185,6 +185,7 @@ def heldout_samples(config: PipelineConfig, suites: tuple[str, ...] = (HELDOUT,)
     if len(requests) != len(stored):
         raise UnreadableInput(f"{directory}: {len(stored)} stored sequences for {len(requests)} benchmark requests: run "
                               "the data stage again (eagle3 data capture)")
+    refuse_unstored_suites(suites, {row["suite"] for row in requests}, regen_dir(config.run) / GREEDY_FILE)
     refs = [HeldoutRef(reader, i, row["suite"], row["slice"])
             for (reader, i), row in zip(stored, requests) if row["suite"] in suites]
     wanted = greedy_length(config)
@@ -195,6 +196,18 @@ def heldout_samples(config: PipelineConfig, suites: tuple[str, ...] = (HELDOUT,)
                               "training.replay_max_new_tokens, + the deepest of serving.num_steps and sweep.points): "
                               "run the data stage again")
     return refs
+
+
+def refuse_unstored_suites(suites: tuple[str, ...], stored: set[str], path: Path) -> None:
+    """A suite asked for with no stored continuation is refused: replaying the others alone would report the run's
+    figures without it, and the gate would judge a table that lacks a suite it was told to judge."""
+    missing = [name for name in suites if name not in stored]
+    if missing:
+        raise UnreadableInput(
+            f"benchmark.suites names {', '.join(missing)}, but {path} holds no continuation of "
+            f"{'it' if len(missing) == 1 else 'them'} (only of {', '.join(sorted(stored)) or 'no suite'}): run `eagle3 "
+            "data regenerate` with this benchmark.suites (it makes every suite's continuations), then `eagle3 data "
+            "capture`")
 
 
 @torch.no_grad()
@@ -222,9 +235,10 @@ def simulate_shapes(config: PipelineConfig, checkpoint: Path, log: Log = print) 
             for shape in simulated_shapes(config)]
 
 
-def simulate(config: PipelineConfig, checkpoint: Path, out: Path, log: Log = print) -> AcceptanceResult:
-    """Simulate the served draft at `checkpoint` (`simulate_shapes`), log and write the figures to `out`. Returns
-    serving's shape's result."""
+def simulate(config: PipelineConfig, checkpoint: Path, out: Path, log: Log = print,
+             fields: dict | None = None) -> AcceptanceResult:
+    """Simulate the served draft at `checkpoint` (`simulate_shapes`), log and write the figures to `out`, with
+    `fields` (what the draft is, when it is not the run's). Returns serving's shape's result."""
     results = simulate_shapes(config, checkpoint, log)
     result = results[0]
     for line in render_table(result):
@@ -233,7 +247,7 @@ def simulate(config: PipelineConfig, checkpoint: Path, out: Path, log: Log = pri
         for line in suite_lines(shaped.to_dict()["suites"]):
             log(f"simulate {shaped.shape.label()}:{line}")
     shapes = [{"label": r.shape.label(), **{k: v for k, v in r.to_dict().items() if k != "prompts"}} for r in results]
-    atomic_write_json(out, {"checkpoint": str(checkpoint), "engine_release": config.serving.release,
+    atomic_write_json(out, {"checkpoint": str(checkpoint), **(fields or {}), "engine_release": config.serving.release,
                             "max_new_tokens": config.benchmark.max_new_tokens, **result.to_dict(), "shapes": shapes})
     log(f"simulate: wrote {out}")
     return result

@@ -19,7 +19,7 @@ GROUP_HELP = {"data": "synthetic data: regenerate answers (or import rows), capt
 def add_step_commands(commands) -> None:
     from eagle3.stages.table import STAGES
 
-    groups = {}
+    groups, steps = {}, {}
     for stage in STAGES.values():  # a step per stage of the table, `eagle3 GROUP NAME` or `eagle3 NAME`
         *group, name = stage.command
         parent = commands
@@ -28,8 +28,12 @@ def add_step_commands(commands) -> None:
                 groups[group[0]] = commands.add_parser(group[0], help=GROUP_HELP[group[0]]).add_subparsers(
                     dest=f"{group[0]}_command", required=True)
             parent = groups[group[0]]
-        step = add_config_arguments(parent.add_parser(name, help=stage.help))
+        steps[stage.name] = step = add_config_arguments(parent.add_parser(name, help=stage.help))
         step.set_defaults(handler=lambda args, stage=stage.name: run_step(stage, args))
+    steps["simulate"].add_argument("--draft", type=Path, help="replay this draft instead (any layout `eagle3 registry "
+                                   "import` reads), over the same held-out suites; its figures go to "
+                                   "run.dir/bench/drafts/<its name>/, never over the stage's own")
+    steps["simulate"].set_defaults(handler=run_simulate)
     data_commands = groups["data"]
     imported = add_config_arguments(data_commands.add_parser(
         "import", help="token rows (input_ids + loss_mask) or conversations made elsewhere, with their split if they "
@@ -59,7 +63,12 @@ def add_step_commands(commands) -> None:
     diagnose = add_config_arguments(
         commands.add_parser("diagnose", help="why served acceptance falls short of the simulated one: a checklist")
     )
-    diagnose.add_argument("--checkpoint", type=Path, help="the served draft (default: run.dir/export/sglang)")
+    checked = diagnose.add_mutually_exclusive_group()
+    checked.add_argument("--checkpoint", type=Path, help="the served draft, judged against the run's simulated and "
+                         "served figures (default: run.dir/export/sglang)")
+    checked.add_argument("--draft", type=Path, help="a draft `eagle3 simulate --draft` replayed: its checklist, with "
+                         "its own simulated figures (and served ones, where "
+                         "run.dir/bench/drafts/<its name>/served.json was measured)")
     diagnose.add_argument("--url", help="the running server: its greedy output is compared with the continuation the "
                           "simulator replays")
     add_release_argument(diagnose, "the live release (default: serving.release)")
@@ -97,6 +106,18 @@ def run_step(stage: str, args: argparse.Namespace, overrides: dict | None = None
     return EXIT_OK
 
 
+def run_simulate(args: argparse.Namespace) -> int:
+    """The simulate stage, or with --draft another draft replayed beside it (eagle3.stages.drafts): the stage's
+    output and marker are left as they are."""
+    if args.draft is None:
+        return run_step("simulate", args)
+    from eagle3.stages.drafts import simulate_draft
+    from eagle3.stages.table import STAGES
+
+    simulate_draft(load_run_config(args, needs=STAGES["simulate"].needs), args.draft, print)
+    return EXIT_OK
+
+
 def run_import(args: argparse.Namespace) -> int:
     """The regenerate stage on the rows of FILE (or data.import_path): the file's content is in the stage's key."""
     return run_step("regenerate", args, {"data.import_path": str(args.file)} if args.file else None)
@@ -125,7 +146,8 @@ def run_quality(args: argparse.Namespace) -> int:
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
-    """Reads run.dir/bench/simulated.json and served.json (written by `simulate` and `bench`)."""
+    """Reads run.dir/bench/simulated.json and served.json (written by `simulate` and `bench`); with --draft, the
+    draft's own under run.dir/bench/drafts/<its name>/."""
     from eagle3.bench.diagnose import diagnose
     from eagle3.data.capture import dataset_dir
     from eagle3.data.regenerate import GREEDY_FILE, read_greedy, regen_dir
@@ -133,15 +155,25 @@ def run_diagnose(args: argparse.Namespace) -> int:
     from eagle3.stages.table import output_of, record_path
 
     config = load_run_config(args, needs=("serving",))
-    simulated = read_json(record_path(config, "simulated"), "missing: run `eagle3 simulate` first")
-    served = read_json(record_path(config, "served"), "missing: run `eagle3 bench --config …` first")
+    if args.draft is not None:  # the draft's own figures, as `eagle3 simulate --draft` wrote them
+        from eagle3.stages.drafts import SERVED_FILE, draft_figures, draft_records
+
+        checkpoint, simulated, served = draft_figures(config, args.draft)
+        if served is None:
+            print(f"diagnose: no served figures for {args.draft}: `eagle3 bench --url URL --config … --out "
+                  f"{draft_records(config, args.draft) / SERVED_FILE}` measures it")
+    else:
+        checkpoint = args.checkpoint or output_of(config, "export")
+        simulated = read_json(record_path(config, "simulated"), "missing: run `eagle3 simulate` first")
+        served = read_json(record_path(config, "served"), "missing: run `eagle3 bench --config …` first")
+    served = served or {}
     longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])), default=None)
     greedy_path = regen_dir(config.run) / GREEDY_FILE
     greedy = None  # the first held-out prompt's stored continuation, compared with the server's at --url
     if args.url and greedy_path.is_file():
         greedy = next(iter(read_greedy(greedy_path.parent)), None)
     result = diagnose(
-        args.checkpoint or output_of(config, "export"),
+        checkpoint,
         args.release or config.serving.release,
         Path(config.target.path),
         dataset_dir(config),
