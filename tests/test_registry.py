@@ -148,8 +148,8 @@ class RaceAtThePointer:
     promotions have read the same pointer and passed the registry's own early check, so only the store's
     compare-and-swap can decide."""
 
-    def __init__(self, store, racers: int):
-        self.store, self.barrier = store, threading.Barrier(racers)
+    def __init__(self, store, barrier: threading.Barrier):
+        self.store, self.barrier = store, barrier
 
     def put_if(self, key, data, expected_etag):
         if key == "production":
@@ -160,20 +160,25 @@ class RaceAtThePointer:
         return getattr(self.store, name)
 
 
-def test_concurrent_promotions_exactly_one_wins(registry, exports):
+def test_concurrent_promotions_exactly_one_wins(section, registry, exports):
+    """Two Registry objects, each with its own store client (as two runs have), and no registry lock: the pointer's
+    compare-and-swap alone decides."""
     for version in ("v1", "v2", "v3"):
         registry.publish(version, exports[version], fields())
     registry.promote("v1", None, ["first"], by="pipeline")
-    registry.store = RaceAtThePointer(registry.store, racers=2)
+    barrier = threading.Barrier(2)
+    racers = {version: open_registry(section, log=lambda line: None) for version in ("v2", "v3")}
+    for racer in racers.values():
+        racer.store = RaceAtThePointer(racer.store, barrier)
     results: dict[str, object] = {}
 
     def promote(version: str) -> None:
         try:
-            results[version] = registry.promote(version, "v1", ["gate passed"], by="pipeline")
+            results[version] = racers[version].promote(version, "v1", ["gate passed"], by="pipeline")
         except PointerConflict as err:
             results[version] = err
 
-    threads = [threading.Thread(target=promote, args=(version,)) for version in ("v2", "v3")]
+    threads = [threading.Thread(target=promote, args=(version,)) for version in racers]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -221,7 +226,7 @@ def test_failed_local_publish_leaves_no_version(tmp_path, exports):
     assert registry.versions() == ["v1", "v2"]
 
 
-def test_s3_outage_mid_upload_leaves_no_version(moto_s3, exports):
+def test_s3_outage_mid_upload_leaves_no_version(moto_s3, exports, tmp_path):
     bucket = new_bucket(moto_s3.url)
     section = RegistrySection(backend="s3", bucket=bucket, prefix=PREFIX, endpoint_url=moto_s3.url)
     logged = []
@@ -247,6 +252,9 @@ def test_s3_outage_mid_upload_leaves_no_version(moto_s3, exports):
         assert left == [f"{PREFIX}/versions/v2/sglang/config.json"]  # the first upload, without a manifest
         pointer, after = registry.production()
         assert pointer["version"] == "v1" and after == etag
+        registry.publish("v2", exports["v2"], fields())  # the next run publishes the same id over the leftovers
+        registry.fetch("v2", "sglang", tmp_path / "fetched")  # whole, every file checked
+        assert registry.promote("v2", "v1", ["gate passed"], by="pipeline")["version"] == "v2"
     finally:
         restarted.stop()
 
