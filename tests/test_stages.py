@@ -14,7 +14,7 @@ from eagle3.config import PipelineConfig, load_config
 from eagle3.records.manifest import MANIFEST_FILE, fingerprint, write_manifest
 from eagle3.registry.registry import Registry
 from eagle3.registry.store import LocalStore
-from eagle3.stages.keys import IN_PROGRESS, begin, cache_key, done, finish, recorded_key, stage_key
+from eagle3.stages.keys import IN_PROGRESS, begin, cache_key, done, finish, marker, recorded_key, stage_key
 from eagle3.config.run import RUN_DIRS
 from eagle3.stages.table import OPERATIONAL, RECORDS, STAGES, output_of, record_path, under_run
 from helpers import TINY, TOY
@@ -206,3 +206,29 @@ def test_a_new_stage_is_one_table_entry_and_its_runner(tmp_path, monkeypatch, ca
     assert "kept, not made again" in toy("training.seed=7", "serving.port=1234")  # in no key of its
     write_manifest(vocab, "vocab", {"coverage": 0.75})
     assert "toy: wrote" in toy("training.seed=7")  # its upstream's content
+
+
+def test_a_step_by_hand_refuses_an_upstream_output_left_unfinished_or_made_for_other_settings(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """The toy step reads the vocab map, which reads the regenerated samples: a vocab map marked in progress, or
+    finished for another draft vocabulary than the step's settings give, is refused, naming the steps to run."""
+    monkeypatch.setitem(STAGES, "toy", TOY)
+    base = config(tmp_path)
+    for stage in ("regenerate", "vocab"):
+        output_of(base, stage).mkdir(parents=True)
+        write_manifest(output_of(base, stage), stage, {})
+    upstream = {"regenerated": fingerprint(output_of(base, "regenerate"))}
+    begin("vocab", base, upstream, print)
+
+    def toy(*sets: str) -> int:
+        return main(["toy", "--config", str(TINY), *[a for s in (f"run.dir={tmp_path / 'run'}",
+                     f"target.path={tmp_path / 'target'}", *sets) for a in ("--set", s)]])
+
+    assert toy() == 2
+    assert (f"toy: {output_of(base, 'vocab')} (the vocab stage's output) was left unfinished (marked in progress in "
+            f"{marker(base, 'vocab')}): run `eagle3 vocab build` with these settings first") in capsys.readouterr().err
+    finish("vocab", base, upstream)
+    assert toy() == 0 and "toy: wrote" in capsys.readouterr().out
+    assert toy("vocab.draft_vocab_size=512") == 2
+    assert ("(the vocab stage's output) was made for other inputs (config.vocab.draft_vocab_size: 1024 -> 512): run "
+            "`eagle3 vocab build` with these settings first") in capsys.readouterr().err

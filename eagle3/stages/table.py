@@ -49,7 +49,9 @@ class Stage:
     runner: Callable[[StageRun], None]
     command: tuple[str, ...]  # the `eagle3` step that runs it by hand
     help: str
-    upstream: Mapping[str, str] = field(default_factory=dict)  # {the name its task takes an output by: that stage}
+    upstream: Mapping[str, str] = field(default_factory=dict)  # {the name its task takes an output by: that stage}:
+    # every stage whose files under run.dir it reads - its key holds these outputs' fingerprints, not their keys, so a
+    # stage further up counts only where one of them records its fingerprint (tests/test_stage_reads.py audits reads)
     by_content: Mapping[str, ByContent] = field(default_factory=dict)
     resumes: tuple[str | Callable[[PipelineConfig], Path], ...] = ()  # under run.dir, as `output`: what it resumes
     # from, cleared when its inputs changed
@@ -219,6 +221,8 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
                "training.eval_every", "training.seed", "training.best_by", "training.replay_prompts",
                "training.replay_max_new_tokens", *REPLAY),
           by_content={"training.init_from": ByContent(("training.init_from",), init_draft_content)},
+          # the held-out continuations its acceptance replay reads (regenerate's) are pinned by the vocab map's
+          # manifest, which records the regenerated fingerprint it was built from
           upstream={"dataset": "capture", "vocab": "vocab"}, resumes=("train",)),
     Stage("export", served_export, runner=export, command=("export",),
           help="write every export.layouts layout; the served one validated as its release loads it",
@@ -226,11 +230,15 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
           # verifier and ships the target's embedding
           key=("export", "serving.release", "serving.context_length", "serving.num_steps", "target.family",
                "target.num_hidden_layers", "target.path", "target.weight_prefix"),
-          upstream={"trained": "train"}),
+          # validation holds the draft's aux layers against those the data set's manifest records
+          upstream={"trained": "train", "dataset": "capture"}),
     Stage("simulate", "bench/simulated.json", runner=simulate, command=("simulate",),
           help="offline acceptance: replay drafting over the held-out suites in serving's shape and the sweep's",
           key=(*REPLAY, "benchmark.suites", "sweep.points", "data.thinking"),
-          upstream={"exported": "export", "dataset": "capture"}, needs=("serving", "benchmark")),
+          # the held-out features (data/heldout, in the data set's manifest) and their requests' suites
+          # (regenerate's heldout_greedy.jsonl)
+          upstream={"exported": "export", "dataset": "capture", "regenerated": "regenerate"},
+          needs=("serving", "benchmark")),
 )}
 
 # the run's records under run.dir, each written by one step and read by others
