@@ -8,7 +8,8 @@
 - flow runs on two temporary Prefect APIs (two PREFECT_HOMEs, as two machines would have) against one local and one
   moto S3 registry: the second waits, says who holds the registry, then finishes; a holder killed with SIGKILL on
   "another machine" (a UTS namespace with its own host name) is taken over once its lease ran out; a holder whose
-  lock was freed by hand and taken stops before its next side effect, exit 4 with one line.
+  lock was freed by hand and taken stops before its next side effect, exit 4 with one line; and `eagle3 run` itself
+  in that case: it stops at its next stage, publishes nothing, exit 4, its last line says why.
 """
 
 import os
@@ -25,12 +26,13 @@ import pytest
 
 from eagle3 import guard
 from eagle3.config.deployment import RegistrySection
+from eagle3.config import load_config
 from eagle3.registry.lock import (
-    LOCK, LOSS_SHARE, Holder, Lease, acquire, dead_here, lapsed, looks_alive, read_holder, registry_lock,
+    LOCK, LOSS_SHARE, Holder, Lease, acquire, dead_here, lapsed, looks_alive, read_holder, registry_lock, unlock,
 )
 from eagle3.registry.registry import Registry, open_registry
 from eagle3.registry.store import LocalStore
-from helpers import PREFIX, TINY, Processes, tail, write_checkpoint
+from helpers import PREFIX, TINY, Processes, micro_run_overrides, tail, write_checkpoint
 from s3_server import new_bucket
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -289,3 +291,34 @@ def test_a_run_whose_lock_was_freed_and_taken_stops_before_its_next_side_effect(
         assert [entry["by"] for entry in registry.history()] == ["eagle3 registry unlock"]
     finally:
         processes.stop()
+
+
+def test_eagle3_run_that_lost_its_lock_stops_before_its_next_stage_with_exit_4(prefect_api, micro_target, tmp_path,
+                                                                                monkeypatch, capsys):
+    """The pipeline itself: once an operator freed its lock by hand and another run took it, `eagle3 run` stops at
+    its next stage, publishes nothing, leaves the new holder's record, and says why in its last line."""
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.run import EXIT_LOCK_LOST, main
+
+    monkeypatch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())  # the session's test server, not one of its own
+    overrides = micro_run_overrides(tmp_path / "run", micro_target) + ["registry.lock_lease_s=2"]
+    registry = open_registry(load_config(TINY, overrides).registry)
+    intruder = Holder.here("intruder", lease_s=60)
+
+    def free_and_take() -> None:
+        deadline = time.monotonic() + 120
+        while read_holder(registry.store)[0] is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        unlock(registry, by="an operator", reason="freed by hand")
+        acquire(registry, intruder, print)
+
+    operator = threading.Thread(target=free_and_take)
+    operator.start()
+    code = main([str(TINY), *[arg for override in overrides for arg in ("--set", override)]])
+    operator.join(timeout=10)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == EXIT_LOCK_LOST, last
+    assert last.startswith("eagle3 run: lost the registry's lock: its record in ") and "stopped before the " in last
+    assert registry.versions() == [] and registry.production_version() is None
+    assert read_holder(registry.store)[0] == intruder
