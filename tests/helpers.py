@@ -371,6 +371,16 @@ def tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
 
+def wait_for(condition, timeout_s: float, what: str, log: Path) -> float:
+    """Seconds until `condition()`; fails with the log's tail after `timeout_s`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"no {what} within {timeout_s:.0f} s:\n{tail(log)}")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
 class Processes:
     """Background processes, each in its own process group; `stop()` ends the groups and then every process that
     carries this test's marker in its environment (the flow run's process starts its own session, and so do the

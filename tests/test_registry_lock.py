@@ -32,7 +32,7 @@ from eagle3.registry.lock import (
 )
 from eagle3.registry.registry import Registry, open_registry
 from eagle3.registry.store import LocalStore
-from helpers import PREFIX, TINY, Processes, micro_run_overrides, tail, write_checkpoint
+from helpers import PREFIX, TINY, Processes, micro_run_overrides, tail, wait_for, write_checkpoint
 from s3_server import new_bucket
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,15 +187,6 @@ def start_holder(processes: Processes, name: str, seconds: float, overrides: lis
     if host is not None:  # another machine, as far as host names go: a UTS namespace of its own
         command = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *command]
     return processes.start(name, command, cwd=ROOT)
-
-
-def wait_for(condition, timeout_s: float, what: str, log: Path) -> float:
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"no {what} within {timeout_s:.0f} s:\n{tail(log)}")
-        time.sleep(0.2)
-    return time.monotonic() - start
 
 
 def holding_run(log: Path) -> str:

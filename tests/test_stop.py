@@ -12,7 +12,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 
 from eagle3.config import load_config
 from eagle3.train.trainer import METRICS_FILE
-from helpers import TINY, Processes, micro_run_overrides, tail
+from helpers import TINY, Processes, micro_run_overrides, tail, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = str(TINY)
@@ -32,16 +31,6 @@ def run_env(tmp_path: Path, marker: str, **extra: str) -> dict[str, str]:
                 "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "PYTHONPATH": str(ROOT),
                 "OMP_NUM_THREADS": "1", "EAGLE3_STOP_TEST": marker, **extra})
     return env
-
-
-def wait_for(condition, timeout_s: float, what: str, log: Path) -> float:
-    """Seconds until `condition()`; fails with the log's tail after `timeout_s`."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"no {what} within {timeout_s:.0f} s:\n{tail(log)}")
-        time.sleep(0.3)
-    return time.monotonic() - start
 
 
 def metric_lines(path: Path) -> int:
