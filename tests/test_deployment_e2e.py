@@ -1,7 +1,7 @@
 """The operator's path, end to end, on the micro config:
 
 - a real `prefect server start` on 127.0.0.1 (SQLite in a temporary PREFECT_HOME);
-- `infra/setup.sh` (work pools `gpu-node` and `eagle3-monitor`, the registry's concurrency limit, the deployments of
+- `infra/setup.sh` (work pools `gpu-node` and `eagle3-monitor`, the deployments of
   prefect.yaml and the retrain's automation on the monitor's event);
 - `infra/worker.sh`, a process worker in its own process group;
 - `prefect deployment run eagle3/full --watch`;
@@ -201,7 +201,7 @@ def test_full_deployment_runs_on_a_worker_and_the_ui_shows_its_decision(prefect_
     overrides = micro_run_overrides(tmp_path / "run", micro_target) + loop_overrides(tmp_path / "records")
     server["overrides"] = overrides  # the loop and cancellation tests reuse these deployments and this run's data
 
-    # What an operator runs once: the pool, the registry's limit and the deployments, for this config.
+    # What an operator runs once: the pools and the deployments, for this config.
     with phases("setup.sh"):
         sets = [arg for item in overrides for arg in ("--set", item)]
         # `prefect` commands, each a fresh interpreter importing Prefect: over 180 s twice with three other busy
