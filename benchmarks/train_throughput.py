@@ -24,6 +24,7 @@ from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, ttt_forward, ttt_loss
 from eagle3.plan_time import draft_train_flops
+from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.train.memory import training_step_peak_bytes
 
 KIMI = dict(hidden=7168, heads=64, kv_heads=8, intermediate=18432, draft_vocab=32000, vocab=163840, aux=3)
@@ -74,7 +75,7 @@ def kimi_step(seq: int, ttt: int, batch: int, device: str, steps: int) -> None:
     """The trainer's step (teacher, TTT forward, loss, backward, AdamW) on a Kimi-shaped draft, next to
     the memory eagle3 plan measures for it on storage-less tensors."""
     config = draft_config(**KIMI)
-    estimate = training_step_peak_bytes(config, batch, seq, ttt, pre_norm=False, recompute=True)
+    estimate = training_step_peak_bytes(EAGLE3, config, batch, seq, ttt, pre_norm=False, recompute=True)
     print(f"Kimi-sized draft, batch {batch} x {seq}, TTT {ttt}: eagle3 plan's measured step {estimate / 2**30:.1f} GiB "
           "(activations, teacher, gradients; weights and optimizer apart)")
     dev = torch.device(device)

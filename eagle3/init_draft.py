@@ -5,8 +5,8 @@ It is resolved once, before the trainer starts (`resolve_init_from`): a version 
 (every version has it: our exports and imported drafts alike), a directory is read where it is, and either is
 converted to a native copy under run.dir/train/init/native with this config's target family, serving release and
 target layer count (the conversion refuses what a loader would misread, such as an absolute d2t). A record beside
-it says where it came from; the trainer loads the copy (eagle3/train/warm_start.py) and names the record in its
-checkpoints' manifests.
+it says where it came from; the trainer finds the copy (eagle3/algorithms/init_copy.py), the draft algorithm loads it
+(EAGLE-3's: eagle3/algorithms/eagle3/warm_start.py), and its checkpoints' manifests name the record.
 
 The train stage's cache key holds the init draft's content (`InitDraft.sha256`: the sha256 of config.json and of
 each weights file), never its path or version id: another draft at the same path runs the stage again, the same
@@ -28,7 +28,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.draft.checkpoint import CONFIG_FILE, is_checkpoint_file, read_checkpoint, save_native_draft, to_native
 from eagle3.fsutil import atomic_write_json, cached_sha256
 from eagle3.registry.registry import RegistryError, open_registry, registry_location
-from eagle3.train.warm_start import NATIVE_DIR, RECORD_FILE, init_dir
+from eagle3.algorithms.init_copy import NATIVE_DIR, RECORD_FILE, init_dir
 
 Log = Callable[[str], None]
 VERSION_LAYOUT = "sglang"  # the layout a version is fetched in

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3.algorithms import algorithm
 from eagle3.config import PipelineConfig, derived
 from eagle3.data.regenerate import greedy_length
 from eagle3.data.shards import TOKEN_BYTES
@@ -22,7 +23,6 @@ from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.target.info import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.plan_time import TimePlan, plan_time
 from eagle3.train.memory import trainable_parameters, training_step_peak_by_op, training_step_peak_bytes
-from eagle3.train.architecture import trained_draft_config
 
 GIB = 2**30
 RUNTIME_RESERVE_GIB = 5.0  # CUDA context, NCCL buffers, allocator fragmentation, SGLang's CUDA graphs
@@ -195,8 +195,9 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
     train, target = config.training, config.target
     world = train.nproc_per_node * train.nnodes
     per_rank = train.sequences_per_forward(world)
-    cfg = trained_draft_config(config)
-    params = trainable_parameters(cfg)
+    entry = algorithm(config.draft.algorithm)
+    cfg = entry.draft_config(config)
+    params = trainable_parameters(entry, cfg)
     shards = world if train.fsdp else 1
     embedding = target.vocab_size * target.hidden_size
     fewer = (f"lower training.micro_batch_size ({per_rank} sequences per GPU per forward now)" if train.micro_batch_size
@@ -206,7 +207,7 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
         f"{fewer} or lower training.seq_len ({train.seq_len})"
         + ("" if train.fsdp or world == 1 else ", or set training.fsdp true")))
     recompute = train.recompute == "norms_mlp"  # chosen_recompute has decided `auto`
-    shape = (cfg, per_rank, train.seq_len, train.ttt_steps, config.data.last_hidden == "pre_norm", recompute)
+    shape = (entry, cfg, per_rank, train.seq_len, train.ttt_steps, config.data.last_hidden == "pre_norm", recompute)
     step = training_step_peak_bytes(*shape)
     stage.step_by_op = {op: _gib(n) for op, n in training_step_peak_by_op(*shape).items() if n >= GIB / 100}
     stage.parts = {
@@ -248,7 +249,8 @@ def online_target_parts(config: PipelineConfig, size: TargetSize, world: int) ->
 
 def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     """The target with the draft at serving.tp: one request of the full context must fit next to the weights."""
-    serving, draft = config.serving, trained_draft_config(config)
+    serving, entry = config.serving, algorithm(config.draft.algorithm)
+    draft = entry.draft_config(config)
     stage = StagePlan("serve", serving.tp, knob=f"lower serving.context_length ({serving.context_length}) or raise serving.tp")
     if size is None:
         stage.unknown = "target size unknown"
@@ -260,7 +262,7 @@ def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     stage.parts = {
         **target_parts(size, serving.tp, serving.context_length),
         f"draft weights, {DTYPE_NAMES[config.draft.torch_dtype]} (/{serving.tp})": _gib(
-            DTYPE_BYTES[config.draft.torch_dtype] * trainable_parameters(draft) / serving.tp),
+            DTYPE_BYTES[config.draft.torch_dtype] * trainable_parameters(entry, draft) / serving.tp),
         "draft KV cache": _gib(serving.context_length * draft_kv),
         "runtime reserve": RUNTIME_RESERVE_GIB,
     }

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3.algorithms import algorithm
 from eagle3.config import PipelineConfig
 from eagle3.data.regenerate import greedy_length, simulated_shapes
 from eagle3.data.suites import planned_requests
 from eagle3.target.info import TargetSize, active_parameters, read_target_config
 from eagle3.train.memory import trainable_parameters
-from eagle3.train.architecture import trained_draft_config
 
 HOUR = 3600.0
 
@@ -109,8 +109,9 @@ class Clock:
 
 def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -> TimePlan:
     target, size_note = read_target(config, size, size_note)
-    node, draft = config.node, trained_draft_config(config)
-    params = trainable_parameters(draft)
+    entry = algorithm(config.draft.algorithm)
+    node, draft = config.node, entry.draft_config(config)
+    params = trainable_parameters(entry, draft)
     assumptions = [f"{node.peak_tflops:g} TFLOP/s per GPU (node.peak_tflops)", f"{node.hbm_tbps:g} TB/s (node.hbm_tbps)",
                    f"MFU decode {node.mfu.decode:g}, prefill {node.mfu.prefill:g}, train {node.mfu.train:g} "
                    "(node.mfu.decode / prefill / train)",

@@ -10,6 +10,7 @@ import pytest
 from eagle3.serve.inprocess import serve_in_thread
 from fake_sglang import FakeSGLang
 from eagle3.bench.client import BenchmarkError, load_prompt_file, render_table, run_benchmark
+from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.cli import main
 from eagle3.config import load_config
@@ -50,7 +51,7 @@ def bench_prompts(micro):
 def test_served_accept_length_equals_the_simulators(micro, drafts, draft_url):
     result = run_benchmark(draft_url, bench_prompts(micro), MAX_NEW, 2, **FAST)
     served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
-    rows = [simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, r), MAX_NEW,
+    rows = [simulate_prompt(EAGLE3, served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, r), MAX_NEW,
                             DraftShape(STEPS), frozenset({micro["eos"]}), RELEASE) for r in requests(micro)]
     simulated = sum(r.completion_tokens for r in rows) / sum(r.verify_ct for r in rows)
     assert result["accept_length"] == pytest.approx(simulated, rel=0.02) and result["accept_length"] > 1.3

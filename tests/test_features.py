@@ -20,6 +20,8 @@ from eagle3.engines.features import TransformersFeatures, pad_rows
 from eagle3.engines.sglang_features import SGLangFeatures
 from eagle3.errors import Eagle3Error
 from eagle3.model.aux_states import aux_states, hidden_state_index
+from eagle3.distributed import Dist
+from eagle3.train.parts import dataset_manifest, feature_backend, training_data
 from eagle3.train.trainer import Trainer
 from helpers import KIMI, TINY, micro_overrides
 
@@ -132,12 +134,14 @@ def test_online_and_offline_give_the_same_loss_on_the_same_batch(both_modes):
 
 
 def test_offline_features_are_refused_for_other_tokens(both_modes):
-    trainer = Trainer(both_modes["offline"], log=QUIET)
-    refs = trainer.data.batches(0, 4, 0)[0]
-    tokens, _ = trainer.data.tokens(refs)
+    config = both_modes["offline"]
+    data = training_data(config, QUIET)
+    features = feature_backend(config.data, config.target, config.training, data, dataset_manifest(config), Dist())
+    refs = data.batches(0, 4, 0)[0]
+    tokens, _ = data.tokens(refs)
     tokens.input_ids[0, 1] += 1
     with pytest.raises(Eagle3Error, match=f"sample {refs[0].id}: the stored features are for other tokens"):
-        trainer.features.features(tokens)
+        features.features(tokens)
 
 
 def test_a_shard_streams_in_any_order_and_appears_only_when_complete(tmp_path):

@@ -3,11 +3,14 @@ starts ahead of a cold start; what cannot carry over is refused by name."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.algorithms.eagle3 import EAGLE3
+from eagle3.algorithms.init_copy import resolved_init
 from eagle3.config import load_config
 from eagle3.deployment.promotion import retrain_overrides
 from eagle3.errors import Eagle3Error
@@ -17,8 +20,10 @@ from eagle3.records.manifest import read_manifest
 from eagle3.init_draft import init_draft, resolve_init_from
 from eagle3.registry.registry import Registry
 from eagle3.registry.store import LocalStore
+from eagle3.model.weights import target_head
+from eagle3.train.parts import read_vocab_map
 from eagle3.train.trainer import Trainer
-from eagle3.train.warm_start import carry_over_problem
+from eagle3.algorithms.eagle3.warm_start import carry_over_problem
 from drafts import tiny_config
 from helpers import TINY, metrics, run_copy
 
@@ -113,9 +118,11 @@ def test_a_shape_that_cannot_carry_over_is_refused_naming_the_tensor_and_both_sh
                                                            "draft.intermediate_size=256"])
     config = load_config(TINY, overrides)
     resolve_init_from(config, QUIET)
+    head, vocab_map = target_head(Path(config.target.path)), read_vocab_map(config.run, config.vocab, config.target)
     with pytest.raises(Eagle3Error, match=r"midlayer\.mlp\.gate_proj\.weight \[512, 64\] in the init draft, "
                                           r"\[256, 64\] in this config"):
-        Trainer(config, log=QUIET)
+        EAGLE3.initial_model(config, head, vocab_map, torch.device("cpu"), resolved_init(config.run, config.training),
+                             QUIET)
 
 
 @pytest.mark.parametrize("field, init, ours, message", [

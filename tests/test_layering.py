@@ -19,6 +19,7 @@ LAYERS = (
     ("eagle3.validation",),  # a draft checked against the contract
     ("eagle3.config",),
     ("eagle3.model",),
+    ("eagle3.algorithms",),  # the draft algorithms: one entry each (model, loss, drafting, serving flags)
     ("eagle3.engines",),  # what runs a target: the tiny engine, generators, feature backends
     ("eagle3.data",),  # orchestrates the engines into data sets
     ("eagle3.bench",),
@@ -165,9 +166,14 @@ HANDS_ON = "hands it on"  # passes the whole config to another function that tak
 
 # function -> what it reads of the config: the sections, and HANDS_ON where it passes the config on
 TAKES_THE_CONFIG = {
+    # a draft algorithm's hooks take the config: each algorithm reads its own sections (docs/algorithms.md)
+    "eagle3.algorithms.base.DraftAlgorithm.draft_config": (),
+    "eagle3.algorithms.base.DraftAlgorithm.initial_model": (),
+    "eagle3.algorithms.eagle3.Eagle3Algorithm.draft_config": (HANDS_ON,),
+    "eagle3.algorithms.eagle3.Eagle3Algorithm.initial_model": (HANDS_ON, "training"),
     "eagle3.bench.simulate.heldout_samples": (HANDS_ON, "run"),
     "eagle3.bench.simulate.simulate": ("benchmark", HANDS_ON, "serving"),
-    "eagle3.bench.simulate.simulate_shapes": ("benchmark", HANDS_ON, "serving", "target"),
+    "eagle3.bench.simulate.simulate_shapes": ("benchmark", "draft", HANDS_ON, "serving", "target"),
     "eagle3.data.capture.capture": ("data", HANDS_ON, "run", "target", "training"),
     "eagle3.data.capture.check_dataset": ("data", HANDS_ON, "target", "training"),
     "eagle3.data.capture.dataset_dir": ("run", "training"),
@@ -212,11 +218,15 @@ TAKES_THE_CONFIG = {
     "eagle3.serve.launch.launch_and_validate": ("export", HANDS_ON, "serving"),
     "eagle3.serve.launch.reference_command": ("run", "serving", "target"),
     "eagle3.serve.launch.server_for": (HANDS_ON, "run", "serving"),
-    "eagle3.serve.launch.sglang_command": ("data", "serving", "target"),
-    "eagle3.train.architecture.trained_draft_config": ("data", "draft", "target", "vocab"),
+    "eagle3.serve.launch.sglang_command": ("data", "draft", "serving", "target"),
+    "eagle3.algorithms.eagle3.architecture.trained_draft_config": ("data", "draft", "target", "vocab"),
     "eagle3.train.launch.launch_commands": ("data", "run", "training"),
     "eagle3.train.launch.train": (HANDS_ON, "run", "serving", "training"),
-    "eagle3.train.trainer.Trainer.__init__": (HANDS_ON, "run", "target", "training"),
+    "eagle3.train.parts.dataset_manifest": (HANDS_ON,),
+    "eagle3.train.parts.replayed_samples": (HANDS_ON, "training"),
+    "eagle3.train.parts.training_data": (HANDS_ON, "training"),
+    "eagle3.train.parts.training_parts": ("data", "draft", HANDS_ON, "run", "target", "training", "vocab"),
+    "eagle3.train.trainer.Trainer.__init__": (HANDS_ON, "run", "training"),
 }
 
 

@@ -15,6 +15,7 @@ from eagle3.model.teacher import TeacherHead
 from eagle3.model.ttt import LossRows, TTTModel
 from eagle3.plan import chosen_recompute, plan_memory, require_fit, target_size
 from eagle3.plan_time import plan_time
+from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.train.memory import AllocationPeak, training_step_peak_by_op, training_step_peak_bytes
 from helpers import TINY, micro_overrides, tiny_draft
 
@@ -136,8 +137,8 @@ def test_the_dry_run_counts_what_the_real_step_allocates():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             stats = TTTModel(model)(aux, ids, teacher, rows)
         stats[0].sum().backward()
-    assert training_step_peak_bytes(model.config, 2, 24, 3, pre_norm=False, recompute=True) == real.peak
-    assert training_step_peak_by_op(model.config, 2, 24, 3, pre_norm=False, recompute=True) == real.peak_by_op
+    assert training_step_peak_bytes(EAGLE3, model.config, 2, 24, 3, pre_norm=False, recompute=True) == real.peak
+    assert training_step_peak_by_op(EAGLE3, model.config, 2, 24, 3, pre_norm=False, recompute=True) == real.peak_by_op
     assert sum(real.peak_by_op.values()) == real.peak and real.peak_by_op["mm"] > 0
 
 
@@ -253,7 +254,7 @@ def test_recomputing_changes_the_memory_not_the_gradients():
         TTTModel(model)(aux, ids, head(last, rows.teacher), rows)[0].sum().backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
-    lean, kept = (training_step_peak_bytes(model.config, 2, 24, 3, pre_norm=False, recompute=r) for r in (True, False))
+    lean, kept = (training_step_peak_bytes(EAGLE3, model.config, 2, 24, 3, pre_norm=False, recompute=r) for r in (True, False))
     assert lean < kept
 
 

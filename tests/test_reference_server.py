@@ -9,6 +9,7 @@ import torch
 import uvicorn
 
 from eagle3.bench.counting import correct_drafts_of
+from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.cli import main
 from eagle3.engines.targets import load_tokenizer
@@ -55,7 +56,7 @@ def test_served_counts_equal_the_simulators(micro, drafts, speculative, max_new_
     served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
     for request in requests(micro):
         meta = generate(speculative, max_new_tokens, **request)["meta_info"]
-        row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, request),
+        row = simulate_prompt(EAGLE3, served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, request),
                               max_new_tokens, DraftShape(STEPS), frozenset({micro["eos"]}), RELEASE)
         assert (meta["completion_tokens"], meta["spec_verify_ct"], meta["spec_num_correct_drafts"],
                 meta["spec_correct_drafts_histogram"]) == (row.completion_tokens, row.verify_ct, row.correct_drafts, row.histogram)
@@ -102,7 +103,7 @@ def test_eos_ids_from_the_generation_config_end_the_request(micro, drafts, tmp_p
             if out["output_ids"][-1] == NEWLINE:
                 assert meta["finish_reason"] == {"type": "stop", "matched": NEWLINE}
                 stops.append(meta["completion_tokens"])
-            row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt, MAX_NEW, DraftShape(STEPS),
+            row = simulate_prompt(EAGLE3, served_draft, micro["model"], served_draft.config.aux_layers, prompt, MAX_NEW, DraftShape(STEPS),
                                   frozenset({micro["eos"], NEWLINE}), RELEASE)
             assert meta["completion_tokens"] == row.completion_tokens and meta.get("spec_verify_ct", 0) == row.verify_ct
             if row.verify_ct == 0:
@@ -211,7 +212,7 @@ def test_a_tree_serves_the_targets_greedy_text_counted_as_the_simulator(micro, d
             spec, base = generate(client, **request), generate(plain, **request)
             assert spec["output_ids"] == base["output_ids"] and spec["text"] == base["text"]
             meta = spec["meta_info"]
-            row = simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers,
+            row = simulate_prompt(EAGLE3, served_draft, micro["model"], served_draft.config.aux_layers,
                                   prompt_of(micro, request), MAX_NEW, shape, frozenset({micro["eos"]}), RELEASE)
             assert (meta["completion_tokens"], meta["spec_verify_ct"], meta["spec_num_correct_drafts"],
                     meta["spec_correct_drafts_histogram"]) == (row.completion_tokens, row.verify_ct,
@@ -229,7 +230,7 @@ def test_a_wider_tree_accepts_at_least_what_its_chain_does(micro, drafts):
     served_draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
 
     def accept_length(shape):
-        rows = [simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, r),
+        rows = [simulate_prompt(EAGLE3, served_draft, micro["model"], served_draft.config.aux_layers, prompt_of(micro, r),
                                 MAX_NEW, shape, frozenset({micro["eos"]}), RELEASE) for r in requests(micro)]
         return sum(r.completion_tokens for r in rows) / sum(r.verify_ct for r in rows)
 

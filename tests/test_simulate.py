@@ -8,6 +8,7 @@ import torch
 
 from eagle3.bench.client import summarize
 from eagle3.bench.counting import SpecRequest
+from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import AcceptanceResult, PromptResult, replay, simulate_prompt
 from eagle3.cli import main
 from eagle3.config import load_config
@@ -81,7 +82,7 @@ def test_simulator_equals_brute_force_speculative_decoding(micro, kind, num_step
     eos_id = micro["eos"] if eos == "target" else eos  # "\n" as EOS: requests that finish on a draft token
     rows = []
     for prompt in micro["prompts"]:
-        row = simulate_prompt(draft, micro["model"], AUX_LAYERS, prompt, 13, DraftShape(num_steps), frozenset({eos_id}), None)
+        row = simulate_prompt(EAGLE3, draft, micro["model"], AUX_LAYERS, prompt, 13, DraftShape(num_steps), frozenset({eos_id}), None)
         expected = brute_force(draft, micro["model"], prompt, 13, num_steps, eos_id)
         assert (row.completion_tokens, row.verify_ct, row.correct_drafts, row.histogram) == expected
         rows.append(row)
@@ -97,7 +98,7 @@ def test_a_never_accepted_draft_gives_n_over_n_minus_1(micro):
     seen = set(sum(micro["seqs"], []))
     absent = next(token for token in range(512) if token not in seen)
     draft = constant_draft(micro, absent)
-    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 13, DraftShape(3), frozenset({micro["eos"]}), None)
+    rows = [simulate_prompt(EAGLE3, draft, micro["model"], AUX_LAYERS, p, 13, DraftShape(3), frozenset({micro["eos"]}), None)
             for p in micro["prompts"]]
     for row in rows:
         n = row.completion_tokens
@@ -212,7 +213,7 @@ def test_simulate_command_writes_the_result(micro, tmp_path, capsys):
     saved = json.loads((run_dir / "bench" / "simulated.json").read_text())
     assert {"accept_length", "accept_rate", "histogram", "prompts", "verify_ct", "completion_tokens",
             "correct_drafts", "num_steps", "num_prompts", "checkpoint", "engine_release", "max_new_tokens"} <= set(saved)
-    rows = [simulate_prompt(draft, micro["model"], AUX_LAYERS, p, 10, config.serving.shape,
+    rows = [simulate_prompt(EAGLE3, draft, micro["model"], AUX_LAYERS, p, 10, config.serving.shape,
                             frozenset({micro["eos"]}), config.serving.release) for p in micro["prompts"][:2]]
     expected = AcceptanceResult(config.serving.shape, rows).to_dict()
     assert {key: saved[key] for key in expected} == expected

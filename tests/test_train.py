@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from eagle3.algorithms.eagle3 import EAGLE3
+from eagle3.algorithms.init_copy import resolved_init
 from eagle3.config import load_config
 from eagle3.draft.checkpoint import convert, load_native
 from eagle3.draft.vocab_map import VocabMap, build_vocab_map
@@ -220,7 +222,9 @@ def test_a_warm_start_under_another_vocab_map_carries_the_head_rows_by_target_id
     lines = []
     target = target_head(micro_target)
     head = target["lm_head"]
-    model = Trainer(load_config(TINY, remapped), log=lines.append).build_model(target, other_map)
+    config = load_config(TINY, remapped)
+    init = resolved_init(config.run, config.training)
+    model = EAGLE3.initial_model(config, target, other_map, torch.device("cpu"), init, lines.append)
     new_ids = other_map.target_ids()
     shared = [(j, int((old_ids == t).nonzero())) for j, t in enumerate(new_ids.tolist()) if t in old_ids]
     assert 0 < len(shared) < len(new_ids)

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from eagle3.algorithms import DraftAlgorithm, algorithm
+from eagle3.algorithms.base import DraftModel
 from eagle3.bench import counting
 from eagle3.bench.client import suite_lines
 from eagle3.bench.counting import SpecRequest
@@ -37,9 +39,8 @@ from eagle3.engines.targets import target_eos_ids
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.aux_states import aux_states
-from eagle3.model.draft import Eagle3Draft
-from eagle3.model.tree import DraftCache, DraftTree, draft_tree, walk_greedy
-from eagle3.model.weights import draft_as_served, target_embedding
+from eagle3.model.tree import DraftTree, walk_greedy
+from eagle3.model.weights import target_embedding
 from eagle3.progress import Progress
 from eagle3.shape import DraftShape
 
@@ -124,13 +125,12 @@ def replay(seq: list[int], prompt_len: int, propose: Callable[[int], DraftTree],
 
 
 @torch.no_grad()
-def simulate_prompt(draft: Eagle3Draft, target_model, aux_layers: list[int], prompt_ids: list[int],
-                    max_new_tokens: int, shape: DraftShape, eos_ids: frozenset[int], release: str | None) -> PromptResult:
+def simulate_prompt(algorithm: DraftAlgorithm, draft: DraftModel, target_model, aux_layers: list[int],
+                    prompt_ids: list[int], max_new_tokens: int, shape: DraftShape, eos_ids: frozenset[int],
+                    release: str | None) -> PromptResult:
     seq = list(prompt_ids) + target_greedy(target_model, list(prompt_ids), max_new_tokens + shape.num_steps)
     aux = aux_features(target_model, seq, aux_layers)  # [T, n_aux * H]
-    tokens = torch.tensor(seq)  # [T]
-    cache = DraftCache(draft)
-    propose = lambda p: draft_tree(draft, aux[:p], tokens[: p + 1], shape, cache)  # noqa: E731
+    propose = algorithm.proposer(draft, aux, torch.tensor(seq), shape)
     return replay(seq, len(prompt_ids), propose, shape.num_steps, max_new_tokens, eos_ids, release)
 
 
@@ -160,16 +160,16 @@ class HeldoutRef:
         return self.reader.sample(self.index)
 
 
-def replay_stored(draft: Eagle3Draft, sample: StoredSample, shape: DraftShape, max_new_tokens: int,
-                  eos_ids: frozenset[int], release: str | None) -> PromptResult:
-    """Replay one stored held-out greedy sequence (loss_mask marks the continuation) with its stored features."""
+def replay_stored(algorithm: DraftAlgorithm, draft: DraftModel, sample: StoredSample, shape: DraftShape,
+                  max_new_tokens: int, eos_ids: frozenset[int], release: str | None) -> PromptResult:
+    """Replay one stored held-out greedy sequence (loss_mask marks the continuation) with its stored features,
+    drafting as `algorithm` drafts."""
     mask = sample.loss_mask.bool()
     prompt_len = int(mask.long().argmax())
     seq = sample.input_ids.long()  # [T]
     device = next(draft.parameters()).device
     aux = sample.aux_hidden.to(device, torch.float32)  # [T, n_aux * H]
-    cache = DraftCache(draft)
-    propose = lambda p: draft_tree(draft, aux[:p], seq[: p + 1].to(device), shape, cache)  # noqa: E731
+    propose = algorithm.proposer(draft, aux, seq.to(device), shape)
     return replay(seq.tolist(), prompt_len, propose, shape.num_steps, max_new_tokens, eos_ids, release)
 
 
@@ -211,12 +211,13 @@ def refuse_unstored_suites(suites: tuple[str, ...], stored: set[str], path: Path
 
 
 @torch.no_grad()
-def simulate_shape(draft: Eagle3Draft, samples: list[HeldoutRef], shape: DraftShape, benchmark: BenchmarkSection,
-                   serving: ServingSection, eos_ids: frozenset[int], log: Log) -> AcceptanceResult:
+def simulate_shape(algorithm: DraftAlgorithm, draft: DraftModel, samples: list[HeldoutRef], shape: DraftShape,
+                   benchmark: BenchmarkSection, serving: ServingSection, eos_ids: frozenset[int],
+                   log: Log) -> AcceptanceResult:
     progress = Progress(f"simulate {shape.label()}", total=len(samples), unit="requests", log=log)
     rows = []
     for ref in samples:
-        row = replay_stored(draft, ref.load(), shape, benchmark.max_new_tokens, eos_ids, serving.release)
+        row = replay_stored(algorithm, draft, ref.load(), shape, benchmark.max_new_tokens, eos_ids, serving.release)
         rows.append(replace(row, suite=ref.suite, slice=ref.slice))
         progress.advance(1, tokens=row.completion_tokens)
     return AcceptanceResult(shape, rows)
@@ -226,12 +227,13 @@ def simulate_shape(draft: Eagle3Draft, samples: list[HeldoutRef], shape: DraftSh
 def simulate_shapes(config: PipelineConfig, checkpoint: Path, log: Log = print) -> list[AcceptanceResult]:
     """The served draft at `checkpoint` replayed over every suite's stored greedy sequences, in serving's shape and in
     each sweep point's (`simulated_shapes`, serving's first); no target is loaded."""
+    entry = algorithm(config.draft.algorithm)
     embed = target_embedding(config.target.path, config.target.weight_prefix)
-    draft = draft_as_served(Path(checkpoint), config.serving.release, embed)
+    draft = entry.served_model(Path(checkpoint), config.serving.release, embed)
     draft = draft.to(local_device()).eval()
     samples = heldout_samples(config, tuple(suite.name for suite in config.benchmark.suites))
     eos_ids = target_eos_ids(config.target.path)
-    return [simulate_shape(draft, samples, shape, config.benchmark, config.serving, eos_ids, log)
+    return [simulate_shape(entry, draft, samples, shape, config.benchmark, config.serving, eos_ids, log)
             for shape in simulated_shapes(config)]
 
 

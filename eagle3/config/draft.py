@@ -1,4 +1,5 @@
-"""The `draft` section: the draft's architecture around the target's width and vocabulary (docs/configuration.md).
+"""The `draft` section: the draft algorithm and its architecture around the target's width and vocabulary
+(docs/configuration.md).
 
 Two attention forms, both served by SGLang: `mha` (a Llama decoder layer, LlamaForCausalLMEagle3) and `mla`
 (DeepSeek-V2 multi-latent attention, Eagle3DeepseekV2ForCausalLM, the form whose KV cache matches a DeepSeek or
@@ -16,6 +17,9 @@ from eagle3.draft.layouts.shared import MLA_SIZES
 
 
 class DraftSection(Section):
+    algorithm: Literal["eagle3"] = Field(default="eagle3", description="the kind of draft, an entry of "
+                                         "eagle3.algorithms (docs/algorithms.md): eagle3, a one-layer draft fed the "
+                                         "target's aux hidden states, trained by training-time test")
     attention: Literal["mha", "mla"] = Field(default="mha", description="mha: a Llama layer's attention (grouped "
                                              "heads); mla: DeepSeek-V2's multi-latent attention (the q_lora_rank, "
                                              "kv_lora_rank and head-dim fields), SGLang >= 0.5.12")

@@ -18,6 +18,7 @@ from typing import Callable
 import httpx
 
 from eagle3 import guard
+from eagle3.algorithms import algorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
 from eagle3.contract.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
@@ -90,9 +91,7 @@ def sglang_command(config: PipelineConfig, target_path, draft_path,
     s = config.serving
     command = [config.data.sglang_python, "-m", "sglang.launch_server", "--model-path", str(target_path)]
     if draft_path is not None:
-        command += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_path),
-                    "--speculative-num-steps", str(s.num_steps), "--speculative-eagle-topk", str(s.eagle_topk),
-                    "--speculative-num-draft-tokens", str(s.num_draft_tokens)]
+        command += algorithm(config.draft.algorithm).server_flags(draft_path, s)
     command += ["--tp-size", str(s.tp), "--host", s.host, "--port", str(s.port),
                 "--context-length", str(s.context_length)]
     command += ["--trust-remote-code"] if config.target.trust_remote_code else []

@@ -19,10 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from eagle3.algorithms import DraftAlgorithm, algorithm
 from eagle3.draft.checkpoint import DraftConfig
-from eagle3.model.draft import Eagle3Draft
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import LossRows, TTTModel
 
 
 class AllocationPeak(TorchDispatchMode):
@@ -63,39 +62,39 @@ class AllocationPeak(TorchDispatchMode):
         self.by_op[op] -= size
 
 
-def trainable_parameters(cfg: DraftConfig) -> int:
+def trainable_parameters(entry: DraftAlgorithm, cfg: DraftConfig) -> int:
     """Counted on a draft built on the meta device: exact, and nothing allocated."""
     with torch.device("meta"):
-        model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
+        model = entry.new_model(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def training_step_peak_bytes(cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool,
-                              recompute: bool) -> int:
+def training_step_peak_bytes(entry: DraftAlgorithm, cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int,
+                              pre_norm: bool, recompute: bool) -> int:
     """Peak bytes one rank allocates during a step on `sequences` x `seq_len` tokens: teacher outputs,
     TTT activations, loss, gradients, and the transients between them (not the weights or the batch), with the
     backward recomputing the norms and the SwiGLU product or not (training.recompute).
     Measured once per shape in a process (seconds at Kimi's size, and the config check, `eagle3 plan` and the
     flow's load-config each ask)."""
-    return _measured_peak(cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm, recompute)[0]
+    return _measured_peak(entry.name, cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm, recompute)[0]
 
 
-def training_step_peak_by_op(cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool,
-                             recompute: bool) -> dict[str, int]:
+def training_step_peak_by_op(entry: DraftAlgorithm, cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int,
+                             pre_norm: bool, recompute: bool) -> dict[str, int]:
     """What `training_step_peak_bytes` counts, by the aten op that made each tensor alive at the peak (largest first):
     where a step's memory goes (`_to_copy`: dtype casts, `mm`: matmul outputs, ...)."""
-    by_op = _measured_peak(cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm, recompute)[1]
+    by_op = _measured_peak(entry.name, cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm, recompute)[1]
     return dict(sorted(by_op.items(), key=lambda item: -item[1]))
 
 
 @functools.lru_cache(maxsize=16)
-def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool,
+def _measured_peak(algorithm_name: str, cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool,
                    recompute: bool) -> tuple[int, dict[str, int]]:
-    cfg = DraftConfig.model_validate_json(cfg_json)
+    entry, cfg = algorithm(algorithm_name), DraftConfig.model_validate_json(cfg_json)
     # every token generated (the most the loss reads); the rows are made on the host, as the trainer makes them
-    rows = LossRows.of(torch.ones(sequences, seq_len, dtype=torch.long), ttt_steps)
+    rows = entry.loss_rows(torch.ones(sequences, seq_len, dtype=torch.long), ttt_steps)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
+        model = entry.new_model(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
         model.set_recompute(recompute)
         hot = torch.arange(cfg.draft_vocab_size)
         norm = torch.empty(cfg.hidden_size) if pre_norm else None
@@ -106,6 +105,6 @@ def _measured_peak(cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, 
         with AllocationPeak() as tracker:
             teacher = teacher_head(last, rows.teacher)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                stats = TTTModel(model)(aux, ids, teacher, rows)
+                stats = entry.training_module(model)(aux, ids, teacher, rows)
             stats[0].sum().backward()
     return tracker.peak, tracker.peak_by_op

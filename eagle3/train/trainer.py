@@ -17,32 +17,20 @@ from typing import Callable
 
 import torch
 
-from eagle3.bench.simulate import HeldoutRef, heldout_samples, replay_stored
+from eagle3.bench.simulate import replay_stored
 from eagle3.config import PipelineConfig
 from eagle3.config.run import RunSection
 from eagle3.config.training import batch_split_problem
-from eagle3.data.capture import check_dataset, dataset_dir
 from eagle3.distributed import Dist, setup_distributed
-from eagle3.engines.backends import target_backend
-from eagle3.engines.features import FeatureBackend
-from eagle3.engines.targets import target_eos_ids
-from eagle3.errors import Eagle3Error, UnreadableInput
-from eagle3.draft.checkpoint import NativeDraft, load_native, write_draft_files
-from eagle3.records.manifest import MANIFEST_FILE, read_manifest
-from eagle3.target.info import read_target_info
-from eagle3.draft.vocab_map import VocabMap, load_vocab_map
+from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_directory
-from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
-from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
-from eagle3.model.weights import target_head
-from eagle3.train.architecture import recomputes, trained_draft_config
-from eagle3.train.argmax_memo import RememberingTeacher
+from eagle3.model.ttt import StepStats
 from eagle3.train.augment import noisy_features
-from eagle3.train.data import SampleRef, ShardFeatures, TrainingData, micro_batches
+from eagle3.train.data import SampleRef, micro_batches
 from eagle3.train.parallel import Parallel
+from eagle3.train.parts import TrainingParts, training_parts
 from eagle3.train.schedule import optimizer_and_schedule
 from eagle3.train.timing import Throughput, timed
-from eagle3.train.warm_start import resolved_init, warm_start
 
 Log = Callable[[str], None]
 STATE_FILE = "trainer_state.pt"
@@ -61,7 +49,9 @@ def autocast(device: torch.device):
 class Trainer:
     """`dist` defaults to this process's device and process group (tests pass their own device)."""
 
-    def __init__(self, config: PipelineConfig, log: Log = print, dist: Dist | None = None):
+    def __init__(self, config: PipelineConfig, log: Log = print, dist: Dist | None = None,
+                 parts: TrainingParts | None = None):
+        """`parts` defaults to those `training_parts` builds for this config."""
         self.config = config
         self.dist = dist or setup_distributed()
         self.log = log if self.dist.main else (lambda line: None)  # one voice, not one per rank
@@ -71,26 +61,14 @@ class Trainer:
             raise Eagle3Error(problem)
         self.per_forward = train.sequences_per_forward(self.dist.world)  # this rank's rows per forward
         self.every_position = train.loss_positions == "all"  # training steps only: evaluation scores the generated
-        dataset = dataset_dir(config)
-        if not (dataset / MANIFEST_FILE).exists():
-            raise Eagle3Error(f"{dataset}: no data set here; run `eagle3 data capture` first")
-        manifest = read_manifest(dataset)
-        check_dataset(config, manifest)
-        self.data = TrainingData(dataset, train.seq_len, train.eval_fraction)
-        if self.data.without_loss:
-            self.log(f"train: {self.data.without_loss} sample(s) left out: {self.data.left_out_why}")
-        self.features = self.feature_backend(manifest)
-        self.heldout = self.replayed_samples()
-        self.eos_ids = target_eos_ids(config.target.path)
-        head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
-        vocab_map = self.read_vocab_map()
-        self.init = resolved_init(config.run, config.training)  # training.init_from, resolved before training
-        self.model = self.build_model(head, vocab_map)
-        self.teacher = self.build_teacher(head, vocab_map)
-        self.ttt = TTTModel(self.model)
+        parts = parts or training_parts(config, self.dist, self.log)
+        self.algorithm, self.data, self.features, self.heldout = parts.algorithm, parts.data, parts.features, parts.heldout
+        self.eos_ids, self.init, self.model, self.teacher = parts.eos_ids, parts.init, parts.model, parts.teacher
+        self.predictions = self.algorithm.predictions(train)  # K: the per-prediction sums' length
+        self.module = self.algorithm.training_module(self.model)
         self.parallel = Parallel(self.dist, train.fsdp)
-        self.wrapped = self.parallel.wrap(self.ttt)
-        self.step_weights = train.ttt_step_decay ** torch.arange(train.ttt_steps, dtype=torch.float32, device=self.dist.device)
+        self.wrapped = self.parallel.wrap(self.module)
+        self.step_weights = train.ttt_step_decay ** torch.arange(self.predictions, dtype=torch.float32, device=self.dist.device)
         self.optimizer, self.scheduler = optimizer_and_schedule(self.model, train)
         self.out = config.stage_dir("train")
         self.stop_requested = False
@@ -98,70 +76,8 @@ class Trainer:
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.best: float | None = None
 
-    # -- set-up ---------------------------------------------------------------------------------
-
-    def feature_backend(self, manifest: dict) -> FeatureBackend:
-        """Online: the target on this rank (tensor-parallel over the ranks with SGLang); offline: the stored shards."""
-        if self.config.training.features == "online":
-            return target_backend(self.config.data, self.config.target, self.dist.device, self.dist.rank,
-                                  self.dist.world)
-        return ShardFeatures(self.data, manifest["capture"]["engine_release"], self.dist.device)
-
-    def replayed_samples(self) -> list[HeldoutRef] | None:
-        """The held-out greedy sequences evaluation replays, or None when training.best_by does not use them."""
-        train = self.config.training
-        if train.best_by != "accept_length":
-            self.log(f"train: evaluation skips the acceptance replay (training.best_by {train.best_by} does not use it)")
-            if not self.data.eval:
-                raise Eagle3Error(f"training.best_by {train.best_by} is measured on the eval split, which holds none of "
-                                  f"the {len(self.data.train)} samples: raise training.eval_fraction")
-            return None
-        try:
-            return heldout_samples(self.config)[: train.replay_prompts]
-        except UnreadableInput as err:
-            raise Eagle3Error(f"training.best_by accept_length replays the held-out greedy sequences: {err}; or pick "
-                              "the best draft by step_acc or eval_loss") from None
-
     def my_rows(self) -> slice:
         return slice(self.dist.rank, None, self.dist.world)
-
-    def read_vocab_map(self) -> VocabMap:
-        cfg, vocab_map = self.config.vocab, load_vocab_map(self.config.stage_dir("vocab"))
-        sizes = (cfg.draft_vocab_size, self.config.target.vocab_size)
-        if (vocab_map.draft_vocab_size, vocab_map.target_vocab_size) != sizes:
-            raise Eagle3Error(f"the vocab map in {self.config.stage_dir('vocab')} is {vocab_map.draft_vocab_size} of "
-                              f"{vocab_map.target_vocab_size} ids; the config asks for {sizes[0]} of {sizes[1]}: "
-                              "run `eagle3 vocab build` again")
-        return vocab_map
-
-    def build_model(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> Eagle3Draft:
-        """The draft, made on this process's device (no CPU copy of the weights to move), from the target's head
-        (`target_head`: embed, lm_head, norm)."""
-        device = self.dist.device
-        with torch.device(device):
-            model = Eagle3Draft(trained_draft_config(self.config), head["embed"].to(device))
-        init_weights(model, self.config.training.seed)  # from a CPU generator: the same draft on any device
-        model.set_recompute(recomputes(self.config.training.recompute, device))
-        with torch.no_grad():
-            model.d2t.copy_(vocab_map.d2t)
-            model.t2d.copy_(vocab_map.t2d)
-            model.lm_head.weight.copy_(head["lm_head"][vocab_map.target_ids()])  # the target's rows
-        if self.init is not None:
-            warm_start(model, vocab_map, self.init, self.log)
-        if self.config.training.freeze_head:
-            freeze_head(model, None if self.init is not None else head["norm"].to(device))
-        return model
-
-    def build_teacher(self, head: dict[str, torch.Tensor], vocab_map: VocabMap) -> RememberingTeacher:
-        """The target's head on the device, bf16 on a GPU (its matmuls run in bf16 there anyway)."""
-        device = self.dist.device
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        pre_norm = self.config.data.last_hidden == "pre_norm"
-        norm = head["norm"].to(device) if pre_norm else None
-        eps = read_target_info(Path(self.config.target.path)).rms_norm_eps
-        return RememberingTeacher(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps,
-                                  self.config.training.teacher_temperature,
-                                  remember=self.features.name == ShardFeatures.name)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -212,10 +128,10 @@ class Trainer:
         mine = tokens.select(self.my_rows())
         ids = mine.input_ids.to(self.dist.device, non_blocking=True)  # [b, T]
         # where the loss reads (generated tokens), from the host's mask: the teacher and the head score only there
-        host_rows = LossRows.of(loss_mask[self.my_rows(), : ids.shape[1]], self.config.training.ttt_steps)
+        host_rows = self.algorithm.loss_rows(loss_mask[self.my_rows(), : ids.shape[1]], self.predictions)
         rows = host_rows.to(self.dist.device)
         if not len(mine.sample_ids):  # a last eval batch smaller than the ranks: nothing of it is this rank's
-            return StepStats(*torch.zeros(3, self.config.training.ttt_steps, device=self.dist.device))
+            return StepStats(*torch.zeros(3, self.predictions, device=self.dist.device))
         teacher = self.teacher.at(features.last, mine, host_rows.teacher)
         with autocast(self.dist.device):
             if train:
@@ -224,7 +140,7 @@ class Trainer:
                     aux = noisy_features(aux, self.config.training.feature_noise, len(self.config.data.aux_layers))
                 loss_sum, correct, count = self.wrapped(aux, ids, teacher, rows)
                 return StepStats(loss_sum, correct.detach(), count.detach())
-            return ttt_loss(self.model, features.aux, ids, teacher, rows)
+            return self.algorithm.loss(self.model, features.aux, ids, teacher, rows)
 
     def train_step(self, refs: list[SampleRef]) -> torch.Tensor:
         """One optimizer step on a global batch. Returns the global sums [loss sum, correct, tokens, valid
@@ -241,8 +157,9 @@ class Trainer:
         computes a micro-batch's features for all its rows together), the ranks syncing gradients once, on the last.
         Each loss is divided by the whole batch's normaliser, so the micro-batches sum to the loss of one batch."""
         self.wrapped.train()
-        steps, device = self.config.training.ttt_steps, self.dist.device
-        positions = target_positions(self.data.tokens(refs, self.every_position)[1], steps).to(device)  # every row's: the global count
+        steps, device = self.predictions, self.dist.device
+        loss_mask = self.data.tokens(refs, self.every_position)[1]
+        positions = self.algorithm.normaliser(loss_mask, steps).to(device)  # every row's: the global count
         scale = self.dist.world * self.step_weights / positions.clamp_min(1)  # DDP/FSDP average over the ranks
         totals = torch.zeros(3, steps, device=device)
         parts = micro_batches(refs, self.dist.world, self.per_forward)
@@ -272,7 +189,7 @@ class Trainer:
         self.wrapped.eval()
         record: dict = {"step": self.step}
         seconds = {}
-        with self.parallel.unsharded(self.ttt):  # every rank, once: the direct calls see full weights
+        with self.parallel.unsharded(self.module):  # every rank, once: the direct calls see full weights
             if self.data.eval:  # .cpu() waits for the device: the times are the work's
                 totals, seconds["eval_loss_time_s"] = timed(lambda: self.dist.sum(self.loss_sums()).cpu())
                 record.update(self.loss_metrics(totals))
@@ -302,7 +219,7 @@ class Trainer:
         """This rank's [loss sum, correct, count] x [K] over its rows of the global eval batches (one forward's
         rows each), on the device."""
         batch_size = self.dist.world * self.per_forward
-        totals = torch.zeros(3, self.config.training.ttt_steps, device=self.dist.device)
+        totals = torch.zeros(3, self.predictions, device=self.dist.device)
         for start in range(0, len(self.data.eval), batch_size):
             refs = self.data.eval[start : start + batch_size]
             stats = self.step_stats(refs, train=False)
@@ -319,7 +236,8 @@ class Trainer:
         max_new_tokens = config.training.replay_max_new_tokens or config.heldout_set[1]
         release = config.serving.release if config.serving is not None else None
         for ref in self.heldout[self.my_rows()]:
-            result = replay_stored(self.model, ref.load(), config.replay_shape, max_new_tokens, self.eos_ids, release)
+            result = replay_stored(self.algorithm, self.model, ref.load(), config.replay_shape, max_new_tokens,
+                                   self.eos_ids, release)
             completion, verify_ct = completion + result.completion_tokens, verify_ct + result.verify_ct
         return torch.tensor([completion, verify_ct], dtype=torch.float32, device=self.dist.device)
 
@@ -331,12 +249,12 @@ class Trainer:
     def write_checkpoint(self, path: Path, with_state: bool = True) -> None:
         """Every rank gathers, rank 0 writes atomically: the native draft (its manifest names the init draft, if
         any), plus optimizer/scheduler/data position/RNG."""
-        tensors = self.parallel.full_state(self.ttt)
+        tensors = self.parallel.full_state(self.module)
         state = self.trainer_state() if with_state else None
         if self.dist.main:
             with atomic_directory(path, overwrite=True) as tmp:
-                write_draft_files(NativeDraft(self.model.config, tensors), tmp, "native",
-                                  manifest_fields={"init_from": self.init.record if self.init else None})
+                self.algorithm.write_draft(self.model.config, tensors, tmp,
+                                           manifest_fields={"init_from": self.init.record if self.init else None})
                 if state is not None:
                     torch.save(state, tmp / STATE_FILE)
         self.dist.barrier()
@@ -348,7 +266,7 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             "best": self.best,
             "best_by": self.config.training.best_by,
-            "optimizer": self.parallel.optimizer_state(self.ttt, self.optimizer),
+            "optimizer": self.parallel.optimizer_state(self.module, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
         }
@@ -369,9 +287,9 @@ class Trainer:
         latest = self.latest_checkpoint()
         if latest is None:
             return
-        draft = load_native(latest)
+        tensors = self.algorithm.read_draft(latest)
         state = torch.load(latest / STATE_FILE, map_location="cpu", weights_only=True)
-        self.parallel.load(self.ttt, self.optimizer, draft.tensors, state["optimizer"])
+        self.parallel.load(self.module, self.optimizer, tensors, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]

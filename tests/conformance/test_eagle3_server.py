@@ -26,6 +26,7 @@ import torch
 import releases
 from eagle3.bench.client import run_benchmark
 from eagle3.bench.counting import SpecRequest, correct_drafts_of
+from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import AcceptanceResult, PromptResult, aux_features, replay, simulate_prompt, target_greedy
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
@@ -273,12 +274,12 @@ def test_sglangs_eagle3_server_counts_as_the_reference_server(micro, exported, p
     def simulated(max_new_tokens, request):
         if release in DRAFTS_AS:
             return DRAFTS_AS[release](served_draft, micro["model"], request["input_ids"], max_new_tokens, eos_ids)
-        return simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, request["input_ids"],
+        return simulate_prompt(EAGLE3, served_draft, micro["model"], served_draft.config.aux_layers, request["input_ids"],
                                max_new_tokens, DraftShape(STEPS), eos_ids, release)
 
     rows = [simulated(MAX_NEW, request) for request in requests]
     if release in DRAFTS_AS:  # the requests still tell the release's drafting from draft_chain's
-        chained = [simulate_prompt(served_draft, micro["model"], served_draft.config.aux_layers, request["input_ids"],
+        chained = [simulate_prompt(EAGLE3, served_draft, micro["model"], served_draft.config.aux_layers, request["input_ids"],
                                    MAX_NEW, DraftShape(STEPS), eos_ids, release) for request in requests]
         assert any(row != chain for row, chain in zip(rows, chained)), REQUEST_PROMPTS
     bench_rows = [simulated(BENCH_MAX_NEW, request) for request in bench]

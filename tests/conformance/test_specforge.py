@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.config import load_config
 from eagle3.deployment.imports import import_draft
@@ -96,7 +97,7 @@ def test_what_it_wrote_is_imported_validated_and_served(written, micro, tmp_path
         for prompt in micro["prompts"]:
             body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
             meta = httpx.post(f"{url}/generate", json=body, timeout=120).raise_for_status().json()["meta_info"]
-            row = simulate_prompt(served_draft, micro["model"], AUX_LAYERS, prompt, MAX_NEW, DraftShape(STEPS),
+            row = simulate_prompt(EAGLE3, served_draft, micro["model"], AUX_LAYERS, prompt, MAX_NEW, DraftShape(STEPS),
                                   frozenset({micro["eos"]}), RELEASE)
             assert (meta["completion_tokens"], meta["spec_verify_ct"], meta["spec_num_correct_drafts"]) == (
                 row.completion_tokens, row.verify_ct, row.correct_drafts)

@@ -1,8 +1,6 @@
-"""The draft a run trains: its architecture from the pipeline config, and what its backward keeps."""
+"""The EAGLE-3 draft a run trains: its architecture from the pipeline config."""
 
 from __future__ import annotations
-
-import torch
 
 from eagle3.config import PipelineConfig
 from eagle3.draft.checkpoint import DraftConfig
@@ -35,12 +33,3 @@ def trained_draft_config(config: PipelineConfig) -> DraftConfig:
         attention=draft.attention,
         **{name: getattr(draft, name) for name in MLA_SIZES},
     )
-
-
-def recomputes(setting: str, device: torch.device) -> bool:
-    """training.recompute. `auto` reaches a trainer decided (the plan writes its choice into the run's resolved config,
-    eagle3.plan.chosen_recompute) except when the trainer is built directly: then it recomputes on a GPU, whose memory
-    the plan was not asked about, and not on the CPU, whose memory it does not save."""
-    if setting == "auto":
-        return device.type != "cpu"
-    return setting == "norms_mlp"

@@ -1,63 +1,25 @@
-"""Training from an earlier draft (`training.init_from`; a retrain starts from production's).
-
-eagle3.init_draft resolves training.init_from once, before the trainer starts: a registry version or a draft
-directory in any layout becomes a native copy under run.dir/train/init/, with a record of where it came from. Here
-the trainer loads that copy. What may differ between the init draft and this run's draft (docs/training.md): the
-draft vocabulary (the head's rows follow their target ids) and the metadata the config sets anew; a difference in
+"""An EAGLE-3 draft trained from an earlier one (`training.init_from`; a retrain starts from production's), loaded
+from the resolved copy (eagle3.algorithms.init_copy). What may differ between the init draft and this run's draft
+(docs/training.md): the draft vocabulary (the head's rows follow their target ids) and the metadata the config sets anew; a difference in
 shape or in what the weights compute is refused, naming the tensor or the field with both values.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-from eagle3.config.run import RunSection
-from eagle3.config.training import TrainingSection
+from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.errors import Eagle3Error
 from eagle3.draft.checkpoint import DraftConfig, expected_shapes, load_native
 from eagle3.draft.vocab_map import VocabMap, carry_rows
-from eagle3.fsutil import read_json
 from eagle3.model.draft import Eagle3Draft
 
-INIT_DIR, NATIVE_DIR, RECORD_FILE = "init", "native", "source.json"  # run.dir/train/init/{native/, source.json}
 VOCAB_TENSORS = ("d2t", "t2d")  # this run's vocab map, never the init draft's
 # Fields this run's config sets anew: what a draft was stored in, which family it names, how far serving may go, how
 # many head rows it has (they follow their target ids). Everything else in DraftConfig must agree.
 SET_ANEW = ("format", "format_version", "torch_dtype", "target_family", "max_position_embeddings", "draft_vocab_size")
 # Numerical details trained on with this config's value, a difference named in the log
 NOTED = ("rms_norm_eps",)
-
-
-@dataclass(frozen=True)
-class ResolvedInit:
-    path: Path  # the native copy the trainer loads
-    record: dict  # where it came from: {init_from, kind, where, layout, sha256}
-
-    def describe(self) -> str:
-        r = self.record
-        return f"{r['init_from']} ({r['kind']} {r['where']}, {r['layout']} layout, sha256 {r['sha256'][:16]})"
-
-
-def init_dir(run: RunSection) -> Path:
-    return run.stage_dir("train") / INIT_DIR
-
-
-def resolved_init(run: RunSection, training: TrainingSection) -> ResolvedInit | None:
-    """The resolved copy of training.init_from (None when the run trains from scratch); refused when it was not
-    resolved for this value."""
-    value = training.init_from
-    if value is None:
-        return None
-    record_path = init_dir(run) / RECORD_FILE
-    record = read_json(record_path, "missing") if record_path.is_file() else {}
-    if record.get("init_from") != value:
-        raise Eagle3Error(
-            f"training.init_from {value!r} was not resolved for this run ({record_path} "
-            f"{'names ' + repr(record.get('init_from')) if record else 'is missing'}): train with `eagle3 train` or "
-            "the pipeline's train stage, which fetch and convert it first (eagle3.init_draft.resolve_init_from)")
-    return ResolvedInit(init_dir(run) / NATIVE_DIR, record)
 
 
 def warm_start(model: Eagle3Draft, vocab_map: VocabMap, init: ResolvedInit, log: Callable[[str], None]) -> None:

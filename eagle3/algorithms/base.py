@@ -1,0 +1,118 @@
+"""What the pipeline asks of a kind of draft: one `DraftAlgorithm` entry per algorithm (docs/algorithms.md).
+
+The stages call the entry named by `draft.algorithm` and nothing of the algorithm's own: the trainer builds its model
+and scores its loss through the entry, the simulator and the trainer's replay draft with its proposer, the launcher
+serves it with its flags, and the memory plan dry-runs its training step. Data, vocab map, teacher, counting,
+registry and gate are the algorithm's neighbours, not its parts: they stay the same for every entry.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from eagle3.algorithms.init_copy import ResolvedInit
+from eagle3.config import PipelineConfig
+from eagle3.config.serving import ServingSection
+from eagle3.config.training import TrainingSection
+from eagle3.draft.checkpoint import DraftConfig
+from eagle3.draft.vocab_map import VocabMap
+from eagle3.model.teacher import Teacher
+from eagle3.model.tree import DraftTree
+from eagle3.model.ttt import LossRows, StepStats
+from eagle3.shape import DraftShape
+
+Log = Callable[[str], None]
+Proposer = Callable[[int], DraftTree]  # P -> the drafts after the verified token x_P
+
+
+class DraftModel(Protocol):
+    """What the trainer, its parallel wrappers and its checkpoints need of a draft module besides nn.Module's own."""
+
+    config: DraftConfig
+
+    def export_state(self) -> dict[str, torch.Tensor]: ...  # canonical tensors, on the CPU, without the target's
+
+    def load_draft_state(self, tensors: dict[str, torch.Tensor]) -> None: ...  # their inverse, strict
+
+    def set_recompute(self, on: bool) -> None: ...  # training.recompute: keep or recompute cheap intermediates
+
+
+class DraftAlgorithm(ABC):
+    """One kind of draft. A subclass names it and implements each hook; `eagle3.algorithms.ALGORITHMS` registers it."""
+
+    name: str  # draft.algorithm
+    server_algorithm: str  # SGLang's --speculative-algorithm
+
+    # -- the draft --------------------------------------------------------------------------------
+
+    @abstractmethod
+    def draft_config(self, config: PipelineConfig) -> DraftConfig:
+        """The architecture a run trains, from the `draft` section around the target's sizes."""
+
+    @abstractmethod
+    def new_model(self, cfg: DraftConfig, embed: torch.Tensor) -> DraftModel:
+        """The module, its weights unset; embed [V, H] is the target's, frozen. On the current default device (the
+        memory plan builds it under FakeTensorMode)."""
+
+    @abstractmethod
+    def initial_model(self, config: PipelineConfig, head: dict[str, torch.Tensor], vocab_map: VocabMap,
+                      device: torch.device, init: ResolvedInit | None, log: Log) -> DraftModel:
+        """The draft training starts from, on `device`: initialised by training.seed from the target's head
+        (`eagle3.model.weights.target_head`) or warm-started from `init` (training.init_from resolved, or None)."""
+
+    @abstractmethod
+    def served_model(self, path: Path, release: str | None, embed: torch.Tensor) -> DraftModel:
+        """The exported draft at `path` as `release` of the serving engine loads it (what it skips stays untrained)."""
+
+    @abstractmethod
+    def write_draft(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], directory: Path,
+                    manifest_fields: dict) -> None:
+        """A training checkpoint's draft (canonical tensors) into the existing `directory`, in the layout the export
+        stage and a resume read."""
+
+    @abstractmethod
+    def read_draft(self, directory: Path) -> dict[str, torch.Tensor]:
+        """The canonical tensors `write_draft` wrote, checked (a resume's)."""
+
+    # -- training ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def predictions(self, training: TrainingSection) -> int:
+        """K: the predictions each position's loss is split into (the metrics' per-step lists, the step weights)."""
+
+    @abstractmethod
+    def loss_rows(self, loss_mask: torch.Tensor, predictions: int) -> LossRows:
+        """Where the loss reads, from the loss mask [B, T] on the host."""
+
+    @abstractmethod
+    def normaliser(self, loss_mask: torch.Tensor, predictions: int) -> torch.Tensor:
+        """[K] positions each prediction is scored at over a batch's loss mask: known before any forward."""
+
+    @abstractmethod
+    def training_module(self, model: DraftModel) -> nn.Module:
+        """The draft and its loss as one module whose forward(aux, input_ids, teacher, rows) returns [3, K] (loss sum,
+        correct, count): what DDP and FSDP wrap. It holds the draft as `draft`."""
+
+    @abstractmethod
+    def loss(self, model: DraftModel, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher,
+             rows: LossRows) -> StepStats:
+        """The training module's sums, from the draft itself (evaluation: no wrapper hooks)."""
+
+    # -- drafting -----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def proposer(self, model: DraftModel, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape) -> Proposer:
+        """Drafting over one known sequence: aux [T, n * TH] its target features, tokens [T] its ids. The returned
+        function drafts after position P from aux[:P] and tokens[:P + 1], keeping whatever it may reuse between
+        calls."""
+
+    # -- serving ------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:
+        """The serving engine's flags that make it draft with this algorithm from the draft at `draft_path`."""

@@ -1,0 +1,91 @@
+"""EAGLE-3 (both attention forms) as a draft algorithm: the Llama-layer or MLA draft of `eagle3.model.draft`, trained by
+training-time test (`eagle3.model.ttt`), drafting chains and trees (`eagle3.model.tree`), served by SGLang's EAGLE3
+worker. Its layouts and their checks are `eagle3.draft` and `eagle3.validation`'s (docs/contracts.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from eagle3.algorithms.base import DraftAlgorithm, Log, Proposer
+from eagle3.algorithms.eagle3.architecture import trained_draft_config
+from eagle3.algorithms.eagle3.warm_start import warm_start
+from eagle3.algorithms.init_copy import ResolvedInit
+from eagle3.config import PipelineConfig
+from eagle3.config.serving import ServingSection
+from eagle3.config.training import TrainingSection
+from eagle3.draft.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
+from eagle3.draft.vocab_map import VocabMap
+from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
+from eagle3.model.teacher import Teacher
+from eagle3.model.tree import DraftCache, draft_tree
+from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
+from eagle3.model.weights import draft_as_served
+from eagle3.shape import DraftShape
+
+
+class Eagle3Algorithm(DraftAlgorithm):
+    name = "eagle3"
+    server_algorithm = "EAGLE3"
+
+    def draft_config(self, config: PipelineConfig) -> DraftConfig:
+        return trained_draft_config(config)
+
+    def new_model(self, cfg: DraftConfig, embed: torch.Tensor) -> Eagle3Draft:
+        return Eagle3Draft(cfg, embed)
+
+    def initial_model(self, config: PipelineConfig, head: dict[str, torch.Tensor], vocab_map: VocabMap,
+                      device: torch.device, init: ResolvedInit | None, log: Log) -> Eagle3Draft:
+        """Made on `device` (no CPU copy of the weights to move); the head holds the target's rows of the draft
+        vocabulary, its d2t and t2d are the run's vocab map."""
+        with torch.device(device):
+            model = self.new_model(self.draft_config(config), head["embed"].to(device))
+        init_weights(model, config.training.seed)  # from a CPU generator: the same draft on any device
+        with torch.no_grad():
+            model.d2t.copy_(vocab_map.d2t)
+            model.t2d.copy_(vocab_map.t2d)
+            model.lm_head.weight.copy_(head["lm_head"][vocab_map.target_ids()])  # the target's rows
+        if init is not None:
+            warm_start(model, vocab_map, init, log)
+        if config.training.freeze_head:
+            freeze_head(model, None if init is not None else head["norm"].to(device))
+        return model
+
+    def served_model(self, path: Path, release: str | None, embed: torch.Tensor) -> Eagle3Draft:
+        return draft_as_served(path, release, embed)
+
+    def write_draft(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], directory: Path,
+                    manifest_fields: dict) -> None:
+        write_draft_files(NativeDraft(cfg, tensors), directory, "native", manifest_fields=manifest_fields)
+
+    def read_draft(self, directory: Path) -> dict[str, torch.Tensor]:
+        return load_native(directory).tensors
+
+    def predictions(self, training: TrainingSection) -> int:
+        return training.ttt_steps
+
+    def loss_rows(self, loss_mask: torch.Tensor, predictions: int) -> LossRows:
+        return LossRows.of(loss_mask, predictions)
+
+    def normaliser(self, loss_mask: torch.Tensor, predictions: int) -> torch.Tensor:
+        return target_positions(loss_mask, predictions)
+
+    def training_module(self, model: Eagle3Draft) -> TTTModel:
+        return TTTModel(model)
+
+    def loss(self, model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher,
+             rows: LossRows) -> StepStats:
+        return ttt_loss(model, aux, input_ids, teacher, rows)
+
+    def proposer(self, model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape) -> Proposer:
+        cache = DraftCache(model)  # the prefix's keys and values, extended as the verified sequence grows
+        return lambda p: draft_tree(model, aux[:p], tokens[: p + 1], shape, cache)
+
+    def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:
+        return ["--speculative-algorithm", self.server_algorithm, "--speculative-draft-model-path", str(draft_path),
+                "--speculative-num-steps", str(serving.num_steps), "--speculative-eagle-topk", str(serving.eagle_topk),
+                "--speculative-num-draft-tokens", str(serving.num_draft_tokens)]
+
+
+EAGLE3 = Eagle3Algorithm()

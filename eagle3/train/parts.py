@@ -1,0 +1,135 @@
+"""What a Trainer runs, built apart from running it: the data, the target's features, the held-out sequences its
+evaluation replays, the draft algorithm's model and the teacher. Each part is its own function, so a test of one part
+builds that part alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from eagle3.algorithms import DraftAlgorithm, algorithm
+from eagle3.algorithms.base import DraftModel
+from eagle3.algorithms.init_copy import ResolvedInit, resolved_init
+from eagle3.bench.simulate import HeldoutRef, heldout_samples
+from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection, VocabSection
+from eagle3.config.run import RunSection, TargetSection
+from eagle3.config.training import TrainingSection
+from eagle3.data.capture import check_dataset, dataset_dir
+from eagle3.distributed import Dist
+from eagle3.draft.vocab_map import VocabMap, load_vocab_map
+from eagle3.engines.backends import target_backend
+from eagle3.engines.features import FeatureBackend
+from eagle3.engines.targets import target_eos_ids
+from eagle3.errors import Eagle3Error, UnreadableInput
+from eagle3.model.weights import target_head
+from eagle3.records.manifest import MANIFEST_FILE, read_manifest
+from eagle3.target.info import read_target_info
+from eagle3.train.argmax_memo import RememberingTeacher
+from eagle3.train.data import ShardFeatures, TrainingData
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class TrainingParts:
+    algorithm: DraftAlgorithm  # draft.algorithm's entry
+    data: TrainingData
+    features: FeatureBackend
+    heldout: list[HeldoutRef] | None  # None: training.best_by does not replay
+    eos_ids: frozenset[int]
+    init: ResolvedInit | None  # training.init_from, resolved before training
+    model: DraftModel
+    teacher: RememberingTeacher
+
+
+def training_parts(config: PipelineConfig, dist: Dist, log: Log) -> TrainingParts:
+    entry = algorithm(config.draft.algorithm)
+    manifest = dataset_manifest(config)
+    data = training_data(config, log)
+    features = feature_backend(config.data, config.target, config.training, data, manifest, dist)
+    heldout = replayed_samples(config, data, log)
+    head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
+    vocab_map = read_vocab_map(config.run, config.vocab, config.target)
+    init = resolved_init(config.run, config.training)
+    model = entry.initial_model(config, head, vocab_map, dist.device, init, log)
+    model.set_recompute(recomputes(config.training.recompute, dist.device))
+    teacher = build_teacher(config.data, config.target, config.training, head, vocab_map, dist.device,
+                            remember=features.name == ShardFeatures.name)
+    return TrainingParts(entry, data, features, heldout, target_eos_ids(config.target.path), init, model, teacher)
+
+
+def dataset_manifest(config: PipelineConfig) -> dict:
+    """The capture stage's manifest, checked against the config."""
+    dataset = dataset_dir(config)
+    if not (dataset / MANIFEST_FILE).exists():
+        raise Eagle3Error(f"{dataset}: no data set here; run `eagle3 data capture` first")
+    manifest = read_manifest(dataset)
+    check_dataset(config, manifest)
+    return manifest
+
+
+def training_data(config: PipelineConfig, log: Log) -> TrainingData:
+    train = config.training
+    data = TrainingData(dataset_dir(config), train.seq_len, train.eval_fraction)
+    if data.without_loss:
+        log(f"train: {data.without_loss} sample(s) left out: {data.left_out_why}")
+    return data
+
+
+def feature_backend(data_section: DataSection, target: TargetSection, training: TrainingSection, data: TrainingData,
+                    manifest: dict, dist: Dist) -> FeatureBackend:
+    """Online: the target on this rank (tensor-parallel over the ranks with SGLang); offline: the stored shards."""
+    if training.features == "online":
+        return target_backend(data_section, target, dist.device, dist.rank, dist.world)
+    return ShardFeatures(data, manifest["capture"]["engine_release"], dist.device)
+
+
+def replayed_samples(config: PipelineConfig, data: TrainingData, log: Log) -> list[HeldoutRef] | None:
+    """The held-out greedy sequences evaluation replays, or None when training.best_by does not use them."""
+    train = config.training
+    if train.best_by != "accept_length":
+        log(f"train: evaluation skips the acceptance replay (training.best_by {train.best_by} does not use it)")
+        if not data.eval:
+            raise Eagle3Error(f"training.best_by {train.best_by} is measured on the eval split, which holds none of "
+                              f"the {len(data.train)} samples: raise training.eval_fraction")
+        return None
+    try:
+        return heldout_samples(config)[: train.replay_prompts]
+    except UnreadableInput as err:
+        raise Eagle3Error(f"training.best_by accept_length replays the held-out greedy sequences: {err}; or pick "
+                          "the best draft by step_acc or eval_loss") from None
+
+
+def read_vocab_map(run: RunSection, vocab: VocabSection, target: TargetSection) -> VocabMap:
+    directory = run.stage_dir("vocab")
+    vocab_map = load_vocab_map(directory)
+    sizes = (vocab.draft_vocab_size, target.vocab_size)
+    if (vocab_map.draft_vocab_size, vocab_map.target_vocab_size) != sizes:
+        raise Eagle3Error(f"the vocab map in {directory} is {vocab_map.draft_vocab_size} of "
+                          f"{vocab_map.target_vocab_size} ids; the config asks for {sizes[0]} of {sizes[1]}: "
+                          "run `eagle3 vocab build` again")
+    return vocab_map
+
+
+def build_teacher(data: DataSection, target: TargetSection, training: TrainingSection, head: dict[str, torch.Tensor],
+                  vocab_map: VocabMap, device: torch.device, remember: bool) -> RememberingTeacher:
+    """The target's head on the device, bf16 on a GPU (its matmuls run in bf16 there anyway); `remember`: over stored
+    features, each position's full-vocabulary argmax is computed once."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    norm = head["norm"].to(device) if data.last_hidden == "pre_norm" else None
+    eps = read_target_info(Path(target.path)).rms_norm_eps
+    return RememberingTeacher(head["lm_head"].to(device, dtype), vocab_map.target_ids().to(device), norm, eps,
+                              training.teacher_temperature, remember=remember)
+
+
+def recomputes(setting: str, device: torch.device) -> bool:
+    """training.recompute. `auto` reaches a trainer decided (the plan writes its choice into the run's resolved config,
+    eagle3.plan.chosen_recompute) except when the trainer is built directly: then it recomputes on a GPU, whose memory
+    the plan was not asked about, and not on the CPU, whose memory it does not save."""
+    if setting == "auto":
+        return device.type != "cpu"
+    return setting == "norms_mlp"

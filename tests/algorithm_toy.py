@@ -1,0 +1,110 @@
+"""A toy draft algorithm, the worked example of docs/algorithms.md: Medusa-style heads, one per drafted position,
+each a linear map of the target's captured states at index t to the draft vocabulary (head k predicts x_{t+2+k}).
+No attention, no recurrence: the smallest entry that trains, replays and writes checkpoints through the seam."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from eagle3.algorithms.base import DraftAlgorithm
+from eagle3.algorithms.eagle3.architecture import trained_draft_config
+from eagle3.draft.checkpoint import DraftConfig
+from eagle3.fsutil import atomic_write_json, read_json
+from eagle3.model.draft import init_weights
+from eagle3.model.tree import DraftTree
+from eagle3.model.ttt import LossRows, StepStats, target_positions, ttt_stats
+
+HEADS = 2  # drafted positions: the chain's longest (the micro config trains TTT 3: the trainer asks the entry)
+
+
+class ToyHeads(nn.Module):
+    def __init__(self, cfg, embed: torch.Tensor):
+        super().__init__()
+        self.config = cfg
+        width = len(cfg.aux_layers) * cfg.target_hidden_size
+        self.heads = nn.Linear(width, HEADS * cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+
+    def forward(self, aux: torch.Tensor) -> list[torch.Tensor]:
+        """aux [..., n_aux * TH] -> each head's logits [..., Dv]."""
+        return list(self.heads(aux).chunk(HEADS, dim=-1))
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.state_dict().items()}
+
+    def load_draft_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(tensors, strict=True)
+
+    def set_recompute(self, on: bool) -> None:
+        """Nothing to recompute."""
+
+
+class ToyLoss(nn.Module):
+    def __init__(self, algorithm: ToyAlgorithm, draft: ToyHeads):
+        super().__init__()
+        self.algorithm, self.draft = algorithm, draft
+
+    def forward(self, aux, input_ids, teacher, rows) -> torch.Tensor:
+        stats = self.algorithm.loss(self.draft, aux, input_ids, teacher, rows)
+        return torch.stack([stats.loss_sum, stats.correct, stats.count])
+
+
+class ToyAlgorithm(DraftAlgorithm):
+    name = "toy"
+    server_algorithm = "MEDUSA"  # no SGLang release serves it: the toy is trained and replayed, never served
+
+    def draft_config(self, config):
+        return trained_draft_config(config)  # the sizes it reads: aux layers, widths, draft vocabulary
+
+    def new_model(self, cfg, embed):
+        return ToyHeads(cfg, embed)
+
+    def initial_model(self, config, head, vocab_map, device, init, log):
+        with torch.device(device):
+            model = self.new_model(self.draft_config(config), head["embed"])
+        init_weights(model, config.training.seed)
+        model.d2t.copy_(vocab_map.d2t)
+        return model
+
+    def served_model(self, path, release, embed):
+        model = self.new_model(DraftConfig.model_validate(read_json(path / "config.json", "missing")), embed)
+        model.load_draft_state(self.read_draft(path))
+        return model
+
+    def write_draft(self, cfg, tensors, directory: Path, manifest_fields):
+        save_file(tensors, directory / "toy.safetensors")
+        atomic_write_json(directory / "config.json", cfg.model_dump())
+
+    def read_draft(self, directory: Path):
+        return load_file(directory / "toy.safetensors")
+
+    def predictions(self, training):
+        return HEADS
+
+    def loss_rows(self, loss_mask, predictions):
+        return LossRows.of(loss_mask, predictions)  # head k at index t reaches x_{t+2+k}: TTT step k's alignment
+
+    def normaliser(self, loss_mask, predictions):
+        return target_positions(loss_mask, predictions)
+
+    def training_module(self, model):
+        return ToyLoss(self, model)
+
+    def loss(self, model, aux, input_ids, teacher, rows) -> StepStats:
+        return ttt_stats(model(aux), teacher, rows)  # each head's [B, T, Dv], gathered at its rows
+
+    def proposer(self, model, aux, tokens, shape):
+        def propose(p: int) -> DraftTree:  # the heads at index p - 1 draft x_{p+1} .. x_{p+HEADS}
+            rows = [int(logits.argmax()) for logits in model(aux[p - 1])][: shape.num_steps]
+            return DraftTree.chain([row + int(model.d2t[row]) for row in rows])
+        return propose
+
+    def server_flags(self, draft_path, serving):
+        raise ValueError("no SGLang release serves the toy's heads: it is trained and replayed here, never served")
+
+
+TOY = ToyAlgorithm()

@@ -1,0 +1,74 @@
+"""The seam for draft algorithms (docs/algorithms.md): the registry, the config's names, and the trainer and the
+simulator running an entry that is not EAGLE-3 (the toy of tests/algorithm_toy.py) through it alone."""
+
+from dataclasses import replace
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3.algorithms import ALGORITHMS, algorithm
+from eagle3.bench.simulate import heldout_samples, replay_stored
+from eagle3.config import load_config
+from eagle3.config.draft import DraftSection
+from eagle3.distributed import Dist
+from eagle3.errors import ConfigError, Eagle3Error
+from eagle3.model.weights import target_head, target_embedding
+from eagle3.train.parts import read_vocab_map, training_parts
+from eagle3.train.trainer import Trainer
+from algorithm_toy import HEADS, TOY
+from helpers import TINY, metrics, run_copy
+
+QUIET = lambda line: None  # noqa: E731
+
+
+def test_the_config_names_exactly_the_registered_algorithms():
+    assert get_args(DraftSection.model_fields["algorithm"].annotation) == tuple(ALGORITHMS)
+    assert load_config(TINY).draft.algorithm == "eagle3"
+
+
+def test_an_unregistered_algorithm_is_refused_naming_the_registered_ones():
+    with pytest.raises(Eagle3Error, match=r"draft.algorithm 'medusa' is no registered draft algorithm \(registered: "
+                                          r"eagle3\); see docs/algorithms.md"):
+        algorithm("medusa")
+    with pytest.raises(ConfigError, match=r"draft.algorithm.*'eagle3'"):
+        load_config(TINY, ["draft.algorithm=medusa"])
+
+
+def toy_parts(config, log):
+    """The config's training parts with the toy's model in place of EAGLE-3's: built apart from the Trainer."""
+    parts = training_parts(config, Dist(), log)
+    head = target_head(Path(config.target.path))
+    vocab_map = read_vocab_map(config.run, config.vocab, config.target)
+    return replace(parts, algorithm=TOY, model=TOY.initial_model(config, head, vocab_map, torch.device("cpu"), None, log))
+
+
+def test_the_trainer_trains_checkpoints_resumes_and_replays_an_entry_through_the_seam_alone(micro_data, tmp_path):
+    """The toy's heads train (its K, not training.ttt_steps, in every per-step list), its evaluation replays the
+    held-out sequences with the toy's proposer, its checkpoints are the toy's files, and a longer run resumes from
+    them; the simulator counts the trained toy's drafts over the same sequences."""
+    overrides, run_dir = run_copy(micro_data, tmp_path, "toy", ["training.max_steps=12", "training.eval_every=6",
+                                                                "training.save_every=6", "training.replay_prompts=2"])
+    config = load_config(TINY, overrides)
+    Trainer(config, log=QUIET, parts=toy_parts(config, QUIET)).run()
+    steps = [m for m in metrics(run_dir) if "loss" in m]
+    assert config.training.ttt_steps != HEADS and {len(m["step_acc"]) for m in steps} == {HEADS}
+    assert sum(m["loss"] for m in steps[-3:]) < sum(m["loss"] for m in steps[:3])  # it learns
+    evals = [m for m in metrics(run_dir) if "eval_time_s" in m]
+    assert [m["step"] for m in evals] == [6, 12] and all(m["eval_accept_length"] >= 1.0 for m in evals)
+    for kept in ("best", "final", "checkpoints/step-0000012"):
+        assert set(load_file(run_dir / "train" / kept / "toy.safetensors")) == {"heads.weight", "d2t"}
+
+    longer = load_config(TINY, overrides + ["training.max_steps=14"])
+    lines = []
+    Trainer(longer, log=lines.append, parts=toy_parts(longer, lines.append)).run()
+    assert any("resumed from" in line and "step-0000012 at step 12" in line for line in lines), lines
+    assert [m["step"] for m in metrics(run_dir) if "loss" in m][-3:] == [12, 13, 14]
+
+    trained = TOY.served_model(run_dir / "train" / "final", None, target_embedding(config.target.path))
+    refs = heldout_samples(config)[:2]
+    rows = [replay_stored(TOY, trained, ref.load(), config.replay_shape, 16, frozenset(), None) for ref in refs]
+    assert all(row.completion_tokens >= 16 and 0 < row.verify_ct <= row.completion_tokens for row in rows)
+    assert max(len(row.histogram) for row in rows) <= HEADS + 1  # never more than the toy's heads accepted a step
