@@ -16,14 +16,15 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.algorithms import algorithm
+from eagle3.algorithms.base import ExportTarget
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
 from eagle3.errors import Eagle3Error
-from eagle3.draft.checkpoint import WEIGHTS_FILE, convert
+from eagle3.draft.checkpoint import WEIGHTS_FILE
 from eagle3.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from eagle3.contract.problems import Report
 from eagle3.target.info import read_target_info
-from eagle3.validation.validate import validate
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.weights import target_verifier
 from eagle3.train.trainer import best_draft
@@ -56,20 +57,21 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     # the speculators layout names the target as its verifier and ships the target's embedding
     verifier = (target_verifier(target, config.target.weight_prefix, config.export.verifier)
                 if "speculators" in config.export.layouts else None)
+    entry = algorithm(config.draft.algorithm)
+    written_for = ExportTarget(config.target.family, config.serving.release, num_layers, config.serving.num_steps,
+                               verifier)
     dirs = {}
     for layout, directory in export_dirs(config).items():
-        dirs[layout] = convert(source, directory, to=layout, target_family=config.target.family,
-                               release=config.serving.release, target_num_layers=num_layers, overwrite=True,
-                               num_steps=config.serving.num_steps, log=log, verifier=verifier)
+        dirs[layout] = entry.export(source, directory, layout, written_for, log)
         engine = f"SGLang {config.serving.release or '(release unknown)'}" if layout == "sglang" else layout
         log(f"export: {layout} layout for {engine} -> {dirs[layout]}")
     if config.export.fault == "absolute-d2t":
         log("export: WARNING: export.fault=absolute-d2t: writing the served d2t as absolute ids (demo of the gate)")
         make_d2t_absolute(dirs["sglang"])
-    checks = dict(target=target if target.is_dir() else None, data_manifest=dataset_dir(config) / MANIFEST_FILE,
+    checks = dict(target_dir=target if target.is_dir() else None, data_manifest=dataset_dir(config) / MANIFEST_FILE,
                   context_length=config.serving.context_length)
-    reports = {layout: validate(dirs[layout], engine=layout, release=config.serving.release if layout == "sglang"
-                                else None, **checks) for layout in dirs}
+    reports = {layout: entry.validate(dirs[layout], layout, config.serving.release if layout == "sglang" else None,
+                                      **checks) for layout in dirs}
     validation = with_waivers(reports["sglang"], config.export.waive, log)
     if "speculators" in reports:
         validation["speculators"] = with_waivers(reports["speculators"], config.export.waive, log)

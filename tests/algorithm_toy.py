@@ -103,6 +103,12 @@ class ToyAlgorithm(DraftAlgorithm):
             return DraftTree.chain([row + int(model.d2t[row]) for row in rows])
         return propose
 
+    def export(self, source, directory, layout, target, log):
+        raise ValueError(f"no {layout} layout holds the toy's heads: it is trained and replayed here, never exported")
+
+    def validate(self, directory, layout, release, target_dir, data_manifest, context_length):
+        raise ValueError(f"no {layout} layout holds the toy's heads: there is no export to validate")
+
     def server_flags(self, draft_path, serving):
         raise ValueError("no SGLang release serves the toy's heads: it is trained and replayed here, never served")
 

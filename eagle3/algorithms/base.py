@@ -9,6 +9,7 @@ registry and gate are the algorithm's neighbours, not its parts: they stay the s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -19,7 +20,9 @@ from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.config import PipelineConfig
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
+from eagle3.contract.problems import Report
 from eagle3.draft.checkpoint import DraftConfig
+from eagle3.draft.layouts.speculators import Verifier
 from eagle3.draft.vocab_map import VocabMap
 from eagle3.model.teacher import Teacher
 from eagle3.model.tree import DraftTree
@@ -28,6 +31,18 @@ from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
 Proposer = Callable[[int], DraftTree]  # P -> the drafts after the verified token x_P
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    """What an export is written for: the target, the serving release and shape, and the target as speculators'
+    layout names it (its verifier and embedding; None when that layout is not exported)."""
+
+    family: str
+    release: str | None
+    num_layers: int
+    num_steps: int
+    verifier: Verifier | None
 
 
 class DraftModel(Protocol):
@@ -110,6 +125,19 @@ class DraftAlgorithm(ABC):
         """Drafting over one known sequence: aux [T, n * TH] its target features, tokens [T] its ids. The returned
         function drafts after position P from aux[:P] and tokens[:P + 1], keeping whatever it may reuse between
         calls."""
+
+    # -- export -------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def export(self, source: Path, directory: Path, layout: str, target: ExportTarget, log: Log) -> Path:
+        """The trained draft at `source` (what `write_draft` wrote) written in `layout` (an export.layouts entry) into
+        `directory`, replaced if there."""
+
+    @abstractmethod
+    def validate(self, directory: Path, layout: str, release: str | None, target_dir: Path | None,
+                 data_manifest: Path, context_length: int) -> Report:
+        """What `layout`'s engine (SGLang `release` for sglang) would do wrongly with the export at `directory`: one
+        problem per fault, named, with its fix (eagle3.contract.problems)."""
 
     # -- serving ------------------------------------------------------------------------------------
 

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import torch
 
-from eagle3.algorithms.base import DraftAlgorithm, Log, Proposer
+from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log, Proposer
 from eagle3.algorithms.eagle3.architecture import trained_draft_config
 from eagle3.algorithms.eagle3.warm_start import warm_start
 from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.config import PipelineConfig
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
-from eagle3.draft.checkpoint import DraftConfig, NativeDraft, load_native, write_draft_files
+from eagle3.contract.problems import Report
+from eagle3.draft.checkpoint import DraftConfig, NativeDraft, convert, load_native, write_draft_files
 from eagle3.draft.vocab_map import VocabMap
 from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
 from eagle3.model.teacher import Teacher
@@ -23,6 +24,7 @@ from eagle3.model.tree import DraftCache, draft_tree
 from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
 from eagle3.model.weights import draft_as_served
 from eagle3.shape import DraftShape
+from eagle3.validation.validate import validate
 
 
 class Eagle3Algorithm(DraftAlgorithm):
@@ -81,6 +83,16 @@ class Eagle3Algorithm(DraftAlgorithm):
     def proposer(self, model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape) -> Proposer:
         cache = DraftCache(model)  # the prefix's keys and values, extended as the verified sequence grows
         return lambda p: draft_tree(model, aux[:p], tokens[: p + 1], shape, cache)
+
+    def export(self, source: Path, directory: Path, layout: str, target: ExportTarget, log: Log) -> Path:
+        return convert(source, directory, to=layout, target_family=target.family, release=target.release,
+                       target_num_layers=target.num_layers, overwrite=True, num_steps=target.num_steps, log=log,
+                       verifier=target.verifier)
+
+    def validate(self, directory: Path, layout: str, release: str | None, target_dir: Path | None,
+                 data_manifest: Path, context_length: int) -> Report:
+        return validate(directory, engine=layout, release=release, target=target_dir, data_manifest=data_manifest,
+                        context_length=context_length)
 
     def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:
         return ["--speculative-algorithm", self.server_algorithm, "--speculative-draft-model-path", str(draft_path),
