@@ -207,7 +207,9 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
         f"{fewer} or lower training.seq_len ({train.seq_len})"
         + ("" if train.fsdp or world == 1 else ", or set training.fsdp true")))
     recompute = train.recompute == "norms_mlp"  # chosen_recompute has decided `auto`
-    shape = (entry, cfg, per_rank, train.seq_len, train.ttt_steps, config.data.last_hidden == "pre_norm", recompute)
+    predictions = entry.predictions(config.draft, train)
+    shape = (entry, cfg, config.draft, per_rank, train.seq_len, predictions, config.data.last_hidden == "pre_norm",
+             recompute)
     step = training_step_peak_bytes(*shape)
     stage.step_by_op = {op: _gib(n) for op, n in training_step_peak_by_op(*shape).items() if n >= GIB / 100}
     stage.parts = {
@@ -217,7 +219,7 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
         "teacher head, bf16 (all rows + draft rows)": _gib(2 * embedding + 2 * config.vocab.draft_vocab_size * target.hidden_size),
         f"rows of one forward on the GPU ({per_rank} x {train.seq_len} tokens)": _gib(
             per_rank * train.seq_len * ((len(config.data.aux_layers) + 1) * target.hidden_size * 4 + 16)),
-        f"training step, measured (TTT {train.ttt_steps}: activations, teacher, gradients)": _gib(step),
+        f"training step, measured ({predictions} predictions a position: activations, teacher, gradients)": _gib(step),
         "runtime reserve": RUNTIME_RESERVE_GIB,
     }
     if train.fsdp and world > 1:  # FSDP2 keeps its own shard of the weights beside the gathered ones
@@ -255,10 +257,7 @@ def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     if size is None:
         stage.unknown = "target size unknown"
         return stage
-    if draft.attention == "mla":  # one latent plus the shared RoPE key per token, on every rank (not split by tp)
-        draft_kv = (draft.kv_lora_rank + draft.qk_rope_head_dim) * KV_CACHE_BYTES
-    else:
-        draft_kv = 2 * draft.num_key_value_heads * draft.head_dim * KV_CACHE_BYTES / serving.tp  # one layer
+    draft_kv = entry.kv_cache_entries(draft, serving.tp) * KV_CACHE_BYTES
     stage.parts = {
         **target_parts(size, serving.tp, serving.context_length),
         f"draft weights, {DTYPE_NAMES[config.draft.torch_dtype]} (/{serving.tp})": _gib(

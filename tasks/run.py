@@ -7,6 +7,7 @@ import hashlib
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from eagle3.algorithms import require_deployable
 from eagle3.config import (
     DEPLOYMENT_SECTIONS, PipelineConfig, check_local_inputs, load_config, require_sections, resolved_config_file,
 )
@@ -34,6 +35,7 @@ def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[Pipel
     which the stages' subprocesses (trainers, node commands) read."""
     run_config = load_config(config, overrides)
     require_sections(run_config, DEPLOYMENT_SECTIONS, "the eagle3 flow (the whole pipeline)")
+    require_deployable(run_config.draft.algorithm, "the eagle3 flow (the whole pipeline)")
     check_local_inputs(run_config)
     require_fit(run_config, config)  # refused before any stage when a GPU stage would not fit
     if mode == "retrain":

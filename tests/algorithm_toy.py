@@ -15,6 +15,7 @@ from eagle3.algorithms.eagle3.architecture import trained_draft_config
 from eagle3.draft.checkpoint import DraftConfig
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.model.draft import init_weights
+from eagle3.model.weights import target_embedding
 from eagle3.model.tree import DraftTree
 from eagle3.model.ttt import LossRows, StepStats, target_positions, ttt_stats
 
@@ -55,6 +56,8 @@ class ToyLoss(nn.Module):
 
 class ToyAlgorithm(DraftAlgorithm):
     name = "toy"
+    config_type = DraftConfig
+    deployable = False
     server_algorithm = "MEDUSA"  # no SGLang release serves it: the toy is trained and replayed, never served
 
     def draft_config(self, config):
@@ -70,8 +73,9 @@ class ToyAlgorithm(DraftAlgorithm):
         model.d2t.copy_(vocab_map.d2t)
         return model
 
-    def served_model(self, path, release, embed):
-        model = self.new_model(DraftConfig.model_validate(read_json(path / "config.json", "missing")), embed)
+    def served_model(self, path, release, target_dir, prefix):
+        cfg = DraftConfig.model_validate(read_json(path / "config.json", "missing"))
+        model = self.new_model(cfg, target_embedding(target_dir, prefix))
         model.load_draft_state(self.read_draft(path))
         return model
 
@@ -82,13 +86,13 @@ class ToyAlgorithm(DraftAlgorithm):
     def read_draft(self, directory: Path):
         return load_file(directory / "toy.safetensors")
 
-    def predictions(self, training):
+    def predictions(self, draft, training):
         return HEADS
 
-    def loss_rows(self, loss_mask, predictions):
+    def loss_rows(self, loss_mask, predictions, draft):
         return LossRows.of(loss_mask, predictions)  # head k at index t reaches x_{t+2+k}: TTT step k's alignment
 
-    def normaliser(self, loss_mask, predictions):
+    def normaliser(self, loss_mask, predictions, draft):
         return target_positions(loss_mask, predictions)
 
     def training_module(self, model):
@@ -108,6 +112,9 @@ class ToyAlgorithm(DraftAlgorithm):
 
     def validate(self, directory, layout, release, target_dir, data_manifest, context_length):
         raise ValueError(f"no {layout} layout holds the toy's heads: there is no export to validate")
+
+    def kv_cache_entries(self, cfg, tp):
+        return 0  # no attention: nothing cached
 
     def server_flags(self, draft_path, serving):
         raise ValueError("no SGLang release serves the toy's heads: it is trained and replayed here, never served")

@@ -137,8 +137,9 @@ def test_the_dry_run_counts_what_the_real_step_allocates():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             stats = TTTModel(model)(aux, ids, teacher, rows)
         stats[0].sum().backward()
-    assert training_step_peak_bytes(EAGLE3, model.config, 2, 24, 3, pre_norm=False, recompute=True) == real.peak
-    assert training_step_peak_by_op(EAGLE3, model.config, 2, 24, 3, pre_norm=False, recompute=True) == real.peak_by_op
+    draft = load_config(TINY).draft
+    assert training_step_peak_bytes(EAGLE3, model.config, draft, 2, 24, 3, pre_norm=False, recompute=True) == real.peak
+    assert training_step_peak_by_op(EAGLE3, model.config, draft, 2, 24, 3, pre_norm=False, recompute=True) == real.peak_by_op
     assert sum(real.peak_by_op.values()) == real.peak and real.peak_by_op["mm"] > 0
 
 

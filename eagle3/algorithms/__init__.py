@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from eagle3.algorithms.base import DraftAlgorithm
+from eagle3.algorithms.dflash import DFLASH
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.errors import Eagle3Error
 
-ALGORITHMS: dict[str, DraftAlgorithm] = {entry.name: entry for entry in (EAGLE3,)}
+ALGORITHMS: dict[str, DraftAlgorithm] = {entry.name: entry for entry in (EAGLE3, DFLASH)}
+
+
+def require_deployable(name: str, by: str) -> None:
+    """The whole pipeline exports, serves and gates the draft: an algorithm whose entry cannot is refused before any
+    stage, not at the export stage after training (eagle3 train and eagle3 simulate still run it)."""
+    if not algorithm(name).deployable:
+        raise Eagle3Error(f"{by}: draft.algorithm {name} is trained and replayed here, but its export, serving and gate "
+                          "are not built yet (docs/algorithms.md): run `eagle3 data regenerate`, `eagle3 data capture`, "
+                          "`eagle3 vocab build` and `eagle3 train` by hand")
 
 
 def algorithm(name: str) -> DraftAlgorithm:

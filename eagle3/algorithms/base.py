@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
+from pydantic import BaseModel
 from torch import nn
 
 from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.config import PipelineConfig
+from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
@@ -62,6 +64,8 @@ class DraftAlgorithm(ABC):
 
     name: str  # draft.algorithm
     server_algorithm: str  # SGLang's --speculative-algorithm
+    config_type: type[BaseModel]  # what draft_config returns, and what the checkpoints' config.json holds
+    deployable = True  # export, validate and server_flags are built: the whole pipeline (`eagle3 run`) may run it
 
     # -- the draft --------------------------------------------------------------------------------
 
@@ -81,8 +85,9 @@ class DraftAlgorithm(ABC):
         (`eagle3.model.weights.target_head`) or warm-started from `init` (training.init_from resolved, or None)."""
 
     @abstractmethod
-    def served_model(self, path: Path, release: str | None, embed: torch.Tensor) -> DraftModel:
-        """The exported draft at `path` as `release` of the serving engine loads it (what it skips stays untrained)."""
+    def served_model(self, path: Path, release: str | None, target_dir: Path, prefix: str) -> DraftModel:
+        """The exported draft at `path` as `release` of the serving engine loads it (what it skips stays untrained),
+        with what it takes of the target at `target_dir` (weight names under `prefix`: target.weight_prefix)."""
 
     @abstractmethod
     def write_draft(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], directory: Path,
@@ -97,15 +102,15 @@ class DraftAlgorithm(ABC):
     # -- training ---------------------------------------------------------------------------------
 
     @abstractmethod
-    def predictions(self, training: TrainingSection) -> int:
+    def predictions(self, draft: DraftSection, training: TrainingSection) -> int:
         """K: the predictions each position's loss is split into (the metrics' per-step lists, the step weights)."""
 
     @abstractmethod
-    def loss_rows(self, loss_mask: torch.Tensor, predictions: int) -> LossRows:
+    def loss_rows(self, loss_mask: torch.Tensor, predictions: int, draft: DraftSection) -> LossRows:
         """Where the loss reads, from the loss mask [B, T] on the host."""
 
     @abstractmethod
-    def normaliser(self, loss_mask: torch.Tensor, predictions: int) -> torch.Tensor:
+    def normaliser(self, loss_mask: torch.Tensor, predictions: int, draft: DraftSection) -> torch.Tensor:
         """[K] positions each prediction is scored at over a batch's loss mask: known before any forward."""
 
     @abstractmethod
@@ -140,6 +145,10 @@ class DraftAlgorithm(ABC):
         problem per fault, named, with its fix (eagle3.contract.problems)."""
 
     # -- serving ------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def kv_cache_entries(self, cfg: DraftConfig, tp: int) -> float:
+        """The draft's KV cache per token on one of `tp` ranks, in elements (the memory plan's serve stage)."""
 
     @abstractmethod
     def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:

@@ -228,8 +228,8 @@ def simulate_shapes(config: PipelineConfig, checkpoint: Path, log: Log = print) 
     """The served draft at `checkpoint` replayed over every suite's stored greedy sequences, in serving's shape and in
     each sweep point's (`simulated_shapes`, serving's first); no target is loaded."""
     entry = algorithm(config.draft.algorithm)
-    embed = target_embedding(config.target.path, config.target.weight_prefix)
-    draft = entry.served_model(Path(checkpoint), config.serving.release, embed)
+    draft = entry.served_model(Path(checkpoint), config.serving.release, Path(config.target.path),
+                               config.target.weight_prefix)
     draft = draft.to(local_device()).eval()
     samples = heldout_samples(config, tuple(suite.name for suite in config.benchmark.suites))
     eos_ids = target_eos_ids(config.target.path)

@@ -24,8 +24,8 @@ from eagle3.config.suites import MTBENCH, TRAFFIC, mtbench_file
 from eagle3.config.training import TrainingSection
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.contract.engines import (
-    FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, served_draft_problem, served_features_problem,
-    sglang_default_inputs, sglang_ids_for_layers,
+    FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, dflash_default_layer_ids, served_draft_problem,
+    served_features_problem, sglang_default_inputs, sglang_ids_for_layers,
 )
 from eagle3.target.info import read_target_info
 from eagle3.target.files import (
@@ -61,7 +61,7 @@ class PipelineConfig(Section):
         n = self.target.num_hidden_layers
         defaulted = self.data.aux_layers is None
         if defaulted:
-            self.data.aux_layers = sglang_default_aux_layers(n)
+            self.data.aux_layers = self._default_aux_layers()
         if problem := aux_layers_problem(self.data.aux_layers, n):
             source = f" (SGLang's default for a {n}-layer target)" if defaulted else ""
             raise ValueError(f"data.aux_layers{source} {problem}")
@@ -91,10 +91,32 @@ class PipelineConfig(Section):
             raise ValueError("data.engine or data.capture_engine sglang runs the target on serving.tp GPUs: add a "
                              "serving section")
         self._check_replay()
+        if self.draft.algorithm == "dflash":
+            self._check_dflash()
         if self.benchmark is not None and TRAFFIC in {s.name for s in self.benchmark.suites} and self.data.traffic is None:
             raise ValueError("benchmark.suites names traffic, production's held-out request prompts: they come from "
                              "data.traffic; add that section or remove the suite")
         return self
+
+    def _default_aux_layers(self) -> list[int]:
+        """The layers SGLang captures when the draft names none: EAGLE-3's three, or DFlash's one per draft layer."""
+        n = self.target.num_hidden_layers
+        if self.draft.algorithm == "dflash":
+            try:
+                return dflash_default_layer_ids(n, self.draft.dflash.num_layers)
+            except ValueError as err:
+                raise ValueError(f"data.aux_layers: {err}") from None
+        return sglang_default_aux_layers(n)
+
+    def _check_dflash(self) -> None:
+        """A DFlash draft proposes one chain of a block's size a step: the replayed shape must be that chain."""
+        drafts = self.draft.dflash.block_size - 1
+        shape = self.replay_shape
+        if shape.eagle_topk != 1 or shape.num_steps != drafts:
+            raise ValueError(f"draft.algorithm dflash drafts a chain of draft.dflash.block_size - 1 = {drafts} tokens a "
+                             f"step; the replayed shape is {shape.label()}: set serving.num_steps {drafts}, "
+                             "serving.eagle_topk 1 and serving.num_draft_tokens "
+                             f"{self.draft.dflash.block_size}{'' if self.serving else ' (add a serving section)'}")
 
     def _check_served_capture(self) -> None:
         """The export writes the ids that make the served SGLang release capture data.aux_layers on the target's model

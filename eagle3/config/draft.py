@@ -16,10 +16,28 @@ from eagle3.config.base import Section
 from eagle3.draft.layouts.shared import MLA_SIZES
 
 
+class DFlashSection(Section):
+    """A DFlash (block-diffusion) draft's own fields (docs/algorithms.md, "DFlash"); its layers take the draft
+    section's sizes (intermediate_size, heads, rope_theta, rms_norm_eps)."""
+
+    num_layers: int = Field(default=5, gt=0, description="draft decoder layers (SpecForge and z-lab train 5)")
+    block_size: int = Field(default=16, ge=2, description="tokens a block holds: the verified token, then "
+                            "block_size - 1 mask tokens the draft fills in one forward; SGLang's "
+                            "--speculative-num-draft-tokens")
+    num_anchors: int = Field(default=512, gt=0, description="blocks trained per sequence, at anchors drawn from the "
+                             "generated positions (every one when a sequence has fewer)")
+    mask_token_id: int | None = Field(default=None, ge=0, description="the target id fed at a block's unknown "
+                                      "positions: in the target's vocabulary, never generated; None = the tokenizer's "
+                                      "mask token, else its pad token")
+
+
 class DraftSection(Section):
-    algorithm: Literal["eagle3"] = Field(default="eagle3", description="the kind of draft, an entry of "
-                                         "eagle3.algorithms (docs/algorithms.md): eagle3, a one-layer draft fed the "
-                                         "target's aux hidden states, trained by training-time test")
+    algorithm: Literal["eagle3", "dflash"] = Field(
+        default="eagle3", description="the kind of draft, an entry of eagle3.algorithms (docs/algorithms.md): eagle3, "
+        "a one-layer draft fed the target's aux hidden states, trained by training-time test; dflash, a "
+        "block-diffusion draft that fills a block of draft.dflash.block_size in one forward")
+    dflash: DFlashSection | None = Field(default=None, description="draft.algorithm dflash's fields (defaults when "
+                                         "left out)")
     attention: Literal["mha", "mla"] = Field(default="mha", description="mha: a Llama layer's attention (grouped "
                                              "heads); mla: DeepSeek-V2's multi-latent attention (the q_lora_rank, "
                                              "kv_lora_rank and head-dim fields), SGLang >= 0.5.12")
@@ -45,6 +63,14 @@ class DraftSection(Section):
 
     @model_validator(mode="after")
     def _form_is_complete(self) -> DraftSection:
+        if self.algorithm == "dflash":
+            self.dflash = self.dflash or DFlashSection()
+            switches = [name for name in ("fc_norm", "norm_before_fc", "norm_output") if getattr(self, name)]
+            if self.attention != "mha" or switches:
+                raise ValueError(f"draft.algorithm dflash has Qwen3-style layers: draft.attention mha, and none of "
+                                 f"{', '.join(['draft.' + n for n in switches]) or 'the EAGLE 3.1 switches'}")
+        elif self.dflash is not None:
+            raise ValueError("draft.dflash describes a DFlash draft: set draft.algorithm dflash or remove it")
         if self.norm_before_residual:
             raise ValueError("draft.norm_before_residual: no SGLang release implements it (its drafts would run the "
                              "residual path another way and say nothing); set it false")

@@ -58,6 +58,11 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = visible) as SDPA's additive mask: 0 where visible, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def recomputed(fn, *args: torch.Tensor) -> torch.Tensor:
     """fn(*args) whose intermediates the backward recomputes rather than keeps from the forward (only args are kept):
     for cheap elementwise work whose intermediates are large, and no randomness (no RNG state kept to replay). Equal
@@ -68,10 +73,12 @@ def recomputed(fn, *args: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama RoPE (rotate-half). x [B, heads, T, d], positions [T]."""
+    """Llama RoPE (rotate-half). x [B, heads, T, d], positions [T] (every row's) or [B, T] (each row its own)."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))  # [d/2]
-    angles = positions.to(torch.float32)[:, None] * inv_freq  # [T, d/2]
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [T, d/2] or [B, T, d/2]
+    if angles.dim() == 3:
+        angles = angles[:, None]  # [B, 1, T, d/2]: the same for every head
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # [T, d]
     half = d // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -92,13 +99,14 @@ class BlockAttention(nn.Module):
 
     def attended_heads(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-        """The attention's output per head, [B, Tq, heads, dv] (before o_proj)."""
+        """The attention's output per head, [B, Tq, heads, dv] (before o_proj). `mask` is a bool mask (True =
+        visible) or an additive one already made (`attention_bias`), for callers that reuse one over many calls."""
         group = self.heads // self.kv_heads  # query heads g * group .. (g + 1) * group - 1 share kv head g
         # One call per position j in the group, over query heads j, group + j, ...: each sees the kv heads as they
         # are. Neither enable_gqa (with a mask, it sends CUDA to the math kernel, which materialises the scores) nor
         # keys and values repeated per query head (a copy per query chunk, kept for the backward), and the calls
         # share one additive mask.
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        bias = attention_bias(mask, q.dtype) if mask.dtype == torch.bool else mask
         out = torch.stack([F.scaled_dot_product_attention(q[:, j::group], keys, values, attn_mask=bias)
                            for j in range(group)], dim=2)  # [B, kv_heads, group, Tq, d]
         return out.permute(0, 3, 1, 2, 4).flatten(2, 3)  # head g * group + j

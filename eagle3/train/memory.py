@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from eagle3.algorithms import DraftAlgorithm, algorithm
+from eagle3.config.draft import DraftSection
 from eagle3.draft.checkpoint import DraftConfig
 from eagle3.model.teacher import TeacherHead
 
@@ -69,30 +70,33 @@ def trainable_parameters(entry: DraftAlgorithm, cfg: DraftConfig) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def training_step_peak_bytes(entry: DraftAlgorithm, cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int,
-                              pre_norm: bool, recompute: bool) -> int:
+def training_step_peak_bytes(entry: DraftAlgorithm, cfg: DraftConfig, draft: DraftSection, sequences: int,
+                              seq_len: int, predictions: int, pre_norm: bool, recompute: bool) -> int:
     """Peak bytes one rank allocates during a step on `sequences` x `seq_len` tokens: teacher outputs,
     TTT activations, loss, gradients, and the transients between them (not the weights or the batch), with the
     backward recomputing the norms and the SwiGLU product or not (training.recompute).
     Measured once per shape in a process (seconds at Kimi's size, and the config check, `eagle3 plan` and the
     flow's load-config each ask)."""
-    return _measured_peak(entry.name, cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm, recompute)[0]
+    return _measured_peak(entry.name, cfg.model_dump_json(), draft.model_dump_json(), sequences, seq_len, predictions,
+                          pre_norm, recompute)[0]
 
 
-def training_step_peak_by_op(entry: DraftAlgorithm, cfg: DraftConfig, sequences: int, seq_len: int, ttt_steps: int,
-                             pre_norm: bool, recompute: bool) -> dict[str, int]:
+def training_step_peak_by_op(entry: DraftAlgorithm, cfg: DraftConfig, draft: DraftSection, sequences: int,
+                             seq_len: int, predictions: int, pre_norm: bool, recompute: bool) -> dict[str, int]:
     """What `training_step_peak_bytes` counts, by the aten op that made each tensor alive at the peak (largest first):
     where a step's memory goes (`_to_copy`: dtype casts, `mm`: matmul outputs, ...)."""
-    by_op = _measured_peak(entry.name, cfg.model_dump_json(), sequences, seq_len, ttt_steps, pre_norm, recompute)[1]
+    by_op = _measured_peak(entry.name, cfg.model_dump_json(), draft.model_dump_json(), sequences, seq_len, predictions,
+                           pre_norm, recompute)[1]
     return dict(sorted(by_op.items(), key=lambda item: -item[1]))
 
 
 @functools.lru_cache(maxsize=16)
-def _measured_peak(algorithm_name: str, cfg_json: str, sequences: int, seq_len: int, ttt_steps: int, pre_norm: bool,
-                   recompute: bool) -> tuple[int, dict[str, int]]:
-    entry, cfg = algorithm(algorithm_name), DraftConfig.model_validate_json(cfg_json)
+def _measured_peak(algorithm_name: str, cfg_json: str, draft_json: str, sequences: int, seq_len: int, predictions: int,
+                   pre_norm: bool, recompute: bool) -> tuple[int, dict[str, int]]:
+    entry = algorithm(algorithm_name)
+    cfg, draft = entry.config_type.model_validate_json(cfg_json), DraftSection.model_validate_json(draft_json)
     # every token generated (the most the loss reads); the rows are made on the host, as the trainer makes them
-    rows = entry.loss_rows(torch.ones(sequences, seq_len, dtype=torch.long), ttt_steps)
+    rows = entry.loss_rows(torch.ones(sequences, seq_len, dtype=torch.long), predictions, draft)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = entry.new_model(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
         model.set_recompute(recompute)

@@ -64,7 +64,7 @@ class Trainer:
         parts = parts or training_parts(config, self.dist, self.log)
         self.algorithm, self.data, self.features, self.heldout = parts.algorithm, parts.data, parts.features, parts.heldout
         self.eos_ids, self.init, self.model, self.teacher = parts.eos_ids, parts.init, parts.model, parts.teacher
-        self.predictions = self.algorithm.predictions(train)  # K: the per-prediction sums' length
+        self.predictions = self.algorithm.predictions(config.draft, train)  # K: the per-prediction sums' length
         self.module = self.algorithm.training_module(self.model)
         self.parallel = Parallel(self.dist, train.fsdp)
         self.wrapped = self.parallel.wrap(self.module)
@@ -128,7 +128,8 @@ class Trainer:
         mine = tokens.select(self.my_rows())
         ids = mine.input_ids.to(self.dist.device, non_blocking=True)  # [b, T]
         # where the loss reads (generated tokens), from the host's mask: the teacher and the head score only there
-        host_rows = self.algorithm.loss_rows(loss_mask[self.my_rows(), : ids.shape[1]], self.predictions)
+        host_rows = self.algorithm.loss_rows(loss_mask[self.my_rows(), : ids.shape[1]], self.predictions,
+                                               self.config.draft)
         rows = host_rows.to(self.dist.device)
         if not len(mine.sample_ids):  # a last eval batch smaller than the ranks: nothing of it is this rank's
             return StepStats(*torch.zeros(3, self.predictions, device=self.dist.device))
@@ -159,7 +160,7 @@ class Trainer:
         self.wrapped.train()
         steps, device = self.predictions, self.dist.device
         loss_mask = self.data.tokens(refs, self.every_position)[1]
-        positions = self.algorithm.normaliser(loss_mask, steps).to(device)  # every row's: the global count
+        positions = self.algorithm.normaliser(loss_mask, steps, self.config.draft).to(device)  # every row's: the global count
         scale = self.dist.world * self.step_weights / positions.clamp_min(1)  # DDP/FSDP average over the ranks
         totals = torch.zeros(3, steps, device=device)
         parts = micro_batches(refs, self.dist.world, self.per_forward)

@@ -13,6 +13,7 @@ from eagle3.algorithms.eagle3.architecture import trained_draft_config
 from eagle3.algorithms.eagle3.warm_start import warm_start
 from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.config import PipelineConfig
+from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
@@ -22,7 +23,7 @@ from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
 from eagle3.model.teacher import Teacher
 from eagle3.model.tree import DraftCache, draft_tree
 from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
-from eagle3.model.weights import draft_as_served
+from eagle3.model.weights import draft_as_served, target_embedding
 from eagle3.shape import DraftShape
 from eagle3.validation.validate import validate
 
@@ -30,6 +31,7 @@ from eagle3.validation.validate import validate
 class Eagle3Algorithm(DraftAlgorithm):
     name = "eagle3"
     server_algorithm = "EAGLE3"
+    config_type = DraftConfig
 
     def draft_config(self, config: PipelineConfig) -> DraftConfig:
         return trained_draft_config(config)
@@ -54,8 +56,8 @@ class Eagle3Algorithm(DraftAlgorithm):
             freeze_head(model, None if init is not None else head["norm"].to(device))
         return model
 
-    def served_model(self, path: Path, release: str | None, embed: torch.Tensor) -> Eagle3Draft:
-        return draft_as_served(path, release, embed)
+    def served_model(self, path: Path, release: str | None, target_dir: Path, prefix: str) -> Eagle3Draft:
+        return draft_as_served(path, release, target_embedding(target_dir, prefix))
 
     def write_draft(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], directory: Path,
                     manifest_fields: dict) -> None:
@@ -64,13 +66,13 @@ class Eagle3Algorithm(DraftAlgorithm):
     def read_draft(self, directory: Path) -> dict[str, torch.Tensor]:
         return load_native(directory).tensors
 
-    def predictions(self, training: TrainingSection) -> int:
+    def predictions(self, draft: DraftSection, training: TrainingSection) -> int:
         return training.ttt_steps
 
-    def loss_rows(self, loss_mask: torch.Tensor, predictions: int) -> LossRows:
+    def loss_rows(self, loss_mask: torch.Tensor, predictions: int, draft: DraftSection) -> LossRows:
         return LossRows.of(loss_mask, predictions)
 
-    def normaliser(self, loss_mask: torch.Tensor, predictions: int) -> torch.Tensor:
+    def normaliser(self, loss_mask: torch.Tensor, predictions: int, draft: DraftSection) -> torch.Tensor:
         return target_positions(loss_mask, predictions)
 
     def training_module(self, model: Eagle3Draft) -> TTTModel:
@@ -93,6 +95,11 @@ class Eagle3Algorithm(DraftAlgorithm):
                  data_manifest: Path, context_length: int) -> Report:
         return validate(directory, engine=layout, release=release, target=target_dir, data_manifest=data_manifest,
                         context_length=context_length)
+
+    def kv_cache_entries(self, cfg: DraftConfig, tp: int) -> float:
+        if cfg.attention == "mla":  # one latent plus the shared RoPE key per token, on every rank (not split by tp)
+            return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        return 2 * cfg.num_key_value_heads * cfg.head_dim / tp  # one layer
 
     def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:
         return ["--speculative-algorithm", self.server_algorithm, "--speculative-draft-model-path", str(draft_path),

@@ -1,0 +1,168 @@
+"""DFlash (block-diffusion) drafts as a draft algorithm: the draft of `model.py`, trained on blocks at anchors and
+drafting a block in one forward (`blocks.py`). It trains from the same data stages as EAGLE-3 (online or offline
+features, the run's vocab map for its loss) and its evaluation replays the held-out sequences. Its SGLang export,
+validation and serving flags are not built yet (docs/algorithms.md, "DFlash"): those hooks refuse, naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log, Proposer
+from eagle3.algorithms.dflash.blocks import BlockModel, BlockRows, block_loss, block_proposer
+from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
+from eagle3.algorithms.init_copy import ResolvedInit
+from eagle3.config import PipelineConfig
+from eagle3.config.draft import DraftSection
+from eagle3.config.serving import ServingSection
+from eagle3.config.training import TrainingSection
+from eagle3.contract.problems import Report
+from eagle3.data.regenerate import read_regenerated, regen_dir
+from eagle3.data.vocab import count_loss_tokens
+from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from eagle3.draft.vocab_map import VocabMap
+from eagle3.engines.targets import load_tokenizer
+from eagle3.errors import Eagle3Error
+from eagle3.fsutil import atomic_write_json, read_json
+from eagle3.model.draft import init_weights
+from eagle3.model.teacher import Teacher
+from eagle3.model.weights import target_head
+from eagle3.records.manifest import write_manifest
+from eagle3.shape import DraftShape
+
+NOT_BUILT = "its SGLang layout, validation and serving are not built yet (docs/algorithms.md, \"DFlash\")"
+
+
+class DFlashAlgorithm(DraftAlgorithm):
+    name = "dflash"
+    server_algorithm = "DFLASH"
+    config_type = DFlashConfig
+    deployable = False
+
+    def draft_config(self, config: PipelineConfig) -> DFlashConfig:
+        target, draft, dflash = config.target, config.draft, config.draft.dflash
+        return DFlashConfig(
+            hidden_size=target.hidden_size,  # the target's embedding feeds the blocks, its head reads them
+            target_hidden_size=target.hidden_size,
+            intermediate_size=draft.intermediate_size,
+            num_hidden_layers=dflash.num_layers,
+            num_attention_heads=draft.num_attention_heads,
+            num_key_value_heads=draft.num_key_value_heads,
+            head_dim=target.hidden_size // draft.num_attention_heads,
+            rms_norm_eps=draft.rms_norm_eps,
+            rope_theta=draft.rope_theta,
+            max_position_embeddings=draft.max_position_embeddings,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=config.vocab.draft_vocab_size,
+            torch_dtype=draft.torch_dtype,
+            aux_layers=list(config.data.aux_layers),
+            target_num_hidden_layers=target.num_hidden_layers,
+            target_family=target.family,
+            block_size=dflash.block_size,
+            mask_token_id=mask_token_id(config),
+        )
+
+    def new_model(self, cfg: DFlashConfig, embed: torch.Tensor) -> DFlashDraft:
+        return DFlashDraft(cfg, embed)
+
+    def initial_model(self, config: PipelineConfig, head: dict[str, torch.Tensor], vocab_map: VocabMap,
+                      device: torch.device, init: ResolvedInit | None, log: Log) -> DFlashDraft:
+        """Seeded, on `device`; the target's embedding and head (one tensor when they are tied), the loss scoring
+        the run's draft vocabulary."""
+        if init is not None:
+            raise Eagle3Error("training.init_from: a DFlash draft starts from its seeded init here (warm starts are "
+                              "EAGLE-3's); remove training.init_from")
+        cfg = self.draft_config(config)
+        refuse_generated_mask(cfg.mask_token_id, config)
+        embed = head["embed"].to(device)
+        lm_head = embed if head["lm_head"] is head["embed"] else head["lm_head"].to(device)
+        with torch.device(device):
+            model = DFlashDraft(cfg, embed, lm_head)
+        init_weights(model, config.training.seed)  # from a CPU generator: the same draft on any device
+        model.loss_ids.copy_(vocab_map.target_ids())
+        log(f"train: DFlash draft, {cfg.num_hidden_layers} layer(s), block {cfg.block_size}, mask token "
+            f"{cfg.mask_token_id}, target layers {cfg.aux_layers}")
+        return model
+
+    def served_model(self, path: Path, release: str | None, target_dir: Path, prefix: str) -> DFlashDraft:
+        """The draft `write_draft` wrote at `path`, with the target's embedding and head."""
+        head = target_head(target_dir, prefix)
+        cfg = DFlashConfig.model_validate(read_json(path / CONFIG_FILE, "missing"))
+        model = DFlashDraft(cfg, head["embed"], head["lm_head"])
+        model.load_draft_state(self.read_draft(path))
+        return model
+
+    def write_draft(self, cfg: DFlashConfig, tensors: dict[str, torch.Tensor], directory: Path,
+                    manifest_fields: dict) -> None:
+        save_file({name: t.contiguous() for name, t in tensors.items()}, directory / WEIGHTS_FILE,
+                  metadata={"format": "pt"})
+        atomic_write_json(directory / CONFIG_FILE, cfg.model_dump())
+        write_manifest(directory, kind="draft-dflash-native", fields={"layout": "dflash-native", **manifest_fields})
+
+    def read_draft(self, directory: Path) -> dict[str, torch.Tensor]:
+        return load_file(directory / WEIGHTS_FILE)
+
+    def predictions(self, draft: DraftSection, training: TrainingSection) -> int:
+        return draft.dflash.block_size - 1
+
+    def loss_rows(self, loss_mask: torch.Tensor, predictions: int, draft: DraftSection) -> BlockRows:
+        return BlockRows.drawn(loss_mask, predictions, draft.dflash.num_anchors)
+
+    def normaliser(self, loss_mask: torch.Tensor, predictions: int, draft: DraftSection) -> torch.Tensor:
+        """[K] the blocks' predictions of generated tokens: the rows' own count (their draw is the mask's)."""
+        rows = self.loss_rows(loss_mask, predictions, draft)
+        return torch.stack([present.sum() for present in rows.present]).float()
+
+    def training_module(self, model: DFlashDraft) -> BlockModel:
+        return BlockModel(model)
+
+    def loss(self, model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher,
+             rows: BlockRows):
+        return block_loss(model, aux, input_ids, teacher, rows)
+
+    def proposer(self, model: DFlashDraft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape) -> Proposer:
+        return block_proposer(model, aux, tokens, shape)
+
+    def export(self, source: Path, directory: Path, layout: str, target: ExportTarget, log: Log) -> Path:
+        raise Eagle3Error(f"export.layouts {layout}: a DFlash draft is trained and replayed here; {NOT_BUILT}")
+
+    def validate(self, directory: Path, layout: str, release: str | None, target_dir: Path | None,
+                 data_manifest: Path, context_length: int) -> Report:
+        raise Eagle3Error(f"no {layout} export of a DFlash draft to validate: {NOT_BUILT}")
+
+    def kv_cache_entries(self, cfg: DFlashConfig, tp: int) -> float:
+        """Keys and values of every layer; SGLang gives each rank max(1, kv_heads / tp) heads (DFlashAttention)."""
+        return cfg.num_hidden_layers * 2 * max(1, cfg.num_key_value_heads // tp) * cfg.head_dim
+
+    def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:
+        raise Eagle3Error(f"serving a DFlash draft: {NOT_BUILT}")
+
+
+def mask_token_id(config: PipelineConfig) -> int:
+    """draft.dflash.mask_token_id, or the target tokenizer's mask token, else its pad token: an id of the target's
+    embedding."""
+    chosen = config.draft.dflash.mask_token_id
+    if chosen is None:
+        tokenizer = load_tokenizer(config.target)
+        chosen = next((i for i in (tokenizer.mask_token_id, tokenizer.pad_token_id) if i is not None), None)
+        if chosen is None:
+            raise Eagle3Error(f"{config.target.path}: the tokenizer has no mask or pad token for a DFlash block's "
+                              "unknown positions: set draft.dflash.mask_token_id to an id the target never generates")
+    if not 0 <= chosen < config.target.vocab_size:
+        raise Eagle3Error(f"draft.dflash.mask_token_id {chosen} is outside the target's vocabulary (0 .. "
+                          f"{config.target.vocab_size - 1}): SGLang refuses it; pick an id of the target's embedding")
+    return chosen
+
+
+def refuse_generated_mask(mask: int, config: PipelineConfig) -> None:
+    """A mask token the target generates would stand for itself and for 'unknown' at once: refused, with how often
+    the regenerated replies hold it."""
+    seen = int(count_loss_tokens(read_regenerated(regen_dir(config.run)), config.target.vocab_size)[mask])
+    if seen:
+        raise Eagle3Error(f"the DFlash mask token {mask} occurs {seen} time(s) in the target's regenerated replies "
+                          f"({regen_dir(config.run)}): set draft.dflash.mask_token_id to an id it never generates")
+
+
+DFLASH = DFlashAlgorithm()

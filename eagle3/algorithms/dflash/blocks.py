@@ -1,0 +1,120 @@
+"""How a DFlash draft trains and drafts: blocks at anchors, each predicting its block in one forward.
+
+A block anchored at position a holds x_a (known: the last verified token when serving) and block_size - 1 mask
+tokens; it sees the target's features of positions 0..a-1, and its entry j predicts x_{a+j}. So its prediction k
+(entry k + 1) reaches x_{a+1+k}: with a = t + 1 that is EAGLE-3's TTT step k at index t (`eagle3.model.ttt.LossRows`),
+and the teacher's rows, the step weights (training.ttt_step_decay: SpecForge's exp(-(k-1)/gamma) is a decay of
+exp(-1/gamma), 0.8669 for its gamma 7) and the per-prediction metrics are the same as EAGLE-3's.
+
+Training draws up to draft.dflash.num_anchors anchors per sequence among the positions whose block predicts some
+generated token (all of them when there are fewer, as SpecForge does). The draw is seeded by the sequence's loss
+mask, so the rows and the normaliser, made apart, agree, and a resumed run draws what the first one drew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle3.algorithms.dflash.model import DFlashDraft
+from eagle3.model.teacher import Teacher
+from eagle3.model.tree import DraftTree
+from eagle3.model.ttt import LossRows, StepStats, ttt_stats
+from eagle3.shape import DraftShape
+
+
+@dataclass
+class BlockRows(LossRows):
+    """LossRows whose per-prediction indices point into the blocks' outputs [B, N, K] (flat), and the anchors the
+    blocks start at."""
+
+    anchors: torch.Tensor  # [B, N] block start positions, a row's own padded with its first
+
+    @classmethod
+    def drawn(cls, loss_mask: torch.Tensor, predictions: int, most: int) -> BlockRows:
+        """loss_mask [B, T] (host) -> the rows of blocks at up to `most` anchors per sequence."""
+        batch, length = loss_mask.shape
+        chosen = [anchors_of(loss_mask[b], predictions, most) for b in range(batch)]
+        count = max(1, max(len(a) for a in chosen))
+        anchors = torch.ones(batch, count, dtype=torch.long)  # a sequence without one keeps a block nobody reads
+        slot = torch.full((batch, length + 1), -1, dtype=torch.long)  # position a -> its block's index in the row
+        for b, row in enumerate(chosen):
+            if len(row):
+                anchors[b] = torch.cat([row, row[:1].expand(count - len(row))])
+                slot[b, row] = torch.arange(len(row))
+        every = LossRows.of(loss_mask, predictions)
+        steps, present = [], []
+        for k, (at, here) in enumerate(zip(every.steps, every.present)):
+            b, position = at // length, at % length + 1  # EAGLE-3's index t is the block anchored at t + 1
+            block = slot[b, position]
+            here = here & (block >= 0)
+            steps.append(torch.where(here, (b * count + block) * predictions + k, 0))
+            present.append(here)
+        reached = torch.stack(present).any(0)  # teacher rows some block's prediction scores
+        return cls(every.teacher[reached], [s[reached] for s in steps], [p[reached] for p in present], anchors)
+
+    def to(self, device: torch.device) -> BlockRows:
+        rows = LossRows.to(self, device)
+        return BlockRows(rows.teacher, rows.steps, rows.present, self.anchors.to(device, non_blocking=True))
+
+
+def anchors_of(loss_mask: torch.Tensor, predictions: int, most: int) -> torch.Tensor:
+    """[n <= most] ascending anchors of one sequence (loss_mask [T]): positions a in 1..T-2 whose block predicts a
+    generated token (some of x_{a+1} .. x_{a+K} is loss-masked); a draw seeded by the mask when there are more."""
+    length = loss_mask.numel()
+    generated = torch.zeros(length + predictions + 1, dtype=torch.bool)
+    generated[:length] = loss_mask.bool()
+    positions = torch.arange(1, max(1, length - 1))  # a = 1 .. T - 2
+    ahead = torch.stack([generated[positions + 1 + k] for k in range(predictions)]).any(0)
+    candidates = positions[ahead]
+    if len(candidates) <= most:
+        return candidates
+    seed = int((torch.arange(1, length + 1) * loss_mask.long()).sum())  # the mask's own: rows and normaliser agree
+    order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed))
+    return candidates[order[:most]].sort().values
+
+
+def block_outputs(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """aux [B, T, n * TH], input_ids [B, T], anchors [B, N] -> each block's predictions' stream [B * N * K, H]."""
+    first = input_ids.gather(1, anchors)  # [B, N] the anchors' true tokens
+    hidden = model.blocks(model.context(aux), first, anchors)  # [B, N, Bk, H]
+    return hidden[:, :, 1:].flatten(0, 2)
+
+
+def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher,
+               rows: BlockRows) -> StepStats:
+    """The blocks scored at their rows against the teacher over the run's draft vocabulary: training's and
+    evaluation's."""
+    hidden = block_outputs(model, aux, input_ids, rows.anchors)
+    return ttt_stats((model.loss_logits(hidden.index_select(0, at)) for at in rows.steps), teacher, rows)
+
+
+class BlockModel(torch.nn.Module):
+    """The draft and its block loss as one module, for DDP and FSDP."""
+
+    def __init__(self, draft: DFlashDraft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher, rows: BlockRows) -> torch.Tensor:
+        stats = block_loss(self.draft, aux, input_ids, teacher, rows)
+        return torch.stack([stats.loss_sum, stats.correct, stats.count])
+
+
+def block_proposer(model: DFlashDraft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape):
+    """Drafting over one known sequence (aux [T, n * TH], tokens [T]) as SGLang's DFLASH worker drafts: after the
+    verified x_P, one forward of the block [x_P, mask, ...] at P over the context before P, each entry's greedy
+    token over the target's whole head. The context's keys and values are made once for the sequence."""
+    if shape.eagle_topk != 1 or shape.num_steps > model.config.block_size - 1:
+        raise ValueError(f"a DFlash draft proposes a chain of at most block_size - 1 = {model.config.block_size - 1} "
+                         f"tokens; asked for {shape.label()}")
+    context = model.context(aux[None])
+
+    def propose(p: int) -> DraftTree:
+        prefix = [(k[:, :, :p], v[:, :, :p]) for k, v in context]
+        anchor = torch.tensor([[p]], device=tokens.device)
+        hidden = model.blocks(prefix, tokens[p].view(1, 1), anchor)[0, 0, 1 : 1 + shape.num_steps]
+        return DraftTree.chain(model.greedy(hidden).tolist())
+
+    return propose
