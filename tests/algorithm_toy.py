@@ -63,6 +63,9 @@ class ToyAlgorithm(DraftAlgorithm):
     def draft_config(self, config):
         return trained_draft_config(config)  # the sizes it reads: aux layers, widths, draft vocabulary
 
+    def reserved_ids(self, cfg):
+        return []
+
     def new_model(self, cfg, embed):
         return ToyHeads(cfg, embed)
 

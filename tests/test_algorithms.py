@@ -15,7 +15,7 @@ from eagle3.config import load_config
 from eagle3.config.draft import DraftSection
 from eagle3.distributed import Dist
 from eagle3.errors import ConfigError, Eagle3Error
-from eagle3.model.weights import target_head, target_embedding
+from eagle3.model.weights import target_head
 from eagle3.train.parts import read_vocab_map, training_parts
 from eagle3.train.trainer import Trainer
 from algorithm_toy import HEADS, TOY
@@ -31,7 +31,7 @@ def test_the_config_names_exactly_the_registered_algorithms():
 
 def test_an_unregistered_algorithm_is_refused_naming_the_registered_ones():
     with pytest.raises(Eagle3Error, match=r"draft.algorithm 'medusa' is no registered draft algorithm \(registered: "
-                                          r"eagle3\); see docs/algorithms.md"):
+                                          r"eagle3, dflash\); see docs/algorithms.md"):
         algorithm("medusa")
     with pytest.raises(ConfigError, match=r"draft.algorithm.*'eagle3'"):
         load_config(TINY, ["draft.algorithm=medusa"])
@@ -67,7 +67,7 @@ def test_the_trainer_trains_checkpoints_resumes_and_replays_an_entry_through_the
     assert any("resumed from" in line and "step-0000012 at step 12" in line for line in lines), lines
     assert [m["step"] for m in metrics(run_dir) if "loss" in m][-3:] == [12, 13, 14]
 
-    trained = TOY.served_model(run_dir / "train" / "final", None, target_embedding(config.target.path))
+    trained = TOY.served_model(run_dir / "train" / "final", None, Path(config.target.path), "")
     refs = heldout_samples(config)[:2]
     rows = [replay_stored(TOY, trained, ref.load(), config.replay_shape, 16, frozenset(), None) for ref in refs]
     assert all(row.completion_tokens >= 16 and 0 < row.verify_ct <= row.completion_tokens for row in rows)

@@ -169,6 +169,8 @@ TAKES_THE_CONFIG = {
     # a draft algorithm's hooks take the config: each algorithm reads its own sections (docs/algorithms.md)
     "eagle3.algorithms.base.DraftAlgorithm.draft_config": (),
     "eagle3.algorithms.base.DraftAlgorithm.initial_model": (),
+    "eagle3.algorithms.dflash.DFlashAlgorithm.draft_config": ("data", "draft", "target", "vocab"),
+    "eagle3.algorithms.dflash.DFlashAlgorithm.initial_model": (HANDS_ON, "training"),
     "eagle3.algorithms.eagle3.Eagle3Algorithm.draft_config": (HANDS_ON,),
     "eagle3.algorithms.eagle3.Eagle3Algorithm.initial_model": (HANDS_ON, "training"),
     "eagle3.bench.simulate.heldout_samples": (HANDS_ON, "run"),
@@ -226,7 +228,7 @@ TAKES_THE_CONFIG = {
     "eagle3.train.parts.replayed_samples": (HANDS_ON, "training"),
     "eagle3.train.parts.training_data": (HANDS_ON, "training"),
     "eagle3.train.parts.training_parts": ("data", "draft", HANDS_ON, "run", "target", "training", "vocab"),
-    "eagle3.train.trainer.Trainer.__init__": (HANDS_ON, "run", "training"),
+    "eagle3.train.trainer.Trainer.__init__": ("draft", HANDS_ON, "run", "training"),
 }
 
 

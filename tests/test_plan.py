@@ -20,7 +20,7 @@ from eagle3.train.memory import AllocationPeak, training_step_peak_by_op, traini
 from helpers import TINY, micro_overrides, tiny_draft
 
 KIMI = Path(__file__).parent.parent / "configs" / "kimi-k25-8xh200.yaml"
-STEP = "training step, measured (TTT 7: activations, teacher, gradients)"
+STEP = "training step, measured (7 predictions a position: activations, teacher, gradients)"
 # 1 TB per GPU (a longer seq_len costs the dry run minutes); recomputing, so that one dry run sizes it
 TOO_BIG = ["training.batch_size=512", "training.micro_batch_size=64", "training.recompute=norms_mlp"]
 
@@ -255,7 +255,8 @@ def test_recomputing_changes_the_memory_not_the_gradients():
         TTTModel(model)(aux, ids, head(last, rows.teacher), rows)[0].sum().backward()
         grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
-    lean, kept = (training_step_peak_bytes(EAGLE3, model.config, 2, 24, 3, pre_norm=False, recompute=r) for r in (True, False))
+    lean, kept = (training_step_peak_bytes(EAGLE3, model.config, load_config(TINY).draft, 2, 24, 3, pre_norm=False,
+                                            recompute=r) for r in (True, False))
     assert lean < kept
 
 

@@ -74,6 +74,11 @@ class DraftAlgorithm(ABC):
         """The architecture a run trains, from the `draft` section around the target's sizes."""
 
     @abstractmethod
+    def reserved_ids(self, cfg: DraftConfig) -> list[int]:
+        """Target ids the draft gives a meaning of its own (DFlash's mask token): the trainer refuses a run whose target
+        generates one."""
+
+    @abstractmethod
     def new_model(self, cfg: DraftConfig, embed: torch.Tensor) -> DraftModel:
         """The module, its weights unset; embed [V, H] is the target's, frozen. On the current default device (the
         memory plan builds it under FakeTensorMode)."""

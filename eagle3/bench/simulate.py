@@ -40,7 +40,6 @@ from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.aux_states import aux_states
 from eagle3.model.tree import DraftTree, walk_greedy
-from eagle3.model.weights import target_embedding
 from eagle3.progress import Progress
 from eagle3.shape import DraftShape
 

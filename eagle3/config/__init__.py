@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError, model_validator
 from eagle3.config.base import Section
 from eagle3.config.data import PROMPT_SUFFIXES, DataSection, VocabSection
 from eagle3.config.deployment import GateSection, MonitorSection, ProductionSection, RegistrySection
-from eagle3.config.draft import DraftSection
+from eagle3.config.draft import DraftSection, dflash_default_layer_ids
 from eagle3.config.node import NodeSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection, ExportSection, ServingSection, SweepSection
@@ -24,8 +24,8 @@ from eagle3.config.suites import MTBENCH, TRAFFIC, mtbench_file
 from eagle3.config.training import TrainingSection
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.contract.engines import (
-    FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, dflash_default_layer_ids, served_draft_problem,
-    served_features_problem, sglang_default_inputs, sglang_ids_for_layers,
+    FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, served_draft_problem, served_features_problem,
+    sglang_default_inputs, sglang_ids_for_layers,
 )
 from eagle3.target.info import read_target_info
 from eagle3.target.files import (
@@ -110,6 +110,10 @@ class PipelineConfig(Section):
 
     def _check_dflash(self) -> None:
         """A DFlash draft proposes one chain of a block's size a step: the replayed shape must be that chain."""
+        mask = self.draft.dflash.mask_token_id
+        if mask >= self.target.vocab_size:
+            raise ValueError(f"draft.dflash.mask_token_id {mask} is outside the target's vocabulary (0 .. "
+                             f"{self.target.vocab_size - 1}): SGLang refuses it; pick an id of the target's embedding")
         drafts = self.draft.dflash.block_size - 1
         shape = self.replay_shape
         if shape.eagle_topk != 1 or shape.num_steps != drafts:

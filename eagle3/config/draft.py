@@ -26,9 +26,8 @@ class DFlashSection(Section):
                             "--speculative-num-draft-tokens")
     num_anchors: int = Field(default=512, gt=0, description="blocks trained per sequence, at anchors drawn from the "
                              "generated positions (every one when a sequence has fewer)")
-    mask_token_id: int | None = Field(default=None, ge=0, description="the target id fed at a block's unknown "
-                                      "positions: in the target's vocabulary, never generated; None = the tokenizer's "
-                                      "mask token, else its pad token")
+    mask_token_id: int = Field(ge=0, description="the target id fed at a block's unknown positions: an id of the "
+                               "target's embedding that it never generates (its tokenizer's mask or pad token, say)")
 
 
 class DraftSection(Section):
@@ -36,8 +35,7 @@ class DraftSection(Section):
         default="eagle3", description="the kind of draft, an entry of eagle3.algorithms (docs/algorithms.md): eagle3, "
         "a one-layer draft fed the target's aux hidden states, trained by training-time test; dflash, a "
         "block-diffusion draft that fills a block of draft.dflash.block_size in one forward")
-    dflash: DFlashSection | None = Field(default=None, description="draft.algorithm dflash's fields (defaults when "
-                                         "left out)")
+    dflash: DFlashSection | None = Field(default=None, description="draft.algorithm dflash's fields")
     attention: Literal["mha", "mla"] = Field(default="mha", description="mha: a Llama layer's attention (grouped "
                                              "heads); mla: DeepSeek-V2's multi-latent attention (the q_lora_rank, "
                                              "kv_lora_rank and head-dim fields), SGLang >= 0.5.12")
@@ -64,7 +62,9 @@ class DraftSection(Section):
     @model_validator(mode="after")
     def _form_is_complete(self) -> DraftSection:
         if self.algorithm == "dflash":
-            self.dflash = self.dflash or DFlashSection()
+            if self.dflash is None:
+                raise ValueError("draft.algorithm dflash needs draft.dflash.mask_token_id: an id of the target's "
+                                 "vocabulary it never generates (its tokenizer's mask or pad token, say)")
             switches = [name for name in ("fc_norm", "norm_before_fc", "norm_output") if getattr(self, name)]
             if self.attention != "mha" or switches:
                 raise ValueError(f"draft.algorithm dflash has Qwen3-style layers: draft.attention mha, and none of "
@@ -93,3 +93,16 @@ class DraftSection(Section):
             raise ValueError(f"{', '.join('draft.' + n for n in given)} describe an MLA draft: set draft.attention mla "
                              "or remove them")
         return self
+
+
+def dflash_default_layer_ids(num_layers: int, draft_layers: int) -> list[int]:
+    """The target layers (our numbering: id k = output of layer k) a DFlash draft reads when its config names none:
+    SGLang's `build_target_layer_ids` (dflash_utils.py, 0.5.11-0.5.23), one per draft layer spread evenly over
+    1 .. num_layers - 3 (rounding half to even, as Python's round), or the middle layer for a one-layer draft."""
+    if draft_layers == 1:
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    if end < start:
+        raise ValueError(f"SGLang's default DFlash target layers need a target of at least 4 layers, not {num_layers}: "
+                         "name them in data.aux_layers")
+    return [int(round(start + i * (end - start) / (draft_layers - 1))) for i in range(draft_layers)]

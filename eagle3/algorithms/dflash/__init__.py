@@ -19,11 +19,8 @@ from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
-from eagle3.data.regenerate import read_regenerated, regen_dir
-from eagle3.data.vocab import count_loss_tokens
 from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.draft.vocab_map import VocabMap
-from eagle3.engines.targets import load_tokenizer
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.model.draft import init_weights
@@ -61,8 +58,11 @@ class DFlashAlgorithm(DraftAlgorithm):
             target_num_hidden_layers=target.num_hidden_layers,
             target_family=target.family,
             block_size=dflash.block_size,
-            mask_token_id=mask_token_id(config),
+            mask_token_id=dflash.mask_token_id,
         )
+
+    def reserved_ids(self, cfg: DFlashConfig) -> list[int]:
+        return [cfg.mask_token_id]  # it would stand for itself and for "unknown" at once
 
     def new_model(self, cfg: DFlashConfig, embed: torch.Tensor) -> DFlashDraft:
         return DFlashDraft(cfg, embed)
@@ -75,7 +75,6 @@ class DFlashAlgorithm(DraftAlgorithm):
             raise Eagle3Error("training.init_from: a DFlash draft starts from its seeded init here (warm starts are "
                               "EAGLE-3's); remove training.init_from")
         cfg = self.draft_config(config)
-        refuse_generated_mask(cfg.mask_token_id, config)
         embed = head["embed"].to(device)
         lm_head = embed if head["lm_head"] is head["embed"] else head["lm_head"].to(device)
         with torch.device(device):
@@ -138,31 +137,6 @@ class DFlashAlgorithm(DraftAlgorithm):
 
     def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:
         raise Eagle3Error(f"serving a DFlash draft: {NOT_BUILT}")
-
-
-def mask_token_id(config: PipelineConfig) -> int:
-    """draft.dflash.mask_token_id, or the target tokenizer's mask token, else its pad token: an id of the target's
-    embedding."""
-    chosen = config.draft.dflash.mask_token_id
-    if chosen is None:
-        tokenizer = load_tokenizer(config.target)
-        chosen = next((i for i in (tokenizer.mask_token_id, tokenizer.pad_token_id) if i is not None), None)
-        if chosen is None:
-            raise Eagle3Error(f"{config.target.path}: the tokenizer has no mask or pad token for a DFlash block's "
-                              "unknown positions: set draft.dflash.mask_token_id to an id the target never generates")
-    if not 0 <= chosen < config.target.vocab_size:
-        raise Eagle3Error(f"draft.dflash.mask_token_id {chosen} is outside the target's vocabulary (0 .. "
-                          f"{config.target.vocab_size - 1}): SGLang refuses it; pick an id of the target's embedding")
-    return chosen
-
-
-def refuse_generated_mask(mask: int, config: PipelineConfig) -> None:
-    """A mask token the target generates would stand for itself and for 'unknown' at once: refused, with how often
-    the regenerated replies hold it."""
-    seen = int(count_loss_tokens(read_regenerated(regen_dir(config.run)), config.target.vocab_size)[mask])
-    if seen:
-        raise Eagle3Error(f"the DFlash mask token {mask} occurs {seen} time(s) in the target's regenerated replies "
-                          f"({regen_dir(config.run)}): set draft.dflash.mask_token_id to an id it never generates")
 
 
 DFLASH = DFlashAlgorithm()

@@ -36,6 +36,9 @@ class Eagle3Algorithm(DraftAlgorithm):
     def draft_config(self, config: PipelineConfig) -> DraftConfig:
         return trained_draft_config(config)
 
+    def reserved_ids(self, cfg: DraftConfig) -> list[int]:
+        return []
+
     def new_model(self, cfg: DraftConfig, embed: torch.Tensor) -> Eagle3Draft:
         return Eagle3Draft(cfg, embed)
 

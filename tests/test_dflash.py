@@ -1,0 +1,225 @@
+"""DFlash drafts (docs/algorithms.md, "DFlash"): the config, the block model's masks (training's many blocks at once
+equal drafting's one at a time, and no block sees past its anchor), the loss rows' alignment, and the real trainer
+training, resuming and replaying a DFlash draft on the micro data set."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3.algorithms import algorithm, require_deployable
+from eagle3.algorithms.dflash.blocks import BlockRows, anchors_of, block_outputs, block_proposer
+from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
+from eagle3.bench.simulate import heldout_samples, replay_stored
+from eagle3.config import load_config
+from eagle3.config.draft import dflash_default_layer_ids
+from eagle3.errors import ConfigError, Eagle3Error
+from eagle3.model.draft import init_weights
+from eagle3.model.ttt import LossRows
+from eagle3.shape import DraftShape
+from eagle3.train.trainer import Trainer
+from helpers import TINY, metrics, run_copy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+QUIET = lambda line: None  # noqa: E731
+PAD = 5  # the tiny tokenizers' <|pad|>: never generated
+DFLASH = ["draft.algorithm=dflash", "draft.dflash.block_size=4", f"draft.dflash.mask_token_id={PAD}"]
+
+
+def tiny_dflash(layers=2, block=4, vocab=40, hidden=32, aux=3, seed=0) -> DFlashDraft:
+    cfg = DFlashConfig(hidden_size=hidden, target_hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, max_position_embeddings=256, vocab_size=vocab, draft_vocab_size=16,
+                       torch_dtype="float32", aux_layers=list(range(aux)), target_num_hidden_layers=aux + 2,
+                       block_size=block, mask_token_id=vocab - 1)
+    generator = torch.Generator().manual_seed(seed)
+    model = DFlashDraft(cfg, torch.randn(vocab, hidden, generator=generator),
+                        torch.randn(vocab, hidden, generator=generator))
+    init_weights(model, seed)
+    with torch.no_grad():  # norms away from 1, so a norm applied in the wrong place shows
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+# ---- config ------------------------------------------------------------------------------------------------------
+
+
+def test_a_dflash_config_needs_its_mask_token_and_a_chain_of_its_block():
+    with pytest.raises(ConfigError, match="draft.algorithm dflash needs draft.dflash.mask_token_id"):
+        load_config(TINY, ["draft.algorithm=dflash"])
+    with pytest.raises(ConfigError, match=r"mask_token_id 4096 is outside the target's vocabulary \(0 .. 2047\)"):
+        load_config(TINY, DFLASH[:2] + ["draft.dflash.mask_token_id=4096"])
+    with pytest.raises(ConfigError, match="block_size - 1 = 15 tokens a step; the replayed shape is steps 3.*set "
+                                          "serving.num_steps 15"):
+        load_config(TINY, ["draft.algorithm=dflash", f"draft.dflash.mask_token_id={PAD}"])
+    with pytest.raises(ConfigError, match="Qwen3-style layers: draft.attention mha, and none of draft.fc_norm"):
+        load_config(TINY, DFLASH + ["draft.fc_norm=true"])
+    with pytest.raises(ConfigError, match="draft.dflash describes a DFlash draft: set draft.algorithm dflash"):
+        load_config(TINY, ["draft.dflash.mask_token_id=5"])
+    config = load_config(TINY, DFLASH)
+    assert algorithm("dflash").predictions(config.draft, config.training) == 3
+
+
+def test_the_whole_pipeline_refuses_an_algorithm_it_cannot_serve_before_any_stage():
+    config = load_config(TINY, DFLASH)
+    with pytest.raises(Eagle3Error, match="eagle3 run: draft.algorithm dflash is trained and replayed here, but its "
+                                          "export, serving and gate are not built yet"):
+        require_deployable(config.draft.algorithm, "eagle3 run")
+    require_deployable("eagle3", "eagle3 run")
+
+
+def test_without_ids_a_dflash_draft_reads_one_target_layer_per_draft_layer_spread_as_sglang_spreads_them():
+    """SGLang's build_target_layer_ids (dflash_utils.py): Kimi-K2.5's 61 layers and a 5-layer draft, Qwen3-8B's 36
+    and 5, a one-layer draft (the middle one). tests/conformance/test_dflash.py asks each release's own function."""
+    assert dflash_default_layer_ids(61, 5) == [1, 15, 30, 44, 58]
+    assert dflash_default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert dflash_default_layer_ids(36, 1) == [18]
+    with pytest.raises(ValueError, match="at least 4 layers, not 3"):
+        dflash_default_layer_ids(3, 2)
+    config = load_config(TINY, DFLASH + ["data.aux_layers=null", "target.num_hidden_layers=8",
+                                         "draft.dflash.num_layers=3"])
+    assert config.data.aux_layers == [1, 3, 5]
+
+
+# ---- the model -------------------------------------------------------------------------------------------------
+
+
+def test_many_blocks_trained_together_equal_each_block_drafted_alone():
+    """Training's flat sequence of blocks over one context (one mask) computes what drafting computes for each block
+    over the context before its anchor: the mask is the serving engine's attention."""
+    torch.manual_seed(0)
+    model = tiny_dflash()
+    aux, ids = torch.randn(1, 20, 96), torch.randint(0, 39, (1, 20))
+    anchors = torch.tensor([[1, 5, 6, 13, 18]])
+    together = model.blocks(model.context(aux), ids.gather(1, anchors), anchors)[0]  # [N, Bk, H]
+    context = model.context(aux)
+    for n, a in enumerate(anchors[0].tolist()):
+        prefix = [(k[:, :, :a], v[:, :, :a]) for k, v in context]
+        alone = model.blocks(prefix, ids[:, a : a + 1], torch.tensor([[a]]))[0, 0]
+        torch.testing.assert_close(together[n], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_sees_nothing_at_or_past_its_anchor_but_its_own_token():
+    """Features at positions >= a and tokens after x_a change no output of the block anchored at a (the served
+    draft has neither); x_a and the features before a do."""
+    torch.manual_seed(1)
+    model = tiny_dflash()
+    aux, ids, anchors = torch.randn(1, 16, 96), torch.randint(0, 39, (1, 16)), torch.tensor([[7]])
+    base = block_outputs(model, aux, ids, anchors)
+    later_aux, later_ids = aux.clone(), ids.clone()
+    later_aux[:, 7:] += 5.0
+    later_ids[:, 8:] = (later_ids[:, 8:] + 1) % 39
+    torch.testing.assert_close(block_outputs(model, later_aux, later_ids, anchors), base)
+    earlier_aux, own = aux.clone(), ids.clone()
+    earlier_aux[:, 6] += 5.0
+    own[:, 7] = (own[:, 7] + 1) % 39
+    assert not torch.allclose(block_outputs(model, earlier_aux, ids, anchors), base)
+    assert not torch.allclose(block_outputs(model, aux, own, anchors), base)
+
+
+def test_the_export_holds_sglangs_tensor_names_and_not_the_targets():
+    model = tiny_dflash(layers=2)
+    names = set(model.export_state())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
+            "layers.1.self_attn.k_norm.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight",
+            "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight"} <= names
+    assert not {name for name in names if name.startswith(("embed_tokens", "lm_head", "loss_ids"))}
+    clone = tiny_dflash(layers=2, seed=3)
+    clone.load_draft_state(model.export_state())
+    aux, ids, anchors = torch.randn(1, 10, 96), torch.randint(0, 39, (1, 10)), torch.tensor([[4]])
+    clone.lm_head.copy_(model.lm_head)
+    clone.embed_tokens.weight.data.copy_(model.embed_tokens.weight)
+    torch.testing.assert_close(block_outputs(clone, aux, ids, anchors), block_outputs(model, aux, ids, anchors))
+
+
+def test_the_proposer_drafts_the_blocks_greedy_tokens_over_the_targets_whole_head():
+    torch.manual_seed(2)
+    model = tiny_dflash()
+    aux, ids = torch.randn(12, 96), torch.randint(0, 39, (12,))
+    tree = block_proposer(model, aux, ids, DraftShape(3))(6)
+    hidden = model.blocks(model.context(aux[None, :6]), ids[6].view(1, 1), torch.tensor([[6]]))[0, 0, 1:]
+    assert tree.tokens == (hidden @ model.lm_head.T).argmax(-1).tolist() and tree.parents == [-1, 0, 1]
+    assert len(block_proposer(model, aux, ids, DraftShape(2))(6).tokens) == 2
+    with pytest.raises(ValueError, match="at most block_size - 1 = 3 tokens; asked for steps 4"):
+        block_proposer(model, aux, ids, DraftShape(4))
+
+
+# ---- the loss rows -------------------------------------------------------------------------------------------------
+
+
+def test_each_prediction_reads_its_blocks_entry_for_the_teachers_row_of_the_token_it_predicts():
+    """Prediction k of the block at a predicts x_{a+1+k}: teacher row a + k (row u predicts u + 1), at the flat index
+    of (sequence, block, k). Every generated token is reached by each k whose anchor was drawn."""
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    mask[0, 5:11], mask[1, 3:12] = 1, 1
+    rows = BlockRows.drawn(mask, 3, most=100)
+    batch, count = rows.anchors.shape
+    for k, (at, present) in enumerate(zip(rows.steps, rows.present)):
+        for u, index, here in zip(rows.teacher.tolist(), at.tolist(), present.tolist()):
+            b, position = divmod(u, 12)
+            if not here:
+                continue
+            block, slot = divmod(index, 3)
+            assert slot == k and block // count == b
+            assert int(rows.anchors[b, block % count]) + k == position and mask[b, position + 1] == 1
+    every = LossRows.of(mask, 3)  # all anchors drawn: each step scores what EAGLE-3's step k scores
+    assert [int(p.sum()) for p in rows.present] == [int(p.sum()) for p in every.present]
+
+
+def test_anchors_are_capped_drawn_by_the_mask_and_agree_between_the_rows_and_the_normaliser():
+    mask = torch.zeros(40, dtype=torch.long)
+    mask[10:38] = 1
+    drawn = anchors_of(mask, 3, most=8)
+    assert len(drawn) == 8 and torch.equal(drawn, anchors_of(mask, 3, most=8)) and torch.all(drawn[1:] > drawn[:-1])
+    assert anchors_of(mask, 3, most=100).tolist() == list(range(7, 37))  # blocks reaching a generated token
+    config = load_config(TINY, DFLASH + ["draft.dflash.num_anchors=8"])
+    entry, masks = algorithm("dflash"), torch.stack([mask, mask.roll(3), torch.zeros(40, dtype=torch.long)])
+    whole = entry.normaliser(masks, 3, config.draft)
+    parts = sum(entry.normaliser(masks[i : i + 1], 3, config.draft) for i in range(3))  # micro-batches of one
+    assert torch.equal(whole, parts) and 0 < whole[0] <= 2 * 8
+
+
+# ---- training ------------------------------------------------------------------------------------------------------
+
+
+def test_the_trainer_trains_resumes_and_replays_a_dflash_draft(micro_data, tmp_path):
+    overrides, run_dir = run_copy(micro_data, tmp_path, "dflash", DFLASH + [
+        "draft.dflash.num_layers=2", "training.max_steps=10", "training.eval_every=5", "training.save_every=5",
+        "training.replay_prompts=2", "training.ttt_step_decay=0.8669"])
+    config = load_config(TINY, overrides)
+    lines = []
+    Trainer(config, log=lines.append).run()
+    assert any("DFlash draft, 2 layer(s), block 4, mask token 5" in line for line in lines)
+    steps = [m for m in metrics(run_dir) if "loss" in m]
+    assert {len(m["step_acc"]) for m in steps} == {3}  # block_size - 1, not training.ttt_steps
+    assert sum(m["loss"] for m in steps[-3:]) < sum(m["loss"] for m in steps[:3])
+    evals = [m for m in metrics(run_dir) if "eval_time_s" in m]
+    assert [m["step"] for m in evals] == [5, 10] and all(m["eval_accept_length"] >= 1.0 for m in evals)
+    saved = load_file(run_dir / "train" / "final" / "model.safetensors")
+    assert "fc.weight" in saved and not [name for name in saved if name.startswith(("embed", "lm_head"))]
+
+    longer = load_config(TINY, overrides + ["training.max_steps=12"])
+    lines = []
+    Trainer(longer, log=lines.append).run()
+    assert any("resumed from" in line and "step-0000010 at step 10" in line for line in lines), lines
+
+    entry = algorithm("dflash")
+    trained = entry.served_model(run_dir / "train" / "final", None, Path(config.target.path), "")
+    refs = heldout_samples(config)[:2]
+    rows = [replay_stored(entry, trained, ref.load(), config.replay_shape, 16, frozenset(), None) for ref in refs]
+    assert all(row.completion_tokens >= 16 and 0 < row.verify_ct <= row.completion_tokens for row in rows)
+    assert max(len(row.histogram) for row in rows) <= 4  # at most block_size - 1 accepted a step
+
+
+def test_a_mask_token_the_target_generates_is_refused_before_training(micro_data, tmp_path):
+    overrides, run_dir = run_copy(micro_data, tmp_path, "generated-mask", DFLASH)
+    generated = load_file(next((run_dir / "data" / "hidden").glob("**/*.safetensors")))
+    token = int(generated["input_ids"][generated["loss_mask"].bool()][0])
+    config = load_config(TINY, overrides + [f"draft.dflash.mask_token_id={token}"])
+    with pytest.raises(Eagle3Error, match=rf"target id {token} occurs \d+ time\(s\) in the target's regenerated "
+                                          r"replies .*\(draft.dflash.mask_token_id\)"):
+        Trainer(config, log=QUIET)
+    assert not (run_dir / "train").exists()
