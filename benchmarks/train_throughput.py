@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from eagle3.config.draft import DraftSection
 from eagle3.config.node import NodeSection
 from eagle3.draft.checkpoint import DraftConfig
 from eagle3.model.draft import Eagle3Draft, init_weights
@@ -75,7 +76,10 @@ def kimi_step(seq: int, ttt: int, batch: int, device: str, steps: int) -> None:
     """The trainer's step (teacher, TTT forward, loss, backward, AdamW) on a Kimi-shaped draft, next to
     the memory eagle3 plan measures for it on storage-less tensors."""
     config = draft_config(**KIMI)
-    estimate = training_step_peak_bytes(EAGLE3, config, batch, seq, ttt, pre_norm=False, recompute=True)
+    section = DraftSection(intermediate_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
+                           num_key_value_heads=config.num_key_value_heads,
+                           max_position_embeddings=config.max_position_embeddings)
+    estimate = training_step_peak_bytes(EAGLE3, config, section, batch, seq, ttt, pre_norm=False, recompute=True)
     print(f"Kimi-sized draft, batch {batch} x {seq}, TTT {ttt}: eagle3 plan's measured step {estimate / 2**30:.1f} GiB "
           "(activations, teacher, gradients; weights and optimizer apart)")
     dev = torch.device(device)

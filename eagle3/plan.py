@@ -215,7 +215,7 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
     stage.parts = {
         f"draft weights, fp32 ({params / 1e9:.2f} B trainable)": _gib(4 * params),
         f"AdamW moments, fp32 (/{shards})": _gib(8 * params / shards),
-        "target embedding, fp32, frozen": _gib(4 * embedding),
+        **{label: _gib(size) for label, size in entry.target_tensors(cfg).items()},
         "teacher head, bf16 (all rows + draft rows)": _gib(2 * embedding + 2 * config.vocab.draft_vocab_size * target.hidden_size),
         f"rows of one forward on the GPU ({per_rank} x {train.seq_len} tokens)": _gib(
             per_rank * train.seq_len * ((len(config.data.aux_layers) + 1) * target.hidden_size * 4 + 16)),

@@ -112,12 +112,12 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -
     entry = algorithm(config.draft.algorithm)
     node, draft = config.node, entry.draft_config(config)
     params = trainable_parameters(entry, draft)
+    passes = entry.draft_passes(config.draft, config.training)
     assumptions = [f"{node.peak_tflops:g} TFLOP/s per GPU (node.peak_tflops)", f"{node.hbm_tbps:g} TB/s (node.hbm_tbps)",
                    f"MFU decode {node.mfu.decode:g}, prefill {node.mfu.prefill:g}, train {node.mfu.train:g} "
                    "(node.mfu.decode / prefill / train)",
                    f"{node.model_load_min:g} min per server start (node.model_load_min)",
-                   f"draft: {params / 1e6:,.0f} M trainable parameters, 6 x that x training.ttt_steps {config.training.ttt_steps} "
-                   "FLOPs per training token"]
+                   f"draft: {params / 1e6:,.0f} M trainable parameters, 6 x that x {passes[1]} FLOPs per training token"]
     if target is None:
         assumptions.append(f"target: {size_note}")
     else:
@@ -153,10 +153,11 @@ def read_target(config: PipelineConfig, size: TargetSize | None, note: str) -> t
     return Target(active, total, size, config_path), note
 
 
-def draft_train_flops(params: int, ttt_steps: int, tokens: int) -> float:
-    """6 x trainable parameters per token per TTT step (forward and backward); the step's measured MFU
-    (benchmarks/train_throughput.py) counts the same, so it can replace node.mfu.train as it is."""
-    return 6.0 * params * ttt_steps * tokens
+def draft_train_flops(params: int, passes: float, tokens: int) -> float:
+    """6 x trainable parameters per token per draft pass (forward and backward: EAGLE-3's TTT steps, DFlash's block
+    positions per token); the step's measured MFU (benchmarks/train_throughput.py) counts the same, so it can replace
+    node.mfu.train as it is."""
+    return 6.0 * params * passes * tokens
 
 
 def _h(seconds: float) -> float:
@@ -210,15 +211,16 @@ def capture_time(config: PipelineConfig, clock: Clock) -> StageTime:
 def train_time(config: PipelineConfig, clock: Clock, params: int) -> StageTime:
     """The draft's steps and evaluations; online, the target's forward over every sequence on the same GPUs."""
     train, node = config.training, config.node
+    passes = algorithm(config.draft.algorithm).draft_passes(config.draft, train)[0]
     world = train.nproc_per_node * train.nnodes
     tokens = train.max_steps * train.batch_size * train.seq_len
     evaluations = train.max_steps // train.eval_every
     eval_tokens = evaluations * int(config.data.num_samples * train.eval_fraction) * train.seq_len
     parts = {f"draft: training.max_steps {train.max_steps:,} x batch_size {train.batch_size} x seq_len "
              f"{train.seq_len:,} = {tokens / 1e9:.2f} B tokens on {world} GPU(s)":
-             _h(clock.flops_s(draft_train_flops(params, train.ttt_steps, tokens), world, node.mfu.train)),
+             _h(clock.flops_s(draft_train_flops(params, passes, tokens), world, node.mfu.train)),
              f"evaluation: {evaluations} x {eval_tokens // max(evaluations, 1):,} tokens (training.eval_every, "
-             "eval_fraction), forward only": _h(clock.flops_s(2.0 * params * train.ttt_steps * eval_tokens, world,
+             "eval_fraction), forward only": _h(clock.flops_s(2.0 * params * passes * eval_tokens, world,
                                                                 node.mfu.train))}
     if train.features == "online":
         if clock.target is None:

@@ -69,6 +69,9 @@ class ToyAlgorithm(DraftAlgorithm):
     def new_model(self, cfg, embed):
         return ToyHeads(cfg, embed)
 
+    def target_tensors(self, cfg):
+        return {}
+
     def initial_model(self, config, head, vocab_map, device, init, log):
         with torch.device(device):
             model = self.new_model(self.draft_config(config), head["embed"])
@@ -91,6 +94,9 @@ class ToyAlgorithm(DraftAlgorithm):
 
     def predictions(self, draft, training):
         return HEADS
+
+    def draft_passes(self, draft, training):
+        return HEADS, f"{HEADS} heads"
 
     def loss_rows(self, loss_mask, predictions, draft):
         return LossRows.of(loss_mask, predictions)  # head k at index t reaches x_{t+2+k}: TTT step k's alignment

@@ -2,6 +2,7 @@
 equal drafting's one at a time, and no block sees past its anchor), the loss rows' alignment, and the real trainer
 training, resuming and replaying a DFlash draft on the micro data set."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from eagle3.algorithms.dflash.blocks import BlockRows, anchors_of, block_outputs
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from eagle3.bench.simulate import heldout_samples, replay_stored
 from eagle3.config import load_config
-from eagle3.config.draft import dflash_default_layer_ids
+from eagle3.contract.dflash import dflash_default_layer_ids
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.model.draft import init_weights
 from eagle3.model.ttt import LossRows
@@ -59,6 +60,9 @@ def test_a_dflash_config_needs_its_mask_token_and_a_chain_of_its_block():
         load_config(TINY, DFLASH + ["draft.fc_norm=true"])
     with pytest.raises(ConfigError, match="draft.dflash describes a DFlash draft: set draft.algorithm dflash"):
         load_config(TINY, ["draft.dflash.mask_token_id=5"])
+    with pytest.raises(ConfigError, match="target.family qwen2: SGLang's qwen2 model has no "
+                                          "set_dflash_layers_to_capture in any release"):
+        load_config(TINY, DFLASH + ["target.family=qwen2"])
     config = load_config(TINY, DFLASH)
     assert algorithm("dflash").predictions(config.draft, config.training) == 3
 
@@ -223,3 +227,27 @@ def test_a_mask_token_the_target_generates_is_refused_before_training(micro_data
                                           r"replies .*\(draft.dflash.mask_token_id\)"):
         Trainer(config, log=QUIET)
     assert not (run_dir / "train").exists()
+
+
+# ---- the plan --------------------------------------------------------------------------------------------------------
+
+
+def test_the_kimi_dflash_plan_fits_the_node_and_counts_its_blocks(capsys):
+    """configs/kimi-k25-dflash-8xh200.yaml: a 5-layer draft of Kimi's width (2.82 B trainable), one 4,096-token
+    sequence per GPU per forward with 512 blocks of 16, beside the target's eighth; the draft holds the target's head
+    too; its FLOPs count 2 block positions per token, not TTT steps."""
+    kimi = Path(__file__).parent.parent / "configs" / "kimi-k25-dflash-8xh200.yaml"
+    config = load_config(kimi)
+    assert config.data.aux_layers == [1, 15, 30, 44, 58] and config.draft.dflash.block_size == 16
+    from eagle3 import cli
+
+    assert cli.main(["plan", str(kimi), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    stages = {stage["name"]: stage for stage in plan["stages"]}
+    assert plan["fits"] is True and all(stage["fits"] for stage in stages.values())
+    train = stages["train"]["parts"]
+    assert any(label.startswith("target head, bf16, frozen") for label in train)
+    assert "training step, measured (15 predictions a position: activations, teacher, gradients)" in train
+    assert any("draft.dflash.num_anchors 512 x block_size 16 / training.seq_len 4096" in line
+               for line in plan["hours"]["assumptions"])
+    assert 14 < plan["hours"]["retrain_h"] < 40

@@ -84,6 +84,11 @@ class DraftAlgorithm(ABC):
         memory plan builds it under FakeTensorMode)."""
 
     @abstractmethod
+    def target_tensors(self, cfg: DraftConfig) -> dict[str, int]:
+        """The target's tensors the draft holds on each training GPU, frozen: a label each and its bytes (the memory
+        plan's)."""
+
+    @abstractmethod
     def initial_model(self, config: PipelineConfig, head: dict[str, torch.Tensor], vocab_map: VocabMap,
                       device: torch.device, init: ResolvedInit | None, log: Log) -> DraftModel:
         """The draft training starts from, on `device`: initialised by training.seed from the target's head
@@ -109,6 +114,11 @@ class DraftAlgorithm(ABC):
     @abstractmethod
     def predictions(self, draft: DraftSection, training: TrainingSection) -> int:
         """K: the predictions each position's loss is split into (the metrics' per-step lists, the step weights)."""
+
+    @abstractmethod
+    def draft_passes(self, draft: DraftSection, training: TrainingSection) -> tuple[float, str]:
+        """The positions the draft's layers run per training token, and how the config says so (the time plan's
+        FLOPs)."""
 
     @abstractmethod
     def loss_rows(self, loss_mask: torch.Tensor, predictions: int, draft: DraftSection) -> LossRows:

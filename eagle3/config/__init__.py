@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError, model_validator
 from eagle3.config.base import Section
 from eagle3.config.data import PROMPT_SUFFIXES, DataSection, VocabSection
 from eagle3.config.deployment import GateSection, MonitorSection, ProductionSection, RegistrySection
-from eagle3.config.draft import DraftSection, dflash_default_layer_ids
+from eagle3.config.draft import DraftSection
 from eagle3.config.node import NodeSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection, ExportSection, ServingSection, SweepSection
@@ -27,6 +27,7 @@ from eagle3.contract.engines import (
     FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, served_draft_problem, served_features_problem,
     sglang_default_inputs, sglang_ids_for_layers,
 )
+from eagle3.contract.dflash import dflash_default_layer_ids, dflash_family_problem
 from eagle3.target.info import read_target_info
 from eagle3.target.files import (
     THINKING_SWITCHES, TOKENIZER_MODEL_FILES, chat_template_text, thinking_switches, untrusted_code_problem,
@@ -110,6 +111,8 @@ class PipelineConfig(Section):
 
     def _check_dflash(self) -> None:
         """A DFlash draft proposes one chain of a block's size a step: the replayed shape must be that chain."""
+        if problem := dflash_family_problem(self.target.family):
+            raise ValueError(f"draft.algorithm dflash with target.family {self.target.family}: {problem}")
         mask = self.draft.dflash.mask_token_id
         if mask >= self.target.vocab_size:
             raise ValueError(f"draft.dflash.mask_token_id {mask} is outside the target's vocabulary (0 .. "

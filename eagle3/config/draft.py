@@ -93,16 +93,3 @@ class DraftSection(Section):
             raise ValueError(f"{', '.join('draft.' + n for n in given)} describe an MLA draft: set draft.attention mla "
                              "or remove them")
         return self
-
-
-def dflash_default_layer_ids(num_layers: int, draft_layers: int) -> list[int]:
-    """The target layers (our numbering: id k = output of layer k) a DFlash draft reads when its config names none:
-    SGLang's `build_target_layer_ids` (dflash_utils.py, 0.5.11-0.5.23), one per draft layer spread evenly over
-    1 .. num_layers - 3 (rounding half to even, as Python's round), or the middle layer for a one-layer draft."""
-    if draft_layers == 1:
-        return [num_layers // 2]
-    start, end = 1, num_layers - 3
-    if end < start:
-        raise ValueError(f"SGLang's default DFlash target layers need a target of at least 4 layers, not {num_layers}: "
-                         "name them in data.aux_layers")
-    return [int(round(start + i * (end - start) / (draft_layers - 1))) for i in range(draft_layers)]

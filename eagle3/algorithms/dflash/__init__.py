@@ -67,6 +67,11 @@ class DFlashAlgorithm(DraftAlgorithm):
     def new_model(self, cfg: DFlashConfig, embed: torch.Tensor) -> DFlashDraft:
         return DFlashDraft(cfg, embed)
 
+    def target_tensors(self, cfg: DFlashConfig) -> dict[str, int]:
+        embedding = cfg.vocab_size * cfg.hidden_size
+        return {"target embedding, fp32, frozen": 4 * embedding,
+                "target head, bf16, frozen (the draft's logits; one tensor with the embedding when tied)": 2 * embedding}
+
     def initial_model(self, config: PipelineConfig, head: dict[str, torch.Tensor], vocab_map: VocabMap,
                       device: torch.device, init: ResolvedInit | None, log: Log) -> DFlashDraft:
         """Seeded, on `device`; the target's embedding and head (one tensor when they are tied), the loss scoring
@@ -76,7 +81,8 @@ class DFlashAlgorithm(DraftAlgorithm):
                               "EAGLE-3's); remove training.init_from")
         cfg = self.draft_config(config)
         embed = head["embed"].to(device)
-        lm_head = embed if head["lm_head"] is head["embed"] else head["lm_head"].to(device)
+        head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # its matmuls run in bf16 there
+        lm_head = embed if head["lm_head"] is head["embed"] else head["lm_head"].to(device, head_dtype)
         with torch.device(device):
             model = DFlashDraft(cfg, embed, lm_head)
         init_weights(model, config.training.seed)  # from a CPU generator: the same draft on any device
@@ -105,6 +111,14 @@ class DFlashAlgorithm(DraftAlgorithm):
 
     def predictions(self, draft: DraftSection, training: TrainingSection) -> int:
         return draft.dflash.block_size - 1
+
+    def draft_passes(self, draft: DraftSection, training: TrainingSection) -> tuple[float, str]:
+        """Each sequence's blocks: its anchors (at most one a position) x the block's positions."""
+        dflash = draft.dflash
+        anchors = min(dflash.num_anchors, training.seq_len)
+        return (anchors * dflash.block_size / training.seq_len,
+                f"draft.dflash.num_anchors {anchors} x block_size {dflash.block_size} / training.seq_len "
+                f"{training.seq_len} block positions")
 
     def loss_rows(self, loss_mask: torch.Tensor, predictions: int, draft: DraftSection) -> BlockRows:
         return BlockRows.drawn(loss_mask, predictions, draft.dflash.num_anchors)

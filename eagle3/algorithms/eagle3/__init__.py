@@ -42,6 +42,9 @@ class Eagle3Algorithm(DraftAlgorithm):
     def new_model(self, cfg: DraftConfig, embed: torch.Tensor) -> Eagle3Draft:
         return Eagle3Draft(cfg, embed)
 
+    def target_tensors(self, cfg: DraftConfig) -> dict[str, int]:
+        return {"target embedding, fp32, frozen": 4 * cfg.vocab_size * cfg.hidden_size}
+
     def initial_model(self, config: PipelineConfig, head: dict[str, torch.Tensor], vocab_map: VocabMap,
                       device: torch.device, init: ResolvedInit | None, log: Log) -> Eagle3Draft:
         """Made on `device` (no CPU copy of the weights to move); the head holds the target's rows of the draft
@@ -71,6 +74,9 @@ class Eagle3Algorithm(DraftAlgorithm):
 
     def predictions(self, draft: DraftSection, training: TrainingSection) -> int:
         return training.ttt_steps
+
+    def draft_passes(self, draft: DraftSection, training: TrainingSection) -> tuple[float, str]:
+        return training.ttt_steps, f"training.ttt_steps {training.ttt_steps}"
 
     def loss_rows(self, loss_mask: torch.Tensor, predictions: int, draft: DraftSection) -> LossRows:
         return LossRows.of(loss_mask, predictions)
