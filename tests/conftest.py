@@ -45,6 +45,7 @@ from s3_server import new_bucket, serve_moto_s3  # noqa: E402
 # the first worker builds the micro target (~45 s, tests/fixtures_tiny.py) and the second, which needs no target
 # there, would otherwise wait for it.
 RELEASE_CHILD_FILES = ("conformance/test_aux_ids.py", "conformance/test_counting.py", "conformance/test_dflash.py",
+                       "conformance/test_dflash_loader.py",
                        "conformance/test_families.py", "conformance/test_features.py", "conformance/test_loader.py", "conformance/test_mla_draft.py",
                        "conformance/test_server_args.py",
                        "conformance/test_telemetry.py")

@@ -33,7 +33,7 @@ def tiny_dflash(layers=2, block=4, vocab=40, hidden=32, aux=3, seed=0) -> DFlash
                        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-6,
                        rope_theta=10000.0, max_position_embeddings=256, vocab_size=vocab, draft_vocab_size=16,
                        torch_dtype="float32", aux_layers=list(range(aux)), target_num_hidden_layers=aux + 2,
-                       block_size=block, mask_token_id=vocab - 1)
+                       target_family="llama", block_size=block, mask_token_id=vocab - 1)
     generator = torch.Generator().manual_seed(seed)
     model = DFlashDraft(cfg, torch.randn(vocab, hidden, generator=generator),
                         torch.randn(vocab, hidden, generator=generator))
@@ -251,3 +251,68 @@ def test_the_kimi_dflash_plan_fits_the_node_and_counts_its_blocks(capsys):
     assert any("draft.dflash.num_anchors 512 x block_size 16 / training.seq_len 4096" in line
                for line in plan["hours"]["assumptions"])
     assert 14 < plan["hours"]["retrain_h"] < 40
+
+
+# ---- the SGLang layout -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def exported(tmp_path):
+    """A tiny draft's SGLang export, and the data manifest of the layers it was trained on."""
+    from eagle3.algorithms.dflash.layout import write_sglang
+    from eagle3.records.manifest import write_manifest
+
+    model = tiny_dflash(layers=2)
+    native = tmp_path / "native"
+    native.mkdir()
+    algorithm("dflash").write_draft(model.config, model.export_state(), native, {})
+    data = tmp_path / "data"
+    data.mkdir()
+    write_manifest(data, kind="dataset", fields={"capture": {"aux_layers": model.config.aux_layers},
+                                                 "target": {"family": "llama"}})
+    return model, write_sglang(native, tmp_path / "sglang"), data / "manifest.json"
+
+
+def rewritten(directory: Path, change) -> Path:
+    raw = json.loads((directory / "config.json").read_text())
+    change(raw)
+    (directory / "config.json").write_text(json.dumps(raw))
+    return directory
+
+
+def problems(directory: Path, manifest: Path) -> dict:
+    from eagle3.algorithms.dflash.layout import validate_sglang
+
+    return {p.code: p.message for p in validate_sglang(directory, "0.5.23", manifest, 128).errors()}
+
+
+def test_the_export_is_sglangs_config_and_reads_back_as_the_same_draft(exported):
+    model, directory, manifest = exported
+    raw = json.loads((directory / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 4 and raw["num_target_layers"] == 5
+    assert raw["dflash_config"] == {"target_layer_ids": [0, 1, 2], "mask_token_id": 39}
+    assert problems(directory, manifest) == {}
+    entry = algorithm("dflash")
+    with pytest.raises(Eagle3Error, match="export.layouts speculators: a DFlash draft is exported in SGLang's layout "
+                                          "only"):
+        entry.export(directory, directory.parent / "spec", "speculators", None, QUIET)
+    assert not (directory.parent / "sglang.partial").exists()
+
+
+@pytest.mark.parametrize("fault, change, code, says", [
+    ("ids off by one", lambda raw: raw["dflash_config"].update(target_layer_ids=[1, 2, 3]), "captured-layers-mismatch",
+     r"target_layer_ids \[1, 2, 3\] make SGLang capture the outputs of layers \[1, 2, 3\], but the draft was trained "
+     r"on layers \[0, 1, 2\]"),
+    ("no ids", lambda raw: raw["dflash_config"].pop("target_layer_ids"), "aux-ids-missing", "SGLang spreads its own"),
+    ("mask outside the vocabulary", lambda raw: raw["dflash_config"].update(mask_token_id=40), "vocab-size",
+     "mask_token_id 40 is not an id of the target's 40"),
+    ("no block size", lambda raw: raw.pop("block_size"), "config-field", "no block_size: SGLang takes 16"),
+    ("another architecture", lambda raw: raw.update(architectures=["LlamaForCausalLMEagle3"]), "config-architecture",
+     "SGLang serves DFlash as DFlashDraftModel"),
+])
+def test_each_fault_of_an_export_is_named_before_serving(exported, fault, change, code, says):
+    import re
+
+    _, directory, manifest = exported
+    found = problems(rewritten(directory, change), manifest)
+    assert list(found) == [code] and re.search(says, found[code]), found

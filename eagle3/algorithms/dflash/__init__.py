@@ -1,7 +1,8 @@
 """DFlash (block-diffusion) drafts as a draft algorithm: the draft of `model.py`, trained on blocks at anchors and
-drafting a block in one forward (`blocks.py`). It trains from the same data stages as EAGLE-3 (online or offline
-features, the run's vocab map for its loss) and its evaluation replays the held-out sequences. Its SGLang export,
-validation and serving flags are not built yet (docs/algorithms.md, "DFlash"): those hooks refuse, naming it."""
+drafting a block in one forward (`blocks.py`), exported and validated in SGLang's layout (`layout.py`). It trains from
+the same data stages as EAGLE-3 (online or offline features, the run's vocab map for its loss) and its evaluation
+replays the held-out sequences. Its serving is not built yet (docs/algorithms.md, "DFlash"): those hooks refuse,
+naming it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log, Proposer
 from eagle3.algorithms.dflash.blocks import BlockModel, BlockRows, block_loss, block_proposer
+from eagle3.algorithms.dflash.layout import read_sglang, validate_sglang, write_sglang
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.config import PipelineConfig
@@ -29,7 +31,7 @@ from eagle3.model.weights import target_head
 from eagle3.records.manifest import write_manifest
 from eagle3.shape import DraftShape
 
-NOT_BUILT = "its SGLang layout, validation and serving are not built yet (docs/algorithms.md, \"DFlash\")"
+NOT_BUILT = "its serving is not built yet (docs/algorithms.md, \"DFlash\")"
 
 
 class DFlashAlgorithm(DraftAlgorithm):
@@ -92,11 +94,16 @@ class DFlashAlgorithm(DraftAlgorithm):
         return model
 
     def served_model(self, path: Path, release: str | None, target_dir: Path, prefix: str) -> DFlashDraft:
-        """The draft `write_draft` wrote at `path`, with the target's embedding and head."""
+        """The draft at `path` (an SGLang export, or what `write_draft` wrote), with the target's embedding and head:
+        SGLang's loader reads every tensor of an export as it is (tests/conformance/test_dflash_loader.py)."""
         head = target_head(target_dir, prefix)
-        cfg = DFlashConfig.model_validate(read_json(path / CONFIG_FILE, "missing"))
+        if "eagle3" in read_json(path / CONFIG_FILE, "missing"):
+            cfg, tensors = read_sglang(path)
+            tensors = {name: t.float() for name, t in tensors.items()}
+        else:
+            cfg, tensors = DFlashConfig.model_validate(read_json(path / CONFIG_FILE, "missing")), self.read_draft(path)
         model = DFlashDraft(cfg, head["embed"], head["lm_head"])
-        model.load_draft_state(self.read_draft(path))
+        model.load_draft_state(tensors)
         return model
 
     def write_draft(self, cfg: DFlashConfig, tensors: dict[str, torch.Tensor], directory: Path,
@@ -139,11 +146,16 @@ class DFlashAlgorithm(DraftAlgorithm):
         return block_proposer(model, aux, tokens, shape)
 
     def export(self, source: Path, directory: Path, layout: str, target: ExportTarget, log: Log) -> Path:
-        raise Eagle3Error(f"export.layouts {layout}: a DFlash draft is trained and replayed here; {NOT_BUILT}")
+        if layout != "sglang":
+            raise Eagle3Error(f"export.layouts {layout}: a DFlash draft is exported in SGLang's layout only; "
+                              "speculators' is not built yet (docs/algorithms.md, \"DFlash\")")
+        write_sglang(source, directory)
+        log(f"export: DFlash draft in SGLang's layout (DFlashDraftModel) -> {directory}")
+        return directory
 
     def validate(self, directory: Path, layout: str, release: str | None, target_dir: Path | None,
                  data_manifest: Path, context_length: int) -> Report:
-        raise Eagle3Error(f"no {layout} export of a DFlash draft to validate: {NOT_BUILT}")
+        return validate_sglang(directory, release, data_manifest, context_length)
 
     def kv_cache_entries(self, cfg: DFlashConfig, tp: int) -> float:
         """Keys and values of every layer; SGLang gives each rank max(1, kv_heads / tp) heads (DFlashAttention)."""

@@ -1,7 +1,8 @@
 """Probe: load EAGLE-3 drafts through one SGLang release's own loader, on the CPU.
 
 job = {"drafts": {label: directory holding config.json + model.safetensors}, "target": optional
-directory whose config.json stands for the target's (default: each draft's own)}. For each draft the
+directory whose config.json stands for the target's (default: each draft's own), "algorithm": the
+--speculative-algorithm the server runs (default EAGLE3; DFLASH for DFlashDraftModel drafts)}. For each draft the
 release's own ServerArgs, draft ModelConfig (is_draft_model=True), LoadConfig and model loader run as
 a speculative-decoding server's draft worker runs them, with the draft alone: no target is built.
 
@@ -47,7 +48,7 @@ def run(job: dict) -> dict:
     for label, path in job["drafts"].items():
         started = time.perf_counter()
         try:
-            answer = _probe(str(path), str(job.get("target") or path))
+            answer = _probe(str(path), str(job.get("target") or path), job.get("algorithm", "EAGLE3"))
         except _StageError as failure:
             answer = {"error": failure.describe()}
         answer["seconds"] = round(time.perf_counter() - started, 3)
@@ -96,9 +97,9 @@ def _step(description: str) -> None:
         SETUP_STEPS.append(description)
 
 
-def _probe(path: str, target: str) -> dict:
+def _probe(path: str, target: str, algorithm: str) -> dict:
     global _PARALLEL_DONE, _PARALLEL_FAILURE
-    server_args = _stage("server_args", _server_args, path, target)
+    server_args = _stage("server_args", _server_args, path, target, algorithm)
     _stage("publish", _publish, server_args)
     model_config = _stage("model_config", _draft_model_config, server_args, path)
     if not _PARALLEL_DONE:
@@ -114,16 +115,16 @@ def _probe(path: str, target: str) -> dict:
     return _stage("load", _load, server_args, model_config, path)
 
 
-def _server_args(path: str, target: str):
+def _server_args(path: str, target: str, algorithm: str):
     from sglang.srt.server_args import ServerArgs
 
     # No target is built: ServerArgs only reads the target's config.json for its speculative-decoding
     # defaults, so by default the draft stands in for it.
-    _step("ServerArgs(model_path=target or draft, speculative_algorithm=EAGLE3, speculative_draft_model_path=draft, "
+    _step(f"ServerArgs(model_path=target or draft, speculative_algorithm={algorithm}, speculative_draft_model_path=draft, "
           "device=cpu, dtype=float32, tp_size=1)")
     return ServerArgs(
         model_path=target,
-        speculative_algorithm="EAGLE3",
+        speculative_algorithm=algorithm,
         speculative_draft_model_path=path,
         device="cpu",
         dtype="float32",
