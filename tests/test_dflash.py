@@ -28,10 +28,10 @@ PAD = 5  # the tiny tokenizers' <|pad|>: never generated
 DFLASH = ["draft.algorithm=dflash", "draft.dflash.block_size=4", f"draft.dflash.mask_token_id={PAD}"]
 
 
-def tiny_dflash(layers=2, block=4, vocab=40, hidden=32, aux=3, seed=0) -> DFlashDraft:
+def tiny_dflash(layers=2, block=4, vocab=40, hidden=32, aux=3, seed=0, rope_theta=10000.0) -> DFlashDraft:
     cfg = DFlashConfig(hidden_size=hidden, target_hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-6,
-                       rope_theta=10000.0, max_position_embeddings=256, vocab_size=vocab, draft_vocab_size=16,
+                       rope_theta=rope_theta, max_position_embeddings=256, vocab_size=vocab, draft_vocab_size=16,
                        torch_dtype="float32", aux_layers=list(range(aux)), target_num_hidden_layers=aux + 2,
                        target_family="llama", block_size=block, mask_token_id=vocab - 1)
     generator = torch.Generator().manual_seed(seed)
@@ -60,6 +60,10 @@ def test_a_dflash_config_needs_its_mask_token_and_a_chain_of_its_block():
         load_config(TINY, DFLASH + ["draft.fc_norm=true"])
     with pytest.raises(ConfigError, match="draft.dflash describes a DFlash draft: set draft.algorithm dflash"):
         load_config(TINY, ["draft.dflash.mask_token_id=5"])
+    with pytest.raises(ConfigError, match=r"serving.release 0.5.12: SGLang 0.5.12 rotates every DFlash draft with RoPE "
+                                          r"base 1,000,000 .* not the trained 10,000: serve with SGLang >= 0.5.13"):
+        load_config(TINY, DFLASH + ["serving.release=0.5.12"])
+    load_config(TINY, DFLASH + ["serving.release=0.5.12", "draft.rope_theta=1000000"])
     with pytest.raises(ConfigError, match="target.family qwen2: SGLang's qwen2 model has no "
                                           "set_dflash_layers_to_capture in any release"):
         load_config(TINY, DFLASH + ["target.family=qwen2"])
@@ -299,6 +303,16 @@ def test_the_export_is_sglangs_config_and_reads_back_as_the_same_draft(exported)
     assert not (directory.parent / "sglang.partial").exists()
 
 
+def test_a_release_that_rotates_with_another_base_is_named(exported):
+    from eagle3.algorithms.dflash.layout import validate_sglang
+
+    _, directory, manifest = exported
+    for release, named in (("0.5.11", True), ("0.5.12", True), ("0.5.13", False), (None, True)):
+        found = {p.code: p.message for p in validate_sglang(directory, release, manifest, 128).errors()}
+        assert ("unsupported-flag" in found) == named, (release, found)
+    assert "rotates every DFlash draft with RoPE base 1,000,000" in found["unsupported-flag"]
+
+
 @pytest.mark.parametrize("fault, change, code, says", [
     ("ids off by one", lambda raw: raw["dflash_config"].update(target_layer_ids=[1, 2, 3]), "captured-layers-mismatch",
      r"target_layer_ids \[1, 2, 3\] make SGLang capture the outputs of layers \[1, 2, 3\], but the draft was trained "
@@ -307,6 +321,8 @@ def test_the_export_is_sglangs_config_and_reads_back_as_the_same_draft(exported)
     ("mask outside the vocabulary", lambda raw: raw["dflash_config"].update(mask_token_id=40), "vocab-size",
      "mask_token_id 40 is not an id of the target's 40"),
     ("no block size", lambda raw: raw.pop("block_size"), "config-field", "no block_size: SGLang takes 16"),
+    ("rope base where transformers 5 does not read it", lambda raw: raw.pop("rope_parameters"), "config-field",
+     "rope_parameters.rope_theta is None, rope_theta 10000.0: .*Qwen3's default 1,000,000"),
     ("another architecture", lambda raw: raw.update(architectures=["LlamaForCausalLMEagle3"]), "config-architecture",
      "SGLang serves DFlash as DFlashDraftModel"),
 ])

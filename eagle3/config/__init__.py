@@ -27,7 +27,7 @@ from eagle3.contract.engines import (
     FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, served_draft_problem, served_features_problem,
     sglang_default_inputs, sglang_ids_for_layers,
 )
-from eagle3.contract.dflash import dflash_default_layer_ids, dflash_family_problem
+from eagle3.contract.dflash import dflash_default_layer_ids, dflash_family_problem, dflash_rope_problem
 from eagle3.target.info import read_target_info
 from eagle3.target.files import (
     THINKING_SWITCHES, TOKENIZER_MODEL_FILES, chat_template_text, thinking_switches, untrusted_code_problem,
@@ -113,6 +113,9 @@ class PipelineConfig(Section):
         """A DFlash draft proposes one chain of a block's size a step: the replayed shape must be that chain."""
         if problem := dflash_family_problem(self.target.family):
             raise ValueError(f"draft.algorithm dflash with target.family {self.target.family}: {problem}")
+        release = self.serving.release if self.serving is not None else None
+        if release is not None and (problem := dflash_rope_problem(release, self.draft.rope_theta)):
+            raise ValueError(f"draft.algorithm dflash, serving.release {release}: {problem}")
         mask = self.draft.dflash.mask_token_id
         if mask >= self.target.vocab_size:
             raise ValueError(f"draft.dflash.mask_token_id {mask} is outside the target's vocabulary (0 .. "

@@ -3,10 +3,30 @@ tests/conformance/test_dflash.py runs it, docs/algorithms.md states it)."""
 
 from __future__ import annotations
 
+from eagle3.contract.engines import ReleaseRange, parse_release
+
 # The families whose model has set_dflash_layers_to_capture in every supported release. Each records, for target
 # layer id k, the output of decoder layer k (our numbering, no shift rule unlike EAGLE-3's aux ids); the others
 # (qwen2, gemma3) cannot feed a DFlash draft at all.
 DFLASH_FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v2", "kimi_k25", "glm4_moe_lite", "gpt_oss")
+
+
+# DFlashAttention of 0.5.11-0.5.12 reads `config.rope_theta`, defaulting to 1,000,000; under their transformers pin
+# (5.6.0) a Qwen3 config keeps its base in rope_parameters only, so every DFlash draft rotates with 1,000,000 there.
+# From 0.5.13 the base comes from get_rope_config (rope_parameters first): the draft's own.
+FIXED_ROPE_RELEASES = ReleaseRange("0.5.11", "0.5.12")
+FIXED_ROPE_THETA = 1_000_000.0
+
+
+def dflash_rope_problem(release: str | None, rope_theta: float) -> str | None:
+    """Why `release` would serve a DFlash draft trained with RoPE base `rope_theta` with another one (None when it
+    serves the draft's own; a release not named is judged on 0.5.11-0.5.12 too)."""
+    if rope_theta == FIXED_ROPE_THETA or (release is not None and parse_release(release) not in FIXED_ROPE_RELEASES):
+        return None
+    which = f"SGLang {release}" if release is not None else f"SGLang {FIXED_ROPE_RELEASES} (the release is not named)"
+    return (f"{which} rotates every DFlash draft with RoPE base {FIXED_ROPE_THETA:,.0f} (it reads config.rope_theta, "
+            f"which its transformers no longer sets), not the trained {rope_theta:,.0f}: serve with SGLang >= 0.5.13 "
+            f"and name it in serving.release, or train with draft.rope_theta {FIXED_ROPE_THETA:.0f}")
 
 
 def dflash_family_problem(family: str) -> str | None:

@@ -2,7 +2,7 @@
 go wrong with one before a server starts (docs/algorithms.md, "DFlash").
 
 config.json: `architectures: [DFlashDraftModel]` with Qwen3's fields (model_type qwen3, head_dim, rms_norm_eps,
-rope_theta, hidden_act silu, no attention bias), `block_size`, `num_target_layers` and `dflash_config: {target_layer_ids,
+rope_theta and rope_parameters, hidden_act silu, no attention bias), `block_size`, `num_target_layers` and `dflash_config: {target_layer_ids,
 mask_token_id}`; target_layer_ids are this project's numbering (id k = the output of layer k), which every release
 records for them on the families it captures for (tests/conformance/test_dflash.py). Tensors: the draft's own under
 SGLang's names (`fc`, `hidden_norm`, `layers.N.*` with q/k/v and gate/up apart, which its loader stacks, `norm`); no
@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
-from eagle3.contract.dflash import dflash_family_problem
+from eagle3.contract.dflash import FIXED_ROPE_THETA, dflash_family_problem, dflash_rope_problem
 from eagle3.contract.problems import ProblemCode, Report
 from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.errors import UnreadableInput
@@ -37,6 +37,9 @@ def sglang_config(cfg: DFlashConfig) -> dict:
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        # transformers 5 (the pin of SGLang 0.5.11 on) reads Qwen3's RoPE base only from here: with rope_theta alone
+        # the server rotates with Qwen3's default 1,000,000 (tests/conformance/test_dflash_loader.py)
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
         "hidden_act": cfg.hidden_act, "attention_bias": False, "tie_word_embeddings": False,
         "torch_dtype": cfg.torch_dtype, "block_size": cfg.block_size, "num_target_layers": cfg.target_num_hidden_layers,
@@ -72,8 +75,9 @@ def read_sglang(directory: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]
 
 
 def validate_sglang(directory: Path, release: str | None, data_manifest: Path, context_length: int) -> Report:
-    """What SGLang would do wrongly with the export at `directory`: each problem named, with its fix. The same for
-    every release 0.5.11-0.5.23 (their loaders and capture agree: tests/conformance/test_dflash.py)."""
+    """What SGLang `release` would do wrongly with the export at `directory`: each problem named, with its fix. The
+    releases' loaders and capture agree (tests/conformance/test_dflash*.py); their RoPE base does not
+    (eagle3.contract.dflash)."""
     report = Report(str(directory), "sglang", release)
     raw = read_json(directory / CONFIG_FILE, "missing")
     family = ((raw.get("eagle3") or {}).get("native") or {}).get("target_family") or "unknown"
@@ -93,6 +97,15 @@ def validate_sglang(directory: Path, release: str | None, data_manifest: Path, c
         report.add(ProblemCode.CONFIG_FIELD, "error", "no block_size: SGLang takes 16 or the server's "
                    "--speculative-num-draft-tokens, which may not be the block the draft was trained on",
                    "set block_size to draft.dflash.block_size")
+    rope = (raw.get("rope_parameters") or {}).get("rope_theta")
+    if rope != raw.get("rope_theta"):
+        report.add(ProblemCode.CONFIG_FIELD, "error", f"rope_parameters.rope_theta is {rope}, rope_theta "
+                   f"{raw.get('rope_theta')}: SGLang's transformers reads a Qwen3 config's RoPE base from "
+                   "rope_parameters (Qwen3's default 1,000,000 when absent), so the served draft rotates otherwise",
+                   "set rope_parameters to {\"rope_type\": \"default\", \"rope_theta\": <the trained base>}")
+    if problem := dflash_rope_problem(release, float(raw.get("rope_theta") or 0)):
+        report.add(ProblemCode.UNSUPPORTED_FLAG, "error", problem, "serve with SGLang >= 0.5.13, or retrain with "
+                   f"draft.rope_theta {FIXED_ROPE_THETA:.0f}")
     if (raw.get("max_position_embeddings") or 0) < context_length:
         report.add(ProblemCode.CONTEXT_LENGTH, "error", f"max_position_embeddings {raw.get('max_position_embeddings')} "
                    f"is below serving.context_length {context_length}", "raise draft.max_position_embeddings")
