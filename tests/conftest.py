@@ -44,11 +44,12 @@ from s3_server import new_bucket, serve_moto_s3  # noqa: E402
 # children are session fixtures, started once per worker that asks (~15 s each, nine releases). That unit goes second:
 # the first worker builds the micro target (~45 s, tests/fixtures_tiny.py) and the second, which needs no target
 # there, would otherwise wait for it.
+# The loader probe builds a child's process groups once, at its first load: the files that load drafts run one after
+# the other (test_loader, test_mla_draft, test_dflash_loader), after the probes that publish other server args.
 RELEASE_CHILD_FILES = ("conformance/test_aux_ids.py", "conformance/test_counting.py", "conformance/test_dflash.py",
-                       "conformance/test_dflash_loader.py",
-                       "conformance/test_families.py", "conformance/test_features.py", "conformance/test_loader.py", "conformance/test_mla_draft.py",
-                       "conformance/test_server_args.py",
-                       "conformance/test_telemetry.py")
+                       "conformance/test_families.py", "conformance/test_features.py", "conformance/test_loader.py",
+                       "conformance/test_mla_draft.py", "conformance/test_dflash_loader.py",
+                       "conformance/test_server_args.py", "conformance/test_telemetry.py")
 LONGEST_FILES = ("conformance/test_eagle3_server.py", *RELEASE_CHILD_FILES, "test_deployment_e2e.py",
                  "conformance/test_plain_server.py", "test_flow.py", "test_stop.py", "test_train_launch.py",
                  "test_train.py", "test_launch.py")

@@ -169,7 +169,7 @@ TAKES_THE_CONFIG = {
     # a draft algorithm's hooks take the config: each algorithm reads its own sections (docs/algorithms.md)
     "eagle3.algorithms.base.DraftAlgorithm.draft_config": (),
     "eagle3.algorithms.base.DraftAlgorithm.initial_model": (),
-    "eagle3.algorithms.dflash.DFlashAlgorithm.draft_config": ("data", "draft", "target", "vocab"),
+    "eagle3.algorithms.dflash.DFlashAlgorithm.draft_config": ("draft", HANDS_ON, "target"),
     "eagle3.algorithms.dflash.DFlashAlgorithm.initial_model": (HANDS_ON, "training"),
     "eagle3.algorithms.eagle3.Eagle3Algorithm.draft_config": (HANDS_ON,),
     "eagle3.algorithms.eagle3.Eagle3Algorithm.initial_model": (HANDS_ON, "training"),
@@ -221,7 +221,8 @@ TAKES_THE_CONFIG = {
     "eagle3.serve.launch.reference_command": ("run", "serving", "target"),
     "eagle3.serve.launch.server_for": (HANDS_ON, "run", "serving"),
     "eagle3.serve.launch.sglang_command": ("data", "draft", "serving", "target"),
-    "eagle3.algorithms.eagle3.architecture.trained_draft_config": ("data", "draft", "target", "vocab"),
+    "eagle3.algorithms.eagle3.architecture.trained_draft_config": ("draft", HANDS_ON, "target"),
+    "eagle3.algorithms.sizes.draft_sizes": ("data", "draft", "target", "vocab"),
     "eagle3.train.launch.launch_commands": ("data", "run", "training"),
     "eagle3.train.launch.train": (HANDS_ON, "run", "serving", "training"),
     "eagle3.train.parts.dataset_manifest": (HANDS_ON,),

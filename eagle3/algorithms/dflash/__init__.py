@@ -16,6 +16,7 @@ from eagle3.algorithms.dflash.blocks import BlockModel, BlockRows, block_loss, b
 from eagle3.algorithms.dflash.layout import read_sglang, validate_sglang, write_sglang
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from eagle3.algorithms.init_copy import ResolvedInit
+from eagle3.algorithms.sizes import draft_sizes
 from eagle3.config import PipelineConfig
 from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
@@ -41,24 +42,12 @@ class DFlashAlgorithm(DraftAlgorithm):
     deployable = False
 
     def draft_config(self, config: PipelineConfig) -> DFlashConfig:
-        target, draft, dflash = config.target, config.draft, config.draft.dflash
+        draft, dflash = config.draft, config.draft.dflash
         return DFlashConfig(
-            hidden_size=target.hidden_size,  # the target's embedding feeds the blocks, its head reads them
-            target_hidden_size=target.hidden_size,
-            intermediate_size=draft.intermediate_size,
+            **draft_sizes(config),  # the target's embedding feeds the blocks, its head reads them
             num_hidden_layers=dflash.num_layers,
-            num_attention_heads=draft.num_attention_heads,
             num_key_value_heads=draft.num_key_value_heads,
-            head_dim=target.hidden_size // draft.num_attention_heads,
-            rms_norm_eps=draft.rms_norm_eps,
-            rope_theta=draft.rope_theta,
-            max_position_embeddings=draft.max_position_embeddings,
-            vocab_size=target.vocab_size,
-            draft_vocab_size=config.vocab.draft_vocab_size,
-            torch_dtype=draft.torch_dtype,
-            aux_layers=list(config.data.aux_layers),
-            target_num_hidden_layers=target.num_hidden_layers,
-            target_family=target.family,
+            head_dim=config.target.hidden_size // draft.num_attention_heads,
             block_size=dflash.block_size,
             mask_token_id=dflash.mask_token_id,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from eagle3.algorithms.sizes import draft_sizes
 from eagle3.config import PipelineConfig
 from eagle3.draft.checkpoint import DraftConfig
 from eagle3.draft.layouts.shared import MLA_SIZES
@@ -11,22 +12,10 @@ def trained_draft_config(config: PipelineConfig) -> DraftConfig:
     """The architecture a run trains: the `draft` section's sizes around the target's width and vocabulary."""
     target, draft = config.target, config.draft
     return DraftConfig(
-        hidden_size=target.hidden_size,  # SGLang swaps in the target's embedding: sizes must match
-        target_hidden_size=target.hidden_size,
-        intermediate_size=draft.intermediate_size,
-        num_attention_heads=draft.num_attention_heads,
+        **draft_sizes(config),
         num_key_value_heads=draft.num_key_value_heads or draft.num_attention_heads,  # mla: every head its own key
         head_dim=(draft.qk_nope_head_dim + draft.qk_rope_head_dim if draft.attention == "mla"
                   else target.hidden_size // draft.num_attention_heads),
-        rms_norm_eps=draft.rms_norm_eps,
-        rope_theta=draft.rope_theta,
-        max_position_embeddings=draft.max_position_embeddings,
-        vocab_size=target.vocab_size,
-        draft_vocab_size=config.vocab.draft_vocab_size,
-        torch_dtype=draft.torch_dtype,
-        aux_layers=list(config.data.aux_layers),
-        target_num_hidden_layers=target.num_hidden_layers,
-        target_family=target.family,
         fc_norm=draft.fc_norm,
         norm_before_fc=draft.norm_before_fc,
         norm_output=draft.norm_output,
