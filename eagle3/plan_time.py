@@ -129,7 +129,8 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -
                "node.model_load_min": node.model_load_min, "draft trainable parameters": params,
                "target active parameters": target and target.active, "target parameters": target and target.total}
     clock = Clock(config, target)
-    stages = [regenerate_time(config, clock), capture_time(config, clock), train_time(config, clock, params)]
+    stages = [regenerate_time(config, clock), capture_time(config, clock),
+              train_time(config, clock, params, passes[0])]
     if config.serving is not None and config.benchmark is not None:
         stages += [serve_time(config, clock), sweep_time(config, clock)]
         if config.production.mode == "managed":
@@ -208,10 +209,9 @@ def capture_time(config: PipelineConfig, clock: Clock) -> StageTime:
                                  _h(clock.prefill_s(samples + heldout, gpus))})
 
 
-def train_time(config: PipelineConfig, clock: Clock, params: int) -> StageTime:
+def train_time(config: PipelineConfig, clock: Clock, params: int, passes: float) -> StageTime:
     """The draft's steps and evaluations; online, the target's forward over every sequence on the same GPUs."""
     train, node = config.training, config.node
-    passes = algorithm(config.draft.algorithm).draft_passes(config.draft, train)[0]
     world = train.nproc_per_node * train.nnodes
     tokens = train.max_steps * train.batch_size * train.seq_len
     evaluations = train.max_steps // train.eval_every

@@ -73,8 +73,8 @@ def test_a_dflash_config_needs_its_mask_token_and_a_chain_of_its_block():
 
 def test_the_whole_pipeline_refuses_an_algorithm_it_cannot_serve_before_any_stage():
     config = load_config(TINY, DFLASH)
-    with pytest.raises(Eagle3Error, match="eagle3 run: draft.algorithm dflash is trained and replayed here, but its "
-                                          "export, serving and gate are not built yet"):
+    with pytest.raises(Eagle3Error, match="eagle3 run: draft.algorithm dflash is trained, replayed and exported here, "
+                                          "but its serving and gate are not built yet"):
         require_deployable(config.draft.algorithm, "eagle3 run")
     require_deployable("eagle3", "eagle3 run")
 

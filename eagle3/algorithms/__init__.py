@@ -12,11 +12,11 @@ ALGORITHMS: dict[str, DraftAlgorithm] = {entry.name: entry for entry in (EAGLE3,
 
 def require_deployable(name: str, by: str) -> None:
     """The whole pipeline exports, serves and gates the draft: an algorithm whose entry cannot is refused before any
-    stage, not at the export stage after training (eagle3 train and eagle3 simulate still run it)."""
+    stage, not where serving starts after hours of training (the hand steps still run it)."""
     if not algorithm(name).deployable:
-        raise Eagle3Error(f"{by}: draft.algorithm {name} is trained and replayed here, but its export, serving and gate "
-                          "are not built yet (docs/algorithms.md): run `eagle3 data regenerate`, `eagle3 data capture`, "
-                          "`eagle3 vocab build` and `eagle3 train` by hand")
+        raise Eagle3Error(f"{by}: draft.algorithm {name} is trained, replayed and exported here, but its serving and "
+                          "gate are not built yet (docs/algorithms.md): run `eagle3 data regenerate`, `eagle3 data "
+                          "capture`, `eagle3 vocab build`, `eagle3 train` and `eagle3 export` by hand")
 
 
 def algorithm(name: str) -> DraftAlgorithm:

@@ -65,7 +65,7 @@ class DraftAlgorithm(ABC):
     name: str  # draft.algorithm
     server_algorithm: str  # SGLang's --speculative-algorithm
     config_type: type[BaseModel]  # what draft_config returns, and what the checkpoints' config.json holds
-    deployable = True  # export, validate and server_flags are built: the whole pipeline (`eagle3 run`) may run it
+    deployable = True  # server_flags is built (it serves): the whole pipeline (`eagle3 run`) may run it
 
     # -- the draft --------------------------------------------------------------------------------
 

@@ -230,7 +230,30 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
-class Eagle3Draft(nn.Module):
+class TargetEmbeddingDraft(nn.Module):
+    """What every draft module here shares: the target's embedding as `embed_tokens`, frozen and never exported, and
+    the norms and MLPs whose intermediates training.recompute keeps or recomputes (`DraftModel`'s members)."""
+
+    embed_tokens: nn.Embedding
+
+    def set_recompute(self, on: bool) -> None:
+        """training.recompute: whether the backward recomputes the norms and the SwiGLU product (less memory, a
+        slower step) or keeps their intermediates. The same values either way."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.recompute = on
+
+    def load_draft_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load canonical tensors (every one but the target's embedding, which stays); strict otherwise."""
+        self.load_state_dict({**tensors, "embed_tokens.weight": self.embed_tokens.weight}, strict=True)
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """Canonical tensors (the native layout) on the CPU, without the target's embedding."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.state_dict().items()
+                if not name.startswith("embed_tokens")}
+
+
+class Eagle3Draft(TargetEmbeddingDraft):
     def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor):
         super().__init__()
         flags = [flag for flag in UNSUPPORTED_FLAGS if getattr(cfg, flag)]
@@ -248,13 +271,6 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-
-    def set_recompute(self, on: bool) -> None:
-        """training.recompute: whether the backward recomputes the norms and the SwiGLU product (less memory, a
-        slower step) or keeps their intermediates. The same values either way."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
-                module.recompute = on
 
     def hot_token_ids(self) -> torch.Tensor:
         """[draft_vocab] the target id each head row predicts, read the way SGLang reads d2t."""
@@ -295,14 +311,6 @@ class Eagle3Draft(nn.Module):
         """The carried output [..., H] -> draft-vocabulary logits [..., Dv]."""
         return self.lm_head(self.head_input(carried))
 
-    def load_draft_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load canonical tensors (every one but the target's embedding, which stays); strict otherwise."""
-        self.load_state_dict({**tensors, "embed_tokens.weight": self.embed_tokens.weight}, strict=True)
-
-    def export_state(self) -> dict[str, torch.Tensor]:
-        """Canonical tensors (the native layout) on the CPU, without the target's embedding."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.state_dict().items()
-                if not name.startswith("embed_tokens")}
 
 
 def ttt_chunk_rows(length: int) -> int:

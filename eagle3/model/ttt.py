@@ -14,7 +14,7 @@ drift apart.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -160,17 +160,28 @@ def draft_chain(model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, ste
     return drafts[: broken + 1] + [-1] * (steps - broken - 1)
 
 
-class TTTModel(torch.nn.Module):
-    """The unrolled draft and its loss as one module, so DDP and FSDP see a forward call (and sync gradients)."""
+class LossModule(torch.nn.Module):
+    """A draft and its loss as one module, so DDP and FSDP see a forward call (and sync gradients). A subclass names
+    the loss: loss(draft, aux, input_ids, teacher, rows) -> StepStats."""
 
-    def __init__(self, draft: Eagle3Draft):
+    loss: Callable[..., StepStats]
+
+    def __init__(self, draft: torch.nn.Module):
         super().__init__()
         self.draft = draft
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher, rows: LossRows) -> torch.Tensor:
         """[3, K]: StepStats' loss_sum, correct and count stacked (a tensor, which the wrappers' hooks follow)."""
-        stats = ttt_loss(self.draft, aux, input_ids, teacher, rows)
+        stats = type(self).loss(self.draft, aux, input_ids, teacher, rows)
         return torch.stack([stats.loss_sum, stats.correct, stats.count])
+
+
+class TTTModel(LossModule):
+    """The unrolled draft and its training-time-test loss."""
+
+    @staticmethod
+    def loss(draft: Eagle3Draft, aux, input_ids, teacher, rows) -> StepStats:
+        return ttt_loss(draft, aux, input_ids, teacher, rows)
 
 
 def ttt_loss(model: Eagle3Draft, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher, rows: LossRows) -> StepStats:

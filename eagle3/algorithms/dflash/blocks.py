@@ -20,7 +20,7 @@ import torch
 from eagle3.algorithms.dflash.model import DFlashDraft
 from eagle3.model.teacher import Teacher
 from eagle3.model.tree import DraftTree
-from eagle3.model.ttt import LossRows, StepStats, ttt_stats
+from eagle3.model.ttt import LossModule, LossRows, StepStats, ttt_stats
 from eagle3.shape import DraftShape
 
 
@@ -86,20 +86,17 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, t
                rows: BlockRows) -> StepStats:
     """The blocks scored at their rows against the teacher over the run's draft vocabulary: training's and
     evaluation's."""
-    hidden = block_outputs(model, aux, input_ids, rows.anchors)
-    return ttt_stats((model.loss_logits(hidden.index_select(0, at)) for at in rows.steps), teacher, rows)
+    hidden = block_outputs(model, aux, input_ids, rows.anchors)  # [B * N * K, H]
+    head = model.loss_head(hidden.dtype)  # [Dv, H]
+    return ttt_stats((hidden.index_select(0, at) @ head.T for at in rows.steps), teacher, rows)
 
 
-class BlockModel(torch.nn.Module):
-    """The draft and its block loss as one module, for DDP and FSDP."""
+class BlockModel(LossModule):
+    """The draft and its block loss."""
 
-    def __init__(self, draft: DFlashDraft):
-        super().__init__()
-        self.draft = draft
-
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, teacher: Teacher, rows: BlockRows) -> torch.Tensor:
-        stats = block_loss(self.draft, aux, input_ids, teacher, rows)
-        return torch.stack([stats.loss_sum, stats.correct, stats.count])
+    @staticmethod
+    def loss(draft: DFlashDraft, aux, input_ids, teacher, rows) -> StepStats:
+        return block_loss(draft, aux, input_ids, teacher, rows)
 
 
 def block_proposer(model: DFlashDraft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape):

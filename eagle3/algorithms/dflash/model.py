@@ -22,7 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from eagle3.model.draft import MLP, BlockAttention, RMSNorm, attention_bias, matmul_dtype, rotate
+from eagle3.model.draft import MLP, BlockAttention, RMSNorm, TargetEmbeddingDraft, attention_bias, matmul_dtype, rotate
 
 DFLASH_FORMAT = "dflash-native"
 
@@ -104,7 +104,7 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(TargetEmbeddingDraft):  # export_state: SGLang's names, no embedding or head
     def __init__(self, cfg: DFlashConfig, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None = None):
         """embed_tokens [V, H] and lm_head [V, H] the target's, frozen (lm_head defaults to an unset one of the same
         size: the memory plan's)."""
@@ -119,12 +119,6 @@ class DFlashDraft(nn.Module):
         self.register_buffer("lm_head", head, persistent=False)  # [V, H] SGLang drafts with the target's head
         # [Dv] the target ids the training loss scores (the run's draft vocabulary); not part of the served draft
         self.register_buffer("loss_ids", torch.arange(cfg.draft_vocab_size), persistent=False)
-
-    def set_recompute(self, on: bool) -> None:
-        """training.recompute: whether the backward recomputes the norms and the SwiGLU product."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
-                module.recompute = on
 
     def context(self, aux: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """aux [B, T, n * TH] -> each layer's keys and values of the context at positions 0..T-1: position-wise, so
@@ -150,22 +144,14 @@ class DFlashDraft(nn.Module):
             h = layer(h, positions, context_kv, bias)
         return self.norm(h).view(batch, count, size, -1)
 
-    def loss_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] after the final norm -> logits over the loss's rows of the target's head [..., Dv]."""
-        return hidden @ self.lm_head.index_select(0, self.loss_ids).to(hidden.dtype).T
+    def loss_head(self, dtype: torch.dtype) -> torch.Tensor:
+        """[Dv, H] the target head's rows the loss scores, gathered once per forward: every prediction's logits use
+        the one copy, which the backward keeps once (a copy per prediction was 15 x 0.46 GB at Kimi's size)."""
+        return self.lm_head.index_select(0, self.loss_ids).to(dtype)
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> the target id with the largest logit over the target's whole head, as SGLang drafts."""
         return (hidden @ self.lm_head.to(hidden.dtype).T).argmax(-1)
-
-    def load_draft_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load the canonical tensors (all but the target's embedding); strict otherwise."""
-        self.load_state_dict({**tensors, "embed_tokens.weight": self.embed_tokens.weight}, strict=True)
-
-    def export_state(self) -> dict[str, torch.Tensor]:
-        """The canonical tensors on the CPU: SGLang's names, without the target's embedding and head."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.state_dict().items()
-                if not name.startswith("embed_tokens")}
 
 
 def block_mask(anchors: torch.Tensor, size: int, length: int) -> torch.Tensor:
