@@ -23,12 +23,13 @@ from eagle3.config import load_config
 from eagle3.train.trainer import Trainer
 
 PAD = 5  # the tiny target's <|pad|>: never generated
-DFLASH = ["draft.algorithm=dflash", f"draft.dflash.mask_token_id={PAD}"]
+DFLASH = ["draft.algorithm=dflash", f"draft.dflash.mask_token_id={PAD}", "sweep.points=[]"]  # its shapes: chains
 # name -> (overrides, draft forwards per verify step)
 VARIANTS = {
     "eagle3-chain3": ([], 3),
     "dflash5-block4": (DFLASH + ["draft.dflash.block_size=4"], 1),
     "dflash1-block4": (DFLASH + ["draft.dflash.block_size=4", "draft.dflash.num_layers=1"], 1),
+    "dflash2-block4": (DFLASH + ["draft.dflash.block_size=4", "draft.dflash.num_layers=2"], 1),
     "eagle3-chain7": (["training.ttt_steps=7", "serving.num_steps=7", "serving.num_draft_tokens=8",
                        "benchmark.max_new_tokens=56"], 7),
     "dflash5-block8": (DFLASH + ["draft.dflash.block_size=8", "serving.num_steps=7", "serving.num_draft_tokens=8",

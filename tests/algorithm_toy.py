@@ -110,11 +110,11 @@ class ToyAlgorithm(DraftAlgorithm):
     def loss(self, model, aux, input_ids, teacher, rows) -> StepStats:
         return ttt_stats(model(aux), teacher, rows)  # each head's [B, T, Dv], gathered at its rows
 
-    def proposer(self, model, aux, tokens, shape):
-        def propose(p: int) -> DraftTree:  # the heads at index p - 1 draft x_{p+1} .. x_{p+HEADS}
-            rows = [int(logits.argmax()) for logits in model(aux[p - 1])][: shape.num_steps]
+    def drafter(self, model, shape):
+        def draft(aux, tokens) -> DraftTree:  # the heads at the last verified feature draft the next HEADS tokens
+            rows = [int(logits.argmax()) for logits in model(aux[-1])][: shape.num_steps]
             return DraftTree.chain([row + int(model.d2t[row]) for row in rows])
-        return propose
+        return draft
 
     def export(self, source, directory, layout, target, log):
         raise ValueError(f"no {layout} layout holds the toy's heads: it is trained and replayed here, never exported")

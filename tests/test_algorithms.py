@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.algorithms import ALGORITHMS, algorithm
+from eagle3.algorithms import ALGORITHMS, algorithm, require_deployable
 from eagle3.bench.simulate import heldout_samples, replay_stored
 from eagle3.config import load_config
 from eagle3.config.draft import DraftSection
@@ -37,6 +37,15 @@ def test_an_unregistered_algorithm_is_refused_naming_the_registered_ones():
         load_config(TINY, ["draft.algorithm=medusa"])
 
 
+def test_the_whole_pipeline_refuses_an_algorithm_it_cannot_serve_before_any_stage(monkeypatch):
+    monkeypatch.setitem(ALGORITHMS, TOY.name, TOY)
+    with pytest.raises(Eagle3Error, match=f"eagle3 run: draft.algorithm {TOY.name} is trained, replayed and exported "
+                                          "here, but its serving and gate are not built yet"):
+        require_deployable(TOY.name, "eagle3 run")
+    for name in ("eagle3", "dflash"):
+        require_deployable(name, "eagle3 run")
+
+
 def toy_parts(config, log):
     """The config's training parts with the toy's model in place of EAGLE-3's: built apart from the Trainer."""
     parts = training_parts(config, Dist(), log)
@@ -47,7 +56,7 @@ def toy_parts(config, log):
 
 def test_the_trainer_trains_checkpoints_resumes_and_replays_an_entry_through_the_seam_alone(micro_data, tmp_path):
     """The toy's heads train (its K, not training.ttt_steps, in every per-step list), its evaluation replays the
-    held-out sequences with the toy's proposer, its checkpoints are the toy's files, and a longer run resumes from
+    held-out sequences with the toy's drafter, its checkpoints are the toy's files, and a longer run resumes from
     them; the simulator counts the trained toy's drafts over the same sequences."""
     overrides, run_dir = run_copy(micro_data, tmp_path, "toy", ["training.max_steps=12", "training.eval_every=6",
                                                                 "training.save_every=6", "training.replay_prompts=2"])

@@ -9,10 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.algorithms import algorithm, require_deployable
-from eagle3.algorithms.dflash.blocks import BlockRows, anchors_of, block_outputs, block_proposer
+from eagle3.algorithms import algorithm, draft_algorithm
+from eagle3.algorithms.base import ExportTarget
+from eagle3.bench.counting import SpecRequest, correct_drafts_of
+from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockRows, anchors_of, block_outputs
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
-from eagle3.bench.simulate import heldout_samples, replay_stored
+from eagle3.bench.simulate import heldout_samples, replay_stored, simulate_prompt
 from eagle3.config import load_config
 from eagle3.contract.dflash import dflash_default_layer_ids
 from eagle3.errors import ConfigError, Eagle3Error
@@ -20,12 +22,14 @@ from eagle3.model.draft import init_weights
 from eagle3.model.ttt import LossRows
 from eagle3.shape import DraftShape
 from eagle3.train.trainer import Trainer
-from helpers import TINY, metrics, run_copy
+from eagle3.serve.reference import create_app
+from helpers import MAX_NEW, RELEASE, TINY, generate, metrics, prompt_of, requests, run_copy, serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = lambda line: None  # noqa: E731
 PAD = 5  # the tiny tokenizers' <|pad|>: never generated
-DFLASH = ["draft.algorithm=dflash", "draft.dflash.block_size=4", f"draft.dflash.mask_token_id={PAD}"]
+DFLASH = ["draft.algorithm=dflash", "draft.dflash.block_size=4", f"draft.dflash.mask_token_id={PAD}",
+          "sweep.points=[[1, 1, 2], [2, 1, 3]]"]  # DFlash's shapes: smaller blocks
 
 
 def tiny_dflash(layers=2, block=4, vocab=40, hidden=32, aux=3, seed=0, rope_theta=10000.0) -> DFlashDraft:
@@ -53,9 +57,14 @@ def test_a_dflash_config_needs_its_mask_token_and_a_chain_of_its_block():
         load_config(TINY, ["draft.algorithm=dflash"])
     with pytest.raises(ConfigError, match=r"mask_token_id 4096 is outside the target's vocabulary \(0 .. 2047\)"):
         load_config(TINY, DFLASH[:2] + ["draft.dflash.mask_token_id=4096"])
-    with pytest.raises(ConfigError, match="block_size - 1 = 15 tokens a step; the replayed shape is steps 3.*set "
-                                          "serving.num_steps 15"):
+    with pytest.raises(ConfigError, match=r"dflash, sweep.points\[1\]: a DFlash draft proposes one chain a step, not "
+                                          r"the tree of steps 3, topk 4, draft tokens 8: eagle_topk must be 1; give "
+                                          r"chains \(eagle_topk 1\) of up to 15 steps \(draft.dflash.block_size 16\)"):
         load_config(TINY, ["draft.algorithm=dflash", f"draft.dflash.mask_token_id={PAD}"])
+    with pytest.raises(ConfigError, match=r"dflash, serving: steps 4, topk 1, draft tokens 5 verifies blocks of 5 "
+                                          r"tokens \(--speculative-num-draft-tokens\), but the draft was trained on "
+                                          "blocks of 4 .*num_steps must be at most 3"):
+        load_config(TINY, DFLASH + ["serving.num_steps=4"])
     with pytest.raises(ConfigError, match="Qwen3-style layers: draft.attention mha, and none of draft.fc_norm"):
         load_config(TINY, DFLASH + ["draft.fc_norm=true"])
     with pytest.raises(ConfigError, match="draft.dflash describes a DFlash draft: set draft.algorithm dflash"):
@@ -69,14 +78,6 @@ def test_a_dflash_config_needs_its_mask_token_and_a_chain_of_its_block():
         load_config(TINY, DFLASH + ["target.family=qwen2"])
     config = load_config(TINY, DFLASH)
     assert algorithm("dflash").predictions(config.draft, config.training) == 3
-
-
-def test_the_whole_pipeline_refuses_an_algorithm_it_cannot_serve_before_any_stage():
-    config = load_config(TINY, DFLASH)
-    with pytest.raises(Eagle3Error, match="eagle3 run: draft.algorithm dflash is trained, replayed and exported here, "
-                                          "but its serving and gate are not built yet"):
-        require_deployable(config.draft.algorithm, "eagle3 run")
-    require_deployable("eagle3", "eagle3 run")
 
 
 def test_without_ids_a_dflash_draft_reads_one_target_layer_per_draft_layer_spread_as_sglang_spreads_them():
@@ -143,16 +144,21 @@ def test_the_export_holds_sglangs_tensor_names_and_not_the_targets():
     torch.testing.assert_close(block_outputs(clone, aux, ids, anchors), block_outputs(model, aux, ids, anchors))
 
 
-def test_the_proposer_drafts_the_blocks_greedy_tokens_over_the_targets_whole_head():
+def test_the_drafter_drafts_its_blocks_greedy_tokens_over_the_targets_whole_head():
+    """A block of the served num_draft_tokens after x_P over the context before P; the context made a piece at a time
+    as the prefix grows equals the one made at once; a block longer than the trained one is refused."""
     torch.manual_seed(2)
     model = tiny_dflash()
     aux, ids = torch.randn(12, 96), torch.randint(0, 39, (12,))
-    tree = block_proposer(model, aux, ids, DraftShape(3))(6)
+    drafter = BlockDrafter(model, DraftShape(3))
+    drafter(aux[:4], ids[:5])  # an earlier verify step: the context of positions 0..3 made then
+    tree = drafter(aux[:6], ids[:7])
     hidden = model.blocks(model.context(aux[None, :6]), ids[6].view(1, 1), torch.tensor([[6]]))[0, 0, 1:]
     assert tree.tokens == (hidden @ model.lm_head.T).argmax(-1).tolist() and tree.parents == [-1, 0, 1]
-    assert len(block_proposer(model, aux, ids, DraftShape(2))(6).tokens) == 2
+    smaller = model.blocks(model.context(aux[None, :6]), ids[6].view(1, 1), torch.tensor([[6]]), size=3)[0, 0, 1:]
+    assert BlockDrafter(model, DraftShape(2))(aux[:6], ids[:7]).tokens == model.greedy(smaller).tolist()
     with pytest.raises(ValueError, match="at most block_size - 1 = 3 tokens; asked for steps 4"):
-        block_proposer(model, aux, ids, DraftShape(4))
+        BlockDrafter(model, DraftShape(4))
 
 
 # ---- the loss rows -------------------------------------------------------------------------------------------------
@@ -220,6 +226,56 @@ def test_the_trainer_trains_resumes_and_replays_a_dflash_draft(micro_data, tmp_p
     rows = [replay_stored(entry, trained, ref.load(), config.replay_shape, 16, frozenset(), None) for ref in refs]
     assert all(row.completion_tokens >= 16 and 0 < row.verify_ct <= row.completion_tokens for row in rows)
     assert max(len(row.histogram) for row in rows) <= 4  # at most block_size - 1 accepted a step
+
+
+def test_the_reference_server_serves_a_dflash_export_as_the_simulator_replays_it(micro, micro_data, tmp_path):
+    """A trained DFlash draft exported in SGLang's layout, served by the reference server in blocks of 4 and of 3:
+    every request's output, verify steps, correct drafts and histogram equal the simulator's replay of it, counted as
+    0.5.13's v1 worker and 0.5.23's v2 worker count, and the server reports the block as num_draft_tokens. A block
+    longer than the trained one is refused before serving."""
+    overrides, run_dir = run_copy(micro_data, tmp_path, "dflash-served", DFLASH + [
+        "draft.dflash.num_layers=1", "training.max_steps=30", "training.eval_every=30", "training.save_every=30",
+        "training.replay_prompts=1"])
+    config = load_config(TINY, overrides)
+    Trainer(config, log=QUIET).run()
+    entry = algorithm("dflash")
+    export = entry.export(run_dir / "train" / "final", tmp_path / "sglang", "sglang",
+                          ExportTarget("llama", RELEASE, 4, 3, None), QUIET)
+    assert draft_algorithm(export) is entry and draft_algorithm(run_dir / "train" / "final") is entry
+    draft = entry.served_model(export, RELEASE, micro["path"], "").eval()
+    accepted = 0
+    for shape, release in ((DraftShape(3), RELEASE), (DraftShape(2), "0.5.23")):
+        with serving(micro["path"], export, shape=shape, release=release) as client:
+            assert client.get("/server_info").json()["speculative_num_draft_tokens"] == shape.num_draft_tokens
+            for request in requests(micro)[:3]:
+                out, prompt = generate(client, **request), prompt_of(micro, request)
+                row = simulate_prompt(entry, draft, micro["model"], draft.config.aux_layers, prompt, MAX_NEW, shape,
+                                      frozenset({micro["eos"]}), release)
+                meta = out["meta_info"]
+                assert (meta["completion_tokens"], meta["spec_verify_ct"], correct_drafts_of(meta)) == (
+                    row.completion_tokens, row.verify_ct, row.correct_drafts)
+                assert meta.get("spec_correct_drafts_histogram", []) == row.histogram  # none kept to 0.5.13
+                assert (release == RELEASE) == (row.histogram == [])
+                assert meta["spec_accept_rate"] == row.correct_drafts / (row.verify_ct * shape.num_steps)
+                accepted += row.correct_drafts
+    assert accepted > 0  # the comparison covers accepted drafts, not only rejected blocks
+    assert "verifies blocks of 5 tokens" in entry.shape_problem(export, DraftShape(4))
+    with pytest.raises(ValueError, match="trained on blocks of 4"):
+        create_app(micro["path"], export, shape=DraftShape(4), release=RELEASE)
+
+
+def test_dflash_up_to_0_5_13_counts_only_the_drafts_a_finishing_step_appends():
+    """SGLang's DFLASH v1 worker appends a run token by token and stops at the finish: of [d1, EOS, d3, bonus] it
+    appends d1 and EOS and counts 1 correct draft, where EAGLE's worker (and DFLASH's from 0.5.16) counts all 3; it keeps
+    no histogram (tests/conformance/test_counting.py runs each release's own code)."""
+    for release, algorithm_name, correct, histogram in (("0.5.13", "DFLASH", 1, None), ("0.5.16", "DFLASH", 3, [0, 0, 0, 1]),
+                                                         ("0.5.13", "EAGLE3", 3, [0, 0, 0, 1])):
+        request = SpecRequest(50, frozenset({1}), release, algorithm_name)
+        request.add_token(10)
+        request.add_verify([11, 1, 13, 14])
+        meta = request.meta_info(3)
+        assert request.output == [10, 11, 1] and request.correct == correct
+        assert meta.get("spec_correct_drafts_histogram") == histogram
 
 
 def test_a_mask_token_the_target_generates_is_refused_before_training(micro_data, tmp_path):
@@ -332,3 +388,22 @@ def test_each_fault_of_an_export_is_named_before_serving(exported, fault, change
     _, directory, manifest = exported
     found = problems(rewritten(directory, change), manifest)
     assert list(found) == [code] and re.search(says, found[code]), found
+
+
+def test_sglang_serves_the_export_by_its_own_kind_and_a_longer_block_is_refused_before_launch(exported, tmp_path):
+    """The launcher reads the draft's kind from its config.json, whatever the run's draft.algorithm (production may
+    serve an earlier run's version): DFLASH with the block as --speculative-num-draft-tokens, and no EAGLE shape flags.
+    A serving shape whose block is longer than the trained one stops before any server starts."""
+    from eagle3.serve.launch import LaunchError, launch_and_validate, sglang_command
+
+    _, directory, _ = exported
+    config = load_config(TINY, DFLASH + ["serving.engine=sglang", f"run.dir={tmp_path / 'run'}"])
+    command = sglang_command(config, "/models/target", directory, entry=draft_algorithm(directory))
+    flags = command[command.index("--speculative-algorithm"):command.index("--tp-size")]
+    assert flags == ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(directory),
+                     "--speculative-num-draft-tokens", "4"]
+    longer = load_config(TINY, DFLASH + ["draft.dflash.block_size=8", "serving.num_steps=7",
+                                         f"run.dir={tmp_path / 'run'}"])
+    with pytest.raises(LaunchError, match=r"\(dflash\): steps 7, topk 1, draft tokens 8 verifies blocks of 8 tokens .* "
+                                          r"trained on blocks of 4 .*nothing was launched"):
+        launch_and_validate(longer, longer.target.path, directory, log=QUIET)

@@ -11,6 +11,7 @@ from drafts import TARGET_VOCAB, tiny_config
 from eagle3.model.draft import Eagle3Draft, causal_mask, init_weights
 from eagle3.model.tree import ROOT, DraftCache, DraftTree, draft_tree, tree_attention, walk_greedy, walk_sampled
 from eagle3.model.weights import draft_as_served
+from eagle3.algorithms import EAGLE3
 from eagle3.serve.reference import Served, decode
 from eagle3.shape import DraftShape
 from fixtures_tiny import one_torch_thread
@@ -83,7 +84,7 @@ def test_sampled_speculative_decoding_on_the_micro_target_keeps_its_distribution
     90% of the mass (nine) plus one bucket for the rest: total variation under 0.07 (the noise at this size is
     ~0.03)."""
     draft = draft_as_served(drafts["good"], RELEASE, micro["embed"]).eval()
-    served = Served(micro["model"], None, frozenset(), draft, DraftShape(2, 3, 5), RELEASE,
+    served = Served(micro["model"], None, frozenset(), draft, EAGLE3, DraftShape(2, 3, 5), RELEASE,
                     torch.Generator().manual_seed(0))
     prompt, temperature = micro["prompts"][2], 0.3
     with one_torch_thread(), torch.no_grad():

@@ -1,8 +1,9 @@
 """What the pipeline asks of a kind of draft: one `DraftAlgorithm` entry per algorithm (docs/algorithms.md).
 
-The stages call the entry named by `draft.algorithm` and nothing of the algorithm's own: the trainer builds its model
-and scores its loss through the entry, the simulator and the trainer's replay draft with its proposer, the launcher
-serves it with its flags, and the memory plan dry-runs its training step. Data, vocab map, teacher, counting,
+The stages call the entry named by `draft.algorithm` (or, for a draft on disk, the entry that reads it:
+`eagle3.algorithms.draft_algorithm`) and nothing of the algorithm's own: the trainer builds its model and scores its
+loss through the entry, the reference server, the simulator and the trainer's replay draft with its drafter, the
+launcher serves it with its flags, and the memory plan dry-runs its training step. Data, vocab map, teacher, counting,
 registry and gate are the algorithm's neighbours, not its parts: they stay the same for every entry.
 """
 
@@ -32,7 +33,9 @@ from eagle3.model.ttt import LossRows, StepStats
 from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
-Proposer = Callable[[int], DraftTree]  # P -> the drafts after the verified token x_P
+# (aux [P, n * TH] the target's features of the verified x_0 .. x_{P-1}, tokens [P + 1] x_0 .. x_P) -> the drafts
+# after x_P. One per request: it keeps what it may reuse while the request's verified prefix grows.
+Drafter = Callable[[torch.Tensor, torch.Tensor], DraftTree]
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,11 @@ class DraftAlgorithm(ABC):
     server_algorithm: str  # SGLang's --speculative-algorithm
     config_type: type[BaseModel]  # what draft_config returns, and what the checkpoints' config.json holds
     deployable = True  # server_flags is built (it serves): the whole pipeline (`eagle3 run`) may run it
+
+    def reads(self, config: dict) -> bool:
+        """Whether a draft directory whose config.json holds `config` is this algorithm's, in any layout it writes
+        (`eagle3.algorithms.draft_algorithm` asks every entry but EAGLE-3, whose readers take the rest)."""
+        return False
 
     # -- the draft --------------------------------------------------------------------------------
 
@@ -141,10 +149,9 @@ class DraftAlgorithm(ABC):
     # -- drafting -----------------------------------------------------------------------------------
 
     @abstractmethod
-    def proposer(self, model: DraftModel, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape) -> Proposer:
-        """Drafting over one known sequence: aux [T, n * TH] its target features, tokens [T] its ids. The returned
-        function drafts after position P from aux[:P] and tokens[:P + 1], keeping whatever it may reuse between
-        calls."""
+    def drafter(self, model: DraftModel, shape: DraftShape) -> Drafter:
+        """Drafting for one request (the reference server's) or one known sequence (the simulator's replay), in
+        `shape` as the serving engine drafts it."""
 
     # -- export -------------------------------------------------------------------------------------
 
@@ -155,9 +162,10 @@ class DraftAlgorithm(ABC):
 
     @abstractmethod
     def validate(self, directory: Path, layout: str, release: str | None, target_dir: Path | None,
-                 data_manifest: Path, context_length: int) -> Report:
+                 data_manifest: Path | None, context_length: int | None) -> Report:
         """What `layout`'s engine (SGLang `release` for sglang) would do wrongly with the export at `directory`: one
-        problem per fault, named, with its fix (eagle3.contract.problems)."""
+        problem per fault, named, with its fix (eagle3.contract.problems). Checks against the target, the training
+        data (its manifest) or the context length are left unknown where those are None."""
 
     # -- serving ------------------------------------------------------------------------------------
 
@@ -168,3 +176,8 @@ class DraftAlgorithm(ABC):
     @abstractmethod
     def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:
         """The serving engine's flags that make it draft with this algorithm from the draft at `draft_path`."""
+
+    def shape_problem(self, draft_path: Path, shape: DraftShape) -> str | None:
+        """Why the draft at `draft_path` cannot be served in `shape` (None: it can), checked before a server
+        starts."""
+        return None

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import httpx
 
+from eagle3.algorithms import draft_algorithm
 from eagle3.data.conversation import chat_template_hash
 from eagle3.engines.targets import load_tokenizer
 from eagle3.records.manifest import read_manifest
 from eagle3.contract.problems import ProblemCode as Code
-from eagle3.validation.validate import validate
 
 VOCAB_LINE = "draft vocab vs tokenizer"
 CONTINUATION_LINE = "replayed continuation vs the server's greedy output"
@@ -88,8 +88,8 @@ def diagnose(
     """`data_dir` holds the captured dataset's manifest; `longest_request` = prompt + new tokens. `greedy` (a stored
     held-out greedy sequence: id, prompt_ids, continuation_ids) is compared with what the server at `url` generates
     for its prompt, greedy, `max_new_tokens` long."""
-    report = validate(checkpoint, release=release, target=target, data_manifest=data_dir,
-                      context_length=longest_request)
+    report = draft_algorithm(Path(checkpoint)).validate(Path(checkpoint), "sglang", release, target, data_dir,
+                                                        longest_request)
     checks = [_from_report(name, codes, report) for name, codes in CHECKS.items() if name != VOCAB_LINE]
     manifest = read_manifest(data_dir)
     tokenizer = load_tokenizer(target, trust_remote_code)
@@ -124,7 +124,8 @@ def _vocab_check(report, tokenizer) -> Check:
     mismatch = [p for p in report.problems if p.code in CHECKS[VOCAB_LINE]]
     if mismatch:
         return Check(VOCAB_LINE, "failed", "; ".join(p.message for p in mismatch))
-    return Check(VOCAB_LINE, "passed", f"t2d spans the target vocabulary; tokenizer has {len(tokenizer)} ids")
+    return Check(VOCAB_LINE, "passed", f"the draft's ids lie in the target vocabulary; tokenizer has {len(tokenizer)} "
+                 "ids")
 
 
 def continuation_check(greedy: dict | None, url: str | None, max_new_tokens: int | None, tokenizer) -> Check:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from eagle3.algorithms import DraftAlgorithm, algorithm
+from eagle3.algorithms import DraftAlgorithm, draft_algorithm
 from eagle3.algorithms.base import DraftModel
 from eagle3.bench import counting
 from eagle3.bench.client import suite_lines
@@ -107,11 +107,12 @@ def aux_features(model, seq: list[int], aux_layers: list[int]) -> torch.Tensor:
 
 
 def replay(seq: list[int], prompt_len: int, propose: Callable[[int], DraftTree], num_steps: int,
-           max_new_tokens: int, eos_ids: frozenset[int], release: str | None) -> PromptResult:
-    """Count drafting over a known greedy sequence; propose(P) drafts the tree after the verified x_P. The
-    simulator's sequence runs num_steps tokens past where any request can finish; a shorter one (a stored
-    reply, in the trainer's estimate) cuts the last runs where it ends."""
-    request = SpecRequest(max_new_tokens, eos_ids, release)
+           max_new_tokens: int, eos_ids: frozenset[int], release: str | None,
+           server_algorithm: str = "EAGLE3") -> PromptResult:
+    """Count drafting over a known greedy sequence as `release` counts `server_algorithm`; propose(P) drafts the tree
+    after the verified x_P. The simulator's sequence runs num_steps tokens past where any request can finish; a
+    shorter one (a stored reply, in the trainer's estimate) cuts the last runs where it ends."""
+    request = SpecRequest(max_new_tokens, eos_ids, release, server_algorithm)
     request.add_token(seq[prompt_len])  # the prefill's token: no verify step
     p = prompt_len  # index of the last verified token
     while request.finish is None:
@@ -129,8 +130,17 @@ def simulate_prompt(algorithm: DraftAlgorithm, draft: DraftModel, target_model, 
                     release: str | None) -> PromptResult:
     seq = list(prompt_ids) + target_greedy(target_model, list(prompt_ids), max_new_tokens + shape.num_steps)
     aux = aux_features(target_model, seq, aux_layers)  # [T, n_aux * H]
-    propose = algorithm.proposer(draft, aux, torch.tensor(seq), shape)
-    return replay(seq, len(prompt_ids), propose, shape.num_steps, max_new_tokens, eos_ids, release)
+    propose = proposer(algorithm, draft, aux, torch.tensor(seq), shape)
+    return replay(seq, len(prompt_ids), propose, shape.num_steps, max_new_tokens, eos_ids, release,
+                  algorithm.server_algorithm)
+
+
+def proposer(algorithm: DraftAlgorithm, draft: DraftModel, aux: torch.Tensor, tokens: torch.Tensor,
+             shape: DraftShape) -> Callable[[int], DraftTree]:
+    """Drafting over one known sequence (aux [T, n_aux * H] its features, tokens [T] its ids): P -> the drafts after
+    x_P from the features and tokens before, as a server would draft them for the request growing along it."""
+    drafter = algorithm.drafter(draft, shape)
+    return lambda p: drafter(aux[:p], tokens[: p + 1])
 
 
 def render_table(result: AcceptanceResult) -> list[str]:
@@ -168,8 +178,9 @@ def replay_stored(algorithm: DraftAlgorithm, draft: DraftModel, sample: StoredSa
     seq = sample.input_ids.long()  # [T]
     device = next(draft.parameters()).device
     aux = sample.aux_hidden.to(device, torch.float32)  # [T, n_aux * H]
-    propose = algorithm.proposer(draft, aux, seq.to(device), shape)
-    return replay(seq.tolist(), prompt_len, propose, shape.num_steps, max_new_tokens, eos_ids, release)
+    propose = proposer(algorithm, draft, aux, seq.to(device), shape)
+    return replay(seq.tolist(), prompt_len, propose, shape.num_steps, max_new_tokens, eos_ids, release,
+                  algorithm.server_algorithm)
 
 
 def heldout_samples(config: PipelineConfig, suites: tuple[str, ...] = (HELDOUT,)) -> list[HeldoutRef]:
@@ -226,7 +237,7 @@ def simulate_shape(algorithm: DraftAlgorithm, draft: DraftModel, samples: list[H
 def simulate_shapes(config: PipelineConfig, checkpoint: Path, log: Log = print) -> list[AcceptanceResult]:
     """The served draft at `checkpoint` replayed over every suite's stored greedy sequences, in serving's shape and in
     each sweep point's (`simulated_shapes`, serving's first); no target is loaded."""
-    entry = algorithm(config.draft.algorithm)
+    entry = draft_algorithm(Path(checkpoint))
     draft = entry.served_model(Path(checkpoint), config.serving.release, Path(config.target.path),
                                config.target.weight_prefix)
     draft = draft.to(local_device()).eval()

@@ -87,17 +87,17 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
+    from eagle3.algorithms import EAGLE3, draft_algorithm
     from eagle3.validation.validate import validate
 
-    report = validate(
-        args.path,
-        engine=args.engine,
-        release=args.release,
-        target=args.target,
-        data_manifest=args.data_manifest,
-        context_length=args.context_length,
-        target_family=args.target_family,
-    )
+    entry = draft_algorithm(args.path)
+    if entry is not EAGLE3:  # the draft's own checks (EAGLE-3's take a target family besides)
+        report = entry.validate(args.path, args.engine, args.release, args.target, args.data_manifest,
+                                args.context_length)
+    else:
+        report = validate(args.path, engine=args.engine, release=args.release, target=args.target,
+                          data_manifest=args.data_manifest, context_length=args.context_length,
+                          target_family=args.target_family)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -27,7 +27,7 @@ from eagle3.contract.engines import (
     FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, served_draft_problem, served_features_problem,
     sglang_default_inputs, sglang_ids_for_layers,
 )
-from eagle3.contract.dflash import dflash_default_layer_ids, dflash_family_problem, dflash_rope_problem
+from eagle3.contract.dflash import dflash_default_layer_ids, dflash_family_problem, dflash_rope_problem, dflash_shape_problem
 from eagle3.target.info import read_target_info
 from eagle3.target.files import (
     THINKING_SWITCHES, TOKENIZER_MODEL_FILES, chat_template_text, thinking_switches, untrusted_code_problem,
@@ -110,7 +110,8 @@ class PipelineConfig(Section):
         return sglang_default_aux_layers(n)
 
     def _check_dflash(self) -> None:
-        """A DFlash draft proposes one chain of a block's size a step: the replayed shape must be that chain."""
+        """A DFlash draft proposes one chain a step, in blocks no longer than it was trained on: serving's shape and
+        every sweep point must be such a chain."""
         if problem := dflash_family_problem(self.target.family):
             raise ValueError(f"draft.algorithm dflash with target.family {self.target.family}: {problem}")
         release = self.serving.release if self.serving is not None else None
@@ -120,13 +121,14 @@ class PipelineConfig(Section):
         if mask >= self.target.vocab_size:
             raise ValueError(f"draft.dflash.mask_token_id {mask} is outside the target's vocabulary (0 .. "
                              f"{self.target.vocab_size - 1}): SGLang refuses it; pick an id of the target's embedding")
-        drafts = self.draft.dflash.block_size - 1
-        shape = self.replay_shape
-        if shape.eagle_topk != 1 or shape.num_steps != drafts:
-            raise ValueError(f"draft.algorithm dflash drafts a chain of draft.dflash.block_size - 1 = {drafts} tokens a "
-                             f"step; the replayed shape is {shape.label()}: set serving.num_steps {drafts}, "
-                             "serving.eagle_topk 1 and serving.num_draft_tokens "
-                             f"{self.draft.dflash.block_size}{'' if self.serving else ' (add a serving section)'}")
+        block = self.draft.dflash.block_size
+        shapes = [("serving", self.replay_shape)]
+        shapes += [(f"sweep.points[{i}]", DraftShape(*point)) for i, point in enumerate(self.sweep.points)]
+        for field, shape in shapes:
+            if problem := dflash_shape_problem(block, shape):
+                raise ValueError(f"draft.algorithm dflash, {field}: {problem}; give chains (eagle_topk 1) of up to "
+                                 f"{block - 1} steps (draft.dflash.block_size {block})"
+                                 f"{'' if self.serving else ': add a serving section'}")
 
     def _check_served_capture(self) -> None:
         """The export writes the ids that make the served SGLang release capture data.aux_layers on the target's model

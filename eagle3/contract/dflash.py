@@ -4,6 +4,7 @@ tests/conformance/test_dflash.py runs it, docs/algorithms.md states it)."""
 from __future__ import annotations
 
 from eagle3.contract.engines import ReleaseRange, parse_release
+from eagle3.shape import DraftShape
 
 # The families whose model has set_dflash_layers_to_capture in every supported release. Each records, for target
 # layer id k, the output of decoder layer k (our numbering, no shift rule unlike EAGLE-3's aux ids); the others
@@ -48,3 +49,17 @@ def dflash_default_layer_ids(num_layers: int, draft_layers: int) -> list[int]:
         raise ValueError(f"SGLang's default DFlash target layers need a target of at least 4 layers, not {num_layers}: "
                          "name them in data.aux_layers")
     return [int(round(start + i * (end - start) / (draft_layers - 1))) for i in range(draft_layers)]
+
+
+def dflash_shape_problem(block_size: int | None, shape: DraftShape) -> str | None:
+    """Why a DFlash draft trained on blocks of `block_size` cannot be served in `shape` (None: it can). SGLang's DFLASH
+    worker verifies one chain a step, in blocks of --speculative-num-draft-tokens whatever the draft's block_size (it
+    only warns): a longer block puts mask tokens at offsets the draft never learnt; a shorter one is a chain it can
+    draft (each entry sees the block's others, so it drafts as a smaller block, not as the first entries of its own)."""
+    if shape.eagle_topk != 1:
+        return f"a DFlash draft proposes one chain a step, not the tree of {shape.label()}: eagle_topk must be 1"
+    if block_size is not None and shape.num_draft_tokens > block_size:
+        return (f"{shape.label()} verifies blocks of {shape.num_draft_tokens} tokens (--speculative-num-draft-tokens), "
+                f"but the draft was trained on blocks of {block_size} (block_size): num_steps must be at most "
+                f"{block_size - 1}")
+    return None

@@ -142,7 +142,7 @@ class Production:
         when published, so its recorded accept length is comparable (a retrain's new prompts cannot fake a
         shortfall). A version published before versions recorded their prompts is measured on this run's."""
         manifest = self.registry.manifest(version)
-        config, temperature, count = self.serving_config, 0.0, None
+        config, temperature, count = of_kind(self.serving_config, manifest), 0.0, None
         if manifest.get("serving"):
             serving = manifest["serving"]
             shaped = with_shape(config, DraftShape.of(serving))
@@ -197,6 +197,17 @@ class Production:
 
     def checked(self, version: str | None, measured: dict | None) -> ProductionCheck:
         return ProductionCheck(version, measured, self.check(version, measured, self.config.gate.production_tolerance))
+
+
+def of_kind(config: PipelineConfig, manifest: dict) -> PipelineConfig:
+    """`config` for serving a version of another draft algorithm than its own (a rollback across algorithms): the
+    version's draft.algorithm and its own fields, so its recorded serving shape is checked against its kind (the
+    launcher serves a draft by its own kind already)."""
+    draft = (manifest.get("config") or {}).get("draft") or {}
+    algorithm = draft.get("algorithm", "eagle3")
+    if algorithm == config.draft.algorithm:
+        return config
+    return derived(config, {"draft.algorithm": algorithm, "draft.dflash": draft.get("dflash")})
 
 
 def boot_id() -> str:

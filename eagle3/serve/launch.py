@@ -18,7 +18,7 @@ from typing import Callable
 import httpx
 
 from eagle3 import guard
-from eagle3.algorithms import algorithm
+from eagle3.algorithms import DraftAlgorithm, algorithm, draft_algorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
 from eagle3.contract.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
@@ -85,13 +85,14 @@ def custom_label_keys(telemetry: TelemetrySection) -> list[str]:
     return list(dict.fromkeys([PIPELINE_LABEL[0], telemetry.slice_label]))
 
 
-def sglang_command(config: PipelineConfig, target_path, draft_path,
-                   telemetry: TelemetrySection | None = None) -> list[str]:
-    """telemetry: the production server's reporting (production.telemetry); candidates and baselines get none."""
+def sglang_command(config: PipelineConfig, target_path, draft_path, telemetry: TelemetrySection | None = None,
+                   entry: DraftAlgorithm | None = None) -> list[str]:
+    """telemetry: the production server's reporting (production.telemetry); candidates and baselines get none.
+    entry: the draft's algorithm (None: the config's draft.algorithm), whose flags serve it."""
     s = config.serving
     command = [config.data.sglang_python, "-m", "sglang.launch_server", "--model-path", str(target_path)]
     if draft_path is not None:
-        command += algorithm(config.draft.algorithm).server_flags(draft_path, s)
+        command += (entry or algorithm(config.draft.algorithm)).server_flags(draft_path, s)
     command += ["--tp-size", str(s.tp), "--host", s.host, "--port", str(s.port),
                 "--context-length", str(s.context_length)]
     command += ["--trust-remote-code"] if config.target.trust_remote_code else []
@@ -240,9 +241,13 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
     A local reference server that ends with this process (not `outlives_run`, no unit) starts warm
     (run.warm_start)."""
     s = config.serving
-    build = sglang_command if s.engine == "sglang" else reference_command
+    if s.engine == "sglang":
+        entry = draft_algorithm(Path(draft)) if draft is not None else None  # an earlier run's version may be another's
+        built = sglang_command(config, target, draft, telemetry, entry)
+    else:
+        built = reference_command(config, target, draft, telemetry)  # the reference server reads the draft's kind
     ssh_host = s.ssh_host or s.host
-    command = wrap(build(config, target, draft, telemetry), s.launcher, ssh_host, s.srun_args)
+    command = wrap(built, s.launcher, ssh_host, s.srun_args)
     via = {"local": "local", "ssh": f"ssh {ssh_host}", "srun": "srun"}[s.launcher]
     if unit is not None:
         command = in_systemd_scope(command, unit)
@@ -258,13 +263,14 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
 def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[str], None] = print,
                         role: str = "candidate", unit: str | None = None,
                         telemetry: TelemetrySection | None = None, outlives_run: bool = False) -> Server:
-    """Start the server (in the systemd scope `unit`, if given), wait until healthy, validate the draft for the live
-    release; return it running. Error codes in `export.waive` are accepted (the export stage logged and recorded
-    them)."""
-    from eagle3.validation.validate import validate
-
+    """Start the server (in the systemd scope `unit`, if given), wait until healthy, validate the draft (by its own
+    algorithm's checks) for the live release; return it running. Error codes in `export.waive` are accepted (the
+    export stage logged and recorded them)."""
     if draft is not None and not Path(draft).is_dir():
         raise LaunchError(f"draft {draft}: no such directory; nothing was launched")
+    entry = draft_algorithm(Path(draft)) if draft is not None else None
+    if entry is not None and (problem := entry.shape_problem(Path(draft), config.serving.shape)):
+        raise LaunchError(f"draft {draft} ({entry.name}): {problem}; nothing was launched")
     server = server_for(config, target, draft, log, role, unit, telemetry, outlives_run)
     server.start()
     try:
@@ -282,8 +288,7 @@ def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[st
         local_target = Path(target) if Path(target).is_dir() else None  # a hub id on the node is not read here
         if local_target is None:
             server.log(f"target {target} is not a directory here: checks against the target are left unknown")
-        report = validate(Path(draft), engine="sglang", release=release, target=local_target,
-                          context_length=config.serving.context_length)
+        report = entry.validate(Path(draft), "sglang", release, local_target, None, config.serving.context_length)
     except BaseException:
         server.stop()
         raise

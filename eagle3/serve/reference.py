@@ -3,8 +3,9 @@
 (docs/contracts.md).
 
 Per request: the prefill forward gives the first completion token (no verify step). Each verify step:
-the draft proposes a tree (`eagle3.model.tree.draft_tree`; a chain with eagle_topk 1) from the target's aux
-features of the verified prefix; the target scores every node in ONE forward over prefix + nodes with a tree
+the draft proposes a tree from the target's aux features of the verified prefix, as its algorithm's server worker
+drafts (the entry's drafter: EAGLE-3's `eagle3.model.tree.draft_tree`, a chain with eagle_topk 1; DFlash's block of
+num_draft_tokens, a chain); the target scores every node in ONE forward over prefix + nodes with a tree
 attention mask; the longest path that passes (greedy: the target's argmax; temperature > 0: SGLang's
 target-only speculative sampling) is accepted, plus the target's own next token (the bonus). The request
 grows, finishes and counts as the release it stands for does (`eagle3.bench.counting`, proven against
@@ -25,11 +26,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
+from eagle3.algorithms import EAGLE3, draft_algorithm
+from eagle3.algorithms.base import DraftAlgorithm, DraftModel, Drafter
 from eagle3.bench.counting import SpecRequest, server_accept_length
 from eagle3.model.aux_states import aux_states
-from eagle3.model.draft import Eagle3Draft
-from eagle3.model.tree import ROOT, DraftCache, DraftTree, draft_tree, tree_attention, walk_greedy, walk_sampled
-from eagle3.model.weights import draft_as_served, target_embedding
+from eagle3.model.tree import ROOT, DraftTree, tree_attention, walk_greedy, walk_sampled
 from eagle3.serve.telemetry import Telemetry
 from eagle3.shape import DraftShape
 
@@ -48,7 +49,8 @@ class Served:
     target: torch.nn.Module
     tokenizer: object
     eos_ids: frozenset[int]
-    draft: Eagle3Draft | None
+    draft: DraftModel | None
+    algorithm: DraftAlgorithm  # the draft's (eagle3.algorithms.draft_algorithm): how it drafts and is counted
     shape: DraftShape
     release: str | None  # the SGLang release whose finish rule and meta_info keys this server follows
     generator: torch.Generator  # the coins of sampled requests, seeded at start: a rerun answers alike
@@ -97,10 +99,11 @@ def next_token(served: Served, logits: torch.Tensor, temperature: float) -> int:
 
 
 def verify(served: Served, seq: list[int], aux: torch.Tensor, temperature: float,
-           cache: DraftCache) -> tuple[list[int], torch.Tensor]:
-    """One verify step after the verified `seq` (aux [len(seq) - 1, n_aux * H]; `cache` the request's draft cache):
-    the run it yields (accepted drafts + the bonus token) and the aux features of the verified prefix after it."""
-    tree = draft_tree(served.draft, aux, torch.tensor(seq), served.shape, cache).pruned(served.target.config.vocab_size)
+           drafter: Drafter) -> tuple[list[int], torch.Tensor]:
+    """One verify step after the verified `seq` (aux [len(seq) - 1, n_aux * H]; `drafter` the request's): the run it
+    yields (accepted drafts + the bonus token) and the aux features of the verified prefix after it. Sampled requests
+    follow SGLang's target-only rule, which its DFLASH worker applies to a chain alike."""
+    tree = drafter(aux, torch.tensor(seq)).pruned(served.target.config.vocab_size)
     logits, aux = target_forward(served, seq, tree)  # ONE verify forward: [len(seq) + N, V]
     row = lambda node: logits[len(seq) - 1 if node == ROOT else len(seq) + node]  # noqa: E731 (after `node`)
     if temperature < GREEDY_BELOW:
@@ -115,16 +118,16 @@ def verify(served: Served, seq: list[int], aux: torch.Tensor, temperature: float
 
 def decode(served: Served, prompt: list[int], max_new_tokens: int, temperature: float = 0.0) -> SpecRequest:
     """Decoding of one request (speculative when a draft is loaded), grown and counted as SGLang does."""
-    request = SpecRequest(max_new_tokens, served.eos_ids, served.release)
+    request = SpecRequest(max_new_tokens, served.eos_ids, served.release, served.algorithm.server_algorithm)
     logits, aux = target_forward(served, prompt)  # prefill: [P, V], aux [P, n_aux * H]
     request.add_token(next_token(served, logits[-1], temperature))
-    cache = DraftCache(served.draft) if served.draft is not None else None
+    drafter = served.algorithm.drafter(served.draft, served.shape) if served.draft is not None else None
     while request.finish is None:
         seq = prompt + request.output  # the verified tokens
         if served.draft is None:
             request.add_token(next_token(served, target_forward(served, seq)[0][-1], temperature))
             continue
-        run, aux = verify(served, seq, aux, temperature, cache)
+        run, aux = verify(served, seq, aux, temperature, drafter)
         request.add_verify(run)
     return request
 
@@ -186,11 +189,14 @@ def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, release: s
 
     # the precision the data stage generated the held-out continuations in, so the replay is what is served
     target = load_target_model(target_dir, trust_remote_code, dtype)
-    draft = None
+    draft, entry = None, EAGLE3
     if draft_dir is not None:
-        draft = draft_as_served(Path(draft_dir), release, target_embedding(Path(target_dir))).eval()
-    return Served(target, load_tokenizer(target_dir, trust_remote_code), eos_ids_of(target), draft, shape, release,
-                  torch.Generator().manual_seed(seed))
+        entry = draft_algorithm(Path(draft_dir))
+        if problem := entry.shape_problem(Path(draft_dir), shape):
+            raise ValueError(f"draft {draft_dir} ({entry.name}): {problem}")
+        draft = entry.served_model(Path(draft_dir), release, Path(target_dir), "").eval()
+    return Served(target, load_tokenizer(target_dir, trust_remote_code), eos_ids_of(target), draft, entry, shape,
+                  release, torch.Generator().manual_seed(seed))
 
 
 def create_app(target_dir, draft_dir=None, shape: DraftShape = DraftShape(3), release: str | None = None,

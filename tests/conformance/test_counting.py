@@ -47,9 +47,9 @@ def counted(request, run_sglang):
     return request.param, dict(zip([r["name"] for r in job()["requests"]], answer["requests"]))
 
 
-def ours(release: str, name: str) -> SpecRequest:
+def ours(release: str, name: str, algorithm: str = "EAGLE3") -> SpecRequest:
     runs, cap = CASES.get(name, ([[11, 12, 13, 14]], 10))
-    request = SpecRequest(cap, frozenset({EOS}), release)
+    request = SpecRequest(cap, frozenset({EOS}), release, algorithm)
     request.add_token(EOS if name == EOS_ON_PREFILL else PREFILL)
     for run in runs:
         if request.finish is not None:
@@ -107,6 +107,31 @@ def test_the_simulators_replay_counts_the_same(counted, name):
     assert (row.completion_tokens, row.verify_ct) == (theirs["completion_tokens"], theirs["verify_steps_used"])
     assert row.correct_drafts == theirs.get("spec_num_correct_drafts", theirs.get("spec_accepted_drafts", 0))
     assert row.histogram == theirs.get("spec_correct_drafts_histogram", theirs.get("spec_accept_histogram", []))
+
+
+BLOCK = NUM_STEPS + 1  # DFLASH verifies the current token and 3 drafts a step: every case's runs fit
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def counted_dflash(request, run_sglang):
+    answer = run_sglang(request.param, "counting", {**job(), "algorithm": "DFLASH", "num_draft_tokens": BLOCK})
+    return request.param, dict(zip([r["name"] for r in job()["requests"]], answer["requests"]))
+
+
+@pytest.mark.parametrize("name", [*CASES, EOS_ON_PREFILL])
+def test_a_dflash_block_grows_finishes_and_counts_as_sglangs_dflash_worker_does(counted_dflash, name):
+    """DFLASH, blocks of 4: to 0.5.13 DFlashVerifyInput.verify appends a run token by token and counts only what it
+    appended (no histogram); from 0.5.16 the v2 worker's run is counted as EAGLE's. Every spec_* key as SGLang's."""
+    release, answers = counted_dflash
+    theirs, request = answers[name], ours(release, name, "DFLASH")
+    assert request.output == theirs["output_ids"], f"SGLang {release} emits {theirs['output_ids']}"
+    assert request.finish == theirs["finish_reason"] and request.verify_ct == theirs["verify_steps_used"]
+    spec = {key: value for key, value in theirs.items() if key.startswith("spec_")}
+    assert request.meta_info(BLOCK - 1) == spec, f"SGLang {release}'s meta_info under DFLASH"
+    counters = theirs["server_counters"]
+    accepted = counters.get("spec_num_accept_tokens", counters.get("spec_num_accepted_tokens"))
+    if request.verify_ct:
+        assert accepted / counters["spec_num_forward_ct"] == server_accept_length(request.correct, request.verify_ct)
 
 
 def test_the_server_wide_accept_length_is_accepted_tokens_per_verify_step(counted):

@@ -1,8 +1,8 @@
 """DFlash (block-diffusion) drafts as a draft algorithm: the draft of `model.py`, trained on blocks at anchors and
-drafting a block in one forward (`blocks.py`), exported and validated in SGLang's layout (`layout.py`). It trains from
-the same data stages as EAGLE-3 (online or offline features, the run's vocab map for its loss) and its evaluation
-replays the held-out sequences. Its serving is not built yet (docs/algorithms.md, "DFlash"): those hooks refuse,
-naming it."""
+drafting a block in one forward (`blocks.py`), exported and validated in SGLang's layout (`layout.py`), served by
+SGLang's DFLASH worker (or the reference server, which drafts as it does). It trains from the same data stages as
+EAGLE-3 (online or offline features, the run's vocab map for its loss) and its evaluation replays the held-out
+sequences (docs/algorithms.md, "DFlash")."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log, Proposer
-from eagle3.algorithms.dflash.blocks import BlockModel, BlockRows, block_loss, block_proposer
-from eagle3.algorithms.dflash.layout import read_sglang, validate_sglang, write_sglang
-from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
+from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log
+from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockModel, BlockRows, block_loss
+from eagle3.algorithms.dflash.layout import ARCHITECTURE, read_sglang, validate_sglang, write_sglang
+from eagle3.algorithms.dflash.model import DFLASH_FORMAT, DFlashConfig, DFlashDraft
 from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.algorithms.sizes import draft_sizes
 from eagle3.config import PipelineConfig
 from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
+from eagle3.contract.dflash import dflash_shape_problem
 from eagle3.contract.problems import Report
 from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.draft.vocab_map import VocabMap
@@ -32,14 +33,13 @@ from eagle3.model.weights import target_head
 from eagle3.records.manifest import write_manifest
 from eagle3.shape import DraftShape
 
-NOT_BUILT = "its serving is not built yet (docs/algorithms.md, \"DFlash\")"
-
-
 class DFlashAlgorithm(DraftAlgorithm):
     name = "dflash"
     server_algorithm = "DFLASH"
     config_type = DFlashConfig
-    deployable = False
+
+    def reads(self, config: dict) -> bool:
+        return config.get("format") == DFLASH_FORMAT or ARCHITECTURE in (config.get("architectures") or [])
 
     def draft_config(self, config: PipelineConfig) -> DFlashConfig:
         draft, dflash = config.draft, config.draft.dflash
@@ -131,8 +131,8 @@ class DFlashAlgorithm(DraftAlgorithm):
              rows: BlockRows):
         return block_loss(model, aux, input_ids, teacher, rows)
 
-    def proposer(self, model: DFlashDraft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape) -> Proposer:
-        return block_proposer(model, aux, tokens, shape)
+    def drafter(self, model: DFlashDraft, shape: DraftShape) -> BlockDrafter:
+        return BlockDrafter(model, shape)
 
     def export(self, source: Path, directory: Path, layout: str, target: ExportTarget, log: Log) -> Path:
         if layout != "sglang":
@@ -143,7 +143,7 @@ class DFlashAlgorithm(DraftAlgorithm):
         return directory
 
     def validate(self, directory: Path, layout: str, release: str | None, target_dir: Path | None,
-                 data_manifest: Path, context_length: int) -> Report:
+                 data_manifest: Path | None, context_length: int | None) -> Report:
         return validate_sglang(directory, release, data_manifest, context_length)
 
     def kv_cache_entries(self, cfg: DFlashConfig, tp: int) -> float:
@@ -151,7 +151,14 @@ class DFlashAlgorithm(DraftAlgorithm):
         return cfg.num_hidden_layers * 2 * max(1, cfg.num_key_value_heads // tp) * cfg.head_dim
 
     def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:
-        raise Eagle3Error(f"serving a DFlash draft: {NOT_BUILT}")
+        """SGLang's DFLASH worker verifies one block of --speculative-num-draft-tokens a step (it sets num_steps and
+        eagle_topk to 1 itself, and takes the block from here over the draft's block_size)."""
+        return ["--speculative-algorithm", self.server_algorithm, "--speculative-draft-model-path", str(draft_path),
+                "--speculative-num-draft-tokens", str(serving.num_draft_tokens)]
+
+    def shape_problem(self, draft_path: Path, shape: DraftShape) -> str | None:
+        block = read_json(draft_path / CONFIG_FILE, "no config.json: not a draft's directory").get("block_size")
+        return dflash_shape_problem(block if isinstance(block, int) else None, shape)
 
 
 DFLASH = DFlashAlgorithm()

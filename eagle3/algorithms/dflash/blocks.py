@@ -99,19 +99,31 @@ class BlockModel(LossModule):
         return block_loss(draft, aux, input_ids, teacher, rows)
 
 
-def block_proposer(model: DFlashDraft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape):
-    """Drafting over one known sequence (aux [T, n * TH], tokens [T]) as SGLang's DFLASH worker drafts: after the
-    verified x_P, one forward of the block [x_P, mask, ...] at P over the context before P, each entry's greedy
-    token over the target's whole head. The context's keys and values are made once for the sequence."""
-    if shape.eagle_topk != 1 or shape.num_steps > model.config.block_size - 1:
-        raise ValueError(f"a DFlash draft proposes a chain of at most block_size - 1 = {model.config.block_size - 1} "
-                         f"tokens; asked for {shape.label()}")
-    context = model.context(aux[None])
+class BlockDrafter:
+    """Drafting for one request as SGLang's DFLASH worker drafts: after the verified x_P, one forward of the block
+    [x_P, mask, ...] of the served shape's num_draft_tokens at P over the context before P, each entry's greedy token
+    over the target's whole head. The context's keys and values are made once a position, as the verified prefix
+    grows (a position's features never change once verified)."""
 
-    def propose(p: int) -> DraftTree:
-        prefix = [(k[:, :, :p], v[:, :, :p]) for k, v in context]
-        anchor = torch.tensor([[p]], device=tokens.device)
-        hidden = model.blocks(prefix, tokens[p].view(1, 1), anchor)[0, 0, 1 : 1 + shape.num_steps]
-        return DraftTree.chain(model.greedy(hidden).tolist())
+    def __init__(self, model: DFlashDraft, shape: DraftShape):
+        if shape.eagle_topk != 1 or shape.num_steps > model.config.block_size - 1:
+            raise ValueError(f"a DFlash draft proposes a chain of at most block_size - 1 = "
+                             f"{model.config.block_size - 1} tokens; asked for {shape.label()}")
+        self.model, self.shape = model, shape
+        self.context: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [1, kv_heads, positions made, d]
 
-    return propose
+    @torch.no_grad()  # drafting: no graph (the context kept across calls would hold one per step)
+    def __call__(self, aux: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
+        """aux [P, n * TH] the features of x_0 .. x_{P-1}, tokens [P + 1] -> the chain after x_P."""
+        p = aux.shape[0]
+        made = self.context[0][0].shape[2] if self.context else 0
+        if p > made:
+            new = self.model.context(aux[None, made:p], start=made)
+            self.context = new if not self.context else [
+                (torch.cat([k, new_k], dim=2), torch.cat([v, new_v], dim=2))
+                for (k, v), (new_k, new_v) in zip(self.context, new)]
+        prefix = [(k[:, :, :p], v[:, :, :p]) for k, v in self.context]
+        anchor = torch.tensor([[p]], device=aux.device)
+        first = tokens[p].view(1, 1).to(aux.device)
+        hidden = self.model.blocks(prefix, first, anchor, self.shape.num_draft_tokens)[0, 0, 1:]  # [num_steps, H]
+        return DraftTree.chain(self.model.greedy(hidden).tolist())

@@ -74,8 +74,10 @@ def read_sglang(directory: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]
     return DFlashConfig.model_validate(native), load_file(directory / WEIGHTS_FILE)
 
 
-def validate_sglang(directory: Path, release: str | None, data_manifest: Path, context_length: int) -> Report:
-    """What SGLang `release` would do wrongly with the export at `directory`: each problem named, with its fix. The
+def validate_sglang(directory: Path, release: str | None, data_manifest: Path | None,
+                    context_length: int | None) -> Report:
+    """What SGLang `release` would do wrongly with the export at `directory` (its ids against the layers of the data at
+    `data_manifest`, when given): each problem named, with its fix. The
     releases' loaders and capture agree (tests/conformance/test_dflash*.py); their RoPE base does not
     (eagle3.contract.dflash)."""
     report = Report(str(directory), "sglang", release)
@@ -87,7 +89,8 @@ def validate_sglang(directory: Path, release: str | None, data_manifest: Path, c
     if problem := dflash_family_problem(family):
         report.add(ProblemCode.CAPTURED_LAYERS, "error", problem, "serve a DFlash draft of another target family")
     dflash = raw.get("dflash_config") or {}
-    check_layer_ids(report, dflash.get("target_layer_ids"), read_data_capture(data_manifest)["aux_layers"])
+    captured = read_data_capture(data_manifest)["aux_layers"] if data_manifest is not None else None
+    check_layer_ids(report, dflash.get("target_layer_ids"), captured)
     mask, vocab = dflash.get("mask_token_id"), raw.get("vocab_size")
     if not isinstance(mask, int) or not isinstance(vocab, int) or not 0 <= mask < vocab:
         report.add(ProblemCode.VOCAB_SIZE, "error", f"dflash_config.mask_token_id {mask} is not an id of the target's "
@@ -106,19 +109,24 @@ def validate_sglang(directory: Path, release: str | None, data_manifest: Path, c
     if problem := dflash_rope_problem(release, float(raw.get("rope_theta") or 0)):
         report.add(ProblemCode.UNSUPPORTED_FLAG, "error", problem, "serve with SGLang >= 0.5.13, or retrain with "
                    f"draft.rope_theta {FIXED_ROPE_THETA:.0f}")
-    if (raw.get("max_position_embeddings") or 0) < context_length:
+    if context_length is not None and (raw.get("max_position_embeddings") or 0) < context_length:
         report.add(ProblemCode.CONTEXT_LENGTH, "error", f"max_position_embeddings {raw.get('max_position_embeddings')} "
                    f"is below serving.context_length {context_length}", "raise draft.max_position_embeddings")
     check_tensors(report, directory, raw)
     return report
 
 
-def check_layer_ids(report: Report, ids, captured: list[int]) -> None:
-    """The ids SGLang captures for the draft must be the layers its training data came from: one off is a draft served
-    its neighbour layer's states."""
+def check_layer_ids(report: Report, ids, captured: list[int] | None) -> None:
+    """The ids SGLang captures for the draft must be the layers its training data came from (None: not known here):
+    one off is a draft served its neighbour layer's states."""
     if ids is None:
         report.add(ProblemCode.AUX_IDS_MISSING, "error", "no dflash_config.target_layer_ids: SGLang spreads its own "
-                   "default over the target's layers", f"set dflash_config.target_layer_ids to {captured}")
+                   "default over the target's layers", "set dflash_config.target_layer_ids to the layers the draft "
+                   f"was trained on{f' ({captured})' if captured is not None else ''}")
+    elif captured is None:
+        report.add(ProblemCode.CAPTURED_LAYERS_MISMATCH, "unknown", f"dflash_config.target_layer_ids {list(ids)}: "
+                   "the layers the draft was trained on are not known here (no data manifest)",
+                   "validate with the run's data (eagle3 validate --data-manifest)")
     elif list(ids) != list(captured):
         report.add(ProblemCode.CAPTURED_LAYERS_MISMATCH, "error", f"dflash_config.target_layer_ids {list(ids)} make "
                    f"SGLang capture the outputs of layers {list(ids)}, but the draft was trained on layers {captured}",

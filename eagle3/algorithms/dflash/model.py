@@ -120,19 +120,20 @@ class DFlashDraft(TargetEmbeddingDraft):  # export_state: SGLang's names, no emb
         # [Dv] the target ids the training loss scores (the run's draft vocabulary); not part of the served draft
         self.register_buffer("loss_ids", torch.arange(cfg.draft_vocab_size), persistent=False)
 
-    def context(self, aux: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """aux [B, T, n * TH] -> each layer's keys and values of the context at positions 0..T-1: position-wise, so
-        made once for a sequence and sliced for any prefix of it."""
+    def context(self, aux: torch.Tensor, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """aux [B, T, n * TH] the features of positions start..start+T-1 -> each layer's keys and values of the
+        context there: position-wise, so made once for a sequence (or a piece at a time) and sliced for any prefix."""
         fused = self.hidden_norm(self.fc(aux))  # [B, T, H]
-        positions = torch.arange(aux.shape[1], device=aux.device)
+        positions = torch.arange(start, start + aux.shape[1], device=aux.device)
         return [layer.self_attn.keys_values(fused, positions) for layer in self.layers]
 
     def blocks(self, context: list[tuple[torch.Tensor, torch.Tensor]], first: torch.Tensor,
-               anchors: torch.Tensor) -> torch.Tensor:
-        """The blocks anchored at `anchors` [B, N] (the position of each block's first token, `first` [B, N]) ->
-        their stream after the final norm [B, N, Bk, H]. Block n sees the context before its anchor."""
+               anchors: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        """The blocks of `size` (None: the trained block_size; a server may draft smaller ones) anchored at `anchors`
+        [B, N] (the position of each block's first token, `first` [B, N]) -> their stream after the final norm
+        [B, N, size, H]. Block n sees the context before its anchor."""
         batch, count = anchors.shape
-        size = self.config.block_size
+        size = size or self.config.block_size
         tokens = torch.full((batch, count, size), self.config.mask_token_id, device=anchors.device)
         tokens[:, :, 0] = first
         offsets = torch.arange(size, device=anchors.device)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log, Proposer
+from eagle3.algorithms.base import DraftAlgorithm, Drafter, ExportTarget, Log
 from eagle3.algorithms.eagle3.architecture import trained_draft_config
 from eagle3.algorithms.eagle3.warm_start import warm_start
 from eagle3.algorithms.init_copy import ResolvedInit
@@ -91,9 +91,9 @@ class Eagle3Algorithm(DraftAlgorithm):
              rows: LossRows) -> StepStats:
         return ttt_loss(model, aux, input_ids, teacher, rows)
 
-    def proposer(self, model: Eagle3Draft, aux: torch.Tensor, tokens: torch.Tensor, shape: DraftShape) -> Proposer:
+    def drafter(self, model: Eagle3Draft, shape: DraftShape) -> Drafter:
         cache = DraftCache(model)  # the prefix's keys and values, extended as the verified sequence grows
-        return lambda p: draft_tree(model, aux[:p], tokens[: p + 1], shape, cache)
+        return lambda aux, tokens: draft_tree(model, aux, tokens, shape, cache)
 
     def export(self, source: Path, directory: Path, layout: str, target: ExportTarget, log: Log) -> Path:
         return convert(source, directory, to=layout, target_family=target.family, release=target.release,
@@ -101,7 +101,7 @@ class Eagle3Algorithm(DraftAlgorithm):
                        verifier=target.verifier)
 
     def validate(self, directory: Path, layout: str, release: str | None, target_dir: Path | None,
-                 data_manifest: Path, context_length: int) -> Report:
+                 data_manifest: Path | None, context_length: int | None) -> Report:
         return validate(directory, engine=layout, release=release, target=target_dir, data_manifest=data_manifest,
                         context_length=context_length)
 

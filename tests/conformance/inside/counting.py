@@ -41,7 +41,17 @@ What is NOT SGLang's code, and why:
 * `uvloop` / `setproctitle`, when the conformance environment lacks them: a stand-in event loop policy
   (asyncio's default; the tokenizer manager installs it at import) and an import placeholder (never called).
 
-Job: {"num_steps": k, optional "eagle_topk" and "num_draft_tokens" (a tree), "requests": [{"prompt_ids": [...], "prefill_token": t0,
+DFLASH (job "algorithm": "DFLASH", "num_draft_tokens": the block): the server args are those the release's
+`_handle_dflash` resolves (num_steps 1, topk 1, num_draft_tokens = the block, no overlap schedule to 0.5.13); the
+CPU platform refuses DFLASH from 0.5.16, so they are set by hand on EAGLE3's there, as that function sets them. Up to
+0.5.13 (`dflash_worker.py`, spec v1) the release's `DFlashVerifyInput.verify` runs each step: it appends the run
+and counts on the Req; its greedy rule reads the target's argmax of the job's logits (one-hot rows: the accepted
+drafts, then the bonus, after which the block's next candidate differs); the result is built as `DFlashWorker`
+builds it and goes to the non-overlap decode processing. From 0.5.16 (`dflash_worker_v2.py`) the worker hands
+the scheduler the run as EAGLE's v2 worker does (`accept_lens` = the committed run), stride = the block.
+
+Job: {"num_steps": k, optional "algorithm" (EAGLE3 | DFLASH), "eagle_topk" and "num_draft_tokens" (a tree; DFLASH's
+      block), "requests": [{"prompt_ids": [...], "prefill_token": t0,
       "verify_steps": [[accepted drafts..., bonus], ...], "max_new_tokens": N, "eos_token_ids": [...],
       optional "stop_token_ids": [...], optional "overlap_tail": true}]}
 Steps are fed while the request is unfinished. With "overlap_tail", one more step is then processed with
@@ -98,7 +108,7 @@ def _tiny_model(directory: str) -> tuple[str, str]:
             "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32"}
     target, draft = os.path.join(directory, "target"), os.path.join(directory, "draft")
     for path, arch in ((target, "LlamaForCausalLM"), (draft, "LlamaForCausalLMEagle3")):
-        os.makedirs(path)
+        os.makedirs(path, exist_ok=True)  # DFLASH may ask twice (its args refused, then EAGLE3's)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump({**base, "architectures": [arch]}, f)
     return target, draft
@@ -107,14 +117,33 @@ def _tiny_model(directory: str) -> tuple[str, str]:
 def _server_args(num_steps: int, directory: str, topk: int = 1, num_draft_tokens: int | None = None, **flags):
     """The release's own ServerArgs for EAGLE3 decoding (a chain unless topk > 1) and any other `flags`, published
     process-wide like a scheduler does."""
+    return _published(directory, speculative_algorithm="EAGLE3", speculative_num_steps=num_steps,
+                      speculative_eagle_topk=topk, speculative_num_draft_tokens=num_draft_tokens or num_steps + 1,
+                      **flags)
+
+
+def _dflash_server_args(block: int, directory: str):
+    """The server args of DFLASH decoding in blocks of `block`, from the flags the launcher gives (algorithm, draft,
+    --speculative-num-draft-tokens): the release's own resolution where its CPU platform allows DFLASH (0.5.11-0.5.13),
+    else (0.5.16 on) EAGLE3's with the fields `_handle_dflash` sets after that refusal (num_steps and topk 1,
+    num_draft_tokens the block; the v2 worker keeps the overlap schedule)."""
+    try:
+        return _published(directory, speculative_algorithm="DFLASH", speculative_num_draft_tokens=block)
+    except ValueError as refused:
+        if "DFLASH speculative decoding" not in str(refused):  # "only supports CUDA device", "not supported by
+            raise  # CpuSRTPlatform" (0.5.23, at publishing)
+    args = _server_args(block - 1, directory, 1, block)
+    args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk = "DFLASH", 1, 1
+    return args
+
+
+def _published(directory: str, **flags):
+    """ServerArgs on a tiny throwaway model for those flags, published process-wide like a scheduler does."""
     from sglang.srt import server_args as sa_module
 
     target, draft = _tiny_model(directory)
     args = sa_module.ServerArgs(
-        model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
-        speculative_num_steps=num_steps, speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=num_draft_tokens or num_steps + 1,
-        device="cpu", skip_tokenizer_init=True,
+        model_path=target, speculative_draft_model_path=draft, device="cpu", skip_tokenizer_init=True,
         decode_log_interval=1 << 30,  # the periodic decode log never comes round (see module docstring)
         **flags,
     )
@@ -337,6 +366,43 @@ def _v1_verify(server_args, batch, req, step: list[int]):
                                  **{name: sum(per_req), name + "_per_req_cpu": per_req})
 
 
+def _dflash_v1_verify(server_args, batch, req, step: list[int]):
+    """DFLASH spec v1 (to 0.5.13): the release's DFlashVerifyInput.verify on one block, then the GenerationBatchResult
+    DFlashWorker builds from its output. The target's logits are the job's: one-hot rows whose argmax accepts the
+    step's drafts and gives its bonus."""
+    import torch
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.speculative import dflash_info
+
+    block = server_args.speculative_num_draft_tokens
+    accepted, bonus = list(step[:-1]), step[-1]
+    rejected = next(t for t in range(VOCAB) if t != bonus)  # the block's candidate after the accepted ones
+    candidates = ([req.output_ids[-1]] + accepted + [rejected] * block)[:block]  # [current, drafts...]
+    predicted = (accepted + [bonus] + [rejected] * block)[:block]  # the target's argmax after each position
+    logits = torch.zeros((block, VOCAB))
+    logits[torch.arange(block), torch.tensor(predicted)] = 1.0
+    dflash_info.assign_req_to_token_pool_func = lambda *a, **k: None  # triton write of the req-to-token table
+
+    seq_len = len(req.origin_input_ids) + len(req.output_ids)
+    verify = _call(dflash_info.DFlashVerifyInput, draft_token=torch.tensor(candidates),
+                   positions=torch.arange(seq_len, seq_len + block), draft_token_num=block)
+    batch.spec_info = verify
+    batch.sampling_info = _call(SamplingBatchInfo.from_schedule_batch, batch=batch, vocab_size=VOCAB)
+    batch.out_cache_loc = torch.arange(block)
+    batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = torch.tensor([seq_len]), torch.tensor([seq_len]), seq_len
+    batch.req_pool_indices = torch.tensor([0])
+    output = _call(LogitsProcessorOutput, next_token_logits=logits, hidden_states=torch.zeros((block, 8)))
+
+    bonus_tokens, _, _, per_req = verify.verify(batch=batch, logits_output=output, page_size=1)
+
+    fields = {f.name for f in dataclasses.fields(GenerationBatchResult)}
+    name = "num_correct_drafts" if "num_correct_drafts" in fields else "num_accepted_drafts"
+    return GenerationBatchResult(logits_output=output, next_token_ids=bonus_tokens, can_run_cuda_graph=False,
+                                 **{name: sum(per_req), name + "_per_req_cpu": per_req})
+
+
 # ------------------------------------------------------------- scheduler side, 0.5.11 and 0.5.12
 
 
@@ -372,8 +438,9 @@ def _mixin_scheduler(server_args, spec_v2: bool):
     return sched
 
 
-def _drive_mixin(server_args, spec: dict, rid: str, spec_v2: bool) -> dict:
-    """0.5.11, 0.5.12: Scheduler.process_batch_result_prefill, then process_batch_result_decode per step."""
+def _drive_mixin(server_args, spec: dict, rid: str, spec_v2: bool, v1_verify=_v1_verify) -> dict:
+    """0.5.11, 0.5.12: Scheduler.process_batch_result_prefill, then process_batch_result_decode per step (a spec-v1
+    step by `v1_verify`: EAGLE's or DFLASH's)."""
     sched = _mixin_scheduler(server_args, spec_v2)
     req = _make_req(spec, rid)
     batch = _new_batch(req, sched.req_to_token_pool, sched.token_to_kv_pool_allocator, sched.tree_cache,
@@ -382,7 +449,7 @@ def _drive_mixin(server_args, spec: dict, rid: str, spec_v2: bool) -> dict:
 
     stride = server_args.speculative_num_draft_tokens
     verify = (lambda step: _v2_result(step, stride)) if spec_v2 else (
-        lambda step: _v1_verify(server_args, batch, req, step))
+        lambda step: v1_verify(server_args, batch, req, step))
     used = _feed(sched, batch, req, spec, verify, overlap_tail=spec_v2 and spec.get("overlap_tail"))
     return dict(req=req, sent=sched.send_to_detokenizer.sent, verify_steps_used=used,
                 kv_released=sched.tree_cache.released_rids.count(rid), server_counters=_spec_counters(sched))
@@ -391,7 +458,7 @@ def _drive_mixin(server_args, spec: dict, rid: str, spec_v2: bool) -> dict:
 # ---------------------------------------------------------------- scheduler side, 0.5.13 onwards
 
 
-def _components(server_args):
+def _components(server_args, enable_overlap: bool = True):
     """SchedulerBatchResultProcessor with its SchedulerOutputStreamer and SchedulerMetricsReporter: the
     release's own classes, built with the arguments Scheduler passes them (memory objects: the stubs)."""
     from sglang.srt.managers.scheduler_components import batch_result_processor as brp_module
@@ -426,8 +493,8 @@ def _components(server_args):
         brp_module.SchedulerBatchResultProcessor, is_generation=True,
         disaggregation_mode=_disaggregation_mode(server_args),
         # Overlap scheduling is the GPU default for EAGLE topk 1 (CPU resolution turns it off in 0.5.16 on).
-        # For one request it matters only after the finish (see "overlap_tail").
-        enable_overlap=True, enable_overlap_mlx=False, server_args=server_args, model_config=model_config,
+        # For one request it matters only after the finish (see "overlap_tail"). DFLASH's v1 worker runs without.
+        enable_overlap=enable_overlap, enable_overlap_mlx=False, server_args=server_args, model_config=model_config,
         token_to_kv_pool_allocator=allocator, tree_cache=tree_cache, hisparse_coordinator=None,
         req_to_token_pool=_req_to_token_pool(), decode_offload_manager=None, metrics_collector=None,
         metrics_reporter=reporter,
@@ -442,17 +509,19 @@ def _components(server_args):
                                  model_config=model_config)
 
 
-def _drive_components(server_args, spec: dict, rid: str) -> dict:
-    """0.5.13 on: SchedulerBatchResultProcessor.process_batch_result_prefill, then _decode per step."""
-    parts = _components(server_args)
+def _drive_components(server_args, spec: dict, rid: str, v1_verify=None) -> dict:
+    """0.5.13 on: SchedulerBatchResultProcessor.process_batch_result_prefill, then _decode per step (spec v2, or
+    without the overlap schedule each step by `v1_verify`: DFLASH's in 0.5.13)."""
+    parts = _components(server_args, enable_overlap=v1_verify is None)
     processor = parts.processor
     req = _make_req(spec, rid)
     batch = _new_batch(req, processor.req_to_token_pool, parts.allocator, parts.tree_cache, parts.model_config,
                        processor.enable_overlap, parts.spec_algorithm)
 
     stride = server_args.speculative_num_draft_tokens
-    used = _feed(processor, batch, req, spec, lambda step: _v2_result(step, stride),
-                 overlap_tail=spec.get("overlap_tail"))
+    verify = (lambda step: v1_verify(server_args, batch, req, step)) if v1_verify else (
+        lambda step: _v2_result(step, stride))
+    used = _feed(processor, batch, req, spec, verify, overlap_tail=spec.get("overlap_tail"))
     return dict(req=req, sent=parts.to_detokenizer.sent, verify_steps_used=used,
                 kv_released=parts.tree_cache.released_rids.count(rid), server_counters=_spec_counters(parts.reporter))
 
@@ -552,12 +621,20 @@ def _run(job: dict, directory: str) -> dict:
     _stand_ins()
     import sglang
 
-    server_args = _server_args(job["num_steps"], directory, job.get("eagle_topk", 1), job.get("num_draft_tokens"))
+    dflash = job.get("algorithm") == "DFLASH"
+    if dflash:
+        server_args = _dflash_server_args(job["num_draft_tokens"], directory)
+    else:
+        server_args = _server_args(job["num_steps"], directory, job.get("eagle_topk", 1), job.get("num_draft_tokens"))
     setup_s = time.perf_counter() - started
     components = importlib.util.find_spec("sglang.srt.managers.scheduler_components") is not None  # 0.5.13 on
-    paths = ["v2"]
-    if importlib.util.find_spec("sglang.srt.speculative.eagle_worker") is not None:  # EAGLEWorker: to 0.5.12
-        paths.append("v1")
+    if dflash:  # DFlashWorker (spec v1, dflash_worker.py) to 0.5.13; the v2 worker from 0.5.16
+        paths = ["v1"] if importlib.util.find_spec("sglang.srt.speculative.dflash_worker") is not None else ["v2"]
+    else:
+        paths = ["v2"]
+        if importlib.util.find_spec("sglang.srt.speculative.eagle_worker") is not None:  # EAGLEWorker: to 0.5.12
+            paths.append("v1")
+    v1_verify = _dflash_v1_verify if dflash else _v1_verify
 
     answer = {"release": sglang.__version__, "paths": {}}
     for path in paths:
@@ -565,12 +642,12 @@ def _run(job: dict, directory: str) -> dict:
         for n, spec in enumerate(job["requests"]):
             rid = f"probe-{path}-{n}"
             if components:
-                drive = _drive_components(server_args, spec, rid)
+                drive = _drive_components(server_args, spec, rid, v1_verify if path == "v1" else None)
             else:
-                drive = _drive_mixin(server_args, spec, rid, spec_v2=(path == "v2"))
+                drive = _drive_mixin(server_args, spec, rid, spec_v2=(path == "v2"), v1_verify=v1_verify)
             answers.append(_answer(drive, _response(server_args, spec, rid, drive["sent"])))
         answer["paths"][path] = answers
-    answer["requests"] = answer["paths"]["v2"]  # the default for EAGLE topk 1
+    answer["requests"] = answer["paths"][paths[0]]  # the default: v2 for EAGLE topk 1, the only path for DFLASH
     answer["key_names"] = sorted({k for answers in answer["paths"].values() for a in answers for k in a
                                   if k.startswith("spec_")})
     answer["seconds"] = {"setup": round(setup_s, 1), "total": round(time.perf_counter() - started, 1)}
