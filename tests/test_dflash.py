@@ -23,6 +23,7 @@ from eagle3.model.ttt import LossRows
 from eagle3.shape import DraftShape
 from eagle3.train.trainer import Trainer
 from eagle3.serve.reference import create_app
+from family_targets import DFLASH_CONFIG
 from helpers import MAX_NEW, RELEASE, TINY, generate, metrics, prompt_of, requests, run_copy, serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,6 +79,15 @@ def test_a_dflash_config_needs_its_mask_token_and_a_chain_of_its_block():
         load_config(TINY, DFLASH + ["target.family=qwen2"])
     config = load_config(TINY, DFLASH)
     assert algorithm("dflash").predictions(config.draft, config.training) == 3
+
+
+def test_the_shipped_dflash_config_serves_chains_no_longer_than_its_block():
+    """configs/tiny-dflash-cpu.yaml (`eagle3 run` promotes it: docs/algorithms.md, "DFlash"): the tiny default with a
+    two-layer DFlash draft; its serving shape and sweep points are chains in blocks of at most 4."""
+    config = load_config(DFLASH_CONFIG)
+    assert (config.draft.algorithm, config.draft.dflash.num_layers, config.draft.dflash.block_size) == ("dflash", 2, 4)
+    assert config.serving.shape == DraftShape(3) and config.sweep.points == [(1, 1, 2), (2, 1, 3)]
+    assert config.registry.path != load_config(TINY).registry.path  # never the EAGLE-3 default's production
 
 
 def test_without_ids_a_dflash_draft_reads_one_target_layer_per_draft_layer_spread_as_sglang_spreads_them():

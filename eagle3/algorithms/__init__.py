@@ -8,7 +8,7 @@ from eagle3.algorithms.base import DraftAlgorithm
 from eagle3.algorithms.dflash import DFLASH
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.draft.checkpoint import CONFIG_FILE
-from eagle3.errors import Eagle3Error
+from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.fsutil import read_json
 
 ALGORITHMS: dict[str, DraftAlgorithm] = {entry.name: entry for entry in (EAGLE3, DFLASH)}
@@ -35,6 +35,8 @@ def draft_algorithm(path: Path) -> DraftAlgorithm:
     """The entry whose draft the directory `path` holds, in any layout (its config.json says): what serves, validates
     and replays it, whatever the run's own draft.algorithm (production may serve an earlier run's version). A config
     no other entry reads is EAGLE-3's, whose readers name what they cannot read."""
+    if not Path(path).is_dir():
+        raise UnreadableInput(f"{path}: no such draft directory")
     config = read_json(Path(path) / CONFIG_FILE, "no config.json: not a draft's directory")
     if not isinstance(config, dict):
         return EAGLE3

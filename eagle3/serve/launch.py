@@ -235,14 +235,15 @@ class Server:
 
 
 def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None] = print, role: str = "candidate",
-               unit: str | None = None, telemetry: TelemetrySection | None = None, outlives_run: bool = False) -> Server:
+               unit: str | None = None, telemetry: TelemetrySection | None = None, outlives_run: bool = False,
+               entry: DraftAlgorithm | None = None) -> Server:
     """The server for `config.serving`; with `unit`, its local process (the server, or the ssh / srun that holds it)
-    runs in that transient systemd scope; with `telemetry` (production only), SGLang's metrics and request records.
+    runs in that transient systemd scope; with `telemetry` (production only), SGLang's metrics and request records;
+    `entry` the draft's algorithm (None: the config's), whose flags serve it.
     A local reference server that ends with this process (not `outlives_run`, no unit) starts warm
     (run.warm_start)."""
     s = config.serving
     if s.engine == "sglang":
-        entry = draft_algorithm(Path(draft)) if draft is not None else None  # an earlier run's version may be another's
         built = sglang_command(config, target, draft, telemetry, entry)
     else:
         built = reference_command(config, target, draft, telemetry)  # the reference server reads the draft's kind
@@ -268,10 +269,10 @@ def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[st
     export stage logged and recorded them)."""
     if draft is not None and not Path(draft).is_dir():
         raise LaunchError(f"draft {draft}: no such directory; nothing was launched")
-    entry = draft_algorithm(Path(draft)) if draft is not None else None
+    entry = draft_algorithm(Path(draft)) if draft is not None else None  # an earlier run's version may be another's
     if entry is not None and (problem := entry.shape_problem(Path(draft), config.serving.shape)):
         raise LaunchError(f"draft {draft} ({entry.name}): {problem}; nothing was launched")
-    server = server_for(config, target, draft, log, role, unit, telemetry, outlives_run)
+    server = server_for(config, target, draft, log, role, unit, telemetry, outlives_run, entry)
     server.start()
     try:
         live = server.wait_healthy(config.serving.health_timeout_s)

@@ -42,8 +42,9 @@ What is NOT SGLang's code, and why:
   (asyncio's default; the tokenizer manager installs it at import) and an import placeholder (never called).
 
 DFLASH (job "algorithm": "DFLASH", "num_draft_tokens": the block): the server args are those the release's
-`_handle_dflash` resolves (num_steps 1, topk 1, num_draft_tokens = the block, no overlap schedule to 0.5.13); the
-CPU platform refuses DFLASH from 0.5.16, so they are set by hand on EAGLE3's there, as that function sets them. Up to
+`_handle_dflash` resolves (num_steps 1, topk 1, num_draft_tokens = the block, no overlap schedule) to 0.5.13; the
+CPU platform refuses DFLASH from 0.5.16, where EAGLE3's chain of block - 1 steps (the same num_draft_tokens) stands
+in and the scheduler's components are given DFLASH as their algorithm. Up to
 0.5.13 (`dflash_worker.py`, spec v1) the release's `DFlashVerifyInput.verify` runs each step: it appends the run
 and counts on the Req; its greedy rule reads the target's argmax of the job's logits (one-hot rows: the accepted
 drafts, then the bonus, after which the block's next candidate differs); the result is built as `DFlashWorker`
@@ -124,17 +125,16 @@ def _server_args(num_steps: int, directory: str, topk: int = 1, num_draft_tokens
 
 def _dflash_server_args(block: int, directory: str):
     """The server args of DFLASH decoding in blocks of `block`, from the flags the launcher gives (algorithm, draft,
-    --speculative-num-draft-tokens): the release's own resolution where its CPU platform allows DFLASH (0.5.11-0.5.13),
-    else (0.5.16 on) EAGLE3's with the fields `_handle_dflash` sets after that refusal (num_steps and topk 1,
-    num_draft_tokens the block; the v2 worker keeps the overlap schedule)."""
+    --speculative-num-draft-tokens): the release's own resolution where its CPU platform allows DFLASH (0.5.11-0.5.13).
+    From 0.5.16 it refuses ("only supports CUDA device", or at publishing in 0.5.23) and resolved args are read-only
+    (0.5.17 on): EAGLE3's chain of block - 1 steps stands in, whose num_draft_tokens (the block: what the tokenizer
+    manager and the result stride read) is DFLASH's, and the scheduler side is given DFLASH as its algorithm."""
     try:
         return _published(directory, speculative_algorithm="DFLASH", speculative_num_draft_tokens=block)
     except ValueError as refused:
         if "DFLASH speculative decoding" not in str(refused):  # "only supports CUDA device", "not supported by
             raise  # CpuSRTPlatform" (0.5.23, at publishing)
-    args = _server_args(block - 1, directory, 1, block)
-    args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk = "DFLASH", 1, 1
-    return args
+    return _server_args(block - 1, directory, 1, block)
 
 
 def _published(directory: str, **flags):
@@ -164,10 +164,11 @@ def _call(fn, **kwargs):
     return fn(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
-def _spec_algorithm(server_args):
+def _spec_algorithm(server_args, name: str | None = None):
+    """The release's SpeculativeAlgorithm of the server args, or of `name` (DFLASH where its args stand in)."""
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    return SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
+    return SpeculativeAlgorithm.from_string(name or server_args.speculative_algorithm)
 
 
 def _disaggregation_mode(server_args):
@@ -458,7 +459,7 @@ def _drive_mixin(server_args, spec: dict, rid: str, spec_v2: bool, v1_verify=_v1
 # ---------------------------------------------------------------- scheduler side, 0.5.13 onwards
 
 
-def _components(server_args, enable_overlap: bool = True):
+def _components(server_args, enable_overlap: bool = True, algorithm: str | None = None):
     """SchedulerBatchResultProcessor with its SchedulerOutputStreamer and SchedulerMetricsReporter: the
     release's own classes, built with the arguments Scheduler passes them (memory objects: the stubs)."""
     from sglang.srt.managers.scheduler_components import batch_result_processor as brp_module
@@ -467,7 +468,7 @@ def _components(server_args, enable_overlap: bool = True):
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
     from sglang.srt.observability.metrics_collector import SchedulerMetricsCollectorContext
 
-    spec_algorithm = _spec_algorithm(server_args)
+    spec_algorithm = _spec_algorithm(server_args, algorithm)
     allocator = _Allocator()
     tree_cache = _TreeCache(allocator)
     _record_kv_cache(brp_module, tree_cache)
@@ -509,10 +510,10 @@ def _components(server_args, enable_overlap: bool = True):
                                  model_config=model_config)
 
 
-def _drive_components(server_args, spec: dict, rid: str, v1_verify=None) -> dict:
+def _drive_components(server_args, spec: dict, rid: str, v1_verify=None, algorithm: str | None = None) -> dict:
     """0.5.13 on: SchedulerBatchResultProcessor.process_batch_result_prefill, then _decode per step (spec v2, or
     without the overlap schedule each step by `v1_verify`: DFLASH's in 0.5.13)."""
-    parts = _components(server_args, enable_overlap=v1_verify is None)
+    parts = _components(server_args, enable_overlap=v1_verify is None, algorithm=algorithm)
     processor = parts.processor
     req = _make_req(spec, rid)
     batch = _new_batch(req, processor.req_to_token_pool, parts.allocator, parts.tree_cache, parts.model_config,
@@ -642,7 +643,8 @@ def _run(job: dict, directory: str) -> dict:
         for n, spec in enumerate(job["requests"]):
             rid = f"probe-{path}-{n}"
             if components:
-                drive = _drive_components(server_args, spec, rid, v1_verify if path == "v1" else None)
+                drive = _drive_components(server_args, spec, rid, v1_verify if path == "v1" else None,
+                                          "DFLASH" if dflash else None)
             else:
                 drive = _drive_mixin(server_args, spec, rid, spec_v2=(path == "v2"), v1_verify=v1_verify)
             answers.append(_answer(drive, _response(server_args, spec, rid, drive["sent"])))
