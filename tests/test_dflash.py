@@ -417,3 +417,19 @@ def test_sglang_serves_the_export_by_its_own_kind_and_a_longer_block_is_refused_
     with pytest.raises(LaunchError, match=r"\(dflash\): steps 7, topk 1, draft tokens 8 verifies blocks of 8 tokens .* "
                                           r"trained on blocks of 4 .*nothing was launched"):
         launch_and_validate(longer, longer.target.path, directory, log=QUIET)
+
+
+def test_production_measures_a_version_of_the_other_kind_as_its_own_kind():
+    """A rollback across algorithms: a DFlash run's production check of an EAGLE-3 version takes the version's
+    algorithm, so its tree shape is served; an EAGLE-3 run's of a DFlash version takes its block."""
+    from eagle3.deployment.production import of_kind
+    from eagle3.deployment.sweep import with_shape
+
+    dflash, eagle = load_config(TINY, DFLASH), load_config(TINY)
+    with pytest.raises(ConfigError, match="not the tree of steps 3, topk 4, draft tokens 8"):
+        with_shape(dflash, DraftShape(3, 4, 8))
+    back = of_kind(dflash, {"config": eagle.model_dump(mode="json")})
+    assert with_shape(back, DraftShape(3, 4, 8)).serving.shape == DraftShape(3, 4, 8)
+    forward = of_kind(eagle, {"config": dflash.model_dump(mode="json")})
+    assert (forward.draft.algorithm, forward.draft.dflash.block_size) == ("dflash", 4)
+    assert of_kind(dflash, {"config": dflash.model_dump(mode="json")}) is dflash

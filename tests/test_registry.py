@@ -377,10 +377,12 @@ def test_cli_list_show_history(section, registry, exports, capsys):
     lines = {line[2:].split()[0]: line for line in out.splitlines() if line.startswith(("* ", "  "))}
     assert lines["v1"].startswith("* ") and "accept length 2.400" in lines["v1"] and "accept rate 0.470" in lines["v1"]
     assert lines["v2"].startswith("  ") and "accept length 2.600" in lines["v2"]
+    assert all("  eagle3  served" in line for line in lines.values())  # each version's draft algorithm
 
     assert cli(section, "show", "v2") == 0
     out = capsys.readouterr().out
-    assert "version: v2" in out and "served accept length 2.600" in out and "parent" in out and "files: 6 in sglang, speculators" in out
+    assert "version: v2, draft.algorithm eagle3" in out and "served accept length 2.600" in out and "parent" in out
+    assert "files: 6 in sglang, speculators" in out
     assert cli(section, "show", "v2", "--json") == 0
     assert json.loads(capsys.readouterr().out) == registry.manifest("v2")
 

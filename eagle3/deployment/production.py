@@ -202,12 +202,13 @@ class Production:
 def of_kind(config: PipelineConfig, manifest: dict) -> PipelineConfig:
     """`config` for serving a version of another draft algorithm than its own (a rollback across algorithms): the
     version's draft.algorithm and its own fields, so its recorded serving shape is checked against its kind (the
-    launcher serves a draft by its own kind already)."""
+    launcher serves a draft by its own kind already), and no sweep points (they are the run's kind's shapes; production
+    is measured in the version's one)."""
     draft = (manifest.get("config") or {}).get("draft") or {}
     algorithm = draft.get("algorithm", "eagle3")
     if algorithm == config.draft.algorithm:
         return config
-    return derived(config, {"draft.algorithm": algorithm, "draft.dflash": draft.get("dflash")})
+    return derived(config, {"draft.algorithm": algorithm, "draft.dflash": draft.get("dflash"), "sweep.points": []})
 
 
 def boot_id() -> str:
