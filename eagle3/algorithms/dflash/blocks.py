@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle3.algorithms.dflash.model import DFlashDraft
+from eagle3.contract.dflash import dflash_shape_problem
 from eagle3.model.teacher import Teacher
 from eagle3.model.tree import DraftTree
 from eagle3.model.ttt import LossModule, LossRows, StepStats, ttt_stats
@@ -106,9 +107,8 @@ class BlockDrafter:
     grows (a position's features never change once verified)."""
 
     def __init__(self, model: DFlashDraft, shape: DraftShape):
-        if shape.eagle_topk != 1 or shape.num_steps > model.config.block_size - 1:
-            raise ValueError(f"a DFlash draft proposes a chain of at most block_size - 1 = "
-                             f"{model.config.block_size - 1} tokens; asked for {shape.label()}")
+        if problem := dflash_shape_problem(model.config.block_size, shape):
+            raise ValueError(problem)
         self.model, self.shape = model, shape
         self.context: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [1, kv_heads, positions made, d]
 
