@@ -221,6 +221,19 @@ def suites_report(columns: list[dict]) -> str:
     return "\n\n".join(["# Acceptance per suite and drafting shape", picture, table(*suites_table(columns))])
 
 
+def contenders_report(record: dict) -> str:
+    """The run's drafts side by side (eagle3.deployment.contenders): each one's figures and gate verdict, which one
+    production gets, then accept length per suite with a column per draft."""
+    rows = [[f"**{r['label']}**" if r["label"] == record["chosen"] else r["label"], r["algorithm"],
+             r["simulated_accept_length"], r["served_accept_length"],
+             "-" if not r["chosen_shape"] else "{num_steps}/{eagle_topk}/{num_draft_tokens}".format(**r["chosen_shape"]),
+             r["output_tokens_per_s"], r["speedup"], r["gate"]] for r in record["drafts"]]
+    head = table(["draft", "algorithm", "simulated accept length", "served accept length", "chosen shape",
+                  "output tokens/s", "speedup", "gate"], rows)
+    return "\n\n".join([f"# Drafts side by side\n\nProduction gets **{record['chosen']}**: {record['rule']}.", head,
+                         suites_report(record["columns"])])
+
+
 def suites_text(columns: list[dict]) -> list[str]:
     """The suites table as fixed-width text, for logs and the command line (nothing without a column)."""
     if not columns:

@@ -1,5 +1,6 @@
 """The `eagle3` flow: data -> vocab -> train -> export -> simulate -> serve + measure -> sweep -> gate -> promote /
-roll back.
+roll back. With contenders (the `contenders` section) every draft trains on the same data and is measured and swept
+in turn; the gate judges the fastest (tasks.bench.choose_draft).
 
 Ends Completed (promoted), Completed named RolledBack (the gate, or production's check after the promotion,
 rejected the candidate; the message gives the reasons), or Failed (an error). Runs for one registry never overlap,
@@ -19,10 +20,12 @@ from prefect import flow
 from prefect.states import Completed, Failed
 from prefect.transactions import transaction
 
+from eagle3.config import draft_configs, resolved_config_path
+from eagle3.deployment.contenders import Contender
 from eagle3.registry.gate import GateRejected
 from eagle3.runs import run_in_use
 from eagle3.stages.table import STAGES
-from tasks.bench import measure_served, sweep_serving
+from tasks.bench import choose_draft, measure_served, sweep_serving
 from tasks.common import log_to_run
 from tasks.deploy import (
     check_gate,
@@ -56,15 +59,31 @@ def eagle3(config: str, overrides: list[str] | None = None,
             return train_and_deploy(run_config, resolved)
 
 
-def train_and_deploy(config, resolved: str):
-    before = release_production(config)  # managed on the node: every stage below needs its GPUs (docs/gpu-node.md)
-    version = None
-    try:
-        made = {}  # the cached stages in the table's order, each given the outputs it reads
-        for stage in STAGES.values():
+def run_stages(config, resolved: str, made: dict, per_draft: bool) -> dict:
+    """The cached stages in the table's order (the shared ones, or those each draft runs), each given the outputs it
+    reads; `made`: what the stages before made."""
+    made = dict(made)
+    for stage in STAGES.values():
+        if stage.per_draft == per_draft:
             made[stage.name] = STAGE_TASKS[stage.name](
                 config, resolved, {name: made[source] for name, source in stage.upstream.items()})
-        candidate = sweep_serving(config, measure_served(config, made["export"], made["simulate"]), before)
+    return made
+
+
+def train_and_deploy(run_config, resolved: str):
+    before = release_production(run_config)  # managed on the node: every stage below needs its GPUs (docs/gpu-node.md)
+    version = None
+    try:
+        shared = run_stages(run_config, resolved, {}, per_draft=False)
+        drafts, made = [], {}
+        for label, config in draft_configs(run_config).items():  # the run's draft, then each contender, on its data
+            own_resolved = resolved if config is run_config else str(resolved_config_path(config))
+            made[label] = run_stages(config, own_resolved, shared, per_draft=True)
+            first = drafts[0].candidate if drafts else None  # its no-draft baselines serve every draft
+            measured = measure_served(config, made[label]["export"], made[label]["simulate"], first)
+            drafts.append(Contender(label, config, sweep_serving(config, measured, before, first)))
+        chosen = choose_draft(run_config, drafts, before)
+        config, candidate, made = chosen.config, chosen.candidate, made[chosen.label]
         fingerprints = {name: made[stage].fingerprint for name, stage in
                         (("data", "capture"), ("vocab", "vocab"), ("train", "train"), ("export", "export"))}
         version = publish_candidate(config, fingerprints, candidate, before)
@@ -79,10 +98,10 @@ def train_and_deploy(config, resolved: str):
         return Completed(name="RolledBack", message=rejected.decision.summary())
     except Exception:  # not a cancellation: the 30 s Prefect leaves before SIGKILL would not load a target
         # production serves again; should that fail too, its task run says why and the run's error stays the first one
-        serve_production(config, before, "the run failed", return_state=True)
+        serve_production(run_config, before, "the run failed", return_state=True)
         raise
     # outside the try: the promotion stands whatever the retention does
-    report_decision(config, version, decision, before, production, prune_old_runs(config))
+    report_decision(config, version, decision, before, production, prune_old_runs(run_config))
     return version
 
 

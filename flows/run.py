@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from eagle3.algorithms import require_deployable
-    from eagle3.config import DEPLOYMENT_SECTIONS, check_local_inputs, load_config, require_sections
+    from eagle3.config import DEPLOYMENT_SECTIONS, check_local_inputs, draft_configs, load_config, require_sections
     from eagle3.errors import Eagle3Error
     from eagle3.procs import Terminated, terminate_on_sigterm
     from flows.api import run_api
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         require_sections(config, DEPLOYMENT_SECTIONS, "eagle3 run (the whole pipeline)")
-        require_deployable(config.draft.algorithm, "eagle3 run (the whole pipeline)")
+        for label, draft in draft_configs(config).items():  # the run's draft and each contender
+            require_deployable(draft.draft.algorithm, f"eagle3 run (the whole pipeline), draft {label}")
         check_local_inputs(config)  # before anything reaches Prefect: a missing path creates no flow run
     except Eagle3Error as err:
         print(f"eagle3 run: {err}", file=sys.stderr)

@@ -10,6 +10,7 @@ from prefect.client.schemas.sorting import ArtifactSort, TaskRunSort
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
 from eagle3.config import PipelineConfig, derived
+from eagle3.deployment.contenders import contenders_text
 from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
 from eagle3.report import suites_text
@@ -41,16 +42,26 @@ def run_dir_of(flow_run_id, config: PipelineConfig, mode: str) -> Path | None:
         return config.run.dir
     registry = open_registry(config.registry, log=lambda line: None)
     versions = [e["version"] for e in registry.history() if e.get("run") == str(flow_run_id) and e.get("version")]
-    return Path(registry.manifest(versions[-1])["config"]["run"]["dir"]) if versions else None
+    if not versions:
+        return None
+    run = registry.manifest(versions[-1])["config"]["run"]
+    return Path(run.get("data_from") or run["dir"])  # a contender's version: the run that trained it
 
 
-def bench_records(run_dir: Path | None, config: PipelineConfig) -> tuple[dict, dict, dict]:
-    """The run's simulated.json, served.json and suites.json ({} for each one not written)."""
+def read_record(run_dir: Path, config: PipelineConfig, record: str) -> dict:
+    path = record_path(derived(config, {"run.dir": run_dir}), record)
+    return read_json(path, "") if path.is_file() else {}
+
+
+def bench_records(run_dir: Path | None, config: PipelineConfig) -> tuple[dict, dict, dict, dict]:
+    """The run's contenders.json and the chosen draft's simulated.json, served.json and suites.json ({} for each one
+    not written)."""
     if run_dir is None:
-        return {}, {}, {}
-    run_config = derived(config, {"run.dir": run_dir})
-    paths = [record_path(run_config, record) for record in ("simulated", "served", "suites")]
-    return tuple(read_json(path, "") if path.is_file() else {} for path in paths)
+        return {}, {}, {}, {}
+    contenders = read_record(run_dir, config, "contenders")
+    chosen = next((Path(row["run_dir"]) for row in contenders.get("drafts", []) if row["label"] == contenders["chosen"]),
+                  run_dir)
+    return contenders, *(read_record(chosen, config, record) for record in ("simulated", "served", "suites"))
 
 
 def ui_url() -> str:
@@ -75,9 +86,12 @@ def summary(state, config: PipelineConfig, mode: str, private_api: bool) -> str:
     lines += [f"{name:24s} {state_name:10s} {seconds:8.1f}" for name, state_name, seconds in rows]
     lines.append(f"{'total (task work)':24s} {'':10s} {sum(r[2] for r in rows):8.1f}")
     run_dir = run_dir_of(flow_run_id, config, mode)
-    simulated, served, suites = bench_records(run_dir, config)
+    contenders, simulated, served, suites = bench_records(run_dir, config)
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines += ["", f"accept length: simulated {fmt(simulated.get('accept_length'))}, served "
+    lines.append("")
+    if contenders:
+        lines += contenders_text(contenders) + suites_text(contenders["columns"]) + [""]
+    lines += [f"accept length: simulated {fmt(simulated.get('accept_length'))}, served "
               f"{fmt(served.get('accept_length'))}", *suites_text(suites.get("columns") or []),
               f"artifacts ({', '.join(artifact_keys(flow_run_id)) or 'none'}) of flow run {flow_run_id}: "
               + (f"{ui_url()}/v2/runs/flow-run/{flow_run_id}?tab=Artifacts" if not private_api else

@@ -9,20 +9,24 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
+from eagle3.deployment.contenders import Contender, contenders_record, contenders_text, pick, write_contenders
 from eagle3.deployment.promotion import Candidate, gate_decision, measure_candidate
 from eagle3.deployment.suites import acceptance_columns, production_on_these_requests, suite_columns, write_suites
 from eagle3.deployment.sweep import choose_serving
 from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
-from eagle3.report import acceptance_report, suites_report, suites_text, sweep_report
+from eagle3.report import acceptance_report, contenders_report, suites_report, suites_text, sweep_report
 from eagle3.stages.run import StageOutput
 from eagle3.stages.table import record_path
 from tasks.common import log_to_run
 
 
 @task(name="measure-candidate", cache_policy=NO_CACHE)
-def measure_served(config: PipelineConfig, exported: StageOutput, simulated: StageOutput) -> Candidate:
-    served = measure_candidate(config, exported.path, record_path(config, "served"), log=log_to_run())
+def measure_served(config: PipelineConfig, exported: StageOutput, simulated: StageOutput,
+                   earlier: Candidate | None = None) -> Candidate:
+    """`earlier`: another draft of the run on the same requests, whose no-draft baseline is taken."""
+    served = measure_candidate(config, exported.path, record_path(config, "served"), log=log_to_run(),
+                               baseline=earlier.served.get("baseline") if earlier else None)
     candidate = Candidate(exported.path, exported.fingerprint, read_json(simulated.path, "the simulated record"), served)
     columns = acceptance_columns(config.serving, candidate.simulated, served)
     create_markdown_artifact(key="acceptance", markdown=acceptance_report(candidate.simulated, served, columns),
@@ -31,13 +35,15 @@ def measure_served(config: PipelineConfig, exported: StageOutput, simulated: Sta
 
 
 @task(name="sweep", cache_policy=NO_CACHE)
-def sweep_serving(config: PipelineConfig, candidate: Candidate, production: str | None) -> Candidate:
+def sweep_serving(config: PipelineConfig, candidate: Candidate, production: str | None,
+                  earlier: Candidate | None = None) -> Candidate:
     """The candidate with the serving shape production gets (eagle3.deployment.sweep.choose_serving); the `sweep`
-    artifact when it swept."""
+    artifact when it swept. `earlier`: another draft of the run, whose sweep's no-draft server is taken."""
     log = log_to_run()
     registry = open_registry(config.registry, log=log)
     acceptance = gate_decision(config, registry, production, candidate)  # its shape not chosen yet: acceptance alone
-    result = choose_serving(config, candidate.export, candidate.served, acceptance, record_path(config, "sweep"), log)
+    result = choose_serving(config, candidate.export, candidate.served, acceptance, record_path(config, "sweep"), log,
+                            earlier.sweep_baseline if earlier else None)
     if result["points"] is not None:
         chosen = result["chosen"]
         create_markdown_artifact(key="sweep", markdown=sweep_report(result),
@@ -51,4 +57,24 @@ def sweep_serving(config: PipelineConfig, candidate: Candidate, production: str 
     create_markdown_artifact(key="suites", markdown=suites_report(columns),
                              description="accept length per suite and drafting shape: simulated, served, sweep, "
                              "production")
-    return replace(candidate, chosen=result["chosen"])
+    return replace(candidate, chosen=result["chosen"], sweep_baseline=result.get("baseline"))
+
+
+@task(name="choose-draft", cache_policy=NO_CACHE)
+def choose_draft(config: PipelineConfig, drafts: list[Contender], production: str | None) -> Contender:
+    """The draft the gate judges, of those the run trained (eagle3.deployment.contenders.pick); with contenders, the
+    `contenders` artifact and record show them side by side."""
+    log = log_to_run()
+    if len(drafts) == 1:
+        write_contenders(None, record_path(config, "contenders"))
+        return drafts[0]
+    registry = open_registry(config.registry, log=log)
+    decisions = [gate_decision(draft.config, registry, production, draft.candidate) for draft in drafts]
+    chosen = pick(drafts, decisions)
+    record = contenders_record(drafts, decisions, chosen)
+    log(f"contenders: {write_contenders(record, record_path(config, 'contenders'))}")
+    for line in contenders_text(record) + suites_text(record["columns"]):
+        log(line)
+    create_markdown_artifact(key="contenders", markdown=contenders_report(record),
+                             description=f"drafts side by side: production gets {record['chosen']}")
+    return drafts[chosen]

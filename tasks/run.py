@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3.algorithms import require_deployable
 from eagle3.config import (
-    DEPLOYMENT_SECTIONS, PipelineConfig, check_local_inputs, load_config, require_sections, resolved_config_file,
+    DEPLOYMENT_SECTIONS, PipelineConfig, check_local_inputs, contender_configs, load_config, require_sections, resolved_config_file,
 )
 from eagle3.config.deployment import RegistrySection
 from eagle3.deployment.promotion import retrain_overrides
@@ -39,12 +39,19 @@ def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[Pipel
     check_local_inputs(run_config)
     require_fit(run_config, config)  # refused before any stage when a GPU stage would not fit
     if mode == "retrain":
-        overrides = overrides + retrain_overrides(run_config.run, open_registry(run_config.registry, log=log_to_run()),
-                                                  log_to_run())
+        registry = open_registry(run_config.registry, log=log_to_run())
+        overrides = overrides + retrain_overrides(run_config.run, run_config.draft.algorithm, registry, log_to_run())
         run_config = load_config(config, overrides)
     init_draft(run_config)  # a training.init_from that names no draft is refused before any stage
     run_config, recompute = chosen_recompute(run_config)  # the trainers read the plan's choice
     log_to_run()(f"load-config: {recompute}")
     resolved = resolved_config_file(run_config)
     log_to_run()(f"load-config: resolved config in {resolved}")
+    for name, contender in contender_configs(run_config).items():  # each one's stages read its own resolved file
+        by = f"{config}'s contenders.{name}"
+        require_deployable(contender.draft.algorithm, by)
+        require_fit(contender, by)
+        init_draft(contender)
+        log_to_run()(f"load-config: contender {name} ({contender.draft.algorithm}) in {contender.run.dir}, its "
+                     f"resolved config in {resolved_config_file(contender)}")
     return run_config, str(resolved)

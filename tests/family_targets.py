@@ -18,6 +18,7 @@ FAMILY_CONFIGS = {family: Path(__file__).parent.parent / "configs" / f"tiny-{fam
 # config differs from tiny-cpu.yaml by the target alone, and the Kimi-kind flow serves a Llama-layer draft on MLA)
 MLA_DRAFT_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-deepseek-v2-mla-cpu.yaml"
 DFLASH_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-dflash-cpu.yaml"  # tests/test_dflash.py
+CONTENDERS_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-contenders-cpu.yaml"  # tests/test_contenders.py
 FLOW_CONFIGS = {**FAMILY_CONFIGS, "deepseek_v2": MLA_DRAFT_CONFIG}
 NUM_LAYERS = 5
 AUX_LAYERS = [1, 2, 3]

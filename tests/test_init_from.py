@@ -108,7 +108,7 @@ def test_a_retrain_fine_tunes_the_production_version_by_its_id(public_draft, tmp
     version = published(public_draft, tmp_path / "registry", "2024")  # an id YAML would read as a number
     registry.promote(version, None, ["test"], by="test")
     overrides = [f"run.dir={tmp_path / 'run'}", f"registry.path={tmp_path / 'registry'}"]
-    added = retrain_overrides(load_config(TINY, overrides).run, registry, log=QUIET)
+    added = retrain_overrides(load_config(TINY, overrides).run, "eagle3", registry, log=QUIET)
     assert load_config(TINY, overrides + added).training.init_from == "2024"
 
 

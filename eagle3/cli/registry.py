@@ -86,11 +86,6 @@ def open_config_registry(args: argparse.Namespace):
     return config, open_registry(config.registry, log=lambda line: print(line, file=sys.stderr))
 
 
-def draft_kind(manifest: dict) -> str:
-    """The version's draft algorithm, as the config that made it names it (EAGLE-3 before configs named one)."""
-    return ((manifest.get("config") or {}).get("draft") or {}).get("algorithm", "eagle3")
-
-
 def describe_served(manifest: dict) -> str:
     served = (manifest.get("metrics") or {}).get("served") or {}
     shown = {name: "n/a" if served.get(name) is None else f"{served[name]:.3f}" for name in ("accept_length", "accept_rate")}
@@ -98,6 +93,8 @@ def describe_served(manifest: dict) -> str:
 
 
 def run_registry_list(args: argparse.Namespace) -> int:
+    from eagle3.registry.registry import version_algorithm
+
     _, registry = open_config_registry(args)
     pointer, _ = registry.production()
     production = pointer["version"] if pointer else None
@@ -106,13 +103,13 @@ def run_registry_list(args: argparse.Namespace) -> int:
     print(f"registry {registry.location}: {len(manifests)} version(s), production: {production or 'none'}{previous}")
     for manifest in manifests:
         mark = "*" if manifest["version"] == production else " "
-        print(f"{mark} {manifest['version']}  {manifest.get('created', '?')}  {draft_kind(manifest)}  "
+        print(f"{mark} {manifest['version']}  {manifest.get('created', '?')}  {version_algorithm(manifest)}  "
               f"{describe_served(manifest)}")
     return EXIT_OK
 
 
 def run_registry_show(args: argparse.Namespace) -> int:
-    from eagle3.registry.registry import metrics_of
+    from eagle3.registry.registry import metrics_of, version_algorithm
     from eagle3.shape import DraftShape
 
     _, registry = open_config_registry(args)
@@ -125,7 +122,7 @@ def run_registry_show(args: argparse.Namespace) -> int:
     files = manifest.get("files", {})
     metrics = manifest.get("metrics") or {}
     served, simulated = metrics.get("served") or {}, metrics.get("simulated") or {}
-    print(f"version: {manifest['version']}{role}, draft.algorithm {draft_kind(manifest)}")
+    print(f"version: {manifest['version']}{role}, draft.algorithm {version_algorithm(manifest)}")
     print(f"files: {len(files)} in {', '.join(manifest.get('layouts', []))} "
           f"({sum(entry['bytes'] for entry in files.values()):,} bytes)")
     print(f"metrics: {describe_served(manifest)}, simulated accept length {simulated.get('accept_length', 'n/a')}, "

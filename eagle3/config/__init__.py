@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, get_args
+from typing import Annotated, Any, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError, model_validator
+from pydantic import BaseModel, StringConstraints, ValidationError, model_validator
 
 from eagle3.config.base import Section
+from eagle3.config.contenders import CONTENDERS_DIR, SHAPE_FIELDS, SHARED_TRAINING, ContenderSection
 from eagle3.config.data import PROMPT_SUFFIXES, DataSection, VocabSection
 from eagle3.config.deployment import GateSection, MonitorSection, ProductionSection, RegistrySection
 from eagle3.config.draft import DraftSection
+from eagle3.config.files import apply_override, merged_sections, read_config_file
 from eagle3.config.node import NodeSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection, ExportSection, ServingSection, SweepSection
@@ -56,6 +58,7 @@ class PipelineConfig(Section):
     production: ProductionSection = ProductionSection()
     monitor: MonitorSection = MonitorSection()
     node: NodeSection = NodeSection()
+    contenders: dict[Annotated[str, StringConstraints(pattern=r"^[a-z0-9_-]+$")], ContenderSection] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineConfig:
@@ -97,6 +100,7 @@ class PipelineConfig(Section):
         if self.benchmark is not None and TRAFFIC in {s.name for s in self.benchmark.suites} and self.data.traffic is None:
             raise ValueError("benchmark.suites names traffic, production's held-out request prompts: they come from "
                              "data.traffic; add that section or remove the suite")
+        contender_configs(self)  # each one's refusal names it
         return self
 
     def _default_aux_layers(self) -> list[int]:
@@ -208,9 +212,13 @@ def resolved_config_file(config: PipelineConfig) -> Path:
     check_target_facts(config)
     text = "# resolved by eagle3 at load-config: defaults filled in; edit the source config, not this file\n"
     text += yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
-    path = config.run.dir / RESOLVED_FILE
+    path = resolved_config_path(config)
     atomic_write_bytes(path, text.encode())
     return path
+
+
+def resolved_config_path(config: PipelineConfig) -> Path:
+    return config.run.dir / RESOLVED_FILE
 
 
 def check_target_facts(config: PipelineConfig) -> None:
@@ -327,57 +335,49 @@ def derived(config: PipelineConfig, changes: dict[str, object]) -> PipelineConfi
         raise ConfigError(describe_errors(Path(f"{config.run.name} (derived)"), err, set())) from None
 
 
-def read_config_file(path: Path, extended_by: tuple[Path, ...] = ()) -> dict:
-    """A config file's sections; with `extends: OTHER.yaml` (a path relative to the file), OTHER's sections with this
-    file's fields over them (configs/tiny-qwen3-cpu.yaml is tiny-cpu.yaml on another target)."""
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except (IsADirectoryError, UnicodeDecodeError):
-        raise ConfigError(f"{path}: not a YAML text file") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}".replace("\n", " ")) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    base = raw.pop("extends", None)
-    if base is None:
-        return raw
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: extends is {base!r}; write the path of the config it extends, e.g. tiny-cpu.yaml")
-    chain = (*extended_by, path.resolve())
-    base_path = path.parent / base
-    if base_path.resolve() in chain:
-        raise ConfigError(f"{path}: extends {base}, which extends {path.name} again: remove one of the two")
-    return merged_sections(read_config_file(base_path, chain), raw)
+def draft_label(config: PipelineConfig) -> str:
+    """What a run's own draft is called beside its contenders: its algorithm."""
+    return config.draft.algorithm
 
 
-def merged_sections(base: dict, own: dict) -> dict:
-    """`own` over `base`, field by field: a mapping merges into the base's mapping, any other value replaces it."""
-    merged = dict(base)
-    for key, value in own.items():
-        both_mappings = isinstance(value, dict) and isinstance(merged.get(key), dict)
-        merged[key] = merged_sections(merged[key], value) if both_mappings else value
-    return merged
+def draft_configs(config: PipelineConfig) -> dict[str, PipelineConfig]:
+    """Every draft the run trains, by label: its own first, then each contender's config."""
+    return {draft_label(config): config, **contender_configs(config)}
 
 
-def apply_override(raw: dict, item: str) -> str:
-    """Apply one `a.b.c=value` override in place; the value is parsed as YAML (so 3, true, [0,1] work)."""
-    dotted, sep, text = item.partition("=")
-    if not sep or not dotted:
-        raise ConfigError(f"--set {item!r}: expected section.field=value")
-    keys = dotted.split(".")
-    node = raw
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {item!r}: '{key}' is a value, not a section")
-        node = child
-    try:
-        node[keys[-1]] = yaml.safe_load(text)
-    except yaml.YAMLError:
-        node[keys[-1]] = text
-    return dotted
+def contender_configs(config: PipelineConfig) -> dict[str, PipelineConfig]:
+    """Each contender's config: the run's with the contender's fields over it, its outputs under
+    run.dir/contenders/<name>, the run's data and vocab map read from run.dir (run.data_from). Refused, naming the
+    contender, where it would not be trained on the run's data or fails the run's checks."""
+    made = {}
+    for name, own in (config.contenders or {}).items():
+        if name == draft_label(config):
+            raise ValueError(f"contenders.{name}: the run's own draft is called {name} (its draft.algorithm); name the "
+                             "contender otherwise")
+        if extra := sorted(set(own.serving) - set(SHAPE_FIELDS)):
+            raise ValueError(f"contenders.{name}.serving: {', '.join(extra)}: a contender is served as the run is; it "
+                             f"sets only its shape ({', '.join(SHAPE_FIELDS)})")
+        raw = merged_sections({k: v for k, v in config.model_dump().items() if k != "contenders"},
+                              own.model_dump(exclude_unset=True))
+        raw["run"] |= {"dir": config.run.dir / CONTENDERS_DIR / name, "data_from": config.run.data_dir}
+        if raw["draft"]["algorithm"] != config.draft.algorithm and "init_from" not in own.training:
+            raw["training"]["init_from"] = None  # the run's warm start is a draft of its own kind
+        try:
+            contender = PipelineConfig.model_validate(raw)
+        except ValidationError as err:
+            raise ValueError(describe_errors(Path(f"contenders.{name}"), err, set()).replace("\n", "; ")) from None
+        if changed := shared_inputs_changed(config, contender):
+            raise ValueError(f"contenders.{name}: {', '.join(changed)} differ(s) from the run's: a contender trains on "
+                             "the run's data, made once for the run's settings; set them in the run's sections")
+        made[name] = contender
+    return made
+
+
+def shared_inputs_changed(config: PipelineConfig, contender: PipelineConfig) -> list[str]:
+    """What the stages every draft of the run shares (data, capture, vocab) read of the contender's sections, where it
+    differs from the run's."""
+    return [f"training.{name}" for name in SHARED_TRAINING
+            if getattr(config.training, name) != getattr(contender.training, name)]
 
 
 def describe_errors(path: Path, err: ValidationError, overridden: set[str]) -> str:
@@ -401,8 +401,18 @@ def describe_errors(path: Path, err: ValidationError, overridden: set[str]) -> s
 
 def allowed_fields(loc: tuple[str, ...]) -> list[str]:
     model: Any = PipelineConfig
-    for part in loc:
+    parts = iter(loc)
+    for part in parts:
         annotation = model.model_fields[part].annotation
-        # an optional section (`ServingSection | None`): its fields are the section's
-        model = next((a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)), annotation)
+        model = section_in(annotation)
+        if any(get_origin(a) is dict for a in (annotation, *get_args(annotation))):
+            next(parts, None)  # a mapping of sections (contenders): the next part is its key
     return sorted(model.model_fields)
+
+
+def section_in(annotation: Any) -> Any:
+    """The section a field holds: the annotation itself, or the one in an optional section (`ServingSection | None`)
+    or a mapping of them."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((found for arg in get_args(annotation) if (found := section_in(arg)) is not None), None)

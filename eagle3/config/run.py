@@ -11,11 +11,15 @@ from eagle3.config.base import Section
 
 
 RUN_DIRS = ("data", "vocab", "train", "export", "bench")
+DATA_DIRS = ("data", "vocab")  # what a run with run.data_from reads from that directory
 
 
 class RunSection(Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     dir: Path
+    data_from: Path | None = Field(
+        default=None, description="the run directory whose data and vocab map this run reads instead of making its "
+        "own (a contender's: docs/algorithms.md, \"Contenders\"); None: its own")
     keep_runs: int = Field(
         default=3, ge=1, description="retrain run directories (run.dir/retrain-*) of this registry kept, newest "
         "first, when a promotion removes the older ones; the run that built production and running runs are never "
@@ -31,7 +35,12 @@ class RunSection(Section):
         """One of the run directory's parts (RUN_DIRS)."""
         if stage not in RUN_DIRS:
             raise ValueError(f"unknown run directory {stage!r}; they are {', '.join(RUN_DIRS)}")
-        return self.dir / stage
+        return (self.data_from if self.data_from is not None and stage in DATA_DIRS else self.dir) / stage
+
+    @property
+    def data_dir(self) -> Path:
+        """The run directory that made the data this run reads: its token is in every key."""
+        return self.data_from or self.dir
 
 
 class TargetSection(Section):

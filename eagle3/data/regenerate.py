@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig
+from eagle3.config import PipelineConfig, draft_configs
 from eagle3.config.data import DataSection
 from eagle3.config.run import RunSection
 from eagle3.config.suites import HELDOUT
@@ -241,8 +241,10 @@ def regenerated_replies(directory: Path, tokenizer):
 
 def greedy_length(config: PipelineConfig) -> int:
     """A verify step can accept drafts past max_new_tokens and past EOS, and SGLang counts them: the continuation
-    runs as many tokens further as the deepest drafting shape simulated (serving's and the sweep's) and ignores EOS."""
-    return config.heldout_set[1] + max(shape.num_steps for shape in simulated_shapes(config))
+    runs as many tokens further as the deepest drafting shape simulated (serving's and the sweep's, of every draft the
+    run trains: its contenders read the same continuations) and ignores EOS."""
+    drafts = draft_configs(config).values()
+    return config.heldout_set[1] + max(shape.num_steps for draft in drafts for shape in simulated_shapes(draft))
 
 
 def simulated_shapes(config: PipelineConfig) -> list[DraftShape]:

@@ -27,6 +27,7 @@ from eagle3.deployment.promotion import (
 from eagle3.deployment.sweep import first_of_each_suite, with_shape
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.procs import ProcessTree, group_alive
+from eagle3.registry.registry import version_algorithm
 from eagle3.procs import GPU_QUERY, STOP_GRACE_S, LaunchError, systemd_missing, wait_gpus_free
 from eagle3.shape import DraftShape
 
@@ -204,11 +205,12 @@ def of_kind(config: PipelineConfig, manifest: dict) -> PipelineConfig:
     version's draft.algorithm and its own fields, so its recorded serving shape is checked against its kind (the
     launcher serves a draft by its own kind already), and no sweep points (they are the run's kind's shapes; production
     is measured in the version's one)."""
-    draft = (manifest.get("config") or {}).get("draft") or {}
-    algorithm = draft.get("algorithm", "eagle3")
+    algorithm = version_algorithm(manifest)
     if algorithm == config.draft.algorithm:
         return config
-    return derived(config, {"draft.algorithm": algorithm, "draft.dflash": draft.get("dflash"), "sweep.points": []})
+    draft = manifest["config"]["draft"]
+    return derived(config, {"draft.algorithm": algorithm, "draft.dflash": draft.get("dflash"), "sweep.points": [],
+                            "contenders": None})
 
 
 def boot_id() -> str:

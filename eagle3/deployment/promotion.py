@@ -29,7 +29,7 @@ from eagle3.errors import UnreadableInput
 from eagle3.records.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 from eagle3.registry.gate import Decision, Metrics, SuiteFigures, suite_figures, throughput_text
-from eagle3.registry.registry import decide_against_production, open_registry, registry_location
+from eagle3.registry.registry import decide_against_production, open_registry, registry_location, version_algorithm
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
 from eagle3.train.trainer import best_draft
@@ -49,6 +49,7 @@ class Candidate:
     simulated: dict
     served: dict
     chosen: dict | None = None
+    sweep_baseline: dict | None = None  # the sweep's no-draft server ({"levels", "wall_s"}), for another draft's sweep
 
 def benchmark_prompts_file(benchmark: BenchmarkSection, run: RunSection) -> Path:
     """The run's benchmark requests (every configured suite's, as the data stage made them: ids, suite, slice) as a
@@ -130,17 +131,23 @@ def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[lis
     return result
 
 
-def measure_candidate(config: PipelineConfig, draft: Path, out: Path, log: Log = print) -> dict:
+def measure_candidate(config: PipelineConfig, draft: Path, out: Path, log: Log = print,
+                      baseline: dict | None = None) -> dict:
     """The candidate's served result (written to `out`), with a no-draft baseline's throughput and the
-    speedup when `benchmark.baseline` is set."""
+    speedup when `benchmark.baseline` is set. `baseline`: the no-draft server measured on these requests already (by
+    another draft of the run: its result's `baseline`), taken instead of a server start."""
     prompts_file = benchmark_prompts_file(config.benchmark, config.run)
     prompts = prompt_ids_in(config.data, config.target, prompts_file)
-    baseline = (measure_server(config, None, prompts, log, role="baseline (no draft)") if config.benchmark.baseline
-                else None)
+    if baseline is None and config.benchmark.baseline:
+        measured = measure_server(config, None, prompts, log, role="baseline (no draft)")
+        if not measured["lost_requests"]:
+            baseline = {k: measured[k] for k in ("url", "wall_s", "output_tokens_per_s", "latency_s")}
+    elif baseline is not None:
+        log(f"baseline (no draft): {baseline['output_tokens_per_s']:.1f} output tokens/s, as measured for the run's "
+            "first draft on these requests")
     result = measure_server(config, draft, prompts, log, role="candidate")
-    if baseline is not None and not baseline["lost_requests"] and not result["lost_requests"]:
-        result.update(baseline={k: baseline[k] for k in ("url", "wall_s", "output_tokens_per_s", "latency_s")},
-                      speedup=result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
+    if baseline is not None and not result["lost_requests"]:
+        result.update(baseline=baseline, speedup=result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
     production = production_on_run_prompts(config, prompts_file, prompts, log)
     if production is not None:
         result["production_on_run_prompts"] = production
@@ -229,14 +236,18 @@ def registry_metrics(served: dict, simulated_accept_length: float | None, chosen
             "production": {k: chosen.get(k) for k in production}, "engine_release": served.get("server_version")}
 
 
-def retrain_overrides(run: RunSection, registry, log: Log = print) -> list[str]:
+def retrain_overrides(run: RunSection, algorithm: str, registry, log: Log = print) -> list[str]:
     """A retrain is a fresh run (new run directory: the prompt source is read anew) that fine-tunes the production
-    version (training.init_from, resolved by the train stage as any version is)."""
+    version (training.init_from, resolved by the train stage as any version is) when production is a draft of the
+    run's `algorithm` (a contender of another kind trains from scratch: eagle3.config.contender_configs)."""
     run_dir = retrain_dir(run.dir)
     overrides = [f"run.dir={run_dir}"]
     production = registry.production_version()
     if production is None:
         log("retrain: the registry has no production draft: training from scratch")
+        return overrides
+    if (kind := version_algorithm(registry.manifest(production))) != algorithm:
+        log(f"retrain: production {production} is a {kind} draft, the run's is {algorithm}: training from scratch")
         return overrides
     log(f"retrain: warm start from production version {production} in {run_dir}")
     return overrides + [f"training.init_from={json.dumps(production)}"]  # quoted: an id like 2024 stays a string
@@ -249,7 +260,8 @@ def prune_after_promotion(run: RunSection, section: RegistrySection, registry, l
     protected = [run.dir]
     production = registry.production_version()
     if production is not None:
-        built = registry.manifest(production).get("config", {}).get("run", {}).get("dir")
+        built_by = registry.manifest(production).get("config", {}).get("run", {})
+        built = built_by.get("data_from") or built_by.get("dir")  # a contender's: the run it trained in
         if built is None:
             log(f"retention: the manifest of production {production} names no run directory: none removed, as the "
                 "one that built it cannot be told apart")

@@ -92,18 +92,24 @@ def choose(points: list[dict]) -> dict | None:
     return {"shape": point["shape"], "label": point["label"], **row}
 
 
-def run_sweep(config: PipelineConfig, draft: Path, out: Path, log: Log = print) -> dict:
-    """Measure every shape that fits the budget; write the result to `out`; return it."""
+def run_sweep(config: PipelineConfig, draft: Path, out: Path, log: Log = print, earlier: dict | None = None) -> dict:
+    """Measure every shape that fits the budget; write the result to `out`; return it. `earlier`: the no-draft
+    server's levels on these requests from another draft's sweep this run (its result's `baseline`), taken instead of
+    a server start, so the drafts' speedups share one denominator."""
     started, sweep, b = time.monotonic(), config.sweep, config.benchmark
     prompts = first_of_each_suite(run_prompt_ids(config), sweep.num_prompts)
     shapes = simulated_shapes(config)  # serving's shape, then sweep.points: the shapes the simulator replays
     log(f"sweep: {len(shapes)} drafting shape(s) x concurrency {b.concurrency} at temperature {b.temperature}, "
         f"{len(prompts)} requests each (at most {most_per_suite(prompts)} per suite), budget {sweep.budget_s:.0f} s")
-    baseline = measure_levels(config, None, prompts, log, "sweep baseline (no draft)")
-    lost = [row for row in baseline if row["lost_requests"]]
-    if lost:
-        raise SweepError(f"the no-draft server lost requests ({lost[0].get('error')}): no speedup can be measured")
-    per_point = time.monotonic() - started
+    if earlier is None:
+        levels = measure_levels(config, None, prompts, log, "sweep baseline (no draft)")
+        lost = [row for row in levels if row["lost_requests"]]
+        if lost:
+            raise SweepError(f"the no-draft server lost requests ({lost[0].get('error')}): no speedup can be measured")
+        earlier = {"levels": levels, "wall_s": time.monotonic() - started}
+    else:
+        log("sweep baseline (no draft): as measured for the run's first draft on these requests")
+    baseline, per_point = earlier["levels"], earlier["wall_s"]
     points, skipped = [], []
     for shape in shapes:
         if points and time.monotonic() - started + per_point > sweep.budget_s:
@@ -119,7 +125,7 @@ def run_sweep(config: PipelineConfig, draft: Path, out: Path, log: Log = print) 
     chosen = {**best, "temperature": b.temperature, "num_prompts": most_per_suite(prompts)}
     result = {"temperature": b.temperature, "concurrency": b.concurrency, "num_prompts": most_per_suite(prompts),
               "budget_s": sweep.budget_s, "wall_s": time.monotonic() - started, "points": points, "skipped": skipped,
-              "chosen": chosen}
+              "chosen": chosen, "baseline": earlier}
     for line in render_table(result):
         log(line)
     atomic_write_json(out, result)
@@ -138,18 +144,18 @@ def measure_point(config: PipelineConfig, shape: DraftShape, draft: Path, prompt
 
 
 def choose_serving(config: PipelineConfig, draft: Path, served: dict, acceptance: Decision, out: Path,
-                   log: Log = print) -> dict:
+                   log: Log = print, baseline: dict | None = None) -> dict:
     """The serving shape production gets ({"chosen", "points"}): the sweep's choice, or the serving section's own
     as the candidate's measurement found it when the sweep is off or when the gate rejects the candidate on
     acceptance already (`acceptance`: its decision without throughput; each point is a server start). A sweep's
-    result is written to `out`."""
+    result is written to `out`; `baseline`: run_sweep's `earlier`."""
     if not config.sweep.enabled:
         log("sweep: off (sweep.enabled false): production serves the serving section's shape")
     elif not acceptance.promote:
         log("sweep: skipped, the gate rejects the candidate on acceptance alone: "
             + "; ".join(f"{r.rule}: {r.message}" for r in acceptance.reasons))
     else:
-        return run_sweep(config, draft, out, log)
+        return run_sweep(config, draft, out, log, baseline)
     return {"chosen": configured_choice(config.serving, served), "points": None}
 
 

@@ -54,6 +54,11 @@ def utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def version_algorithm(manifest: dict) -> str:
+    """A version's draft algorithm, as the config that made it names it (EAGLE-3 before configs named one)."""
+    return ((manifest.get("config") or {}).get("draft") or {}).get("algorithm", "eagle3")
+
+
 def metrics_of(manifest: dict) -> Metrics:
     """The gate's view of a version: manifest["metrics"] = {"served": {accept_length, accept_rate, histogram,
     output_tokens_per_s, lost_requests, server_version}, "simulated": {accept_length}, "production": {speedup, ...},

@@ -79,7 +79,7 @@ def resume_inputs(stage: str, config: PipelineConfig, upstream: dict[str, str]) 
 
 
 def key_inputs(stage: str, inputs: dict, upstream: dict[str, str], config: PipelineConfig) -> dict:
-    return {"stage": stage, "run_token": run_token(config.run.dir), "config": inputs, "upstream": dict(upstream),
+    return {"stage": stage, "run_token": run_token(config.run.data_dir), "config": inputs, "upstream": dict(upstream),
             "code": code_version()}
 
 

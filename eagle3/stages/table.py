@@ -57,6 +57,8 @@ class Stage:
     # from, cleared when its inputs changed
     refines: tuple[str, ...] = ()  # key inputs whose change keeps what it resumes from
     needs: tuple[str, ...] = ()  # config sections a training-only config may lack that it cannot run without
+    per_draft: bool = False  # runs once for each draft a run trains (its own and each contender's, on the shared
+    # data): its outputs are under the draft's run.dir, the shared stages' under run.data_dir
 
     def key_fields(self) -> tuple[str, ...]:
         return self.key + tuple(name for item in self.by_content.values() for name in item.fields)
@@ -66,6 +68,10 @@ def regenerated(config: PipelineConfig) -> Path:
     from eagle3.data.regenerate import regen_dir
 
     return regen_dir(config.run)
+
+
+def vocab_map(config: PipelineConfig) -> Path:
+    return config.stage_dir("vocab")
 
 
 def dataset(config: PipelineConfig) -> Path:
@@ -207,7 +213,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
           key=("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype",
                "training.features"),
           by_content={"target": TARGET}, upstream={"regenerated": "regenerate"}),
-    Stage("vocab", "vocab", runner=vocab, command=("vocab", "build"),
+    Stage("vocab", vocab_map, runner=vocab, command=("vocab", "build"),
           help="build d2t/t2d from the regenerated training split", key=("vocab",),
           upstream={"regenerated": "regenerate"}),
     Stage("train", trained, runner=train, command=("train",),
@@ -223,7 +229,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
           by_content={"training.init_from": ByContent(("training.init_from",), init_draft_content)},
           # the held-out continuations its acceptance replay reads (regenerate's) are pinned by the vocab map's
           # manifest, which records the regenerated fingerprint it was built from
-          upstream={"dataset": "capture", "vocab": "vocab"}, resumes=("train",)),
+          upstream={"dataset": "capture", "vocab": "vocab"}, resumes=("train",), per_draft=True),
     Stage("export", served_export, runner=export, command=("export",),
           help="write every export.layouts layout; the served one validated as its release loads it",
           # the speculators layout records the serving num_steps as speculative_tokens, names the target as its
@@ -231,19 +237,19 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
           key=("export", "serving.release", "serving.context_length", "serving.num_steps", "target.family",
                "target.num_hidden_layers", "target.path", "target.weight_prefix"),
           # validation holds the draft's aux layers against those the data set's manifest records
-          upstream={"trained": "train", "dataset": "capture"}),
+          upstream={"trained": "train", "dataset": "capture"}, per_draft=True),
     Stage("simulate", "bench/simulated.json", runner=simulate, command=("simulate",),
           help="offline acceptance: replay drafting over the held-out suites in serving's shape and the sweep's",
           key=(*REPLAY, "benchmark.suites", "sweep.points", "data.thinking"),
           # the held-out features (data/heldout, in the data set's manifest) and their requests' suites
           # (regenerate's heldout_greedy.jsonl)
           upstream={"exported": "export", "dataset": "capture", "regenerated": "regenerate"},
-          needs=("serving", "benchmark")),
+          needs=("serving", "benchmark"), per_draft=True),
 )}
 
 # the run's records under run.dir, each written by one step and read by others
 RECORDS = {"simulated": STAGES["simulate"].output, "served": "bench/served.json", "sweep": "bench/sweep.json",
-           "suites": "bench/suites.json"}
+           "suites": "bench/suites.json", "contenders": "bench/contenders.json"}
 
 
 def output_of(config: PipelineConfig, stage: str) -> Path:
@@ -263,6 +269,8 @@ SPEED = "how fast or where it runs, not what it makes"
 OPERATIONAL = {
     "run.name": "names the run in the registry and the logs",
     "run.dir": "where the outputs are; its token is in every key",
+    "run.data_from": "where the shared stages' outputs are; its token is in every key",
+    "contenders": "each contender's stages are keyed by its own config (eagle3.config.contender_configs)",
     "run.keep_runs": "retention of old retrain directories",
     "run.cpu_threads": SPEED,
     "run.warm_start": SPEED,
