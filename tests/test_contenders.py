@@ -11,9 +11,11 @@ from eagle3.config.contenders import SHAPE_FIELDS, SHARED_TRAINING
 from eagle3.data.regenerate import greedy_length
 from eagle3.deployment.contenders import Contender, contenders_record, contenders_text, pick, write_contenders
 from eagle3.deployment.promotion import Candidate
+from eagle3.deployment.sweep import with_shape
 from eagle3.errors import ConfigError
 from eagle3.registry.gate import Decision, Reason
 from eagle3.registry.registry import open_registry, version_algorithm
+from eagle3.shape import DraftShape
 from eagle3.stages.keys import stage_key
 from eagle3.stages.table import STAGES, output_of
 from flows.eagle3 import eagle3
@@ -44,6 +46,9 @@ def test_a_contender_is_the_runs_config_with_its_fields_over_it_reading_the_runs
     assert dflash.training.learning_rate == 1e-3 and dflash.draft.intermediate_size == config.draft.intermediate_size
     # the run's warm start is an EAGLE-3 draft: a contender of another kind trains from scratch
     assert dflash.training.init_from is None and config.training.init_from == "runs/some-eagle3-draft"
+    # a contender's own shape: what it leaves out takes the defaults, not the run's resolved values
+    shorter = contender_configs(with_contenders({"dflash": DFLASH | {"serving": {"num_steps": 2}}}))["dflash"]
+    assert (shorter.serving.num_steps, shorter.serving.num_draft_tokens) == (2, 3) and config.serving.num_steps == 3
 
 
 def test_the_shared_stages_keys_are_the_same_for_the_run_and_its_contender(tmp_path):
@@ -62,6 +67,12 @@ def test_a_contender_may_change_nothing_the_shared_stages_read_but_its_shape():
             if name.startswith(settable)}
     shape = {f"serving.{name}" for name in SHAPE_FIELDS} | {"sweep.points"}
     assert read - shape == {f"training.{name}" for name in SHARED_TRAINING}
+
+
+def test_the_runs_draft_is_served_in_any_of_its_shapes_whatever_its_contenders_take():
+    config = load_config(CONTENDERS_CONFIG)
+    tree = with_shape(config, DraftShape(3, 4, 8))  # a tree: the DFlash contender could not be served so
+    assert tree.serving.shape == DraftShape(3, 4, 8) and tree.contenders is None
 
 
 def test_the_held_out_continuations_run_as_deep_as_any_drafts_deepest_shape():
@@ -126,7 +137,7 @@ def test_a_run_with_a_dflash_contender_trains_both_on_one_data_set_and_promotes_
                                                                                        tmp_path_factory, micro_target):
     """configs/tiny-contenders-cpu.yaml on the micro target: EAGLE-3 and the DFlash contender (2 layers, block 4)."""
     run_dir = tmp_path_factory.mktemp("contenders")
-    overrides = micro_run_overrides(run_dir, micro_target)
+    overrides = micro_run_overrides(run_dir, micro_target) + ["sweep.enabled=true"]  # each draft swept in its shapes
     config = load_config(CONTENDERS_CONFIG, overrides)
     state = eagle3(str(CONTENDERS_CONFIG), overrides, return_state=True)
     assert state.is_completed() and state.name == "Completed", state.message

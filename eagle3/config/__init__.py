@@ -360,6 +360,8 @@ def contender_configs(config: PipelineConfig) -> dict[str, PipelineConfig]:
         raw = merged_sections({k: v for k, v in config.model_dump().items() if k != "contenders"},
                               own.model_dump(exclude_unset=True))
         raw["run"] |= {"dir": config.run.dir / CONTENDERS_DIR / name, "data_from": config.run.data_dir}
+        if own.serving:  # its own shape: what it leaves out takes the defaults, not the run's resolved values
+            raw["serving"] = {k: v for k, v in raw["serving"].items() if k not in SHAPE_FIELDS or k in own.serving}
         if raw["draft"]["algorithm"] != config.draft.algorithm and "init_from" not in own.training:
             raw["training"]["init_from"] = None  # the run's warm start is a draft of its own kind
         try:

@@ -35,8 +35,9 @@ class SweepError(Eagle3Error):
 
 
 def with_shape(config: PipelineConfig, shape: DraftShape) -> PipelineConfig:
-    """The config that serves `shape`."""
-    return derived(config, {f"serving.{name}": value for name, value in asdict(shape).items()})
+    """The config that serves `shape`: one draft's (a run's contenders are served by their own configs, in their own
+    shapes)."""
+    return derived(config, {**{f"serving.{name}": value for name, value in asdict(shape).items()}, "contenders": None})
 
 
 def measure_levels(config: PipelineConfig, draft: Path | None, prompts: list[list[int]], log: Log, role: str) -> list[dict]:
