@@ -363,10 +363,6 @@ def test_the_export_is_sglangs_config_and_reads_back_as_the_same_draft(exported)
     assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 4 and raw["num_target_layers"] == 5
     assert raw["dflash_config"] == {"target_layer_ids": [0, 1, 2], "mask_token_id": 39}
     assert problems(directory, manifest) == {}
-    entry = algorithm("dflash")
-    with pytest.raises(Eagle3Error, match="export.layouts speculators: a DFlash draft is exported in SGLang's layout "
-                                          "only"):
-        entry.export(directory, directory.parent / "spec", "speculators", None, QUIET)
     assert not (directory.parent / "sglang.partial").exists()
 
 
@@ -398,6 +394,59 @@ def test_each_fault_of_an_export_is_named_before_serving(exported, fault, change
 
     _, directory, manifest = exported
     found = problems(rewritten(directory, change), manifest)
+    assert list(found) == [code] and re.search(says, found[code]), found
+
+
+# ---- speculators' layout -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def speculators_export(exported):
+    """The same draft in speculators' layout, for a verifier named by its hub id, served 3 drafts a step."""
+    from eagle3.draft.layouts.shared import Verifier
+
+    model, directory, manifest = exported
+    target = ExportTarget("llama", None, 5, 3, Verifier("org/tiny-target", ["LlamaForCausalLM"], torch.empty(0)))
+    native = directory.parent / "native"
+    return model, algorithm("dflash").export(native, directory.parent / "speculators", "speculators", target, QUIET), \
+        manifest
+
+
+def speculators_problems(directory: Path, manifest: Path) -> dict:
+    return {p.code: p.message for p in algorithm("dflash").validate(directory, "speculators", None, None, manifest,
+                                                                     None).errors()}
+
+
+def test_the_speculators_export_numbers_its_layers_as_speculators_and_keeps_vllm_non_causal(speculators_export):
+    model, directory, manifest = speculators_export
+    raw = json.loads((directory / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dflash" and raw["architectures"] == ["DFlashDraftModel"]
+    assert raw["aux_hidden_state_layer_ids"] == [1, 2, 3]  # the inputs of layers 1..3: the outputs of 0..2
+    assert raw["transformer_layer_config"]["num_hidden_layers"] == 2 and raw["draft_vocab_size"] == 40
+    assert raw["sliding_window_non_causal"] is True and raw["mask_token_id"] == 39
+    assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+    assert set(load_file(directory / "model.safetensors")) == set(model.export_state())  # no embedding, no head
+    assert speculators_problems(directory, manifest) == {}
+    assert draft_algorithm(directory) is algorithm("dflash")
+
+
+@pytest.mark.parametrize("change, code, says", [
+    (lambda raw: raw.update(aux_hidden_state_layer_ids=[0, 1, 2]), "captured-layers-mismatch",
+     r"aux_hidden_state_layer_ids \[0, 1, 2\] are the inputs of those layers \(the outputs of \[-1, 0, 1\]\), but "
+     r"the draft was trained on the outputs of \[0, 1, 2\]"),
+    (lambda raw: raw.update(sliding_window_non_causal=False), "speculators-config",
+     "vLLM then masks every draft layer causally"),
+    (lambda raw: raw.update(draft_vocab_size=16), "draft-vocab-size", "a reduced head"),
+    (lambda raw: raw["speculators_config"]["proposal_methods"][0].update(speculative_tokens=4), "speculators-config",
+     r"speculative_tokens \[4\] with block_size 4"),
+    (lambda raw: raw["speculators_config"]["verifier"].update(name_or_path=None), "verifier", "name_or_path is not set"),
+])
+def test_each_fault_of_a_speculators_export_is_named(speculators_export, change, code, says):
+    import re
+
+    _, directory, manifest = speculators_export
+    found = speculators_problems(rewritten(directory, change), manifest)
     assert list(found) == [code] and re.search(says, found[code]), found
 
 

@@ -1,5 +1,6 @@
 """DFlash (block-diffusion) drafts as a draft algorithm: the draft of `model.py`, trained on blocks at anchors and
-drafting a block in one forward (`blocks.py`), exported and validated in SGLang's layout (`layout.py`), served by
+drafting a block in one forward (`blocks.py`), exported and validated in SGLang's layout (`layout.py`) and
+speculators' (`speculators.py`, which vLLM serves), served by
 SGLang's DFLASH worker (or the reference server, which drafts as it does). It trains from the same data stages as
 EAGLE-3 (online or offline features, the run's vocab map for its loss) and its evaluation replays the held-out
 sequences (docs/algorithms.md, "DFlash")."""
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log
 from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockModel, BlockRows, block_loss
 from eagle3.algorithms.dflash.layout import ARCHITECTURE, read_sglang, validate_sglang, write_sglang
+from eagle3.algorithms.dflash.speculators import validate_speculators, write_speculators
 from eagle3.algorithms.dflash.model import DFLASH_FORMAT, DFlashConfig, DFlashDraft
 from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.algorithms.sizes import draft_sizes
@@ -135,15 +137,17 @@ class DFlashAlgorithm(DraftAlgorithm):
         return BlockDrafter(model, shape)
 
     def export(self, source: Path, directory: Path, layout: str, target: ExportTarget, log: Log) -> Path:
-        if layout != "sglang":
-            raise Eagle3Error(f"export.layouts {layout}: a DFlash draft is exported in SGLang's layout only; "
-                              "speculators' is not built yet (docs/algorithms.md, \"DFlash\")")
-        write_sglang(source, directory)
-        log(f"export: DFlash draft in SGLang's layout (DFlashDraftModel) -> {directory}")
+        if layout == "speculators":
+            write_speculators(source, directory, target.verifier, target.num_steps)
+        else:
+            write_sglang(source, directory)
+        log(f"export: DFlash draft in {layout}'s layout (DFlashDraftModel) -> {directory}")
         return directory
 
     def validate(self, directory: Path, layout: str, release: str | None, target_dir: Path | None,
                  data_manifest: Path | None, context_length: int | None) -> Report:
+        if layout == "speculators":
+            return validate_speculators(directory, data_manifest)
         return validate_sglang(directory, release, data_manifest, context_length)
 
     def kv_cache_entries(self, cfg: DFlashConfig, tp: int) -> float:

@@ -112,7 +112,7 @@ def validate_sglang(directory: Path, release: str | None, data_manifest: Path | 
     if context_length is not None and (raw.get("max_position_embeddings") or 0) < context_length:
         report.add(ProblemCode.CONTEXT_LENGTH, "error", f"max_position_embeddings {raw.get('max_position_embeddings')} "
                    f"is below serving.context_length {context_length}", "raise draft.max_position_embeddings")
-    check_tensors(report, directory, raw)
+    check_tensors(report, directory, (raw.get("eagle3") or {}).get("native"), raw.get("torch_dtype"), "SGLang")
     return report
 
 
@@ -133,10 +133,10 @@ def check_layer_ids(report: Report, ids, captured: list[int] | None) -> None:
                    f"set dflash_config.target_layer_ids to {captured}")
 
 
-def check_tensors(report: Report, directory: Path, raw: dict) -> None:
-    """Every parameter SGLang's DFlashDraftModel has, under its name, shape and the declared dtype; nothing it would
-    skip. The expected set is our model's, built on the meta device from the config the export records."""
-    native = (raw.get("eagle3") or {}).get("native")
+def check_tensors(report: Report, directory: Path, native: dict | None, dtype: str | None, engine: str) -> None:
+    """Every parameter `engine`'s DFlashDraftModel has, under its name, shape and the declared `dtype`; nothing it
+    would skip. The expected set is our model's, built on the meta device from the `native` config the export
+    records."""
     if native is None:
         report.add(ProblemCode.CONFIG_FIELD, "error", "no eagle3.native record: the tensors cannot be checked against "
                    "the draft's own architecture", "export the draft with this project")
@@ -149,17 +149,17 @@ def check_tensors(report: Report, directory: Path, raw: dict) -> None:
         found = {name: (tuple(weights.get_slice(name).get_shape()), weights.get_slice(name).get_dtype())
                  for name in weights.keys()}
     for name in sorted(set(expected) - set(found)):
-        report.add(ProblemCode.MISSING_TENSOR, "error", f"{name} is missing: SGLang leaves it at its initialisation",
-                   "re-export the draft")
+        report.add(ProblemCode.MISSING_TENSOR, "error", f"{name} is missing: {engine} leaves it at its "
+                   "initialisation", "re-export the draft")
     for name in sorted(set(found) - set(expected)):
-        report.add(ProblemCode.SKIPPED_TENSOR, "error", f"{name} is no DFlashDraftModel parameter: SGLang skips it "
+        report.add(ProblemCode.SKIPPED_TENSOR, "error", f"{name} is no DFlashDraftModel parameter: {engine} skips it "
                    "without a word", "re-export the draft")
-    declared = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[raw["torch_dtype"]]
+    declared = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(dtype)
     for name in sorted(set(expected) & set(found)):
-        shape, dtype = found[name]
+        shape, found_dtype = found[name]
         if shape != expected[name]:
             report.add(ProblemCode.SHAPE_MISMATCH, "error", f"{name} is {list(shape)}, the config makes it "
                        f"{list(expected[name])}", "re-export the draft")
-        if dtype != declared:
-            report.add(ProblemCode.DTYPE, "error", f"{name} is {dtype}, the config declares {raw['torch_dtype']}",
+        if found_dtype != declared:
+            report.add(ProblemCode.DTYPE, "error", f"{name} is {found_dtype}, the config declares {dtype}",
                        "re-export the draft")
