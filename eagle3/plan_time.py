@@ -9,11 +9,11 @@ head, tokenisation and I/O are not counted; every reply is taken at its max_new_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from eagle3.algorithms import algorithm
-from eagle3.config import PipelineConfig
+from eagle3.config import PipelineConfig, contender_configs
 from eagle3.data.regenerate import greedy_length, simulated_shapes
 from eagle3.data.suites import planned_requests
 from eagle3.target.info import TargetSize, active_parameters, read_target_config
@@ -133,10 +133,25 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -
               train_time(config, clock, params, passes[0])]
     if config.serving is not None and config.benchmark is not None:
         stages += [serve_time(config, clock), sweep_time(config, clock)]
+    for name, contender in contender_configs(config).items():
+        stages += contender_stages(name, contender, clock)
+    if config.serving is not None and config.benchmark is not None:
         if config.production.mode == "managed":
             stages.append(StageTime("deploy", {"production restarted with the promoted draft: 1 server start":
                                                _h(clock.loads_s(1))}))
     return TimePlan(assumptions, figures, stages, node.retrain_period_h)
+
+
+def contender_stages(name: str, config: PipelineConfig, clock: Clock) -> list[StageTime]:
+    """A contender's training, measurement and sweep, on the run's data and beside the run's no-draft servers."""
+    entry = algorithm(config.draft.algorithm)
+    params = trainable_parameters(entry, entry.draft_config(config))
+    stages = [replace(train_time(config, clock, params, entry.draft_passes(config.draft, config.training)[0]),
+                      name=f"train {name}")]
+    if config.serving is not None and config.benchmark is not None:
+        stages += [replace(serve_time(config, clock, baseline=False), name=f"serve {name}"),
+                   replace(sweep_time(config, clock, baseline=False), name=f"sweep {name}")]
+    return stages
 
 
 def read_target(config: PipelineConfig, size: TargetSize | None, note: str) -> tuple[Target | None, str]:
@@ -242,14 +257,16 @@ def benchmark_s(config: PipelineConfig, clock: Clock, prompts: int, levels: list
     return total, bound
 
 
-def serve_time(config: PipelineConfig, clock: Clock) -> StageTime:
-    """The candidate (and the no-draft baseline) measured at the production concurrency, one server start each."""
+def serve_time(config: PipelineConfig, clock: Clock, baseline: bool = True) -> StageTime:
+    """The candidate (and the no-draft baseline, unless another draft of the run measured it) measured at the
+    production concurrency, one server start each."""
     if clock.target is None:
         return _unknown("serve")
     b = config.benchmark
     # production is re-measured on this run's prompts when they differ from its own: new traffic prompts
     remeasured = config.data.traffic is not None and config.registry is not None
-    roles = ["candidate"] + ["benchmark.baseline"] * b.baseline + ["production on data.traffic prompts"] * remeasured
+    roles = (["candidate"] + ["benchmark.baseline"] * (b.baseline and baseline)
+             + ["production on data.traffic prompts"] * remeasured)
     starts = len(roles)
     seconds, bound = benchmark_s(config, clock, b.num_prompts, [b.production_concurrency])
     return StageTime("serve", {f"{starts} server start(s) ({', '.join(roles)})": _h(clock.loads_s(starts)),
@@ -257,9 +274,10 @@ def serve_time(config: PipelineConfig, clock: Clock) -> StageTime:
                                f"concurrency {b.production_concurrency}, each, {bound}": _h(starts * seconds)})
 
 
-def sweep_time(config: PipelineConfig, clock: Clock) -> StageTime:
-    """The no-draft server then each shape, a server start each at every benchmark.concurrency level; a shape that
-    would end past sweep.budget_s is skipped (the first is always measured), as eagle3.deployment.sweep does."""
+def sweep_time(config: PipelineConfig, clock: Clock, baseline: bool = True) -> StageTime:
+    """The no-draft server (unless another draft of the run's sweep measured it) then each shape, a server start each
+    at every benchmark.concurrency level; a shape that would end past sweep.budget_s is skipped (the first is always
+    measured), as eagle3.deployment.sweep does."""
     sweep, b = config.sweep, config.benchmark
     if not sweep.enabled:
         return StageTime("sweep", {"sweep.enabled false": 0.0})
@@ -270,8 +288,9 @@ def sweep_time(config: PipelineConfig, clock: Clock) -> StageTime:
     point = clock.loads_s(1) + measure
     shapes = len(simulated_shapes(config))
     measured = max(1, min(shapes, int(sweep.budget_s // point) - 1))
+    servers = baseline + measured
     return StageTime("sweep", {
-        f"{1 + measured} server starts: no draft + {measured} of {shapes} shape(s) within sweep.budget_s "
-        f"{sweep.budget_s:g}": _h((1 + measured) * clock.loads_s(1)),
+        f"{servers} server starts: {'no draft + ' * baseline}{measured} of {shapes} shape(s) within sweep.budget_s "
+        f"{sweep.budget_s:g}": _h(servers * clock.loads_s(1)),
         f"{prompts} prompts x benchmark.max_new_tokens {b.max_new_tokens} at concurrency {b.concurrency}, each, "
-        f"{bound}": _h((1 + measured) * measure)})
+        f"{bound}": _h(servers * measure)})

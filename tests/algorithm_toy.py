@@ -122,6 +122,9 @@ class ToyAlgorithm(DraftAlgorithm):
     def validate(self, directory, layout, release, target_dir, data_manifest, context_length):
         raise ValueError(f"no {layout} layout holds the toy's heads: there is no export to validate")
 
+    def convert_external(self, source, dst, serving, log):
+        raise ValueError(f"{source}: no layout holds the toy's heads, so none is imported")
+
     def kv_cache_entries(self, cfg, tp):
         return 0  # no attention: nothing cached
 

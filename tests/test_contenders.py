@@ -21,7 +21,9 @@ from eagle3.stages.table import STAGES, output_of
 from flows.eagle3 import eagle3
 from flows.summary import stage_rows, summary
 from family_targets import CONTENDERS_CONFIG
-from helpers import TINY, micro_run_overrides
+from helpers import ROOT, TINY, micro_run_overrides
+
+KIMI_CONTENDERS = ROOT / "configs" / "kimi-k25-contenders-8xh200.yaml"
 
 PAD = 5  # the tiny tokenizers' <|pad|>: never generated
 DFLASH = {"draft": {"algorithm": "dflash", "dflash": {"num_layers": 1, "block_size": 4, "mask_token_id": PAD}},
@@ -80,6 +82,20 @@ def test_the_held_out_continuations_run_as_deep_as_any_drafts_deepest_shape():
     deeper = with_contenders({"dflash": {**DFLASH, "draft": {**DFLASH["draft"], "dflash": {
         **DFLASH["draft"]["dflash"], "block_size": 8}}, "sweep": {"points": [[7, 1, 8]]}}})
     assert greedy_length(deeper) == greedy_length(alone) + 4  # 7 steps against the run's deepest 3
+
+
+def test_the_plan_gives_a_contenders_hours_beside_the_runs_without_a_second_baseline(capsys):
+    from eagle3 import cli
+
+    assert cli.main(["plan", str(KIMI_CONTENDERS), "--json"]) == 0
+    hours = json.loads(capsys.readouterr().out)["hours"]
+    stages = {stage["name"]: stage for stage in hours["stages"]}
+    assert list(stages) == ["regenerate", "capture", "train", "serve", "sweep", "train dflash", "serve dflash",
+                            "sweep dflash", "deploy"]  # one data set, two drafts
+    assert "1 server start(s) (candidate): 0.17 h" in [f"{k}: {v:.2f} h" for k, v in
+                                                        stages["serve dflash"]["parts"].items()]
+    assert 10 < stages["train dflash"]["hours"] < stages["train"]["hours"]  # one forward a block, not 7 TTT steps
+    assert hours["retrain_h"] == pytest.approx(sum(stage["hours"] for stage in stages.values()), abs=0.02)
 
 
 @pytest.mark.parametrize("contenders, message", [

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms import algorithm, draft_algorithm
 from eagle3.algorithms.base import ExportTarget
@@ -483,3 +483,106 @@ def test_production_measures_a_version_of_the_other_kind_as_its_own_kind():
     forward = of_kind(eagle, {"config": dflash.model_dump(mode="json")})
     assert (forward.draft.algorithm, forward.draft.dflash.block_size) == ("dflash", 4)
     assert of_kind(dflash, {"config": dflash.model_dump(mode="json")}) is dflash
+
+
+# ---- drafts trained elsewhere ----------------------------------------------------------------------------------------
+
+
+def imported_serving():
+    from eagle3.validation.external import Serving
+
+    return Serving(family="llama", release="0.5.23", num_layers=5, vocab_size=40, data_layers=[0, 1, 2],
+                   context_length=128, num_steps=3)
+
+
+def as_zlab(exported_dir: Path, into: Path, change=lambda raw: None) -> Path:
+    """Our SGLang export as z-lab's and SpecForge's drafts ship it: no record of ours, the tensors under `model.`."""
+    into.mkdir()
+    raw = json.loads((exported_dir / "config.json").read_text())
+    raw.pop("eagle3")
+    change(raw)
+    (into / "config.json").write_text(json.dumps(raw))
+    save_file({f"model.{name}": t for name, t in load_file(exported_dir / "model.safetensors").items()},
+              into / "model.safetensors")
+    return into
+
+
+def test_a_dflash_draft_from_sglangs_or_speculators_layout_imports_as_the_same_draft(speculators_export, tmp_path):
+    from eagle3.algorithms.dflash.layout import read_sglang
+
+    model, speculators_dir, _ = speculators_export
+    zlab = as_zlab(speculators_dir.parent / "sglang", tmp_path / "zlab")
+    for source, layout in ((zlab, "sglang"), (speculators_dir, "speculators")):
+        lines = []
+        done = draft_algorithm(source).convert_external(source, tmp_path / f"from-{layout}", imported_serving(),
+                                                        lines.append)
+        cfg, tensors = read_sglang(tmp_path / f"from-{layout}")
+        assert done.layout_found == layout and cfg.aux_layers == [0, 1, 2] and cfg.block_size == 4
+        assert {name: t.tolist() for name, t in tensors.items()} == {
+            name: t.tolist() for name, t in model.export_state().items()}
+        assert done.draft["algorithm"] == "dflash" and done.draft["dflash"]["num_layers"] == 2
+        renamed = [line for line in lines if "without their model. prefix" in line]
+        assert len(renamed) == (layout == "sglang")  # z-lab's names carry it; SGLang's loader strips it
+
+
+@pytest.mark.parametrize("layout, change, code, says", [
+    ("sglang", lambda raw: raw["dflash_config"].update(target_layer_ids=[1, 2, 3]), "captured-layers-mismatch",
+     r"make SGLang capture the outputs of layers \[1, 2, 3\], but the draft was trained on layers \[0, 1, 2\]"),
+    ("sglang", lambda raw: raw.pop("block_size"), "config-field", "no block_size: SGLang takes 16"),
+    ("sglang", lambda raw: raw["dflash_config"].update(mask_token_id=40), "vocab-size",
+     "mask_token_id 40 is not an id of the target's 40"),
+    ("sglang", lambda raw: raw.update(vocab_size=41), "vocab-size", "vocab_size 41 is not the target's 40"),
+    ("speculators", lambda raw: raw.update(aux_hidden_state_layer_ids=[0, 1, 2]), "aux-ids-invalid",
+     r"\[0, 1, 2\] hold 0, the embedding's output"),
+    ("speculators", lambda raw: raw.update(draft_vocab_size=16), "draft-vocab-size", "a reduced head of its own"),
+])
+def test_each_fault_of_a_dflash_draft_from_elsewhere_is_refused_in_one_line(speculators_export, tmp_path, layout,
+                                                                             change, code, says):
+    import re
+
+    from eagle3.validation.external import ImportRefused
+
+    _, speculators_dir, _ = speculators_export
+    source = (as_zlab(speculators_dir.parent / "sglang", tmp_path / "zlab", change) if layout == "sglang"
+              else rewritten(speculators_dir, change))
+    with pytest.raises(ImportRefused) as refused:
+        draft_algorithm(source).convert_external(source, tmp_path / "converted", imported_serving(), QUIET)
+    message = str(refused.value)
+    assert message.startswith(f"{source}: not imported: {code}: ") and re.search(says, message), message
+    assert not (tmp_path / "converted").exists()
+
+
+@pytest.mark.parametrize("change, code, says", [
+    (lambda tensors: tensors.pop("model.hidden_norm.weight"), "missing-tensor", "hidden_norm.weight is missing"),
+    (lambda tensors: tensors.update({"model.fc.weight": torch.zeros(32, 128)}), "shape-mismatch",
+     r"fc.weight is \[32, 128\], the config makes it \[32, 96\]"),  # fc's width against the target layers
+    (lambda tensors: tensors.update({"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(64, 32)}),
+     "skipped-tensor", "layers.0.self_attn.qkv_proj.weight is no DFlashDraftModel parameter"),
+])
+def test_each_tensor_fault_of_a_dflash_draft_from_elsewhere_is_refused(speculators_export, tmp_path, change, code,
+                                                                        says):
+    from eagle3.validation.external import ImportRefused
+
+    _, speculators_dir, _ = speculators_export
+    source = as_zlab(speculators_dir.parent / "sglang", tmp_path / "zlab")
+    tensors = load_file(source / "model.safetensors")
+    change(tensors)
+    save_file(tensors, source / "model.safetensors")
+    with pytest.raises(ImportRefused, match=f"not imported: {code}: {says}"):
+        draft_algorithm(source).convert_external(source, tmp_path / "converted", imported_serving(), QUIET)
+
+
+def test_registry_import_publishes_a_dflash_draft_as_a_dflash_version(speculators_export, tmp_path):
+    from eagle3.deployment.imports import import_draft
+    from eagle3.registry.registry import open_registry, version_algorithm
+
+    _, speculators_dir, _ = speculators_export
+    config = load_config(TINY, [f"run.dir={tmp_path / 'run'}", "target.path=absent", "target.num_hidden_layers=5",
+                                "target.hidden_size=32", "target.vocab_size=40", "vocab.draft_vocab_size=16",
+                                "data.aux_layers=[0, 1, 2]", f"registry.path={tmp_path / 'registry'}",
+                                "serving.release=0.5.23", "serving.context_length=128"])
+    result = import_draft(config, str(speculators_dir), log=QUIET)
+    assert result["published"] and result["layout_found"] == "speculators"
+    manifest = open_registry(config.registry).manifest(result["version"])
+    assert version_algorithm(manifest) == "dflash" and manifest["config"]["draft"]["dflash"]["block_size"] == 4
+    assert draft_algorithm(config.run.dir / "imports" / result["version"] / "sglang") is algorithm("dflash")

@@ -31,6 +31,7 @@ from eagle3.model.teacher import Teacher
 from eagle3.model.tree import DraftTree
 from eagle3.model.ttt import LossRows, StepStats
 from eagle3.shape import DraftShape
+from eagle3.validation.external import Converted, Serving
 
 Log = Callable[[str], None]
 # (aux [P, n * TH] the target's features of the verified x_0 .. x_{P-1}, tokens [P + 1] x_0 .. x_P) -> the drafts
@@ -166,6 +167,13 @@ class DraftAlgorithm(ABC):
         """What `layout`'s engine (SGLang `release` for sglang) would do wrongly with the export at `directory`: one
         problem per fault, named, with its fix (eagle3.contract.problems). Checks against the target, the training
         data (its manifest) or the context length are left unknown where those are None."""
+
+    @abstractmethod
+    def convert_external(self, source: Path, dst: Path, serving: Serving, log: Log) -> Converted:
+        """A draft of this kind trained elsewhere (`source`, in any layout the entry reads), validated for `serving`
+        and written in the sglang layout at `dst` (only when it validates): what `eagle3 registry import` publishes
+        and `eagle3 simulate --draft` replays. Raises ImportRefused naming the first problem; `Converted.draft` is the
+        draft section its version records where it is not the importing config's kind."""
 
     # -- serving ------------------------------------------------------------------------------------
 

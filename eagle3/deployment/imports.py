@@ -26,7 +26,8 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig, require_sections
+from eagle3.algorithms import draft_algorithm
+from eagle3.config import PipelineConfig, derived, require_sections
 from eagle3.deployment.production import Production
 from eagle3.deployment.promotion import (
     PROMPTS_LAYOUT,
@@ -38,7 +39,7 @@ from eagle3.deployment.promotion import (
 )
 from eagle3.deployment.sweep import configured_choice
 from eagle3.errors import Eagle3Error, UnreadableInput
-from eagle3.validation.external import Converted, Serving, convert_external
+from eagle3.validation.external import Converted, Serving
 from eagle3.target.info import read_target_info
 from eagle3.fsutil import sha256_file
 from eagle3.registry.registry import Registry, RegistryError, open_registry
@@ -65,7 +66,9 @@ def import_draft(config: PipelineConfig, source: str, as_production: bool = Fals
     serving = serving_of(config)
     version = import_version_id(files, serving)
     staged = config.run.dir / IMPORTS_DIR / version / "sglang"
-    converted = convert_external(path, staged, serving, log)
+    converted = draft_algorithm(path).convert_external(path, staged, serving, log)
+    if converted.draft is not None:  # a draft of another kind than the config's: its version records its own
+        config = derived(config, {"draft": converted.draft, "sweep.points": [], "contenders": None})
     fields = import_fields(config, origin, converted, files, registry.production_version())
     exists = version in registry.versions()
     if exists:

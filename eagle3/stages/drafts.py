@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
+from eagle3.algorithms import draft_algorithm
 from eagle3.bench.simulate import AcceptanceResult, heldout_samples, simulate
 from eagle3.config import PipelineConfig
 from eagle3.deployment.imports import file_digests, serving_of
@@ -24,7 +25,7 @@ from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.fsutil import read_json
 from eagle3.report import suites_text
 from eagle3.stages.table import record_path
-from eagle3.validation.external import ImportRefused, convert_external
+from eagle3.validation.external import ImportRefused
 
 Log = Callable[[str], None]
 DRAFTS_DIR = "drafts"  # under the run's bench directory, beside its records
@@ -49,7 +50,7 @@ def simulate_draft(config: PipelineConfig, source: Path, log: Log = print) -> Ac
     check_upstream(config)  # before anything is converted or written
     out = draft_records(config, source)
     try:
-        converted = convert_external(source, out / SERVED_LAYOUT, serving_of(config), log)
+        converted = draft_algorithm(source).convert_external(source, out / SERVED_LAYOUT, serving_of(config), log)
     except ImportRefused as refused:
         first, others = refused.problems[0], len(refused.problems) - 1
         also = f"; {others} more problem(s): `eagle3 validate` lists them" if others else ""

@@ -60,6 +60,7 @@ class Converted:
     layout_found: str
     steps: list[str] = field(default_factory=list)  # what was done, in order, as sentences
     validation: dict = field(default_factory=dict)  # {"source": report, "sglang": report} (Report.to_dict)
+    draft: dict | None = None  # the draft section its version records, where it is not the importing config's kind
 
 
 class ImportRefused(Eagle3Error):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log
 from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockModel, BlockRows, block_loss
+from eagle3.algorithms.dflash.imports import convert_dflash
 from eagle3.algorithms.dflash.layout import ARCHITECTURE, read_sglang, validate_sglang, write_sglang
 from eagle3.algorithms.dflash.speculators import validate_speculators, write_speculators
 from eagle3.algorithms.dflash.model import DFLASH_FORMAT, DFlashConfig, DFlashDraft
@@ -34,6 +35,7 @@ from eagle3.model.teacher import Teacher
 from eagle3.model.weights import target_head
 from eagle3.records.manifest import write_manifest
 from eagle3.shape import DraftShape
+from eagle3.validation.external import Converted, Serving
 
 class DFlashAlgorithm(DraftAlgorithm):
     name = "dflash"
@@ -149,6 +151,9 @@ class DFlashAlgorithm(DraftAlgorithm):
         if layout == "speculators":
             return validate_speculators(directory, data_manifest)
         return validate_sglang(directory, release, data_manifest, context_length)
+
+    def convert_external(self, source: Path, dst: Path, serving: Serving, log: Log) -> Converted:
+        return convert_dflash(source, dst, serving, log)
 
     def kv_cache_entries(self, cfg: DFlashConfig, tp: int) -> float:
         """Keys and values of every layer; SGLang gives each rank max(1, kv_heads / tp) heads (DFlashAttention)."""

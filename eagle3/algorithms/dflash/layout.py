@@ -75,9 +75,9 @@ def read_sglang(directory: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]
 
 
 def validate_sglang(directory: Path, release: str | None, data_manifest: Path | None,
-                    context_length: int | None) -> Report:
+                    context_length: int | None, captured: list[int] | None = None) -> Report:
     """What SGLang `release` would do wrongly with the export at `directory` (its ids against the layers of the data at
-    `data_manifest`, when given): each problem named, with its fix. The
+    `data_manifest`, or the `captured` layers, when given): each problem named, with its fix. The
     releases' loaders and capture agree (tests/conformance/test_dflash*.py); their RoPE base does not
     (eagle3.contract.dflash)."""
     report = Report(str(directory), "sglang", release)
@@ -89,7 +89,8 @@ def validate_sglang(directory: Path, release: str | None, data_manifest: Path | 
     if problem := dflash_family_problem(family):
         report.add(ProblemCode.CAPTURED_LAYERS, "error", problem, "serve a DFlash draft of another target family")
     dflash = raw.get("dflash_config") or {}
-    captured = read_data_capture(data_manifest)["aux_layers"] if data_manifest is not None else None
+    if data_manifest is not None:
+        captured = read_data_capture(data_manifest)["aux_layers"]
     check_layer_ids(report, dflash.get("target_layer_ids"), captured)
     mask, vocab = dflash.get("mask_token_id"), raw.get("vocab_size")
     if not isinstance(mask, int) or not isinstance(vocab, int) or not 0 <= mask < vocab:

@@ -25,6 +25,7 @@ from eagle3.model.tree import DraftCache, draft_tree
 from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
 from eagle3.model.weights import draft_as_served, target_embedding
 from eagle3.shape import DraftShape
+from eagle3.validation.external import Converted, Serving, convert_external
 from eagle3.validation.validate import validate
 
 
@@ -104,6 +105,9 @@ class Eagle3Algorithm(DraftAlgorithm):
                  data_manifest: Path | None, context_length: int | None) -> Report:
         return validate(directory, engine=layout, release=release, target=target_dir, data_manifest=data_manifest,
                         context_length=context_length)
+
+    def convert_external(self, source: Path, dst: Path, serving: Serving, log: Log) -> Converted:
+        return convert_external(source, dst, serving, log)
 
     def kv_cache_entries(self, cfg: DraftConfig, tp: int) -> float:
         if cfg.attention == "mla":  # one latent plus the shared RoPE key per token, on every rank (not split by tp)
