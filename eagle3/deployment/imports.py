@@ -67,8 +67,7 @@ def import_draft(config: PipelineConfig, source: str, as_production: bool = Fals
     version = import_version_id(files, serving)
     staged = config.run.dir / IMPORTS_DIR / version / "sglang"
     converted = draft_algorithm(path).convert_external(path, staged, serving, log)
-    if converted.draft is not None:  # a draft of another kind than the config's: its version records its own
-        config = derived(config, {"draft": converted.draft, "sweep.points": [], "contenders": None})
+    config = config_for(config, converted)
     fields = import_fields(config, origin, converted, files, registry.production_version())
     exists = version in registry.versions()
     if exists:
@@ -82,6 +81,16 @@ def import_draft(config: PipelineConfig, source: str, as_production: bool = Fals
         result["published"] = True
         log(f"import: published {version} without figures (not measured): `--as-production` measures it")
     return result
+
+
+def config_for(config: PipelineConfig, converted: Converted) -> PipelineConfig:
+    """The config a converted draft is served, replayed and recorded with: the importing config's, or one with the
+    draft's own draft section where its converter gives one (a DFlash draft's kind and sizes), without sweep points
+    of another kind (a DFlash draft cannot be served in EAGLE-3's trees)."""
+    if converted.draft is None:
+        return config
+    other_kind = {"sweep.points": []} if converted.draft["algorithm"] != config.draft.algorithm else {}
+    return derived(config, {"draft": converted.draft, "contenders": None, **other_kind})
 
 
 def local_copy(source: str, log: Log) -> tuple[Path, dict]:
