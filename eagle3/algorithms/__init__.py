@@ -37,7 +37,7 @@ def draft_algorithm(path: Path) -> DraftAlgorithm:
     no other entry reads is EAGLE-3's, whose readers name what they cannot read."""
     if not Path(path).is_dir():
         raise UnreadableInput(f"{path}: no such draft directory")
-    config = read_json(Path(path) / CONFIG_FILE, "no config.json: not a draft's directory")
+    config = read_json(Path(path) / CONFIG_FILE, "missing (a draft checkpoint needs config.json)")
     if not isinstance(config, dict):
         return EAGLE3
     return next((entry for entry in ALGORITHMS.values() if entry is not EAGLE3 and entry.reads(config)), EAGLE3)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,8 +50,13 @@ def sglang_config(cfg: DFlashConfig) -> dict:
 
 
 def write_sglang(source: Path, directory: Path) -> Path:
-    """The native draft at `source` (config.json + model.safetensors) as SGLang's layout in `directory`, replaced if
-    there: the tensors in the config's dtype, written beside and moved in whole."""
+    """The native draft at `source` (config.json + model.safetensors) as SGLang's layout in `directory`."""
+    return write_export(source, directory, "sglang", sglang_config)
+
+
+def write_export(source: Path, directory: Path, layout: str, config_of: Callable[[DFlashConfig], dict]) -> Path:
+    """The native draft at `source` in `layout` in `directory`, replaced if there: the tensors in the config's dtype,
+    config.json as `config_of` writes it, written beside and moved in whole."""
     cfg = DFlashConfig.model_validate(read_json(source / CONFIG_FILE, "missing"))
     dtype = DTYPES[cfg.torch_dtype]
     tensors = {name: t.to(dtype).contiguous() for name, t in load_file(source / WEIGHTS_FILE).items()}
@@ -58,8 +64,8 @@ def write_sglang(source: Path, directory: Path) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     save_file(tensors, partial / WEIGHTS_FILE, metadata={"format": "pt"})
-    (partial / CONFIG_FILE).write_text(json.dumps(sglang_config(cfg), indent=2) + "\n")
-    write_manifest(partial, kind="draft-dflash-sglang", fields={"layout": "sglang", "source": str(source)})
+    (partial / CONFIG_FILE).write_text(json.dumps(config_of(cfg), indent=2) + "\n")
+    write_manifest(partial, kind=f"draft-dflash-{layout}", fields={"layout": layout, "source": str(source)})
     shutil.rmtree(directory, ignore_errors=True)
     partial.rename(directory)
     return directory

@@ -13,20 +13,16 @@ layer k - 1's output for it and gives SGLang's reader k - 1. `speculators_config
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
-
-from eagle3.algorithms.dflash.layout import DTYPES, check_tensors
+from eagle3.algorithms.dflash.layout import check_tensors, write_export
 from eagle3.algorithms.dflash.model import DFlashConfig
 from eagle3.contract.problems import ProblemCode, Report
-from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from eagle3.draft.checkpoint import CONFIG_FILE
 from eagle3.draft.layouts.shared import Verifier
 from eagle3.draft.layouts.speculators import SPECULATORS_RELEASE
 from eagle3.fsutil import read_json
-from eagle3.records.manifest import read_data_capture, write_manifest
+from eagle3.records.manifest import read_data_capture
 
 MODEL_TYPE = "dflash"  # speculators_model_type
 SPECULATORS_ARCHITECTURE = "DFlashDraftModel"  # the class speculators saves and registers
@@ -68,20 +64,8 @@ def speculators_config(cfg: DFlashConfig, verifier: Verifier, num_steps: int) ->
 
 
 def write_speculators(source: Path, directory: Path, verifier: Verifier, num_steps: int) -> Path:
-    """The native draft at `source` in speculators' layout in `directory`, replaced if there (written beside and
-    moved in whole)."""
-    cfg = DFlashConfig.model_validate(read_json(source / CONFIG_FILE, "missing"))
-    dtype = DTYPES[cfg.torch_dtype]
-    tensors = {name: t.to(dtype).contiguous() for name, t in load_file(source / WEIGHTS_FILE).items()}
-    partial = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_file(tensors, partial / WEIGHTS_FILE, metadata={"format": "pt"})
-    (partial / CONFIG_FILE).write_text(json.dumps(speculators_config(cfg, verifier, num_steps), indent=2) + "\n")
-    write_manifest(partial, kind="draft-dflash-speculators", fields={"layout": "speculators", "source": str(source)})
-    shutil.rmtree(directory, ignore_errors=True)
-    partial.rename(directory)
-    return directory
+    """The native draft at `source` in speculators' layout in `directory`, replaced if there."""
+    return write_export(source, directory, "speculators", lambda cfg: speculators_config(cfg, verifier, num_steps))
 
 
 def validate_speculators(directory: Path, data_manifest: Path | None) -> Report:
