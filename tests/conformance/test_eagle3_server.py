@@ -95,6 +95,7 @@ def eagle_flags(shape: DraftShape) -> tuple[str, ...]:
 
 EAGLE_FLAGS = eagle_flags(DraftShape(STEPS))
 TREE, TREE_RELEASE = DraftShape(STEPS, 4, 8), "0.5.13"  # topk 4: 4 + 2 x 16 candidates, the 7 best verified
+TREE_PROMPTS = REQUEST_PROMPTS[:2]  # each verify step of a tree costs ~10 s interpreted: two requests, both accepted
 
 
 def cpu_redirects():
@@ -248,7 +249,7 @@ def test_sglangs_tree_drafting_is_the_reference_servers(micro, exported, plain_o
     and every spec_* field equal to the reference server's, whose draft_tree builds the tree as SGLang does
     (scores, slots, the 7 best candidates) and whose tree-masked verify forward accepts the same paths."""
     draft_dir = exported(TREE_RELEASE)
-    requests = bodies(micro, REQUEST_PROMPTS)
+    requests = bodies(micro, TREE_PROMPTS)
     with serve_in_thread(create_app(micro["path"], draft_dir, TREE, TREE_RELEASE)) as (url, _):
         ours = answers(url, requests, 1)
     with sglang_server(TREE_RELEASE, micro["path"], tmp_path, flags=eagle_flags(TREE),
@@ -256,10 +257,10 @@ def test_sglangs_tree_drafting_is_the_reference_servers(micro, exported, plain_o
         info = httpx.get(f"{url}/server_info", timeout=30).json()
         theirs = answers(url, requests, len(requests))
     assert (info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (4, 8)
-    for body, plain, ours_, theirs_ in zip(requests, plain_outputs, ours, theirs):
+    for body, plain, ours_, theirs_ in zip(requests, plain_outputs[:len(TREE_PROMPTS)], ours, theirs, strict=True):
         assert theirs_["output_ids"] == plain == ours_["output_ids"], f"SGLang continues {body} differently"
         assert spec_fields(theirs_["meta_info"]) == spec_fields(ours_["meta_info"])
-    assert sum(correct_drafts_of(answer["meta_info"]) for answer in theirs) > 0
+    assert all(correct_drafts_of(answer["meta_info"]) > 0 for answer in theirs)
 
 
 @pytest.mark.parametrize("release", EAGLE_RELEASES)
@@ -310,6 +311,6 @@ def test_sglangs_eagle3_server_counts_as_the_reference_server(micro, exported, p
         assert meta["completion_tokens"] == row.completion_tokens
         if release not in DRAFTS_AS:
             assert spec_fields(meta) == spec_fields(ours_["meta_info"])  # and as the reference server serves them
-    assert sum(correct_drafts_of(answer["meta_info"]) for answer in theirs) > 0  # acceptance was exercised
+    assert all(correct_drafts_of(answer["meta_info"]) > 0 for answer in theirs)  # acceptance was exercised
     assert result["accept_length"] == AcceptanceResult(DraftShape(STEPS), bench_rows).accept_length
     assert [p["verify_ct"] for p in result["prompts"]] == [r.verify_ct for r in bench_rows]
