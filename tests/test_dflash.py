@@ -596,3 +596,26 @@ def test_registry_import_publishes_a_dflash_draft_as_a_dflash_version(speculator
     manifest = open_registry(config.registry).manifest(result["version"])
     assert version_algorithm(manifest) == "dflash" and manifest["config"]["draft"]["dflash"]["block_size"] == 4
     assert draft_algorithm(config.run.dir / "imports" / result["version"] / "sglang") is algorithm("dflash")
+
+
+def test_eagle3_convert_writes_a_dflash_draft_in_either_layout_by_hand(exported, tmp_path, capsys):
+    from drafts import write_tiny_target
+    from eagle3.cli import main
+    from eagle3.cli.common import EXIT_PROBLEMS, EXIT_UNREADABLE
+
+    _, sglang_dir, manifest = exported
+    native, target = sglang_dir.parent / "native", write_tiny_target(tmp_path / "target")
+    out = tmp_path / "by-hand"
+    assert main(["convert", str(native), str(out), "--to", "speculators", "--target", str(target),
+                 "--num-steps", "2"]) == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dflash" and raw["speculators_config"]["verifier"]["name_or_path"] == str(
+        target.resolve()) and raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    assert main(["validate", str(out), "--engine", "speculators", "--data-manifest", str(manifest)]) == 0
+    assert main(["convert", str(sglang_dir), str(out), "--to", "speculators", "--target", str(target)]) == EXIT_PROBLEMS
+    assert f"{out}: already exists" in capsys.readouterr().err
+    # an export reads back as the draft it records
+    assert main(["convert", str(sglang_dir), str(out), "--to", "speculators", "--target", str(target),
+                 "--overwrite"]) == 0
+    assert main(["convert", str(native), str(tmp_path / "n"), "--to", "native"]) == EXIT_UNREADABLE
+    assert "a DFlash draft is written in SGLang's or speculators' layout" in capsys.readouterr().err

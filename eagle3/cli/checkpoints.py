@@ -57,6 +57,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
+    from eagle3.algorithms import EAGLE3, draft_algorithm
+    from eagle3.algorithms.base import ExportTarget
     from eagle3.errors import ConversionError
     from eagle3.draft.checkpoint import convert
     from eagle3.target.info import read_target_info
@@ -71,17 +73,18 @@ def run_convert(args: argparse.Namespace) -> int:
         family, num_layers = family or info.family, info.num_hidden_layers
         if args.to == "speculators":
             verifier = target_verifier(args.target, args.weight_prefix, args.verifier)
-    out = convert(
-        args.src,
-        args.dst,
-        to=args.to,
-        target_family=family,
-        release=args.release,
-        target_num_layers=num_layers,
-        overwrite=args.overwrite,
-        num_steps=args.num_steps,
-        verifier=verifier,
-    )
+    entry = draft_algorithm(args.src)
+    if entry is EAGLE3:
+        out = convert(args.src, args.dst, to=args.to, target_family=family, release=args.release,
+                      target_num_layers=num_layers, overwrite=args.overwrite, num_steps=args.num_steps,
+                      verifier=verifier)
+    else:  # another kind's trained draft, written as its export stage writes it
+        if args.dst.exists() and not args.overwrite:
+            raise ConversionError(f"{args.dst}: already exists; choose another destination or pass --overwrite")
+        if args.to == "speculators" and verifier is None:
+            raise ConversionError("--to speculators names the target as the verifier: give --target DIR")
+        target = ExportTarget(family, args.release, num_layers, args.num_steps, verifier)
+        out = entry.export(args.src, args.dst, args.to, target, log=lambda line: None)
     print(f"wrote {args.to} layout to {out}")
     return EXIT_OK
 

@@ -141,8 +141,10 @@ class DFlashAlgorithm(DraftAlgorithm):
     def export(self, source: Path, directory: Path, layout: str, target: ExportTarget, log: Log) -> Path:
         if layout == "speculators":
             write_speculators(source, directory, target.verifier, target.num_steps)
-        else:
+        elif layout == "sglang":
             write_sglang(source, directory)
+        else:
+            raise Eagle3Error(f"{layout}: a DFlash draft is written in SGLang's or speculators' layout")
         log(f"export: DFlash draft in {layout}'s layout (DFlashDraftModel) -> {directory}")
         return directory
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -57,7 +58,7 @@ def write_sglang(source: Path, directory: Path) -> Path:
 def write_export(source: Path, directory: Path, layout: str, config_of: Callable[[DFlashConfig], dict]) -> Path:
     """The native draft at `source` in `layout` in `directory`, replaced if there: the tensors in the config's dtype,
     config.json as `config_of` writes it, written beside and moved in whole."""
-    cfg = DFlashConfig.model_validate(read_json(source / CONFIG_FILE, "missing"))
+    cfg = native_config(source)
     dtype = DTYPES[cfg.torch_dtype]
     tensors = {name: t.to(dtype).contiguous() for name, t in load_file(source / WEIGHTS_FILE).items()}
     partial = directory.with_name(directory.name + ".partial")
@@ -69,6 +70,17 @@ def write_export(source: Path, directory: Path, layout: str, config_of: Callable
     shutil.rmtree(directory, ignore_errors=True)
     partial.rename(directory)
     return directory
+
+
+def native_config(directory: Path) -> DFlashConfig:
+    """The native config of the DFlash draft at `directory`: a trained draft's, or the one an export records."""
+    raw = read_json(directory / CONFIG_FILE, "missing")
+    try:
+        return DFlashConfig.model_validate((raw.get("eagle3") or {}).get("native") or raw)
+    except ValidationError as err:
+        raise UnreadableInput(f"{directory / CONFIG_FILE}: not a DFlash draft this project wrote ({err.errors()[0]['loc']}: "
+                              f"{err.errors()[0]['msg']}); import a draft from elsewhere with `eagle3 registry "
+                              "import`") from None
 
 
 def read_sglang(directory: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
