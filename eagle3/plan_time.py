@@ -109,10 +109,8 @@ class Clock:
 
 def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -> TimePlan:
     target, size_note = read_target(config, size, size_note)
-    entry = algorithm(config.draft.algorithm)
-    node, draft = config.node, entry.draft_config(config)
-    params = trainable_parameters(entry, draft)
-    passes = entry.draft_passes(config.draft, config.training)
+    node = config.node
+    params, passes = draft_training(config)
     assumptions = [f"{node.peak_tflops:g} TFLOP/s per GPU (node.peak_tflops)", f"{node.hbm_tbps:g} TB/s (node.hbm_tbps)",
                    f"MFU decode {node.mfu.decode:g}, prefill {node.mfu.prefill:g}, train {node.mfu.train:g} "
                    "(node.mfu.decode / prefill / train)",
@@ -142,12 +140,17 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -
     return TimePlan(assumptions, figures, stages, node.retrain_period_h)
 
 
+def draft_training(config: PipelineConfig) -> tuple[int, tuple[float, str]]:
+    """The draft's trainable parameters, and the positions its layers run per training token (and how the config
+    says so)."""
+    entry = algorithm(config.draft.algorithm)
+    return trainable_parameters(entry, entry.draft_config(config)), entry.draft_passes(config.draft, config.training)
+
+
 def contender_stages(name: str, config: PipelineConfig, clock: Clock) -> list[StageTime]:
     """A contender's training, measurement and sweep, on the run's data and beside the run's no-draft servers."""
-    entry = algorithm(config.draft.algorithm)
-    params = trainable_parameters(entry, entry.draft_config(config))
-    stages = [replace(train_time(config, clock, params, entry.draft_passes(config.draft, config.training)[0]),
-                      name=f"train {name}")]
+    params, passes = draft_training(config)
+    stages = [replace(train_time(config, clock, params, passes[0]), name=f"train {name}")]
     if config.serving is not None and config.benchmark is not None:
         stages += [replace(serve_time(config, clock, baseline=False), name=f"serve {name}"),
                    replace(sweep_time(config, clock, baseline=False), name=f"sweep {name}")]

@@ -77,8 +77,7 @@ def train_and_deploy(run_config, resolved: str):
         shared = run_stages(run_config, resolved, {}, per_draft=False)
         drafts, made = [], {}
         for label, config in draft_configs(run_config).items():  # the run's draft, then each contender, on its data
-            own_resolved = resolved if config is run_config else str(resolved_config_path(config))
-            made[label] = run_stages(config, own_resolved, shared, per_draft=True)
+            made[label] = run_stages(config, str(resolved_config_path(config)), shared, per_draft=True)
             first = drafts[0].candidate if drafts else None  # its no-draft baselines serve every draft
             measured = measure_served(config, made[label]["export"], made[label]["simulate"], first)
             drafts.append(Contender(label, config, sweep_serving(config, measured, before, first)))

@@ -12,7 +12,7 @@ from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 from eagle3.config import PipelineConfig, derived
 from eagle3.deployment.contenders import contenders_text
 from eagle3.fsutil import read_json
-from eagle3.registry.registry import open_registry
+from eagle3.registry.registry import open_registry, version_run_dir
 from eagle3.report import suites_text
 from eagle3.stages.table import record_path
 
@@ -42,10 +42,7 @@ def run_dir_of(flow_run_id, config: PipelineConfig, mode: str) -> Path | None:
         return config.run.dir
     registry = open_registry(config.registry, log=lambda line: None)
     versions = [e["version"] for e in registry.history() if e.get("run") == str(flow_run_id) and e.get("version")]
-    if not versions:
-        return None
-    run = registry.manifest(versions[-1])["config"]["run"]
-    return Path(run.get("data_from") or run["dir"])  # a contender's version: the run that trained it
+    return Path(version_run_dir(registry.manifest(versions[-1]))) if versions else None
 
 
 def read_record(run_dir: Path, config: PipelineConfig, record: str) -> dict:

@@ -197,7 +197,7 @@ TAKES_THE_CONFIG = {
     "eagle3.data.traffic.traffic_prompts": (HANDS_ON, "run"),
     "eagle3.data.traffic.traffic_snapshot": ("data", "production", "run", "target"),
     "eagle3.data.vocab.build_vocab": (HANDS_ON, "run", "target", "vocab"),
-    "eagle3.deployment.imports.config_for": ("draft", HANDS_ON),
+    "eagle3.deployment.imports.config_for": (HANDS_ON,),
     "eagle3.deployment.imports.import_as_production": ("benchmark", "data", "gate", HANDS_ON, "run", "serving", "target"),
     "eagle3.deployment.imports.import_draft": (HANDS_ON, "registry", "run"),
     "eagle3.deployment.imports.import_fields": (HANDS_ON,),

@@ -335,6 +335,14 @@ def derived(config: PipelineConfig, changes: dict[str, object]) -> PipelineConfi
         raise ConfigError(describe_errors(Path(f"{config.run.name} (derived)"), err, set())) from None
 
 
+def with_draft(config: PipelineConfig, draft: dict) -> PipelineConfig:
+    """`config` serving the one draft the draft section `draft` describes (a registry version's, an imported draft's):
+    its kind and sizes, no contenders, and no sweep points where it is of another kind (they are the config's kind's
+    shapes: a DFlash draft is never served in EAGLE-3's trees)."""
+    other_kind = {"sweep.points": []} if draft.get("algorithm", "eagle3") != config.draft.algorithm else {}
+    return derived(config, {"draft": draft, "contenders": None, **other_kind})
+
+
 def draft_label(config: PipelineConfig) -> str:
     """What a run's own draft is called beside its contenders: its algorithm."""
     return config.draft.algorithm

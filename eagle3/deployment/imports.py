@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.algorithms import draft_algorithm
-from eagle3.config import PipelineConfig, derived, require_sections
+from eagle3.config import PipelineConfig, require_sections, with_draft
 from eagle3.deployment.production import Production
 from eagle3.deployment.promotion import (
     PROMPTS_LAYOUT,
@@ -87,10 +87,7 @@ def config_for(config: PipelineConfig, converted: Converted) -> PipelineConfig:
     """The config a converted draft is served, replayed and recorded with: the importing config's, or one with the
     draft's own draft section where its converter gives one (a DFlash draft's kind and sizes), without sweep points
     of another kind (a DFlash draft cannot be served in EAGLE-3's trees)."""
-    if converted.draft is None:
-        return config
-    other_kind = {"sweep.points": []} if converted.draft["algorithm"] != config.draft.algorithm else {}
-    return derived(config, {"draft": converted.draft, "contenders": None, **other_kind})
+    return config if converted.draft is None else with_draft(config, converted.draft)
 
 
 def local_copy(source: str, log: Log) -> tuple[Path, dict]:

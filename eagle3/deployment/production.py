@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.config import PipelineConfig, derived
+from eagle3.config import PipelineConfig, derived, with_draft
 from eagle3.deployment.promotion import (
     PROMPTS_FILE,
     PROMPTS_LAYOUT,
@@ -205,12 +205,9 @@ def of_kind(config: PipelineConfig, manifest: dict) -> PipelineConfig:
     version's draft.algorithm and its own fields, so its recorded serving shape is checked against its kind (the
     launcher serves a draft by its own kind already), and no sweep points (they are the run's kind's shapes; production
     is measured in the version's one)."""
-    algorithm = version_algorithm(manifest)
-    if algorithm == config.draft.algorithm:
+    if version_algorithm(manifest) == config.draft.algorithm:
         return config
-    draft = manifest["config"]["draft"]
-    return derived(config, {"draft.algorithm": algorithm, "draft.dflash": draft.get("dflash"), "sweep.points": [],
-                            "contenders": None})
+    return with_draft(config, manifest["config"]["draft"])
 
 
 def boot_id() -> str:

@@ -29,7 +29,8 @@ from eagle3.errors import UnreadableInput
 from eagle3.records.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 from eagle3.registry.gate import Decision, Metrics, SuiteFigures, suite_figures, throughput_text
-from eagle3.registry.registry import decide_against_production, open_registry, registry_location, version_algorithm
+from eagle3.registry.registry import (decide_against_production, open_registry, registry_location, version_algorithm,
+                                      version_run_dir)
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
 from eagle3.train.trainer import best_draft
@@ -260,8 +261,7 @@ def prune_after_promotion(run: RunSection, section: RegistrySection, registry, l
     protected = [run.dir]
     production = registry.production_version()
     if production is not None:
-        built_by = registry.manifest(production).get("config", {}).get("run", {})
-        built = built_by.get("data_from") or built_by.get("dir")  # a contender's: the run it trained in
+        built = version_run_dir(registry.manifest(production))
         if built is None:
             log(f"retention: the manifest of production {production} names no run directory: none removed, as the "
                 "one that built it cannot be told apart")

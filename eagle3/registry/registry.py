@@ -54,6 +54,13 @@ def utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def version_run_dir(manifest: dict) -> str | None:
+    """The run directory that trained a version (a contender's: the run's, whose data it trained on); None for a
+    version whose manifest names none."""
+    run = (manifest.get("config") or {}).get("run") or {}
+    return run.get("data_from") or run.get("dir")
+
+
 def version_algorithm(manifest: dict) -> str:
     """A version's draft algorithm, as the config that made it names it (EAGLE-3 before configs named one)."""
     return ((manifest.get("config") or {}).get("draft") or {}).get("algorithm", "eagle3")

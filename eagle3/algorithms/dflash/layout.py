@@ -85,11 +85,7 @@ def native_config(directory: Path) -> DFlashConfig:
 
 def read_sglang(directory: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
     """An export `write_sglang` wrote: the native config it records and its tensors."""
-    raw = read_json(directory / CONFIG_FILE, "missing")
-    native = (raw.get("eagle3") or {}).get("native")
-    if native is None:
-        raise UnreadableInput(f"{directory / CONFIG_FILE}: no eagle3.native record: not an export of this project")
-    return DFlashConfig.model_validate(native), load_file(directory / WEIGHTS_FILE)
+    return native_config(directory), load_file(directory / WEIGHTS_FILE)
 
 
 def validate_sglang(directory: Path, release: str | None, data_manifest: Path | None,
