@@ -1,21 +1,30 @@
-"""This project's EAGLE-3 trainer against SpecForge 0.2.0's, on the same SmolLM2 rows, features, vocab map and steps.
+"""This project's trainer against SpecForge 0.2.0's, for an EAGLE-3 or a DFlash draft, on the same SmolLM2 rows,
+features, vocab map and steps.
 
     python benchmarks/vs_specforge.py [--samples 96] [--steps 300] [--run-dir runs/vs-specforge]
+    python benchmarks/vs_specforge.py --config configs/smollm2-contenders-cpu.yaml --draft dflash
+
+`--draft` names one of the config's drafts (its own, or a contender: docs/algorithms.md, "Contenders"); both
+comparisons share the data of RUN_DIR/run.
 
 1. Data, once (cached on re-runs): configs/smollm2-cpu.yaml's data stage through the library (regenerate, capture
    with training.features offline, so the features are stored, vocab), `--samples` ShareGPT prompts, into
    RUN_DIR/run. The target must exist (`make demo-real` makes it: runs/targets/smollm2).
 2. The batches this project's trainer takes, step by step (TrainingData's order for training.seed), each sample
-   written once as a SpecForge offline sample file (input_ids, loss_mask, hidden_state, aux_hidden_state), and the
+   written once as a SpecForge offline sample file (input_ids, loss_mask and the stored features: EAGLE-3's
+   hidden_state and aux_hidden_state, DFlash's hidden_states, the target layers the draft reads), and for EAGLE-3 the
    vocab map as the d2t/t2d file SpecForge loads.
 3. This project's trainer, in this process, and SpecForge's in lockstep with it (its step i right after this
    project's step i, one busy at a time), through benchmarks/specforge_driver.py with the python of a venv of its
    own (RUN_DIR/specforge-venv, made here on first use: SpecForge's wheel with --no-deps, its transformers pin, this
    project's torch version; the project's venv is never touched), on the same batches, with the same learning rate,
-   warmup steps and step count; everything else at each trainer's own default.
-4. Both final drafts in the sglang layout (SpecForge's by this project's `convert`), replayed by this project's
+   warmup steps and step count; DFlash: the same draft (layers, block size, mask token, target layer ids, anchors)
+   and the same loss weights over a block (SpecForge's loss_decay_gamma from training.ttt_step_decay); everything
+   else at each trainer's own default.
+4. Both final drafts in the sglang layout (SpecForge's by this project's `convert` for EAGLE-3, by `registry import`'s
+   DFlash conversion, which checks its target layers against the data's, for DFlash), replayed by this project's
    simulator over every benchmark suite of the config (held-out ShareGPT prompts and MT-bench, one question per
-   category), at serving's chain and at 3/1/4.
+   category), at serving's shape and the sweep's.
 
 Prints accept length per suite and shape for both, their ratio, and the step-time ratio (median of each trainer's
 steps after the first five: wall time, and the process's CPU time, which another process's load on the cores
@@ -30,6 +39,7 @@ os.environ["OMP_NUM_THREADS"] = "1"  # before torch loads: one thread, as the Sp
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -57,6 +67,8 @@ def main() -> int:
                         "(two turns each)")
     parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "vs-specforge")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-cpu.yaml")
+    parser.add_argument("--draft", help="which of the config's drafts to train (its contenders' names, or its own "
+                        "draft.algorithm); default: the config's own")
     parser.add_argument("--keep-specforge", action="store_true", help="reuse SpecForge's draft and timings from the "
                         "last run when its job is the same (to try this project's trainer alone)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -64,27 +76,27 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = pipeline_config(args)
-    print(f"vs-specforge: {args.samples} samples, {args.steps} steps of {config.training.batch_size} x "
-          f"{config.training.seq_len} tokens, TTT {config.training.ttt_steps}, run dir {args.run_dir}")
+    draft = chosen_draft(config, args.draft)
+    algorithm = draft.draft.algorithm
+    print(f"vs-specforge: {algorithm}, {args.samples} samples, {args.steps} steps of {draft.training.batch_size} x "
+          f"{draft.training.seq_len} tokens, run dir {args.run_dir}")
     python = specforge_python(args.run_dir / "specforge-venv")
     prepare_data(config)
-    plan = training_plan(config)
-    job = specforge_job(config, plan, args.run_dir / "specforge")
+    plan = training_plan(draft)
+    job = specforge_job(draft, plan, args.run_dir / f"specforge-{algorithm}")
     theirs = kept_specforge(job) if args.keep_specforge else None
     partner = None if theirs else LockstepSpecForge(python, job)
-    ours = train_eagle3(config, plan, partner)
+    ours = train_ours(draft, plan, partner)
     theirs = theirs or partner.finish()
-    name_aux_layers(config, Path(job["out"]) / "sglang")
-    drafts = {"eagle3": export_draft(config, ours["final"], args.run_dir / "drafts" / "eagle3"),
-              "specforge": export_draft(config, Path(job["out"]) / "sglang", args.run_dir / "drafts" / "specforge")}
-    scores = {name: score(config, path) for name, path in drafts.items()}
-    results = {"samples": args.samples, "steps": args.steps, "batch_size": config.training.batch_size,
-               "seq_len": config.training.seq_len, "ttt_steps": config.training.ttt_steps, "eagle3": ours,
+    drafts = served_drafts(draft, ours["final"], Path(job["out"]) / "served", args.run_dir / "drafts" / algorithm)
+    scores = {name: score(draft, path) for name, path in drafts.items()}
+    results = {"algorithm": algorithm, "samples": args.samples, "steps": args.steps,
+               "batch_size": draft.training.batch_size, "seq_len": draft.training.seq_len, "ours": ours,
                "specforge": theirs, "accept_length": scores, "cores": os.cpu_count(), "load_average": os.getloadavg()}
-    (args.run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (args.run_dir / f"results-{algorithm}.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     for line in table(results):
         print(line)
-    print(f"vs-specforge: figures in {args.run_dir / 'results.json'}")
+    print(f"vs-specforge: figures in {args.run_dir / f'results-{algorithm}.json'}")
     return 0
 
 
@@ -100,6 +112,17 @@ def pipeline_config(args: argparse.Namespace):
                                      "training.features=offline", f"training.max_steps={steps}",
                                      f"training.eval_every={steps}", f"training.save_every={steps}",
                                      "training.best_by=step_acc", *args.overrides])
+
+
+def chosen_draft(config, name: str | None):
+    """The config of the draft to compare: the run's own, or the contender `name` (trained on the run's data)."""
+    from eagle3.config import draft_configs, draft_label
+
+    drafts = draft_configs(config)
+    name = name or draft_label(config)
+    if name not in drafts:
+        sys.exit(f"vs-specforge: --draft {name}: the config trains {', '.join(drafts)}; name one of them")
+    return drafts[name]
 
 
 def specforge_python(venv: Path) -> Path:
@@ -151,15 +174,15 @@ def training_plan(config) -> list:
 
 def specforge_job(config, plan: list, out: Path) -> dict:
     """SpecForge's inputs: each planned sample once as its offline sample file (the stored float32 features, as
-    this project's trainer reads them), the vocab map as its d2t/t2d file, and the run's settings."""
+    this project's trainer reads them), the run's settings and the draft algorithm's own (`algorithm_settings`)."""
     from eagle3.data.capture import dataset_dir
     from eagle3.data.shards import ShardReader
-    from eagle3.draft.vocab_map import load_vocab_map
 
     samples = out / "samples"
     samples.mkdir(parents=True, exist_ok=True)
     readers: dict[int, ShardReader] = {}
     shards = sorted(dataset_dir(config).glob("shard-?????.safetensors"))
+    features = dflash_features if config.draft.algorithm == "dflash" else eagle3_features
     steps = []
     for batch in plan:
         files = []
@@ -168,21 +191,46 @@ def specforge_job(config, plan: list, out: Path) -> dict:
             if not path.is_file():
                 sample = readers.setdefault(ref.shard, ShardReader(shards[ref.shard])).sample(ref.index)
                 torch.save({"input_ids": sample.input_ids.long(), "loss_mask": sample.loss_mask.long(),
-                            "hidden_state": sample.last_hidden.float()[None], "aux_hidden_state": sample.aux_hidden.float()[None],
-                            "sample_id": sample.id}, path)
+                            **features(sample), "sample_id": sample.id}, path)
             files.append(str(path))
         steps.append(files)
-    vocab_map = load_vocab_map(config.stage_dir("vocab"))
-    torch.save({"d2t": vocab_map.d2t, "t2d": vocab_map.t2d}, out / "vocab_mapping.pt")
     train = config.training
-    return {"target": str(Path(config.target.path).resolve()), "vocab_mapping": str(out / "vocab_mapping.pt"),
+    return {"strategy": config.draft.algorithm, "target": str(Path(config.target.path).resolve()),
             "samples_dir": str(samples), "steps": steps, "max_length": train.seq_len, "batch_size": train.batch_size,
             "learning_rate": train.learning_rate, "warmup_ratio": train.warmup_steps / train.max_steps,
-            "ttt_length": train.ttt_steps, "draft_vocab_size": config.vocab.draft_vocab_size,
-            "out": str(out / "train")}
+            "out": str(out / "train"), **algorithm_settings(config, out)}
 
 
-def train_eagle3(config, plan: list, partner: LockstepSpecForge | None) -> dict:
+def eagle3_features(sample) -> dict:
+    return {"hidden_state": sample.last_hidden.float()[None], "aux_hidden_state": sample.aux_hidden.float()[None]}
+
+
+def dflash_features(sample) -> dict:
+    return {"hidden_states": sample.aux_hidden.float()[None]}  # [1, T, layers x H]: the target layers, in order
+
+
+def algorithm_settings(config, out: Path) -> dict:
+    """SpecForge's `model` and `training` fields for the draft: EAGLE-3's vocab map (as the d2t/t2d file it loads)
+    and TTT length; DFlash's draft (layers, block size, mask token, target layer ids: the layers the features were
+    captured at, our numbering and SpecForge's alike, output of decoder layer k), anchors and block loss weights."""
+    train = config.training
+    if config.draft.algorithm == "dflash":
+        dflash = config.draft.dflash
+        return {"model": {"draft_num_hidden_layers": dflash.num_layers, "draft_block_size": dflash.block_size,
+                          "mask_token_id": dflash.mask_token_id},
+                "training": {"num_anchors": dflash.num_anchors,
+                             # exp(-(k-1)/gamma) for block entry k is ttt_step_decay**(k-1): the same weights
+                             "loss_decay_gamma": -1 / math.log(train.ttt_step_decay)},
+                "target_layer_ids": list(config.data.aux_layers)}
+    from eagle3.draft.vocab_map import load_vocab_map
+
+    vocab_map = load_vocab_map(config.stage_dir("vocab"))
+    torch.save({"d2t": vocab_map.d2t, "t2d": vocab_map.t2d}, out / "vocab_mapping.pt")
+    return {"model": {"vocab_mapping_path": str(out / "vocab_mapping.pt")}, "training": {"ttt_length": train.ttt_steps},
+            "draft_vocab_size": config.vocab.draft_vocab_size}
+
+
+def train_ours(config, plan: list, partner: LockstepSpecForge | None) -> dict:
     """This project's trainer from scratch, each step timed in wall and CPU time, SpecForge's step after each (when
     `partner`); checks it took the planned batches."""
     from eagle3.train.trainer import Trainer
@@ -228,9 +276,13 @@ class LockstepSpecForge:
                                          "--lockstep"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def step(self) -> None:
-        self.process.stdin.write("go\n")
-        self.process.stdin.flush()
-        if not self.process.stdout.readline():
+        try:
+            self.process.stdin.write("go\n")
+            self.process.stdin.flush()
+            answered = self.process.stdout.readline()
+        except BrokenPipeError:
+            answered = ""
+        if not answered:
             sys.exit(f"vs-specforge: SpecForge's trainer exited with status {self.process.wait()}; its error is above")
 
     def finish(self) -> dict:
@@ -243,10 +295,15 @@ class LockstepSpecForge:
 
 def trainer_settings(config) -> dict:
     train = config.training
-    return {"learning_rate": train.learning_rate, "lr_scheduler": "cosine", "warmup_steps": train.warmup_steps,
-            "total_steps": train.max_steps, "lr_floor": train.lr_floor, "adam_betas": list(train.adam_betas),
-            "weight_decay": train.weight_decay, "max_grad_norm": train.grad_clip, "ttt_length": train.ttt_steps,
-            "ploss_decay": train.ttt_step_decay}
+    common = {"learning_rate": train.learning_rate, "lr_scheduler": "cosine", "warmup_steps": train.warmup_steps,
+              "total_steps": train.max_steps, "lr_floor": train.lr_floor, "adam_betas": list(train.adam_betas),
+              "weight_decay": train.weight_decay, "max_grad_norm": train.grad_clip}
+    if config.draft.algorithm == "dflash":
+        dflash = config.draft.dflash
+        return {**common, "draft_layers": dflash.num_layers, "block_size": dflash.block_size,
+                "mask_token_id": dflash.mask_token_id, "target_layer_ids": list(config.data.aux_layers),
+                "num_anchors": dflash.num_anchors, "block_loss_decay": train.ttt_step_decay}
+    return {**common, "ttt_length": train.ttt_steps, "ploss_decay": train.ttt_step_decay}
 
 
 def kept_specforge(job: dict) -> dict | None:
@@ -256,6 +313,31 @@ def kept_specforge(job: dict) -> dict | None:
         print(f"vs-specforge: SpecForge's draft and timings kept from the last run with this job ({out})")
         return {**json.loads((out / "summary.json").read_text()), "kept": True}
     return None
+
+
+def served_drafts(config, ours: Path, theirs: Path, out: Path) -> dict[str, Path]:
+    """Both final drafts in the sglang layout, each through the path a draft of its origin takes here."""
+    if config.draft.algorithm == "dflash":
+        return {"ours": dflash_export(ours, out / "ours"), "specforge": dflash_import(config, theirs, out / "specforge")}
+    name_aux_layers(config, theirs)
+    return {"ours": export_draft(config, ours, out / "ours"), "specforge": export_draft(config, theirs, out / "specforge")}
+
+
+def dflash_export(source: Path, out: Path) -> Path:
+    from eagle3.algorithms.dflash.layout import write_sglang
+
+    shutil.rmtree(out, ignore_errors=True)
+    return write_sglang(source, out)
+
+
+def dflash_import(config, source: Path, out: Path) -> Path:
+    """SpecForge's DFlash draft as `registry import` takes it: its config decoded, its target layer ids checked
+    against the layers the data were captured at, written in SGLang's layout."""
+    from eagle3.algorithms.dflash.imports import convert_dflash
+    from eagle3.deployment.imports import serving_of
+
+    convert_dflash(source, out, serving_of(config), print)
+    return out
 
 
 def name_aux_layers(config, draft: Path) -> None:
@@ -290,18 +372,20 @@ def score(config, draft: Path) -> dict:
 
 
 def table(results: dict) -> list[str]:
-    lines = [f"accept length, simulated ({results['samples']} samples, {results['steps']} steps of "
-             f"{results['batch_size']} x {results['seq_len']} tokens, TTT {results['ttt_steps']})",
-             f"  {'shape':8} {'suite':9} {'requests':>8} {'eagle3':>8} {'specforge':>9} {'ratio':>7}"]
-    ours, theirs = results["accept_length"]["eagle3"], results["accept_length"]["specforge"]
+    lines = [f"{results['algorithm']}: accept length, simulated ({results['samples']} samples, {results['steps']} "
+             f"steps of {results['batch_size']} x {results['seq_len']} tokens)",
+             f"  {'shape':8} {'suite':9} {'requests':>8} {'ours':>8} {'specforge':>9} {'ratio':>7}"]
+    ours, theirs = results["accept_length"]["ours"], results["accept_length"]["specforge"]
     for shape, suites in ours.items():
         for suite, figures in suites.items():
             a, b = figures["accept_length"], theirs[shape][suite]["accept_length"]
             lines.append(f"  {shape:8} {suite:9} {figures['requests']:>8} {a:8.3f} {b:9.3f} {a / b:6.3f}x")
-    mine, other = results["eagle3"], results["specforge"]
+    mine, other = results["ours"], results["specforge"]
     for kind, key in (("wall", "median_step_time_s"), ("CPU", "median_step_cpu_s")):
-        lines.append(f"step time, median ({kind}): eagle3 {mine[key]:.3f} s, specforge {other[key]:.3f} s: eagle3 "
+        lines.append(f"step time, median ({kind}): ours {mine[key]:.3f} s, specforge {other[key]:.3f} s: ours "
                      f"{other[key] / mine[key]:.2f}x SpecForge's step speed")
+    if other.get("skipped_steps"):
+        lines.append(f"(SpecForge skipped {other['skipped_steps']} step(s) whose samples its data filter drops)")
     lines.append("(SpecForge's draft and step times kept from an earlier run: --keep-specforge)" if other.get("kept")
                  else "(the trainers in lockstep: SpecForge's step i right after this project's step i)")
     lines.append(f"(a shared machine: load average {mine['load_average_at_start']:.1f} at the start, on "
