@@ -20,7 +20,8 @@ from eagle3.engines.generators import LocalGenerator
 from eagle3.engines.targets import load_target_model, load_tokenizer, resolve_dtype, target_identity
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.target.files import thinking_switches
-from eagle3.serve.launch import reference_command, sglang_command
+from eagle3.serve.engines.reference import REFERENCE
+from eagle3.serve.engines.sglang import SGLANG
 from eagle3.serve.reference import load as load_served
 from eagle3.shape import DraftShape
 from eagle3.stages.keys import stage_key
@@ -125,10 +126,10 @@ def test_the_k25_text_config_layout_is_checked_for_sizes_family_and_code(kimi_ta
 
 def test_sglang_and_the_reference_server_get_the_setting(kimi_target, tmp_path):
     config = kimi_config(kimi_target, tmp_path, "target.trust_remote_code=true", "target.dtype=bfloat16")
-    assert "--trust-remote-code" in sglang_command(config, kimi_target, None)
-    command = reference_command(config, kimi_target, None)
+    assert "--trust-remote-code" in SGLANG.command(config, kimi_target, None)
+    command = REFERENCE.command(config, kimi_target, None)
     assert "--trust-remote-code" in command and command[command.index("--dtype") + 1] == "bfloat16"
-    assert "--trust-remote-code" not in reference_command(kimi_config(kimi_target, tmp_path), kimi_target, None)
+    assert "--trust-remote-code" not in REFERENCE.command(kimi_config(kimi_target, tmp_path), kimi_target, None)
 
 
 def test_the_generator_and_the_reference_server_run_the_target_in_its_own_precision(micro_target, tmp_path):

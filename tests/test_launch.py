@@ -17,8 +17,12 @@ from safetensors.torch import load_file, save_file
 
 from drafts import write_draft
 from eagle3.config import load_config
+from eagle3.errors import Eagle3Error
 from eagle3.procs import GPU_QUERY, LaunchError, wrap
-from eagle3.serve.launch import Server, launch_and_validate, reference_command, server_for, sglang_command
+from eagle3.serve.engines import serving_engine
+from eagle3.serve.engines.reference import REFERENCE
+from eagle3.serve.engines.sglang import SGLANG
+from eagle3.serve.launch import Server, launch_and_validate, server_for
 from eagle3.warm import fork_module
 from helpers import MICRO_DRAFT, RELEASE, TINY
 from ports import free_port
@@ -57,14 +61,14 @@ def test_sglang_command_with_and_without_a_draft(tmp_path):
                         "data.sglang_python=/opt/sglang/bin/python",
                         "serving.extra_args=[--trust-remote-code, --mem-fraction-static, '0.85']")
     s = config.serving
-    command = sglang_command(config, "/models/kimi", "/drafts/d1")
+    command = SGLANG.command(config, "/models/kimi", "/drafts/d1")
     assert command == [
         "/opt/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/kimi",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/drafts/d1",
         "--speculative-num-steps", "4", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5",
         "--tp-size", "8", "--host", "127.0.0.1", "--port", str(s.port), "--context-length", "512",
         "--trust-remote-code", "--mem-fraction-static", "0.85"]
-    plain = sglang_command(config, "/models/kimi", None)
+    plain = SGLANG.command(config, "/models/kimi", None)
     assert plain == command[:5] + command[15:]  # the same without the five speculative flags
     assert not [a for a in plain if "speculative" in a]
 
@@ -75,7 +79,7 @@ def test_extra_args_never_set_the_algorithm(tmp_path, extra):
     config = config_for(tmp_path, "serving.engine=sglang", f"serving.extra_args={extra}")
     for draft in ("/drafts/d1", None):
         with pytest.raises(LaunchError, match="--speculative-algorithm"):
-            sglang_command(config, "/models/kimi", draft)
+            SGLANG.command(config, "/models/kimi", draft)
 
 
 @pytest.mark.parametrize("extra, named", [
@@ -89,7 +93,7 @@ def test_extra_args_never_set_the_algorithm(tmp_path, extra):
 def test_extra_args_may_not_repeat_a_flag_the_launcher_sets(tmp_path, extra, named):
     config = config_for(tmp_path, "serving.engine=sglang", f"serving.extra_args=['{extra}', '4']")
     with pytest.raises(LaunchError, match=re.escape(f"repeats {named}")):
-        sglang_command(config, "/models/kimi", "/drafts/d1")
+        SGLANG.command(config, "/models/kimi", "/drafts/d1")
 
 
 @pytest.mark.parametrize("flag", ["--enable-two-batch-overlap", "--enable-two-batch"])
@@ -97,21 +101,30 @@ def test_two_batch_overlap_is_refused_where_it_loses_the_aux_capture(tmp_path, f
     config = config_for(tmp_path, "serving.engine=sglang", f"serving.extra_args=['{flag}']", "target.family=deepseek_v2",
                         "data.aux_layers=[1, 2]")  # DeepSeek's files cannot capture layer 0 from 0.5.13 on
     with pytest.raises(LaunchError, match="captures aux hidden states only below first_k_dense_replace"):
-        sglang_command(config, "/models/kimi", "/drafts/d1")
-    assert flag in sglang_command(config, "/models/kimi", None)  # a server without a draft captures nothing
+        SGLANG.command(config, "/models/kimi", "/drafts/d1")
+    assert flag in SGLANG.command(config, "/models/kimi", None)  # a server without a draft captures nothing
     llama = config_for(tmp_path, "serving.engine=sglang", f"serving.extra_args=['{flag}']", "target.family=llama")
-    assert flag in sglang_command(llama, "/models/llama", "/drafts/d1")
+    assert flag in SGLANG.command(llama, "/models/llama", "/drafts/d1")
 
 
 def test_reference_command(tmp_path):
     config = config_for(tmp_path, "run.cpu_threads=1")
-    assert reference_command(config, "/t", "/d") == [
+    assert REFERENCE.command(config, "/t", "/d") == [
         sys.executable, "-m", "eagle3.cli", "serve", "--target", "/t", "--draft", "/d", "--num-steps", "3",
         "--eagle-topk", "1", "--num-draft-tokens", "4", "--release", RELEASE, "--dtype", "auto", "--threads", "1",
         "--host", "127.0.0.1", "--port", str(config.serving.port)]
     unreleased = config_for(tmp_path, "serving.release=null")
-    command = reference_command(unreleased, "/t", None)
+    command = REFERENCE.command(unreleased, "/t", None)
     assert "--draft" not in command and "--release" not in command
+
+
+def test_serving_engines_by_name():
+    assert serving_engine("sglang") is SGLANG and serving_engine("reference") is REFERENCE
+    assert REFERENCE.forks_warm and not SGLANG.forks_warm  # only an in-project server forks from the warm process
+    assert SGLANG.served_release("0.5.14", "0.5.13") == "0.5.14"  # SGLang: what the live server reports
+    assert REFERENCE.served_release("0.5.14", "0.5.13") == "0.5.13"  # the reference server: the release it stands for
+    with pytest.raises(Eagle3Error, match="serving.engine 'vllm' is no registered serving engine .*sglang, reference"):
+        serving_engine("vllm")
 
 
 def test_launchers_wrap_the_command(tmp_path):

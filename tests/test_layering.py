@@ -220,9 +220,13 @@ TAKES_THE_CONFIG = {
     "eagle3.deployment.sweep.with_shape": (HANDS_ON,),
     "eagle3.engines.generators.make_generator": ("data", "target", "training"),
     "eagle3.serve.launch.launch_and_validate": ("export", HANDS_ON, "serving"),
-    "eagle3.serve.launch.reference_command": ("run", "serving", "target"),
     "eagle3.serve.launch.server_for": (HANDS_ON, "run", "serving"),
-    "eagle3.serve.launch.sglang_command": ("data", "draft", "serving", "target"),
+    "eagle3.serve.engines.base.ServingEngine.check": (HANDS_ON, "production"),
+    "eagle3.serve.engines.base.ServingEngine.command": (),
+    "eagle3.serve.engines.reference.Reference.check": (),
+    "eagle3.serve.engines.reference.Reference.command": ("run", "serving", "target"),
+    "eagle3.serve.engines.sglang.SGLang.command": ("data", "draft", HANDS_ON, "serving", "target"),
+    "eagle3.serve.engines.sglang.refuse_clashing_flags": ("serving", "target"),
     "eagle3.algorithms.eagle3.architecture.trained_draft_config": ("draft", HANDS_ON, "target"),
     "eagle3.algorithms.sizes.draft_sizes": ("data", "draft", "target", "vocab"),
     "eagle3.train.launch.launch_commands": ("data", "run", "training"),
@@ -280,3 +284,27 @@ def test_the_list_says_what_each_function_reads_and_none_reads_one_section_alone
     found = whole_config_takers()
     assert {name: found[name] for name in TAKES_THE_CONFIG if found.get(name) != TAKES_THE_CONFIG[name]} == {}
     assert [name for name, read in found.items() if len(read) == 1 and read != (HANDS_ON,) and read != ("all",)] == []
+
+
+def serving_engine_reads(source: str) -> list[str]:
+    """Each place `source` reads a config's serving.engine other than to look up its entry (`serving_engine(...)`)."""
+    tree = ast.parse(source)
+    looked_up = {id(arg) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and ast.unparse(node.func).endswith("serving_engine") for arg in node.args}
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "engine"
+            and ast.unparse(node.value).split(".")[-1] == "serving" and id(node) not in looked_up]
+
+
+def test_only_the_serving_engines_read_serving_engine():
+    """An engine's own behaviour lives in its module under eagle3/serve/engines (docs/serving-and-benchmark.md): no
+    other module branches on the engine's name, so adding one touches its module and the registry alone."""
+    seam = ROOT / "eagle3" / "serve" / "engines"
+    found = [f"{path.relative_to(ROOT)}:{place}" for path in project_modules().values() if seam not in path.parents
+             for place in serving_engine_reads(path.read_text())]
+    assert found == []
+
+
+def test_the_serving_engine_rule_finds_a_branch():
+    branch = "def f(config):\n    return serving_engine(config.serving.engine) if config.serving.engine == 'x' else 0\n"
+    assert serving_engine_reads(branch) == ["2: config.serving.engine"]

@@ -13,7 +13,9 @@ from eagle3.records.telemetry import (
 from eagle3.config.deployment import TelemetrySection
 from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
-from eagle3.serve.launch import LaunchError, reference_command, server_for, sglang_command
+from eagle3.serve.engines.reference import REFERENCE
+from eagle3.serve.engines.sglang import SGLANG
+from eagle3.serve.launch import LaunchError, server_for
 from eagle3.shape import DraftShape
 from helpers import STEPS, generate, serving
 
@@ -123,21 +125,21 @@ def test_only_the_production_command_gets_the_telemetry_flags(production_config,
     telemetry = config.production.telemetry
     flags = ["--enable-metrics", "--export-metrics-to-file", "--export-metrics-to-file-dir", str(records),
              "--tokenizer-metrics-allowed-custom-labels", "eagle3", "app"]  # the benchmark's key, the slice key
-    for build in (sglang_command, reference_command):
+    for build in (SGLANG.command, REFERENCE.command):
         assert build(config, "/models/t", "/drafts/d", telemetry)[-7:] == flags
         assert not set(flags[:3]) & set(build(config, "/models/t", "/drafts/d"))
     assert not set(flags[:3]) & set(server_for(config, "/models/t", "/drafts/d").command)  # candidate, baseline
     serving = config.serving.model_copy(update={"extra_args": ["--enable-metrics"]})
     clash = config.model_copy(update={"serving": serving})
     with pytest.raises(LaunchError, match="--enable-metrics"):
-        sglang_command(clash, "/models/t", None, TelemetrySection(metrics=True))
+        SGLANG.command(clash, "/models/t", None, TelemetrySection(metrics=True))
     by_hand = config.serving.model_copy(update={"extra_args": ["--tokenizer-metrics-allowed-custom-labels", "app"]})
     with pytest.raises(LaunchError, match="--tokenizer-metrics-allowed-custom-labels"):
-        sglang_command(config.model_copy(update={"serving": by_hand}), "/models/t", None)
+        SGLANG.command(config.model_copy(update={"serving": by_hand}), "/models/t", None)
     records_only = TelemetrySection(records_dir=records, slice_label="team")  # the OpenAI routes need the list too
-    assert sglang_command(config, "/models/t", None, records_only)[-3:] == [
+    assert SGLANG.command(config, "/models/t", None, records_only)[-3:] == [
         "--tokenizer-metrics-allowed-custom-labels", "eagle3", "team"]
-    assert "--tokenizer-metrics-allowed-custom-labels" not in sglang_command(config, "/models/t", None, TelemetrySection())
+    assert "--tokenizer-metrics-allowed-custom-labels" not in SGLANG.command(config, "/models/t", None, TelemetrySection())
     lines = []
     started = time.time()
     Production(config, open_registry(config.registry, log=lambda line: None), lines.append).serve("v1", "test")

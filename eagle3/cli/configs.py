@@ -34,10 +34,9 @@ def run_config(args: argparse.Namespace) -> int:
     config = load_config(args.path, args.overrides)
     check_local_inputs(config)
     require_fit(config, args.path)
-    if config.serving.engine == "sglang":  # the launcher's checks of serving.extra_args now, not at a run's first launch
-        from eagle3.serve.launch import sglang_command
+    from eagle3.serve.engines import serving_engine
 
-        sglang_command(config, "TARGET", "DRAFT", config.production.telemetry)
+    serving_engine(config.serving.engine).check(config)  # the launcher's refusals now, not at a run's first launch
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return EXIT_OK
 

@@ -1,4 +1,4 @@
-"""Launch a serving engine (SGLang, or the reference server) locally, over ssh or through srun; wait
+"""Launch a serving engine (serving.engine: eagle3.serve.engines) locally, over ssh or through srun; wait
 until it serves; validate the draft against the release it reports; stop it and wait for the GPUs.
 
 The server runs in its own process group, so a stop takes its workers with it. Every log line names
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -18,116 +17,17 @@ from typing import Callable
 import httpx
 
 from eagle3 import guard
-from eagle3.algorithms import DraftAlgorithm, algorithm, draft_algorithm
+from eagle3.algorithms import DraftAlgorithm, draft_algorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
-from eagle3.contract.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE, parse_release
-from eagle3.records.telemetry import PIPELINE_LABEL
+from eagle3.contract.engines import parse_release
 from eagle3.procs import (
-    GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, cpu_threads, in_systemd_scope, timestamp, wait_gpus_free, wrap,
+    GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
+from eagle3.serve.engines import serving_engine
 from eagle3.warm import ForkedProcess, fork_module
 
 LOG_TAIL_LINES = 40
-
-# Every spelling SGLang's parser accepts for each flag the launcher sets (read from its releases'
-# `ServerArgs.add_cli_args`; tests/conformance checks the table against each release's parser).
-LAUNCHER_FLAGS = {
-    "--model-path": ("--model-path", "--model"),
-    "--speculative-algorithm": ("--speculative-algorithm",),
-    "--speculative-draft-model-path": ("--speculative-draft-model-path", "--speculative-draft-model"),
-    "--speculative-num-steps": ("--speculative-num-steps",),
-    "--speculative-eagle-topk": ("--speculative-eagle-topk",),
-    "--speculative-num-draft-tokens": ("--speculative-num-draft-tokens",),
-    "--tp-size": ("--tp-size", "--tensor-parallel-size"),
-    "--host": ("--host",),
-    "--port": ("--port",),
-    "--context-length": ("--context-length",),
-    "--enable-metrics": ("--enable-metrics",),
-    "--export-metrics-to-file": ("--export-metrics-to-file",),
-    "--export-metrics-to-file-dir": ("--export-metrics-to-file-dir",),
-    "--tokenizer-metrics-allowed-custom-labels": ("--tokenizer-metrics-allowed-custom-labels",),
-}
-TWO_BATCH_OVERLAP_FLAG = "--enable-two-batch-overlap"
-
-
-def _flag(arg: str) -> str:
-    return arg.split("=", 1)[0].replace("_", "-")
-
-
-def _launcher_flag_for(arg: str) -> str | None:
-    """The launcher's flag that `arg` would set: one of its spellings, or an abbreviation of one (argparse
-    accepts any unambiguous prefix of a long option, so `--tp` or `--context-len` set the same field)."""
-    flag = _flag(arg)
-    for canonical, spellings in LAUNCHER_FLAGS.items():
-        if any(spelling.startswith(flag) for spelling in spellings):
-            return canonical
-    return None
-
-
-def telemetry_flags(telemetry: TelemetrySection | None) -> list[str]:
-    """SGLang's flags for production.telemetry (the reference server takes the same spellings); [] when off.
-
-    With telemetry on, the custom-label keys the pipeline and its users send are declared: with --enable-metrics
-    SGLang's tokenizer manager labels a request's metrics with its custom_labels, and a key its collector was not
-    started with raises inside the manager's loop (the server goes down on the benchmark's own re-measure); and
-    the OpenAI routes keep only declared keys of an x-custom-labels header, metrics or not."""
-    if telemetry is None or not (telemetry.metrics or telemetry.records_dir is not None):
-        return []
-    flags = ["--enable-metrics"] if telemetry.metrics else []
-    if telemetry.records_dir is not None:
-        flags += ["--export-metrics-to-file", "--export-metrics-to-file-dir", str(telemetry.records_dir)]
-    return flags + ["--tokenizer-metrics-allowed-custom-labels", *custom_label_keys(telemetry)]
-
-
-def custom_label_keys(telemetry: TelemetrySection) -> list[str]:
-    """The custom_labels keys production must declare: the benchmark's own and the operator's slice label."""
-    return list(dict.fromkeys([PIPELINE_LABEL[0], telemetry.slice_label]))
-
-
-def sglang_command(config: PipelineConfig, target_path, draft_path, telemetry: TelemetrySection | None = None,
-                   entry: DraftAlgorithm | None = None) -> list[str]:
-    """telemetry: the production server's reporting (production.telemetry); candidates and baselines get none.
-    entry: the draft's algorithm (None: the config's draft.algorithm), whose flags serve it."""
-    s = config.serving
-    command = [config.data.sglang_python, "-m", "sglang.launch_server", "--model-path", str(target_path)]
-    if draft_path is not None:
-        command += (entry or algorithm(config.draft.algorithm)).server_flags(draft_path, s)
-    command += ["--tp-size", str(s.tp), "--host", s.host, "--port", str(s.port),
-                "--context-length", str(s.context_length)]
-    command += ["--trust-remote-code"] if config.target.trust_remote_code else []
-    command += telemetry_flags(telemetry)
-    extra_flags = [a for a in s.extra_args if a.startswith("--")]
-    if any(_launcher_flag_for(a) == "--speculative-algorithm" for a in extra_flags):
-        raise LaunchError(
-            f"serving.extra_args {s.extra_args} sets --speculative-algorithm; the launcher sets it (EAGLE3 for an "
-            "EAGLE-3 draft: EAGLE would serve it with the wrong fc input and no aux states); remove it")
-    overlap = [a for a in extra_flags if TWO_BATCH_OVERLAP_FLAG.startswith(_flag(a)) and len(_flag(a)) > len("--enable-t")]
-    if draft_path is not None and overlap and config.target.family in TWO_BATCH_OVERLAP_LOSES_CAPTURE:
-        raise LaunchError(
-            f"serving.extra_args sets {overlap[0]}: with two-batch overlap SGLang's {config.target.family} model file "
-            "captures aux hidden states only below first_k_dense_replace (every release read), so the EAGLE3 draft "
-            "would get fewer states than it was trained on; remove it for the speculative server")
-    clash = sorted({f"{_flag(a)} (= {_launcher_flag_for(a)})" for a in extra_flags if _launcher_flag_for(a)})
-    if clash:
-        raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets from the "
-                          "serving section (the telemetry flags from production.telemetry, for the production server "
-                          "only: --tokenizer-metrics-allowed-custom-labels declares eagle3 and "
-                          "production.telemetry.slice_label); set the field instead")
-    return command + list(s.extra_args)
-
-
-def reference_command(config: PipelineConfig, target_path, draft_path,
-                      telemetry: TelemetrySection | None = None) -> list[str]:
-    s = config.serving
-    command = [sys.executable, "-m", "eagle3.cli", "serve", "--target", str(target_path)]
-    command += ["--draft", str(draft_path)] if draft_path is not None else []
-    command += ["--num-steps", str(s.num_steps), "--eagle-topk", str(s.eagle_topk),
-                "--num-draft-tokens", str(s.num_draft_tokens)]
-    command += ["--release", s.release] if s.release else []
-    command += ["--trust-remote-code"] if config.target.trust_remote_code else []
-    command += ["--dtype", config.target.dtype, "--threads", str(cpu_threads(config.run.cpu_threads))]
-    return command + ["--host", s.host, "--port", str(s.port)] + telemetry_flags(telemetry)
 
 
 class Server:
@@ -242,11 +142,8 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
     `entry` the draft's algorithm (None: the config's), whose flags serve it.
     A local reference server that ends with this process (not `outlives_run`, no unit) starts warm
     (run.warm_start)."""
-    s = config.serving
-    if s.engine == "sglang":
-        built = sglang_command(config, target, draft, telemetry, entry)
-    else:
-        built = reference_command(config, target, draft, telemetry)  # the reference server reads the draft's kind
+    s, engine = config.serving, serving_engine(config.serving.engine)
+    built = engine.command(config, target, draft, telemetry, entry)
     ssh_host = s.ssh_host or s.host
     command = wrap(built, s.launcher, ssh_host, s.srun_args)
     via = {"local": "local", "ssh": f"ssh {ssh_host}", "srun": "srun"}[s.launcher]
@@ -254,10 +151,10 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
         command = in_systemd_scope(command, unit)
         via += f", systemd unit {unit}"
     return Server(command, s.host, s.port, s.log_dir or config.run.dir / "logs", log,
-                  label=f"{role} {s.engine} endpoint http://{s.host}:{s.port}, launcher {via}",
+                  label=f"{role} {engine.name} endpoint http://{s.host}:{s.port}, launcher {via}",
                   gpu_query=wrap(GPU_QUERY, s.launcher, ssh_host, s.srun_args),
                   gpu_free_mib=s.gpu_free_mib, gpu_free_timeout_s=s.gpu_free_timeout_s,
-                  warm=config.run.warm_start and s.engine == "reference" and s.launcher == "local" and unit is None
+                  warm=config.run.warm_start and engine.forks_warm and s.launcher == "local" and unit is None
                   and not outlives_run)
 
 
@@ -279,7 +176,7 @@ def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[st
         if draft is None:
             server.log("no draft: nothing to validate")
             return server
-        release = live if config.serving.engine == "sglang" else config.serving.release
+        release = serving_engine(config.serving.engine).served_release(live, config.serving.release)
         try:
             parse_release(release) if release else None
         except ValueError as err:
