@@ -180,6 +180,24 @@ def test_a_server_that_exits_at_start_fails_with_its_log_tail(tmp_path):
     assert "line 61" in message and "line 60\n" not in message  # the last 40 lines, no more
 
 
+def test_a_healthy_server_that_reports_no_release_fails_naming_it(tmp_path):
+    """The release picks the loader rules the draft is validated by: a server that reports none is stopped."""
+    logs = []
+    code = ("from http.server import BaseHTTPRequestHandler, HTTPServer\n"
+            "class H(BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        body = b'{}' if self.path == '/server_info' else b'ok'\n"
+            "        self.send_response(200); self.end_headers(); self.wfile.write(body)\n"
+            "import sys; HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    server = python_server(tmp_path, code, logs)
+    server.command.append(server.url.rsplit(":", 1)[1])
+    server.start()
+    pgid = server.process.pid
+    with pytest.raises(LaunchError, match=r"healthy, but its release report failed: /server_info has no version: \{\}"):
+        server.wait_healthy(30, interval_s=0.2)
+    assert server.process is None and not live_members(pgid)
+
+
 def test_an_endpoint_another_server_already_answers_on_is_refused_before_starting(tmp_path):
     """A server a stopped run left behind would answer the new one's health check and be measured in its place."""
     from fastapi import FastAPI

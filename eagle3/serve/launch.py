@@ -25,6 +25,8 @@ from eagle3.procs import (
     GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
 from eagle3.serve.engines import serving_engine
+from eagle3.serve.engines.base import ServingEngine
+from eagle3.serve.engines.sglang import SGLANG
 from eagle3.warm import ForkedProcess, fork_module
 
 LOG_TAIL_LINES = 40
@@ -36,8 +38,10 @@ class Server:
 
     def __init__(self, command: list[str], host: str, port: int, log_dir: Path, log: Callable[[str], None] = print,
                  label: str = "", gpu_query: list[str] | None = GPU_QUERY, gpu_free_mib: int = 2048,
-                 gpu_free_timeout_s: float = 600.0, grace_s: float = STOP_GRACE_S, warm: bool = False):
+                 gpu_free_timeout_s: float = 600.0, grace_s: float = STOP_GRACE_S, warm: bool = False,
+                 engine: ServingEngine = SGLANG):
         self.command, self.url, self.log_dir, self.warm = command, f"http://{host}:{port}", Path(log_dir), warm
+        self.engine = engine  # its health probe and release report
         self.label = label or f"endpoint {self.url}, launcher {command[0]}"
         self._log, self.gpu_query, self.gpu_free_mib = log, gpu_query, gpu_free_mib
         self.gpu_free_timeout_s, self.grace_s = gpu_free_timeout_s, grace_s
@@ -85,8 +89,9 @@ class Server:
 
     def wait_healthy(self, deadline_s: float, interval_s: float = 1.0, request_timeout_s: float = 10.0) -> str:
         """Poll /health_generate until it answers 200 (every 0.05 s at first, doubling to interval_s); return the
-        release from /server_info."""
-        self.log(f"waiting up to {deadline_s:.0f} s for {self.url}/health_generate")
+        release it reports (the engine's probe)."""
+        health = f"{self.url}{self.engine.health_path}"
+        self.log(f"waiting up to {deadline_s:.0f} s for {health}")
         start = time.monotonic()
         deadline = start + deadline_s
         pause = 0.05  # a forked reference server answers within a second (a fixed 1 s poll cost it ~0.8 s a start)
@@ -98,19 +103,16 @@ class Server:
             if remaining <= 0:
                 raise self._fail(f"the server was not healthy after {deadline_s:.0f} s")
             try:
-                if httpx.get(f"{self.url}/health_generate", timeout=min(request_timeout_s, remaining)).status_code == 200:
+                if httpx.get(health, timeout=min(request_timeout_s, remaining)).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass  # not listening yet, or busy loading
             time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
             pause = min(2 * pause, interval_s)
         try:
-            info = httpx.get(f"{self.url}/server_info", timeout=request_timeout_s).raise_for_status().json()
+            self.release = self.engine.reported_release(self.url, request_timeout_s)
         except (httpx.HTTPError, ValueError) as err:
-            raise self._fail(f"healthy, but /server_info failed: {err}") from None
-        if not info.get("version"):
-            raise self._fail(f"/server_info has no version: {info}")
-        self.release = str(info["version"])  # SGLang's own __version__: it selects the loader rules
+            raise self._fail(f"healthy, but its release report failed: {err}") from None
         self.log(f"healthy after {time.monotonic() - start:.1f} s; the server reports version {self.release}")
         return self.release
 
@@ -155,7 +157,7 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
                   gpu_query=wrap(GPU_QUERY, s.launcher, ssh_host, s.srun_args),
                   gpu_free_mib=s.gpu_free_mib, gpu_free_timeout_s=s.gpu_free_timeout_s,
                   warm=config.run.warm_start and engine.forks_warm and s.launcher == "local" and unit is None
-                  and not outlives_run)
+                  and not outlives_run, engine=engine)
 
 
 def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[str], None] = print,

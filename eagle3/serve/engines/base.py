@@ -13,6 +13,12 @@ class ServingEngine(ABC):
     name: str  # its serving.engine value
     title: str  # how messages name it
     forks_warm = False  # a local server of this engine may be forked from the warm process (eagle3/warm.py)
+    health_path: str  # answers 200 once the server can generate
+
+    @abstractmethod
+    def reported_release(self, url: str, timeout_s: float) -> str:
+        """The release the healthy server at `url` reports; an httpx.HTTPError or a ValueError naming what it answered
+        when it reports none."""
 
     @abstractmethod
     def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,

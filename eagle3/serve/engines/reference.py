@@ -10,11 +10,12 @@ from eagle3.algorithms import DraftAlgorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
 from eagle3.procs import cpu_threads
-from eagle3.serve.engines.base import ServingEngine
-from eagle3.serve.engines.sglang import telemetry_flags
+from eagle3.serve.engines.sglang import SGLang, telemetry_flags
 
 
-class Reference(ServingEngine):
+class Reference(SGLang):
+    """SGLang's API (health probe, /server_info), its own command line."""
+
     name, title = "reference", "the reference server"
     forks_warm = True
 

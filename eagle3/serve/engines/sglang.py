@@ -3,6 +3,8 @@ its flags, the ones the launcher refuses to see twice, and its telemetry flags (
 
 from __future__ import annotations
 
+import httpx
+
 from eagle3.algorithms import DraftAlgorithm, algorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
@@ -91,6 +93,13 @@ def refuse_clashing_flags(config: PipelineConfig, draft) -> None:
 
 class SGLang(ServingEngine):
     name, title = "sglang", "SGLang"
+    health_path = "/health_generate"  # a generation of one token, not just a live process (/health)
+
+    def reported_release(self, url: str, timeout_s: float) -> str:
+        info = httpx.get(f"{url}/server_info", timeout=timeout_s).raise_for_status().json()
+        if not isinstance(info, dict) or not info.get("version"):
+            raise ValueError(f"/server_info has no version: {info}")
+        return str(info["version"])  # its own __version__: it selects the loader rules
 
     def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,
                 entry: DraftAlgorithm | None = None) -> list[str]:
