@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install test e2e conformance demo demo-rollback demo-real real-target vs-specforge clean
+.PHONY: install test e2e conformance demo demo-rollback demo-real real-target vs-specforge vs-specforge-dflash clean
 
 # Test sessions spread over one worker per core (pytest-xdist), a test file whole on one worker (its fixtures built
 # once there; tests/conftest.py gives the order, longest first, and keeps the files of SGLang's release children on
@@ -80,6 +80,10 @@ real-target: install
 # (docs/training.md). SpecForge's wheel goes into a venv of the script's own under runs/vs-specforge, never this one.
 vs-specforge: real-target
 	OMP_NUM_THREADS=1 $(PY) benchmarks/vs_specforge.py
+
+# The same for a DFlash draft: the contenders config's DFlash draft against SpecForge's DFlash trainer.
+vs-specforge-dflash: real-target
+	OMP_NUM_THREADS=1 $(PY) benchmarks/vs_specforge.py --config configs/smollm2-contenders-cpu.yaml --draft dflash
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

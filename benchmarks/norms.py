@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_specforge import ROOT, export_draft, prepare_data, score, train_eagle3, training_plan  # noqa: E402
+from vs_specforge import ROOT, export_draft, prepare_data, score, train_ours, training_plan  # noqa: E402
 
 VARIANTS = {
     "plain": [],
@@ -58,7 +58,7 @@ def main() -> int:
     for name in names:
         config = config_for(args, VARIANTS[name], variant=name)
         print(f"norms: training {name} ({' '.join(VARIANTS[name]) or 'no norm'}), {args.steps} steps")
-        trained = train_eagle3(config, plan)
+        trained = train_ours(config, plan, None)
         draft = export_draft(config, trained["final"], args.run_dir / "drafts" / name)
         results["variants"][name] = {"overrides": VARIANTS[name], "median_step_time_s": trained["median_step_time_s"],
                                      "final_step": trained["final_step"], "accept_length": score(config, draft)}
