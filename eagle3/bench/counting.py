@@ -25,17 +25,12 @@ from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import Iterable
 
-from eagle3.contract.engines import parse_release
+from eagle3.contract.engines import release_or_newest
 
 EOS_FIRST_FROM = (0, 5, 18)  # Req.update_finish_state checks stop tokens before the length cap
 NEW_KEYS_FROM = (0, 5, 12)  # spec_num_correct_drafts, spec_num_proposed_drafts, spec_correct_drafts_histogram
 OLD_KEYS_UNTIL = (0, 5, 20)  # spec_accepted_drafts, spec_proposed_drafts, spec_accept_histogram (aliases from 0.5.12)
 DFLASH_SPEC_V2_FROM = (0, 5, 16)  # the first release read whose DFLASH worker is dflash_worker_v2
-
-
-def _release(release: str | None) -> tuple[int, int, int]:
-    """An unknown release counts as the newest rule read."""
-    return parse_release(release) if release else (9999, 0, 0)
 
 
 @dataclass
@@ -57,7 +52,7 @@ class SpecRequest:
     def add_verify(self, run: list[int]) -> None:
         """One verify step: `run` is the accepted drafts followed by the bonus token."""
         self.verify_ct += 1
-        if self.algorithm == "DFLASH" and _release(self.release) < DFLASH_SPEC_V2_FROM:
+        if self.algorithm == "DFLASH" and release_or_newest(self.release) < DFLASH_SPEC_V2_FROM:
             self._append_token_by_token(run)
             return
         accepted = len(run) - 1
@@ -79,7 +74,7 @@ class SpecRequest:
         start, cap = len(self.output), self.max_new_tokens
         self.output += tokens
         stop = next((start + i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), None)  # kept length
-        if stop is not None and _release(self.release) >= EOS_FIRST_FROM and stop <= cap:
+        if stop is not None and release_or_newest(self.release) >= EOS_FIRST_FROM and stop <= cap:
             self._finish(stop, {"type": "stop", "matched": self.output[stop - 1]})
         elif len(self.output) >= cap:
             self._finish(cap, {"type": "length", "length": cap})
@@ -95,7 +90,7 @@ class SpecRequest:
         key for an empty histogram, as DFLASH's v1 worker leaves it); drafts_per_step: num_draft_tokens - 1."""
         if not self.verify_ct:
             return {}
-        release, proposed = _release(self.release), self.verify_ct * drafts_per_step
+        release, proposed = release_or_newest(self.release), self.verify_ct * drafts_per_step
         meta = {"spec_verify_ct": self.verify_ct, "spec_accept_length": accept_length(len(self.output), self.verify_ct),
                 "spec_accept_rate": accept_rate(self.correct, self.verify_ct, drafts_per_step)}
         if release >= NEW_KEYS_FROM:

@@ -25,6 +25,11 @@ def parse_release(text: str) -> Release:
     return tuple((parts + (0, 0, 0))[:3])
 
 
+def release_or_newest(text: str | None) -> Release:
+    """A release, or for an unknown one (None) a number above every release read: the newest rules apply."""
+    return parse_release(text) if text else (9999, 0, 0)
+
+
 @dataclass(frozen=True)
 class ReleaseRange:
     first: str

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from eagle3.contract.engines import parse_release
+from eagle3.contract.engines import release_or_newest
 from eagle3.records.telemetry import ACCEPT_LENGTH, ACCEPT_RATE, GENERATION_TOKENS, RECORD_HOUR, VERIFY_CALLS
 
 SPEC_VERIFY_CALLS_FROM = (0, 5, 13)
@@ -38,10 +38,6 @@ SCHEDULER_RANKS = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}  # one sc
 # GenerateReqInput fields a /generate body may hold that this server takes (the rest it refuses or ignores); the
 # record holds those the request set, plus the rid SGLang assigns when the request names none.
 RECORDED_FIELDS = ("text", "input_ids", "sampling_params", "rid", "custom_labels")
-
-
-def _release(release: str | None) -> tuple[int, int, int]:
-    return parse_release(release) if release else (9999, 0, 0)  # unknown: the newest rules read
 
 
 def _name(metric: str) -> str:
@@ -57,7 +53,7 @@ class Telemetry:
         self.registry = CollectorRegistry() if metrics else None
         self.records_dir = None if records_dir is None else Path(records_dir)
         self.lock = threading.Lock()  # one line per request, never two interleaved, in the file of its hour
-        version = _release(release)
+        version = release_or_newest(release)
         self.labels = {"model_name": model_name, "engine_type": ENGINE_TYPE}
         self.custom = dict.fromkeys(custom_labels, "")  # the tokenizer manager's labels: declared keys start empty
         self.streaming = {"is_streaming": "false"} if version >= IS_STREAMING_FROM else {}
