@@ -464,7 +464,7 @@ def test_sglang_serves_the_export_by_its_own_kind_and_a_longer_block_is_refused_
     """The launcher reads the draft's kind from its config.json, whatever the run's draft.algorithm (production may
     serve an earlier run's version): DFLASH with the block as --speculative-num-draft-tokens, and no EAGLE shape flags.
     A serving shape whose block is longer than the trained one stops before any server starts."""
-    from eagle3.serve.engines.sglang import SGLANG
+    from eagle3.serving.sglang import SGLANG
     from eagle3.serve.launch import LaunchError, launch_and_validate
 
     _, directory, _ = exported

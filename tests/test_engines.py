@@ -3,6 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagle3.contract import engines
+from eagle3.contract.releases import parse_release
 from eagle3.contract.engines import loaded_name, loader_rule, sglang_capture, sglang_ids_for_layers
 
 KIMI_LAYERS = 61
@@ -77,10 +78,10 @@ def test_unknown_pairs_are_reported_never_assumed():
 
 
 def test_post_releases_follow_their_release():
-    assert engines.parse_release("0.5.13.post1") == (0, 5, 13)
+    assert parse_release("0.5.13.post1") == (0, 5, 13)
     assert list(sglang_capture([2, 30, 58], "deepseek_v2", "0.5.12.post1", KIMI_LAYERS).layers) == [2, 30, 58]
     with pytest.raises(ValueError, match="not an SGLang release"):
-        engines.parse_release("latest")
+        parse_release("latest")
 
 
 RELEASES = ["0.5.10", "0.5.11", "0.5.12", "0.5.13", "0.5.16", "0.5.17", "0.5.23", None]
@@ -95,7 +96,7 @@ RELEASES = ["0.5.10", "0.5.11", "0.5.12", "0.5.13", "0.5.16", "0.5.17", "0.5.23"
 )
 def test_ids_exist_exactly_where_the_rules_allow_them(family, release, num_layers, data):
     layers = sorted(data.draw(st.sets(st.integers(0, num_layers - 2), min_size=1, max_size=4)))
-    if release is not None and engines.aux_id_rule(family, engines.parse_release(release)) is None:
+    if release is not None and engines.aux_id_rule(family, parse_release(release)) is None:
         with pytest.raises(ValueError, match=f"'{family}' on SGLang {release} is not in the aux-id table"):
             sglang_ids_for_layers(layers, family, release, num_layers)
         return
@@ -103,7 +104,7 @@ def test_ids_exist_exactly_where_the_rules_allow_them(family, release, num_layer
         expressible = True  # +1 always, or gpt_oss whose ids never reach n here
     elif release is None:
         expressible = layers[0] == 1  # the only ids meaning the same before and after 0.5.13
-    elif engines.parse_release(release) <= (0, 5, 12):
+    elif parse_release(release) <= (0, 5, 12):
         expressible = True
     else:
         expressible = layers[0] >= 1  # a first id of 1 would trigger the +1, so layer 0 is out of reach

@@ -20,8 +20,8 @@ from eagle3.engines.generators import LocalGenerator
 from eagle3.engines.targets import load_target_model, load_tokenizer, resolve_dtype, target_identity
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.target.files import thinking_switches
-from eagle3.serve.engines.reference import REFERENCE
-from eagle3.serve.engines.sglang import SGLANG
+from eagle3.serving.reference import REFERENCE
+from eagle3.serving.sglang import SGLANG
 from eagle3.serve.reference import load as load_served
 from eagle3.shape import DraftShape
 from eagle3.stages.keys import stage_key

@@ -19,9 +19,9 @@ from drafts import write_draft
 from eagle3.config import load_config
 from eagle3.errors import Eagle3Error
 from eagle3.procs import GPU_QUERY, LaunchError, wrap
-from eagle3.serve.engines import serving_engine
-from eagle3.serve.engines.reference import REFERENCE
-from eagle3.serve.engines.sglang import SGLANG
+from eagle3.serving import serving_engine
+from eagle3.serving.reference import REFERENCE
+from eagle3.serving.sglang import SGLANG
 from eagle3.serve.launch import Server, launch_and_validate, server_for
 from eagle3.warm import fork_module
 from helpers import MICRO_DRAFT, RELEASE, TINY

@@ -20,6 +20,7 @@ LAYERS = (
     ("eagle3.config",),
     ("eagle3.model",),
     ("eagle3.algorithms",),  # the draft algorithms: one entry each (model, loss, drafting, serving flags)
+    ("eagle3.serving",),  # the serving engines: one entry each (command, probe, release), below every user of one
     ("eagle3.engines",),  # what runs a target: the tiny engine, generators, feature backends
     ("eagle3.data",),  # orchestrates the engines into data sets
     ("eagle3.bench",),
@@ -221,12 +222,12 @@ TAKES_THE_CONFIG = {
     "eagle3.engines.generators.make_generator": ("data", "target", "training"),
     "eagle3.serve.launch.launch_and_validate": ("export", HANDS_ON, "serving"),
     "eagle3.serve.launch.server_for": (HANDS_ON, "run", "serving"),
-    "eagle3.serve.engines.base.ServingEngine.check": (HANDS_ON, "production"),
-    "eagle3.serve.engines.base.ServingEngine.command": (),
-    "eagle3.serve.engines.reference.Reference.check": (),
-    "eagle3.serve.engines.reference.Reference.command": ("run", "serving", "target"),
-    "eagle3.serve.engines.sglang.SGLang.command": ("data", "draft", HANDS_ON, "serving", "target"),
-    "eagle3.serve.engines.sglang.refuse_clashing_flags": ("serving", "target"),
+    "eagle3.serving.base.ServingEngine.check": (HANDS_ON, "production"),
+    "eagle3.serving.base.ServingEngine.command": (),
+    "eagle3.serving.reference.Reference.check": (),
+    "eagle3.serving.reference.Reference.command": ("run", "serving", "target"),
+    "eagle3.serving.sglang.SGLang.command": ("data", "draft", HANDS_ON, "serving", "target"),
+    "eagle3.serving.sglang.refuse_clashing_flags": ("serving", "target"),
     "eagle3.algorithms.eagle3.architecture.trained_draft_config": ("draft", HANDS_ON, "target"),
     "eagle3.algorithms.sizes.draft_sizes": ("data", "draft", "target", "vocab"),
     "eagle3.train.launch.launch_commands": ("data", "run", "training"),
@@ -297,9 +298,9 @@ def serving_engine_reads(source: str) -> list[str]:
 
 
 def test_only_the_serving_engines_read_serving_engine():
-    """An engine's own behaviour lives in its module under eagle3/serve/engines (docs/serving-and-benchmark.md): no
+    """An engine's own behaviour lives in its module under eagle3/serving (docs/serving-and-benchmark.md): no
     other module branches on the engine's name, so adding one touches its module and the registry alone."""
-    seam = ROOT / "eagle3" / "serve" / "engines"
+    seam = ROOT / "eagle3" / "serving"
     found = [f"{path.relative_to(ROOT)}:{place}" for path in project_modules().values() if seam not in path.parents
              for place in serving_engine_reads(path.read_text())]
     assert found == []

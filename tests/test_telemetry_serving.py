@@ -13,8 +13,8 @@ from eagle3.records.telemetry import (
 from eagle3.config.deployment import TelemetrySection
 from eagle3.deployment.production import Production
 from eagle3.registry.registry import open_registry
-from eagle3.serve.engines.reference import REFERENCE
-from eagle3.serve.engines.sglang import SGLANG
+from eagle3.serving.reference import REFERENCE
+from eagle3.serving.sglang import SGLANG
 from eagle3.serve.launch import LaunchError, server_for
 from eagle3.shape import DraftShape
 from helpers import STEPS, generate, serving

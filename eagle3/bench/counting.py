@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import Iterable
 
-from eagle3.contract.engines import release_or_newest
+from eagle3.contract.releases import release_or_newest
 
 EOS_FIRST_FROM = (0, 5, 18)  # Req.update_finish_state checks stop tokens before the length cap
 NEW_KEYS_FROM = (0, 5, 12)  # spec_num_correct_drafts, spec_num_proposed_drafts, spec_correct_drafts_histogram

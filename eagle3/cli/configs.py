@@ -34,7 +34,7 @@ def run_config(args: argparse.Namespace) -> int:
     config = load_config(args.path, args.overrides)
     check_local_inputs(config)
     require_fit(config, args.path)
-    from eagle3.serve.engines import serving_engine
+    from eagle3.serving import serving_engine
 
     serving_engine(config.serving.engine).check(config)  # the launcher's refusals now, not at a run's first launch
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")

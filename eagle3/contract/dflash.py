@@ -3,7 +3,7 @@ tests/conformance/test_dflash.py runs it, docs/algorithms.md states it)."""
 
 from __future__ import annotations
 
-from eagle3.contract.engines import ReleaseRange, parse_release
+from eagle3.contract.releases import ReleaseRange, parse_release
 from eagle3.shape import DraftShape
 
 # The families whose model has set_dflash_layers_to_capture in every supported release. Each records, for target

@@ -42,8 +42,9 @@ from torch import nn
 from eagle3.engines.features import Features, TokenBatch
 from eagle3.errors import Eagle3Error
 from eagle3.contract import engines
+from eagle3.contract.releases import ReleaseRange, parse_release
 
-SUPPORTED_RELEASES = engines.ReleaseRange("0.5.23", "0.5.23")
+SUPPORTED_RELEASES = ReleaseRange("0.5.23", "0.5.23")
 
 # Set for every runner: prefix sharing would return rows for the uncached tokens only, chunked prefill would split a
 # row over forwards, and no scheduler thread or graph capture exists here.
@@ -73,7 +74,7 @@ class SGLangFeatures:
         import sglang
 
         self.release = sglang.__version__
-        if engines.parse_release(self.release) not in SUPPORTED_RELEASES:
+        if parse_release(self.release) not in SUPPORTED_RELEASES:
             raise Eagle3Error(f"SGLang {self.release} is not supported for online features (supported: "
                               f"{SUPPORTED_RELEASES}); install a supported release in the node's SGLang environment")
         try:

@@ -1,4 +1,4 @@
-"""Launch a serving engine (serving.engine: eagle3.serve.engines) locally, over ssh or through srun; wait
+"""Launch a serving engine (serving.engine: eagle3.serving) locally, over ssh or through srun; wait
 until it serves; validate the draft against the release it reports; stop it and wait for the GPUs.
 
 The server runs in its own process group, so a stop takes its workers with it. Every log line names
@@ -20,13 +20,13 @@ from eagle3 import guard
 from eagle3.algorithms import DraftAlgorithm, draft_algorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
-from eagle3.contract.engines import parse_release
+from eagle3.contract.releases import parse_release
 from eagle3.procs import (
     GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
-from eagle3.serve.engines import serving_engine
-from eagle3.serve.engines.base import ServingEngine
-from eagle3.serve.engines.sglang import SGLANG
+from eagle3.serving import serving_engine
+from eagle3.serving.base import ServingEngine
+from eagle3.serving.sglang import SGLANG
 from eagle3.warm import ForkedProcess, fork_module
 
 LOG_TAIL_LINES = 40

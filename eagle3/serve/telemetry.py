@@ -28,7 +28,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from eagle3.contract.engines import release_or_newest
+from eagle3.contract.releases import release_or_newest
 from eagle3.records.telemetry import ACCEPT_LENGTH, ACCEPT_RATE, GENERATION_TOKENS, RECORD_HOUR, VERIFY_CALLS
 
 SPEC_VERIFY_CALLS_FROM = (0, 5, 13)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from eagle3.contract import engines
+from eagle3.contract.releases import parse_release
 from eagle3.draft.checkpoint import (
     PROVENANCE_KEY, RawCheckpoint, draft_shapes, mha_attention_shapes, mla_attention_shapes, read_checkpoint,
 )
@@ -65,7 +66,7 @@ def validate(
             raise ValueError(f"speculators {release}: only the loader of speculators {SPECULATORS_RELEASE} was read")
         release = SPECULATORS_RELEASE
     elif release is not None:
-        engines.parse_release(release)
+        parse_release(release)
     raw = read_checkpoint(Path(path))
     report = Report(path=str(path), engine=engine, engine_release=release)
     if raw.layout == "eagle" or _eagle_shaped(raw):
@@ -341,7 +342,7 @@ def _check_served_states(ctx: Context, release: str | None, report: Report) -> N
     (transformers', or an unknown backend's) are the residual stream."""
     problem = engines.served_features_problem(ctx.family, release)
     if problem is None or (ctx.data_engine == "sglang" and release is not None and ctx.data_engine_release is not None
-                           and engines.parse_release(ctx.data_engine_release) == engines.parse_release(release)):
+                           and parse_release(ctx.data_engine_release) == parse_release(release)):
         return
     made_by = {"local": "transformers", "sglang": f"SGLang {ctx.data_engine_release}"}.get(ctx.data_engine, "an unknown backend")
     report.add(ProblemCode.AUX_STATES_DIFFER, "error", f"{problem} (the data's features: {made_by})",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3.contract import engines
+from eagle3.contract.releases import parse_release
 from inside.aux_ids import LAYER_HIDDEN  # what a recording layer returns as its hidden_states beside the residual
 from releases import RELEASES
 
@@ -40,7 +41,7 @@ def probed_case(probed, case):
     answer = answers[(case["family"], case["num_layers"], repr(case["ids"]))]
     ours = engines.sglang_capture(case["ids"], case["family"], release, case["num_layers"])
     if "skipped" in answer:  # e.g. Gemma 3 before 0.5.12: no set_eagle3_layers_to_capture
-        assert engines.aux_id_rule(case["family"], engines.parse_release(release)) is None, answer["skipped"]
+        assert engines.aux_id_rule(case["family"], parse_release(release)) is None, answer["skipped"]
         assert ours.status == "unknown" and release in ours.explanation
         pytest.skip(f"SGLang {release}: {answer['skipped']} (the table has no row: configs are refused)")
     return release, answer, ours
@@ -49,7 +50,7 @@ def probed_case(probed, case):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_the_table_sets_the_layers_the_release_sets(probed, case):
     release, answer, ours = probed_case(probed, case)
-    rule = engines.aux_id_rule(case["family"], engines.parse_release(release))
+    rule = engines.aux_id_rule(case["family"], parse_release(release))
     assert rule is not None, f"{case['family']} on {release} is not in the aux-id table"
     if "set_error" in answer:  # the release refuses the ids at load (Qwen3-MoE's marks on a layer past the last)
         assert ours.lost_ids, f"SGLang {release} refuses ids {case['ids']} ({answer['set_error']}); ours: {ours}"
@@ -68,7 +69,7 @@ def test_what_the_loop_captures_is_what_validate_is_told(probed, case):
         return  # the test above: a load-time refusal
     loop = answer["capture_loop"]
     assert ours.status == "known", ours.explanation
-    rule = engines.aux_id_rule(case["family"], engines.parse_release(release))
+    rule = engines.aux_id_rule(case["family"], parse_release(release))
     branch_only = bool(loop.get("captured")) and all(v == LAYER_HIDDEN for v in loop["captured"])
     assert (rule.records == engines.BRANCH_ONLY) == branch_only, f"SGLang {release} records {loop}; ours: {rule.records}"
     assert (engines.served_features_problem(case["family"], release) is not None) == branch_only

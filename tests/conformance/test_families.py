@@ -13,6 +13,7 @@ import transformers
 
 from eagle3.engines.features import TransformersFeatures, pad_rows
 from eagle3.contract import engines
+from eagle3.contract.releases import parse_release
 from family_targets import AUX_LAYERS, FAMILIES, NUM_LAYERS, VOCAB, build_family_target
 
 RELEASE = "0.5.23"  # the release the model-runner backend supports (sglang_features.SUPPORTED_RELEASES)
@@ -81,7 +82,7 @@ def test_the_last_hidden_state_agrees_on_every_family(family_run):
 
 def test_the_aux_states_are_what_the_table_says_the_release_records(family_run):
     family, target, sglang = family_run
-    rule = engines.aux_id_rule(family, engines.parse_release(RELEASE))
+    rule = engines.aux_id_rule(family, parse_release(RELEASE))
     assert rule is not None, f"{family} on {RELEASE} is not in the aux-id table"
     trained_on = transformers_features(target).aux
     difference = worst_difference(trained_on, sglang["aux"])

@@ -8,7 +8,7 @@ from eagle3.config import load_config
 from eagle3.config.deployment import TelemetrySection
 from eagle3.data.regenerate import simulated_shapes
 from eagle3.deployment.sweep import with_shape
-from eagle3.serve.engines.sglang import LAUNCHER_FLAGS, SGLANG
+from eagle3.serving.sglang import LAUNCHER_FLAGS, SGLANG
 from releases import RELEASES
 
 ROOT = __import__("pathlib").Path(__file__).parents[2]

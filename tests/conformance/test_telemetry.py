@@ -20,7 +20,7 @@ from eagle3.records.telemetry import (
 )
 from eagle3.config.deployment import TelemetrySection
 from eagle3.serve.inprocess import serve_in_thread
-from eagle3.serve.engines.sglang import custom_label_keys
+from eagle3.serving.sglang import custom_label_keys
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape
 from helpers import STEPS

@@ -11,7 +11,7 @@ from eagle3.config.deployment import TelemetrySection
 from eagle3.contract.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE
 from eagle3.procs import LaunchError
 from eagle3.records.telemetry import PIPELINE_LABEL
-from eagle3.serve.engines.base import ServingEngine
+from eagle3.serving.base import ServingEngine
 
 # Every spelling SGLang's parser accepts for each flag the launcher sets (read from its releases'
 # `ServerArgs.add_cli_args`; tests/conformance checks the table against each release's parser).

@@ -1,4 +1,4 @@
-"""What the launcher asks of a serving engine: one `ServingEngine` entry per engine (eagle3.serve.engines)."""
+"""What the launcher asks of a serving engine: one `ServingEngine` entry per engine (eagle3.serving)."""
 
 from __future__ import annotations
 

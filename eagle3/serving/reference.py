@@ -10,7 +10,7 @@ from eagle3.algorithms import DraftAlgorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
 from eagle3.procs import cpu_threads
-from eagle3.serve.engines.sglang import SGLang, telemetry_flags
+from eagle3.serving.sglang import SGLang, telemetry_flags
 
 
 class Reference(SGLang):

@@ -9,9 +9,9 @@ reference server stands for an SGLang release. An engine with another API brings
 from __future__ import annotations
 
 from eagle3.errors import Eagle3Error
-from eagle3.serve.engines.base import ServingEngine
-from eagle3.serve.engines.reference import REFERENCE
-from eagle3.serve.engines.sglang import SGLANG
+from eagle3.serving.base import ServingEngine
+from eagle3.serving.reference import REFERENCE
+from eagle3.serving.sglang import SGLANG
 
 ENGINES: dict[str, ServingEngine] = {entry.name: entry for entry in (SGLANG, REFERENCE)}
 
