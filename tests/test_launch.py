@@ -8,6 +8,7 @@ import shlex
 import stat
 import sys
 import time
+import typing
 from pathlib import Path
 
 import httpx
@@ -17,9 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from drafts import write_draft
 from eagle3.config import load_config
+from eagle3.config.serving import ServingSection
 from eagle3.errors import Eagle3Error
 from eagle3.procs import GPU_QUERY, LaunchError, wrap
-from eagle3.serving import serving_engine
+from eagle3.serving import ENGINES, serving_engine
 from eagle3.serving.reference import REFERENCE
 from eagle3.serving.sglang import SGLANG
 from eagle3.serve.launch import Server, launch_and_validate, server_for
@@ -125,6 +127,8 @@ def test_serving_engines_by_name():
     assert REFERENCE.served_release("0.5.14", "0.5.13") == "0.5.13"  # the reference server: the release it stands for
     with pytest.raises(Eagle3Error, match="serving.engine 'vllm' is no registered serving engine .*sglang, reference"):
         serving_engine("vllm")
+    choices = set(typing.get_args(ServingSection.model_fields["engine"].annotation))
+    assert choices == set(ENGINES)  # a config can name every registered engine, and only those
 
 
 def test_launchers_wrap_the_command(tmp_path):
