@@ -178,7 +178,7 @@ def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[st
         if draft is None:
             server.log("no draft: nothing to validate")
             return server
-        release = serving_engine(config.serving.engine).served_release(live, config.serving.release)
+        release = server.engine.served_release(live, config.serving.release)
         try:
             parse_release(release) if release else None
         except ValueError as err:
