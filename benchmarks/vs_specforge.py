@@ -195,6 +195,9 @@ def specforge_job(config, plan: list, out: Path) -> dict:
             files.append(str(path))
         steps.append(files)
     train = config.training
+    if train.warmup_steps > train.max_steps:  # SpecForge's schema takes warmup_ratio <= 1 and would fail mid-step 1
+        sys.exit(f"vs-specforge: training.warmup_steps {train.warmup_steps} is over the {train.max_steps} steps; "
+                 f"lower it (--set training.warmup_steps=N) or raise --steps")
     return {"strategy": config.draft.algorithm, "target": str(Path(config.target.path).resolve()),
             "samples_dir": str(samples), "steps": steps, "max_length": train.seq_len, "batch_size": train.batch_size,
             "learning_rate": train.learning_rate, "warmup_ratio": train.warmup_steps / train.max_steps,
