@@ -321,26 +321,24 @@ def kept_specforge(job: dict) -> dict | None:
 def served_drafts(config, ours: Path, theirs: Path, out: Path) -> dict[str, Path]:
     """Both final drafts in the sglang layout, each through the path a draft of its origin takes here."""
     if config.draft.algorithm == "dflash":
-        return {"ours": dflash_export(ours, out / "ours"), "specforge": dflash_import(config, theirs, out / "specforge")}
+        return dflash_drafts(config, ours, theirs, out)
     name_aux_layers(config, theirs)
     return {"ours": export_draft(config, ours, out / "ours"), "specforge": export_draft(config, theirs, out / "specforge")}
 
 
-def dflash_export(source: Path, out: Path) -> Path:
-    from eagle3.algorithms.dflash.layout import write_sglang
-
-    shutil.rmtree(out, ignore_errors=True)
-    return write_sglang(source, out)
-
-
-def dflash_import(config, source: Path, out: Path) -> Path:
-    """SpecForge's DFlash draft as `registry import` takes it: its config decoded, its target layer ids checked
-    against the layers the data were captured at, written in SGLang's layout."""
-    from eagle3.algorithms.dflash.imports import convert_dflash
+def dflash_drafts(config, ours: Path, theirs: Path, out: Path) -> dict[str, Path]:
+    """Ours as the export stage writes it; SpecForge's as `registry import` takes it (its config decoded, its target
+    layer ids checked against the layers the data were captured at): both by the DFlash entry's own hooks."""
+    from eagle3.algorithms import algorithm
+    from eagle3.algorithms.base import ExportTarget
     from eagle3.deployment.imports import serving_of
 
-    convert_dflash(source, out, serving_of(config), print)
-    return out
+    entry = algorithm("dflash")
+    shutil.rmtree(out, ignore_errors=True)
+    written_for = ExportTarget(config.target.family, config.serving.release, config.target.num_hidden_layers,
+                               config.serving.num_steps, None)
+    entry.convert_external(theirs, out / "specforge", serving_of(config), print)
+    return {"ours": entry.export(ours, out / "ours", "sglang", written_for, print), "specforge": out / "specforge"}
 
 
 def name_aux_layers(config, draft: Path) -> None:

@@ -224,7 +224,6 @@ TAKES_THE_CONFIG = {
     "eagle3.serve.launch.server_for": (HANDS_ON, "run", "serving"),
     "eagle3.serving.base.ServingEngine.check": (HANDS_ON, "production"),
     "eagle3.serving.base.ServingEngine.command": (),
-    "eagle3.serving.reference.Reference.check": (),
     "eagle3.serving.reference.Reference.command": ("run", "serving", "target"),
     "eagle3.serving.sglang.SGLang.command": ("data", "draft", HANDS_ON, "serving", "target"),
     "eagle3.serving.sglang.refuse_clashing_flags": ("serving", "target"),

@@ -1,5 +1,5 @@
-"""A serving engine's release numbers: parsed once into a comparable value, and the ranges the contract's rules
-cover (eagle3/contract/engines.py)."""
+"""SGLang's release numbers as comparable values, and the ranges of releases the contract's rules cover
+(eagle3/contract/engines.py, eagle3/contract/dflash.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from eagle3.config.deployment import TelemetrySection
 
 class ServingEngine(ABC):
     name: str  # its serving.engine value
-    title: str  # how messages name it
     forks_warm = False  # a local server of this engine may be forked from the warm process (eagle3/warm.py)
     health_path: str  # answers 200 once the server can generate
 

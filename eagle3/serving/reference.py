@@ -16,7 +16,7 @@ from eagle3.serving.sglang import SGLang, telemetry_flags
 class Reference(SGLang):
     """SGLang's API (health probe, /server_info), its own command line."""
 
-    name, title = "reference", "the reference server"
+    name = "reference"
     forks_warm = True
 
     def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,
@@ -30,9 +30,6 @@ class Reference(SGLang):
         command += ["--trust-remote-code"] if config.target.trust_remote_code else []
         command += ["--dtype", config.target.dtype, "--threads", str(cpu_threads(config.run.cpu_threads))]
         return command + ["--host", s.host, "--port", str(s.port)] + telemetry_flags(telemetry)
-
-    def check(self, config: PipelineConfig) -> None:
-        """Nothing to refuse: its command takes no serving.extra_args."""
 
     def served_release(self, reported: str, configured: str | None) -> str | None:
         return configured  # the release it stands for (None: the strictest rules)

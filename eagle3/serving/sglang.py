@@ -92,7 +92,7 @@ def refuse_clashing_flags(config: PipelineConfig, draft) -> None:
 
 
 class SGLang(ServingEngine):
-    name, title = "sglang", "SGLang"
+    name = "sglang"
     health_path = "/health_generate"  # a generation of one token, not just a live process (/health)
 
     def reported_release(self, url: str, timeout_s: float) -> str:
