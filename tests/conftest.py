@@ -1,4 +1,3 @@
-import itertools
 import json
 import os
 import sys
@@ -12,7 +11,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 from xdist.scheduler import LoadFileScheduling  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -20,17 +18,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from drafts import TARGET_LAYERS, TARGET_VOCAB, write_draft  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.config.deployment import RegistrySection  # noqa: E402
-from eagle3.data.conversation import prompt_ids  # noqa: E402
-from eagle3.data.prompts import pydoc_prompt_turns  # noqa: E402
 from eagle3.draft.checkpoint import NativeDraft, save_native_draft  # noqa: E402
-from eagle3.draft.vocab_map import build_vocab_map  # noqa: E402
-from eagle3.engines.targets import load_tokenizer  # noqa: E402
-from eagle3.model.weights import target_head  # noqa: E402
 from eagle3.registry.registry import open_registry  # noqa: E402
 # micro_target and kimi_target: registered here so the session builds each once
 from fixtures_tiny import micro_target, one_torch_thread  # noqa: E402,F401
 from helpers import (  # noqa: E402
-    CONFIG, MICRO_DRAFT, PREFIX, RELEASE, TINY, build_micro_data, greedy_reply, lens_draft, micro_overrides, rewrite,
+    CONFIG, MICRO_DRAFT, PREFIX, RELEASE, TINY, build_micro_data, lens_draft, micro_of, micro_overrides,
+    rewrite,
     write_heldout,
 )
 from kimi_target import kimi_target  # noqa: E402,F401
@@ -186,17 +180,4 @@ def section(request, tmp_path) -> RegistrySection:
 
 @pytest.fixture(scope="module")
 def micro(micro_target):
-    """The target, three rendered pydoc prompts (one continues with newlines only), and a vocab map
-    counted over their greedy continuations (ids below 256, so that absolute ids + arange stay in range)."""
-    model = AutoModelForCausalLM.from_pretrained(micro_target, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(str(micro_target))
-    turns = [t for i, t in enumerate(itertools.islice(pydoc_prompt_turns(), 60)) if i in (0, 20, 50)]
-    prompts = [prompt_ids(tokenizer, messages, False) for messages in turns]
-    eos = model.generation_config.eos_token_id
-    seqs = [p + greedy_reply(model, p, 24, eos) for p in prompts]
-    counts = torch.bincount(torch.tensor(sum(seqs, [])), minlength=512)
-    counts[256:] = 0
-    vocab_map, _ = build_vocab_map(counts, CONFIG.draft_vocab_size)
-    embed = target_head(micro_target)["embed"]
-    return dict(model=model, prompts=prompts, seqs=seqs, eos=eos, vocab_map=vocab_map, embed=embed,
-                turns=turns, path=micro_target)
+    return micro_of(micro_target)

@@ -17,7 +17,7 @@ import transformers
 
 import eagle3.engines.tiny
 import eagle3.records.manifest
-from eagle3.engines.tiny import MICRO, build_tiny_target, of_family
+from eagle3.engines.tiny import MICRO, TinyRecipe, build_tiny_target, of_family
 
 # Test targets are pure functions of the builder's code, its recipe and the library versions (test_tiny_target
 # builds MICRO again and compares it bit for bit with the session's copy); EAGLE3_TEST_TARGETS moves the cache.
@@ -85,9 +85,13 @@ def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, key: s
 def micro_target_of(tmp_path_factory: pytest.TempPathFactory, family: str) -> Path:
     """The MICRO recipe as `family`'s architecture (~35 s to build on one core), once per machine."""
     recipe = of_family(MICRO, family)
+    return recipe_target(tmp_path_factory, recipe, "micro-target" if family == MICRO.family else f"{recipe.name}-target")
+
+
+def recipe_target(tmp_path_factory: pytest.TempPathFactory, recipe: TinyRecipe, name: str | None = None) -> Path:
+    """The target `recipe` builds, once per machine."""
     key = build_key(repr(recipe), eagle3.engines.tiny, eagle3.records.manifest)
-    name = "micro-target" if family == MICRO.family else f"{recipe.name}-target"
-    return once_per_session(tmp_path_factory, name, key,
+    return once_per_session(tmp_path_factory, name or f"{recipe.name}-target", key,
                             lambda out: build_tiny_target(out, recipe, progress=lambda line: None))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import httpx
 import pytest
 import torch
 import yaml
+from transformers import AutoModelForCausalLM
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from safetensors.torch import load_file, save_file
@@ -24,10 +26,13 @@ from safetensors.torch import load_file, save_file
 from eagle3.bench.simulate import target_greedy
 from eagle3.config import RESOLVED_FILE, load_config
 from eagle3.data.capture import capture
+from eagle3.data.conversation import prompt_ids
+from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout, regenerate
 from eagle3.data.vocab import build_vocab
 from eagle3.deployment.monitor import Monitor
 from eagle3.draft.checkpoint import DraftConfig
+from eagle3.draft.vocab_map import build_vocab_map
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer
 from eagle3.model.draft import Eagle3Draft, init_weights
@@ -159,9 +164,9 @@ def greedy_reply(model, prompt: list[int], max_new_tokens: int, eos: int) -> lis
     return continuation[: continuation.index(eos) + 1] if eos in continuation else continuation
 
 
-def random_draft(micro, seed: int = 1) -> Eagle3Draft:
+def random_draft(micro, seed: int = 1, config: DraftConfig = CONFIG) -> Eagle3Draft:
     """Llama init scaled to std 0.1, so that every part of the network moves the drafts."""
-    model = Eagle3Draft(CONFIG, micro["embed"])
+    model = Eagle3Draft(config, micro["embed"])
     init_weights(model, seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -172,14 +177,14 @@ def random_draft(micro, seed: int = 1) -> Eagle3Draft:
     return model.eval()
 
 
-def lens_draft(micro) -> Eagle3Draft:
+def lens_draft(micro, config: DraftConfig = CONFIG) -> Eagle3Draft:
     """A draft that reads the target: fc passes the output of layer 2 through, attention and MLP add
     nothing, and norm + lm_head are the target's (its rows for the draft vocabulary). At index t it
     predicts the target's guess for x_{t+1} from one layer early, so it depends on the features and is
     right on repeats; features shifted by one position would make it right far more often."""
-    model = random_draft(micro)
+    model = random_draft(micro, config=config)
     head = target_head(micro["path"])
-    hidden = CONFIG.hidden_size
+    hidden = config.hidden_size
     with torch.no_grad():
         model.fc.weight.zero_()
         model.fc.weight[:, 2 * hidden :] = torch.eye(hidden)  # aux = cat(layer 0, layer 1, layer 2)
@@ -472,3 +477,20 @@ def write_seed(run: StageRun) -> None:
 # a stage a test adds to eagle3.stages.table.STAGES: one entry and its runner
 TOY = Stage("toy", "toy/seed.txt", key=("training.seed",), runner=write_seed, command=("toy",),
             help="a toy stage: the seed and the draft vocabulary's size", upstream={"vocab": "vocab"})
+
+
+def micro_of(micro_target: Path) -> dict:
+    """The target, three rendered pydoc prompts (one continues with newlines only), and a vocab map
+    counted over their greedy continuations (ids below 256, so that absolute ids + arange stay in range)."""
+    model = AutoModelForCausalLM.from_pretrained(micro_target, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(str(micro_target))
+    turns = [t for i, t in enumerate(itertools.islice(pydoc_prompt_turns(), 60)) if i in (0, 20, 50)]
+    prompts = [prompt_ids(tokenizer, messages, False) for messages in turns]
+    eos = model.generation_config.eos_token_id
+    seqs = [p + greedy_reply(model, p, 24, eos) for p in prompts]
+    counts = torch.bincount(torch.tensor(sum(seqs, [])), minlength=512)
+    counts[256:] = 0
+    vocab_map, _ = build_vocab_map(counts, CONFIG.draft_vocab_size)
+    embed = target_head(micro_target)["embed"]
+    return dict(model=model, prompts=prompts, seqs=seqs, eos=eos, vocab_map=vocab_map, embed=embed,
+                turns=turns, path=micro_target)

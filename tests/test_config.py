@@ -61,8 +61,8 @@ def test_override_is_revalidated():
 
 
 def test_literal_error_lists_allowed_values():
-    with pytest.raises(ConfigError, match=r"serving.engine.*'reference' or 'sglang'"):
-        load_config(TINY, ["serving.engine=vllm"])
+    with pytest.raises(ConfigError, match=r"serving.engine.*'reference', 'sglang' or 'vllm'"):
+        load_config(TINY, ["serving.engine=tgi"])
 
 
 def test_missing_section_is_named(tmp_path):

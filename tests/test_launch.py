@@ -125,8 +125,8 @@ def test_serving_engines_by_name():
     assert REFERENCE.forks_warm and not SGLANG.forks_warm  # only an in-project server forks from the warm process
     assert SGLANG.served_release("0.5.14", "0.5.13") == "0.5.14"  # SGLang: what the live server reports
     assert REFERENCE.served_release("0.5.14", "0.5.13") == "0.5.13"  # the reference server: the release it stands for
-    with pytest.raises(Eagle3Error, match="serving.engine 'vllm' is no registered serving engine .*sglang, reference"):
-        serving_engine("vllm")
+    with pytest.raises(Eagle3Error, match="serving.engine 'tgi' is no registered serving engine .*sglang, reference, vllm"):
+        serving_engine("tgi")
     choices = set(typing.get_args(ServingSection.model_fields["engine"].annotation))
     assert choices == set(ENGINES)  # a config can name every registered engine, and only those
 

@@ -1,15 +1,17 @@
-"""Serving benchmark: SGLang's `/generate` (token ids in; greedy unless a temperature is given) over a prompt set
-with bounded concurrency, counted exactly as docs/contracts.md and the simulator count, so served and simulated numbers
-compare.
+"""Serving benchmark: SGLang's `/generate`, or another engine's generate request read as its answer
+(eagle3.serving: vLLM's completions with per-request speculative counts), token ids in, greedy unless a temperature
+is given, over a prompt set with bounded concurrency, counted exactly as docs/contracts.md and the simulator count, so
+served and simulated numbers compare.
 
 Every request is retried with backoff on connection errors, timeouts and 5xx; a request still failing after
 its retries (or a server that dies mid-run) raises BenchmarkError naming the lost prompt indices: there is
 never an average over fewer prompts than asked for. Result (JSON-ready dict):
 
-    url, server_version                  the server and its /server_info `version`
+    url, server_version                  the server and its /server_info `version` (vLLM: /version)
     num_prompts, max_new_tokens, concurrency, temperature
     draft_tokens_per_step                 accept-rate denominator per verify step: /server_info
-                                          speculative_num_draft_tokens - 1, else speculative_num_steps, else None
+                                          speculative_num_draft_tokens - 1, else speculative_num_steps, else the
+                                          answers' own (vLLM's num_spec_tokens), else None
     prompt_tokens, completion_tokens      Σ over prompts
     verify_ct, correct_drafts             Σ spec_verify_ct, Σ spec_num_correct_drafts (pre-0.5.12: spec_accepted_drafts)
     accept_length                         Σ completion_tokens / Σ verify_ct; None without a draft (no spec_* keys)
@@ -65,6 +67,8 @@ from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.records.telemetry import PIPELINE_LABEL
 from eagle3.http_retry import SHOWN_FAILURES, RetriesExhausted, send_with_retries
 from eagle3.progress import Progress
+from eagle3.serving.base import ServingEngine
+from eagle3.serving.sglang import SGLANG
 
 Log = Callable[[str], None]
 Prompt = list[int] | str
@@ -148,28 +152,33 @@ async def call(client: httpx.AsyncClient, url: str, body: dict | None, retries: 
 
 
 async def run_server(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, temperature: float,
-                     timeout_s: float, retries: int, backoff_s: float, log: Log) -> tuple[dict, list, float]:
-    """(/server_info, per prompt (answer, latency_s, attempts) or the exception, wall_s)."""
+                     timeout_s: float, retries: int, backoff_s: float, log: Log,
+                     engine: ServingEngine) -> tuple[dict, list, float]:
+    """(the server's settings, per prompt (answer, latency_s, attempts) or the exception, wall_s), each answer read as
+    SGLang's /generate gives it (ServingEngine.read_answer)."""
     limit, progress = asyncio.Semaphore(concurrency), Progress(f"bench {url}", total=len(prompts), unit="requests", log=log)
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature}
     limits = httpx.Limits(max_connections=max(concurrency, 10))
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        info, _ = await call(client, f"{url}/server_info", None, retries, backoff_s)
+        info, _ = await call(client, f"{url}{engine.info_path}", None, retries, backoff_s)
 
         async def one(prompt: Prompt):
             async with limit:
-                body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "sampling_params": sampling,
-                        "custom_labels": dict([PIPELINE_LABEL])}
+                body = engine.request_body(prompt, max_new_tokens, temperature, dict([PIPELINE_LABEL]))
                 start = time.perf_counter()
-                answer, attempts = await call(client, f"{url}/generate", body, retries, backoff_s)
+                raw, attempts = await call(client, f"{url}{engine.generate_path}", body, retries, backoff_s)
+                try:
+                    answer = engine.read_answer(raw)
+                except (KeyError, TypeError, ValueError) as err:
+                    raise BenchmarkError(f"{url}{engine.generate_path}: an answer {engine.title} would not give "
+                                         f"({type(err).__name__}: {err}): {str(raw)[:200]}") from None
                 if not isinstance((answer.get("meta_info") or {}).get("completion_tokens"), int):
-                    raise BenchmarkError(f"{url}/generate: answer without meta_info.completion_tokens")
+                    raise BenchmarkError(f"{url}{engine.generate_path}: answer without meta_info.completion_tokens")
                 progress.advance(1, tokens=answer["meta_info"]["completion_tokens"])
                 return answer, time.perf_counter() - start, attempts
 
         start = time.perf_counter()
         outcomes = await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
-        return info, outcomes, time.perf_counter() - start
+        return engine.read_info(info), outcomes, time.perf_counter() - start
 
 
 def ranges(indices: list[int]) -> str:
@@ -184,12 +193,12 @@ def ranges(indices: list[int]) -> str:
 
 
 def measure(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, temperature: float,
-            timeout_s: float, retries: int, backoff_s: float, log: Log) -> tuple[dict, list, float]:
+            timeout_s: float, retries: int, backoff_s: float, log: Log, engine: ServingEngine) -> tuple[dict, list, float]:
     url = url.rstrip("/")
     log(f"bench: {len(prompts)} prompts on {url} ({concurrency} concurrent, max_new_tokens {max_new_tokens}, "
         f"temperature {temperature})")
     info, outcomes, wall = asyncio.run(run_server(url, prompts, max_new_tokens, concurrency, temperature, timeout_s,
-                                                  retries, backoff_s, log))
+                                                  retries, backoff_s, log, engine))
     lost = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, BaseException)]
     if lost:
         last = outcomes[lost[-1]]
@@ -211,6 +220,7 @@ def summarize(url: str, info: dict, outcomes: list, wall: float, labels: list[tu
     completion, verify = sum(m["completion_tokens"] for m in metas), sum(m["spec_verify_ct"] for m in spec)
     draft_tokens = info.get("speculative_num_draft_tokens")
     per_step = draft_tokens - 1 if isinstance(draft_tokens, int) and draft_tokens > 1 else info.get("speculative_num_steps")
+    per_step = per_step or next((m["spec_drafts_per_step"] for m in spec if "spec_drafts_per_step" in m), None)
     corrects = [correct_drafts_of(m) for m in spec]
     correct = sum(corrects) if None not in corrects else None
     if correct is not None and per_step:
@@ -239,12 +249,13 @@ def summarize(url: str, info: dict, outcomes: list, wall: float, labels: list[tu
 
 def run_benchmark(url: str, prompts: list[Prompt], max_new_tokens: int, concurrency: int, timeout_s: float,
                   retries: int, baseline_url: str | None = None, log: Log = print, backoff_s: float = 0.5,
-                  temperature: float = 0.0) -> dict:
+                  temperature: float = 0.0, engine: ServingEngine = SGLANG) -> dict:
+    """The figures of `prompts` on the server at `url` (and on the no-draft `baseline_url`), both of `engine`."""
     if not prompts or min(max_new_tokens, concurrency) < 1 or retries < 0 or timeout_s <= 0 or temperature < 0:
         raise ValueError(f"bench: needs prompts ({len(prompts)}), max_new_tokens ({max_new_tokens}) and concurrency "
                          f"({concurrency}) >= 1, retries ({retries}) >= 0, timeout_s ({timeout_s}) > 0 and "
                          f"temperature ({temperature}) >= 0")
-    args = (max_new_tokens, concurrency, temperature, timeout_s, retries, backoff_s, log)
+    args = (max_new_tokens, concurrency, temperature, timeout_s, retries, backoff_s, log, engine)
     info, outcomes, wall = measure(url, prompts, *args)
     result = {**summarize(url.rstrip("/"), info, outcomes, wall, [label_of(p) for p in prompts]),
               "max_new_tokens": max_new_tokens,

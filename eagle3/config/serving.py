@@ -35,8 +35,10 @@ class ExportSection(Section):
 
 
 class ServingSection(Section):
-    engine: Literal["reference", "sglang"] = "reference"
+    engine: Literal["reference", "sglang", "vllm"] = "reference"
     release: str | None = Field(default=None, description="SGLang release, e.g. 0.5.13; None = read from the server")
+    python: str | None = Field(default=None, description="engine vllm: the interpreter of vLLM's environment (None = "
+                               "the one `eagle3 install-vllm` made)")
     launcher: Literal["local", "ssh", "srun"] = "local"
     host: str = "127.0.0.1"
     port: int = Field(default=30000, gt=0, lt=65536)

@@ -30,6 +30,7 @@ from eagle3.procs import ProcessTree, group_alive
 from eagle3.registry.registry import version_algorithm
 from eagle3.procs import GPU_QUERY, STOP_GRACE_S, LaunchError, systemd_missing, wait_gpus_free
 from eagle3.shape import DraftShape
+from eagle3.serving import serving_engine
 
 Log = Callable[[str], None]
 STATE_FILE = "server.json"
@@ -134,7 +135,8 @@ class Production:
         if version is None:
             return None
         config, prompts, temperature = self.measurement(version)
-        return benchmark_on(config.benchmark, self.url, prompts, self._log, temperature=temperature)
+        return benchmark_on(config.benchmark, serving_engine(config.serving.engine), self.url, prompts, self._log,
+                            temperature=temperature)
 
     def measurement(self, version: str) -> tuple[PipelineConfig, list[list[int]], float]:
         """The config, prompts and temperature a version is served and re-measured with: the serving shape,

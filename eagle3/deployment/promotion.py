@@ -33,6 +33,7 @@ from eagle3.registry.registry import (decide_against_production, open_registry, 
                                       version_run_dir)
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
+from eagle3.serving.base import ServingEngine
 from eagle3.train.trainer import best_draft
 
 Log = Callable[[str], None]
@@ -92,14 +93,15 @@ def label_suites(benchmark: BenchmarkSection, result: dict, prompts: list[Sliced
         result["suites"][name].update(sha256=digest, informational=name in informational)
 
 
-def benchmark_on(benchmark: BenchmarkSection, url: str, prompts: list[list[int]], log: Log,
+def benchmark_on(benchmark: BenchmarkSection, engine: ServingEngine, url: str, prompts: list[list[int]], log: Log,
                  concurrency: int | None = None, temperature: float = 0.0) -> dict:
-    """The benchmark of `prompts` on a serving `url` (at the production concurrency unless given; greedy unless a
-    temperature is given). Requests lost after their retries give a result with `lost_requests` (the gate
+    """The benchmark of `prompts` on `engine`'s server at `url` (at the production concurrency unless given; greedy
+    unless a temperature is given). Requests lost after their retries give a result with `lost_requests` (the gate
     rejects it) instead of numbers."""
     try:
         result = run_benchmark(url, prompts, benchmark.max_new_tokens, concurrency or benchmark.production_concurrency,
-                               benchmark.request_timeout_s, benchmark.retries, log=log, temperature=temperature)
+                               benchmark.request_timeout_s, benchmark.retries, log=log, temperature=temperature,
+                               engine=engine)
         label_suites(benchmark, result, prompts)
         for line in suite_lines(result["suites"]):
             log(f"{url}:{line}")
@@ -120,7 +122,7 @@ def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[lis
     server = launch_and_validate(config, config.target.path, draft, log, role=role, unit=unit, telemetry=telemetry,
                                  outlives_run=keep_running)
     try:
-        result = benchmark_on(config.benchmark, server.url, prompts, log, temperature=temperature) | {
+        result = benchmark_on(config.benchmark, server.engine, server.url, prompts, log, temperature=temperature) | {
             "server_version": server.release}
     except BaseException:
         server.stop()

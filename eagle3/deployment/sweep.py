@@ -44,7 +44,7 @@ def measure_levels(config: PipelineConfig, draft: Path | None, prompts: list[lis
     """One server start; the benchmark at every concurrency level, at benchmark.temperature."""
     server = launch_and_validate(config, config.target.path, draft, log, role=role)
     try:
-        return [benchmark_on(config.benchmark, server.url, prompts, log, level, config.benchmark.temperature)
+        return [benchmark_on(config.benchmark, server.engine, server.url, prompts, log, level, config.benchmark.temperature)
                 for level in config.benchmark.concurrency]
     finally:
         server.stop()

@@ -2,8 +2,9 @@
 (docs/serving-and-benchmark.md, "Serving engines"). The launcher asks the entry and nothing of the engine's own;
 no other module compares an engine's name (tests/test_layering.py holds it).
 
-Both engines here speak SGLang's HTTP API (`/health_generate`, `/server_info`, `/generate`, its metric names): the
-reference server stands for an SGLang release. An engine with another API brings its own probe and client.
+SGLang and the reference server speak SGLang's HTTP API (`/health_generate`, `/server_info`, `/generate`, its metric
+names): the reference server stands for an SGLang release. vLLM brings its own probe, request and answer reading
+(`ServingEngine.request_body`, `read_answer`), and loads the speculators layout.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from eagle3.errors import Eagle3Error
 from eagle3.serving.base import ServingEngine
 from eagle3.serving.reference import REFERENCE
 from eagle3.serving.sglang import SGLANG
+from eagle3.serving.vllm import VLLM_ENGINE
 
-ENGINES: dict[str, ServingEngine] = {entry.name: entry for entry in (SGLANG, REFERENCE)}
+ENGINES: dict[str, ServingEngine] = {entry.name: entry for entry in (SGLANG, REFERENCE, VLLM_ENGINE)}
 
 
 def serving_engine(name: str) -> ServingEngine:

@@ -1,4 +1,5 @@
-"""What the launcher asks of a serving engine: one `ServingEngine` entry per engine (eagle3.serving)."""
+"""What the launcher and the benchmark client ask of a serving engine: one `ServingEngine` entry per engine
+(eagle3.serving). The defaults are SGLang's HTTP API, which the reference server speaks too."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from eagle3.config.deployment import TelemetrySection
 
 class ServingEngine(ABC):
     name: str  # its serving.engine value
+    title: str  # how messages name it
     forks_warm = False  # a local server of this engine may be forked from the warm process (eagle3/warm.py)
     health_path: str  # answers 200 once the server can generate
+    served_layout = "sglang"  # the draft layout it loads (eagle3/draft/layouts); another is converted at launch
+    info_path = "/server_info"  # GET: the server's settings, read once before a benchmark
+    generate_path = "/generate"  # POST: one request, answered whole
 
     @abstractmethod
     def reported_release(self, url: str, timeout_s: float) -> str:
@@ -33,4 +38,37 @@ class ServingEngine(ABC):
     @abstractmethod
     def served_release(self, reported: str, configured: str | None) -> str | None:
         """The release whose loader rules validate the draft, from what the healthy server reports and
-        serving.release."""
+        serving.release; None: rules that hold for every release (the strictest, for SGLang's layout)."""
+
+    def request_body(self, prompt: list[int] | str, max_new_tokens: int, temperature: float,
+                     labels: dict[str, str]) -> dict:
+        """The generate request for `prompt` (token ids, or text the server tokenizes), with the custom `labels`
+        production's request records filter on."""
+        return {"text" if isinstance(prompt, str) else "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature},
+                "custom_labels": labels}
+
+    def read_answer(self, answer: dict) -> dict:
+        """A generate answer as SGLang's /generate gives it: `output_ids` and `meta_info` with completion_tokens and,
+        where the request was drafted, the spec_* counts (eagle3/bench/counting.py)."""
+        return answer
+
+    def read_info(self, info: dict) -> dict:
+        """The settings answer as SGLang's /server_info names them (`version`, speculative_*)."""
+        return info
+
+
+def flag_of(arg: str) -> str:
+    """`--some_flag=x` -> `--some-flag`."""
+    return arg.split("=", 1)[0].replace("_", "-")
+
+
+def launcher_flag_for(arg: str, flags: dict[str, tuple[str, ...]]) -> str | None:
+    """The launcher's flag (a key of `flags`, each with every spelling the engine's parser accepts) that `arg` would
+    set: one of its spellings, or an abbreviation of one (argparse accepts any unambiguous prefix of a long option, so
+    `--tp` or `--context-len` set the same field)."""
+    flag = flag_of(arg)
+    for canonical, spellings in flags.items():
+        if any(spelling.startswith(flag) for spelling in spellings):
+            return canonical
+    return None

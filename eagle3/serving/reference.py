@@ -17,6 +17,7 @@ class Reference(SGLang):
     """SGLang's API (health probe, /server_info), its own command line."""
 
     name = "reference"
+    title = "the reference server"
     forks_warm = True
 
     def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,

@@ -11,7 +11,7 @@ from eagle3.config.deployment import TelemetrySection
 from eagle3.contract.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE
 from eagle3.procs import LaunchError
 from eagle3.records.telemetry import PIPELINE_LABEL
-from eagle3.serving.base import ServingEngine
+from eagle3.serving.base import ServingEngine, flag_of, launcher_flag_for
 
 # Every spelling SGLang's parser accepts for each flag the launcher sets (read from its releases'
 # `ServerArgs.add_cli_args`; tests/conformance checks the table against each release's parser).
@@ -32,20 +32,6 @@ LAUNCHER_FLAGS = {
     "--tokenizer-metrics-allowed-custom-labels": ("--tokenizer-metrics-allowed-custom-labels",),
 }
 TWO_BATCH_OVERLAP_FLAG = "--enable-two-batch-overlap"
-
-
-def _flag(arg: str) -> str:
-    return arg.split("=", 1)[0].replace("_", "-")
-
-
-def _launcher_flag_for(arg: str) -> str | None:
-    """The launcher's flag that `arg` would set: one of its spellings, or an abbreviation of one (argparse
-    accepts any unambiguous prefix of a long option, so `--tp` or `--context-len` set the same field)."""
-    flag = _flag(arg)
-    for canonical, spellings in LAUNCHER_FLAGS.items():
-        if any(spelling.startswith(flag) for spelling in spellings):
-            return canonical
-    return None
 
 
 def telemetry_flags(telemetry: TelemetrySection | None) -> list[str]:
@@ -72,18 +58,19 @@ def refuse_clashing_flags(config: PipelineConfig, draft) -> None:
     """serving.extra_args that would contradict the launcher: a speculative algorithm of their own, two-batch overlap
     where it loses the aux capture, or a flag the launcher sets from a field."""
     extra_flags = [a for a in config.serving.extra_args if a.startswith("--")]
-    if any(_launcher_flag_for(a) == "--speculative-algorithm" for a in extra_flags):
+    if any(launcher_flag_for(a, LAUNCHER_FLAGS) == "--speculative-algorithm" for a in extra_flags):
         raise LaunchError(
             f"serving.extra_args {config.serving.extra_args} sets --speculative-algorithm; the launcher sets it "
             "(EAGLE3 for an EAGLE-3 draft: EAGLE would serve it with the wrong fc input and no aux states); remove it")
     overlap = [a for a in extra_flags
-               if TWO_BATCH_OVERLAP_FLAG.startswith(_flag(a)) and len(_flag(a)) > len("--enable-t")]
+               if TWO_BATCH_OVERLAP_FLAG.startswith(flag_of(a)) and len(flag_of(a)) > len("--enable-t")]
     if draft is not None and overlap and config.target.family in TWO_BATCH_OVERLAP_LOSES_CAPTURE:
         raise LaunchError(
             f"serving.extra_args sets {overlap[0]}: with two-batch overlap SGLang's {config.target.family} model file "
             "captures aux hidden states only below first_k_dense_replace (every release read), so the EAGLE3 draft "
             "would get fewer states than it was trained on; remove it for the speculative server")
-    clash = sorted({f"{_flag(a)} (= {_launcher_flag_for(a)})" for a in extra_flags if _launcher_flag_for(a)})
+    set_by_launcher = {a: launcher_flag_for(a, LAUNCHER_FLAGS) for a in extra_flags}
+    clash = sorted({f"{flag_of(a)} (= {flag})" for a, flag in set_by_launcher.items() if flag})
     if clash:
         raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets from the "
                           "serving section (the telemetry flags from production.telemetry, for the production server "
@@ -93,6 +80,7 @@ def refuse_clashing_flags(config: PipelineConfig, draft) -> None:
 
 class SGLang(ServingEngine):
     name = "sglang"
+    title = "SGLang"
     health_path = "/health_generate"  # a generation of one token, not just a live process (/health)
 
     def reported_release(self, url: str, timeout_s: float) -> str:

@@ -22,7 +22,7 @@ import releases  # noqa: E402
 def pytest_collection_modifyitems(items):
     here = Path(__file__).parent
     for item in items:
-        others = {"sglang_server", "speculators", "specforge"} & set(item.keywords)
+        others = {"sglang_server", "speculators", "specforge", "vllm"} & set(item.keywords)
         if Path(item.fspath).is_relative_to(here) and not others:
             item.add_marker(pytest.mark.sglang)
 

