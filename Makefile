@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install vllm test e2e conformance demo demo-rollback demo-real real-target vs-specforge vs-specforge-dflash clean
+.PHONY: install vllm test e2e conformance demo demo-vllm demo-rollback demo-real real-target vs-specforge vs-specforge-dflash clean
 
 # Test sessions spread over one worker per core (pytest-xdist), a test file whole on one worker (its fixtures built
 # once there; tests/conftest.py gives the order, longest first, and keeps the files of SGLang's release children on
@@ -60,6 +60,11 @@ conformance: install
 demo: install
 	$(VENV)/bin/eagle3 make-tiny-target runs/targets/tiny
 	$(VENV)/bin/eagle3 run configs/tiny-cpu.yaml
+
+# The same served by vLLM (its CPU build, in its own environment: `make vllm`) instead of the reference server.
+demo-vllm: vllm
+	$(VENV)/bin/eagle3 make-tiny-target runs/targets/tiny
+	$(VENV)/bin/eagle3 run configs/tiny-vllm-cpu.yaml
 
 # The same with the seed's bug slipped past the validator on purpose (absolute d2t, its checks waived): the gate
 # must reject the draft, production must keep serving, and the run must end RolledBack (exit 3) naming the cause.

@@ -163,8 +163,8 @@ def target_parts(size: TargetSize, tp: int, tokens: int) -> dict[str, float]:
 
 def regeneration_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     data = config.data
-    sglang = data.engine == "sglang"
-    tp, in_flight, knob = (config.serving.tp, data.concurrency, "data.concurrency") if sglang else (1, data.batch_size, "data.batch_size")
+    served = data.engine != "local"  # by servers on serving.tp GPUs each
+    tp, in_flight, knob = (config.serving.tp, data.concurrency, "data.concurrency") if served else (1, data.batch_size, "data.batch_size")
     stage = StagePlan("regenerate", tp, knob=f"lower {knob} ({in_flight} requests of up to {data.max_length} tokens)")
     if size is None:
         stage.unknown = "target size unknown"

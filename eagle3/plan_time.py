@@ -188,7 +188,7 @@ def _unknown(name: str) -> StageTime:
 
 
 def target_gpus(config: PipelineConfig, engine: str) -> int:
-    return config.serving.tp if engine == "sglang" and config.serving is not None else 1
+    return config.serving.tp if engine != "local" and config.serving is not None else 1
 
 
 def regenerate_time(config: PipelineConfig, clock: Clock) -> StageTime:
@@ -198,14 +198,14 @@ def regenerate_time(config: PipelineConfig, clock: Clock) -> StageTime:
         return _unknown("regenerate")
     if data.import_path is not None:
         return StageTime("regenerate", {"data.import_path: nothing generated": 0.0})
-    gpus, sglang = target_gpus(config, data.engine), data.engine == "sglang"
-    in_flight, field_name = (data.concurrency, "data.concurrency") if sglang else (data.batch_size, "data.batch_size")
+    gpus, served = target_gpus(config, data.engine), data.engine != "local"
+    in_flight, field_name = (data.concurrency, "data.concurrency") if served else (data.batch_size, "data.batch_size")
     prompt = max(data.max_length - data.max_new_tokens, 0)
     heldout, greedy = planned_requests(config), greedy_length(config)
     tokens = data.num_samples * data.max_new_tokens + heldout * greedy
     decode_s, bound = clock.decode(tokens, in_flight, prompt + data.max_new_tokens / 2, gpus)
     return StageTime("regenerate", {
-        f"1 server start{' (data.servers, started outside the pipeline)' if sglang else ''}": _h(clock.loads_s(1)),
+        f"1 server start{' (data.servers, started outside the pipeline)' if served else ''}": _h(clock.loads_s(1)),
         f"prompts: data.num_samples {data.num_samples:,} x {prompt:,} tokens (data.max_length - max_new_tokens), "
         f"prefill on {gpus} GPU(s)": _h(clock.prefill_s(data.num_samples * prompt, gpus)),
         f"decode: {data.num_samples:,} x data.max_new_tokens {data.max_new_tokens:,} + {heldout} benchmark requests x {greedy} "

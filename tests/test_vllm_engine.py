@@ -106,7 +106,7 @@ def test_a_completion_is_read_as_sglangs_generate_answer():
     answer = VLLM_ENGINE.read_answer(completion([5, 6, 7, 8, 9, 10], [1, 2, 0, 0]))
     assert answer["output_ids"] == [5, 6, 7, 8, 9, 10]
     assert answer["meta_info"] == {
-        "prompt_tokens": 7, "completion_tokens": 6, "finish_reason": "length", "spec_verify_ct": 3,
+        "prompt_tokens": 7, "completion_tokens": 6, "finish_reason": {"type": "length"}, "spec_verify_ct": 3,
         "spec_num_correct_drafts": 2, "spec_num_proposed_drafts": 9, "spec_correct_drafts_histogram": [1, 2],
         "spec_accept_rate": 2 / 9, "spec_drafts_per_step": 3}
     plain = VLLM_ENGINE.read_answer(completion([5, 6], None))["meta_info"]

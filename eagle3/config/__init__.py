@@ -91,9 +91,9 @@ class PipelineConfig(Section):
                     f"{field} ({value}) exceeds draft.max_position_embeddings "
                     f"({self.draft.max_position_embeddings}); raise the latter"
                 )
-        if self.serving is None and "sglang" in (self.data.engine, self.data.capture_engine):
-            raise ValueError("data.engine or data.capture_engine sglang runs the target on serving.tp GPUs: add a "
-                             "serving section")
+        if self.serving is None and (self.data.engine != "local" or self.data.capture_engine == "sglang"):
+            raise ValueError(f"data.engine {self.data.engine} or data.capture_engine {self.data.capture_engine} runs the "
+                             "target on serving.tp GPUs: add a serving section")
         self._check_replay()
         if self.draft.algorithm == "dflash":
             self._check_dflash()

@@ -73,7 +73,9 @@ class DataSection(Section):
         default=None, description="a JSONL of token rows (input_ids + loss_mask) or conversations to train on "
         "instead of regenerated answers: the data stage imports it (`eagle3 data import`) and data.prompts only gives "
         "the benchmark's held-out prompts")
-    engine: Literal["local", "sglang"] = "local"
+    engine: Literal["local", "sglang", "vllm"] = Field(
+        default="local", description="what answers the prompts: transformers here (local), or the running servers of a "
+        "serving engine at data.servers (sglang, vllm)")
     num_samples: int = Field(gt=0)
     max_new_tokens: int = Field(gt=0)
     max_length: int = Field(gt=0)
@@ -102,8 +104,8 @@ class DataSection(Section):
     )
     batch_size: int = Field(default=16, gt=0, description="sequences per forward (engine local)")
     shard_samples: int = Field(default=256, gt=0, description="samples per output shard")
-    servers: list[str] = Field(default=[], description="SGLang server URLs for engine sglang (round-robin)")
-    concurrency: int = Field(default=32, gt=0, description="requests in flight (engine sglang)")
+    servers: list[str] = Field(default=[], description="server URLs for engine sglang or vllm (round-robin)")
+    concurrency: int = Field(default=32, gt=0, description="requests in flight (engine sglang or vllm)")
     retries: int = Field(default=5, ge=0)
     request_timeout_s: float = Field(default=600.0, gt=0.0)
     quality: QualitySection = QualitySection()
@@ -116,8 +118,8 @@ class DataSection(Section):
         if self.traffic is not None and self.import_path is not None:
             raise ValueError("data.traffic needs regenerated answers (the target answers the traffic prompts): remove "
                              "data.import_path or data.traffic")
-        if self.engine == "sglang" and not self.servers:
-            raise ValueError("engine 'sglang' needs data.servers (the URLs of running SGLang servers)")
+        if self.engine != "local" and not self.servers:
+            raise ValueError(f"engine '{self.engine}' needs data.servers (the URLs of running {self.engine} servers)")
         if self.capture_engine == "sglang" and self.last_hidden == "pre_norm":
             raise ValueError("SGLang returns the last hidden state after the final norm: set data.last_hidden post_norm")
         return self

@@ -30,7 +30,9 @@ from eagle3.bench.counting import accept_length
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import MonitorSection, ProductionSection
 from eagle3.errors import ConfigError
-from eagle3.records.telemetry import GENERATION_TOKENS, VERIFY_CALLS, metric_total, parse_metrics, read_request_records
+from eagle3.records.telemetry import metric_total, parse_metrics, read_request_records
+from eagle3.serving import serving_engine
+from eagle3.serving.base import ServingEngine
 
 WINDOWS, ALARMS = "monitor/windows/", "monitor/alarms/"
 SUFFICIENT = ("ok", "low")
@@ -87,19 +89,18 @@ def from_records(monitor: MonitorSection, production: ProductionSection, now: fl
                        dict(sorted(slices.items())))
 
 
-def scrape(url: str, timeout_s: float, now: float) -> dict:
-    """production's counters now; httpx.HTTPError when it does not answer, ValueError when it reports no verify
-    calls (a release before 0.5.13, or a server without a draft)."""
+def scrape(url: str, timeout_s: float, now: float, engine: ServingEngine) -> dict:
+    """production's counters now, by `engine`'s metric names; httpx.HTTPError when it does not answer, ValueError when
+    it reports no verify steps (an SGLang release before 0.5.13, or a server without a draft)."""
     response = httpx.get(f"{url}/metrics", timeout=timeout_s)
     response.raise_for_status()
     samples = parse_metrics(response.text)
-    counters = {"time": now, "generation_tokens": metric_total(samples, GENERATION_TOKENS),
-                "verify_calls": metric_total(samples, VERIFY_CALLS)}
-    missing = [name for name, key in ((GENERATION_TOKENS, "generation_tokens"), (VERIFY_CALLS, "verify_calls"))
-               if counters[key] is None]
+    names = {"generation_tokens": engine.generation_tokens_metric, "verify_calls": engine.verify_steps_metric}
+    counters = {"time": now, **{key: metric_total(samples, name) for key, name in names.items()}}
+    missing = [name for key, name in names.items() if counters[key] is None]
     if missing:
-        raise ValueError(f"{url}/metrics reports no {', '.join(missing)} (SGLang serves {VERIFY_CALLS} from 0.5.13, "
-                         "and only with a draft): use monitor.source records")
+        raise ValueError(f"{url}/metrics reports no {', '.join(missing)} ({engine.title} reports them "
+                         f"{engine.verify_steps_reported}): use monitor.source records")
     return counters
 
 
@@ -122,16 +123,16 @@ def serving(url: str, timeout_s: float) -> bool:
         return False
 
 
-def observe(monitor: MonitorSection, production: ProductionSection, previous: dict | None,
+def observe(monitor: MonitorSection, production: ProductionSection, engine: ServingEngine, previous: dict | None,
             now: float) -> Observation | str:
-    """One window of production, or why it could not be observed (production unavailable)."""
+    """One window of production served by `engine`, or why it could not be observed (production unavailable)."""
     url, timeout = production_url(production), monitor.timeout_s
     if source_of(monitor, production) == "records":
         if not serving(url, timeout):
             return f"production at {url} does not answer /health (stopped, e.g. by a retrain on the node)"
         return from_records(monitor, production, now)
     try:
-        counters = scrape(url, timeout, now)
+        counters = scrape(url, timeout, now, engine)
     except httpx.HTTPError as err:
         return f"production at {url} does not serve /metrics ({type(err).__name__}: {err})"
     # deltas only against a sample of the same server's counters: the last window that read /metrics
@@ -198,7 +199,8 @@ class Monitor:
         version = self.registry.production_version()
         entry = {"t": now, "time": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
                  "version": version, "registry": self.registry.location}
-        observed = (observe(self.config.monitor, self.config.production, last_with_counters(recent), now) if version
+        observed = (observe(self.config.monitor, self.config.production, serving_engine(self.config.serving.engine),
+                            last_with_counters(recent), now) if version
                     else "the registry has no production version")
         if isinstance(observed, str):
             entry.update(verdict="unavailable", reason=observed)

@@ -2,9 +2,9 @@
 -> one Generation per prompt, `continue_greedy(prompts, length)`, and `release` (the live SGLang release, or None).
 
 - `local`: transformers, batched greedy/sampled `generate` (the tiny target on the CPU);
-- `sglang`: an async HTTP client for one or more running SGLang servers (round-robin, bounded concurrency, retries
-  with backoff on connection errors and 5xx). It sends token ids rendered with the target's own chat template and
-  returns the server's `output_ids` as they are.
+- `sglang`, `vllm`: an async HTTP client for one or more running servers of that serving engine (round-robin, bounded
+  concurrency, retries with backoff on connection errors and 5xx), speaking its API (eagle3.serving). It sends token
+  ids rendered with the target's own chat template and returns the server's output ids as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from eagle3.config.run import TargetSection
 from eagle3.engines.targets import eos_ids_of, load_target_model
 from eagle3.errors import Eagle3Error
 from eagle3.http_retry import RetriesExhausted, send_with_retries
+from eagle3.serving import serving_engine
+from eagle3.serving.base import ServingEngine
 
 
 class EngineError(Eagle3Error):
@@ -110,11 +112,13 @@ def target_greedy(model, prompt_ids: list[int], length: int) -> list[int]:
     return greedy_continuations(model, [prompt_ids], length)[0]
 
 
-class SGLangClient:
-    """`/generate` against running SGLang servers, with token ids in and `output_ids` out."""
+class ServerClient:
+    """Generate requests against running servers of one serving engine (its API: eagle3.serving), with token ids in
+    and the server's output ids out."""
 
     def __init__(
         self,
+        engine: ServingEngine,
         urls: list[str],
         max_new_tokens: int,
         temperature: float,
@@ -123,9 +127,9 @@ class SGLangClient:
         timeout_s: float,
         backoff_s: float = 0.5,
     ):
-        self.urls = [url.rstrip("/") for url in urls]
+        self.engine, self.urls = engine, [url.rstrip("/") for url in urls]
         self.next_url = itertools.cycle(self.urls)
-        self.sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.concurrency, self.retries, self.timeout_s, self.backoff_s = concurrency, retries, timeout_s, backoff_s
         self.release = self._server_release()
 
@@ -134,60 +138,59 @@ class SGLangClient:
         releases = set()
         for url in self.urls:
             try:
-                info = httpx.get(f"{url}/server_info", timeout=30).raise_for_status().json()
-            except httpx.HTTPError as err:
-                raise EngineError(f"{url}/server_info: {err}") from None
-            releases.add(str(info.get("version")))
+                releases.add(self.engine.reported_release(url, 30))
+            except (httpx.HTTPError, ValueError) as err:
+                raise EngineError(f"{url}: no {self.engine.title} release reported: {err}") from None
         if len(releases) != 1:
-            raise EngineError(f"SGLang servers run different releases {sorted(releases)}: {self.urls}")
+            raise EngineError(f"{self.engine.title} servers run different releases {sorted(releases)}: {self.urls}")
         return releases.pop()
 
     def generate(self, prompts: list[list[int]]) -> list[Generation]:
-        return asyncio.run(self._generate_all(prompts, self.sampling))
+        return asyncio.run(self._generate_all(prompts, self.max_new_tokens, self.temperature, False))
 
     def continue_greedy(self, prompts: list[list[int]], length: int) -> list[list[int]]:
-        greedy = {"max_new_tokens": length, "temperature": 0.0, "ignore_eos": True}
-        generations = asyncio.run(self._generate_all(prompts, greedy))
+        generations = asyncio.run(self._generate_all(prompts, length, 0.0, True))
         short = [len(g.output_ids) for g in generations if len(g.output_ids) != length]
         if short:
             raise EngineError(f"greedy continuations of {length} tokens came back with {short[:3]} tokens "
                               "(ignore_eos not honoured, or a context limit below prompt + continuation)")
         return [g.output_ids for g in generations]
 
-    async def _generate_all(self, prompts: list[list[int]], sampling: dict) -> list[Generation]:
+    async def _generate_all(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                            ignore_eos: bool) -> list[Generation]:
         limit = asyncio.Semaphore(self.concurrency)
         async with httpx.AsyncClient(timeout=self.timeout_s) as client:
 
             async def one(ids: list[int]) -> Generation:
                 async with limit:
-                    return await self._request(client, ids, sampling)
+                    body = self.engine.request_body(ids, max_new_tokens, temperature, {}, ignore_eos)
+                    return await self._request(client, body)
 
             return await asyncio.gather(*(one(ids) for ids in prompts))
 
-    async def _request(self, client: httpx.AsyncClient, ids: list[int], sampling: dict) -> Generation:
-        payload = {"input_ids": ids, "sampling_params": sampling, "stream": False}
-        send = lambda url: client.post(f"{url}/generate", json=payload)  # noqa: E731
+    async def _request(self, client: httpx.AsyncClient, body: dict) -> Generation:
+        path = self.engine.generate_path
+        send = lambda url: client.post(f"{url}{path}", json=body)  # noqa: E731
         try:  # a retry goes to the next server
             url, response, _ = await send_with_retries(send, self.next_url, self.retries, self.backoff_s)
         except RetriesExhausted as err:
-            raise EngineError(f"/generate {err}") from None
-        return self._parse(response, url)
-
-    @staticmethod
-    def _parse(response: httpx.Response, url: str) -> Generation:
+            raise EngineError(f"{path} {err}") from None
         if response.status_code != 200:
-            raise EngineError(f"{url}/generate: HTTP {response.status_code}: {response.text[:300]}")
-        body = response.json()
-        if "output_ids" not in body:
-            raise EngineError(f"{url}/generate: response has no output_ids (keys: {sorted(body)})")
-        finish = (body.get("meta_info") or {}).get("finish_reason") or {}
-        return Generation(list(body["output_ids"]), finish.get("type", "unknown") if isinstance(finish, dict) else str(finish))
+            raise EngineError(f"{url}{path}: HTTP {response.status_code}: {response.text[:300]}")
+        try:
+            answer = self.engine.read_answer(response.json())
+        except (KeyError, TypeError, ValueError) as err:
+            raise EngineError(f"{url}{path}: not a {self.engine.title} answer ({type(err).__name__}: {err}): "
+                              f"{response.text[:300]}") from None
+        if "output_ids" not in answer:
+            raise EngineError(f"{url}{path}: response has no output_ids (keys: {sorted(answer)})")
+        finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
+        return Generation(list(answer["output_ids"]), finish.get("type", "unknown") if isinstance(finish, dict) else str(finish))
 
 
 def make_generator(config: PipelineConfig):
     data = config.data
     if data.engine == "local":
         return LocalGenerator(config.target, data.max_new_tokens, data.temperature, config.training.seed)
-    return SGLangClient(
-        data.servers, data.max_new_tokens, data.temperature, data.concurrency, data.retries, data.request_timeout_s
-    )
+    return ServerClient(serving_engine(data.engine), data.servers, data.max_new_tokens, data.temperature,
+                        data.concurrency, data.retries, data.request_timeout_s)

@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from eagle3.algorithms import DraftAlgorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
+from eagle3.records.telemetry import GENERATION_TOKENS, VERIFY_CALLS
 
 
 class ServingEngine(ABC):
@@ -18,6 +19,11 @@ class ServingEngine(ABC):
     served_layout = "sglang"  # the draft layout it loads (eagle3/draft/layouts); another is converted at launch
     info_path = "/server_info"  # GET: the server's settings, read once before a benchmark
     generate_path = "/generate"  # POST: one request, answered whole
+    # The Prometheus counters (on /metrics) whose deltas give production's accept length over any window: tokens
+    # generated (the prefill's included) and verify steps; and when the engine reports the second.
+    generation_tokens_metric = GENERATION_TOKENS
+    verify_steps_metric = VERIFY_CALLS
+    verify_steps_reported = "from 0.5.13, and only with a draft"
 
     @abstractmethod
     def reported_release(self, url: str, timeout_s: float) -> str:
@@ -41,16 +47,18 @@ class ServingEngine(ABC):
         serving.release; None: rules that hold for every release (the strictest, for SGLang's layout)."""
 
     def request_body(self, prompt: list[int] | str, max_new_tokens: int, temperature: float,
-                     labels: dict[str, str]) -> dict:
+                     labels: dict[str, str], ignore_eos: bool = False) -> dict:
         """The generate request for `prompt` (token ids, or text the server tokenizes), with the custom `labels`
-        production's request records filter on."""
-        return {"text" if isinstance(prompt, str) else "input_ids": prompt,
-                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature},
-                "custom_labels": labels}
+        production's request records filter on (none: {}); `ignore_eos`: always max_new_tokens tokens."""
+        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+        body = {"text" if isinstance(prompt, str) else "input_ids": prompt,
+                "sampling_params": sampling | ({"ignore_eos": True} if ignore_eos else {})}
+        return body | ({"custom_labels": labels} if labels else {})
 
     def read_answer(self, answer: dict) -> dict:
-        """A generate answer as SGLang's /generate gives it: `output_ids` and `meta_info` with completion_tokens and,
-        where the request was drafted, the spec_* counts (eagle3/bench/counting.py)."""
+        """A generate answer as SGLang's /generate gives it: `output_ids` and `meta_info` with completion_tokens,
+        finish_reason ({"type": "stop" | "length", ...}) and, where the request was drafted, the spec_* counts
+        (eagle3/bench/counting.py)."""
         return answer
 
     def read_info(self, info: dict) -> dict:

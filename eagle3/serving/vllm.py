@@ -74,6 +74,9 @@ class VLLM(ServingEngine):
     served_layout = "speculators"  # vLLM's numbering of aux ids (input of layer k) and its DFlash config
     info_path = "/version"
     generate_path = "/v1/completions"
+    generation_tokens_metric = "vllm:generation_tokens_total"
+    verify_steps_metric = "vllm:spec_decode_num_drafts_total"  # one draft per verify step and request
+    verify_steps_reported = "only with a draft, and not with --disable-log-stats"
 
     def reported_release(self, url: str, timeout_s: float) -> str:
         answer = httpx.get(f"{url}/version", timeout=timeout_s).raise_for_status().json()
@@ -99,10 +102,11 @@ class VLLM(ServingEngine):
         return None  # the speculators layout's rules hold for every vLLM release read
 
     def request_body(self, prompt: list[int] | str, max_new_tokens: int, temperature: float,
-                     labels: dict[str, str]) -> dict:
+                     labels: dict[str, str], ignore_eos: bool = False) -> dict:
         """An OpenAI completion of `prompt` as it is (ids or text; no chat template), its output as token ids. vLLM
         takes no custom labels: its request records do not exist, so nothing filters on them."""
-        return {"prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature, "return_token_ids": True}
+        body = {"prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature, "return_token_ids": True}
+        return body | ({"ignore_eos": True} if ignore_eos else {})
 
     def read_answer(self, answer: dict) -> dict:
         """The completion's usage and its per-request speculative counts (metrics.speculative_decoding, which
@@ -111,7 +115,8 @@ class VLLM(ServingEngine):
         after its last step reached, as SGLang grows it."""
         (choice,) = answer["choices"]
         meta = {"prompt_tokens": answer["usage"]["prompt_tokens"],
-                "completion_tokens": answer["usage"]["completion_tokens"], "finish_reason": choice["finish_reason"]}
+                "completion_tokens": answer["usage"]["completion_tokens"],
+                "finish_reason": {"type": choice["finish_reason"]}}
         spec = (answer.get("metrics") or {}).get("speculative_decoding") or {}
         if spec.get("num_spec_steps"):
             histogram = list(spec["acceptance_histogram"])
