@@ -22,6 +22,7 @@ from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.target.info import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.plan_time import TimePlan, plan_time
+from eagle3.serving import serving_engine
 from eagle3.train.memory import trainable_parameters, training_step_peak_by_op, training_step_peak_bytes
 
 GIB = 2**30
@@ -264,6 +265,7 @@ def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
             DTYPE_BYTES[config.draft.torch_dtype] * trainable_parameters(entry, draft) / serving.tp),
         "draft KV cache": _gib(serving.context_length * draft_kv),
         "runtime reserve": RUNTIME_RESERVE_GIB,
+        **serving_engine(serving.engine).memory_left_unused(serving, config.node.gpu_memory_gib),
     }
     return stage
 

@@ -12,8 +12,11 @@ import pytest
 from eagle3.algorithms.dflash import DFLASH
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.client import summarize
+from eagle3.bench.simulate import counting_release
 from eagle3.config import load_config
+from eagle3.plan import serving_stage
 from eagle3.procs import LaunchError
+from eagle3.target.info import read_target_size
 from eagle3.serving.vllm import VLLM_ENGINE
 from eagle3.serving.vllm_env import COMPLETE, vllm_env_dir, vllm_python
 from helpers import TINY
@@ -123,3 +126,22 @@ def test_the_client_counts_vllm_answers_as_sglangs():
     assert (result["verify_ct"], result["correct_drafts"]) == (6, 2 + 6)
     assert result["accept_length"] == 15 / 6 and result["accept_rate"] == 8 / 18
     assert result["histogram"] == [1, 3, 1, 1]
+
+
+@pytest.mark.parametrize("extra, share", [([], 0.92), (["--gpu-memory-utilization", "0.5"], 0.5),
+                                          (["--gpu_memory_utilization=0.8"], 0.8)])
+def test_the_plan_leaves_what_vllm_does_not_take_of_each_gpu(tmp_path, micro_target, extra, share):
+    config = config_for(tmp_path, f"serving.extra_args={json.dumps(extra)}", f"target.path={micro_target}",
+                        "target.hidden_size=64", "target.vocab_size=512", "vocab.draft_vocab_size=128")
+    (name, gib), = VLLM_ENGINE.memory_left_unused(config.serving, 80.0).items()
+    assert name == f"left unused by vLLM (--gpu-memory-utilization {share})" and gib == round((1 - share) * 80, 2)
+    assert name in serving_stage(config, read_target_size(micro_target)).parts
+
+
+def test_the_simulator_counts_a_vllm_run_as_vllm_finishes_it(tmp_path):
+    """vLLM stops at the first stop token inside a step's run (SGLang's rule from 0.5.18), whatever SGLang release the
+    stored layout is validated for; the reference server counts as the release it stands for."""
+    assert config_for(tmp_path, "serving.release=0.5.13").serving.release == "0.5.13"
+    assert counting_release(config_for(tmp_path, "serving.release=0.5.13").serving) is None
+    reference = config_for(tmp_path, "serving.release=0.5.13", "serving.engine=reference")
+    assert counting_release(reference.serving) == "0.5.13"

@@ -41,6 +41,7 @@ from eagle3.fsutil import atomic_write_json
 from eagle3.model.aux_states import aux_states
 from eagle3.model.tree import DraftTree, walk_greedy
 from eagle3.progress import Progress
+from eagle3.serving import serving_engine
 from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
@@ -220,6 +221,11 @@ def refuse_unstored_suites(suites: tuple[str, ...], stored: set[str], path: Path
             "capture`")
 
 
+def counting_release(serving: ServingSection | None) -> str | None:
+    """The release whose finish and counting rules the serving engine's counts follow (None: the newest's)."""
+    return serving_engine(serving.engine).counting_release(serving.release) if serving is not None else None
+
+
 @torch.no_grad()
 def simulate_shape(algorithm: DraftAlgorithm, draft: DraftModel, samples: list[HeldoutRef], shape: DraftShape,
                    benchmark: BenchmarkSection, serving: ServingSection, eos_ids: frozenset[int],
@@ -227,7 +233,8 @@ def simulate_shape(algorithm: DraftAlgorithm, draft: DraftModel, samples: list[H
     progress = Progress(f"simulate {shape.label()}", total=len(samples), unit="requests", log=log)
     rows = []
     for ref in samples:
-        row = replay_stored(algorithm, draft, ref.load(), shape, benchmark.max_new_tokens, eos_ids, serving.release)
+        row = replay_stored(algorithm, draft, ref.load(), shape, benchmark.max_new_tokens, eos_ids,
+                            counting_release(serving))
         rows.append(replace(row, suite=ref.suite, slice=ref.slice))
         progress.advance(1, tokens=row.completion_tokens)
     return AcceptanceResult(shape, rows)

@@ -140,7 +140,7 @@ class ServerClient:
             try:
                 releases.add(self.engine.reported_release(url, 30))
             except (httpx.HTTPError, ValueError) as err:
-                raise EngineError(f"{url}: no {self.engine.title} release reported: {err}") from None
+                raise EngineError(f"{url}{self.engine.info_path}: no {self.engine.title} release reported: {err}") from None
         if len(releases) != 1:
             raise EngineError(f"{self.engine.title} servers run different releases {sorted(releases)}: {self.urls}")
         return releases.pop()

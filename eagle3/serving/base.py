@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from eagle3.algorithms import DraftAlgorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
+from eagle3.config.serving import ServingSection
 from eagle3.records.telemetry import GENERATION_TOKENS, VERIFY_CALLS
 
 
@@ -45,6 +46,16 @@ class ServingEngine(ABC):
     def served_release(self, reported: str, configured: str | None) -> str | None:
         """The release whose loader rules validate the draft, from what the healthy server reports and
         serving.release; None: rules that hold for every release (the strictest, for SGLang's layout)."""
+
+    def counting_release(self, configured: str | None) -> str | None:
+        """The SGLang release whose finish and counting rules (eagle3/bench/counting.py) this engine's counts follow,
+        from serving.release (None: the newest's)."""
+        return configured
+
+    def memory_left_unused(self, serving: ServingSection, gpu_memory_gib: float) -> dict[str, float]:
+        """GiB of each GPU the engine leaves to others whatever it serves ({}: it may use all of it), for the plan's
+        serve stage."""
+        return {}
 
     def request_body(self, prompt: list[int] | str, max_new_tokens: int, temperature: float,
                      labels: dict[str, str], ignore_eos: bool = False) -> dict:

@@ -18,6 +18,7 @@ from eagle3.serving.vllm_env import vllm_python
 
 # vLLM's method for each algorithm's SGLang --speculative-algorithm (SpeculativeConfig.method).
 METHODS = {"EAGLE3": "eagle3", "DFLASH": "dflash"}
+MEMORY_FLAG, DEFAULT_MEMORY_SHARE = "--gpu-memory-utilization", 0.92  # CacheConfig.gpu_memory_utilization
 # Every spelling vLLM's parser accepts for each flag the launcher sets (EngineArgs.add_cli_args, FrontendArgs):
 # --spec-method / --spec-model / --spec-tokens and --speculative-config.KEY set fields of --speculative-config.
 LAUNCHER_FLAGS = {
@@ -57,6 +58,21 @@ def refuse_clashing_flags(serving: ServingSection) -> None:
         raise LaunchError(f"serving.extra_args repeats {', '.join(clash)}, which the launcher sets for vLLM from the "
                           "serving section (the speculative config from the draft and serving.num_draft_tokens); set "
                           "the field instead")
+
+
+def memory_share(serving: ServingSection) -> float:
+    """The share of each GPU vLLM takes (weights, activations, then KV cache to fill it): serving.extra_args'
+    --gpu-memory-utilization, as `--flag X` or `--flag=X`."""
+    args = serving.extra_args
+    for i, arg in enumerate(args):
+        if flag_of(arg) == MEMORY_FLAG:
+            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                return float(value)
+            except ValueError:
+                raise LaunchError(f"serving.extra_args: {MEMORY_FLAG} {value!r} is no share of memory; give a "
+                                  "number in (0, 1], e.g. 0.9") from None
+    return DEFAULT_MEMORY_SHARE
 
 
 def refuse_telemetry(telemetry: TelemetrySection | None) -> None:
@@ -100,6 +116,15 @@ class VLLM(ServingEngine):
 
     def served_release(self, reported: str, configured: str | None) -> str | None:
         return None  # the speculators layout's rules hold for every vLLM release read
+
+    def counting_release(self, configured: str | None) -> str | None:
+        """The newest's: vLLM stops a step's run at its first stop token or the cap, whichever comes first, and counts
+        every accepted draft of the step (its scheduler's update_from_output), as SGLang from 0.5.18 does."""
+        return None
+
+    def memory_left_unused(self, serving: ServingSection, gpu_memory_gib: float) -> dict[str, float]:
+        share = memory_share(serving)
+        return {f"left unused by vLLM ({MEMORY_FLAG} {share})": round((1 - share) * gpu_memory_gib, 2)}
 
     def request_body(self, prompt: list[int] | str, max_new_tokens: int, temperature: float,
                      labels: dict[str, str], ignore_eos: bool = False) -> dict:

@@ -188,8 +188,8 @@ def init_draft_content(config: PipelineConfig) -> str | None:
 
 
 TARGET = ByContent(("target",), target_content)  # its config and tokenizer files' content, dtype and shape
-REPLAY = ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
-          "benchmark.num_prompts", "benchmark.max_new_tokens")  # counted as the served release counts, in its shape
+REPLAY = ("serving.engine", "serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
+          "benchmark.num_prompts", "benchmark.max_new_tokens")  # counted as the serving engine counts, in its shape
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("regenerate", regenerated, runner=regenerate, command=("data", "regenerate"),
@@ -296,7 +296,7 @@ OPERATIONAL = {
     "training.python": "the interpreter the trainers run in",
     "training.stop_grace_s": "how long a stopped trainer gets to save",
     **{f"serving.{name}": UNCACHED for name in (
-        "engine", "launcher", "host", "port", "tp", "extra_args", "ssh_host", "srun_args", "health_timeout_s",
+        "python", "launcher", "host", "port", "tp", "extra_args", "ssh_host", "srun_args", "health_timeout_s",
         "log_dir", "gpu_free_mib", "gpu_free_timeout_s")},
     **{f"benchmark.{name}": UNCACHED for name in ("concurrency", "temperature", "request_timeout_s", "retries",
                                                   "baseline")},

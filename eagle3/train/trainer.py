@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from eagle3.bench.simulate import replay_stored
+from eagle3.bench.simulate import counting_release, replay_stored
 from eagle3.config import PipelineConfig
 from eagle3.config.run import RunSection
 from eagle3.config.training import batch_split_problem
@@ -235,7 +235,7 @@ class Trainer:
         completion, verify_ct = 0, 0
         config = self.config
         max_new_tokens = config.training.replay_max_new_tokens or config.heldout_set[1]
-        release = config.serving.release if config.serving is not None else None
+        release = counting_release(config.serving)
         for ref in self.heldout[self.my_rows()]:
             result = replay_stored(self.algorithm, self.model, ref.load(), config.replay_shape, max_new_tokens,
                                    self.eos_ids, release)

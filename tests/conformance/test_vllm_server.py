@@ -35,13 +35,16 @@ from eagle3.engines.generators import ServerClient, target_greedy
 from eagle3.engines.targets import load_tokenizer
 from eagle3.engines.tiny import MICRO
 from eagle3.errors import Eagle3Error
+from eagle3.registry.registry import open_registry
 from eagle3.serve.launch import launch_and_validate
 from eagle3.serving import serving_engine
 from eagle3.serving.vllm_env import install_vllm
 from eagle3.train.trainer import Trainer
 from fixtures_tiny import one_torch_thread, recipe_target
-from helpers import (CONFIG, TINY, build_micro_data, greedy_reply, lens_draft, micro_of, micro_overrides, random_draft,
-                     run_copy)
+from flows.eagle3 import eagle3
+from family_targets import VLLM_CONFIG
+from helpers import (CONFIG, TINY, build_micro_data, greedy_reply, lens_draft, micro_of, micro_overrides,
+                     micro_run_overrides, random_draft, run_copy)
 from ports import free_port
 from releases import NETWORK_ERRORS
 
@@ -92,7 +95,7 @@ def serve_and_compare(h32, vllm_python, tmp_path, draft_dir: Path, overrides: li
     that no checkpoint tensor fills by design. Returns the benchmark."""
     load_log = tmp_path / "loads.jsonl"
     config = load_config(TINY, micro_overrides(tmp_path / "run", h32["path"]) + overrides + [
-        "serving.engine=vllm", "serving.release=null", f"serving.python={hooked_python(vllm_python, load_log, tmp_path)}",
+        "serving.engine=vllm", f"serving.python={hooked_python(vllm_python, load_log, tmp_path)}",
         f"serving.port={free_port()}", "serving.context_length=512", "serving.health_timeout_s=900",
         f"serving.log_dir={tmp_path / 'logs'}", f"serving.extra_args={json.dumps(CPU_ARGS)}"])
     tokenizer, vllm = load_tokenizer(str(h32["path"])), serving_engine("vllm")
@@ -161,3 +164,20 @@ def test_vllm_serves_our_dflash_export_as_simulated(h32, vllm_python, tmp_path):
     # token's embedding is the target's row for it: the draft's own mask embedding goes unused
     shared = {"model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding"}
     serve_and_compare(h32, vllm_python, tmp_path, export, DFLASH + HEADS_OF_32, "DFlashQwen3ForCausalLM", shared)
+
+
+def test_the_pipeline_promotes_a_draft_vllm_serves_as_simulated(h32, vllm_python, prefect_api, tmp_path):
+    """configs/tiny-vllm-cpu.yaml shrunk to the micro target (heads of 32): the flow measures the candidate and the
+    baseline on vLLM, promotes, and serves production on vLLM, with the served accept length equal to the
+    simulated one on every suite."""
+    overrides = micro_run_overrides(tmp_path / "run", h32["path"]) + HEADS_OF_32 + [
+        "serving.health_timeout_s=900", f"serving.extra_args={json.dumps(CPU_ARGS)}"]
+    config = load_config(VLLM_CONFIG, overrides)
+    state = eagle3(str(VLLM_CONFIG), overrides, return_state=True)
+    assert state.is_completed() and state.name == "Completed", state.message
+    simulated, served = (json.loads((config.stage_dir("bench") / name).read_text())
+                         for name in ("simulated.json", "served.json"))
+    assert served["accept_length"] == simulated["accept_length"] > 1
+    assert {name: suite["accept_length"] for name, suite in served["suites"].items()} == {
+        name: suite["accept_length"] for name, suite in simulated["suites"].items()}
+    assert open_registry(config.registry).production_version() == state.result()
