@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install vllm test e2e conformance demo demo-vllm demo-rollback demo-real real-target vs-specforge vs-specforge-dflash clean
+.PHONY: install vllm test e2e conformance demo demo-vllm demo-rollback demo-real demo-real-vllm real-target vs-specforge vs-specforge-dflash clean
 
 # Test sessions spread over one worker per core (pytest-xdist), a test file whole on one worker (its fixtures built
 # once there; tests/conftest.py gives the order, longest first, and keeps the files of SGLang's release children on
@@ -80,6 +80,10 @@ demo-rollback: install
 # ~35 min on 2 cores, estimated (docs/real-target.md).
 demo-real: real-target
 	$(VENV)/bin/eagle3 run configs/smollm2-cpu.yaml
+
+# The same served by vLLM (`make vllm`): the candidate, baseline and production servers on vLLM's CPU build.
+demo-real-vllm: real-target vllm
+	$(VENV)/bin/eagle3 run configs/smollm2-vllm-cpu.yaml
 
 real-target: install
 	$(UV_INSTALL) -e '.[real]'

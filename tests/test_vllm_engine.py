@@ -8,12 +8,16 @@ import json
 import re
 
 import pytest
+import torch
 
 from eagle3.algorithms.dflash import DFLASH
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.client import summarize
 from eagle3.bench.simulate import counting_release
+from drafts import MLA, tiny_draft
 from eagle3.config import load_config
+from eagle3.draft.checkpoint import Verifier, save_native_draft
+from eagle3.errors import ConversionError
 from eagle3.plan import serving_stage
 from eagle3.procs import LaunchError
 from eagle3.target.info import read_target_size
@@ -145,3 +149,13 @@ def test_the_simulator_counts_a_vllm_run_as_vllm_finishes_it(tmp_path):
     assert counting_release(config_for(tmp_path, "serving.release=0.5.13").serving) is None
     reference = config_for(tmp_path, "serving.release=0.5.13", "serving.engine=reference")
     assert counting_release(reference.serving) == "0.5.13"
+
+
+def test_an_mla_draft_has_no_speculators_form_and_says_so(tmp_path):
+    """vLLM loads the speculators layout, whose decoder layer is Llama's: an MLA draft is refused at conversion, by
+    name, before any server starts."""
+    draft = tiny_draft(**MLA)
+    verifier = Verifier("target", ["LlamaForCausalLM"], torch.zeros(draft.config.vocab_size, draft.config.hidden_size))
+    with pytest.raises(ConversionError, match="the draft's attention is mla: speculators' layout holds a Llama decoder"):
+        save_native_draft(draft, tmp_path / "out", to="speculators", verifier=verifier)
+    assert not (tmp_path / "out").exists()

@@ -169,7 +169,7 @@ async def run_server(url: str, prompts: list[Prompt], max_new_tokens: int, concu
                 try:
                     answer = engine.read_answer(raw)
                 except (KeyError, TypeError, ValueError) as err:
-                    raise BenchmarkError(f"{url}{engine.generate_path}: an answer {engine.title} would not give "
+                    raise BenchmarkError(f"{url}{engine.generate_path}: not a {engine.title} answer "
                                          f"({type(err).__name__}: {err}): {str(raw)[:200]}") from None
                 if not isinstance((answer.get("meta_info") or {}).get("completion_tokens"), int):
                     raise BenchmarkError(f"{url}{engine.generate_path}: answer without meta_info.completion_tokens")

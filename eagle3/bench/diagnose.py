@@ -15,6 +15,8 @@ from eagle3.data.conversation import chat_template_hash
 from eagle3.engines.targets import load_tokenizer
 from eagle3.records.manifest import read_manifest
 from eagle3.contract.problems import ProblemCode as Code
+from eagle3.serving.base import ServingEngine
+from eagle3.serving.sglang import SGLANG
 
 VOCAB_LINE = "draft vocab vs tokenizer"
 CONTINUATION_LINE = "replayed continuation vs the server's greedy output"
@@ -84,10 +86,11 @@ def diagnose(
     url: str | None = None,
     max_new_tokens: int | None = None,
     trust_remote_code: bool = False,
+    engine: ServingEngine = SGLANG,
 ) -> Diagnosis:
     """`data_dir` holds the captured dataset's manifest; `longest_request` = prompt + new tokens. `greedy` (a stored
-    held-out greedy sequence: id, prompt_ids, continuation_ids) is compared with what the server at `url` generates
-    for its prompt, greedy, `max_new_tokens` long."""
+    held-out greedy sequence: id, prompt_ids, continuation_ids) is compared with what `engine`'s server at `url`
+    generates for its prompt, greedy, `max_new_tokens` long."""
     report = draft_algorithm(Path(checkpoint)).validate(Path(checkpoint), "sglang", release, target, data_dir,
                                                         longest_request)
     checks = [_from_report(name, codes, report) for name, codes in CHECKS.items() if name != VOCAB_LINE]
@@ -95,7 +98,7 @@ def diagnose(
     tokenizer = load_tokenizer(target, trust_remote_code)
     checks.append(_template_check(manifest, tokenizer))
     checks.append(_vocab_check(report, tokenizer))
-    checks.append(continuation_check(greedy, url, max_new_tokens, tokenizer))
+    checks.append(continuation_check(greedy, url, max_new_tokens, tokenizer, engine))
     gap = None if not simulated or served is None else (simulated - served) / simulated
     return Diagnosis(simulated, served, gap, checks)
 
@@ -128,19 +131,20 @@ def _vocab_check(report, tokenizer) -> Check:
                  "ids")
 
 
-def continuation_check(greedy: dict | None, url: str | None, max_new_tokens: int | None, tokenizer) -> Check:
+def continuation_check(greedy: dict | None, url: str | None, max_new_tokens: int | None, tokenizer,
+                       engine: ServingEngine) -> Check:
     """The simulator replays the target's greedy continuation stored by the data stage; when the server's target
     generates another one, simulated acceptance describes a sequence the server never produces."""
     if greedy is None or url is None or not max_new_tokens:
         return Check(CONTINUATION_LINE, "unknown", "needs a stored held-out continuation (the data stage's) and a "
                      "running server (--url)")
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
-    body = {"input_ids": greedy["prompt_ids"], "sampling_params": sampling}
+    body = engine.request_body(greedy["prompt_ids"], max_new_tokens, 0.0, {})
+    generate = f"{url.rstrip('/')}{engine.generate_path}"
     try:
-        response = httpx.post(f"{url.rstrip('/')}/generate", json=body, timeout=600).raise_for_status()
-        served = response.json()["output_ids"]
-    except (httpx.HTTPError, KeyError, ValueError) as err:
-        return Check(CONTINUATION_LINE, "unknown", f"{url}/generate: {err!r}")
+        response = httpx.post(generate, json=body, timeout=600).raise_for_status()
+        served = engine.read_answer(response.json())["output_ids"]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as err:
+        return Check(CONTINUATION_LINE, "unknown", f"{generate}: {err!r}")
     stored = greedy["continuation_ids"][: len(served)]  # the server may end its turn: compare up to there
     parted = next((i for i, (a, b) in enumerate(zip(stored, served)) if a != b), None)
     if parted is None:

@@ -152,6 +152,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
     from eagle3.data.capture import dataset_dir
     from eagle3.data.regenerate import GREEDY_FILE, read_greedy, regen_dir
     from eagle3.fsutil import read_json
+    from eagle3.serving import serving_engine
     from eagle3.stages.table import output_of, record_path
 
     config = load_run_config(args, needs=("serving",))
@@ -184,6 +185,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
         args.url,
         config.heldout_set[1],
         config.target.trust_remote_code,
+        serving_engine(config.serving.engine),
     )
     print(result.render())
     return EXIT_PROBLEMS if result.failed else EXIT_OK

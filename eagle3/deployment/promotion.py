@@ -33,6 +33,7 @@ from eagle3.registry.registry import (decide_against_production, open_registry, 
                                       version_run_dir)
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
+from eagle3.serving import serving_engine
 from eagle3.serving.base import ServingEngine
 from eagle3.train.trainer import best_draft
 
@@ -222,9 +223,11 @@ def diagnosis_of(config: PipelineConfig, draft: Path, served: dict, simulated_ac
     """The train-serve checklist (which contract the served draft breaks), for the decision's record."""
     longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])),
                   default=None)
-    return diagnose(draft, served.get("server_version") or config.serving.release, Path(config.target.path),
-                    dataset_dir(config), simulated_accept_length, served.get("accept_length"),
-                    longest, config.target.trust_remote_code).to_dict()
+    engine, reported = serving_engine(config.serving.engine), served.get("server_version")
+    release = engine.served_release(reported, config.serving.release) if reported else config.serving.release
+    return diagnose(draft, release, Path(config.target.path), dataset_dir(config), simulated_accept_length,
+                    served.get("accept_length"), longest, trust_remote_code=config.target.trust_remote_code,
+                    engine=engine).to_dict()
 
 
 def registry_metrics(served: dict, simulated_accept_length: float | None, chosen: dict) -> dict:

@@ -4,7 +4,8 @@ export is converted to the speculators layout vLLM loads and validated; vLLM's l
 (recorded inside the server: vllm_hook/); the greedy outputs are the target's; every request's counts (verify steps,
 accepted drafts, completion tokens) and the histogram are the simulator's; the window production's monitor reads
 from vLLM's /metrics counts the same tokens and verify steps; and the data stage's client (data.engine vllm)
-regenerates the target's greedy answers and continuations, EOS ignored, from the same server.
+regenerates the target's greedy answers and continuations, EOS ignored, from the same server, where `eagle3
+diagnose --url` finds the stored continuation.
 
 vLLM's CPU attention takes head sizes from 32, so the target is MICRO with 2 heads of 32 (MICRO's 4 heads have 16),
 and so are the drafts.
@@ -17,6 +18,7 @@ import itertools
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors import safe_open
@@ -25,6 +27,7 @@ from eagle3.algorithms import algorithm
 from eagle3.algorithms.base import ExportTarget
 from eagle3.bench.client import run_benchmark
 from eagle3.bench.counting import sum_histograms
+from eagle3.bench.diagnose import continuation_check
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.config import load_config
 from eagle3.data.conversation import prompt_ids
@@ -35,6 +38,7 @@ from eagle3.engines.generators import ServerClient, target_greedy
 from eagle3.engines.targets import load_tokenizer
 from eagle3.engines.tiny import MICRO
 from eagle3.errors import Eagle3Error
+from eagle3.records.telemetry import metric_total, parse_metrics
 from eagle3.registry.registry import open_registry
 from eagle3.serve.launch import launch_and_validate
 from eagle3.serving import serving_engine
@@ -88,6 +92,19 @@ def hooked_python(vllm_python: Path, log: Path, where: Path) -> Path:
     return script
 
 
+def vllm_counts(url: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters on /metrics: drafts (one a verify step), accepted drafts, and the accepted
+    drafts at each position of a step's chain."""
+    samples = parse_metrics(httpx.get(f"{url}/metrics", timeout=30).raise_for_status().text)
+    counts = {"drafts": metric_total(samples, "vllm:spec_decode_num_drafts_total") or 0.0,
+              "accepted": metric_total(samples, "vllm:spec_decode_num_accepted_tokens_total") or 0.0}
+    for sample in samples:
+        if sample.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            key = f"position {sample.labels['position']}"
+            counts[key] = counts.get(key, 0.0) + sample.value
+    return counts
+
+
 def serve_and_compare(h32, vllm_python, tmp_path, draft_dir: Path, overrides: list[str], module: str,
                       shared: set[str] = frozenset()) -> dict:
     """Serve `draft_dir` (SGLang's layout) with vLLM through the launcher, benchmark the pydoc prompts and compare with
@@ -102,12 +119,15 @@ def serve_and_compare(h32, vllm_python, tmp_path, draft_dir: Path, overrides: li
     prompts = [prompt_ids(tokenizer, turns, False) for turns in itertools.islice(pydoc_prompt_turns(), PROMPTS)]
     server = launch_and_validate(config, h32["path"], draft_dir, log=print)
     try:
-        before = scrape(server.url, 30, 0.0, vllm)  # what production's monitor reads, by vLLM's metric names
+        before, counted_before = scrape(server.url, 30, 0.0, vllm), vllm_counts(server.url)
         result = run_benchmark(server.url, prompts, MAX_NEW, 2, timeout_s=600, retries=0, log=print, engine=vllm)
-        window = from_counters(scrape(server.url, 30, 1.0, vllm), before)
+        window = from_counters(scrape(server.url, 30, 1.0, vllm), before)  # what production's monitor reads
+        counted = {key: value - counted_before.get(key, 0.0) for key, value in vllm_counts(server.url).items()}
         regenerator = ServerClient(vllm, [server.url], MAX_NEW, 0.0, concurrency=2, retries=0, timeout_s=600)
         outputs = [generation.output_ids for generation in regenerator.generate(prompts)]  # data.engine vllm
         continued = regenerator.continue_greedy(prompts[:2], 2 * MAX_NEW)
+        stored = {"id": 0, "prompt_ids": prompts[0], "continuation_ids": target_greedy(h32["model"], prompts[0], MAX_NEW)}
+        continuation = continuation_check(stored, server.url, MAX_NEW, tokenizer, vllm)  # eagle3 diagnose --url
     finally:
         server.stop()
 
@@ -121,6 +141,7 @@ def serve_and_compare(h32, vllm_python, tmp_path, draft_dir: Path, overrides: li
     assert outputs == [greedy_reply(h32["model"], prompt, MAX_NEW, h32["eos"]) for prompt in prompts]
     assert continued == [target_greedy(h32["model"], prompt, 2 * MAX_NEW) for prompt in prompts[:2]]
     assert regenerator.release == server.release == "0.32.0"
+    assert continuation.status == "passed", continuation
 
     entry = algorithm(config.draft.algorithm)
     served = entry.served_model(draft_dir, None, h32["path"], "").eval()
@@ -135,6 +156,11 @@ def serve_and_compare(h32, vllm_python, tmp_path, draft_dir: Path, overrides: li
     assert measured == simulated
     assert result["histogram"] == sum_histograms(r.histogram for r in rows)
     assert (window.completion_tokens, window.verify_steps) == (result["completion_tokens"], result["verify_ct"])
+    # vLLM's own pooled counters: its accept length 1 + accepted / drafts, and acceptance at each draft position
+    histogram = result["histogram"]
+    assert counted["drafts"] == result["verify_ct"] and counted["accepted"] == result["correct_drafts"]
+    assert [counted.get(f"position {j}", 0.0) for j in range(len(histogram) - 1)] == [
+        sum(histogram[j + 1:]) for j in range(len(histogram) - 1)]
     assert sum(r.correct_drafts for r in rows) > 0  # acceptance was exercised
     return result
 

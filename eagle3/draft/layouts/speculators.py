@@ -93,6 +93,11 @@ def encode_config(cfg: DraftConfig, release: str | None, num_steps: int, verifie
         )
     if num_steps < 1:
         raise ConversionError(f"num_steps is {num_steps}: speculators' speculative_tokens must be at least 1")
+    if cfg.attention != "mha":
+        raise ConversionError(
+            f"the draft's attention is {cfg.attention}: speculators' layout holds a Llama decoder layer (its reader and "
+            "vLLM's build LlamaDecoderLayer from transformer_layer_config), so an MLA draft has no form there; serve "
+            "it with SGLang (serving.engine sglang), or train draft.attention mha")
     return {
         "architectures": [ARCHITECTURE],
         "speculators_model_type": "eagle3",
