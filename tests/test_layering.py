@@ -228,6 +228,7 @@ TAKES_THE_CONFIG = {
     "eagle3.serving.reference.Reference.command": ("run", "serving", "target"),
     "eagle3.serving.sglang.SGLang.command": ("data", "draft", HANDS_ON, "serving", "target"),
     "eagle3.serving.sglang.refuse_clashing_flags": ("serving", "target"),
+    "eagle3.serving.vllm.VLLM.check": ("draft", HANDS_ON, "sweep"),
     "eagle3.serving.vllm.VLLM.command": ("draft", "serving", "target"),
     "eagle3.algorithms.eagle3.architecture.trained_draft_config": ("draft", HANDS_ON, "target"),
     "eagle3.algorithms.sizes.draft_sizes": ("data", "draft", "target", "vocab"),

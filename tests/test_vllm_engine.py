@@ -15,13 +15,14 @@ from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.client import summarize
 from eagle3.bench.simulate import counting_release
 from drafts import MLA, tiny_draft
+from family_targets import MLA_DRAFT_CONFIG
 from eagle3.config import load_config
 from eagle3.draft.checkpoint import Verifier, save_native_draft
 from eagle3.errors import ConversionError
 from eagle3.plan import serving_stage
 from eagle3.procs import LaunchError
 from eagle3.target.info import read_target_size
-from eagle3.serving.vllm import VLLM_ENGINE
+from eagle3.serving.vllm import NEUTRAL_SAMPLING, VLLM_ENGINE
 from eagle3.serving.vllm_env import COMPLETE, vllm_env_dir, vllm_python
 from helpers import TINY
 from ports import free_port
@@ -31,7 +32,7 @@ PYTHON = "/envs/vllm/bin/python"
 
 def config_for(tmp_path, *overrides):
     return load_config(TINY, [f"run.dir={tmp_path}", f"serving.port={free_port()}", "serving.context_length=512",
-                              "serving.engine=vllm", f"serving.python={PYTHON}", *overrides])
+                              "serving.engine=vllm", f"serving.python={PYTHON}", "sweep.points=[[1, 1, 2]]", *overrides])
 
 
 def speculative_config_of(command: list[str]) -> dict:
@@ -69,7 +70,6 @@ def test_a_tree_is_refused_naming_the_field(tmp_path):
     ("--spec-tokens", "--spec-tokens (= --speculative-config)"),
     ("-tp", "-tp (= --tensor-parallel-size)"),
     ("--max-model", "--max-model (= --max-model-len)"),
-    ("--disable-log-stats", "--disable-log-stats (= --disable-log-stats)"),
 ])
 def test_extra_args_may_not_repeat_a_flag_the_launcher_sets(tmp_path, extra, named):
     config = config_for(tmp_path, f"serving.extra_args=[{extra}]")
@@ -159,3 +159,33 @@ def test_an_mla_draft_has_no_speculators_form_and_says_so(tmp_path):
     with pytest.raises(ConversionError, match="the draft's attention is mla: speculators' layout holds a Llama decoder"):
         save_native_draft(draft, tmp_path / "out", to="speculators", verifier=verifier)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("override, refusal", [
+    ("sweep.points=[[1, 1, 2], [3, 4, 8]]", r"sweep.points \[\(3, 4, 8\)\]: vLLM drafts chains here"),
+    ("serving.extra_args=[--disable-log-st]", "sets --disable-log-st: vLLM would stop counting"),
+    ("serving.extra_args=[--gpu-memory-util, '1.5']", r"--gpu-memory-utilization '1.5' is no share of memory"),
+])
+def test_what_a_later_launch_would_refuse_is_refused_before_any_stage(tmp_path, override, refusal):
+    """The flow's load-config asks the engine's check: a sweep point, a draft or a flag vLLM cannot serve is refused
+    before the data and training stages, not at the first launch after them."""
+    config = config_for(tmp_path, override)
+    with pytest.raises(LaunchError, match=refusal):
+        VLLM_ENGINE.check(config)
+        VLLM_ENGINE.memory_left_unused(config.serving, 80.0)
+    assert VLLM_ENGINE.check(config_for(tmp_path, "sweep.enabled=false", "sweep.points=[[3, 4, 8]]")) is None
+
+
+def test_an_mla_draft_config_is_refused_for_vllm_before_any_stage(tmp_path):
+    config = load_config(MLA_DRAFT_CONFIG, [f"run.dir={tmp_path}", "serving.engine=vllm", f"serving.python={PYTHON}",
+                                            "sweep.points=[[1, 1, 2]]"])
+    with pytest.raises(LaunchError, match="draft.attention mla: vLLM loads the speculators layout"):
+        VLLM_ENGINE.check(config)
+
+
+def test_every_vllm_request_asks_for_plain_greedy_sampling():
+    """vLLM would otherwise take sampling defaults (a repetition penalty, say) from the target's
+    generation_config.json, and its greedy output would part from the sequence the simulator replays."""
+    body = VLLM_ENGINE.request_body([1, 2, 3], 8, 0.0, {})
+    assert body | NEUTRAL_SAMPLING == body and body["repetition_penalty"] == 1.0 and body["top_k"] == 0
+    assert VLLM_ENGINE.request_body([1], 8, 0.0, {}, ignore_eos=True)["ignore_eos"] is True

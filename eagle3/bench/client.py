@@ -41,7 +41,8 @@ a local path or pkg:NAME), each one of
                                           OpenAI or ShareGPT: its system and user turns, rendered with the chat
                                           template as the held-out prompts are (needs a tokenizer)
 
-Every request carries SGLang's `custom_labels` {"eagle3": "benchmark"} (PIPELINE_LABEL): production's request records
+Every request to SGLang or the reference server carries `custom_labels` {"eagle3": "benchmark"} (PIPELINE_LABEL; vLLM
+takes none and writes no records): production's request records
 then never take the pipeline's measurements for users' traffic.
 """
 

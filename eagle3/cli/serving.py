@@ -91,7 +91,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from eagle3.deployment.sweep import first_of_each_suite
 
         prompts = first_of_each_suite(run_prompt_ids(config), args.num_prompts)
-    engine = serving_engine(config.serving.engine) if config and not args.engine else serving_engine(args.engine or "sglang")
+    configured = config is not None and config.serving is not None and not args.engine
+    engine = serving_engine(config.serving.engine) if configured else serving_engine(args.engine or "sglang")
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is refused, not replaced)
     result = run_benchmark(args.url, prompts, pick(args.max_new_tokens, settings.max_new_tokens),
                            pick(args.concurrency, settings.production_concurrency), settings.request_timeout_s,

@@ -100,7 +100,7 @@ def scrape(url: str, timeout_s: float, now: float, engine: ServingEngine) -> dic
     missing = [name for key, name in names.items() if counters[key] is None]
     if missing:
         raise ValueError(f"{url}/metrics reports no {', '.join(missing)} ({engine.title} reports them "
-                         f"{engine.verify_steps_reported}): use monitor.source records")
+                         f"{engine.verify_steps_reported})")
     return counters
 
 

@@ -1,5 +1,5 @@
 """The engines that regenerate answers (eagle3/data/regenerate.py drives them), one interface: `generate(prompts)`
--> one Generation per prompt, `continue_greedy(prompts, length)`, and `release` (the live SGLang release, or None).
+-> one Generation per prompt, `continue_greedy(prompts, length)`, and `release` (the live server's release, or None).
 
 - `local`: transformers, batched greedy/sampled `generate` (the tiny target on the CPU);
 - `sglang`, `vllm`: an async HTTP client for one or more running servers of that serving engine (round-robin, bounded

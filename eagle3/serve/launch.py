@@ -144,7 +144,7 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
                unit: str | None = None, telemetry: TelemetrySection | None = None, outlives_run: bool = False,
                entry: DraftAlgorithm | None = None) -> Server:
     """The server for `config.serving`; with `unit`, its local process (the server, or the ssh / srun that holds it)
-    runs in that transient systemd scope; with `telemetry` (production only), SGLang's metrics and request records;
+    runs in that transient systemd scope; with `telemetry` (production only), the engine's metrics and request records;
     `entry` the draft's algorithm (None: the config's), whose flags serve it.
     A local reference server that ends with this process (not `outlives_run`, no unit) starts warm
     (run.warm_start)."""

@@ -84,9 +84,9 @@ class SGLang(ServingEngine):
     health_path = "/health_generate"  # a generation of one token, not just a live process (/health)
 
     def reported_release(self, url: str, timeout_s: float) -> str:
-        info = httpx.get(f"{url}/server_info", timeout=timeout_s).raise_for_status().json()
+        info = httpx.get(f"{url}{self.info_path}", timeout=timeout_s).raise_for_status().json()
         if not isinstance(info, dict) or not info.get("version"):
-            raise ValueError(f"/server_info has no version: {info}")
+            raise ValueError(f"{self.info_path} has no version: {info}")
         return str(info["version"])  # its own __version__: it selects the loader rules
 
     def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,

@@ -29,8 +29,13 @@ LAUNCHER_FLAGS = {
     "--port": ("--port",),
     "--max-model-len": ("--max-model-len",),
     "--per-request-spec-decode-metrics": ("--per-request-spec-decode-metrics",),
-    "--disable-log-stats": ("--disable-log-stats",),  # would turn off the vllm:spec_decode_* counters the monitor reads
 }
+STATS_OFF = "--disable-log-stats"  # would turn off the vllm:* counters the monitor reads
+# Explicit in every request: vLLM otherwise takes sampling defaults from the target's generation_config.json (its
+# --generation-config auto), and a repetition penalty there would part the served greedy output from the greedy
+# sequence the simulator replays. Its stop tokens are still read from there, as the simulator's are.
+NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_p": 1.0,
+                    "top_k": 0, "min_p": 0.0}
 
 
 def speculative_config(entry: DraftAlgorithm, draft, serving: ServingSection) -> dict:
@@ -48,8 +53,12 @@ def speculative_config(entry: DraftAlgorithm, draft, serving: ServingSection) ->
 
 
 def refuse_clashing_flags(serving: ServingSection) -> None:
-    """serving.extra_args that set a flag the launcher sets from a field, in any spelling or abbreviation."""
+    """serving.extra_args that set a flag the launcher sets from a field, in any spelling or abbreviation, or that
+    turn off the counters the monitor reads."""
     extra_flags = [a for a in serving.extra_args if a.startswith("-")]
+    if stats_off := [a for a in extra_flags if len(flag_of(a)) > len("--disable-log-s") and STATS_OFF.startswith(flag_of(a))]:
+        raise LaunchError(f"serving.extra_args sets {stats_off[0]}: vLLM would stop counting vllm:generation_tokens_total "
+                          "and vllm:spec_decode_*, which the monitor reads; remove it")
     dotted = [a for a in extra_flags if flag_of(a).startswith("--speculative-config.")]
     set_by_launcher = {a: launcher_flag_for(a, LAUNCHER_FLAGS) for a in extra_flags if a not in dotted}
     clash = sorted({f"{flag_of(a)} (= {flag})" for a, flag in set_by_launcher.items() if flag} |
@@ -65,13 +74,16 @@ def memory_share(serving: ServingSection) -> float:
     --gpu-memory-utilization, as `--flag X` or `--flag=X`."""
     args = serving.extra_args
     for i, arg in enumerate(args):
-        if flag_of(arg) == MEMORY_FLAG:
+        if arg.startswith("--") and launcher_flag_for(arg, {MEMORY_FLAG: (MEMORY_FLAG,)}):
             value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
             try:
-                return float(value)
+                share = float(value)
             except ValueError:
+                share = 0.0
+            if not 0 < share <= 1:
                 raise LaunchError(f"serving.extra_args: {MEMORY_FLAG} {value!r} is no share of memory; give a "
-                                  "number in (0, 1], e.g. 0.9") from None
+                                  "number in (0, 1], e.g. 0.9")
+            return share
     return DEFAULT_MEMORY_SHARE
 
 
@@ -95,9 +107,9 @@ class VLLM(ServingEngine):
     verify_steps_reported = "only with a draft, and not with --disable-log-stats"
 
     def reported_release(self, url: str, timeout_s: float) -> str:
-        answer = httpx.get(f"{url}/version", timeout=timeout_s).raise_for_status().json()
+        answer = httpx.get(f"{url}{self.info_path}", timeout=timeout_s).raise_for_status().json()
         if not isinstance(answer, dict) or not answer.get("version"):
-            raise ValueError(f"/version has no version: {answer}")
+            raise ValueError(f"{self.info_path} has no version: {answer}")
         return str(answer["version"])
 
     def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,
@@ -113,6 +125,18 @@ class VLLM(ServingEngine):
         refuse_clashing_flags(s)
         refuse_telemetry(telemetry)
         return command + list(s.extra_args)
+
+    def check(self, config: PipelineConfig) -> None:
+        """Also what a later launch would refuse after training: a sweep point that drafts a tree, and an MLA draft
+        (the speculators layout, which vLLM loads, has no MLA form)."""
+        super().check(config)
+        if config.draft.attention != "mha":
+            raise LaunchError(f"draft.attention {config.draft.attention}: vLLM loads the speculators layout, whose "
+                              "decoder layer is Llama's; serve an MLA draft with serving.engine sglang")
+        trees = [point for point in config.sweep.points if point[1] != 1] if config.sweep.enabled else []
+        if trees:
+            raise LaunchError(f"sweep.points {trees}: vLLM drafts chains here (eagle_topk 1); sweep (num_steps, 1, "
+                              "num_steps + 1) points, or set sweep.enabled false")
 
     def served_release(self, reported: str, configured: str | None) -> str | None:
         return None  # the speculators layout's rules hold for every vLLM release read
@@ -130,7 +154,8 @@ class VLLM(ServingEngine):
                      labels: dict[str, str], ignore_eos: bool = False) -> dict:
         """An OpenAI completion of `prompt` as it is (ids or text; no chat template), its output as token ids. vLLM
         takes no custom labels: its request records do not exist, so nothing filters on them."""
-        body = {"prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature, "return_token_ids": True}
+        body = {"prompt": prompt, "max_tokens": max_new_tokens, "temperature": temperature, "return_token_ids": True,
+                **NEUTRAL_SAMPLING}
         return body | ({"ignore_eos": True} if ignore_eos else {})
 
     def read_answer(self, answer: dict) -> dict:

@@ -187,9 +187,18 @@ def init_draft_content(config: PipelineConfig) -> str | None:
     return None if draft is None else draft.sha256
 
 
+def counting_rules(config: PipelineConfig) -> str | None:
+    """The release whose finish and counting rules the serving engine's counts follow: switching engines re-keys a
+    replay only where the counting changes."""
+    from eagle3.bench.simulate import counting_release
+
+    return counting_release(config.serving)
+
+
 TARGET = ByContent(("target",), target_content)  # its config and tokenizer files' content, dtype and shape
-REPLAY = ("serving.engine", "serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
-          "benchmark.num_prompts", "benchmark.max_new_tokens")  # counted as the serving engine counts, in its shape
+COUNTING = ByContent(("serving.engine",), counting_rules)
+REPLAY = ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving.num_draft_tokens",
+          "benchmark.num_prompts", "benchmark.max_new_tokens")  # counted as the served release counts, in its shape
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("regenerate", regenerated, runner=regenerate, command=("data", "regenerate"),
@@ -226,7 +235,8 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
                "training.batch_size", "training.seq_len", "training.grad_clip", "training.eval_fraction",
                "training.eval_every", "training.seed", "training.best_by", "training.replay_prompts",
                "training.replay_max_new_tokens", *REPLAY),
-          by_content={"training.init_from": ByContent(("training.init_from",), init_draft_content)},
+          by_content={"training.init_from": ByContent(("training.init_from",), init_draft_content),
+                      "counting": COUNTING},
           # the held-out continuations its acceptance replay reads (regenerate's) are pinned by the vocab map's
           # manifest, which records the regenerated fingerprint it was built from
           upstream={"dataset": "capture", "vocab": "vocab"}, resumes=("train",), per_draft=True),
@@ -240,7 +250,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
           upstream={"trained": "train", "dataset": "capture"}, per_draft=True),
     Stage("simulate", "bench/simulated.json", runner=simulate, command=("simulate",),
           help="offline acceptance: replay drafting over the held-out suites in serving's shape and the sweep's",
-          key=(*REPLAY, "benchmark.suites", "sweep.points", "data.thinking"),
+          key=(*REPLAY, "benchmark.suites", "sweep.points", "data.thinking"), by_content={"counting": COUNTING},
           # the held-out features (data/heldout, in the data set's manifest) and their requests' suites
           # (regenerate's heldout_greedy.jsonl)
           upstream={"exported": "export", "dataset": "capture", "regenerated": "regenerate"},
