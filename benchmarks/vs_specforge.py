@@ -330,13 +330,12 @@ def dflash_drafts(config, ours: Path, theirs: Path, out: Path) -> dict[str, Path
     """Ours as the export stage writes it; SpecForge's as `registry import` takes it (its config decoded, its target
     layer ids checked against the layers the data were captured at): both by the DFlash entry's own hooks."""
     from eagle3.algorithms import algorithm
-    from eagle3.algorithms.base import ExportTarget
+    from eagle3.algorithms.base import export_target
     from eagle3.deployment.imports import serving_of
 
     entry = algorithm("dflash")
     shutil.rmtree(out, ignore_errors=True)
-    written_for = ExportTarget(config.target.family, config.serving.release, config.target.num_hidden_layers,
-                               config.serving.num_steps, None)
+    written_for = export_target(config, None)
     entry.convert_external(theirs, out / "specforge", serving_of(config), print)
     return {"ours": entry.export(ours, out / "ours", "sglang", written_for, print), "specforge": out / "specforge"}
 

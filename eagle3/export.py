@@ -17,14 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms import algorithm
-from eagle3.algorithms.base import ExportTarget
+from eagle3.algorithms.base import export_target
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
 from eagle3.errors import Eagle3Error
 from eagle3.draft.checkpoint import WEIGHTS_FILE
 from eagle3.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from eagle3.contract.problems import Report
-from eagle3.target.info import read_target_info
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.weights import target_verifier
 from eagle3.train.trainer import best_draft
@@ -53,13 +52,11 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     out = config.stage_dir("export")
     (out / VALIDATION_FILE).unlink(missing_ok=True)  # never report an earlier export's checklist as this one's
     target = Path(config.target.path)
-    num_layers = read_target_info(target).num_hidden_layers if target.is_dir() else config.target.num_hidden_layers
     # the speculators layout names the target as its verifier and ships the target's embedding
     verifier = (target_verifier(target, config.target.weight_prefix, config.export.verifier)
                 if "speculators" in config.export.layouts else None)
     entry = algorithm(config.draft.algorithm)
-    written_for = ExportTarget(config.target.family, config.serving.release, num_layers, config.serving.num_steps,
-                               verifier)
+    written_for = export_target(config, verifier)
     dirs = {}
     for layout, directory in export_dirs(config).items():
         dirs[layout] = entry.export(source, directory, layout, written_for, log)

@@ -168,6 +168,7 @@ HANDS_ON = "hands it on"  # passes the whole config to another function that tak
 # function -> what it reads of the config: the sections, and HANDS_ON where it passes the config on
 TAKES_THE_CONFIG = {
     # a draft algorithm's hooks take the config: each algorithm reads its own sections (docs/algorithms.md)
+    "eagle3.algorithms.base.export_target": ("serving", "target"),
     "eagle3.algorithms.base.DraftAlgorithm.draft_config": (),
     "eagle3.algorithms.base.DraftAlgorithm.initial_model": (),
     "eagle3.algorithms.dflash.DFlashAlgorithm.draft_config": ("draft", HANDS_ON, "target"),
@@ -221,7 +222,7 @@ TAKES_THE_CONFIG = {
     "eagle3.deployment.sweep.with_shape": (HANDS_ON,),
     "eagle3.engines.generators.make_generator": ("data", "target", "training"),
     "eagle3.serve.launch.launch_and_validate": ("export", HANDS_ON, "serving"),
-    "eagle3.serve.launch.served_form": ("run", "serving", "target"),
+    "eagle3.serve.launch.served_form": (HANDS_ON, "run", "target"),
     "eagle3.serve.launch.server_for": (HANDS_ON, "run", "serving"),
     "eagle3.serving.base.ServingEngine.check": (HANDS_ON, "production"),
     "eagle3.serving.base.ServingEngine.command": (),

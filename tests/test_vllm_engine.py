@@ -189,3 +189,13 @@ def test_every_vllm_request_asks_for_plain_greedy_sampling():
     body = VLLM_ENGINE.request_body([1, 2, 3], 8, 0.0, {})
     assert body | NEUTRAL_SAMPLING == body and body["repetition_penalty"] == 1.0 and body["top_k"] == 0
     assert VLLM_ENGINE.request_body([1], 8, 0.0, {}, ignore_eos=True)["ignore_eos"] is True
+
+
+def test_an_answer_that_is_not_the_engines_is_refused_naming_the_engine():
+    """The benchmark client, the data stage's client and the diagnosis read answers through ServingEngine.answer: an
+    answer without the output ids or the completion tokens names the engine and shows what came back."""
+    assert VLLM_ENGINE.answer(completion([5, 6], None))["output_ids"] == [5, 6]
+    with pytest.raises(ValueError, match=r"not a vLLM answer \(ValueError: not enough values to unpack"):
+        VLLM_ENGINE.answer({"choices": [], "usage": {}})
+    with pytest.raises(ValueError, match=r"not a vLLM answer \(KeyError: 'usage'\): \{'choices'"):
+        VLLM_ENGINE.answer({"choices": [{"token_ids": [1], "text": "", "finish_reason": "stop"}]})

@@ -31,6 +31,7 @@ from eagle3.model.teacher import Teacher
 from eagle3.model.tree import DraftTree
 from eagle3.model.ttt import LossRows, StepStats
 from eagle3.shape import DraftShape
+from eagle3.target.info import read_target_info
 from eagle3.validation.external import Converted, Serving
 
 Log = Callable[[str], None]
@@ -49,6 +50,14 @@ class ExportTarget:
     num_layers: int
     num_steps: int
     verifier: Verifier | None
+
+
+def export_target(config: PipelineConfig, verifier: Verifier | None) -> ExportTarget:
+    """What the config's draft is exported for: its target (the layer count read from the target where it is here,
+    target.num_hidden_layers where it is not), serving's release and drafting steps, and `verifier`."""
+    target = Path(config.target.path)
+    num_layers = read_target_info(target).num_hidden_layers if target.is_dir() else config.target.num_hidden_layers
+    return ExportTarget(config.target.family, config.serving.release, num_layers, config.serving.num_steps, verifier)
 
 
 class DraftModel(Protocol):

@@ -19,7 +19,7 @@ import httpx
 
 from eagle3 import guard
 from eagle3.algorithms import DraftAlgorithm, draft_algorithm
-from eagle3.algorithms.base import ExportTarget
+from eagle3.algorithms.base import export_target
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
 from eagle3.contract.releases import parse_release
@@ -30,7 +30,6 @@ from eagle3.procs import (
 from eagle3.serving import serving_engine
 from eagle3.serving.base import ServingEngine
 from eagle3.serving.sglang import SGLANG
-from eagle3.target.info import read_target_info
 from eagle3.warm import ForkedProcess, fork_module
 
 LOG_TAIL_LINES = 40
@@ -175,9 +174,7 @@ def served_form(config: PipelineConfig, target, draft: Path, entry: DraftAlgorit
                           f"{engine.served_layout} layout, which ships the target's embedding; nothing was launched")
     key = hashlib.sha256(str(draft.resolve()).encode()).hexdigest()[:12]
     out = config.run.dir / "served" / f"{draft.name}-{engine.served_layout}-{key}"
-    num_layers = read_target_info(Path(target)).num_hidden_layers
-    written_for = ExportTarget(config.target.family, config.serving.release, num_layers, config.serving.num_steps,
-                               target_verifier(Path(target), config.target.weight_prefix))
+    written_for = export_target(config, target_verifier(Path(target), config.target.weight_prefix))
     log(f"{engine.title} loads the {engine.served_layout} layout: converting {draft} -> {out}")
     return entry.export(draft, out, engine.served_layout, written_for, log)
 

@@ -66,6 +66,17 @@ class ServingEngine(ABC):
                 "sampling_params": sampling | ({"ignore_eos": True} if ignore_eos else {})}
         return body | ({"custom_labels": labels} if labels else {})
 
+    def answer(self, raw: object) -> dict:
+        """`raw` (a generate answer's JSON) read by `read_answer`, with its `output_ids` and integer
+        `meta_info.completion_tokens`; a ValueError naming the engine and showing the answer otherwise."""
+        try:
+            answer = self.read_answer(raw)
+            if not isinstance(answer["output_ids"], list) or type(answer["meta_info"]["completion_tokens"]) is not int:
+                raise ValueError("no output_ids list or no integer meta_info.completion_tokens")
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"not a {self.title} answer ({type(err).__name__}: {err}): {str(raw)[:200]}") from None
+        return answer
+
     def read_answer(self, answer: dict) -> dict:
         """A generate answer as SGLang's /generate gives it: `output_ids` and `meta_info` with completion_tokens,
         finish_reason ({"type": "stop" | "length", ...}) and, where the request was drafted, the spec_* counts
