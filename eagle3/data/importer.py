@@ -57,12 +57,13 @@ class RowError(UnreadableInput):
     """A row that cannot be imported: the message names the file, the line and the field."""
 
 
-def make_samples(config: PipelineConfig, log: Log = print) -> Path:
-    """The data stage's samples: the rows of data.import_path when it is set, else the target's regenerated answers."""
+def make_samples(config: PipelineConfig, log: Log = print, store=None, generator=None) -> Path:
+    """The data stage's samples: the rows of data.import_path when it is set, else the target's regenerated answers
+    (with the replies `store`, the registry's sample store, holds)."""
     if config.data.import_path is not None:
         log(f"data: data.import_path is set: importing {config.data.import_path} instead of regenerating answers")
-        return import_rows(config, log=log)
-    return regenerate(config, log=log)
+        return import_rows(config, log=log, generator=generator)
+    return regenerate(config, log=log, generator=generator, store=store)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from eagle3.config.deployment import RegistrySection, TelemetrySection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection
 from eagle3.data.capture import dataset_dir
+from eagle3.data.sample_store import prune_samples
 from eagle3.data.prompts import load_prompts
 from eagle3.data.regenerate import read_greedy, regen_dir, sent_ids
 from eagle3.engines.targets import load_tokenizer
@@ -272,7 +273,9 @@ def prune_after_promotion(run: RunSection, section: RegistrySection, registry, l
                 "one that built it cannot be told apart")
             return []
         protected.append(Path(built))
-    return prune_runs(runs_base(run.dir), run.keep_runs, registry_location(section), protected, log)
+    removed = prune_runs(runs_base(run.dir), run.keep_runs, registry_location(section), protected, log)
+    prune_samples(registry.store, [str(Path(entry["path"]).resolve()) for entry in removed], log)
+    return removed
 
 
 def version_id(run: RunSection, export_fingerprint: str) -> str:
