@@ -184,17 +184,67 @@ class LaunchError(Eagle3Error):
     """A server that did not start, did not become healthy, or serves a draft it would serve wrongly."""
 
 
-def wrap(command: list[str], launcher: str, ssh_host: str | None = None, srun_args: list[str] = ()) -> list[str]:
+def wrap(command: list[str], launcher: str, ssh_host: str | None = None, srun_args: list[str] = (),
+         ssh_args: list[str] = ()) -> list[str]:
+    """`command` as `launcher` starts it: itself, over ssh to `ssh_host` (with the options `ssh_args`: port, key,
+    known hosts, jump host; ssh_args_problem checked them at config load), or as an srun step."""
     if launcher == "local":
         return list(command)
     if launcher == "ssh":
         if not ssh_host:
             raise LaunchError("launcher ssh needs a host (serving.ssh_host or serving.host)")
         # -tt: the remote command gets a terminal, so killing the local ssh hangs it up on the node too
-        return ["ssh", "-tt", ssh_host, shlex.join(command)]
+        return ["ssh", "-tt", *ssh_args, ssh_host, shlex.join(command)]
     if launcher == "srun":
         return ["srun", *srun_args, *command]
     raise LaunchError(f"unknown launcher {launcher!r}; use local, ssh or srun")
+
+
+SSH_OPTIONS_WITH_VALUE = set("BbcDEeFIiJLlmOoPpQRSWw")  # ssh(1)'s options that take an argument (OpenSSH 9)
+SSH_FLAGS = set("46AaCfGgKkMNnqsTtVvXxYy")
+SSH_REFUSED = {  # what would leave the launcher without its remote command, or without a stop that reaches it
+    "-f": "puts ssh in the background: a stop would no longer reach the remote command",
+    "-G": "prints ssh's configuration and runs nothing", "-V": "prints ssh's version and runs nothing",
+    "-N": "runs no remote command", "-O": "sends a control command to a master connection and runs nothing",
+    "-s": "asks for a subsystem instead of the command", "-W": "forwards stdin and stdout instead of the command",
+    "-T": "takes away the terminal the launcher asks for (-tt), through which a stop hangs the command up",
+}
+SSH_REFUSED_CONFIG = {  # -o keywords (case-insensitive) with the same effect
+    "remotecommand": "replaces the launcher's command",
+    "requesttty": "changes the terminal the launcher asks for (-tt)",
+    "sessiontype": "runs no command or a subsystem", "forkafterauthentication": "puts ssh in the background",
+}
+
+
+def ssh_args_problem(args: list[str]) -> str | None:
+    """Why `args` cannot go before the host in the launcher's ssh command (None: they can): an argument that is no
+    option (ssh would take it for the host, and the host for the command), an option ssh lacks, or one that would stop
+    the launcher from running or stopping its command."""
+    at = 0
+    while at < len(args):
+        arg = args[at]
+        if not arg.startswith("-") or arg.startswith("--") or arg == "-":
+            return (f"{arg!r} is not an ssh option: the launcher puts the host and the command after these, so give "
+                    "options with their values only, e.g. [-p, '2222', -i, ~/.ssh/cluster, -o, ProxyJump=login-1]")
+        for place, letter in enumerate(arg[1:], start=2):
+            option = f"-{letter}"
+            if option in SSH_REFUSED:
+                return f"{option} {SSH_REFUSED[option]}; remove it"
+            if letter in SSH_OPTIONS_WITH_VALUE:
+                value = arg[place:]
+                if not value:
+                    at += 1
+                    if at == len(args):
+                        return f"{option} needs a value after it"
+                    value = args[at]
+                keyword = value.replace("=", " ").split(maxsplit=1)[0].lower() if value.strip() else ""
+                if letter == "o" and keyword in SSH_REFUSED_CONFIG:
+                    return f"-o {value} {SSH_REFUSED_CONFIG[keyword]}; remove it"
+                break
+            if letter not in SSH_FLAGS:
+                return f"ssh has no option {option} (in {arg!r})"
+        at += 1
+    return None
 
 
 def user_runtime_dir() -> Path:

@@ -30,6 +30,7 @@ from helpers import (  # noqa: E402
 from kimi_target import kimi_target  # noqa: E402,F401
 from ports import free_port  # noqa: E402
 from s3_server import new_bucket, serve_moto_s3  # noqa: E402
+from sshd import sshd  # noqa: E402,F401  (registered here: one sshd per session for every test file)
 
 
 # pytest-xdist (`--dist loadfile`, the Makefile's sessions) hands each unit of tests whole to one worker, in

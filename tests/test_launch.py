@@ -155,6 +155,32 @@ def test_server_for_names_endpoint_and_launcher(tmp_path):
     assert srun.command[:2] == ["srun", "-N1"] and "launcher srun" in srun.label
 
 
+def test_ssh_args_go_before_the_host_of_every_ssh_the_server_needs(tmp_path):
+    options = ["-p", "2222", "-i", "/keys/node", "-o", "ProxyJump=login-1", "-vq"]
+    config = config_for(tmp_path, "serving.engine=sglang", "serving.launcher=ssh", "serving.host=10.0.0.5",
+                        f"serving.ssh_args={options}")
+    server = server_for(config, "/models/kimi", None)
+    assert server.command[:-1] == ["ssh", "-tt", *options, "10.0.0.5"]
+    assert server.gpu_query == ["ssh", "-tt", *options, "10.0.0.5", shlex.join(GPU_QUERY)]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["gpu-2"], "'gpu-2' is not an ssh option: the launcher puts the host and the command after these"),
+    (["-p", "2222", "nvidia-smi"], "'nvidia-smi' is not an ssh option"),
+    (["--port=2222"], "'--port=2222' is not an ssh option"),
+    (["-i"], "-i needs a value after it"),
+    (["-N"], "-N runs no remote command"),
+    (["-vT"], "-T takes away the terminal the launcher asks for"),
+    (["-f"], "-f puts ssh in the background"),
+    (["-o", "RemoteCommand=uptime"], "-o RemoteCommand=uptime replaces the launcher's command"),
+    (["-oRequestTTY no"], "-o RequestTTY no changes the terminal"),
+    (["-Z"], "ssh has no option -Z"),
+])
+def test_ssh_args_that_would_break_the_launcher_are_refused_naming_the_field(tmp_path, options, message):
+    with pytest.raises(Eagle3Error, match=rf"serving\.ssh_args.*{re.escape(message)}"):
+        config_for(tmp_path, "serving.launcher=ssh", f"serving.ssh_args={options}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Processes
 

@@ -82,15 +82,20 @@ def test_one_process_runs_the_trainer_and_several_run_torchrun_standalone():
 def test_ssh_starts_torchrun_on_every_host_in_our_directory_with_a_rendezvous():
     config = config_for("training.nnodes=2", "training.nproc_per_node=8", "training.launcher=ssh",
                         "training.hosts=[gpu-1, gpu-2]", "training.rdzv_endpoint=gpu-1:29500",
-                        "training.python=/opt/venv/bin/python")
+                        "training.python=/opt/venv/bin/python", "run.cpu_threads=16",
+                        "training.ssh_args=[-p, '2222', -i, /keys/cluster, -o, ProxyJump=login-1]")
     commands = launch_commands(config, RESOLVED, Path("/shared/my work"))
     torchrun = ["/opt/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-1:29500", "--rdzv-id", "tiny-cpu",
                 *entry()]
-    assert [c[:3] for c in commands] == [["ssh", "-tt", "gpu-1"], ["ssh", "-tt", "gpu-2"]]
+    # a login's environment, not ours: the variables the ranks need travel with the command
+    env = ["env", "PYTHONUNBUFFERED=1", "OMP_NUM_THREADS=2", "MKL_NUM_THREADS=2"]
+    options = ["-p", "2222", "-i", "/keys/cluster", "-o", "ProxyJump=login-1"]
+    assert [c[:-1] for c in commands] == [["ssh", "-tt", *options, "gpu-1"], ["ssh", "-tt", *options, "gpu-2"]]
     for command in commands:
-        shell, flag, script = shlex.split(command[3])
-        assert (shell, flag) == ("sh", "-c") and script == f"cd '/shared/my work' && exec {shlex.join(torchrun)}"
+        shell, flag, script = shlex.split(command[-1])
+        assert (shell, flag) == ("sh", "-c")
+        assert script == f"cd '/shared/my work' && exec {shlex.join([*env, *torchrun])}"
 
 
 def test_srun_starts_one_torchrun_per_node():
@@ -111,6 +116,7 @@ def test_srun_starts_one_torchrun_per_node():
     (["training.hosts=[n1]"], "training.hosts is for training.launcher ssh, not local"),
     (["training.launcher=srun", "training.srun_args=[-N2, --ntasks=4]"], "training.srun_args sets --ntasks, -N"),
     (["training.rdzv_endpoint=n1"], "training.rdzv_endpoint.*'n1' is not host:port"),
+    (["training.ssh_args=[-p, '2222']"], "training.ssh_args is for training.launcher ssh, not local"),
 ])
 def test_config_refuses_launchers_that_cannot_reach_every_node(overrides, message):
     with pytest.raises(ConfigError, match=message):

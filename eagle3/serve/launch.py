@@ -150,14 +150,14 @@ def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None]
     s, engine = config.serving, serving_engine(config.serving.engine)
     built = engine.command(config, target, draft, telemetry, entry)
     ssh_host = s.ssh_host or s.host
-    command = wrap(built, s.launcher, ssh_host, s.srun_args)
+    command = wrap(built, s.launcher, ssh_host, s.srun_args, s.ssh_args)
     via = {"local": "local", "ssh": f"ssh {ssh_host}", "srun": "srun"}[s.launcher]
     if unit is not None:
         command = in_systemd_scope(command, unit)
         via += f", systemd unit {unit}"
     return Server(command, s.host, s.port, s.log_dir or config.run.dir / "logs", log,
                   label=f"{role} {engine.name} endpoint http://{s.host}:{s.port}, launcher {via}",
-                  gpu_query=wrap(GPU_QUERY, s.launcher, ssh_host, s.srun_args),
+                  gpu_query=wrap(GPU_QUERY, s.launcher, ssh_host, s.srun_args, s.ssh_args),
                   gpu_free_mib=s.gpu_free_mib, gpu_free_timeout_s=s.gpu_free_timeout_s,
                   warm=config.run.warm_start and engine.forks_warm and s.launcher == "local" and unit is None
                   and not outlives_run, engine=engine)

@@ -80,9 +80,11 @@ def launch_commands(config: PipelineConfig, resolved: Path | str, cwd: Path) -> 
         # --kill-on-bad-exit: a node that fails takes the others down instead of leaving them at a collective
         counts = [f"--nodes={t.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
         return [wrap(command, "srun", srun_args=[*counts, *t.srun_args])]
-    # ssh runs the command from the home directory: relative paths in the config resolve against ours
-    remote = ["sh", "-c", f"cd {shlex.quote(str(cwd))} && exec {shlex.join(command)}"]
-    return [wrap(remote, "ssh", host) for host in t.hosts]
+    # ssh runs the command from the home directory, in a login's environment, not ours: relative paths in the config
+    # resolve against our directory, and the variables the trainer needs go with the command (srun passes ours on)
+    variables = [f"{name}={value}" for name, value in node_env(config.run, t).items()]
+    remote = ["sh", "-c", f"cd {shlex.quote(str(cwd))} && exec {shlex.join(['env', *variables, *command])}"]
+    return [wrap(remote, "ssh", host, ssh_args=t.ssh_args) for host in t.hosts]
 
 
 def trainer_python(data: DataSection, training: TrainingSection) -> str:
@@ -91,9 +93,14 @@ def trainer_python(data: DataSection, training: TrainingSection) -> str:
     return data.sglang_python if online_sglang else sys.executable
 
 
+def node_env(run: RunSection, training: TrainingSection) -> dict[str, str]:
+    """What the trainer's environment must hold on every node: unbuffered output (a pipe would hold its lines back
+    until it exits) and each rank's share of the CPU threads (run.cpu_threads, eagle3.procs.cpu_threads)."""
+    return with_threads({"PYTHONUNBUFFERED": "1"}, cpu_threads(run.cpu_threads, training.nproc_per_node))
+
+
 def child_env(run: RunSection, training: TrainingSection) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # a pipe would hold the trainer's lines back until it exits
-    return with_threads(env, cpu_threads(run.cpu_threads, training.nproc_per_node))
+    return {**os.environ, **node_env(run, training)}
 
 
 # -- metrics ------------------------------------------------------------------------------------
