@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 
 import httpx
@@ -131,6 +132,7 @@ class ServerClient:
         self.next_url = itertools.cycle(self.urls)
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.concurrency, self.retries, self.timeout_s, self.backoff_s = concurrency, retries, timeout_s, backoff_s
+        self.answered: Counter[str] = Counter()  # url -> requests it answered (the data stage logs the spread)
         self.release = self._server_release()
 
     def _server_release(self) -> str:
@@ -181,6 +183,7 @@ class ServerClient:
             answer = self.engine.answer(response.json())
         except ValueError as err:  # a body that is no JSON too
             raise EngineError(f"{url}{path}: {err}") from None
+        self.answered[url] += 1
         finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
         return Generation(list(answer["output_ids"]), finish.get("type", "unknown") if isinstance(finish, dict) else str(finish))
 
@@ -189,5 +192,8 @@ def make_generator(config: PipelineConfig):
     data = config.data
     if data.engine == "local":
         return LocalGenerator(config.target, data.max_new_tokens, data.temperature, config.training.seed)
+    if not data.servers:  # data.nodes: the servers exist only while the regenerate stage runs
+        raise EngineError("data.nodes: only the regenerate stage (the flow, `eagle3 data regenerate`) starts the "
+                          "target's servers; for this command start them yourself and set data.servers to their URLs")
     return ServerClient(serving_engine(data.engine), data.servers, data.max_new_tokens, data.temperature,
                         data.concurrency, data.retries, data.request_timeout_s)
