@@ -21,7 +21,7 @@ from eagle3.data.suites import planned_requests
 from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.target.info import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
-from eagle3.plan_time import TimePlan, plan_time
+from eagle3.plan_time import Scenario, TimePlan, plan_time
 from eagle3.serving import serving_engine
 from eagle3.train.memory import trainable_parameters, training_step_peak_by_op, training_step_peak_bytes
 
@@ -51,7 +51,8 @@ class MemoryPlan:
     target_note: str
     storage: dict[str, int]  # bytes on disk, upper bounds (every sample at data.max_length)
     features: str  # training.features: online (the target on the training GPUs) or offline
-    time: TimePlan
+    time: TimePlan  # a first run's hours
+    retrain: TimePlan  # a retrain's: the sample store's replies and a warm start
     recompute: str  # training.recompute as decided, and why
 
     def fits(self, stage: StagePlan) -> bool | None:
@@ -77,6 +78,7 @@ class MemoryPlan:
                         "parts": s.parts, "knob": s.knob, "unknown": s.unknown,
                         **({"step_by_op_gib": s.step_by_op} if s.step_by_op else {})} for s in self.stages],
             "hours": self.time.to_dict(),
+            "retrain_hours": self.retrain.to_dict(),
         }
 
     def table(self) -> list[str]:
@@ -91,7 +93,7 @@ class MemoryPlan:
             lines.append(f"{stage.name:<11} {stage.per_gpu_gib:8.1f} GiB per GPU on {stage.gpus} GPU(s)  {verdict}")
             width = max(len(name) for name in stage.parts)
             lines += [f"    {name:<{width}} {gib:8.2f}" for name, gib in stage.parts.items()]
-        return lines + self.time.table()
+        return lines + self.time.table() + self.retrain.table(assumptions=False)
 
 
 def _gib(n: float) -> float:
@@ -112,14 +114,16 @@ def target_size(config: PipelineConfig) -> tuple[TargetSize | None, str]:
     return size, f"{_gib(size.weight_bytes)} GiB of weights ({size.weights_from})"
 
 
-def plan_memory(config: PipelineConfig) -> MemoryPlan:
+def plan_memory(config: PipelineConfig, nodes: int | None = None) -> MemoryPlan:
+    """`nodes`: the nodes the hours are planned for (training.nnodes by default)."""
     size, note = target_size(config)
     config, recompute = chosen_recompute(config)
     stages = [regeneration_stage(config, size), capture_stage(config, size), training_stage(config, size)]
     if config.serving is not None:  # a training-only config serves nothing
         stages.append(serving_stage(config, size))
     return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, stored_bytes(config), config.training.features,
-                      plan_time(config, size, note), recompute)
+                      *(plan_time(config, size, note, Scenario(retrain, nodes or config.training.nnodes))
+                        for retrain in (False, True)), recompute)
 
 
 def chosen_recompute(config: PipelineConfig) -> tuple[PipelineConfig, str]:

@@ -1,4 +1,12 @@
-"""The time plan: hours of each stage a retrain runs on the node, and whether a retrain fits node.retrain_period_h.
+"""The time plan: hours of each stage of a first run and of a retrain, on one node or several, and whether a retrain
+fits node.retrain_period_h.
+
+A first run generates every reply and trains training.max_steps from scratch. A retrain takes from the sample store
+(eagle3/registry/samples.py) every reply an earlier run made under the same context, so it generates only the new
+traffic prompts' (data.traffic), and warm-starts from production's draft for training.warm_steps (auto: the measured
+WARM_STEP_RATIO of max_steps, plus the evaluations patience waits). On N nodes the regeneration runs on every node's
+servers (data.nodes) and training spans the nodes (torchrun's c10d rendezvous) unless SGLang's runner computes the
+features online, which needs one node's world; the servers the benchmark and sweep start stay on one node.
 
 FLOPs come from the shapes: 2 x active parameters per token forward (a MoE target counts only the experts a token is
 routed to; the input embedding is a lookup), 6 x the draft's trainable parameters per token per TTT step to train.
@@ -9,6 +17,7 @@ head, tokenisation and I/O are not counted; every reply is taken at its max_new_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -20,6 +29,10 @@ from eagle3.target.info import TargetSize, active_parameters, read_target_config
 from eagle3.train.memory import trainable_parameters
 
 HOUR = 3600.0
+# The steps a warm start on shifted traffic needs to reach a from-scratch draft's held-out accept length, as a share of
+# training.max_steps: measured by benchmarks/warm_start_steps.py on the tiny target and SmolLM2, the larger of the two
+# (docs/production-loop.md, "Warm starts").
+WARM_STEP_RATIO = 0.25
 
 
 @dataclass
@@ -33,43 +46,58 @@ class StageTime:
         return None if self.unknown else round(sum(self.parts.values()), 2)
 
 
+@dataclass(frozen=True)
+class Scenario:
+    retrain: bool  # a retrain: the sample store's replies and a warm start; else a first run from scratch
+    nodes: int = 1
+
+    def describe(self) -> str:
+        kind = "a retrain (warm start from production)" if self.retrain else "a first run (from scratch)"
+        return f"{kind} on {self.nodes} node(s)"
+
+
 @dataclass
 class TimePlan:
+    scenario: Scenario
     assumptions: list[str]  # every figure the hours rest on, with the field it comes from
     figures: dict[str, float | int | None]  # the same figures by source field, for --json
     stages: list[StageTime]
     period_h: float
+    reused: list[str] = field(default_factory=list)  # what a retrain takes instead of making it again
 
     @property
-    def retrain_h(self) -> float | None:
+    def total_h(self) -> float | None:
         hours = [stage.hours for stage in self.stages]
         return None if None in hours else round(sum(hours), 2)
 
     @property
     def fits_period(self) -> bool | None:
-        return None if self.retrain_h is None else self.retrain_h <= self.period_h
+        return None if self.total_h is None else self.total_h <= self.period_h
 
     def to_dict(self) -> dict:
-        return {"assumptions": self.assumptions, "figures": self.figures, "retrain_h": self.retrain_h, "retrain_period_h": self.period_h,
-                "fits_period": self.fits_period,
+        return {"retrain": self.scenario.retrain, "nodes": self.scenario.nodes, "assumptions": self.assumptions,
+                "figures": self.figures, "reused": self.reused, "total_h": self.total_h,
+                "retrain_period_h": self.period_h, "fits_period": self.fits_period,
                 "stages": [{"name": s.name, "hours": s.hours, "parts": s.parts, "unknown": s.unknown} for s in self.stages]}
 
-    def table(self) -> list[str]:
-        lines = ["hours on the node, a retrain's stages (estimates from FLOPs and HBM bandwidth; every prompt and reply "
-                 "at its cap, so token counts are upper bounds):"]
-        lines += [f"  assumed: {line}" for line in self.assumptions]
+    def table(self, assumptions: bool = True) -> list[str]:
+        lines = [f"hours of {self.scenario.describe()}, by stage (estimates from FLOPs and HBM bandwidth; every prompt "
+                 "and reply at its cap, so token counts are upper bounds):"]
+        lines += [f"  assumed: {line}" for line in self.assumptions] if assumptions else []
+        lines += [f"  reused: {line}" for line in self.reused]
         for stage in self.stages:
             if stage.unknown:
                 lines.append(f"{stage.name:<11} unknown: {stage.unknown}")
                 continue
             lines.append(f"{stage.name:<11} {stage.hours:8.2f} h")
             lines += [f"    {name}: {hours:.2f} h" for name, hours in stage.parts.items()]
-        if self.retrain_h is None:
-            lines.append(f"retrain: unknown, against node.retrain_period_h {self.period_h:g} h")
-        else:
-            verdict = "fits" if self.fits_period else "DOES NOT FIT"
-            lines.append(f"retrain     {self.retrain_h:8.2f} h  {verdict} node.retrain_period_h {self.period_h:g} h")
-        return lines
+        name = "retrain" if self.scenario.retrain else "first run"
+        if self.total_h is None:
+            return lines + [f"{name}: unknown"]
+        verdict = ""
+        if self.scenario.retrain:
+            verdict = f"  {'fits' if self.fits_period else 'DOES NOT FIT'} node.retrain_period_h {self.period_h:g} h"
+        return lines + [f"{name:<11} {self.total_h:8.2f} h{verdict}"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +135,8 @@ class Clock:
         return starts * self.node.model_load_min * 60.0
 
 
-def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -> TimePlan:
+def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
+              scenario: Scenario = Scenario(retrain=False)) -> TimePlan:
     target, size_note = read_target(config, size, size_note)
     node = config.node
     params, passes = draft_training(config)
@@ -127,17 +156,56 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str) -
                "node.model_load_min": node.model_load_min, "draft trainable parameters": params,
                "target active parameters": target and target.active, "target parameters": target and target.total}
     clock = Clock(config, target)
-    stages = [regenerate_time(config, clock), capture_time(config, clock),
-              train_time(config, clock, params, passes[0])]
+    stages = [regenerate_time(config, clock, scenario), capture_time(config, clock),
+              train_time(config, clock, params, passes[0], scenario)]
     if config.serving is not None and config.benchmark is not None:
         stages += [serve_time(config, clock), sweep_time(config, clock)]
     for name, contender in contender_configs(config).items():
-        stages += contender_stages(name, contender, clock)
+        stages += contender_stages(name, contender, clock, scenario)
     if config.serving is not None and config.benchmark is not None:
         if config.production.mode == "managed":
             stages.append(StageTime("deploy", {"production restarted with the promoted draft: 1 server start":
                                                _h(clock.loads_s(1))}))
-    return TimePlan(assumptions, figures, stages, node.retrain_period_h)
+    reused = [generated_samples(config, scenario)[1]] if scenario.retrain else []
+    return TimePlan(scenario, assumptions, figures, stages, node.retrain_period_h, reused)
+
+
+def generated_samples(config: PipelineConfig, scenario: Scenario) -> tuple[int, str]:
+    """The training replies the run generates, and (for a retrain) why: the sample store holds the earlier runs'
+    replies under an unchanged target and settings, so a retrain generates only its new traffic prompts'."""
+    data = config.data
+    if not scenario.retrain:
+        return data.num_samples, ""
+    if not data.share_samples or config.registry is None:
+        return data.num_samples, "nothing: no sample store (data.share_samples off, or no registry section)"
+    traffic = data.traffic
+    if traffic is None:
+        return 0, (f"all {data.num_samples:,} replies from the sample store: without data.traffic a retrain's prompts "
+                   "are the first run's")
+    new = min(round(traffic.share * data.num_samples), int(traffic.max_prompts * (1 - data.heldout_fraction)))
+    return new, (f"{data.num_samples - new:,} of data.num_samples {data.num_samples:,} replies from the sample store; "
+                 f"{new:,} new traffic prompts answered (data.traffic.share {traffic.share:g}, at most max_prompts "
+                 f"{traffic.max_prompts:,} less the held-out)")
+
+
+def trained_steps(config: PipelineConfig, scenario: Scenario) -> tuple[int, str]:
+    """The optimizer steps a run trains, and the field that says so."""
+    train = config.training
+    if not scenario.retrain or train.warm_steps is None:
+        return train.max_steps, f"training.max_steps {train.max_steps:,}"
+    if train.warm_steps != "auto":
+        return train.warm_steps, f"training.warm_steps {train.warm_steps:,}"
+    steps = min(train.max_steps, math.ceil(WARM_STEP_RATIO * train.max_steps) + train.patience * train.eval_every)
+    return steps, (f"training.warm_steps auto: {steps:,} = {WARM_STEP_RATIO:g} (measured) x max_steps "
+                   f"{train.max_steps:,} + patience {train.patience} x eval_every {train.eval_every}")
+
+
+def training_nodes(config: PipelineConfig, scenario: Scenario) -> tuple[int, str]:
+    """The nodes training spans: all of them, unless SGLang's runner computes the features online (its tensor-parallel
+    group is the whole torch world: one node)."""
+    if config.training.features == "online" and config.data.capture_engine == "sglang" and scenario.nodes > 1:
+        return 1, "on 1 node: features online through SGLang's runner span one node's world"
+    return scenario.nodes, f"on {scenario.nodes} node(s)"
 
 
 def draft_training(config: PipelineConfig) -> tuple[int, tuple[float, str]]:
@@ -147,10 +215,10 @@ def draft_training(config: PipelineConfig) -> tuple[int, tuple[float, str]]:
     return trainable_parameters(entry, entry.draft_config(config)), entry.draft_passes(config.draft, config.training)
 
 
-def contender_stages(name: str, config: PipelineConfig, clock: Clock) -> list[StageTime]:
+def contender_stages(name: str, config: PipelineConfig, clock: Clock, scenario: Scenario) -> list[StageTime]:
     """A contender's training, measurement and sweep, on the run's data and beside the run's no-draft servers."""
     params, passes = draft_training(config)
-    stages = [replace(train_time(config, clock, params, passes[0]), name=f"train {name}")]
+    stages = [replace(train_time(config, clock, params, passes[0], scenario), name=f"train {name}")]
     if config.serving is not None and config.benchmark is not None:
         stages += [replace(serve_time(config, clock, baseline=False), name=f"serve {name}"),
                    replace(sweep_time(config, clock, baseline=False), name=f"sweep {name}")]
@@ -191,8 +259,9 @@ def target_gpus(config: PipelineConfig, engine: str) -> int:
     return config.serving.tp if engine != "local" and config.serving is not None else 1
 
 
-def regenerate_time(config: PipelineConfig, clock: Clock) -> StageTime:
-    """Every sample's answer at data.max_new_tokens, then the held-out prompts' greedy continuations."""
+def regenerate_time(config: PipelineConfig, clock: Clock, scenario: Scenario) -> StageTime:
+    """The answers the run generates at data.max_new_tokens, then the held-out prompts' greedy continuations; served,
+    spread over the nodes' servers (data.nodes), each with data.concurrency in flight."""
     data = config.data
     if clock.target is None:
         return _unknown("regenerate")
@@ -200,16 +269,21 @@ def regenerate_time(config: PipelineConfig, clock: Clock) -> StageTime:
         return StageTime("regenerate", {"data.import_path: nothing generated": 0.0})
     gpus, served = target_gpus(config, data.engine), data.engine != "local"
     in_flight, field_name = (data.concurrency, "data.concurrency") if served else (data.batch_size, "data.batch_size")
+    nodes = scenario.nodes if served else 1
+    samples, _ = generated_samples(config, scenario)
     prompt = max(data.max_length - data.max_new_tokens, 0)
     heldout, greedy = planned_requests(config), greedy_length(config)
-    tokens = data.num_samples * data.max_new_tokens + heldout * greedy
-    decode_s, bound = clock.decode(tokens, in_flight, prompt + data.max_new_tokens / 2, gpus)
+    tokens = samples * data.max_new_tokens + heldout * greedy
+    decode_s, bound = clock.decode(tokens / nodes, in_flight, prompt + data.max_new_tokens / 2, gpus)
+    where = f"on {nodes} node(s), {in_flight} in flight on each ({field_name}{' per server' if nodes > 1 else ''})"
+    starts = f"1 server start{' on each node, at once' if nodes > 1 else ''}"
     return StageTime("regenerate", {
-        f"1 server start{' (data.servers, started outside the pipeline)' if served else ''}": _h(clock.loads_s(1)),
-        f"prompts: data.num_samples {data.num_samples:,} x {prompt:,} tokens (data.max_length - max_new_tokens), "
-        f"prefill on {gpus} GPU(s)": _h(clock.prefill_s(data.num_samples * prompt, gpus)),
-        f"decode: {data.num_samples:,} x data.max_new_tokens {data.max_new_tokens:,} + {heldout} benchmark requests x {greedy} "
-        f"tokens, {in_flight} in flight ({field_name}), {bound}": _h(decode_s)})
+        f"{starts}{' (data.servers, started outside the pipeline)' if served and nodes == 1 and not data.nodes else ''}":
+            _h(clock.loads_s(1)),
+        f"prompts: {samples:,} generated x {prompt:,} tokens (data.max_length - max_new_tokens), prefill on {gpus} "
+        f"GPU(s) {where}": _h(clock.prefill_s(samples * prompt / nodes, gpus)),
+        f"decode: {samples:,} x data.max_new_tokens {data.max_new_tokens:,} + {heldout} benchmark requests x {greedy} "
+        f"tokens, {where}, {bound}": _h(decode_s)})
 
 
 def capture_time(config: PipelineConfig, clock: Clock) -> StageTime:
@@ -227,16 +301,18 @@ def capture_time(config: PipelineConfig, clock: Clock) -> StageTime:
                                  _h(clock.prefill_s(samples + heldout, gpus))})
 
 
-def train_time(config: PipelineConfig, clock: Clock, params: int, passes: float) -> StageTime:
+def train_time(config: PipelineConfig, clock: Clock, params: int, passes: float, scenario: Scenario) -> StageTime:
     """The draft's steps and evaluations; online, the target's forward over every sequence on the same GPUs."""
     train, node = config.training, config.node
-    world = train.nproc_per_node * train.nnodes
-    tokens = train.max_steps * train.batch_size * train.seq_len
-    evaluations = train.max_steps // train.eval_every
+    steps, steps_from = trained_steps(config, scenario)
+    nodes, where = training_nodes(config, scenario)
+    world = train.nproc_per_node * nodes
+    tokens = steps * train.batch_size * train.seq_len
+    evaluations = steps // train.eval_every
     eval_tokens = evaluations * int(config.data.num_samples * train.eval_fraction) * train.seq_len
-    parts = {f"draft: training.max_steps {train.max_steps:,} x batch_size {train.batch_size} x seq_len "
-             f"{train.seq_len:,} = {tokens / 1e9:.2f} B tokens on {world} GPU(s)":
-             _h(clock.flops_s(draft_train_flops(params, passes, tokens), world, node.mfu.train)),
+    parts = {f"draft: {steps_from} x batch_size {train.batch_size} x seq_len {train.seq_len:,} = {tokens / 1e9:.2f} B "
+             f"tokens on {world} GPU(s), {where}": _h(clock.flops_s(draft_train_flops(params, passes, tokens), world,
+                                                                   node.mfu.train)),
              f"evaluation: {evaluations} x {eval_tokens // max(evaluations, 1):,} tokens (training.eval_every, "
              "eval_fraction), forward only": _h(clock.flops_s(2.0 * params * passes * eval_tokens, world,
                                                                 node.mfu.train))}

@@ -166,3 +166,28 @@ def test_an_absolute_d2t_is_refused_as_a_loader_would_misread_it(public_draft, m
     with pytest.raises(Eagle3Error, match=r"training.init_from .*d2t is not offsets"):
         resolve_init_from(load_config(TINY, overrides), QUIET)
     assert not (run_dir / "train" / "init" / "source.json").exists()
+
+
+def test_a_warm_start_with_warm_steps_auto_stops_once_accept_length_stops_improving(public_draft, micro_data,
+                                                                                      tmp_path):
+    """The public draft is already trained on this data: a fine-tune cannot beat its first evaluation for long, so
+    patience 2 ends it well before max_steps; the log says why, and a cold start ignores the rule."""
+    auto = ["training.max_steps=40", "training.eval_every=2", "training.warm_steps=auto", "training.patience=2"]
+    overrides, run_dir = run_copy(micro_data, tmp_path, "auto", [*auto, f"training.init_from={public_draft}"])
+    config = load_config(TINY, overrides)
+    lines = []
+    resolve_init_from(config, lines.append)
+    Trainer(config, log=lines.append).run()
+    evaluations = [m for m in metrics(run_dir) if "eval_loss" in m]
+    last_best = max(i for i, m in enumerate(evaluations) if m["new_best"])
+    assert len(evaluations) == last_best + 3 and evaluations[-1]["step"] < 40  # two without a new best, then stop
+    assert any("warm start stopped at step" in line and "patience" in line for line in lines)
+    overrides, cold_dir = run_copy(micro_data, tmp_path, "cold-auto", [*auto, "training.max_steps=6"])
+    Trainer(load_config(TINY, overrides), log=QUIET).run()
+    assert metrics(cold_dir)[-1]["step"] == 6  # no init_from: max_steps, whatever patience says
+
+
+@pytest.mark.parametrize("steps", [0, 41])
+def test_a_warm_budget_outside_max_steps_is_refused_by_name(steps):
+    with pytest.raises(Exception, match=rf"training.warm_steps {steps} must be in 1..training.max_steps \(40\)"):
+        load_config(TINY, ["training.max_steps=40", f"training.warm_steps={steps}"])

@@ -19,12 +19,21 @@ def add_config_commands(commands) -> None:
     config.set_defaults(handler=run_config)
 
     plan = commands.add_parser("plan", help="per-GPU memory of every GPU stage against node.gpu_memory_gib (exit 1: "
-                               "a stage does not fit), and the estimated hours of a retrain's stages against "
+                               "a stage does not fit), and the estimated hours of a first run's and a retrain's stages against "
                                "node.retrain_period_h (an estimate: it never changes the exit status)")
     plan.add_argument("path", type=Path)
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--nodes", type=node_count, default=None, metavar="N",
+                      help="plan the hours on N nodes (default: training.nnodes): regeneration on every node's servers, "
+                      "training across them")
     plan.set_defaults(handler=run_plan)
+
+
+def node_count(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a whole number of nodes, 1 or more")
+    return int(value)
 
 
 def run_config(args: argparse.Namespace) -> int:
@@ -45,7 +54,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from eagle3.config import load_config
     from eagle3.plan import plan_memory
 
-    plan = plan_memory(load_config(args.path, args.overrides))
+    plan = plan_memory(load_config(args.path, args.overrides), args.nodes)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:

@@ -22,7 +22,7 @@ from eagle3.config.deployment import RegistrySection, TelemetrySection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection
 from eagle3.data.capture import dataset_dir
-from eagle3.data.sample_store import prune_samples
+from eagle3.registry.samples import prune_samples
 from eagle3.data.prompts import load_prompts
 from eagle3.data.regenerate import read_greedy, regen_dir, sent_ids
 from eagle3.engines.targets import load_tokenizer

@@ -75,6 +75,10 @@ class Trainer:
         self.stopped = False  # True when SIGTERM ended the run before max_steps
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.best: float | None = None
+        warm = self.init is not None
+        self.budget = train.step_budget(warm)  # the steps this run trains at most
+        self.patience = train.patience if train.stops_on_patience(warm) else None
+        self.evals_since_best = 0  # evaluations since the last new best
 
     def my_rows(self) -> slice:
         return slice(self.dist.rank, None, self.dist.world)
@@ -93,12 +97,12 @@ class Trainer:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         train = self.config.training
         throughput = Throughput()  # eval and checkpoints stay out of the rate
-        while self.step < train.max_steps:
+        while self.more_steps():
             batches = self.data.batches(self.epoch, train.batch_size, train.seed)
             if not batches:
                 raise Eagle3Error(f"the dataset has {len(self.data.train)} training samples, fewer than one batch "
                                   f"({train.batch_size}); {self.data.without_loss} left out: {self.data.left_out_why}")
-            while self.batch_in_epoch < len(batches) and self.step < train.max_steps:
+            while self.batch_in_epoch < len(batches) and self.more_steps():
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
                 sums, seconds = timed(self.train_step, batches[self.batch_in_epoch], device=self.dist.device)
                 metrics = self.step_metrics(sums)
@@ -107,9 +111,10 @@ class Trainer:
                 rate = throughput.add(metrics.pop("tokens"), seconds)
                 metrics.update(step_time_s=seconds, tokens_per_s=rate, lr=lr)
                 self.record({"step": self.step, **metrics})
-                if self.step % train.eval_every == 0 or self.step == train.max_steps:
+                last = self.step == self.budget
+                if self.step % train.eval_every == 0 or last:
                     self.evaluate()
-                if self.step % train.save_every == 0 or self.step == train.max_steps:
+                if self.step % train.save_every == 0 or last or not self.more_steps():
                     self.save_checkpoint()
                 if self.stop_everywhere():
                     self.save_checkpoint()
@@ -118,6 +123,10 @@ class Trainer:
                     return self.latest_checkpoint()
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         return self.save_final()
+
+    def more_steps(self) -> bool:
+        """Whether to train another step: below the budget, and (warm_steps auto) patience left."""
+        return self.step < self.budget and (self.patience is None or self.evals_since_best < self.patience)
 
     def step_stats(self, refs: list[SampleRef], train: bool):
         """Per-step sums for this rank's rows of a global batch, on the device. Every rank calls this for every
@@ -202,6 +211,7 @@ class Trainer:
         score = record[key]
         record["new_best"] = self.best is None or (score < self.best if lower_wins else score > self.best)
         self.record(record)
+        self.evals_since_best = 0 if record["new_best"] else self.evals_since_best + 1
         if record["new_best"]:
             self.best = score
             self.write_checkpoint(self.out / BEST_DIR, with_state=False)
@@ -267,6 +277,7 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             "best": self.best,
             "best_by": self.config.training.best_by,
+            "evals_since_best": self.evals_since_best,
             "optimizer": self.parallel.optimizer_state(self.module, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
@@ -296,6 +307,7 @@ class Trainer:
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         # a best score under another rule (or none recorded) does not compare: the next evaluation sets it
         self.best = state["best"] if state.get("best_by") == self.config.training.best_by else None
+        self.evals_since_best = state.get("evals_since_best", 0) if self.best is not None else 0
         if self.dist.main:
             self.truncate_metrics()
         self.log(f"train: resumed from {latest} at step {self.step}")
@@ -304,6 +316,9 @@ class Trainer:
         final = self.out / "final"
         self.write_checkpoint(final, with_state=False)
         rule = self.config.training.best_by
+        if self.step < self.budget:
+            self.log(f"train: warm start stopped at step {self.step} of at most {self.budget}: {BEST_BY[rule][0]} did "
+                     f"not improve for {self.patience} evaluations in a row (training.warm_steps auto, patience)")
         self.log(f"train: {self.step} steps done; final draft at {final}, best by {rule} ({BEST_BY[rule][0]} "
                  f"{self.best}) at {self.out / 'best'}")
         return final
