@@ -1,10 +1,12 @@
 """Training across nodes for real: two torchruns started over ssh (an sshd on 127.0.0.1, tests/sshd.py) meet at a
 c10d rendezvous and train the micro draft with gloo, one rank each; the result equals one node's two ranks on the
-same global batch."""
+same global batch, and a stop leaves no rank running on either node."""
 
 import json
 import sys
+import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -12,6 +14,7 @@ from eagle3.config import load_config, resolved_config_file
 from eagle3.train.launch import train
 from helpers import TINY, metrics, run_copy
 from ports import free_port
+from test_train_launch import running
 
 STEPS = ["training.max_steps=4", "training.eval_every=4", "training.save_every=4", "run.cpu_threads=1"]
 
@@ -38,3 +41,26 @@ def test_two_nodes_over_ssh_train_what_one_node_trains_on_the_same_global_batch(
     assert across.keys() == within.keys()
     for name in across:
         torch.testing.assert_close(across[name], within[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_stop_over_ssh_leaves_no_rank_running_on_any_node(micro_data, tmp_path, sshd):
+    overrides, run_dir = run_copy(micro_data, tmp_path, "stopped", [
+        "training.max_steps=500", "training.save_every=1000", "run.cpu_threads=1", "training.launcher=ssh",
+        "training.hosts=[127.0.0.1, 127.0.0.1]", "training.nnodes=2", f"training.python={sys.executable}",
+        f"training.rdzv_endpoint=127.0.0.1:{free_port()}", f"training.ssh_args={json.dumps(sshd.ssh_args)}"])
+    config = load_config(TINY, overrides)
+
+    alive = []
+
+    def fail_at_step_2(record):
+        if record.get("step") == 2:
+            alive.extend(running(run_dir))  # the two ssh clients, torchruns and ranks
+            raise RuntimeError("progress artifact upload failed")
+
+    with pytest.raises(RuntimeError, match="upload failed"):
+        train(config, resolved_config_file(config), lambda line: None, fail_at_step_2)
+    # the ranks are sshd's descendants, not ours: the stop reached them by hanging up their terminals
+    deadline = time.monotonic() + 30
+    while running(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(alive) >= 6 and not running(run_dir), alive
