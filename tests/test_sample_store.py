@@ -11,7 +11,7 @@ from eagle3.config import load_config
 from eagle3.data.regenerate import read_regenerated, regenerate
 from eagle3.engines.generators import make_generator
 from eagle3.registry.registry import open_registry
-from eagle3.registry.samples import SampleStore, context_key, context_of, open_sample_store, prune_samples
+from eagle3.registry.samples import SampleStore, context_key, reply_context, open_sample_store, prune_samples
 from helpers import TINY, micro_overrides
 
 
@@ -49,7 +49,7 @@ def test_two_writers_at_once_both_land(section):
         thread.join()
     assert failures == []
     index, _ = SampleStore(store, "d" * 32).index()
-    assert len(index["packs"]) == 4 and len(index["samples"]) == 20
+    assert len(index["packs"]) == 4 and len(index["entries"]) == 20
 
 
 def test_retention_deletes_the_packs_only_removed_runs_used(tmp_path):
@@ -61,10 +61,10 @@ def test_retention_deletes_the_packs_only_removed_runs_used(tmp_path):
     lines = []
     assert prune_samples(store, ["/runs/old"], lines.append) == 1
     index, _ = kept_by_use.index()
-    assert sorted(index["samples"]) == ["base"] and [r["id"] for r in kept_by_use.take(["base", "traffic"], "/r")] == [
+    assert sorted(index["entries"]) == ["base"] and [r["id"] for r in kept_by_use.take(["base", "traffic"], "/r")] == [
         "base"]
     assert len(store.list("samples/" + "e" * 32)) == 2  # the index and the one pack left
-    assert any("1 samples of context" in line and "run.keep_runs" in line for line in lines)
+    assert any("1 entries of context" in line and "run.keep_runs" in line for line in lines)
 
 
 def test_a_pack_pruned_after_the_index_was_read_is_regenerated_not_an_error(tmp_path):
@@ -74,7 +74,7 @@ def test_a_pack_pruned_after_the_index_was_read_is_regenerated_not_an_error(tmp_
     store.delete(store.list("samples/" + "f" * 32 + "/packs"))
     lines = []
     assert list(SampleStore(store, "f" * 32, lines.append).take(["a"], "/runs/new")) == []
-    assert any("unreadable" in line and "regenerated" in line for line in lines)
+    assert any("unreadable" in line and "entries are made again" in line for line in lines)
 
 
 class CountingGenerator:
@@ -141,7 +141,7 @@ def test_a_changed_target_shares_nothing(first_run, edit):
     else:
         (target / "chat_template.jinja").write_text((target / "chat_template.jinja").read_text() + "\n")
     config = load_config(TINY, overrides + [f"run.dir={base / target.name}", f"target.path={target}"])
-    assert context_key(context_of(config)) != context_key(context_of(load_config(TINY, overrides)))
+    assert context_key(reply_context(config)) != context_key(reply_context(load_config(TINY, overrides)))
     made, _ = regenerated(config)
     assert made == 8
 
@@ -151,5 +151,5 @@ def test_share_samples_off_or_no_registry_means_no_store(first_run):
     lines = []
     assert open_sample_store(load_config(TINY, overrides + ["data.share_samples=false"]), lines.append) is None
     assert any("data.share_samples is off" in line for line in lines)
-    context = json.loads(json.dumps(context_of(load_config(TINY, overrides))))
+    context = json.loads(json.dumps(reply_context(load_config(TINY, overrides))))
     assert context["target"]["path"] is None and len(context["weights_sha256"]) == 64

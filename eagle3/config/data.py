@@ -105,10 +105,18 @@ class DataSection(Section):
     batch_size: int = Field(default=16, gt=0, description="sequences per forward (engine local)")
     shard_samples: int = Field(default=256, gt=0, description="samples per output shard")
     servers: list[str] = Field(default=[], description="server URLs for engine sglang or vllm (round-robin)")
+    nodes: list[str] = Field(
+        default=[], description="instead of data.servers: the regenerate stage starts the target's servers itself "
+        "(serving.engine's, through serving.launcher: ssh to each host, or an srun step on each node), one per entry "
+        "'host' or 'host:port' (port: serving.port), regenerates over all of them and stops them (docs/gpu-node.md)")
     concurrency: int = Field(default=32, gt=0, description="requests in flight (engine sglang or vllm)")
     retries: int = Field(default=5, ge=0)
     request_timeout_s: float = Field(default=600.0, gt=0.0)
     quality: QualitySection = QualitySection()
+    share_samples: bool = Field(
+        default=True, description="take the replies the registry's sample store holds for the same target, template, "
+        "sampling and caps, and keep this run's there for later runs (needs a registry section; "
+        "docs/production-loop.md)")
     traffic: TrafficSection | None = Field(
         default=None, description="production's request records as a prompt source beside data.prompts (off unless "
         "given: it is the operator's users' text)")
@@ -118,11 +126,45 @@ class DataSection(Section):
         if self.traffic is not None and self.import_path is not None:
             raise ValueError("data.traffic needs regenerated answers (the target answers the traffic prompts): remove "
                              "data.import_path or data.traffic")
-        if self.engine != "local" and not self.servers:
-            raise ValueError(f"engine '{self.engine}' needs data.servers (the URLs of running {self.engine} servers)")
+        if self.engine != "local" and not self.servers and not self.nodes:
+            raise ValueError(f"engine '{self.engine}' needs data.servers (the URLs of running {self.engine} servers) "
+                             "or data.nodes (hosts the stage starts them on)")
+        if problem := nodes_problem(self.engine, self.servers, self.nodes):
+            raise ValueError(problem)
         if self.capture_engine == "sglang" and self.last_hidden == "pre_norm":
             raise ValueError("SGLang returns the last hidden state after the final norm: set data.last_hidden post_norm")
         return self
+
+
+def nodes_problem(engine: str, servers: list[str], nodes: list[str]) -> str | None:
+    """Why data.nodes cannot be started (None: it can): beside data.servers, with the local engine, an entry that is
+    not host or host:port, or two entries for one endpoint."""
+    if not nodes:
+        return None
+    if servers:
+        return ("data.nodes starts servers and data.servers names running ones: give one of them (data.servers "
+                f"{servers}, data.nodes {nodes})")
+    if engine == "local":
+        return ("data.nodes starts servers for data.engine sglang or vllm; engine local generates here: set "
+                "data.engine")
+    for node in nodes:
+        try:
+            split_node(node)
+        except ValueError as err:
+            return str(err)
+    if len(set(nodes)) < len(nodes):
+        return f"data.nodes {nodes} names an endpoint twice: give each server its own host or port"
+    return None
+
+
+def split_node(node: str) -> tuple[str, int | None]:
+    """A data.nodes entry: 'host' -> (host, None), 'host:port' -> (host, port)."""
+    host, colon, port = node.rpartition(":")
+    if not colon:
+        host, port = node, None
+    if not host or (port is not None and not (port.isdigit() and 0 < int(port) < 65536)):
+        raise ValueError(f"data.nodes entry {node!r} is not host or host:port; write it like node-1 or node-1:30001")
+    return host, None if port is None else int(port)
 
 
 class VocabSection(Section):

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from eagle3.config.base import Section
-from eagle3.procs import STOP_GRACE_S
+from eagle3.procs import STOP_GRACE_S, ssh_args_problem
 
 
 class TrainingSection(Section):
@@ -45,6 +45,12 @@ class TrainingSection(Section):
                                        "the draft learns is softmax(logits / this): below 1 sharper, toward the "
                                        "argmax greedy acceptance checks")
     max_steps: int = Field(gt=0)
+    warm_steps: int | Literal["auto"] | None = Field(
+        default=None, description="the step budget of a warm start (training.init_from: a retrain from production's "
+        "draft). None: training.max_steps; a number: that many steps; auto: stop once the best_by score has not "
+        "improved for training.patience evaluations in a row, at training.max_steps at most (docs/training.md)")
+    patience: int = Field(default=3, gt=0, description="warm_steps auto: evaluations in a row without a new best "
+                          "that end a warm start")
     batch_size: int = Field(gt=0, description="global batch per optimizer step, in sequences (all ranks, micro-batches)")
     micro_batch_size: int | None = Field(
         default=None, gt=0, description="sequences one GPU's draft takes per forward (online: the target's forward "
@@ -80,6 +86,9 @@ class TrainingSection(Section):
     launcher: Literal["local", "ssh", "srun"] = Field(
         default="local", description="how training starts: here, one ssh per host in training.hosts, or one srun step")
     hosts: list[str] = Field(default=[], description="launcher ssh: one host per node, each starting one torchrun")
+    ssh_args: list[str] = Field(
+        default=[], description="launcher ssh: options before the host in every ssh it runs, e.g. [-p, '2222', -i, "
+        "~/.ssh/cluster, -o, ProxyJump=login-1] (options only: the launcher adds -tt, the host and the command)")
     rdzv_endpoint: str | None = Field(
         default=None,
         description="several nodes: host:port of the c10d rendezvous, reachable from every node (e.g. the first host)")
@@ -110,6 +119,27 @@ class TrainingSection(Section):
             raise ValueError(f"'{value}' is not host:port; write it like node-1:29500")
         return value
 
+    @field_validator("ssh_args")
+    @classmethod
+    def _ssh_options(cls, value: list[str]) -> list[str]:
+        if problem := ssh_args_problem(value):
+            raise ValueError(problem)
+        return value
+
+    def step_budget(self, warm: bool) -> int:
+        """The steps a run trains at most: a warm start's warm_steps when it names a number, else max_steps."""
+        return self.warm_steps if warm and isinstance(self.warm_steps, int) else self.max_steps
+
+    def stops_on_patience(self, warm: bool) -> bool:
+        return warm and self.warm_steps == "auto"
+
+    @model_validator(mode="after")
+    def _warm_steps_within_max_steps(self) -> TrainingSection:
+        if isinstance(self.warm_steps, int) and not 0 < self.warm_steps <= self.max_steps:
+            raise ValueError(f"training.warm_steps {self.warm_steps} must be in 1..training.max_steps "
+                             f"({self.max_steps}), or auto: the learning-rate schedule spans max_steps")
+        return self
+
     @model_validator(mode="after")
     def _launcher_reaches_every_node(self) -> TrainingSection:
         if self.nnodes > 1 and self.launcher == "local":
@@ -118,8 +148,9 @@ class TrainingSection(Section):
         if self.launcher == "ssh" and len(self.hosts) != self.nnodes:
             raise ValueError(f"training.launcher ssh needs one training.hosts entry per node: {len(self.hosts)} "
                              f"hosts for training.nnodes {self.nnodes}")
-        if self.launcher != "ssh" and self.hosts:
-            raise ValueError(f"training.hosts is for training.launcher ssh, not {self.launcher}; remove it")
+        if self.launcher != "ssh" and (self.hosts or self.ssh_args):
+            field = "hosts" if self.hosts else "ssh_args"
+            raise ValueError(f"training.{field} is for training.launcher ssh, not {self.launcher}; remove it")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ValueError(f"training.nnodes {self.nnodes} needs training.rdzv_endpoint host:port, the rendezvous "
                              "every node's torchrun joins (e.g. the first node, port 29500)")

@@ -1,22 +1,29 @@
-"""The sample store: the target's replies kept beside the registry (its directory or its bucket) and shared by the
-runs of that registry, so a retrain regenerates only the prompts no earlier run answered under the same settings.
+"""The sample store: the target's replies, and offline its captured features, kept beside the registry (its directory
+or its bucket) and shared by the runs of that registry, so a retrain makes only what no earlier run made under the
+same settings.
 
-A reply is kept under its *context*, the hash of everything that made it other than the prompt: the target's
-weights, config and tokenizer files, the chat template and thinking switch, the sampling settings and the token
-caps (`context_of`). Inside a context a reply is found by its prompt's id, the prompt's content hash. A changed
-target, template, temperature or cap is another context, so it shares nothing: nothing stale is ever taken.
+Two kinds, each kept under its *context*, the hash of everything that made an entry other than its key:
+- `samples/`: replies, found by their prompt's id (the prompt's content hash). The context holds the target's
+  weights, config and tokenizer files (the chat template among them), the thinking switch, the sampling settings and
+  the token caps (`reply_context`).
+- `features/`: a sample's captured features (training.features offline), found by a hash of its tokens and loss
+  mask. The context holds the target, the aux layers, the last hidden state's side of the norm, the capture engine
+  and the feature dtype (`feature_context`).
+A changed target, template, temperature, cap or layer is another context, so it shares nothing: nothing stale is
+ever taken.
 
-Layout under the registry's store (docs/production-loop.md, "The sample store"):
-- `samples/<context>/context.json`: what the context hash covers, readable;
-- `samples/<context>/packs/<uuid>.jsonl`: the sample records one run published, one per line, as the data stage
-  writes them (eagle3/data/regenerate.py); a pack is written whole before the index names it;
-- `samples/<context>/index.json`: {"packs": {pack: {"sha256", "samples", "created", "runs"}}, "samples": {prompt id:
-  pack}}. It only changes by compare-and-swap (the store's `put_if`, as the registry's production pointer and
-  lock), so two runs that publish at once both land: the loser reads the winner's index and merges again.
+Layout under the registry's store (docs/production-loop.md, "What a retrain reuses"), for each kind:
+- `<kind>/<context>/context.json`: what the context hash covers, readable;
+- `<kind>/<context>/packs/<uuid>.<jsonl|safetensors>`: what one run published: sample records one per line as the
+  data stage writes them, or one feature shard as capture writes it (eagle3/data/shards.py). A pack is written whole
+  before the index names it;
+- `<kind>/<context>/index.json`: {"packs": {pack: {"sha256", "entries", "keys", "created", "runs"}}, "entries": {key:
+  pack}}. It only changes by compare-and-swap (the store's `put_if`, as the registry's production pointer and lock),
+  so two runs that publish at once both land: the loser re-reads the winner's index and merges again.
 
 Retention follows run.keep_runs: a pack lists the run directories that wrote or took it (`runs`). When a promotion
 prunes old retrain directories, they leave every pack's list; a pack no kept run uses is dropped from the index,
-then deleted. A run that read the index just before finds the pack gone and regenerates those prompts.
+then deleted. A run that read the index just before finds the pack gone and makes those entries again.
 """
 
 from __future__ import annotations
@@ -25,92 +32,105 @@ import hashlib
 import json
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
+from eagle3.config.run import TargetSection
+from eagle3.data.shards import ShardReader, StoredSample
 from eagle3.engines.targets import target_identity, weights_sha256
 from eagle3.registry.registry import open_registry
 from eagle3.registry.store import PointerConflict, RegistryError, Store
 
 Log = Callable[[str], None]
-PREFIX = "samples/"
+KINDS = {"samples": ".jsonl", "features": ".safetensors"}  # kind -> its packs' suffix
 CAS_TRIES = 20  # compare-and-swap rounds before giving up: each loss means another run's write landed
 
 
-def context_of(config: PipelineConfig) -> dict:
-    """Everything a reply depends on besides its prompt. The target's identity holds its config's and tokenizer's
-    files, the chat template among them."""
+def target_context(target: TargetSection) -> dict:
+    """The target by content: its config's and tokenizer's files (the chat template among them) and its weights."""
+    return {"target": target_identity(target) | {"path": None}, "weights_sha256": weights_sha256(target)}
+
+
+def reply_context(config: PipelineConfig) -> dict:
+    """Everything a reply depends on besides its prompt."""
     data = config.data
-    return {"target": target_identity(config.target) | {"path": None},  # the content counts, not where it lies
-            "weights_sha256": weights_sha256(config.target), "thinking": data.thinking,
+    return {**target_context(config.target), "thinking": data.thinking,
             "sampling": {"temperature": data.temperature, "max_new_tokens": data.max_new_tokens},
             "max_length": data.max_length}
+
+
+def feature_context(config: PipelineConfig) -> dict:
+    """Everything a sample's captured features depend on besides its tokens."""
+    data = config.data
+    return {**target_context(config.target), "aux_layers": list(data.aux_layers), "last_hidden": data.last_hidden,
+            "engine": data.capture_engine, "dtype": data.feature_dtype}
 
 
 def context_key(context: dict) -> str:
     return hashlib.sha256(json.dumps(context, sort_keys=True).encode()).hexdigest()[:32]
 
 
-class SampleStore:
-    """One context's replies in a registry store (`context`: what its hash covers, written beside the first pack)."""
+def tokens_key(record: dict) -> str:
+    """A sample's features' key: its tokens and loss mask by content."""
+    return hashlib.sha256(json.dumps([record["input_ids"], record["loss_mask"]]).encode()).hexdigest()[:32]
 
-    def __init__(self, store: Store, key: str, log: Log = print, context: dict | None = None):
-        self.store, self.key, self.log, self.context = store, key, log, context
-        self.base = f"{PREFIX}{key}/"
+
+class PackStore:
+    """One kind's entries of one context in a registry store (`context`: what its hash covers, written beside the
+    first pack)."""
+
+    def __init__(self, store: Store, kind: str, key: str, log: Log = print, context: dict | None = None):
+        self.store, self.kind, self.key, self.log, self.context = store, kind, key, log, context
+        self.base = f"{kind}/{key}/"
         self.where = f"{store.location}/{self.base.rstrip('/')}"
 
     def index(self) -> tuple[dict, str | None]:
         data, etag = self.store.read(self.base + "index.json")
-        return (json.loads(data) if data else {"packs": {}, "samples": {}}), etag
+        return (json.loads(data) if data else {"packs": {}, "entries": {}}), etag
 
-    def take(self, wanted: Iterable[str], run_dir: str) -> Iterable[dict]:
-        """Yield the stored record of every prompt id in `wanted` the store holds, pack by pack; the packs read are
-        marked used by `run_dir` (retention keeps them while that run is kept)."""
+    def pack_key(self, pack: str) -> str:
+        return f"{self.base}packs/{pack}{KINDS[self.kind]}"
+
+    def packs_for(self, wanted: Iterable[str], run_dir: str) -> tuple[dict, dict[str, set[str]]]:
+        """The index, and {pack: the wanted keys it holds}; those packs are marked used by `run_dir` (retention keeps
+        them while that run is kept)."""
         index, _ = self.index()
         by_pack: dict[str, set[str]] = {}
-        for pid in wanted:
-            if pid in index["samples"]:
-                by_pack.setdefault(index["samples"][pid], set()).add(pid)
+        for key in wanted:
+            if key in index["entries"]:
+                by_pack.setdefault(index["entries"][key], set()).add(key)
         self.update(lambda current: mark_used(current, by_pack, run_dir))
-        with tempfile.TemporaryDirectory() as scratch:
-            for pack, ids in sorted(by_pack.items()):
-                path = Path(scratch) / "pack.jsonl"
-                try:
-                    self.store.download(f"{self.base}packs/{pack}.jsonl", path, index["packs"][pack]["sha256"])
-                except RegistryError as err:  # pruned since the index was read, or corrupt: made again instead
-                    self.log(f"sample store: pack {pack} unreadable ({err}); its {len(ids)} prompt(s) are regenerated")
-                    continue
-                with open(path) as lines:
-                    for line in lines:
-                        record = json.loads(line)
-                        if record["id"] in ids:
-                            yield record
+        return index, by_pack
 
-    def publish(self, records: Iterable[dict], run_dir: str) -> int:
-        """Keep the records whose prompts the store does not hold yet, as one new pack (written through a file: a
-        run's records can be GBs); returns how many."""
-        index, _ = self.index()
-        ids = []
+    @contextmanager
+    def fetched(self, pack: str, sha256: str, count: int) -> Iterator[Path | None]:
+        """The pack as a local file for the block, or None (said) when it is gone or corrupt: its `count` entries are
+        made again."""
         with tempfile.TemporaryDirectory() as scratch:
-            path = Path(scratch) / "pack.jsonl"
-            with open(path, "w") as pack_file:
-                for record in records:
-                    if record["id"] not in index["samples"]:
-                        ids.append(record["id"])
-                        pack_file.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
-            if not ids:
-                return 0
-            if self.context is not None:
-                self.store.put_bytes(self.base + "context.json",
-                                     json.dumps(self.context, indent=1, sort_keys=True).encode())
-            pack = uuid.uuid4().hex
-            digest = self.store.put_file(f"{self.base}packs/{pack}.jsonl", path)  # whole before the index names it
-        entry = {"sha256": digest.sha256, "samples": len(ids), "runs": [run_dir],
+            path = Path(scratch) / f"pack{KINDS[self.kind]}"
+            try:
+                self.store.download(self.pack_key(pack), path, sha256)
+            except RegistryError as err:  # pruned since the index was read, or corrupt
+                self.log(f"{self.kind} store: pack {pack} unreadable ({err}); its {count} entries are made again")
+                path = None
+            yield path
+
+    def absent(self, keys: Iterable[str]) -> list[str]:
+        index, _ = self.index()
+        return [key for key in keys if key not in index["entries"]]
+
+    def publish_file(self, path: Path, keys: list[str], run_dir: str) -> None:
+        """Keep `path` as a new pack holding `keys` (row order); a key already kept stays with its first pack."""
+        if self.context is not None:
+            self.store.put_bytes(self.base + "context.json", json.dumps(self.context, indent=1, sort_keys=True).encode())
+        pack = uuid.uuid4().hex
+        digest = self.store.put_file(self.pack_key(pack), path)  # whole before the index names it
+        entry = {"sha256": digest.sha256, "entries": len(keys), "keys": keys, "runs": [run_dir],
                  "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        self.update(lambda current: add_pack(current, pack, entry, ids))
-        return len(ids)
+        self.update(lambda current: add_pack(current, pack, entry))
 
     def update(self, change: Callable[[dict], dict | None]) -> None:
         """Apply `change` to the index by compare-and-swap, re-reading it after each lost race; `change` returns
@@ -129,6 +149,68 @@ class SampleStore:
                             "writers; run again")
 
 
+class SampleStore(PackStore):
+    """Replies by prompt id."""
+
+    def __init__(self, store: Store, key: str, log: Log = print, context: dict | None = None):
+        super().__init__(store, "samples", key, log, context)
+
+    def take(self, wanted: Iterable[str], run_dir: str) -> Iterator[dict]:
+        """Yield the stored record of every prompt id in `wanted` the store holds, pack by pack."""
+        index, by_pack = self.packs_for(wanted, run_dir)
+        for pack, ids in sorted(by_pack.items()):
+            with self.fetched(pack, index["packs"][pack]["sha256"], len(ids)) as path:
+                if path is None:
+                    continue
+                with open(path) as lines:
+                    for line in lines:
+                        record = json.loads(line)
+                        if record["id"] in ids:
+                            yield record
+
+    def publish(self, records: Iterable[dict], run_dir: str) -> int:
+        """Keep the records whose prompts the store does not hold yet, as one new pack (written through a file: a
+        run's records can be GBs); returns how many."""
+        index, _ = self.index()
+        ids = []
+        with tempfile.TemporaryDirectory() as scratch:
+            path = Path(scratch) / "pack.jsonl"
+            with open(path, "w") as pack_file:
+                for record in records:
+                    if record["id"] not in index["entries"]:
+                        ids.append(record["id"])
+                        pack_file.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+            if ids:
+                self.publish_file(path, ids, run_dir)
+        return len(ids)
+
+
+class FeatureStore(PackStore):
+    """Captured features by the sample's tokens (tokens_key); a pack is a feature shard, its rows named in the
+    index."""
+
+    def __init__(self, store: Store, key: str, log: Log = print, context: dict | None = None):
+        super().__init__(store, "features", key, log, context)
+
+    def take(self, wanted: Iterable[str], run_dir: str) -> dict[str, StoredSample]:
+        """The stored features of every key in `wanted` the store holds."""
+        index, by_pack = self.packs_for(wanted, run_dir)
+        found = {}
+        for pack, keys in sorted(by_pack.items()):
+            rows = {key: row for row, key in enumerate(index["packs"][pack]["keys"]) if key in keys}
+            with self.fetched(pack, index["packs"][pack]["sha256"], len(keys)) as path:
+                reader = ShardReader(path) if path else None
+                found.update({key: reader.sample(row) for key, row in rows.items()} if reader else {})
+        return found
+
+    def publish_shard(self, path: Path, keys: list[str], run_dir: str) -> int:
+        """Keep a feature shard whose rows are `keys` when it holds any the store lacks; returns how many it adds."""
+        new = len(self.absent(keys))
+        if new:
+            self.publish_file(path, keys, run_dir)
+        return new
+
+
 def mark_used(index: dict, by_pack: dict[str, set[str]], run_dir: str) -> dict | None:
     """The index with `run_dir` among the users of every pack read (packs pruned meanwhile stay out)."""
     packs = [pack for pack in by_pack if pack in index["packs"] and run_dir not in index["packs"][pack]["runs"]]
@@ -137,11 +219,11 @@ def mark_used(index: dict, by_pack: dict[str, set[str]], run_dir: str) -> dict |
     return index if packs else None
 
 
-def add_pack(index: dict, pack: str, entry: dict, ids: list[str]) -> dict:
-    """The index with the new pack; a prompt another run published meanwhile keeps its first pack."""
+def add_pack(index: dict, pack: str, entry: dict) -> dict:
+    """The index with the new pack; a key another run published meanwhile keeps its first pack."""
     index["packs"][pack] = entry
-    for pid in ids:
-        index["samples"].setdefault(pid, pack)
+    for key in entry["keys"]:
+        index["entries"].setdefault(key, pack)
     return index
 
 
@@ -157,49 +239,68 @@ def drop_runs(index: dict, removed: set[str]) -> tuple[dict | None, list[str]]:
             dropped.append(pack)
             del index["packs"][pack]
     if dropped:
-        index["samples"] = {pid: pack for pid, pack in index["samples"].items() if pack not in dropped}
+        index["entries"] = {key: pack for key, pack in index["entries"].items() if pack not in dropped}
     return (index if changed else None), dropped
 
 
 def prune_samples(store: Store, removed_runs: Iterable[str], log: Log = print) -> int:
-    """Retention: the removed run directories leave every context's packs; packs no kept run uses are deleted.
-    Returns the samples deleted."""
+    """Retention: the removed run directories leave every context's packs, of both kinds; packs no kept run uses are
+    deleted. Returns the entries deleted."""
     removed = {str(run) for run in removed_runs}
-    if not removed:
-        return 0
     deleted = 0
-    for key in sorted({name.split("/")[1] for name in store.list(PREFIX) if name.endswith("/index.json")}):
-        context = SampleStore(store, key, log)
-        dropped: list[str] = []
-        sizes: dict[str, int] = {}
+    for kind in KINDS if removed else ():
+        for key in sorted({name.split("/")[1] for name in store.list(kind) if name.endswith("/index.json")}):
+            packs = PackStore(store, kind, key, log)
+            dropped: list[str] = []
+            sizes: dict[str, int] = {}
 
-        def change(index: dict) -> dict | None:
-            nonlocal dropped
-            sizes.update({pack: entry["samples"] for pack, entry in index["packs"].items()})
-            changed, dropped = drop_runs(index, removed)
-            return changed
+            def change(index: dict) -> dict | None:
+                nonlocal dropped
+                sizes.update({pack: entry["entries"] for pack, entry in index["packs"].items()})
+                changed, dropped = drop_runs(index, removed)
+                return changed
 
-        context.update(change)
-        store.delete([f"{context.base}packs/{pack}.jsonl" for pack in dropped])
-        deleted += sum(sizes[pack] for pack in dropped)
-        if dropped:
-            log(f"sample store: {len(dropped)} pack(s), {sum(sizes[p] for p in dropped)} samples of context {key} "
-                "deleted: no kept run uses them (run.keep_runs)")
+            packs.update(change)
+            store.delete([packs.pack_key(pack) for pack in dropped])
+            count = sum(sizes[pack] for pack in dropped)
+            deleted += count
+            if dropped:
+                log(f"{kind} store: {len(dropped)} pack(s), {count} entries of context {key} deleted: no kept run uses "
+                    "them (run.keep_runs)")
     return deleted
 
 
 # ---------------------------------------------------------------------------------------------
-# The data stage's side
+# The data stages' side
 
 
 def open_sample_store(config: PipelineConfig, log: Log = print) -> SampleStore | None:
-    """The store of the config's registry for this run's context; None (said) without a registry or with
+    """The reply store of the config's registry for this run's context; None (said) without a registry or with
     data.share_samples off."""
+    store = registry_store(config, log)
+    if store is None:
+        return None
+    context = reply_context(config)
+    return SampleStore(store, context_key(context), log, context)
+
+
+def open_feature_store(config: PipelineConfig, log: Log = print) -> FeatureStore | None:
+    """The feature store for this run's capture settings; None with features online (nothing captured for
+    training), without a registry, or with data.share_samples off."""
+    if config.training.features == "online":
+        return None
+    store = registry_store(config, log)
+    if store is None:
+        return None
+    context = feature_context(config)
+    return FeatureStore(store, context_key(context), log, context)
+
+
+def registry_store(config: PipelineConfig, log: Log) -> Store | None:
     if config.registry is None:
-        log("sample store: no registry section, so no store: every reply is generated")
+        log("sample store: no registry section, so no store: everything is made anew")
         return None
     if not config.data.share_samples:
-        log("sample store: data.share_samples is off: every reply is generated, none kept")
+        log("sample store: data.share_samples is off: everything is made anew, nothing kept")
         return None
-    context = context_of(config)
-    return SampleStore(open_registry(config.registry, log).store, context_key(context), log, context)
+    return open_registry(config.registry, log).store

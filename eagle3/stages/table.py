@@ -98,8 +98,12 @@ def served_export(config: PipelineConfig) -> Path:
 
 def regenerate(run: StageRun) -> None:
     from eagle3.data.importer import make_samples
+    from eagle3.registry.samples import open_sample_store
+    from eagle3.serve.data_nodes import on_nodes
 
-    make_samples(run.config, log=run.log)
+    store = None if run.config.data.import_path else open_sample_store(run.config, run.log)
+    with on_nodes(run.config, run.log) as (config, generator):  # data.nodes: servers started for the stage
+        make_samples(config, log=run.log, store=store, generator=generator)
 
 
 def capture(run: StageRun) -> None:
@@ -118,9 +122,11 @@ def train(run: StageRun) -> None:
     from eagle3.init_draft import resolve_init_from
     from eagle3.train.launch import train as launch
 
+    budget = run.config.training.step_budget(warm=run.config.training.init_from is not None)
+
     def on_metrics(record: dict) -> None:
         if "loss" in record:
-            run.progress(record["step"] / run.config.training.max_steps)
+            run.progress(record["step"] / budget)
 
     resolve_init_from(run.config, run.log)  # training.init_from fetched and converted once, for every rank
     launch(run.config, run.resolved, log=run.log, on_metrics=on_metrics)
@@ -231,7 +237,8 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
           key=("draft", "training.features", "training.ttt_steps", "training.ttt_step_decay", "training.learning_rate",
                "training.warmup_steps", "training.warmup_start", "training.lr_floor", "training.adam_betas",
                "training.weight_decay", "training.freeze_head", "training.feature_noise",
-               "training.teacher_temperature", "training.loss_positions", "training.max_steps",
+               "training.teacher_temperature", "training.loss_positions", "training.max_steps", "training.warm_steps",
+               "training.patience",
                "training.batch_size", "training.seq_len", "training.grad_clip", "training.eval_fraction",
                "training.eval_every", "training.seed", "training.best_by", "training.replay_prompts",
                "training.replay_max_new_tokens", *REPLAY),
@@ -289,9 +296,11 @@ OPERATIONAL = {
     "data.batch_size": SPEED,
     "data.shard_samples": "how the same rows are cut into shard files",
     "data.servers": SPEED,
+    "data.nodes": SPEED,
     "data.concurrency": SPEED,
     "data.retries": "retries of failed requests: the same replies once answered",
     "data.request_timeout_s": "how long a request may take",
+    "data.share_samples": "replies taken from the sample store were made under the same key inputs (its context)",
     "training.recompute": "recomputes activations in the backward: the same gradients, less memory",
     "training.micro_batch_size": "gradient accumulation over the same batch",
     "training.nproc_per_node": SPEED,
@@ -301,13 +310,14 @@ OPERATIONAL = {
     "training.keep_last": "how many checkpoints are kept",
     "training.launcher": SPEED,
     "training.hosts": SPEED,
+    "training.ssh_args": SPEED,
     "training.rdzv_endpoint": SPEED,
     "training.srun_args": SPEED,
     "training.python": "the interpreter the trainers run in",
     "training.stop_grace_s": "how long a stopped trainer gets to save",
     **{f"serving.{name}": UNCACHED for name in (
-        "python", "launcher", "host", "port", "tp", "extra_args", "ssh_host", "srun_args", "health_timeout_s",
-        "log_dir", "gpu_free_mib", "gpu_free_timeout_s")},
+        "python", "launcher", "host", "port", "tp", "extra_args", "ssh_host", "ssh_args", "srun_args",
+        "health_timeout_s", "log_dir", "gpu_free_mib", "gpu_free_timeout_s")},
     **{f"benchmark.{name}": UNCACHED for name in ("concurrency", "temperature", "request_timeout_s", "retries",
                                                   "baseline")},
     **{f"sweep.{name}": UNCACHED for name in ("enabled", "num_prompts", "budget_s")},
