@@ -61,14 +61,17 @@ def train(config) -> tuple[list[dict], float]:
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "eval_accept_length" in r], seconds
 
 
-def patience_stop(evaluations: list[dict], patience: int) -> int:
-    """The step at which warm_steps auto with this patience would have stopped (the last step if never)."""
-    since = 0
+def patience_stop(evaluations: list[dict], patience: int, min_gain: float) -> tuple[int, float]:
+    """The step at which warm_steps auto would have stopped (the last step if never), as the trainer counts gains,
+    and the accept length there."""
+    gained, since = None, 0
     for record in evaluations:
-        since = 0 if record["new_best"] else since + 1
+        score = record["eval_accept_length"]
+        gain = gained is None or score > gained + min_gain
+        gained, since = (score, 0) if gain else (gained, since + 1)
         if since >= patience:
-            return record["step"]
-    return evaluations[-1]["step"]
+            return record["step"], score
+    return evaluations[-1]["step"], evaluations[-1]["eval_accept_length"]
 
 
 def main() -> None:
@@ -116,8 +119,10 @@ def main() -> None:
     else:
         print(f"warm start reaches it at step {reached}: ratio {reached / steps:.3f} of max_steps")
     for patience in (2, 3):
-        stop = patience_stop(warm, patience)
-        print(f"warm_steps auto, patience {patience}: stops at step {stop} ({stop / steps:.3f} of max_steps)")
+        for min_gain in (0.0, 0.02, 0.05):
+            stop, reached_there = patience_stop(warm, patience, min_gain)
+            print(f"warm_steps auto, patience {patience}, min_gain {min_gain:g}: stops at step {stop} "
+                  f"({stop / steps:.3f} of max_steps), accept length {reached_there:.3f}")
 
 
 if __name__ == "__main__":

@@ -191,3 +191,14 @@ def test_a_warm_start_with_warm_steps_auto_stops_once_accept_length_stops_improv
 def test_a_warm_budget_outside_max_steps_is_refused_by_name(steps):
     with pytest.raises(Exception, match=rf"training.warm_steps {steps} must be in 1..training.max_steps \(40\)"):
         load_config(TINY, ["training.max_steps=40", f"training.warm_steps={steps}"])
+
+
+def test_min_gain_counts_only_gains_above_it(public_draft, micro_data, tmp_path):
+    """A gain of more than 10 accept-length units never comes: the first evaluation sets the mark, two more end it."""
+    overrides, run_dir = run_copy(micro_data, tmp_path, "gain", [
+        "training.max_steps=40", "training.eval_every=2", "training.warm_steps=auto", "training.patience=2",
+        "training.min_gain=10", f"training.init_from={public_draft}"])
+    config = load_config(TINY, overrides)
+    resolve_init_from(config, QUIET)
+    Trainer(config, log=QUIET).run()
+    assert [m["step"] for m in metrics(run_dir) if "eval_loss" in m] == [2, 4, 6]

@@ -5,6 +5,7 @@ import shutil
 import threading
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.config import load_config
@@ -153,3 +154,60 @@ def test_share_samples_off_or_no_registry_means_no_store(first_run):
     assert any("data.share_samples is off" in line for line in lines)
     context = json.loads(json.dumps(reply_context(load_config(TINY, overrides))))
     assert context["target"]["path"] is None and len(context["weights_sha256"]) == 64
+
+
+class CountingBackend:
+    """The real local feature backend, counting the samples it computes."""
+
+    def __init__(self, config):
+        from eagle3.engines.backends import local_device, target_backend
+
+        self.inner = target_backend(config.data, config.target, local_device())
+        self.release, self.samples = self.inner.release, 0
+
+    def features(self, batch):
+        self.samples += len(batch.sample_ids)
+        return self.inner.features(batch)
+
+    def close(self):
+        self.inner.close()
+
+
+def captured(config, lines):
+    from eagle3.data.capture import capture
+    from eagle3.data.shards import read_dataset
+    from eagle3.registry.samples import open_feature_store
+
+    backend = None
+
+    def backend_for():
+        nonlocal backend
+        backend = CountingBackend(config)
+        return backend
+
+    capture(config, log=lines.append, backend_for=backend_for, store=open_feature_store(config, lines.append))
+    return backend.samples, {s.id: s for s in read_dataset(config.stage_dir("data") / "hidden")}
+
+
+def test_offline_features_are_taken_from_the_store_equal_to_computed_ones(first_run):
+    """The second run's training samples are the first's (taken replies): their features are copied, not computed;
+    only the held-out sequences (made per run) go through the target. Other layers share nothing."""
+    base, overrides, _ = first_run
+    lines = []
+    first = load_config(TINY, overrides)
+    computed, features = captured(first, lines)
+    assert computed == 8 + 2 and any("8 samples' new features kept" in line for line in lines)
+    second = load_config(TINY, overrides + [f"run.dir={base / 'features'}"])
+    regenerated(second)
+    lines = []
+    computed, again = captured(second, lines)
+    assert computed == 2 and any("8 of 8 samples' features taken from earlier runs, 0 to compute" in line
+                                 for line in lines)
+    assert again.keys() == features.keys()
+    for sid, sample in again.items():
+        assert torch.equal(sample.aux_hidden, features[sid].aux_hidden)
+        assert torch.equal(sample.last_hidden, features[sid].last_hidden)
+    other = load_config(TINY, overrides + [f"run.dir={base / 'features-layers'}", "data.aux_layers=[0, 2]"])
+    regenerated(other)
+    computed, _ = captured(other, [])
+    assert computed == 8 + 2

@@ -49,8 +49,11 @@ class TrainingSection(Section):
         default=None, description="the step budget of a warm start (training.init_from: a retrain from production's "
         "draft). None: training.max_steps; a number: that many steps; auto: stop once the best_by score has not "
         "improved for training.patience evaluations in a row, at training.max_steps at most (docs/training.md)")
-    patience: int = Field(default=3, gt=0, description="warm_steps auto: evaluations in a row without a new best "
-                          "that end a warm start")
+    patience: int = Field(default=3, gt=0, description="warm_steps auto: evaluations in a row without a gain that "
+                          "end a warm start")
+    min_gain: float = Field(default=0.0, ge=0.0, description="warm_steps auto: what counts as a gain - the best_by "
+                            "score beating the last gain's by more than this (in its units: accept length, accuracy "
+                            "or loss); 0: any improvement")
     batch_size: int = Field(gt=0, description="global batch per optimizer step, in sequences (all ranks, micro-batches)")
     micro_batch_size: int | None = Field(
         default=None, gt=0, description="sequences one GPU's draft takes per forward (online: the target's forward "

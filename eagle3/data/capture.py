@@ -96,12 +96,14 @@ def heldout_records(run: RunSection) -> list[dict]:
 
 
 def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], FeatureBackend] | None = None,
-            main: bool = True) -> Path:
+            main: bool = True, store=None) -> Path:
     """Make the training data set and the held-out features; returns the data set's directory.
 
     `backend_for()` starts the feature backend (default: transformers on this machine's device), only when some
     shard needs features. Every rank of a tensor-parallel backend runs this with the same shards in the same order;
     only `main` writes. On a re-run, a shard whose stamp matches (samples, their tokens, settings) is reused.
+    `store`: the registry's feature store for these settings (eagle3.registry.samples.FeatureStore; offline, local
+    engine): a training sample's features it holds are copied, not computed, and the shards made here are kept there.
     """
     regen_manifest = regenerated_manifest(config)
     # in split order, so that more samples fill new shards and leave the full shards before them current
@@ -131,17 +133,23 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
         for job in jobs:
             if job.todo:
                 write_shard(job.path, job.samples, job.stamp, None, {}, config.data.batch_size)
-    if pending:
-        backend = backend_for() if backend_for else target_backend(config.data, config.target, local_device())
-        release = backend.release
-        progress = Progress("capture", total=sum(len(job.samples) for job in pending), unit="samples", log=log)
-        try:
-            for job in pending:
-                write_shard(job.path, job.samples, {**job.stamp, "engine_release": release}, backend,
-                            feature_widths(config.data, config.target), config.data.batch_size, main, progress,
-                            FEATURE_DTYPES[dtype])
-        finally:
-            backend.close()
+    stored_jobs = [] if online or store is None else [job for job in jobs if job.todo]
+    with stored_rows(store, stored_jobs, config.run, log) as stored:
+        if pending:
+            backend = backend_for() if backend_for else target_backend(config.data, config.target, local_device())
+            release = backend.release
+            progress = Progress("capture", total=sum(len(job.samples) for job in pending), unit="samples", log=log)
+            try:
+                for job in pending:
+                    write_shard(job.path, job.samples, {**job.stamp, "engine_release": release}, backend,
+                                feature_widths(config.data, config.target), config.data.batch_size, main, progress,
+                                FEATURE_DTYPES[dtype], stored if job in stored_jobs else {})
+            finally:
+                backend.close()
+    if main and stored_jobs:
+        kept = sum(store.publish_shard(job.path, [sample_key(r) for r in job.samples], str(config.run.data_dir.resolve()))
+                   for job in stored_jobs)
+        log(f"capture: feature store {store.where}: {kept} samples' new features kept for later runs")
     if main:
         remove_stale(out, len(jobs))
         named_eval = write_split(out, records)
@@ -175,6 +183,25 @@ def shard_jobs(records: list[dict], out: Path, per_shard: int, settings: dict, d
     return jobs
 
 
+@contextlib.contextmanager
+def stored_rows(store, jobs: list[ShardJob], run: RunSection, log: Log):
+    """For the block: {sample key: a reader of its stored features} for the jobs' samples the feature store holds
+    ({} without a store or jobs), counted in the log."""
+    if store is None or not jobs:
+        yield {}
+        return
+    keys = [sample_key(r) for job in jobs for r in job.samples]
+    with store.rows(keys, str(run.data_dir.resolve())) as found:
+        log(f"capture: feature store {store.where}: {len(found)} of {len(keys)} samples' features taken from earlier "
+            f"runs, {len(keys) - len(found)} to compute")
+        yield found
+
+
+def sample_key(record: dict) -> str:
+    """A sample's features by content: its tokens and loss mask (the feature store's key)."""
+    return tokens_hash([record])[:32]
+
+
 def tokens_hash(records: list[dict]) -> str:
     digest = hashlib.sha256()
     for record in records:
@@ -184,24 +211,32 @@ def tokens_hash(records: list[dict]) -> str:
 
 def write_shard(path: Path, shard: list[dict], stamp: dict, backend: FeatureBackend | None, widths: dict[str, int],
                 batch_size: int, main: bool = True, progress: Progress | None = None,
-                dtype: torch.dtype = torch.bfloat16) -> None:
+                dtype: torch.dtype = torch.bfloat16, stored: dict | None = None) -> None:
     """One shard, batch by batch: tokens, and the backend's features when there is a backend (`widths` names them,
-    stored in `dtype`)."""
+    stored in `dtype`); a sample `stored` holds (by sample_key) is copied from there instead of computed."""
     lengths = [len(r["input_ids"]) for r in shard]
+    stored = stored or {}
     writer = ShardWriter(path, [r["id"] for r in shard], lengths, widths, stamp, dtype) if main else contextlib.nullcontext()
     with writer:
         for start in range(0, len(shard), batch_size):
             batch = shard[start : start + batch_size]
+            keys = [sample_key(r) if stored else None for r in batch]
+            fresh = [i for i, key in enumerate(keys) if key not in stored]  # row i of the batch -> computed row
             features = None
-            if backend is not None:
-                features = backend.features(pad_rows([r["input_ids"] for r in batch], [r["id"] for r in batch]))
-                check_rows(batch, features, widths)
+            if backend is not None and fresh:
+                computed = [batch[i] for i in fresh]
+                features = backend.features(pad_rows([r["input_ids"] for r in computed], [r["id"] for r in computed]))
+                check_rows(computed, features, widths)
                 features = Features(to_host(features.aux), to_host(features.last))  # one copy per batch
             for i, record in enumerate(batch if main else []):
                 n = lengths[start + i]
                 rows = {"input_ids": torch.tensor(record["input_ids"]), "loss_mask": torch.tensor(record["loss_mask"])}
-                if features is not None:
-                    rows.update(aux_hidden=features.aux[i, :n], last_hidden=features.last[i, :n])
+                if features is not None and i in fresh:
+                    row = fresh.index(i)
+                    rows.update(aux_hidden=features.aux[row, :n], last_hidden=features.last[row, :n])
+                elif backend is not None:
+                    sample = stored[keys[i]]()
+                    rows.update(aux_hidden=sample.aux_hidden, last_hidden=sample.last_hidden)
                 writer.write(start + i, **rows)
             if progress is not None:
                 progress.advance(len(batch), tokens=sum(lengths[start : start + batch_size]))

@@ -47,13 +47,14 @@ def run_on_node(data: DataSection, serving: ServingSection, resolved: Path | str
         raise Eagle3Error(f"SGLang capture exited with status {code}: {' '.join(command)}")
 
 
-def capture_with_engine(config: PipelineConfig, resolved: Path | str, log: Log = print) -> Path:
-    """Capture with `data.capture_engine`: here (transformers), or SGLang on the GPU node - torchrun in the node's
-    SGLang environment reading the run's resolved config. Returns the training data set's directory."""
+def capture_with_engine(config: PipelineConfig, resolved: Path | str, log: Log = print, store=None) -> Path:
+    """Capture with `data.capture_engine`: here (transformers, with the feature store `store` when there is one), or
+    SGLang on the GPU node - torchrun in the node's SGLang environment reading the run's resolved config. Returns the
+    training data set's directory."""
     if config.data.capture_engine == "sglang":
         run_on_node(config.data, config.serving, resolved, log=log)
         return dataset_dir(config)
-    return capture(config, log=log)
+    return capture(config, log=log, store=store)
 
 
 def main(argv: list[str] | None = None) -> int:

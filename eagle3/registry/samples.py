@@ -7,8 +7,8 @@ Two kinds, each kept under its *context*, the hash of everything that made an en
   weights, config and tokenizer files (the chat template among them), the thinking switch, the sampling settings and
   the token caps (`reply_context`).
 - `features/`: a sample's captured features (training.features offline), found by a hash of its tokens and loss
-  mask. The context holds the target, the aux layers, the last hidden state's side of the norm, the capture engine
-  and the feature dtype (`feature_context`).
+  mask (eagle3.data.capture.sample_key). The context holds the target, the aux layers, the last hidden state's side
+  of the norm, the capture engine and the feature dtype (`feature_context`).
 A changed target, template, temperature, cap or layer is another context, so it shares nothing: nothing stale is
 ever taken.
 
@@ -28,6 +28,7 @@ then deleted. A run that read the index just before finds the pack gone and make
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import tempfile
@@ -73,11 +74,6 @@ def context_key(context: dict) -> str:
     return hashlib.sha256(json.dumps(context, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def tokens_key(record: dict) -> str:
-    """A sample's features' key: its tokens and loss mask by content."""
-    return hashlib.sha256(json.dumps([record["input_ids"], record["loss_mask"]]).encode()).hexdigest()[:32]
-
-
 class PackStore:
     """One kind's entries of one context in a registry store (`context`: what its hash covers, written beside the
     first pack)."""
@@ -105,18 +101,14 @@ class PackStore:
         self.update(lambda current: mark_used(current, by_pack, run_dir))
         return index, by_pack
 
-    @contextmanager
-    def fetched(self, pack: str, sha256: str, count: int) -> Iterator[Path | None]:
-        """The pack as a local file for the block, or None (said) when it is gone or corrupt: its `count` entries are
-        made again."""
-        with tempfile.TemporaryDirectory() as scratch:
-            path = Path(scratch) / f"pack{KINDS[self.kind]}"
-            try:
-                self.store.download(self.pack_key(pack), path, sha256)
-            except RegistryError as err:  # pruned since the index was read, or corrupt
-                self.log(f"{self.kind} store: pack {pack} unreadable ({err}); its {count} entries are made again")
-                path = None
-            yield path
+    def download_pack(self, pack: str, sha256: str, path: Path, count: int) -> bool:
+        """The pack at `path`; False (said) when it is gone or corrupt: its `count` entries are made again."""
+        try:
+            self.store.download(self.pack_key(pack), path, sha256)
+        except RegistryError as err:  # pruned since the index was read, or corrupt
+            self.log(f"{self.kind} store: pack {pack} unreadable ({err}); its {count} entries are made again")
+            return False
+        return True
 
     def absent(self, keys: Iterable[str]) -> list[str]:
         index, _ = self.index()
@@ -158,15 +150,17 @@ class SampleStore(PackStore):
     def take(self, wanted: Iterable[str], run_dir: str) -> Iterator[dict]:
         """Yield the stored record of every prompt id in `wanted` the store holds, pack by pack."""
         index, by_pack = self.packs_for(wanted, run_dir)
-        for pack, ids in sorted(by_pack.items()):
-            with self.fetched(pack, index["packs"][pack]["sha256"], len(ids)) as path:
-                if path is None:
+        with tempfile.TemporaryDirectory() as scratch:
+            for pack, ids in sorted(by_pack.items()):
+                path = Path(scratch) / f"{pack}.jsonl"
+                if not self.download_pack(pack, index["packs"][pack]["sha256"], path, len(ids)):
                     continue
                 with open(path) as lines:
                     for line in lines:
                         record = json.loads(line)
                         if record["id"] in ids:
                             yield record
+                path.unlink()
 
     def publish(self, records: Iterable[dict], run_dir: str) -> int:
         """Keep the records whose prompts the store does not hold yet, as one new pack (written through a file: a
@@ -186,22 +180,26 @@ class SampleStore(PackStore):
 
 
 class FeatureStore(PackStore):
-    """Captured features by the sample's tokens (tokens_key); a pack is a feature shard, its rows named in the
-    index."""
+    """Captured features by the sample's tokens (eagle3.data.capture.sample_key); a pack is a feature shard, its rows
+    named in the index."""
 
     def __init__(self, store: Store, key: str, log: Log = print, context: dict | None = None):
         super().__init__(store, "features", key, log, context)
 
-    def take(self, wanted: Iterable[str], run_dir: str) -> dict[str, StoredSample]:
-        """The stored features of every key in `wanted` the store holds."""
+    @contextmanager
+    def rows(self, wanted: Iterable[str], run_dir: str) -> Iterator[dict[str, Callable[[], StoredSample]]]:
+        """For the block: {key: a reader of its stored features} for every key in `wanted` the store holds. Each
+        pack is downloaded once, into a scratch directory, and read row by row (a shard need not fit in memory)."""
         index, by_pack = self.packs_for(wanted, run_dir)
-        found = {}
-        for pack, keys in sorted(by_pack.items()):
-            rows = {key: row for row, key in enumerate(index["packs"][pack]["keys"]) if key in keys}
-            with self.fetched(pack, index["packs"][pack]["sha256"], len(keys)) as path:
-                reader = ShardReader(path) if path else None
-                found.update({key: reader.sample(row) for key, row in rows.items()} if reader else {})
-        return found
+        found: dict[str, Callable[[], StoredSample]] = {}
+        with tempfile.TemporaryDirectory() as scratch:
+            for pack, keys in sorted(by_pack.items()):
+                path = Path(scratch) / f"{pack}.safetensors"
+                if self.download_pack(pack, index["packs"][pack]["sha256"], path, len(keys)):
+                    reader = ShardReader(path)
+                    found.update({key: functools.partial(reader.sample, row)
+                                  for row, key in enumerate(index["packs"][pack]["keys"]) if key in keys})
+            yield found
 
     def publish_shard(self, path: Path, keys: list[str], run_dir: str) -> int:
         """Keep a feature shard whose rows are `keys` when it holds any the store lacks; returns how many it adds."""
@@ -286,8 +284,12 @@ def open_sample_store(config: PipelineConfig, log: Log = print) -> SampleStore |
 
 def open_feature_store(config: PipelineConfig, log: Log = print) -> FeatureStore | None:
     """The feature store for this run's capture settings; None with features online (nothing captured for
-    training), without a registry, or with data.share_samples off."""
+    training), with SGLang's capture (its tensor-parallel ranks must all compute the same samples: said), without a
+    registry, or with data.share_samples off."""
     if config.training.features == "online":
+        return None
+    if config.data.capture_engine != "local":
+        log("feature store: used by the local capture engine only (SGLang's ranks capture every sample together)")
         return None
     store = registry_store(config, log)
     if store is None:

@@ -108,8 +108,9 @@ def regenerate(run: StageRun) -> None:
 
 def capture(run: StageRun) -> None:
     from eagle3.data.node_capture import capture_with_engine
+    from eagle3.registry.samples import open_feature_store
 
-    capture_with_engine(run.config, run.resolved, log=run.log)
+    capture_with_engine(run.config, run.resolved, log=run.log, store=open_feature_store(run.config, run.log))
 
 
 def vocab(run: StageRun) -> None:
@@ -238,7 +239,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
                "training.warmup_steps", "training.warmup_start", "training.lr_floor", "training.adam_betas",
                "training.weight_decay", "training.freeze_head", "training.feature_noise",
                "training.teacher_temperature", "training.loss_positions", "training.max_steps", "training.warm_steps",
-               "training.patience",
+               "training.patience", "training.min_gain",
                "training.batch_size", "training.seq_len", "training.grad_clip", "training.eval_fraction",
                "training.eval_every", "training.seed", "training.best_by", "training.replay_prompts",
                "training.replay_max_new_tokens", *REPLAY),

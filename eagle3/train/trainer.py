@@ -78,7 +78,8 @@ class Trainer:
         warm = self.init is not None
         self.budget = train.step_budget(warm)  # the steps this run trains at most
         self.patience = train.patience if train.stops_on_patience(warm) else None
-        self.evals_since_best = 0  # evaluations since the last new best
+        self.gained: float | None = None  # the best_by score at the last gain (warm_steps auto)
+        self.evals_without_gain = 0
 
     def my_rows(self) -> slice:
         return slice(self.dist.rank, None, self.dist.world)
@@ -126,7 +127,7 @@ class Trainer:
 
     def more_steps(self) -> bool:
         """Whether to train another step: below the budget, and (warm_steps auto) patience left."""
-        return self.step < self.budget and (self.patience is None or self.evals_since_best < self.patience)
+        return self.step < self.budget and (self.patience is None or self.evals_without_gain < self.patience)
 
     def step_stats(self, refs: list[SampleRef], train: bool):
         """Per-step sums for this rank's rows of a global batch, on the device. Every rank calls this for every
@@ -211,10 +212,17 @@ class Trainer:
         score = record[key]
         record["new_best"] = self.best is None or (score < self.best if lower_wins else score > self.best)
         self.record(record)
-        self.evals_since_best = 0 if record["new_best"] else self.evals_since_best + 1
+        self.count_gain(score, lower_wins)
         if record["new_best"]:
             self.best = score
             self.write_checkpoint(self.out / BEST_DIR, with_state=False)
+
+    def count_gain(self, score: float, lower_wins: bool) -> None:
+        """Patience: a gain is a score beyond the last gain's by more than training.min_gain."""
+        margin = self.config.training.min_gain
+        gain = self.gained is None or (score < self.gained - margin if lower_wins else score > self.gained + margin)
+        self.gained = score if gain else self.gained
+        self.evals_without_gain = 0 if gain else self.evals_without_gain + 1
 
     def loss_metrics(self, totals: torch.Tensor) -> dict:
         """The eval split's numbers from the global [loss sum, correct, count] x [K] (host)."""
@@ -277,7 +285,8 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             "best": self.best,
             "best_by": self.config.training.best_by,
-            "evals_since_best": self.evals_since_best,
+            "gained": self.gained,
+            "evals_without_gain": self.evals_without_gain,
             "optimizer": self.parallel.optimizer_state(self.module, self.optimizer),
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
@@ -307,7 +316,8 @@ class Trainer:
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         # a best score under another rule (or none recorded) does not compare: the next evaluation sets it
         self.best = state["best"] if state.get("best_by") == self.config.training.best_by else None
-        self.evals_since_best = state.get("evals_since_best", 0) if self.best is not None else 0
+        if self.best is not None:
+            self.gained, self.evals_without_gain = state.get("gained"), state.get("evals_without_gain", 0)
         if self.dist.main:
             self.truncate_metrics()
         self.log(f"train: resumed from {latest} at step {self.step}")
@@ -317,8 +327,9 @@ class Trainer:
         self.write_checkpoint(final, with_state=False)
         rule = self.config.training.best_by
         if self.step < self.budget:
-            self.log(f"train: warm start stopped at step {self.step} of at most {self.budget}: {BEST_BY[rule][0]} did "
-                     f"not improve for {self.patience} evaluations in a row (training.warm_steps auto, patience)")
+            self.log(f"train: warm start stopped at step {self.step} of at most {self.budget}: {BEST_BY[rule][0]} "
+                     f"gained no more than {self.config.training.min_gain:g} for {self.patience} evaluations in a row "
+                     "(training.warm_steps auto, patience, min_gain)")
         self.log(f"train: {self.step} steps done; final draft at {final}, best by {rule} ({BEST_BY[rule][0]} "
                  f"{self.best}) at {self.out / 'best'}")
         return final
