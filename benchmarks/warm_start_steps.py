@@ -3,8 +3,8 @@
 Production's draft was trained on the config's prompts. Traffic then shifts: the retrain's prompts are half the
 config's, half another source's (interleaved, so the held-out split is mixed alike). One draft is trained from
 scratch on the mix for training.max_steps; a second starts from production's draft and trains the same steps on the
-same data. The figure is the first evaluation at which the warm start's held-out accept length reaches the
-from-scratch draft's final one, as a share of max_steps: `eagle3 plan` prices a retrain's training with it
+same data. The figure is the first evaluation at which the warm start's held-out accept length comes within 1 % of
+the from-scratch draft's final one (and, printed beside it, reaches it), as a share of max_steps: `eagle3 plan` prices a retrain's training with it
 (eagle3/plan_time.py WARM_STEP_RATIO). The step where `training.warm_steps: auto` would have stopped (patience) is
 printed too. The mix's data is made once and shared by both drafts (run.data_from); with the sample store the
 config's half is taken from production's run instead of generated again, and the log says how many.
@@ -61,6 +61,11 @@ def train(config) -> tuple[list[dict], float]:
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "eval_accept_length" in r], seconds
 
 
+# The ratio counts the first evaluation within 1 % of the from-scratch draft's final accept length: the replay over a
+# few held-out prompts moves by several percent between evaluations (SmolLM2's 8 prompts: 0.046 on average, 3 %).
+REACHED = 0.99
+
+
 def patience_stop(evaluations: list[dict], patience: int, min_gain: float) -> tuple[int, float]:
     """The step at which warm_steps auto would have stopped (the last step if never), as the trainer counts gains,
     and the accept length there."""
@@ -105,7 +110,6 @@ def main() -> None:
                                             f"training.init_from={best_draft(load_config(production / 'config.resolved.yaml').run)}"])
     warm, warm_s = train(warm_config)
     target = scratch[-1]["eval_accept_length"]
-    reached = next((r["step"] for r in warm if r["eval_accept_length"] >= target), None)
     steps = base.training.max_steps
     print(f"\n{args.config}: shift to {args.shift}; {steps} steps each, evaluated every {every}")
     print(f"data of the mix: {data_s:.0f} s; from scratch: {scratch_s:.0f} s of training; warm: {warm_s:.0f} s")
@@ -114,10 +118,11 @@ def main() -> None:
         print(f"{s['step']:>5}  {s['eval_accept_length']:.3f}    {w['eval_accept_length']:.3f}")
     print(f"from scratch, final: {target:.3f}; warm start, first evaluation: {warm[0]['eval_accept_length']:.3f}, "
           f"best {max(r['eval_accept_length'] for r in warm):.3f}")
-    if reached is None:
-        print("the warm start never reached the from-scratch accept length")
-    else:
-        print(f"warm start reaches it at step {reached}: ratio {reached / steps:.3f} of max_steps")
+    for share in (1.0, REACHED):
+        reached = next((r["step"] for r in warm if r["eval_accept_length"] >= share * target), None)
+        what = f"{share:.0%} of it ({share * target:.3f})"
+        print(f"warm start never reaches {what}" if reached is None else
+              f"warm start reaches {what} at step {reached}: ratio {reached / steps:.3f} of max_steps")
     for patience in (2, 3):
         for min_gain in (0.0, 0.02, 0.05):
             stop, reached_there = patience_stop(warm, patience, min_gain)

@@ -24,9 +24,11 @@ from tasks.common import log_to_run
 @task(name="measure-candidate", cache_policy=NO_CACHE)
 def measure_served(config: PipelineConfig, exported: StageOutput, simulated: StageOutput,
                    earlier: Candidate | None = None) -> Candidate:
-    """`earlier`: another draft of the run on the same requests, whose no-draft baseline is taken."""
+    """`earlier`: another draft of the run on the same requests, whose no-draft baseline and production measurement
+    are taken."""
     served = measure_candidate(config, exported.path, record_path(config, "served"), log=log_to_run(),
-                               baseline=earlier.served.get("baseline") if earlier else None)
+                               baseline=earlier.served.get("baseline") if earlier else None,
+                               production=earlier.served.get("production_on_run_prompts") if earlier else None)
     candidate = Candidate(exported.path, exported.fingerprint, read_json(simulated.path, "the simulated record"), served)
     columns = acceptance_columns(config.serving, candidate.simulated, served)
     create_markdown_artifact(key="acceptance", markdown=acceptance_report(candidate.simulated, served, columns),

@@ -95,7 +95,7 @@ def test_the_plan_gives_a_contenders_hours_beside_the_runs_without_a_second_base
     assert "1 server start(s) (candidate): 0.17 h" in [f"{k}: {v:.2f} h" for k, v in
                                                         stages["serve dflash"]["parts"].items()]
     assert 10 < stages["train dflash"]["hours"] < stages["train"]["hours"]  # one forward a block, not 7 TTT steps
-    assert hours["retrain_h"] == pytest.approx(sum(stage["hours"] for stage in stages.values()), abs=0.02)
+    assert hours["total_h"] == pytest.approx(sum(stage["hours"] for stage in stages.values()), abs=0.02)
 
 
 @pytest.mark.parametrize("contenders, message", [

@@ -331,7 +331,7 @@ def test_the_kimi_dflash_plan_fits_the_node_and_counts_its_blocks(capsys):
     assert "training step, measured (15 predictions a position: activations, teacher, gradients)" in train
     assert any("draft.dflash.num_anchors 512 x block_size 16 / training.seq_len 4096" in line
                for line in plan["hours"]["assumptions"])
-    assert 14 < plan["hours"]["retrain_h"] < 40
+    assert 14 < plan["hours"]["total_h"] < 40
 
 
 # ---- the SGLang layout -----------------------------------------------------------------------------------------------

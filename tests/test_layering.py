@@ -223,7 +223,7 @@ TAKES_THE_CONFIG = {
     "eagle3.deployment.sweep.with_shape": (HANDS_ON,),
     "eagle3.engines.generators.make_generator": ("data", "target", "training"),
     "eagle3.registry.samples.feature_context": ("data", "target"),
-    "eagle3.registry.samples.open_feature_store": (HANDS_ON, "training"),
+    "eagle3.registry.samples.open_feature_store": ("data", HANDS_ON, "training"),
     "eagle3.registry.samples.open_sample_store": (HANDS_ON,),
     "eagle3.registry.samples.registry_store": ("data", "registry"),
     "eagle3.registry.samples.reply_context": ("data", "target"),

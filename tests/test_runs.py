@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from eagle3.registry.samples import SampleStore
+from eagle3.registry.store import LocalStore
 from eagle3.config import RESOLVED_FILE, load_config
 from eagle3.data.storage import human_bytes
 from eagle3.deployment.promotion import prune_after_promotion
@@ -114,8 +116,10 @@ def test_the_remains_of_an_interrupted_prune_are_deleted(tmp_path, registry):
 
 
 class FakeRegistry:
-    def __init__(self, production, manifest):
-        self.production, self.manifest_ = production, manifest
+    """Production's version and manifest as given; the store is a real one, where the sample store lives."""
+
+    def __init__(self, production, manifest, store=None):
+        self.production, self.manifest_, self.store = production, manifest, store
 
     def production_version(self):
         return self.production
@@ -130,10 +134,16 @@ def test_after_a_promotion_the_base_of_this_retrain_is_pruned_sparing_production
     registry = str((tmp_path / "registry").resolve())
     runs = [make_run(tmp_path, day, registry) for day in range(4)]
     this = config.model_copy(update={"run": config.run.model_copy(update={"dir": runs[3]})})
-    built = FakeRegistry("v1", {"config": {"run": {"dir": str(runs[0])}}})
+    store = LocalStore(tmp_path / "registry")
+    for run in runs:  # each run published its replies; the third's were also taken by the fourth
+        SampleStore(store, "a" * 32).publish([{"id": run.name}], str(run.resolve()))
+    list(SampleStore(store, "a" * 32).take([runs[2].name], str(runs[3].resolve())))
+    built = FakeRegistry("v1", {"config": {"run": {"dir": str(runs[0])}}}, store)
     removed = prune_after_promotion(this.run, this.registry, built, print)
     assert [r["path"] for r in removed] == [str(runs[1]), str(runs[2])]
     assert retrain_runs(tmp_path) == [runs[0], runs[3]]
+    index, _ = SampleStore(store, "a" * 32).index()  # only the second run's replies went with it
+    assert sorted(index["entries"]) == sorted(run.name for run in (runs[0], runs[2], runs[3]))
 
 
 def test_a_production_manifest_without_its_run_directory_removes_nothing(tmp_path):

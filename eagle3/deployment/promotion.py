@@ -137,10 +137,11 @@ def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[lis
 
 
 def measure_candidate(config: PipelineConfig, draft: Path, out: Path, log: Log = print,
-                      baseline: dict | None = None) -> dict:
+                      baseline: dict | None = None, production: dict | None = None) -> dict:
     """The candidate's served result (written to `out`), with a no-draft baseline's throughput and the
-    speedup when `benchmark.baseline` is set. `baseline`: the no-draft server measured on these requests already (by
-    another draft of the run: its result's `baseline`), taken instead of a server start."""
+    speedup when `benchmark.baseline` is set. `baseline` and `production`: the no-draft server and production's draft
+    measured on these requests already (by another draft of the run: its result's `baseline` and
+    `production_on_run_prompts`), taken instead of a server start each."""
     prompts_file = benchmark_prompts_file(config.benchmark, config.run)
     prompts = prompt_ids_in(config.data, config.target, prompts_file)
     if baseline is None and config.benchmark.baseline:
@@ -153,7 +154,11 @@ def measure_candidate(config: PipelineConfig, draft: Path, out: Path, log: Log =
     result = measure_server(config, draft, prompts, log, role="candidate")
     if baseline is not None and not result["lost_requests"]:
         result.update(baseline=baseline, speedup=result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
-    production = production_on_run_prompts(config, prompts_file, prompts, log)
+    if production is not None:
+        log(f"production on the run's prompts: accept length {production['accept_length']}, as measured for the run's "
+            "first draft on these requests")
+    else:
+        production = production_on_run_prompts(config, prompts_file, prompts, log)
     if production is not None:
         result["production_on_run_prompts"] = production
     atomic_write_json(out, result)
