@@ -47,8 +47,9 @@ class TrainingSection(Section):
     max_steps: int = Field(gt=0)
     warm_steps: int | Literal["auto"] | None = Field(
         default=None, description="the step budget of a warm start (training.init_from: a retrain from production's "
-        "draft). None: training.max_steps; a number: that many steps; auto: stop once the best_by score has not "
-        "improved for training.patience evaluations in a row, at training.max_steps at most (docs/training.md)")
+        "draft). None: training.max_steps; a number: that many steps; auto: stop once the best_by score has gained "
+        "no more than training.min_gain for training.patience evaluations in a row, at training.max_steps at most "
+        "(docs/training.md)")
     patience: int = Field(default=3, gt=0, description="warm_steps auto: evaluations in a row without a gain that "
                           "end a warm start")
     min_gain: float = Field(default=0.0, ge=0.0, description="warm_steps auto: what counts as a gain - the best_by "
