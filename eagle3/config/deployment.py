@@ -96,8 +96,8 @@ class MonitorSection(Section):
     min_verify_steps: int = Field(default=2000, ge=1, description="a window with fewer verify steps is insufficient: "
                                   "reported, never counted toward an alarm (about 30 s of one busy H200 stream)")
     cooldown_s: float = Field(default=172800.0, ge=0.0, description="no second alarm within this long of the last: "
-                              "longer than a retrain on the node (~39 h by eagle3 plan), so a retrain that fails does "
-                              "not start another at once")
+                              "longer than a retrain on the node (~10 h by eagle3 plan, 39 h a first run), so a retrain "
+                              "that fails does not start another at once")
     keep_windows: int = Field(default=288, ge=1, description="recent windows read for the streak, the plot and the "
                               "tables (288: a day at one window every 5 minutes); older ones stay in the registry")
     timeout_s: float = Field(default=10.0, gt=0.0, description="HTTP timeout of one /metrics or /health request")

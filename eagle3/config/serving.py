@@ -9,10 +9,9 @@ from typing import Any, Literal
 from packaging.version import InvalidVersion, Version
 from pydantic import Field, field_validator, model_validator
 
-from eagle3.config.base import Section
+from eagle3.config.base import Section, SshArgs
 from eagle3.config.suites import HELDOUT, SuiteSection, distinct_names, suites_from
 from eagle3.contract.problems import ProblemCode
-from eagle3.procs import ssh_args_problem
 from eagle3.shape import DEFAULT_NUM_STEPS, DraftShape, shape_problem
 
 
@@ -50,7 +49,7 @@ class ServingSection(Section):
     num_draft_tokens: int | None = Field(default=None, description="None = num_steps + 1 (chain drafting)")
     extra_args: list[str] = []
     ssh_host: str | None = Field(default=None, description="launcher ssh: the host to ssh to (None = host)")
-    ssh_args: list[str] = Field(
+    ssh_args: SshArgs = Field(
         default=[], description="launcher ssh: options before the host in every ssh it runs (the server, its GPU "
         "query, data.nodes' servers), e.g. [-p, '2222', -i, ~/.ssh/cluster, -o, ProxyJump=login-1]")
     srun_args: list[str] = Field(default=[], description="launcher srun: arguments before the command, e.g. [--nodes=1]")
@@ -68,13 +67,6 @@ class ServingSection(Section):
             Version(value)
         except InvalidVersion:
             raise ValueError(f"'{value}' is not a release number; write it like 0.5.13") from None
-        return value
-
-    @field_validator("ssh_args")
-    @classmethod
-    def _ssh_options(cls, value: list[str]) -> list[str]:
-        if problem := ssh_args_problem(value):
-            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")

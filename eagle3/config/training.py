@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from eagle3.config.base import Section
-from eagle3.procs import STOP_GRACE_S, ssh_args_problem
+from eagle3.config.base import Section, SshArgs
+from eagle3.procs import STOP_GRACE_S
 
 
 class TrainingSection(Section):
@@ -90,7 +90,7 @@ class TrainingSection(Section):
     launcher: Literal["local", "ssh", "srun"] = Field(
         default="local", description="how training starts: here, one ssh per host in training.hosts, or one srun step")
     hosts: list[str] = Field(default=[], description="launcher ssh: one host per node, each starting one torchrun")
-    ssh_args: list[str] = Field(
+    ssh_args: SshArgs = Field(
         default=[], description="launcher ssh: options before the host in every ssh it runs, e.g. [-p, '2222', -i, "
         "~/.ssh/cluster, -o, ProxyJump=login-1] (options only: the launcher adds -tt, the host and the command)")
     rdzv_endpoint: str | None = Field(
@@ -121,13 +121,6 @@ class TrainingSection(Section):
         host, _, port = (value or "").rpartition(":")
         if value is not None and not (host and port.isdigit()):
             raise ValueError(f"'{value}' is not host:port; write it like node-1:29500")
-        return value
-
-    @field_validator("ssh_args")
-    @classmethod
-    def _ssh_options(cls, value: list[str]) -> list[str]:
-        if problem := ssh_args_problem(value):
-            raise ValueError(problem)
         return value
 
     def step_budget(self, warm: bool) -> int:
