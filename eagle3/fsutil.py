@@ -90,7 +90,7 @@ def cached_sha256(path: Path) -> str:
     return _sha256_of(str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4096)  # a target's every weight shard (Kimi-K2.5 has 64) with room to spare
 def _sha256_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
     return sha256_file(Path(path))
 

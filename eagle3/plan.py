@@ -115,15 +115,20 @@ def target_size(config: PipelineConfig) -> tuple[TargetSize | None, str]:
 
 
 def plan_memory(config: PipelineConfig, nodes: int | None = None) -> MemoryPlan:
-    """`nodes`: the nodes the hours are planned for (training.nnodes by default)."""
+    """`nodes`: the nodes the hours are planned for (planned_nodes by default)."""
     size, note = target_size(config)
     config, recompute = chosen_recompute(config)
     stages = [regeneration_stage(config, size), capture_stage(config, size), training_stage(config, size)]
     if config.serving is not None:  # a training-only config serves nothing
         stages.append(serving_stage(config, size))
     return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, stored_bytes(config), config.training.features,
-                      *(plan_time(config, size, note, Scenario(retrain, nodes or config.training.nnodes))
+                      *(plan_time(config, size, note, Scenario(retrain, nodes or planned_nodes(config)))
                         for retrain in (False, True)), recompute)
+
+
+def planned_nodes(config: PipelineConfig) -> int:
+    """The nodes a config runs on: training's, or the data stage's servers' (data.nodes) when more."""
+    return max(config.training.nnodes, len(config.data.nodes), 1)
 
 
 def chosen_recompute(config: PipelineConfig) -> tuple[PipelineConfig, str]:

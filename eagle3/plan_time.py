@@ -64,6 +64,7 @@ class TimePlan:
     stages: list[StageTime]
     period_h: float
     reused: list[str] = field(default_factory=list)  # what a retrain takes instead of making it again
+    ceiling_h: float | None = None  # a retrain whose warm start (warm_steps auto) still gains at max_steps
 
     @property
     def total_h(self) -> float | None:
@@ -76,7 +77,7 @@ class TimePlan:
 
     def to_dict(self) -> dict:
         return {"retrain": self.scenario.retrain, "nodes": self.scenario.nodes, "assumptions": self.assumptions,
-                "figures": self.figures, "reused": self.reused, "total_h": self.total_h,
+                "figures": self.figures, "reused": self.reused, "total_h": self.total_h, "ceiling_h": self.ceiling_h,
                 "retrain_period_h": self.period_h, "fits_period": self.fits_period,
                 "stages": [{"name": s.name, "hours": s.hours, "parts": s.parts, "unknown": s.unknown} for s in self.stages]}
 
@@ -97,7 +98,10 @@ class TimePlan:
         verdict = ""
         if self.scenario.retrain:
             verdict = f"  {'fits' if self.fits_period else 'DOES NOT FIT'} node.retrain_period_h {self.period_h:g} h"
-        return lines + [f"{name:<11} {self.total_h:8.2f} h{verdict}"]
+        lines.append(f"{name:<11} {self.total_h:8.2f} h{verdict}")
+        if self.ceiling_h is not None:
+            lines.append(f"            at most {self.ceiling_h:.2f} h: a warm start still gaining at training.max_steps")
+        return lines
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,7 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
     stages = [regenerate_time(config, clock, scenario), capture_time(config, clock),
               train_time(config, clock, params, passes[0], scenario)]
     if config.serving is not None and config.benchmark is not None:
-        stages += [serve_time(config, clock), sweep_time(config, clock)]
+        stages += [serve_time(config, clock, scenario), sweep_time(config, clock)]
     for name, contender in contender_configs(config).items():
         stages += contender_stages(name, contender, clock, scenario)
     if config.serving is not None and config.benchmark is not None:
@@ -167,7 +171,11 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
             stages.append(StageTime("deploy", {"production restarted with the promoted draft: 1 server start":
                                                _h(clock.loads_s(1))}))
     reused = [generated_samples(config, scenario)[1]] if scenario.retrain else []
-    return TimePlan(scenario, assumptions, figures, stages, node.retrain_period_h, reused)
+    plan = TimePlan(scenario, assumptions, figures, stages, node.retrain_period_h, reused)
+    if scenario.retrain and config.training.warm_steps == "auto" and plan.total_h is not None:
+        full = train_time(config, clock, params, passes[0], Scenario(retrain=False, nodes=scenario.nodes))
+        plan.ceiling_h = round(plan.total_h - stages[2].hours + full.hours, 2)
+    return plan
 
 
 def generated_samples(config: PipelineConfig, scenario: Scenario) -> tuple[int, str]:
@@ -196,8 +204,9 @@ def trained_steps(config: PipelineConfig, scenario: Scenario) -> tuple[int, str]
     if train.warm_steps != "auto":
         return train.warm_steps, f"training.warm_steps {train.warm_steps:,}"
     steps = min(train.max_steps, math.ceil(WARM_STEP_RATIO * train.max_steps) + train.patience * train.eval_every)
-    return steps, (f"training.warm_steps auto: {steps:,} = {WARM_STEP_RATIO:g} (measured) x max_steps "
-                   f"{train.max_steps:,} + patience {train.patience} x eval_every {train.eval_every}")
+    return steps, (f"training.warm_steps auto: {steps:,} = {WARM_STEP_RATIO:g} (measured on small targets, "
+                   f"extrapolated) x max_steps {train.max_steps:,} + patience {train.patience} x eval_every "
+                   f"{train.eval_every}")
 
 
 def training_nodes(config: PipelineConfig, scenario: Scenario) -> tuple[int, str]:
@@ -220,7 +229,7 @@ def contender_stages(name: str, config: PipelineConfig, clock: Clock, scenario: 
     params, passes = draft_training(config)
     stages = [replace(train_time(config, clock, params, passes[0], scenario), name=f"train {name}")]
     if config.serving is not None and config.benchmark is not None:
-        stages += [replace(serve_time(config, clock, baseline=False), name=f"serve {name}"),
+        stages += [replace(serve_time(config, clock, scenario, baseline=False), name=f"serve {name}"),
                    replace(sweep_time(config, clock, baseline=False), name=f"sweep {name}")]
     return stages
 
@@ -336,14 +345,14 @@ def benchmark_s(config: PipelineConfig, clock: Clock, prompts: int, levels: list
     return total, bound
 
 
-def serve_time(config: PipelineConfig, clock: Clock, baseline: bool = True) -> StageTime:
+def serve_time(config: PipelineConfig, clock: Clock, scenario: Scenario, baseline: bool = True) -> StageTime:
     """The candidate (and the no-draft baseline and production on new prompts, unless another draft of the run
     measured them) measured at the production concurrency, one server start each."""
     if clock.target is None:
         return _unknown("serve")
     b = config.benchmark
     # production is re-measured on this run's prompts when they differ from its own: new traffic prompts
-    remeasured = config.data.traffic is not None and config.registry is not None and baseline
+    remeasured = scenario.retrain and config.data.traffic is not None and config.registry is not None and baseline
     roles = (["candidate"] + ["benchmark.baseline"] * (b.baseline and baseline)
              + ["production on data.traffic prompts"] * remeasured)
     starts = len(roles)

@@ -202,3 +202,25 @@ def test_min_gain_counts_only_gains_above_it(public_draft, micro_data, tmp_path)
     resolve_init_from(config, QUIET)
     Trainer(config, log=QUIET).run()
     assert [m["step"] for m in metrics(run_dir) if "eval_loss" in m] == [2, 4, 6]
+
+
+def test_a_resumed_warm_start_carries_its_patience_on(public_draft, micro_data, tmp_path):
+    """Resumed from step 4 (one evaluation without a gain behind it), it stops at step 6 as the uninterrupted run did,
+    not at 8 as a count started afresh would."""
+    overrides, run_dir = run_copy(micro_data, tmp_path, "resume", [
+        "training.max_steps=40", "training.eval_every=2", "training.save_every=2", "training.keep_last=5",
+        "training.warm_steps=auto", "training.patience=2", "training.min_gain=10",
+        f"training.init_from={public_draft}"])
+    config = load_config(TINY, overrides)
+    resolve_init_from(config, QUIET)
+    Trainer(config, log=QUIET).run()
+    checkpoints = run_dir / "train" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir())[-1] == "step-0000006"
+    for file in (checkpoints / "step-0000006").iterdir():
+        file.unlink()
+    (checkpoints / "step-0000006").rmdir()
+    lines = []
+    Trainer(config, log=lines.append).run()
+    assert any("resumed from" in line and "step-0000004" in line for line in lines)
+    assert any("warm start stopped at step 6 of at most 40" in line for line in lines)
+    assert [m["step"] for m in metrics(run_dir) if "eval_loss" in m] == [2, 4, 6]

@@ -225,7 +225,7 @@ TAKES_THE_CONFIG = {
     "eagle3.registry.samples.feature_context": ("data", "target"),
     "eagle3.registry.samples.open_feature_store": ("data", HANDS_ON, "training"),
     "eagle3.registry.samples.open_sample_store": (HANDS_ON,),
-    "eagle3.registry.samples.registry_store": ("data", "registry"),
+    "eagle3.registry.samples.registry_store": ("data", "registry", "target"),
     "eagle3.registry.samples.reply_context": ("data", "target"),
     "eagle3.serve.data_nodes.check_engines": ("data", "serving"),
     "eagle3.serve.data_nodes.node_config": (HANDS_ON, "serving"),

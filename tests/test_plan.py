@@ -174,14 +174,18 @@ def stage_hours(plan: dict) -> dict[str, float]:
 def test_a_kimi_weekly_traffic_retrain_takes_the_stores_replies_and_trains_a_warm_budget_within_12_hours(capsys):
     first, retrain = kimi_hours(), kimi_hours(retrain=True)
     assert retrain["total_h"] <= 12 < first["total_h"]
+    assert retrain["total_h"] < retrain["ceiling_h"] < first["total_h"] and first["ceiling_h"] is None
     assert retrain["reused"] == ["191,000 of data.num_samples 200,000 replies from the sample store; 9,000 new traffic "
                                  "prompts answered (data.traffic.share 0.3, at most max_prompts 10,000 less the held-out)"]
     regenerate = next(s for s in retrain["stages"] if s["name"] == "regenerate")["parts"]
     assert any(name.startswith("decode: 9,000 x data.max_new_tokens") for name in regenerate)
     train = next(s for s in retrain["stages"] if s["name"] == "train")["parts"]
     steps = math.ceil(WARM_STEP_RATIO * 10_000) + 3 * 250
-    assert any(f"training.warm_steps auto: {steps:,} = {WARM_STEP_RATIO:g} (measured)" in name for name in train)
+    assert any(f"training.warm_steps auto: {steps:,} = {WARM_STEP_RATIO:g} (measured" in name for name in train)
     assert stage_hours(retrain)["train"] < steps / 10_000 * stage_hours(first)["train"] + 0.2  # the engine start
+    serve = [next(s for s in plan["stages"] if s["name"] == "serve")["parts"] for plan in (first, retrain)]
+    assert not any("production on data.traffic prompts" in name for name in serve[0])  # no production yet
+    assert any("production on data.traffic prompts" in name for name in serve[1])
     no_traffic = kimi_hours("data.traffic=null", retrain=True)
     assert no_traffic["reused"][0].startswith("all 200,000 replies from the sample store")
     assert kimi_hours("data.share_samples=false", retrain=True)["reused"][0].startswith("nothing: no sample store")

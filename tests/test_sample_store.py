@@ -186,7 +186,8 @@ def captured(config, lines):
         return backend
 
     capture(config, log=lines.append, backend_for=backend_for, store=open_feature_store(config, lines.append))
-    return backend.samples, {s.id: s for s in read_dataset(config.stage_dir("data") / "hidden")}
+    computed = backend.samples if backend else 0  # no backend: every shard was current
+    return computed, {s.id: s for s in read_dataset(config.stage_dir("data") / "hidden")}
 
 
 def test_offline_features_are_taken_from_the_store_equal_to_computed_ones(first_run):
@@ -211,3 +212,48 @@ def test_offline_features_are_taken_from_the_store_equal_to_computed_ones(first_
     regenerated(other)
     computed, _ = captured(other, [])
     assert computed == 8 + 2
+
+
+def test_a_batch_of_stored_and_computed_samples_gets_each_samples_own_features(first_run):
+    """12 samples after 8 were stored: batches of 8 mix copied and computed rows; every row equals a capture without
+    the store."""
+    base, overrides, _ = first_run
+    grown = overrides + ["data.num_samples=12"]
+    with_store = load_config(TINY, grown + [f"run.dir={base / 'mixed'}"])
+    regenerated(with_store)
+    captured(load_config(TINY, overrides), [])  # the first run's 8 samples' features are in the store
+    lines = []
+    computed, mixed = captured(with_store, lines)
+    assert any("8 of 12 samples' features taken" in line for line in lines) and computed == 4 + 2
+    plain = load_config(TINY, grown + [f"run.dir={base / 'plain'}", "data.share_samples=false"])
+    regenerated(plain)
+    _, alone = captured(plain, [])
+    assert mixed.keys() == alone.keys()
+    for sid, sample in mixed.items():
+        assert torch.allclose(sample.aux_hidden.float(), alone[sid].aux_hidden.float(), atol=1e-2), sid
+        assert torch.allclose(sample.last_hidden.float(), alone[sid].last_hidden.float(), atol=1e-2), sid
+
+
+def test_packs_the_index_never_named_are_swept_after_a_day_and_kept_before(tmp_path):
+    from eagle3.registry.samples import PackStore, orphans
+
+    store = open_registry(load_config(TINY, [f"registry.path={tmp_path}"]).registry).store
+    samples = SampleStore(store, "b" * 32)
+    samples.publish(records(["named"]), "/runs/one")
+    store.put_bytes(f"samples/{'b' * 32}/packs/1000-{'0' * 32}.jsonl", b"{}\n")  # its publisher died in 1970
+    pack = PackStore(store, "samples", "b" * 32)
+    assert orphans(pack) == [f"samples/{'b' * 32}/packs/1000-{'0' * 32}.jsonl"]
+    assert orphans(pack, now=1000.0) == []  # not a day old yet
+    prune_samples(store, ["/runs/gone"])
+    assert [r["id"] for r in samples.take(["named"], "/runs/two")] == ["named"]
+    assert len(store.list(f"samples/{'b' * 32}/packs")) == 1
+
+
+def test_a_target_whose_weights_are_not_here_gets_no_store_and_says_why(first_run, tmp_path):
+    """A target served from the nodes' own disks (data.nodes, data.servers) cannot be fingerprinted here."""
+    _, overrides, _ = first_run
+    target = tmp_path / "config-only"
+    shutil.copytree(overrides[1].split("=", 1)[1], target, ignore=shutil.ignore_patterns("*.safetensors"))
+    lines = []
+    assert open_sample_store(load_config(TINY, overrides + [f"target.path={target}"]), lines.append) is None
+    assert any("weights are not under target.path" in line and "cannot be fingerprinted" in line for line in lines)

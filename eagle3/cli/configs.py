@@ -25,7 +25,8 @@ def add_config_commands(commands) -> None:
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--nodes", type=node_count, default=None, metavar="N",
-                      help="plan the hours on N nodes (default: training.nnodes): regeneration on every node's servers, "
+                      help="plan the hours on N nodes (default: training.nnodes, or the data.nodes count when more): "
+                      "regeneration on every node's servers, "
                       "training across them")
     plan.set_defaults(handler=run_plan)
 

@@ -146,9 +146,9 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
                                 FEATURE_DTYPES[dtype], stored if job in stored_jobs else {})
             finally:
                 backend.close()
-    if main and stored_jobs:
-        kept = sum(store.publish_shard(job.path, [sample_key(r) for r in job.samples], str(config.run.data_dir.resolve()))
-                   for job in stored_jobs)
+    if main and store is not None and not online:  # every shard, reused ones too: a crash may have come before this
+        kept = store.publish_shards([(job.path, [sample_key(r) for r in job.samples]) for job in jobs],
+                                    str(config.run.data_dir.resolve()))
         log(f"capture: feature store {store.where}: {kept} samples' new features kept for later runs")
     if main:
         remove_stale(out, len(jobs))
@@ -191,7 +191,7 @@ def stored_rows(store, jobs: list[ShardJob], run: RunSection, log: Log):
         yield {}
         return
     keys = [sample_key(r) for job in jobs for r in job.samples]
-    with store.rows(keys, str(run.data_dir.resolve())) as found:
+    with store.rows(keys, str(run.data_dir.resolve()), run.stage_dir("data")) as found:
         log(f"capture: feature store {store.where}: {len(found)} of {len(keys)} samples' features taken from earlier "
             f"runs, {len(keys) - len(found)} to compute")
         yield found

@@ -106,13 +106,22 @@ def target_identity(target: TargetSection) -> dict:
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
+def weight_files(directory: Path) -> list[Path]:
+    return sorted(p for p in Path(directory).rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def has_weight_files(target: TargetSection) -> bool:
+    """Whether target.path is a local directory with weights (not a hub id, nor a path only the nodes have)."""
+    return Path(target.path).is_dir() and bool(weight_files(Path(target.path)))
+
+
 def weights_sha256(target: TargetSection) -> str:
     """The content hash of the target's weight files (every file under its directory with a weight suffix, by
     relative path): a fine-tune with the same config and tokenizer gets another. Each file is hashed once per process
     while unchanged, the files on threads of their own (hashlib lets go of the GIL): Kimi-K2.5's 553 GiB read at the
     disk's speed."""
     directory = Path(target.path)
-    files = sorted(p for p in directory.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    files = weight_files(directory)
     if not files:
         raise UnreadableInput(f"{directory}: no weight files ({', '.join(WEIGHT_SUFFIXES)}) under target.path")
     with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:

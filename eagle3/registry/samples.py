@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -41,12 +42,16 @@ from pathlib import Path
 from eagle3.config import PipelineConfig
 from eagle3.config.run import TargetSection
 from eagle3.data.shards import ShardReader, StoredSample
-from eagle3.engines.targets import target_identity, weights_sha256
+from eagle3.engines.targets import has_weight_files, target_identity, weights_sha256
 from eagle3.registry.registry import open_registry
 from eagle3.registry.store import PointerConflict, RegistryError, Store
 
 Log = Callable[[str], None]
 KINDS = {"samples": ".jsonl", "features": ".safetensors"}  # kind -> its packs' suffix
+# What a stored entry holds, by kind: bump one when the code that builds its records or features changes what they
+# hold (eagle3/data/conversation.py's samples, capture's layers), so that no run takes the old ones.
+FORMATS = {"samples": 1, "features": 1}
+ORPHAN_AGE_S = 86400  # a pack the index never named (its publisher died before the compare-and-swap) after a day
 CAS_TRIES = 20  # compare-and-swap rounds before giving up: each loss means another run's write landed
 
 
@@ -58,7 +63,7 @@ def target_context(target: TargetSection) -> dict:
 def reply_context(config: PipelineConfig) -> dict:
     """Everything a reply depends on besides its prompt."""
     data = config.data
-    return {**target_context(config.target), "thinking": data.thinking,
+    return {"format": FORMATS["samples"], **target_context(config.target), "thinking": data.thinking,
             "sampling": {"temperature": data.temperature, "max_new_tokens": data.max_new_tokens},
             "max_length": data.max_length}
 
@@ -66,7 +71,8 @@ def reply_context(config: PipelineConfig) -> dict:
 def feature_context(config: PipelineConfig) -> dict:
     """Everything a sample's captured features depend on besides its tokens."""
     data = config.data
-    return {**target_context(config.target), "aux_layers": list(data.aux_layers), "last_hidden": data.last_hidden,
+    return {"format": FORMATS["features"], **target_context(config.target), "aux_layers": list(data.aux_layers),
+            "last_hidden": data.last_hidden,
             "engine": data.capture_engine, "dtype": data.feature_dtype}
 
 
@@ -85,7 +91,11 @@ class PackStore:
 
     def index(self) -> tuple[dict, str | None]:
         data, etag = self.store.read(self.base + "index.json")
-        return (json.loads(data) if data else {"packs": {}, "entries": {}}), etag
+        try:
+            return (json.loads(data) if data else {"packs": {}, "entries": {}}), etag
+        except json.JSONDecodeError as err:
+            raise RegistryError(f"{self.where}/index.json: not valid JSON ({err}); remove {self.where} to start this "
+                                "context's store afresh") from None
 
     def pack_key(self, pack: str) -> str:
         return f"{self.base}packs/{pack}{KINDS[self.kind]}"
@@ -118,7 +128,7 @@ class PackStore:
         """Keep `path` as a new pack holding `keys` (row order); a key already kept stays with its first pack."""
         if self.context is not None:
             self.store.put_bytes(self.base + "context.json", json.dumps(self.context, indent=1, sort_keys=True).encode())
-        pack = uuid.uuid4().hex
+        pack = f"{int(time.time())}-{uuid.uuid4().hex}"  # its time: an orphan is told by age (prune_samples)
         digest = self.store.put_file(self.pack_key(pack), path)  # whole before the index names it
         entry = {"sha256": digest.sha256, "entries": len(keys), "keys": keys, "runs": [run_dir],
                  "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -187,12 +197,15 @@ class FeatureStore(PackStore):
         super().__init__(store, "features", key, log, context)
 
     @contextmanager
-    def rows(self, wanted: Iterable[str], run_dir: str) -> Iterator[dict[str, Callable[[], StoredSample]]]:
+    def rows(self, wanted: Iterable[str], run_dir: str,
+             scratch_in: Path) -> Iterator[dict[str, Callable[[], StoredSample]]]:
         """For the block: {key: a reader of its stored features} for every key in `wanted` the store holds. Each
-        pack is downloaded once, into a scratch directory, and read row by row (a shard need not fit in memory)."""
+        pack is downloaded once, into a scratch directory under `scratch_in` (beside the data set, on its disk), and
+        read row by row (a shard need not fit in memory)."""
         index, by_pack = self.packs_for(wanted, run_dir)
         found: dict[str, Callable[[], StoredSample]] = {}
-        with tempfile.TemporaryDirectory() as scratch:
+        Path(scratch_in).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=scratch_in, prefix=".feature-store-") as scratch:
             for pack, keys in sorted(by_pack.items()):
                 path = Path(scratch) / f"{pack}.safetensors"
                 if self.download_pack(pack, index["packs"][pack]["sha256"], path, len(keys)):
@@ -201,12 +214,18 @@ class FeatureStore(PackStore):
                                   for row, key in enumerate(index["packs"][pack]["keys"]) if key in keys})
             yield found
 
-    def publish_shard(self, path: Path, keys: list[str], run_dir: str) -> int:
-        """Keep a feature shard whose rows are `keys` when it holds any the store lacks; returns how many it adds."""
-        new = len(self.absent(keys))
-        if new:
-            self.publish_file(path, keys, run_dir)
-        return new
+    def publish_shards(self, shards: list[tuple[Path, list[str]]], run_dir: str) -> int:
+        """Keep each feature shard (path, its rows' keys) that holds a key the store lacks (the index read once);
+        returns how many keys they add. A shard reused from an interrupted run is published too."""
+        absent = set(self.absent(key for _, keys in shards for key in keys))
+        added = 0
+        for path, keys in shards:
+            new = absent.intersection(keys)
+            if new:
+                self.publish_file(path, keys, run_dir)
+                absent -= new
+                added += len(new)
+        return added
 
 
 def mark_used(index: dict, by_pack: dict[str, set[str]], run_dir: str) -> dict | None:
@@ -259,13 +278,27 @@ def prune_samples(store: Store, removed_runs: Iterable[str], log: Log = print) -
                 return changed
 
             packs.update(change)
-            store.delete([packs.pack_key(pack) for pack in dropped])
+            store.delete([packs.pack_key(pack) for pack in dropped] + orphans(packs))
             count = sum(sizes[pack] for pack in dropped)
             deleted += count
             if dropped:
                 log(f"{kind} store: {len(dropped)} pack(s), {count} entries of context {key} deleted: no kept run uses "
                     "them (run.keep_runs)")
     return deleted
+
+
+def orphans(packs: PackStore, now: float | None = None) -> list[str]:
+    """The pack objects of a context its index does not name, a day after they were written: a publisher that died
+    between the upload and the compare-and-swap, or a delete that failed after a prune."""
+    index, _ = packs.index()
+    cutoff = (now or time.time()) - ORPHAN_AGE_S
+    found = []
+    for key in packs.store.list(f"{packs.base}packs"):
+        pack = key.rsplit("/", 1)[1].split(".")[0]
+        written = pack.split("-")[0]
+        if pack not in index["packs"] and written.isdigit() and int(written) < cutoff:
+            found.append(key)
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +334,10 @@ def open_feature_store(config: PipelineConfig, log: Log = print) -> FeatureStore
 def registry_store(config: PipelineConfig, log: Log) -> Store | None:
     if config.registry is None:
         log("sample store: no registry section, so no store: everything is made anew")
+        return None
+    if not has_weight_files(config.target):
+        log(f"sample store: the target's weights are not under target.path {config.target.path} on this machine, "
+            "so they cannot be fingerprinted: no store, everything is made anew")
         return None
     if not config.data.share_samples:
         log("sample store: data.share_samples is off: everything is made anew, nothing kept")

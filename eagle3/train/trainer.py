@@ -218,9 +218,8 @@ class Trainer:
             self.write_checkpoint(self.out / BEST_DIR, with_state=False)
 
     def count_gain(self, score: float, lower_wins: bool) -> None:
-        """Patience: a gain is a score beyond the last gain's by more than training.min_gain."""
-        margin = self.config.training.min_gain
-        gain = self.gained is None or (score < self.gained - margin if lower_wins else score > self.gained + margin)
+        """Patience: evaluations since the last gain (is_gain)."""
+        gain = is_gain(score, self.gained, self.config.training.min_gain, lower_wins)
         self.gained = score if gain else self.gained
         self.evals_without_gain = 0 if gain else self.evals_without_gain + 1
 
@@ -359,6 +358,11 @@ class Trainer:
         """Whether any rank got SIGTERM (every rank calls this each step, so all stop at the same step)."""
         flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.dist.device)
         return bool(self.dist.sum(flag).item() > 0)
+
+
+def is_gain(score: float, gained: float | None, min_gain: float, lower_wins: bool) -> bool:
+    """Whether `score` beats the score at the last gain by more than `min_gain` (the first score always does)."""
+    return gained is None or (score < gained - min_gain if lower_wins else score > gained + min_gain)
 
 
 def _step_of(line: str) -> float:
