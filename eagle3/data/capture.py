@@ -191,7 +191,7 @@ def stored_rows(store, jobs: list[ShardJob], run: RunSection, log: Log):
         yield {}
         return
     keys = [sample_key(r) for job in jobs for r in job.samples]
-    with store.rows(keys, str(run.data_dir.resolve()), run.stage_dir("data")) as found:
+    with store.rows(keys, str(run.data_dir.resolve())) as found:
         log(f"capture: feature store {store.where}: {len(found)} of {len(keys)} samples' features taken from earlier "
             f"runs, {len(keys) - len(found)} to compute")
         yield found

@@ -197,15 +197,13 @@ class FeatureStore(PackStore):
         super().__init__(store, "features", key, log, context)
 
     @contextmanager
-    def rows(self, wanted: Iterable[str], run_dir: str,
-             scratch_in: Path) -> Iterator[dict[str, Callable[[], StoredSample]]]:
+    def rows(self, wanted: Iterable[str], run_dir: str) -> Iterator[dict[str, Callable[[], StoredSample]]]:
         """For the block: {key: a reader of its stored features} for every key in `wanted` the store holds. Each
-        pack is downloaded once, into a scratch directory under `scratch_in` (beside the data set, on its disk), and
-        read row by row (a shard need not fit in memory)."""
+        pack is downloaded once, into a scratch directory in the temporary directory ($TMPDIR: outside the run
+        directory, whose files are its stages' own), and read row by row (a shard need not fit in memory)."""
         index, by_pack = self.packs_for(wanted, run_dir)
         found: dict[str, Callable[[], StoredSample]] = {}
-        Path(scratch_in).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=scratch_in, prefix=".feature-store-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="eagle3-feature-store-") as scratch:
             for pack, keys in sorted(by_pack.items()):
                 path = Path(scratch) / f"{pack}.safetensors"
                 if self.download_pack(pack, index["packs"][pack]["sha256"], path, len(keys)):
