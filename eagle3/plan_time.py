@@ -174,7 +174,8 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
     plan = TimePlan(scenario, assumptions, figures, stages, node.retrain_period_h, reused)
     if scenario.retrain and config.training.warm_steps == "auto" and plan.total_h is not None:
         full = train_time(config, clock, params, passes[0], Scenario(retrain=False, nodes=scenario.nodes))
-        plan.ceiling_h = round(plan.total_h - stages[2].hours + full.hours, 2)
+        warm = next(stage for stage in stages if stage.name == "train")
+        plan.ceiling_h = round(plan.total_h - warm.hours + full.hours, 2)
     return plan
 
 

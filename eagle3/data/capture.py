@@ -133,7 +133,8 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
         for job in jobs:
             if job.todo:
                 write_shard(job.path, job.samples, job.stamp, None, {}, config.data.batch_size)
-    stored_jobs = [] if online or store is None else [job for job in jobs if job.todo]
+    store = None if online else store  # token shards hold no features to take or keep
+    stored_jobs = [] if store is None else [job for job in jobs if job.todo]
     with stored_rows(store, stored_jobs, config.run, log) as stored:
         if pending:
             backend = backend_for() if backend_for else target_backend(config.data, config.target, local_device())
@@ -146,7 +147,7 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
                                 FEATURE_DTYPES[dtype], stored if job in stored_jobs else {})
             finally:
                 backend.close()
-    if main and store is not None and not online:  # every shard, reused ones too: a crash may have come before this
+    if main and store is not None:  # every shard, reused ones too: a crash may have come before this
         kept = store.publish_shards([(job.path, [sample_key(r) for r in job.samples]) for job in jobs],
                                     str(config.run.data_dir.resolve()))
         log(f"capture: feature store {store.where}: {kept} samples' new features kept for later runs")
@@ -221,7 +222,8 @@ def write_shard(path: Path, shard: list[dict], stamp: dict, backend: FeatureBack
         for start in range(0, len(shard), batch_size):
             batch = shard[start : start + batch_size]
             keys = [sample_key(r) if stored else None for r in batch]
-            fresh = [i for i, key in enumerate(keys) if key not in stored]  # row i of the batch -> computed row
+            fresh = [i for i, key in enumerate(keys) if key not in stored]
+            computed_row = {i: row for row, i in enumerate(fresh)}  # a batch row -> its row of the computed features
             features = None
             if backend is not None and fresh:
                 computed = [batch[i] for i in fresh]
@@ -231,8 +233,8 @@ def write_shard(path: Path, shard: list[dict], stamp: dict, backend: FeatureBack
             for i, record in enumerate(batch if main else []):
                 n = lengths[start + i]
                 rows = {"input_ids": torch.tensor(record["input_ids"]), "loss_mask": torch.tensor(record["loss_mask"])}
-                if features is not None and i in fresh:
-                    row = fresh.index(i)
+                if features is not None and i in computed_row:
+                    row = computed_row[i]
                     rows.update(aux_hidden=features.aux[row, :n], last_hidden=features.last[row, :n])
                 elif backend is not None:
                     sample = stored[keys[i]]()

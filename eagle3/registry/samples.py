@@ -242,16 +242,16 @@ def add_pack(index: dict, pack: str, entry: dict) -> dict:
     return index
 
 
-def drop_runs(index: dict, removed: set[str]) -> tuple[dict | None, list[str]]:
+def drop_runs(index: dict, removed: set[str]) -> tuple[dict | None, dict[str, int]]:
     """The index without the removed runs and the packs no remaining run uses (None when unchanged), and those
-    packs."""
-    changed, dropped = False, []
+    packs with their entry counts."""
+    changed, dropped = False, {}
     for pack, entry in list(index["packs"].items()):
         kept = [run for run in entry["runs"] if run not in removed]
         changed |= len(kept) != len(entry["runs"])
         entry["runs"] = kept
         if not kept:
-            dropped.append(pack)
+            dropped[pack] = entry["entries"]
             del index["packs"][pack]
     if dropped:
         index["entries"] = {key: pack for key, pack in index["entries"].items() if pack not in dropped}
@@ -265,24 +265,26 @@ def prune_samples(store: Store, removed_runs: Iterable[str], log: Log = print) -
     deleted = 0
     for kind in KINDS if removed else ():
         for key in sorted({name.split("/")[1] for name in store.list(kind) if name.endswith("/index.json")}):
-            packs = PackStore(store, kind, key, log)
-            dropped: list[str] = []
-            sizes: dict[str, int] = {}
-
-            def change(index: dict) -> dict | None:
-                nonlocal dropped
-                sizes.update({pack: entry["entries"] for pack, entry in index["packs"].items()})
-                changed, dropped = drop_runs(index, removed)
-                return changed
-
-            packs.update(change)
-            store.delete([packs.pack_key(pack) for pack in dropped] + orphans(packs))
-            count = sum(sizes[pack] for pack in dropped)
-            deleted += count
-            if dropped:
-                log(f"{kind} store: {len(dropped)} pack(s), {count} entries of context {key} deleted: no kept run uses "
-                    "them (run.keep_runs)")
+            deleted += prune_context(PackStore(store, kind, key, log), removed)
     return deleted
+
+
+def prune_context(packs: PackStore, removed: set[str]) -> int:
+    """One context's retention (prune_samples), orphans swept too; returns the entries deleted."""
+    dropped: dict[str, int] = {}
+
+    def change(index: dict) -> dict | None:
+        changed, found = drop_runs(index, removed)
+        dropped.clear()  # a lost compare-and-swap round recomputes it on the fresh index
+        dropped.update(found)
+        return changed
+
+    packs.update(change)
+    packs.store.delete([packs.pack_key(pack) for pack in dropped] + orphans(packs))
+    if dropped:
+        packs.log(f"{packs.kind} store: {len(dropped)} pack(s), {sum(dropped.values())} entries of context {packs.key} "
+                  "deleted: no kept run uses them (run.keep_runs)")
+    return sum(dropped.values())
 
 
 def orphans(packs: PackStore, now: float | None = None) -> list[str]:

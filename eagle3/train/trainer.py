@@ -112,10 +112,9 @@ class Trainer:
                 rate = throughput.add(metrics.pop("tokens"), seconds)
                 metrics.update(step_time_s=seconds, tokens_per_s=rate, lr=lr)
                 self.record({"step": self.step, **metrics})
-                last = self.step == self.budget
-                if self.step % train.eval_every == 0 or last:
+                if self.step % train.eval_every == 0 or self.step == self.budget:
                     self.evaluate()
-                if self.step % train.save_every == 0 or last or not self.more_steps():
+                if self.step % train.save_every == 0 or not self.more_steps():  # the budget's end, or patience's
                     self.save_checkpoint()
                 if self.stop_everywhere():
                     self.save_checkpoint()
