@@ -2,11 +2,12 @@
 layout the project reads (native, sglang, speculators).
 
 It is resolved once, before the trainer starts (`resolve_init_from`): a version is fetched in the sglang layout
-(every version has it: our exports and imported drafts alike), a directory is read where it is, and either is
-converted to a native copy under run.dir/train/init/native with this config's target family, serving release and
-target layer count (the conversion refuses what a loader would misread, such as an absolute d2t). A record beside
-it says where it came from; the trainer finds the copy (eagle3/algorithms/init_copy.py), the draft algorithm loads it
-(EAGLE-3's: eagle3/algorithms/eagle3/warm_start.py), and its checkpoints' manifests name the record.
+(every version has it: our exports and imported drafts alike), a directory is read where it is, and the algorithm
+that reads it (its kind must be one the run's algorithm warm starts from: `DraftAlgorithm.warm_start`) writes its
+native copy under run.dir/train/init/native with this config's target family, serving release and target layer
+count (EAGLE-3's conversion refuses what a loader would misread, such as an absolute d2t). A record beside it says
+where it came from; the trainer finds the copy (eagle3/algorithms/init_copy.py), the draft algorithm loads it (its
+`initial_model`), and its checkpoints' manifests name the record.
 
 The train stage's cache key holds the init draft's content (`InitDraft.sha256`: the sha256 of config.json and of
 each weights file), never its path or version id: another draft at the same path runs the stage again, the same
@@ -25,14 +26,17 @@ from typing import Callable
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import RegistrySection
 from eagle3.errors import Eagle3Error
-from eagle3.draft.checkpoint import CONFIG_FILE, is_checkpoint_file, read_checkpoint, save_native_draft, to_native
+from eagle3.algorithms import algorithm, draft_algorithm
+from eagle3.algorithms.base import ExportTarget
+from eagle3.draft.checkpoint import CONFIG_FILE, is_checkpoint_file
 from eagle3.fsutil import atomic_write_json, cached_sha256
-from eagle3.registry.registry import RegistryError, open_registry, registry_location
+from eagle3.registry.registry import RegistryError, open_registry, registry_location, version_algorithm
 from eagle3.algorithms.init_copy import NATIVE_DIR, RECORD_FILE, init_dir
 
 Log = Callable[[str], None]
 VERSION_LAYOUT = "sglang"  # the layout a version is fetched in
-_VERSION_FILES: dict[tuple[str, str], dict[str, str]] = {}  # (registry, version) -> files; versions are immutable
+# (registry, version) -> (files, its draft algorithm); versions are immutable
+_VERSIONS: dict[tuple[str, str], tuple[dict[str, str], str]] = {}
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class InitDraft:
     kind: str  # "version" or "directory"
     where: str  # the registry's location, or the directory's absolute path
     files: dict[str, str]  # config.json and each weights file -> sha256: the draft's content
+    algorithm: str  # its kind, a draft.algorithm name
 
     @property
     def sha256(self) -> str:
@@ -52,18 +57,33 @@ class InitDraft:
 
 def init_draft(config: PipelineConfig) -> InitDraft | None:
     """What training.init_from names, with its content's hashes; None when the run trains from scratch. A value
-    that is neither a draft directory nor a version of config.registry is refused, naming both places looked at."""
+    that is neither a draft directory nor a version of config.registry is refused, naming both places looked at, and
+    so is a draft of a kind the run's algorithm does not start from."""
     value = config.training.init_from
     if value is None:
         return None
     path = Path(value)
     if path.is_dir():
-        return InitDraft(value, "directory", str(path.resolve()), directory_files(path))
-    if config.registry is None:
+        draft = InitDraft(value, "directory", str(path.resolve()), directory_files(path), draft_algorithm(path).name)
+    elif config.registry is None:
         raise Eagle3Error(f"training.init_from {value!r}: no such directory, and the config has no registry section to "
                           "look it up as a version; give a draft directory (native, sglang or speculators layout) or "
                           "add the registry that holds the version")
-    return InitDraft(value, "version", registry_location(config.registry), version_files(config.registry, value))
+    else:
+        draft = InitDraft(value, "version", registry_location(config.registry), *version_files(config.registry, value))
+    if problem := warm_start_problem(draft.algorithm, config.draft.algorithm):
+        raise Eagle3Error(f"training.init_from {value!r} ({draft.describe()}): {problem}")
+    return draft
+
+
+def warm_start_problem(kind: str, algorithm_name: str) -> str | None:
+    """Why a draft of `kind` cannot start the training of a draft.algorithm `algorithm_name` draft (None: it can)."""
+    starts_from = algorithm(algorithm_name).warm_start
+    if kind in starts_from:
+        return None
+    return (f"it is a {kind} draft, and draft.algorithm {algorithm_name} warm starts only from "
+            f"{' or '.join(starts_from) or 'no'} drafts; name one of those, or train from scratch (no "
+            "training.init_from)")
 
 
 def directory_files(path: Path) -> dict[str, str]:
@@ -75,10 +95,11 @@ def directory_files(path: Path) -> dict[str, str]:
     return files
 
 
-def version_files(section: RegistrySection, version: str) -> dict[str, str]:
-    """The sha256 of the version's sglang files a checkpoint reader reads, from the registry's manifest."""
+def version_files(section: RegistrySection, version: str) -> tuple[dict[str, str], str]:
+    """The sha256 of the version's sglang files a checkpoint reader reads, and its draft algorithm, from the registry's
+    manifest."""
     location = registry_location(section)
-    if (location, version) not in _VERSION_FILES:
+    if (location, version) not in _VERSIONS:
         try:
             manifest = open_registry(section, log=lambda line: None).manifest(version)
         except RegistryError as err:
@@ -93,8 +114,8 @@ def version_files(section: RegistrySection, version: str) -> dict[str, str]:
             raise Eagle3Error(f"training.init_from {version!r}: version {version} in {location} has no "
                               f"{VERSION_LAYOUT} draft (layouts: {', '.join(manifest.get('layouts', [])) or 'none'}); "
                               "publish it with its sglang layout, or give a draft directory")
-        _VERSION_FILES[(location, version)] = files
-    return _VERSION_FILES[(location, version)]
+        _VERSIONS[(location, version)] = files, version_algorithm(manifest)
+    return _VERSIONS[(location, version)]
 
 
 def resolve_init_from(config: PipelineConfig, log: Log = print) -> Path | None:
@@ -112,17 +133,20 @@ def resolve_init_from(config: PipelineConfig, log: Log = print) -> Path | None:
             source = open_registry(config.registry, log).fetch(draft.init_from, VERSION_LAYOUT, fetched, overwrite=True)
         else:
             source = Path(draft.init_from)
-        raw = read_checkpoint(source)
+        kind = draft_algorithm(source)  # what the fetched files are; the manifest said so, they decide
+        if problem := warm_start_problem(kind.name, config.draft.algorithm):
+            raise Eagle3Error(problem)
         release = config.serving.release if config.serving is not None else None
-        native = to_native(raw, config.target.family, release, config.target.num_hidden_layers, log)
-        save_native_draft(native, out / NATIVE_DIR, "native", overwrite=True, source=draft.describe())
+        target = ExportTarget(config.target.family, release, config.target.num_hidden_layers,
+                              config.replay_shape.num_steps, None)
+        layout = kind.warm_start_copy(source, out / NATIVE_DIR, target, draft.describe(), log)
     except Eagle3Error as err:
         raise Eagle3Error(f"training.init_from {draft.init_from!r} ({draft.describe()}): {err}") from None
     finally:
         shutil.rmtree(fetched, ignore_errors=True)  # the native copy is what the trainer reads
-    record = {"init_from": draft.init_from, "kind": draft.kind, "where": draft.where, "layout": raw.layout,
+    record = {"init_from": draft.init_from, "kind": draft.kind, "where": draft.where, "layout": layout,
               "sha256": draft.sha256}
     atomic_write_json(out / RECORD_FILE, record)
-    log(f"train: training.init_from {draft.init_from}: {draft.describe()}, {raw.layout} layout, sha256 "
-        f"{draft.sha256[:16]}; its native copy is {out / NATIVE_DIR}")
+    log(f"train: training.init_from {draft.init_from}: {draft.describe()}, a {kind.name} draft in the {layout} "
+        f"layout, sha256 {draft.sha256[:16]}; its native copy is {out / NATIVE_DIR}")
     return out / NATIVE_DIR

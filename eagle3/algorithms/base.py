@@ -24,6 +24,7 @@ from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
+from eagle3.errors import Eagle3Error
 from eagle3.draft.checkpoint import DraftConfig
 from eagle3.draft.layouts.speculators import Verifier
 from eagle3.draft.vocab_map import VocabMap
@@ -79,6 +80,9 @@ class DraftAlgorithm(ABC):
     server_algorithm: str  # SGLang's --speculative-algorithm
     config_type: type[BaseModel]  # what draft_config returns, and what the checkpoints' config.json holds
     deployable = True  # server_flags is built (it serves): the whole pipeline (`eagle3 run`) may run it
+    # the kinds (draft.algorithm names) whose drafts this one's training may start from (training.init_from; a
+    # retrain's production version): a retrain warm starts only from these, and trains from scratch otherwise
+    warm_start: tuple[str, ...] = ()
 
     def reads(self, config: dict) -> bool:
         """Whether a draft directory whose config.json holds `config` is this algorithm's, in any layout it writes
@@ -111,6 +115,14 @@ class DraftAlgorithm(ABC):
                       device: torch.device, init: ResolvedInit | None, log: Log) -> DraftModel:
         """The draft training starts from, on `device`: initialised by training.seed from the target's head
         (`eagle3.model.weights.target_head`) or warm-started from `init` (training.init_from resolved, or None)."""
+
+    def warm_start_copy(self, source: Path, out: Path, target: ExportTarget, source_name: str, log: Log) -> str:
+        """The draft at `source` (one this entry `reads`, in any layout it reads) written at `out` as the copy
+        `initial_model` loads (replaced if there), read as `target`'s engine release numbers it; returns the layout it
+        was read in. `source_name` says where it came from (recorded in the copy's manifest). Only asked of an entry
+        some `warm_start` lists."""
+        raise Eagle3Error(f"{source}: a {self.name} draft starts no training here (no algorithm's warm_start lists "
+                          f"{self.name}); train from scratch (no training.init_from)")
 
     @abstractmethod
     def served_model(self, path: Path, release: str | None, target_dir: Path, prefix: str) -> DraftModel:

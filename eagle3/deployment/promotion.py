@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from eagle3.algorithms import algorithm
 from eagle3.bench.client import BenchmarkError, SlicedPrompt, run_benchmark, suite_digests, suite_lines
 from eagle3.bench.counting import pooled
 from eagle3.bench.diagnose import diagnose
@@ -248,20 +249,23 @@ def registry_metrics(served: dict, simulated_accept_length: float | None, chosen
             "production": {k: chosen.get(k) for k in production}, "engine_release": served.get("server_version")}
 
 
-def retrain_overrides(run: RunSection, algorithm: str, registry, log: Log = print) -> list[str]:
+def retrain_overrides(run: RunSection, algorithm_name: str, registry, log: Log = print) -> list[str]:
     """A retrain is a fresh run (new run directory: the prompt source is read anew) that fine-tunes the production
-    version (training.init_from, resolved by the train stage as any version is) when production is a draft of the
-    run's `algorithm` (a contender of another kind trains from scratch: eagle3.config.contender_configs)."""
+    version (training.init_from, resolved by the train stage as any version is) when the run's algorithm warm starts
+    from production's kind (`DraftAlgorithm.warm_start`; otherwise it trains from scratch, as a contender of another
+    kind does: eagle3.config.contender_configs)."""
     run_dir = retrain_dir(run.dir)
     overrides = [f"run.dir={run_dir}"]
     production = registry.production_version()
     if production is None:
         log("retrain: the registry has no production draft: training from scratch")
         return overrides
-    if (kind := version_algorithm(registry.manifest(production))) != algorithm:
-        log(f"retrain: production {production} is a {kind} draft, the run's is {algorithm}: training from scratch")
+    kind = version_algorithm(registry.manifest(production))
+    if kind not in algorithm(algorithm_name).warm_start:
+        log(f"retrain: production {production} is a {kind} draft, which draft.algorithm {algorithm_name} does not warm "
+            f"start from: training from scratch in {run_dir}")
         return overrides
-    log(f"retrain: warm start from production version {production} in {run_dir}")
+    log(f"retrain: warm start from production version {production} (a {kind} draft) in {run_dir}")
     return overrides + [f"training.init_from={json.dumps(production)}"]  # quoted: an id like 2024 stays a string
 
 

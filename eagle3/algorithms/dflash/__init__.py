@@ -17,6 +17,7 @@ from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockModel, BlockRows,
 from eagle3.algorithms.dflash.imports import convert_dflash
 from eagle3.algorithms.dflash.layout import ARCHITECTURE, read_sglang, validate_sglang, write_sglang
 from eagle3.algorithms.dflash.speculators import validate_speculators, write_speculators
+from eagle3.algorithms.dflash.warm_start import warm_start, write_copy
 from eagle3.algorithms.dflash.model import DFLASH_FORMAT, DFlashConfig, DFlashDraft
 from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.algorithms.sizes import draft_sizes
@@ -41,6 +42,7 @@ class DFlashAlgorithm(DraftAlgorithm):
     name = "dflash"
     server_algorithm = "DFLASH"
     config_type = DFlashConfig
+    warm_start = ("dflash",)
 
     def reads(self, config: dict) -> bool:
         return config.get("format") == DFLASH_FORMAT or ARCHITECTURE in (config.get("architectures") or [])
@@ -71,9 +73,6 @@ class DFlashAlgorithm(DraftAlgorithm):
                       device: torch.device, init: ResolvedInit | None, log: Log) -> DFlashDraft:
         """Seeded, on `device`; the target's embedding and head (one tensor when they are tied), the loss scoring
         the run's draft vocabulary."""
-        if init is not None:
-            raise Eagle3Error("training.init_from: a DFlash draft starts from its seeded init here (warm starts are "
-                              "EAGLE-3's); remove training.init_from")
         cfg = self.draft_config(config)
         embed = head["embed"].to(device)
         head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # its matmuls run in bf16 there
@@ -82,9 +81,18 @@ class DFlashAlgorithm(DraftAlgorithm):
             model = DFlashDraft(cfg, embed, lm_head)
         init_weights(model, config.training.seed)  # from a CPU generator: the same draft on any device
         model.loss_ids.copy_(vocab_map.target_ids())
+        if init is not None:
+            warm_start(model, init, log)
         log(f"train: DFlash draft, {cfg.num_hidden_layers} layer(s), block {cfg.block_size}, mask token "
             f"{cfg.mask_token_id}, target layers {cfg.aux_layers}")
         return model
+
+    def warm_start_copy(self, source: Path, out: Path, target: ExportTarget, source_name: str, log: Log) -> str:
+        """A native draft or an SGLang export of this project's (every registry version holds one; a draft from
+        elsewhere is imported first: `eagle3 registry import`). Its target layer ids are this project's numbering in
+        both, whatever the release."""
+        write_copy(source, out, source_name)
+        return "sglang" if "eagle3" in read_json(source / CONFIG_FILE, "missing") else "dflash-native"
 
     def served_model(self, path: Path, release: str | None, target_dir: Path, prefix: str) -> DFlashDraft:
         """The draft at `path` (an SGLang export, or what `write_draft` wrote), with the target's embedding and head:

@@ -17,7 +17,8 @@ from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
-from eagle3.draft.checkpoint import DraftConfig, NativeDraft, convert, load_native, write_draft_files
+from eagle3.draft.checkpoint import (DraftConfig, NativeDraft, convert, load_native, read_checkpoint, save_native_draft,
+                                    to_native, write_draft_files)
 from eagle3.draft.vocab_map import VocabMap
 from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
 from eagle3.model.teacher import Teacher
@@ -33,6 +34,7 @@ class Eagle3Algorithm(DraftAlgorithm):
     name = "eagle3"
     server_algorithm = "EAGLE3"
     config_type = DraftConfig
+    warm_start = ("eagle3",)
 
     def draft_config(self, config: PipelineConfig) -> DraftConfig:
         return trained_draft_config(config)
@@ -62,6 +64,14 @@ class Eagle3Algorithm(DraftAlgorithm):
         if config.training.freeze_head:
             freeze_head(model, None if init is not None else head["norm"].to(device))
         return model
+
+    def warm_start_copy(self, source: Path, out: Path, target: ExportTarget, source_name: str, log: Log) -> str:
+        """Any layout the project reads (native, sglang, speculators), its aux ids decoded for the target's family
+        and release; the conversion refuses what a loader would misread (an absolute d2t, say)."""
+        raw = read_checkpoint(source)
+        native = to_native(raw, target.family, target.release, target.num_layers, log)
+        save_native_draft(native, out, "native", overwrite=True, source=source_name)
+        return raw.layout
 
     def served_model(self, path: Path, release: str | None, target_dir: Path, prefix: str) -> Eagle3Draft:
         return draft_as_served(path, release, target_embedding(target_dir, prefix))
