@@ -1,5 +1,7 @@
 """Small SVG charts for the run's Markdown reports: the Prefect UI shows a Markdown image whose source is a data
-URI, so a report carries its pictures with it (no file server, no plotting dependency)."""
+URI, so a report carries its pictures with it (no file server, no plotting dependency). A figure paints its own
+opaque background and its text in INK on it: an image without one shows through to the page, and Prefect's UI follows
+the reader's colour scheme, so black text on a transparent image is all but invisible on its dark theme."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from html import escape
 
 WIDTH, HEIGHT, MARGIN = 360, 220, 44  # one panel, in px; the margin holds the axes' labels
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+BACKGROUND, INK = "#ffffff", "#222222"  # the figure's own, whatever the page's theme
 
 
 def markdown_image(svg: str, alt: str) -> str:
@@ -15,10 +18,11 @@ def markdown_image(svg: str, alt: str) -> str:
 
 
 def figure(panels: list[str]) -> str:
-    """Panels side by side in one SVG."""
+    """Panels side by side in one SVG, on its own background."""
     body = "".join(f'<g transform="translate({i * WIDTH},0)">{panel}</g>' for i, panel in enumerate(panels))
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH * len(panels)}" height="{HEIGHT}" '
-            f'font-family="sans-serif" font-size="10">{body}</svg>')
+            f'font-family="sans-serif" font-size="10" fill="{INK}">'
+            f'<rect width="100%" height="100%" fill="{BACKGROUND}"/>{body}</svg>')
 
 
 def scale(values: list[float]) -> tuple[float, float]:
