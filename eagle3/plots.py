@@ -6,9 +6,13 @@ the reader's colour scheme, so black text on a transparent image is all but invi
 from __future__ import annotations
 
 import base64
+import math
 from html import escape
 
-WIDTH, HEIGHT, MARGIN = 360, 220, 44  # one panel, in px; the margin holds the axes' labels
+WIDTH, HEIGHT, MARGIN, FONT_PX = 360, 220, 44, 10  # one panel, in px; the margin holds the axes' labels
+# The UI fits a picture to its column (~580 px wide in a 1280 px window): three panels side by side would shrink
+# their text to ~5 px.
+PER_ROW = 2
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 BACKGROUND, INK = "#ffffff", "#222222"  # the figure's own, whatever the page's theme
 
@@ -18,10 +22,12 @@ def markdown_image(svg: str, alt: str) -> str:
 
 
 def figure(panels: list[str]) -> str:
-    """Panels side by side in one SVG, on its own background."""
-    body = "".join(f'<g transform="translate({i * WIDTH},0)">{panel}</g>' for i, panel in enumerate(panels))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH * len(panels)}" height="{HEIGHT}" '
-            f'font-family="sans-serif" font-size="10" fill="{INK}">'
+    """Panels in rows of PER_ROW, in one SVG on its own background."""
+    columns, rows = min(len(panels), PER_ROW), math.ceil(len(panels) / PER_ROW)
+    body = "".join(f'<g transform="translate({i % PER_ROW * WIDTH},{i // PER_ROW * HEIGHT})">{panel}</g>'
+                   for i, panel in enumerate(panels))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH * columns}" height="{HEIGHT * rows}" '
+            f'font-family="sans-serif" font-size="{FONT_PX}" fill="{INK}">'
             f'<rect width="100%" height="100%" fill="{BACKGROUND}"/>{body}</svg>')
 
 
