@@ -115,34 +115,45 @@ class DevTools:
         self.timeout_s, self.viewport = timeout_s, viewport
 
     def __enter__(self) -> DevTools:
-        self.profile = tempfile.TemporaryDirectory(prefix="chromium-profile-")
-        to_chromium, self.from_chromium = os.pipe(), os.pipe()
-
-        def on_fds_3_and_4() -> None:  # in the child: its ends where chromium looks for them
-            ends = [fcntl.fcntl(fd, fcntl.F_DUPFD, 5) for fd in (to_chromium[0], self.from_chromium[1])]
-            os.dup2(ends[0], 3)
-            os.dup2(ends[1], 4)
-
-        self.proc = subprocess.Popen(
-            [require_chromium(), *FLAGS, f"--user-data-dir={self.profile.name}", "--remote-debugging-pipe"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=on_fds_3_and_4, pass_fds=(3, 4))
-        os.close(to_chromium[0])
-        os.close(self.from_chromium[1])
-        self.commands, self.replies, self.buffer, self.next_id = to_chromium[1], self.from_chromium[0], b"", 0
-        target = self.call("Target.createTarget", to_browser=True, url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", to_browser=True, targetId=target, flatten=True)["sessionId"]
-        width, height = self.viewport
-        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+        self.scratch = tempfile.TemporaryDirectory(prefix="chromium-")
+        self.log = Path(self.scratch.name) / "chromium.log"
+        to_chromium, from_chromium = os.pipe(), os.pipe()
+        # chromium's ends, numbered above 4 so that putting them on 3 and 4 clobbers neither; posix_spawn's file
+        # actions put them there (no Python runs in the child between fork and exec)
+        theirs = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 5) for fd in (to_chromium[0], from_chromium[1])]
+        path = require_chromium()
+        self.pid = os.posix_spawn(
+            path, [path, *FLAGS, f"--user-data-dir={self.scratch.name}/profile", "--remote-debugging-pipe"], os.environ,
+            file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                          (os.POSIX_SPAWN_OPEN, 1, str(self.log), os.O_WRONLY | os.O_CREAT, 0o600),
+                          (os.POSIX_SPAWN_DUP2, 1, 2),
+                          (os.POSIX_SPAWN_DUP2, theirs[0], 3), (os.POSIX_SPAWN_DUP2, theirs[1], 4)],
+            setsid=True)  # its own process group: leaving ends the zygote and renderers with it
+        for fd in (*theirs, to_chromium[0], from_chromium[1]):
+            os.close(fd)
+        self.commands, self.replies, self.buffer, self.next_id = to_chromium[1], from_chromium[0], b"", 0
+        try:
+            target = self.call("Target.createTarget", to_browser=True, url="about:blank")["targetId"]
+            self.session = self.call("Target.attachToTarget", to_browser=True, targetId=target,
+                                     flatten=True)["sessionId"]
+            width, height = self.viewport
+            self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
+                      mobile=False)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+            os.killpg(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
         os.close(self.commands)
         os.close(self.replies)
-        self.profile.cleanup()
+        self.scratch.cleanup()
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
 
     def call(self, method: str, to_browser: bool = False, **params) -> dict:
         """The result of one command, to the tab (or to the browser)."""
@@ -156,10 +167,12 @@ class DevTools:
             while b"\0" not in self.buffer:
                 left = deadline - time.monotonic()
                 if left <= 0 or not select.select([self.replies], [], [], left)[0]:
-                    raise AssertionError(f"chromium did not answer {method} in {self.timeout_s:.0f} s")
+                    raise AssertionError(f"chromium did not answer {method} in {self.timeout_s:.0f} s; its log's "
+                                         f"tail:\n{self.log_tail()}")
                 chunk = os.read(self.replies, 1 << 20)
                 if not chunk:
-                    raise AssertionError(f"chromium exited ({self.proc.poll()}) before answering {method}")
+                    raise AssertionError(f"chromium exited before answering {method}; its log's tail:\n"
+                                         f"{self.log_tail()}")
                 self.buffer += chunk
             raw, self.buffer = self.buffer.split(b"\0", 1)
             reply = json.loads(raw)
@@ -173,8 +186,10 @@ class DevTools:
         loaded), with `pad` pixels of the page around it, as chromium draws it for a reader whose system asks for
         `color_scheme` ("dark" or "light")."""
         self.call("Emulation.setEmulatedMedia", features=[{"name": "prefers-color-scheme", "value": color_scheme}])
+        self.evaluate("window.eagle3Left = true")  # the document navigated from: the poll below skips it
         self.call("Page.navigate", url=url)
         where = f"""(() => {{
+            if (window.eagle3Left) return null;
             const e = document.querySelector({json.dumps(selector)});
             if (!e || (e.tagName === "IMG" && !(e.complete && e.naturalWidth))) return null;
             e.scrollIntoView({{block: "center"}});
@@ -232,12 +247,14 @@ def unfilter(kind: int, line: np.ndarray, above: np.ndarray, bpp: int) -> np.nda
         return (np.cumsum(line.reshape(-1, bpp), axis=0) % 256).reshape(-1)
     if kind == 2:
         return (line + above) % 256
+    if kind not in (3, 4):
+        raise AssertionError(f"PNG filter type {kind}: the spec has 0-4")
     row, above = [0] * len(line), above.tolist()
     for i, value in enumerate(line.tolist()):
         left, up, up_left = (row[i - bpp], above[i], above[i - bpp]) if i >= bpp else (0, above[i], 0)
         if kind == 3:
             predicted = (left + up) // 2
-        else:  # 4, Paeth: the neighbour nearest left + up - up_left
+        else:  # Paeth: the neighbour nearest left + up - up_left
             p = left + up - up_left
             pa, pb, pc = abs(p - left), abs(p - up), abs(p - up_left)
             predicted = left if pa <= pb and pa <= pc else up if pb <= pc else up_left
