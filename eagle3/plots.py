@@ -1,13 +1,20 @@
 """Small SVG charts for the run's Markdown reports: the Prefect UI shows a Markdown image whose source is a data
-URI, so a report carries its pictures with it (no file server, no plotting dependency)."""
+URI, so a report carries its pictures with it (no file server, no plotting dependency). A figure paints its own
+opaque background and its text in INK on it: an image without one shows through to the page, and Prefect's UI follows
+the reader's colour scheme, so black text on a transparent image is all but invisible on its dark theme."""
 
 from __future__ import annotations
 
 import base64
+import math
 from html import escape
 
-WIDTH, HEIGHT, MARGIN = 360, 220, 44  # one panel, in px; the margin holds the axes' labels
+WIDTH, HEIGHT, MARGIN, FONT_PX = 360, 220, 44, 10  # one panel, in px; the margin holds the axes' labels
+# The UI fits a picture to its column (~580 px wide in a 1280 px window): three panels side by side would shrink
+# their text to ~5 px.
+PER_ROW = 2
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+BACKGROUND, INK = "#ffffff", "#222222"  # the figure's own, whatever the page's theme
 
 
 def markdown_image(svg: str, alt: str) -> str:
@@ -15,10 +22,13 @@ def markdown_image(svg: str, alt: str) -> str:
 
 
 def figure(panels: list[str]) -> str:
-    """Panels side by side in one SVG."""
-    body = "".join(f'<g transform="translate({i * WIDTH},0)">{panel}</g>' for i, panel in enumerate(panels))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH * len(panels)}" height="{HEIGHT}" '
-            f'font-family="sans-serif" font-size="10">{body}</svg>')
+    """Panels in rows of PER_ROW, in one SVG on its own background."""
+    columns, rows = min(len(panels), PER_ROW), math.ceil(len(panels) / PER_ROW)
+    body = "".join(f'<g transform="translate({i % PER_ROW * WIDTH},{i // PER_ROW * HEIGHT})">{panel}</g>'
+                   for i, panel in enumerate(panels))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH * columns}" height="{HEIGHT * rows}" '
+            f'font-family="sans-serif" font-size="{FONT_PX}" fill="{INK}">'
+            f'<rect width="100%" height="100%" fill="{BACKGROUND}"/>{body}</svg>')
 
 
 def scale(values: list[float]) -> tuple[float, float]:

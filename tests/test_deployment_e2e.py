@@ -6,7 +6,8 @@
 - `infra/worker.sh`, a process worker in its own process group;
 - `prefect deployment run eagle3/full --watch`;
 - the final state and the decision artifact, read through the API;
-- the decision on the flow run's pages of the Prefect UI, rendered in headless chromium.
+- the decision on the flow run's pages of the Prefect UI, rendered in headless chromium;
+- the plots of the artifacts, legible on the UI's dark theme as on its light one (screenshots' pixels).
 
 The UI (V2, React, the default in Prefect 3.9) lists a run's artifacts on `/v2/runs/flow-run/ID?tab=Artifacts` as cards
 (key, description) and renders a markdown artifact's text on its own page, `/v2/artifacts/artifact/ID`, which the
@@ -15,6 +16,7 @@ card links to: the test follows that link. Select it with `pytest -m e2e`.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -28,9 +30,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from browser import render_until, require_chromium
+from browser import DevTools, render_until, require_chromium
 from helpers import Processes, micro_run_overrides, tail, wait_healthy
+from legibility import TEXT_MINIMUM, luminance, most_common, text_contrast
 from ports import free_port
+
+from eagle3.plots import FONT_PX, MARGIN
+from eagle3.report import sweep_report, training_report
 
 pytestmark = pytest.mark.e2e
 
@@ -378,3 +384,58 @@ def test_cancelling_a_run_through_the_api_while_training_leaves_no_trainer(prefe
             time.sleep(0.5)
     assert not trainers(run_dir), f"trainer processes outlived the cancelled run:\n{tail(worker_log)}"
     assert worker.poll() is None, f"the worker exited {worker.returncode}:\n{tail(worker_log)}"
+
+
+def sweep_result() -> dict:
+    """A sweep's result as run_sweep records it: three drafting shapes, each at concurrency 1 and 4."""
+    def level(concurrency: int, accept: float, tokens_per_s: float, baseline: float) -> dict:
+        return {"concurrency": concurrency, "accept_length": accept, "accept_rate": accept / 4,
+                "output_tokens_per_s": tokens_per_s, "baseline_output_tokens_per_s": baseline,
+                "speedup": tokens_per_s / baseline, "lost_requests": 0}
+    points = [{"shape": {"num_steps": s, "eagle_topk": 1, "num_draft_tokens": s + 1},
+               "label": f"steps {s}, topk 1, draft tokens {s + 1}", "error": None,
+               "levels": [level(1, 1.8 + 0.3 * s, 90 + 20 * s, 60), level(4, 1.7 + 0.3 * s, 250 + 40 * s, 180)]}
+              for s in (1, 3, 5)]
+    chosen = {**points[1]["levels"][1], "label": points[1]["label"], "temperature": 0.0, "num_prompts": 8}
+    return {"temperature": 0.0, "concurrency": [1, 4], "num_prompts": 8, "budget_s": 600.0, "wall_s": 120.0,
+            "points": points, "skipped": [], "chosen": chosen}
+
+
+def training_records() -> list[dict]:
+    """The trainer's metrics records: steps, and an evaluation every 20 of them."""
+    steps = [{"step": n, "loss": 6.0 / n ** 0.5, "step_acc": [0.8 - 0.6 / n, 0.5 - 0.4 / n],
+              "tokens_per_s": 900.0, "step_time_s": 0.2} for n in range(1, 61)]
+    evals = [{"step": n, "eval_loss": 6.5 / n ** 0.5, "eval_weighted_acc": 0.6, "eval_accept_length": 1.5 + n / 60,
+              "eval_time_s": 3.0, "new_best": True} for n in (20, 40, 60)]
+    return steps + evals
+
+
+def test_the_plots_read_on_the_uis_dark_theme_as_on_its_light_one(prefect_server):
+    """The plots a run publishes (the sweep's bars, the training's lines) on their artifacts' pages, as a reader's
+    browser draws them: the UI takes the colour scheme the reader's system asks for, and on either a plot's titles and
+    axis values contrast with what they are drawn on as WCAG asks of text (black on a transparent image read 1.4:1 on
+    the dark theme), at a size that can be read."""
+    server, pad = prefect_server, 16
+    reports = {"sweep": sweep_report(sweep_result()), "training": training_report(training_records(), "accept_length")}
+    ids = {key: api(server, "POST", "/artifacts/", {"key": key, "type": "markdown", "data": markdown})["id"]
+           for key, markdown in reports.items()}
+    with server["phases"]("ui plots legibility"), DevTools() as browser:
+        for scheme in ("dark", "light"):
+            for key, artifact in ids.items():
+                pixels = browser.element_pixels(f"{server['base']}/v2/artifacts/artifact/{artifact}",
+                                                'img[src^="data:image/svg+xml"]', scheme, pad)
+                page = most_common(pixels[:pad])  # the band above the plot: the UI's own background
+                assert (luminance(page) < 0.2) == (scheme == "dark"), f"the UI drew its {scheme} theme in {page}"
+                plot = pixels[pad:-pad, pad:-pad]
+                svg = base64.b64decode(re.search(r"data:image/svg\+xml;base64,([^)]+)", reports[key]).group(1))
+                scale = plot.shape[1] / int(re.search(rb'<svg[^>]* width="(\d+)"', svg).group(1))  # fit to the column
+                assert FONT_PX * scale >= 7, f"the {key} plot's text is {FONT_PX * scale:.1f} px high on the page"
+                # Where eagle3.plots puts text alone: the titles above the top grid line, the y axes' values
+                # left of the axis.
+                regions = {"titles": plot[:int((MARGIN / 2 - 4) * scale)],
+                           "axis values": plot[:, :int((MARGIN - 3) * scale)]}
+                for what, region in regions.items():
+                    ratio, behind = text_contrast(region)
+                    print(f"{key} plot, {scheme} theme: {what} {ratio:.2f}:1 on {behind.tolist()}")
+                    assert ratio >= TEXT_MINIMUM, \
+                        f"the {key} plot's {what} on the {scheme} theme: contrast {ratio:.2f}:1 on {behind.tolist()}"
