@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from eagle3.algorithms import ALGORITHMS, algorithm, require_deployable
 from eagle3.bench.simulate import heldout_samples, replay_stored
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.config.draft import DraftSection
 from eagle3.distributed import Dist
 from eagle3.errors import ConfigError, Eagle3Error

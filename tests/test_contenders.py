@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle3.config import contender_configs, draft_configs, load_config
+from eagle3.resolve import contender_configs, draft_configs, load_config
 from eagle3.config.contenders import SHAPE_FIELDS, SHARED_TRAINING
 from eagle3.data.regenerate import greedy_length
 from eagle3.deployment.contenders import Contender, contenders_record, contenders_text, pick, write_contenders

@@ -15,8 +15,8 @@ from eagle3.bench.counting import SpecRequest, correct_drafts_of
 from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockRows, anchors_of, block_outputs
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from eagle3.bench.simulate import heldout_samples, replay_stored, simulate_prompt
-from eagle3.config import load_config
-from eagle3.contract.dflash import dflash_default_layer_ids
+from eagle3.resolve import load_config
+from eagle3.algorithms.dflash.contract import dflash_default_layer_ids
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.model.draft import init_weights
 from eagle3.model.ttt import LossRows

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafts import write_draft
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.config.serving import ServingSection
 from eagle3.errors import Eagle3Error
 from eagle3.procs import GPU_QUERY, LaunchError, wrap
