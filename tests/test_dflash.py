@@ -68,7 +68,8 @@ def test_a_dflash_config_needs_its_mask_token_and_a_chain_of_its_block():
         load_config(TINY, DFLASH + ["serving.num_steps=4"])
     with pytest.raises(ConfigError, match="Qwen3-style layers: draft.attention mha, and none of draft.fc_norm"):
         load_config(TINY, DFLASH + ["draft.fc_norm=true"])
-    with pytest.raises(ConfigError, match="draft.dflash describes a DFlash draft: set draft.algorithm dflash"):
+    with pytest.raises(ConfigError, match=r"draft.dflash \(from --set\): describes a dflash draft, but draft.algorithm is "
+                                          "eagle3: set draft.algorithm dflash or remove draft.dflash"):
         load_config(TINY, ["draft.dflash.mask_token_id=5"])
     with pytest.raises(ConfigError, match=r"serving.release 0.5.12: SGLang 0.5.12 rotates every DFlash draft with RoPE "
                                           r"base 1,000,000 .* not the trained 10,000: serve with SGLang >= 0.5.13"):
