@@ -70,7 +70,10 @@ def typed_draft(draft: DraftSection, where: Path = Path("draft"), overridden: se
         raise ConfigError(unregistered(where, overridden, "draft.algorithm", draft.algorithm, ALGORITHMS,
                                        "docs/algorithms.md"))
     kinds = sorted(name for name, kind in ALGORITHMS.items() if kind.section_type is not None)
-    given = {name: section for name, section in draft.kind_sections.items() if section is not None}
+    sections = draft.model_extra  # the fields beyond the draft section's own
+    for name in [name for name, section in sections.items() if section is None]:
+        del sections[name]  # given as null: left out (as configs recorded before the kinds owned their sections hold)
+    given = dict(sections)
     for name in given:
         field = f"draft.{name}"
         if name not in kinds:

@@ -104,6 +104,7 @@ def test_a_section_of_no_registered_kind_or_of_another_kind_is_refused(heads):
     with pytest.raises(ConfigError, match=r"draft.heads \(from --set\): describes a heads draft, but draft.algorithm is "
                                           "eagle3: set draft.algorithm heads or remove draft.heads"):
         load_config(TINY, ["draft.heads.count=4"])
+    assert "heads" not in load_config(TINY, ["draft.heads=null"]).draft.model_dump()  # null: left out, as old records
 
 
 def test_configs_made_from_a_resolved_one_are_resolved(heads, tmp_path):

@@ -77,7 +77,8 @@ class DraftAlgorithm(ABC):
 
     name: str  # draft.algorithm
     # serving engine -> the method it serves this kind as (SGLang's --speculative-algorithm, vLLM's speculative method);
-    # an engine not named does not serve it. SGLang's counts it as that method does (eagle3.serving.sglang).
+    # an engine not named does not serve it. The reference server and the simulator count it as SGLang counts that
+    # method (eagle3.serving.sglang).
     served_as: dict[str, str] = {}
     section_type: type[BaseModel] | None = None  # its own fields, the config's draft.<name> (None: it has none)
     config_type: type[BaseModel]  # what draft_config returns, and what the checkpoints' config.json holds

@@ -13,7 +13,7 @@ puts the kind's typed section in their place."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -22,11 +22,13 @@ from eagle3.draft.layouts.shared import MLA_SIZES
 
 
 class DraftSection(Section):
-    model_config = ConfigDict(extra="allow")  # the kinds' own sections, draft.<algorithm>: checked by eagle3.resolve
+    # the fields beyond the section's own (model_extra) are the kinds' own sections, draft.<algorithm>: kept as given
+    # here, checked and typed by eagle3.resolve
+    model_config = ConfigDict(extra="allow")
 
     algorithm: str = Field(
-        default="eagle3", description="the kind of draft, an entry of eagle3.algorithms (docs/algorithms.md), whose own "
-        "fields are the section draft.<algorithm> where it has any")
+        default="eagle3", description="the kind of draft, an entry of eagle3.algorithms (docs/algorithms.md), whose "
+        "own fields are the section draft.<algorithm> where it has any")
     attention: Literal["mha", "mla"] = Field(default="mha", description="mha: a Llama layer's attention (grouped "
                                              "heads); mla: DeepSeek-V2's multi-latent attention (the q_lora_rank, "
                                              "kv_lora_rank and head-dim fields), SGLang >= 0.5.12")
@@ -49,11 +51,6 @@ class DraftSection(Section):
     norm_output: bool = Field(default=False, description="EAGLE 3.1: the next drafting step is fed the output after "
                               "the final norm rather than before it")
     norm_before_residual: bool = Field(default=False, description="speculators' option; no SGLang release serves it")
-
-    @property
-    def kind_sections(self) -> dict[str, Any]:
-        """The fields beyond the section's own: the kinds' sections, draft.<algorithm> (as given, until resolved)."""
-        return dict(self.model_extra or {})
 
     @model_validator(mode="after")
     def _form_is_complete(self) -> DraftSection:

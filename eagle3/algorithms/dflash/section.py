@@ -61,6 +61,6 @@ def config_problem(config: PipelineConfig) -> str | None:
     shapes += [(f"sweep.points[{i}]", DraftShape(*point)) for i, point in enumerate(config.sweep.points)]
     for field, shape in shapes:
         if problem := dflash_shape_problem(block, shape):
-            return (f"draft.algorithm dflash, {field}: {problem}; give chains (eagle_topk 1) of up to {block - 1} steps "
-                    f"(draft.dflash.block_size {block}){'' if config.serving else ': add a serving section'}")
+            return (f"draft.algorithm dflash, {field}: {problem}; give chains (eagle_topk 1) of up to {block - 1} "
+                    f"steps (draft.dflash.block_size {block}){'' if config.serving else ': add a serving section'}")
     return None
