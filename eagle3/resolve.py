@@ -62,7 +62,7 @@ def resolved(raw: dict, where: Path, overridden: set[str] = frozenset()) -> Pipe
     return config
 
 
-def typed_draft(draft: DraftSection, where: Path = Path("draft"), overridden: set[str] = frozenset()) -> DraftAlgorithm:
+def typed_draft(draft: DraftSection, where: Path, overridden: set[str] = frozenset()) -> DraftAlgorithm:
     """The entry `draft.algorithm` names, its own section (draft.<name>) validated by the entry's type and put in
     place of the one given; a section of no kind, or of another kind than the draft's, is refused."""
     entry = ALGORITHMS.get(draft.algorithm)
@@ -73,8 +73,7 @@ def typed_draft(draft: DraftSection, where: Path = Path("draft"), overridden: se
     sections = draft.model_extra  # the fields beyond the draft section's own
     for name in [name for name, section in sections.items() if section is None]:
         del sections[name]  # given as null: left out (as configs recorded before the kinds owned their sections hold)
-    given = dict(sections)
-    for name in given:
+    for name in sections:
         field = f"draft.{name}"
         if name not in kinds:
             allowed = ", ".join(sorted([*DraftSection.model_fields, *kinds]))
@@ -85,11 +84,11 @@ def typed_draft(draft: DraftSection, where: Path = Path("draft"), overridden: se
     if entry.section_type is None:
         return entry
     fields = entry.section_type.model_fields
-    if entry.name not in given and (needed := [name for name, info in fields.items() if info.is_required()]):
+    if entry.name not in sections and (needed := [name for name, info in fields.items() if info.is_required()]):
         raise ConfigError(f"{where}: draft.algorithm {entry.name} needs " + "; ".join(
             f"draft.{entry.name}.{name}: {fields[name].description or 'required'}" for name in needed))
     try:
-        setattr(draft, entry.name, entry.section_type.model_validate(given.get(entry.name, {})))
+        setattr(draft, entry.name, entry.section_type.model_validate(sections.get(entry.name, {})))
     except ValidationError as err:
         raise ConfigError(describe_errors(where, err, overridden, ("draft", entry.name), entry.section_type)) from None
     return entry
@@ -97,11 +96,12 @@ def typed_draft(draft: DraftSection, where: Path = Path("draft"), overridden: se
 
 def resolved_draft(raw: dict) -> DraftSection:
     """A draft section alone (one a process was handed as JSON), its kind's section typed."""
+    where = Path("a draft section")
     try:
         draft = DraftSection.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(describe_errors(Path("draft"), err, set(), ("draft",), DraftSection)) from None
-    typed_draft(draft)
+        raise ConfigError(describe_errors(where, err, set(), ("draft",), DraftSection)) from None
+    typed_draft(draft, where)
     return draft
 
 

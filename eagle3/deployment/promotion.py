@@ -251,7 +251,7 @@ def registry_metrics(served: dict, simulated_accept_length: float | None, chosen
 def retrain_overrides(run: RunSection, algorithm: str, registry, log: Log = print) -> list[str]:
     """A retrain is a fresh run (new run directory: the prompt source is read anew) that fine-tunes the production
     version (training.init_from, resolved by the train stage as any version is) when production is a draft of the
-    run's `algorithm` (a contender of another kind trains from scratch: eagle3.config.contender_configs)."""
+    run's `algorithm` (a contender of another kind trains from scratch: eagle3.resolve.contender_configs)."""
     run_dir = retrain_dir(run.dir)
     overrides = [f"run.dir={run_dir}"]
     production = registry.production_version()
