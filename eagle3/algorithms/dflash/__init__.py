@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log
 from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockModel, BlockRows, block_loss
+from eagle3.algorithms.dflash.contract import dflash_shape_problem
 from eagle3.algorithms.dflash.imports import convert_dflash
 from eagle3.algorithms.dflash.layout import ARCHITECTURE, read_sglang, validate_sglang, write_sglang
 from eagle3.algorithms.dflash.speculators import validate_speculators, write_speculators
@@ -25,7 +26,6 @@ from eagle3.config import PipelineConfig
 from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
-from eagle3.algorithms.dflash.contract import dflash_shape_problem
 from eagle3.contract.problems import Report
 from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.draft.vocab_map import VocabMap
@@ -65,7 +65,8 @@ class DFlashAlgorithm(DraftAlgorithm):
         )
 
     def reserved_ids(self, cfg: DFlashConfig) -> dict[int, str]:
-        return {cfg.mask_token_id: "draft.dflash.mask_token_id"}  # it would stand for itself and for "unknown" at once
+        # the mask token would stand for itself and for "unknown" at once
+        return {cfg.mask_token_id: "draft.dflash.mask_token_id"}
 
     def new_model(self, cfg: DFlashConfig, embed: torch.Tensor) -> DFlashDraft:
         return DFlashDraft(cfg, embed)
