@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.capture import capture
 from eagle3.data.storage import human_bytes, projected_bytes
 from eagle3.data.conversation import prompt_ids

@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.train.trainer import Trainer
 
 PAD = 5  # the tiny target's <|pad|>: never generated

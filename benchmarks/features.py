@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.capture import capture, dataset_dir
 from eagle3.data.regenerate import regenerate
 from eagle3.data.vocab import build_vocab

@@ -71,7 +71,7 @@ def main() -> int:
 
 def config_for(args: argparse.Namespace, norms: list[str], variant: str | None = None):
     """The config at this comparison's size; a variant trains in its own run directory beside the shared data."""
-    from eagle3.config import load_config
+    from eagle3.resolve import load_config
 
     run = args.run_dir / "run"
     overrides = [f"run.dir={run}", "training.features=offline", f"training.max_steps={args.steps}",

@@ -12,7 +12,7 @@ import resource
 import time
 from pathlib import Path
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.quality import Meter, Reply
 
 ROOT = Path(__file__).resolve().parent.parent

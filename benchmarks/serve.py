@@ -23,7 +23,7 @@ import torch
 
 from eagle3.bench.client import run_benchmark
 from eagle3.bench.simulate import simulate
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.capture import capture
 from eagle3.data.regenerate import heldout_prompt_ids, regenerate
 from eagle3.data.vocab import build_vocab

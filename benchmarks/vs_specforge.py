@@ -103,7 +103,7 @@ def main() -> int:
 def pipeline_config(args: argparse.Namespace):
     """configs/smollm2-cpu.yaml at this comparison's size; one evaluation, at the end, without the replay (the final
     drafts are what is scored)."""
-    from eagle3.config import load_config
+    from eagle3.resolve import load_config
 
     steps = args.steps
     suites = f"benchmark.suites=[heldout, {{name: mtbench, num_prompts: {args.mtbench}}}]"
@@ -116,7 +116,8 @@ def pipeline_config(args: argparse.Namespace):
 
 def chosen_draft(config, name: str | None):
     """The config of the draft to compare: the run's own, or the contender `name` (trained on the run's data)."""
-    from eagle3.config import draft_configs, draft_label
+    from eagle3.config import draft_label
+    from eagle3.resolve import draft_configs
 
     drafts = draft_configs(config)
     name = name or draft_label(config)

@@ -24,7 +24,7 @@ import json
 import time
 from pathlib import Path
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.capture import capture
 from eagle3.data.prompts import load_prompts
 from eagle3.data.regenerate import regenerate

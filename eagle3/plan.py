@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.algorithms import algorithm
-from eagle3.config import PipelineConfig, derived
+from eagle3.config import PipelineConfig
+from eagle3.resolve import derived
 from eagle3.data.regenerate import greedy_length
 from eagle3.data.shards import TOKEN_BYTES
 from eagle3.data.suites import planned_requests

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from eagle3.algorithms import algorithm
-from eagle3.config import PipelineConfig, contender_configs
+from eagle3.config import PipelineConfig
+from eagle3.resolve import contender_configs
 from eagle3.data.regenerate import greedy_length, simulated_shapes
 from eagle3.data.suites import planned_requests
 from eagle3.target.info import TargetSize, active_parameters, read_target_config
@@ -251,8 +252,8 @@ def read_target(config: PipelineConfig, size: TargetSize | None, note: str) -> t
 
 
 def draft_train_flops(params: int, passes: float, tokens: int) -> float:
-    """6 x trainable parameters per token per draft pass (forward and backward: EAGLE-3's TTT steps, DFlash's block
-    positions per token); the step's measured MFU (benchmarks/train_throughput.py) counts the same, so it can replace
+    """6 x trainable parameters per token per draft pass (forward and backward: EAGLE-3's TTT steps, a block draft's
+    block positions per token); the step's measured MFU (benchmarks/train_throughput.py) counts the same, so it can replace
     node.mfu.train as it is."""
     return 6.0 * params * passes * tokens
 

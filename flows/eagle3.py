@@ -20,7 +20,8 @@ from prefect import flow
 from prefect.states import Completed, Failed
 from prefect.transactions import transaction
 
-from eagle3.config import draft_configs, resolved_config_path
+from eagle3.config import resolved_config_path
+from eagle3.resolve import draft_configs
 from eagle3.deployment.contenders import Contender
 from eagle3.registry.gate import GateRejected
 from eagle3.runs import run_in_use

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = config_parser("eagle3 monitor", __doc__)
     args = parser.parse_args(argv)
 
-    from eagle3.config import load_config, require_sections
+    from eagle3.config import require_sections
+    from eagle3.resolve import load_config
     from eagle3.deployment.monitor import source_of
     from eagle3.errors import Eagle3Error
     from flows.eagle3 import eagle3

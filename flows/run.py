@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from eagle3.algorithms import require_deployable
-    from eagle3.config import DEPLOYMENT_SECTIONS, check_local_inputs, draft_configs, load_config, require_sections
+    from eagle3.config import DEPLOYMENT_SECTIONS, check_local_inputs, require_sections
+    from eagle3.resolve import draft_configs, load_config
     from eagle3.errors import Eagle3Error
     from eagle3.procs import Terminated, terminate_on_sigterm
     from flows.api import run_api

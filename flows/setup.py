@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from prefect.client.orchestration import get_client
 
-    from eagle3.config import load_config
+    from eagle3.resolve import load_config
     from tasks.run import registry_resource
 
     try:

@@ -9,7 +9,8 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from prefect.client.schemas.sorting import ArtifactSort, TaskRunSort
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
-from eagle3.config import PipelineConfig, derived
+from eagle3.config import PipelineConfig
+from eagle3.resolve import derived
 from eagle3.deployment.contenders import contenders_text
 from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry, version_run_dir

@@ -11,7 +11,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
-from eagle3.config import PipelineConfig, load_config, require_sections
+from eagle3.config import PipelineConfig, require_sections
+from eagle3.resolve import load_config
 from eagle3.deployment.monitor import Monitor, baseline_of
 from eagle3.registry.registry import open_registry
 from eagle3.report import POINTER_MOVES, monitor_report

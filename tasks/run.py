@@ -9,8 +9,9 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3.algorithms import require_deployable
 from eagle3.config import (
-    DEPLOYMENT_SECTIONS, PipelineConfig, check_local_inputs, contender_configs, load_config, require_sections, resolved_config_file,
+    DEPLOYMENT_SECTIONS, PipelineConfig, check_local_inputs, require_sections, resolved_config_file,
 )
+from eagle3.resolve import contender_configs, load_config
 from eagle3.config.deployment import RegistrySection
 from eagle3.deployment.promotion import retrain_overrides
 from eagle3.init_draft import init_draft

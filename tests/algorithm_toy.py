@@ -58,13 +58,13 @@ class ToyAlgorithm(DraftAlgorithm):
     name = "toy"
     config_type = DraftConfig
     deployable = False
-    server_algorithm = "MEDUSA"  # no SGLang release serves it: the toy is trained and replayed, never served
+    # served_as: none (no engine serves it): the toy is trained and replayed, never served
 
     def draft_config(self, config):
         return trained_draft_config(config)  # the sizes it reads: aux layers, widths, draft vocabulary
 
     def reserved_ids(self, cfg):
-        return []
+        return {}
 
     def new_model(self, cfg, embed):
         return ToyHeads(cfg, embed)

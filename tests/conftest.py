@@ -16,7 +16,7 @@ from xdist.scheduler import LoadFileScheduling  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 
 from drafts import TARGET_LAYERS, TARGET_VOCAB, write_draft  # noqa: E402
-from eagle3.config import load_config  # noqa: E402
+from eagle3.resolve import load_config  # noqa: E402
 from eagle3.config.deployment import RegistrySection  # noqa: E402
 from eagle3.draft.checkpoint import NativeDraft, save_native_draft  # noqa: E402
 from eagle3.registry.registry import open_registry  # noqa: E402

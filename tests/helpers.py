@@ -24,7 +24,8 @@ from fastapi.responses import PlainTextResponse
 from safetensors.torch import load_file, save_file
 
 from eagle3.bench.simulate import target_greedy
-from eagle3.config import RESOLVED_FILE, load_config
+from eagle3.config import RESOLVED_FILE
+from eagle3.resolve import load_config
 from eagle3.data.capture import capture
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns

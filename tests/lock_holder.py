@@ -11,7 +11,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from eagle3 import guard
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from tasks.lock import flow_run_lock
 
 

@@ -3,7 +3,6 @@ simulator running an entry that is not EAGLE-3 (the toy of tests/algorithm_toy.p
 
 from dataclasses import replace
 from pathlib import Path
-from typing import get_args
 
 import pytest
 import torch
@@ -11,8 +10,7 @@ from safetensors.torch import load_file
 
 from eagle3.algorithms import ALGORITHMS, algorithm, require_deployable
 from eagle3.bench.simulate import heldout_samples, replay_stored
-from eagle3.config import load_config
-from eagle3.config.draft import DraftSection
+from eagle3.resolve import load_config
 from eagle3.distributed import Dist
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.model.weights import target_head
@@ -24,9 +22,15 @@ from helpers import TINY, metrics, run_copy
 QUIET = lambda line: None  # noqa: E731
 
 
-def test_the_config_names_exactly_the_registered_algorithms():
-    assert get_args(DraftSection.model_fields["algorithm"].annotation) == tuple(ALGORITHMS)
+def test_the_config_names_exactly_the_registered_algorithms(monkeypatch):
+    """The schema knows no kind: the resolve step checks draft.algorithm against the registry, so registering an entry
+    is what makes a config able to name it."""
     assert load_config(TINY).draft.algorithm == "eagle3"
+    with pytest.raises(ConfigError, match=r"draft.algorithm \(from --set\): 'toy' is not registered; give 'dflash' or "
+                                          "'eagle3'"):
+        load_config(TINY, ["draft.algorithm=toy"])
+    monkeypatch.setitem(ALGORITHMS, TOY.name, TOY)
+    assert load_config(TINY, ["draft.algorithm=toy"]).draft.algorithm == "toy"
 
 
 def test_an_unregistered_algorithm_is_refused_naming_the_registered_ones():

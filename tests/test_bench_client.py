@@ -13,7 +13,7 @@ from eagle3.bench.client import BenchmarkError, load_prompt_file, render_table, 
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.cli import main
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.engines.targets import load_tokenizer

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from eagle3.cli import main
-from eagle3.config import check_local_inputs, derived, load_config, resolved_config_file, sglang_default_aux_layers
+from eagle3.config import check_local_inputs, resolved_config_file, sglang_default_aux_layers
+from eagle3.resolve import derived, load_config
 from eagle3.errors import ConfigError
 from helpers import KIMI, ROOT, TINY
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle3.config import contender_configs, draft_configs, load_config
+from eagle3.resolve import contender_configs, draft_configs, load_config
 from eagle3.config.contenders import SHAPE_FIELDS, SHARED_TRAINING
 from eagle3.data.regenerate import greedy_length
 from eagle3.deployment.contenders import Contender, contenders_record, contenders_text, pick, write_contenders
@@ -103,7 +103,7 @@ def test_the_plan_gives_a_contenders_hours_beside_the_runs_without_a_second_base
      "contenders.dflash: training.features differ(s) from the run's: a contender trains on the run's data"),
     ({"big": {"serving": {"release": "0.5.23"}}}, "contenders.big.serving: release: a contender is served as the run"),
     ({"eagle3": {}}, "contenders.eagle3: the run's own draft is called eagle3"),
-    ({"dflash": {"draft": {"algorithm": "dflash"}}}, "contenders.dflash: draft: draft.algorithm dflash needs "
+    ({"dflash": {"draft": {"algorithm": "dflash"}}}, "contenders.dflash: draft.algorithm dflash needs "
      "draft.dflash.mask_token_id"),
     ({"dflash": {"draft": DFLASH["draft"]}}, "contenders.dflash: draft.algorithm dflash, sweep.points"),
     ({"x": {"data": {}}}, "contenders.x.data: unknown field; allowed here: draft, serving, sweep, training"),

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3.cli import main
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.capture import capture, check_dataset
 from eagle3.data.regenerate import greedy_length, read_regenerated, read_samples, regenerate, training_ids
 from eagle3.data.shards import read_dataset

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.regenerate import read_samples
 from eagle3.engines.generators import EngineError, make_generator
 from eagle3.errors import ConfigError, Eagle3Error

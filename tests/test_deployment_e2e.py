@@ -186,7 +186,7 @@ def wait_for_run(server: dict, deployment_id: str, timeout_s: float, log: Path) 
 
 def check_retrain_automation(server: dict, retrain: dict, overrides: list[str]) -> None:
     """The monitor's event on this registry's resource runs eagle3/retrain, one at a time."""
-    from eagle3.config import load_config
+    from eagle3.resolve import load_config
     from tasks.run import registry_resource
 
     assert retrain["global_concurrency_limit"]["limit"] == 1
@@ -294,7 +294,7 @@ def test_a_traffic_shift_is_caught_by_the_monitor_and_the_automations_retrain_wi
     """The production loop: production serves the first draft; its users' traffic shifts to prompts it was not trained
     on; the monitor's window is low, it emits eagle3.acceptance.degraded; the automation runs eagle3/retrain, whose
     prompts include that traffic; the gate promotes the retrained draft, which accepts more of the shifted traffic."""
-    from eagle3.config import load_config
+    from eagle3.resolve import load_config
     from eagle3.registry.registry import open_registry
 
     server, phases, env = prefect_server, prefect_server["phases"], prefect_server["env"]

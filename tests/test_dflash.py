@@ -15,8 +15,8 @@ from eagle3.bench.counting import SpecRequest, correct_drafts_of
 from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockRows, anchors_of, block_outputs
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from eagle3.bench.simulate import heldout_samples, replay_stored, simulate_prompt
-from eagle3.config import load_config
-from eagle3.contract.dflash import dflash_default_layer_ids
+from eagle3.resolve import load_config
+from eagle3.algorithms.dflash.contract import dflash_default_layer_ids
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.model.draft import init_weights
 from eagle3.model.ttt import LossRows
@@ -68,7 +68,8 @@ def test_a_dflash_config_needs_its_mask_token_and_a_chain_of_its_block():
         load_config(TINY, DFLASH + ["serving.num_steps=4"])
     with pytest.raises(ConfigError, match="Qwen3-style layers: draft.attention mha, and none of draft.fc_norm"):
         load_config(TINY, DFLASH + ["draft.fc_norm=true"])
-    with pytest.raises(ConfigError, match="draft.dflash describes a DFlash draft: set draft.algorithm dflash"):
+    with pytest.raises(ConfigError, match=r"draft.dflash \(from --set\): describes a dflash draft, but draft.algorithm is "
+                                          "eagle3: set draft.algorithm dflash or remove draft.dflash"):
         load_config(TINY, ["draft.dflash.mask_token_id=5"])
     with pytest.raises(ConfigError, match=r"serving.release 0.5.12: SGLang 0.5.12 rotates every DFlash draft with RoPE "
                                           r"base 1,000,000 .* not the trained 10,000: serve with SGLang >= 0.5.13"):

@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from eagle3 import distributed
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.distributed import Dist
 from eagle3.model.draft import Eagle3Draft, init_weights
 from eagle3.model.ttt import draft_chain

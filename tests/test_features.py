@@ -10,7 +10,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
 from eagle3.bench.simulate import aux_features
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.capture import capture
 from eagle3.data.regenerate import regenerate
 from eagle3.data.shards import ShardReader, ShardWriter, read_dataset

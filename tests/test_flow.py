@@ -24,7 +24,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 from prefect.states import State
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.procs import group_alive
 from eagle3.deployment.production import Production
 from eagle3.contract.engines import DRAFT_ARCHITECTURES

@@ -8,7 +8,8 @@ from pydoc_data.topics import topics
 from transformers import AutoTokenizer
 
 from eagle3.cli import main
-from eagle3.config import check_local_inputs, load_config
+from eagle3.config import check_local_inputs
+from eagle3.resolve import load_config
 from eagle3.data.capture import dataset_dir
 from eagle3.data.importer import import_rows, make_samples
 from eagle3.data.regenerate import read_regenerated

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.algorithms.init_copy import resolved_init
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.deployment.promotion import retrain_overrides
 from eagle3.errors import Eagle3Error
 from eagle3.draft.checkpoint import convert

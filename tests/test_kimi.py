@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from eagle3.config import check_local_inputs, load_config
+from eagle3.config import check_local_inputs
+from eagle3.resolve import load_config
 from eagle3.config.run import TargetSection
 from eagle3.data.conversation import prompt_ids, render
 from eagle3.data.importer import Where, conversation_row

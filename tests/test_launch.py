@@ -8,7 +8,6 @@ import shlex
 import stat
 import sys
 import time
-import typing
 from pathlib import Path
 
 import httpx
@@ -17,9 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafts import write_draft
-from eagle3.config import load_config
-from eagle3.config.serving import ServingSection
-from eagle3.errors import Eagle3Error
+from eagle3.resolve import load_config
+from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.procs import GPU_QUERY, LaunchError, wrap
 from eagle3.serving import ENGINES, serving_engine
 from eagle3.serving.reference import REFERENCE
@@ -127,8 +125,11 @@ def test_serving_engines_by_name():
     assert REFERENCE.served_release("0.5.14", "0.5.13") == "0.5.13"  # the reference server: the release it stands for
     with pytest.raises(Eagle3Error, match="serving.engine 'tgi' is no registered serving engine .*sglang, reference, vllm"):
         serving_engine("tgi")
-    choices = set(typing.get_args(ServingSection.model_fields["engine"].annotation))
-    assert choices == set(ENGINES)  # a config can name every registered engine, and only those
+    for name in ENGINES:  # a config can name every registered engine, and only those (the resolve step checks it)
+        assert load_config(TINY, [f"serving.engine={name}"]).serving.engine == name
+    with pytest.raises(ConfigError, match=r"serving.engine \(from --set\): 'tgi' is not registered; give 'reference', "
+                                          "'sglang' or 'vllm'"):
+        load_config(TINY, ["serving.engine=tgi"])
 
 
 def test_launchers_wrap_the_command(tmp_path):

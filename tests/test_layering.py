@@ -21,6 +21,7 @@ LAYERS = (
     ("eagle3.model",),
     ("eagle3.algorithms",),  # the draft algorithms: one entry each (model, loss, drafting, serving flags)
     ("eagle3.serving",),  # the serving engines: one entry each (command, probe, release), below every user of one
+    ("eagle3.resolve",),  # a config resolved against the registries above: what load_config returns
     ("eagle3.engines",),  # what runs a target: the tiny engine, generators, feature backends
     ("eagle3.data",),  # orchestrates the engines into data sets
     ("eagle3.bench",),
@@ -169,10 +170,13 @@ HANDS_ON = "hands it on"  # passes the whole config to another function that tak
 TAKES_THE_CONFIG = {
     # a draft algorithm's hooks take the config: each algorithm reads its own sections (docs/algorithms.md)
     "eagle3.algorithms.base.export_target": ("serving", "target"),
+    "eagle3.algorithms.base.DraftAlgorithm.config_problem": (),
     "eagle3.algorithms.base.DraftAlgorithm.draft_config": (),
     "eagle3.algorithms.base.DraftAlgorithm.initial_model": (),
+    "eagle3.algorithms.dflash.DFlashAlgorithm.config_problem": (HANDS_ON,),
     "eagle3.algorithms.dflash.DFlashAlgorithm.draft_config": ("draft", HANDS_ON, "target"),
     "eagle3.algorithms.dflash.DFlashAlgorithm.initial_model": (HANDS_ON, "training"),
+    "eagle3.algorithms.dflash.section.config_problem": ("draft", "serving", "sweep", "target"),
     "eagle3.algorithms.eagle3.Eagle3Algorithm.draft_config": (HANDS_ON,),
     "eagle3.algorithms.eagle3.Eagle3Algorithm.initial_model": (HANDS_ON, "training"),
     "eagle3.bench.simulate.heldout_samples": (HANDS_ON, "run"),
@@ -268,11 +272,13 @@ def reads(function: ast.FunctionDef, name: str) -> tuple[str, ...]:
 
 
 def whole_config_takers() -> dict[str, tuple[str, ...]]:
-    """Every function below the stages' layer with a parameter annotated PipelineConfig -> what it reads of it."""
+    """Every function below the stages' layer with a parameter annotated PipelineConfig -> what it reads of it (the
+    config's own: eagle3.config, and eagle3.resolve, which makes configs from configs, left out)."""
     below = layer_of("eagle3.stages")
     found = {}
     for module, path in project_modules().items():
-        if not module.startswith("eagle3.") or module.startswith("eagle3.config") or layer_of(module) >= below:
+        if (not module.startswith("eagle3.") or module.startswith(("eagle3.config", "eagle3.resolve"))
+                or layer_of(module) >= below):
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -313,10 +319,11 @@ def serving_engine_reads(source: str) -> list[str]:
 
 def test_only_the_serving_engines_read_serving_engine():
     """An engine's own behaviour lives in its module under eagle3/serving (docs/serving-and-benchmark.md): no
-    other module branches on the engine's name, so adding one touches its module and the registry alone."""
-    seam = ROOT / "eagle3" / "serving"
-    found = [f"{path.relative_to(ROOT)}:{place}" for path in project_modules().values() if seam not in path.parents
-             for place in serving_engine_reads(path.read_text())]
+    other module branches on the engine's name, so adding one touches its module and the registry alone. The resolve
+    step reads it only to check it against the registry."""
+    seam, resolve = ROOT / "eagle3" / "serving", ROOT / "eagle3" / "resolve.py"
+    found = [f"{path.relative_to(ROOT)}:{place}" for path in project_modules().values()
+             if seam not in path.parents and path != resolve for place in serving_engine_reads(path.read_text())]
     assert found == []
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from conftest import write_data_manifest
 from drafts import tiny_draft, tiny_verifier, write_draft, write_tiny_target
 from eagle3.cli import main
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.capture import dataset_dir
 from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.export import export_draft

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.config import load_config, resolved_config_file
+from eagle3.config import resolved_config_file
+from eagle3.resolve import load_config
 from eagle3.train.launch import train
 from helpers import TINY, metrics, run_copy
 from ports import free_port

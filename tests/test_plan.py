@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3 import cli
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.errors import ConfigError
 from eagle3.target.info import active_parameters, read_target_size
 from eagle3.model.teacher import TeacherHead

@@ -8,7 +8,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from eagle3.cli import main
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.config.data import QualitySection
 from eagle3.config.deployment import GateSection
 from eagle3.data.quality import Reply, replies_in_file, report

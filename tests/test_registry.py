@@ -9,7 +9,7 @@ import pytest
 from s3_server import MotoServer, S3Proxy, new_bucket
 
 from eagle3.cli import main
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.config.deployment import GateSection, RegistrySection
 from eagle3.registry.gate import Metrics
 from eagle3.registry.registry import (

@@ -26,7 +26,7 @@ import pytest
 
 from eagle3 import guard
 from eagle3.config.deployment import RegistrySection
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.registry.lock import (
     LOCK, LOSS_SHARE, Holder, Lease, acquire, dead_here, lapsed, looks_alive, read_holder, registry_lock, unlock,
 )

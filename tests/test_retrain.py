@@ -12,7 +12,7 @@ from prefect.logging.handlers import APILogHandler
 
 from eagle3.algorithms.dflash.model import DFlashConfig
 from eagle3.algorithms.dflash.warm_start import carry_over_problem
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.deployment.promotion import retrain_overrides
 from eagle3.errors import Eagle3Error
 from eagle3.init_draft import init_draft

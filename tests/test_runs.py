@@ -10,7 +10,8 @@ import pytest
 
 from eagle3.registry.samples import SampleStore
 from eagle3.registry.store import LocalStore
-from eagle3.config import RESOLVED_FILE, load_config
+from eagle3.config import RESOLVED_FILE
+from eagle3.resolve import load_config
 from eagle3.data.storage import human_bytes
 from eagle3.deployment.promotion import prune_after_promotion
 from eagle3.report import decision_report

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.regenerate import read_regenerated, regenerate
 from eagle3.engines.generators import make_generator
 from eagle3.registry.registry import open_registry

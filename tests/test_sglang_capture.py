@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3.cli import main
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.capture import capture
 from eagle3.data.node_capture import node_command
 from eagle3.data.regenerate import regenerate

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.regenerate import read_samples, regenerate
 from eagle3.engines.generators import EngineError
 from helpers import TINY

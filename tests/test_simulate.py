@@ -11,7 +11,7 @@ from eagle3.bench.counting import SpecRequest
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import AcceptanceResult, PromptResult, replay, simulate_prompt
 from eagle3.cli import main
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.capture import HELDOUT_DIR, feature_widths, heldout_records, write_shard
 from eagle3.data.shards import shard_file
 from eagle3.engines.features import TransformersFeatures

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import RESOLVED_FILE, load_config, resolved_config_file
+from eagle3.config import RESOLVED_FILE, resolved_config_file
+from eagle3.resolve import load_config
 from eagle3.data.regenerate import GREEDY_FILE, regen_dir
 from eagle3.stages.keys import done, stage_fingerprint
 from eagle3.stages.run import StaleUpstream, run_by_hand

@@ -10,7 +10,8 @@ from pydantic import BaseModel
 
 from drafts import write_draft
 from eagle3.cli import main
-from eagle3.config import PipelineConfig, load_config
+from eagle3.config import PipelineConfig
+from eagle3.resolve import load_config
 from eagle3.records.manifest import MANIFEST_FILE, fingerprint, write_manifest
 from eagle3.registry.registry import Registry
 from eagle3.registry.store import LocalStore

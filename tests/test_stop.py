@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.train.trainer import METRICS_FILE
 from helpers import TINY, Processes, micro_run_overrides, tail, wait_for
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from eagle3.config import check_local_inputs, load_config
+from eagle3.config import check_local_inputs
+from eagle3.resolve import load_config
 from eagle3.config.suites import MTBENCH
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout, greedy_length, read_greedy

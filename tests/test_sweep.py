@@ -7,7 +7,7 @@ import json
 import pytest
 
 from drafts import write_draft
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.deployment.production import Production
 from eagle3.deployment.promotion import PROMPTS_LAYOUT, benchmark_prompts_file, prompt_set_fields
 from eagle3.deployment.sweep import run_sweep

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.config import check_target_facts, load_config
+from eagle3.config import check_target_facts
+from eagle3.resolve import load_config
 from eagle3.engines.tiny import FAMILY_ARCHITECTURES, MICRO, of_family
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.target.info import read_target_info

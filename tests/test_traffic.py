@@ -12,7 +12,8 @@ import boto3
 import pytest
 
 from eagle3.bench.client import SlicedPrompt, render_table, run_benchmark, summarize
-from eagle3.config import check_local_inputs, load_config
+from eagle3.config import check_local_inputs
+from eagle3.resolve import load_config
 from eagle3.data.conversation import encode, prompt_ids, render
 from eagle3.data.prompts import BASE_SLICE, load_prompts, rendered_prompt
 from eagle3.data.regenerate import HELDOUT_FILE, generate_batch, read_samples, regenerate

@@ -11,7 +11,7 @@ import torch
 
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.algorithms.init_copy import resolved_init
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.draft.checkpoint import convert, load_native
 from eagle3.draft.vocab_map import VocabMap, build_vocab_map
 from eagle3.model import draft as draft_module

@@ -9,7 +9,8 @@ import torch
 import yaml
 
 from eagle3.cli import main
-from eagle3.config import load_config, require_sections
+from eagle3.config import require_sections
+from eagle3.resolve import load_config
 from eagle3.data.capture import capture
 from eagle3.data.regenerate import regenerate
 from eagle3.data.shards import ShardReader, ShardWriter

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import load_config, resolved_config_file
+from eagle3.config import resolved_config_file
+from eagle3.resolve import load_config
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.procs import ProcessTree, Terminated, group_alive, process_table, terminate_on_sigterm
 from eagle3.train.launch import (
@@ -316,7 +317,8 @@ def test_a_failing_trainer_raises_with_its_own_error_line(tmp_path, micro_target
 
 CANCELLED_FLOW = """
 import json, sys
-from eagle3.config import load_config, resolved_config_file
+from eagle3.config import resolved_config_file
+from eagle3.resolve import load_config
 from eagle3.procs import terminate_on_sigterm
 from eagle3.train.launch import train
 

@@ -7,7 +7,7 @@ import torch
 
 from conftest import write_data_manifest, write_target
 from drafts import MLA, write_draft
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.errors import ConfigError
 from eagle3.contract.problems import ProblemCode
 from eagle3.validation.validate import validate

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from eagle3.algorithms.init_copy import ResolvedInit
-from eagle3.config import PipelineConfig
+from eagle3.config import PipelineConfig, sglang_default_aux_layers
 from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
@@ -77,7 +77,11 @@ class DraftAlgorithm(ABC):
     """One kind of draft. A subclass names it and implements each hook; `eagle3.algorithms.ALGORITHMS` registers it."""
 
     name: str  # draft.algorithm
-    server_algorithm: str  # SGLang's --speculative-algorithm
+    # serving engine -> the method it serves this kind as (SGLang's --speculative-algorithm, vLLM's speculative method);
+    # an engine not named does not serve it. The reference server and the simulator count it as SGLang counts that
+    # method (eagle3.serving.sglang).
+    served_as: dict[str, str] = {}
+    section_type: type[BaseModel] | None = None  # its own fields, the config's draft.<name> (None: it has none)
     config_type: type[BaseModel]  # what draft_config returns, and what the checkpoints' config.json holds
     deployable = True  # server_flags is built (it serves): the whole pipeline (`eagle3 run`) may run it
     # the kinds (draft.algorithm names) whose drafts this one's training may start from (training.init_from; a
@@ -89,6 +93,19 @@ class DraftAlgorithm(ABC):
         (`eagle3.algorithms.draft_algorithm` asks every entry but EAGLE-3, whose readers take the rest)."""
         return False
 
+    # -- the config -------------------------------------------------------------------------------
+
+    def default_aux_layers(self, num_layers: int, draft: DraftSection) -> list[int]:
+        """The target layers SGLang captures for this kind's draft when data.aux_layers names none, on a target of
+        `num_layers` layers: its EAGLE-3 worker's three unless the kind's worker captures others."""
+        return sglang_default_aux_layers(num_layers)
+
+    def config_problem(self, config: PipelineConfig) -> str | None:
+        """Why a config (resolved: the kind's section typed, data.aux_layers set) cannot train and serve this kind's
+        draft, naming the field and the fix (None: it can): what the kind asks of the target, release, its own
+        section and the drafting shapes. The resolve step (eagle3.resolve) refuses the config with it at load."""
+        return None
+
     # -- the draft --------------------------------------------------------------------------------
 
     @abstractmethod
@@ -96,9 +113,9 @@ class DraftAlgorithm(ABC):
         """The architecture a run trains, from the `draft` section around the target's sizes."""
 
     @abstractmethod
-    def reserved_ids(self, cfg: DraftConfig) -> list[int]:
-        """Target ids the draft gives a meaning of its own (DFlash's mask token): the trainer refuses a run whose target
-        generates one."""
+    def reserved_ids(self, cfg: DraftConfig) -> dict[int, str]:
+        """Target ids the draft gives a meaning of its own (a mask token, say), each with the config field that names
+        it: the trainer refuses a run whose target generates one, naming that field."""
 
     @abstractmethod
     def new_model(self, cfg: DraftConfig, embed: torch.Tensor) -> DraftModel:

@@ -9,10 +9,10 @@ tokenizer-manager code and compares every field. Read there (docs/contracts.md, 
 - Every accepted draft counts as correct, on the finishing step too, also past EOS or the length cap.
 - Up to 0.5.17 the length cap is checked first (an EOS inside a run that crosses max_new_tokens ends the
   request as "length", keeping the tokens after the EOS); from 0.5.18 a stop token is checked first.
-- DFLASH before 0.5.16 (its spec-v1 worker, `DFlashVerifyInput.verify`) appends a run token by token, checking the
-  finish after each: the tokens after the finishing one are never appended, and only the appended drafts count as
-  correct (a finishing step counts its kept run - 1); no histogram is kept. From 0.5.16 its spec-v2 worker hands the
-  scheduler the whole run, counted as EAGLE's is.
+- Some methods' workers, in some releases, append a run token by token, checking the finish after each: the tokens
+  after the finishing one are never appended, and only the appended drafts count as correct (a finishing step counts
+  its kept run - 1); no histogram is kept. SGLang's table says which, by method and release
+  (`eagle3.serving.sglang.WHOLE_RUN_FROM`); the others hand the scheduler the whole run, counted as EAGLE's is.
 - spec_accept_length = completion_tokens / verify steps (the prefill token included);
   spec_accept_rate = correct drafts / (verify steps x (num_draft_tokens - 1)): the tree's draft nodes, which
   for a chain are its num_steps; the histogram is indexed by the drafts accepted in a step (the accepted
@@ -26,11 +26,11 @@ from itertools import zip_longest
 from typing import Iterable
 
 from eagle3.contract.releases import release_or_newest
+from eagle3.serving.sglang import appends_token_by_token
 
 EOS_FIRST_FROM = (0, 5, 18)  # Req.update_finish_state checks stop tokens before the length cap
 NEW_KEYS_FROM = (0, 5, 12)  # spec_num_correct_drafts, spec_num_proposed_drafts, spec_correct_drafts_histogram
 OLD_KEYS_UNTIL = (0, 5, 20)  # spec_accepted_drafts, spec_proposed_drafts, spec_accept_histogram (aliases from 0.5.12)
-DFLASH_SPEC_V2_FROM = (0, 5, 16)  # the first release read whose DFLASH worker is dflash_worker_v2
 
 
 @dataclass
@@ -38,7 +38,8 @@ class SpecRequest:
     max_new_tokens: int
     eos_ids: frozenset[int]
     release: str | None = None
-    algorithm: str = "EAGLE3"  # SGLang's --speculative-algorithm: how its worker hands a verify step over
+    method: str | None = None  # SGLang's --speculative-algorithm (served_as["sglang"]): how its worker hands a verify
+    # step over (None: a draft no SGLang method serves, counted as EAGLE's)
     output: list[int] = field(default_factory=list)
     finish: dict | None = None  # SGLang's finish_reason once finished
     verify_ct: int = 0
@@ -52,7 +53,7 @@ class SpecRequest:
     def add_verify(self, run: list[int]) -> None:
         """One verify step: `run` is the accepted drafts followed by the bonus token."""
         self.verify_ct += 1
-        if self.algorithm == "DFLASH" and release_or_newest(self.release) < DFLASH_SPEC_V2_FROM:
+        if appends_token_by_token(self.method, self.release):
             self._append_token_by_token(run)
             return
         accepted = len(run) - 1
@@ -87,7 +88,7 @@ class SpecRequest:
 
     def meta_info(self, drafts_per_step: int) -> dict:
         """The spec_* keys SGLang's tokenizer manager adds for this release ({} without a verify step; no histogram
-        key for an empty histogram, as DFLASH's v1 worker leaves it); drafts_per_step: num_draft_tokens - 1."""
+        key for an empty histogram, as a token-by-token worker leaves it); drafts_per_step: num_draft_tokens - 1."""
         if not self.verify_ct:
             return {}
         release, proposed = release_or_newest(self.release), self.verify_ct * drafts_per_step

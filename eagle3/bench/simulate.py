@@ -42,6 +42,7 @@ from eagle3.model.aux_states import aux_states
 from eagle3.model.tree import DraftTree, walk_greedy
 from eagle3.progress import Progress
 from eagle3.serving import serving_engine
+from eagle3.serving.sglang import sglang_method
 from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
@@ -109,11 +110,12 @@ def aux_features(model, seq: list[int], aux_layers: list[int]) -> torch.Tensor:
 
 def replay(seq: list[int], prompt_len: int, propose: Callable[[int], DraftTree], num_steps: int,
            max_new_tokens: int, eos_ids: frozenset[int], release: str | None,
-           server_algorithm: str = "EAGLE3") -> PromptResult:
-    """Count drafting over a known greedy sequence as `release` counts `server_algorithm`; propose(P) drafts the tree
-    after the verified x_P. The simulator's sequence runs num_steps tokens past where any request can finish; a
-    shorter one (a stored reply, in the trainer's estimate) cuts the last runs where it ends."""
-    request = SpecRequest(max_new_tokens, eos_ids, release, server_algorithm)
+           method: str | None = None) -> PromptResult:
+    """Count drafting over a known greedy sequence as `release` counts `method` (SGLang's --speculative-algorithm;
+    None: as EAGLE's); propose(P) drafts the tree after the verified x_P. The simulator's sequence runs num_steps
+    tokens past where any request can finish; a shorter one (a stored reply, in the trainer's estimate) cuts the last
+    runs where it ends."""
+    request = SpecRequest(max_new_tokens, eos_ids, release, method)
     request.add_token(seq[prompt_len])  # the prefill's token: no verify step
     p = prompt_len  # index of the last verified token
     while request.finish is None:
@@ -133,7 +135,7 @@ def simulate_prompt(algorithm: DraftAlgorithm, draft: DraftModel, target_model, 
     aux = aux_features(target_model, seq, aux_layers)  # [T, n_aux * H]
     propose = proposer(algorithm, draft, aux, torch.tensor(seq), shape)
     return replay(seq, len(prompt_ids), propose, shape.num_steps, max_new_tokens, eos_ids, release,
-                  algorithm.server_algorithm)
+                  sglang_method(algorithm))
 
 
 def proposer(algorithm: DraftAlgorithm, draft: DraftModel, aux: torch.Tensor, tokens: torch.Tensor,
@@ -181,7 +183,7 @@ def replay_stored(algorithm: DraftAlgorithm, draft: DraftModel, sample: StoredSa
     aux = sample.aux_hidden.to(device, torch.float32)  # [T, n_aux * H]
     propose = proposer(algorithm, draft, aux, seq.to(device), shape)
     return replay(seq.tolist(), prompt_len, propose, shape.num_steps, max_new_tokens, eos_ids, release,
-                  algorithm.server_algorithm)
+                  sglang_method(algorithm))
 
 
 def heldout_samples(config: PipelineConfig, suites: tuple[str, ...] = (HELDOUT,)) -> list[HeldoutRef]:

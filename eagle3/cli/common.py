@@ -18,7 +18,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def load_run_config(args: argparse.Namespace, needs: tuple[str, ...] = ()):
     """The config of --config/--set; `needs`: the sections a training-only config leaves out that this command uses."""
-    from eagle3.config import check_target_trust, load_config, require_sections
+    from eagle3.config import check_target_trust, require_sections
+    from eagle3.resolve import load_config
 
     config = load_config(args.config, args.overrides)
     require_sections(config, needs, args.command)

@@ -38,7 +38,8 @@ def node_count(value: str) -> int:
 
 
 def run_config(args: argparse.Namespace) -> int:
-    from eagle3.config import check_local_inputs, load_config
+    from eagle3.config import check_local_inputs
+    from eagle3.resolve import load_config
     from eagle3.plan import require_fit
 
     config = load_config(args.path, args.overrides)
@@ -52,7 +53,7 @@ def run_config(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from eagle3.config import load_config
+    from eagle3.resolve import load_config
     from eagle3.plan import plan_memory
 
     plan = plan_memory(load_config(args.path, args.overrides), args.nodes)

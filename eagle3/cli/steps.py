@@ -94,7 +94,8 @@ def run_make_target(args: argparse.Namespace) -> int:
 def run_step(stage: str, args: argparse.Namespace, overrides: dict | None = None) -> int:
     """One stage of the table run by hand, marked as the flow marks it (eagle3.stages.run.run_by_hand); the plan's
     recompute choice and the resolved config file as `eagle3 run` makes them."""
-    from eagle3.config import derived, resolved_config_file
+    from eagle3.config import resolved_config_file
+    from eagle3.resolve import derived
     from eagle3.plan import chosen_recompute
     from eagle3.stages.run import run_by_hand
     from eagle3.stages.table import STAGES

@@ -1,4 +1,6 @@
-"""One typed config for a whole pipeline run, loaded from YAML with dotted `--set` overrides.
+"""One typed config for a whole pipeline run: its schema, which validates without knowing the kinds of draft or the
+serving engines (their names are strings here, a kind's own section is kept as given). eagle3.resolve loads a config
+from YAML with dotted `--set` overrides and resolves it against the registries: every config the stages see is one.
 
 Every section forbids unknown fields, so a typo fails at load time with the dotted field name and
 the fields that are allowed, instead of silently falling back to a default.
@@ -14,11 +16,10 @@ import yaml
 from pydantic import BaseModel, StringConstraints, ValidationError, model_validator
 
 from eagle3.config.base import Section
-from eagle3.config.contenders import CONTENDERS_DIR, SHAPE_FIELDS, SHARED_TRAINING, ContenderSection
+from eagle3.config.contenders import ContenderSection
 from eagle3.config.data import PROMPT_SUFFIXES, DataSection, VocabSection
 from eagle3.config.deployment import GateSection, MonitorSection, ProductionSection, RegistrySection
 from eagle3.config.draft import DraftSection
-from eagle3.config.files import apply_override, merged_sections, read_config_file
 from eagle3.config.node import NodeSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection, ExportSection, ServingSection, SweepSection
@@ -29,7 +30,6 @@ from eagle3.contract.engines import (
     FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, served_draft_problem, served_features_problem,
     sglang_default_inputs, sglang_ids_for_layers,
 )
-from eagle3.contract.dflash import dflash_default_layer_ids, dflash_family_problem, dflash_rope_problem, dflash_shape_problem
 from eagle3.target.info import read_target_info
 from eagle3.target.files import (
     THINKING_SWITCHES, TOKENIZER_MODEL_FILES, chat_template_text, thinking_switches, untrusted_code_problem,
@@ -62,14 +62,6 @@ class PipelineConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineConfig:
-        n = self.target.num_hidden_layers
-        defaulted = self.data.aux_layers is None
-        if defaulted:
-            self.data.aux_layers = self._default_aux_layers()
-        if problem := aux_layers_problem(self.data.aux_layers, n):
-            source = f" (SGLang's default for a {n}-layer target)" if defaulted else ""
-            raise ValueError(f"data.aux_layers{source} {problem}")
-        self._check_served_capture()
         training = self.training
         if training.features == "online" and self.data.capture_engine == "sglang" and training.nnodes > 1:
             raise ValueError(
@@ -95,44 +87,19 @@ class PipelineConfig(Section):
             raise ValueError(f"data.engine {self.data.engine} or data.capture_engine {self.data.capture_engine} runs the "
                              "target on serving.tp GPUs: add a serving section")
         self._check_replay()
-        if self.draft.algorithm == "dflash":
-            self._check_dflash()
         if self.benchmark is not None and TRAFFIC in {s.name for s in self.benchmark.suites} and self.data.traffic is None:
             raise ValueError("benchmark.suites names traffic, production's held-out request prompts: they come from "
                              "data.traffic; add that section or remove the suite")
-        contender_configs(self)  # each one's refusal names it
         return self
 
-    def _default_aux_layers(self) -> list[int]:
-        """The layers SGLang captures when the draft names none: EAGLE-3's three, or DFlash's one per draft layer."""
+    def check_aux_layers(self, defaulted: bool) -> None:
+        """data.aux_layers (`defaulted`: the kind's default, filled in by the resolve step) against the target, and
+        what the served release captures of them; raises ValueError naming the field."""
         n = self.target.num_hidden_layers
-        if self.draft.algorithm == "dflash":
-            try:
-                return dflash_default_layer_ids(n, self.draft.dflash.num_layers)
-            except ValueError as err:
-                raise ValueError(f"data.aux_layers: {err}") from None
-        return sglang_default_aux_layers(n)
-
-    def _check_dflash(self) -> None:
-        """A DFlash draft proposes one chain a step, in blocks no longer than it was trained on: serving's shape and
-        every sweep point must be such a chain."""
-        if problem := dflash_family_problem(self.target.family):
-            raise ValueError(f"draft.algorithm dflash with target.family {self.target.family}: {problem}")
-        release = self.serving.release if self.serving is not None else None
-        if release is not None and (problem := dflash_rope_problem(release, self.draft.rope_theta)):
-            raise ValueError(f"draft.algorithm dflash, serving.release {release}: {problem}")
-        mask = self.draft.dflash.mask_token_id
-        if mask >= self.target.vocab_size:
-            raise ValueError(f"draft.dflash.mask_token_id {mask} is outside the target's vocabulary (0 .. "
-                             f"{self.target.vocab_size - 1}): SGLang refuses it; pick an id of the target's embedding")
-        block = self.draft.dflash.block_size
-        shapes = [("serving", self.replay_shape)]
-        shapes += [(f"sweep.points[{i}]", DraftShape(*point)) for i, point in enumerate(self.sweep.points)]
-        for field, shape in shapes:
-            if problem := dflash_shape_problem(block, shape):
-                raise ValueError(f"draft.algorithm dflash, {field}: {problem}; give chains (eagle_topk 1) of up to "
-                                 f"{block - 1} steps (draft.dflash.block_size {block})"
-                                 f"{'' if self.serving else ': add a serving section'}")
+        if problem := aux_layers_problem(self.data.aux_layers, n):
+            source = f" (SGLang's default for a {n}-layer target)" if defaulted else ""
+            raise ValueError(f"data.aux_layers{source} {problem}")
+        self._check_served_capture()
 
     def _check_served_capture(self) -> None:
         """The export writes the ids that make the served SGLang release capture data.aux_layers on the target's model
@@ -303,101 +270,22 @@ def check_local_inputs(config: PipelineConfig) -> None:
                               "registry.path somewhere this user can write")
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> PipelineConfig:
-    """Load a YAML config, apply `section.field=value` overrides, and validate the result."""
-    path = Path(path)
-    raw = read_config_file(path)
-    overridden = set()
-    for item in overrides:
-        overridden.add(apply_override(raw, item))
-    try:
-        return PipelineConfig.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(describe_errors(path, err, overridden)) from None
-
-
-def derived(config: PipelineConfig, changes: dict[str, object]) -> PipelineConfig:
-    """A copy of `config` with `changes` ({"section.field": value}) applied and validated as a loaded config is (a
-    sweep point, production's serving endpoint, a chosen recompute): a change the config refuses is a ConfigError
-    naming the field, never a copy that skipped the checks."""
-    raw = config.model_dump()
-    for dotted, value in changes.items():
-        *sections, field = dotted.split(".")
-        node = raw
-        for name in sections:
-            if node.get(name) is None:
-                raise ConfigError(f"{dotted}: the config has no {name} section to change")
-            node = node[name]
-        node[field] = value
-    try:
-        return PipelineConfig.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(describe_errors(Path(f"{config.run.name} (derived)"), err, set())) from None
-
-
-def with_draft(config: PipelineConfig, draft: dict) -> PipelineConfig:
-    """`config` serving the one draft the draft section `draft` describes (a registry version's, an imported draft's):
-    its kind and sizes, no contenders, and no sweep points where it is of another kind (they are the config's kind's
-    shapes: a DFlash draft is never served in EAGLE-3's trees)."""
-    other_kind = {"sweep.points": []} if draft.get("algorithm", "eagle3") != config.draft.algorithm else {}
-    return derived(config, {"draft": draft, "contenders": None, **other_kind})
-
-
 def draft_label(config: PipelineConfig) -> str:
     """What a run's own draft is called beside its contenders: its algorithm."""
     return config.draft.algorithm
 
 
-def draft_configs(config: PipelineConfig) -> dict[str, PipelineConfig]:
-    """Every draft the run trains, by label: its own first, then each contender's config."""
-    return {draft_label(config): config, **contender_configs(config)}
-
-
-def contender_configs(config: PipelineConfig) -> dict[str, PipelineConfig]:
-    """Each contender's config: the run's with the contender's fields over it, its outputs under
-    run.dir/contenders/<name>, the run's data and vocab map read from run.dir (run.data_from). Refused, naming the
-    contender, where it would not be trained on the run's data or fails the run's checks."""
-    made = {}
-    for name, own in (config.contenders or {}).items():
-        if name == draft_label(config):
-            raise ValueError(f"contenders.{name}: the run's own draft is called {name} (its draft.algorithm); name the "
-                             "contender otherwise")
-        if extra := sorted(set(own.serving) - set(SHAPE_FIELDS)):
-            raise ValueError(f"contenders.{name}.serving: {', '.join(extra)}: a contender is served as the run is; it "
-                             f"sets only its shape ({', '.join(SHAPE_FIELDS)})")
-        raw = merged_sections({k: v for k, v in config.model_dump().items() if k != "contenders"},
-                              own.model_dump(exclude_unset=True))
-        raw["run"] |= {"dir": config.run.dir / CONTENDERS_DIR / name, "data_from": config.run.data_dir}
-        if own.serving:  # its own shape: what it leaves out takes the defaults, not the run's resolved values
-            raw["serving"] = {k: v for k, v in raw["serving"].items() if k not in SHAPE_FIELDS or k in own.serving}
-        if raw["draft"]["algorithm"] != config.draft.algorithm and "init_from" not in own.training:
-            raw["training"]["init_from"] = None  # the run's warm start is a draft of its own kind
-        try:
-            contender = PipelineConfig.model_validate(raw)
-        except ValidationError as err:
-            raise ValueError(describe_errors(Path(f"contenders.{name}"), err, set()).replace("\n", "; ")) from None
-        if changed := shared_inputs_changed(config, contender):
-            raise ValueError(f"contenders.{name}: {', '.join(changed)} differ(s) from the run's: a contender trains on "
-                             "the run's data, made once for the run's settings; set them in the run's sections")
-        made[name] = contender
-    return made
-
-
-def shared_inputs_changed(config: PipelineConfig, contender: PipelineConfig) -> list[str]:
-    """What the stages every draft of the run shares (data, capture, vocab) read of the contender's sections, where it
-    differs from the run's."""
-    return [f"training.{name}" for name in SHARED_TRAINING
-            if getattr(config.training, name) != getattr(contender.training, name)]
-
-
-def describe_errors(path: Path, err: ValidationError, overridden: set[str]) -> str:
+def describe_errors(path: Path, err: ValidationError, overridden: set[str], within: tuple[str, ...] = (),
+                    model: type[BaseModel] = PipelineConfig) -> str:
+    """One line per error of validating `model` (the config, or the section at `within`: a kind's own, which the
+    resolve step validates), naming `path`, the dotted field (marked when --set gave it) and what is wrong."""
     lines = []
     for error in err.errors():
         loc = tuple(str(part) for part in error["loc"])
-        dotted = ".".join(loc)
+        dotted = ".".join(within + loc)
         origin = " (from --set)" if dotted in overridden else ""
         if error["type"] == "extra_forbidden":
-            allowed = ", ".join(allowed_fields(loc[:-1]))
+            allowed = ", ".join(allowed_fields(loc[:-1], model))
             message = f"unknown field; allowed here: {allowed}"
         elif error["type"] == "missing":
             message = "required field is missing"
@@ -409,8 +297,7 @@ def describe_errors(path: Path, err: ValidationError, overridden: set[str]) -> s
     return "\n".join(lines)
 
 
-def allowed_fields(loc: tuple[str, ...]) -> list[str]:
-    model: Any = PipelineConfig
+def allowed_fields(loc: tuple[str, ...], model: Any = PipelineConfig) -> list[str]:
     parts = iter(loc)
     for part in parts:
         annotation = model.model_fields[part].annotation

@@ -12,7 +12,7 @@ from pydantic import Field
 from eagle3.config.base import Section
 
 CONTENDERS_DIR = "contenders"  # under run.dir: contenders/<name>/{train,export,bench}
-# serving fields a contender may set: its drafting shape (a DFlash block is a chain of num_steps)
+# serving fields a contender may set: its drafting shape (a block draft's block is a chain of num_steps)
 SHAPE_FIELDS = ("num_steps", "eagle_topk", "num_draft_tokens")
 # what the stages every draft of a run shares (regenerate, capture, vocab: eagle3.stages.table) read of the sections a
 # contender sets, which it may not change (tests/test_contenders.py holds this against the table); its shape it may:
@@ -26,5 +26,5 @@ class ContenderSection(Section):
     training: dict[str, Any] = Field(default_factory=dict, description="fields over the run's training section "
                                      "(not what the capture reads: training.features)")
     serving: dict[str, Any] = Field(default_factory=dict, description=f"its drafting shape: {', '.join(SHAPE_FIELDS)}")
-    sweep: dict[str, Any] = Field(default_factory=dict, description="its sweep.points (a DFlash draft's are chains "
+    sweep: dict[str, Any] = Field(default_factory=dict, description="its sweep.points (a block draft's are chains "
                                   "in blocks no longer than it was trained on)")

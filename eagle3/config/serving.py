@@ -35,7 +35,8 @@ class ExportSection(Section):
 
 
 class ServingSection(Section):
-    engine: Literal["reference", "sglang", "vllm"] = "reference"
+    engine: str = Field(default="reference", description="the serving engine, an entry of eagle3.serving "
+                        "(docs/serving-and-benchmark.md): checked against the registry by eagle3.resolve")
     release: str | None = Field(default=None, description="SGLang release, e.g. 0.5.13; None = read from the server")
     python: str | None = Field(default=None, description="engine vllm: the interpreter of vLLM's environment (None = "
                                "the one `eagle3 install-vllm` made)")

@@ -1,5 +1,5 @@
 """SGLang's release numbers as comparable values, and the ranges of releases the contract's rules cover
-(eagle3/contract/engines.py, eagle3/contract/dflash.py)."""
+(eagle3/contract/engines.py, and the draft algorithms' own: eagle3/algorithms/<name>/)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig, load_config
+from eagle3.config import PipelineConfig
+from eagle3.resolve import load_config
 from eagle3.config.data import DataSection
 from eagle3.config.serving import ServingSection
 from eagle3.data.capture import Log, capture, dataset_dir

@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig, draft_configs
+from eagle3.config import PipelineConfig
+from eagle3.resolve import draft_configs
 from eagle3.config.data import DataSection
 from eagle3.config.run import RunSection
 from eagle3.config.suites import HELDOUT

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.algorithms import draft_algorithm
-from eagle3.config import PipelineConfig, require_sections, with_draft
+from eagle3.config import PipelineConfig, require_sections
+from eagle3.resolve import with_draft
 from eagle3.deployment.production import Production
 from eagle3.deployment.promotion import (
     PROMPTS_LAYOUT,
@@ -85,8 +86,8 @@ def import_draft(config: PipelineConfig, source: str, as_production: bool = Fals
 
 def config_for(config: PipelineConfig, converted: Converted) -> PipelineConfig:
     """The config a converted draft is served, replayed and recorded with: the importing config's, or one with the
-    draft's own draft section where its converter gives one (a DFlash draft's kind and sizes), without sweep points
-    of another kind (a DFlash draft cannot be served in EAGLE-3's trees)."""
+    draft's own draft section where its converter gives one (a draft of another kind: its kind and sizes), without
+    sweep points of another kind (they are the importing config's kind's shapes)."""
     return config if converted.draft is None else with_draft(config, converted.draft)
 
 

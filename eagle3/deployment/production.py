@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.config import PipelineConfig, derived, with_draft
+from eagle3.config import PipelineConfig
+from eagle3.resolve import derived, with_draft
 from eagle3.deployment.promotion import (
     PROMPTS_FILE,
     PROMPTS_LAYOUT,

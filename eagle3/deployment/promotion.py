@@ -253,7 +253,7 @@ def retrain_overrides(run: RunSection, algorithm_name: str, registry, log: Log =
     """A retrain is a fresh run (new run directory: the prompt source is read anew) that fine-tunes the production
     version (training.init_from, resolved by the train stage as any version is) when the run's algorithm warm starts
     from production's kind (`DraftAlgorithm.warm_start`; otherwise it trains from scratch, as a contender of another
-    kind does: eagle3.config.contender_configs)."""
+    kind does: eagle3.resolve.contender_configs)."""
     run_dir = retrain_dir(run.dir)
     overrides = [f"run.dir={run_dir}"]
     production = registry.production_version()

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.bench.client import SlicedPrompt
-from eagle3.config import PipelineConfig, derived
+from eagle3.config import PipelineConfig
+from eagle3.resolve import derived
 from eagle3.config.serving import ServingSection
 from eagle3.data.regenerate import simulated_shapes
 from eagle3.deployment.promotion import benchmark_on, run_prompt_ids

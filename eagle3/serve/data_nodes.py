@@ -15,7 +15,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from eagle3.config import PipelineConfig, derived
+from eagle3.config import PipelineConfig
+from eagle3.resolve import derived
 from eagle3.config.data import split_node
 from eagle3.engines.generators import ServerClient, make_generator
 from eagle3.errors import Eagle3Error

@@ -4,8 +4,8 @@
 
 Per request: the prefill forward gives the first completion token (no verify step). Each verify step:
 the draft proposes a tree from the target's aux features of the verified prefix, as its algorithm's server worker
-drafts (the entry's drafter: EAGLE-3's `eagle3.model.tree.draft_tree`, a chain with eagle_topk 1; DFlash's block of
-num_draft_tokens, a chain); the target scores every node in ONE forward over prefix + nodes with a tree
+drafts (the entry's drafter: EAGLE-3's `eagle3.model.tree.draft_tree`, a chain with eagle_topk 1; a block draft's
+block of num_draft_tokens, a chain); the target scores every node in ONE forward over prefix + nodes with a tree
 attention mask; the longest path that passes (greedy: the target's argmax; temperature > 0: SGLang's
 target-only speculative sampling) is accepted, plus the target's own next token (the bonus). The request
 grows, finishes and counts as the release it stands for does (`eagle3.bench.counting`, proven against
@@ -32,6 +32,7 @@ from eagle3.bench.counting import SpecRequest, server_accept_length
 from eagle3.model.aux_states import aux_states
 from eagle3.model.tree import ROOT, DraftTree, tree_attention, walk_greedy, walk_sampled
 from eagle3.serve.telemetry import Telemetry
+from eagle3.serving.sglang import sglang_method
 from eagle3.shape import DraftShape
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -102,7 +103,7 @@ def verify(served: Served, seq: list[int], aux: torch.Tensor, temperature: float
            drafter: Drafter) -> tuple[list[int], torch.Tensor]:
     """One verify step after the verified `seq` (aux [len(seq) - 1, n_aux * H]; `drafter` the request's): the run it
     yields (accepted drafts + the bonus token) and the aux features of the verified prefix after it. Sampled requests
-    follow SGLang's target-only rule, which its DFLASH worker applies to a chain alike."""
+    follow SGLang's target-only rule, which its block drafts' worker applies to a chain alike."""
     tree = drafter(aux, torch.tensor(seq)).pruned(served.target.config.vocab_size)
     logits, aux = target_forward(served, seq, tree)  # ONE verify forward: [len(seq) + N, V]
     row = lambda node: logits[len(seq) - 1 if node == ROOT else len(seq) + node]  # noqa: E731 (after `node`)
@@ -118,7 +119,7 @@ def verify(served: Served, seq: list[int], aux: torch.Tensor, temperature: float
 
 def decode(served: Served, prompt: list[int], max_new_tokens: int, temperature: float = 0.0) -> SpecRequest:
     """Decoding of one request (speculative when a draft is loaded), grown and counted as SGLang does."""
-    request = SpecRequest(max_new_tokens, served.eos_ids, served.release, served.algorithm.server_algorithm)
+    request = SpecRequest(max_new_tokens, served.eos_ids, served.release, sglang_method(served.algorithm))
     logits, aux = target_forward(served, prompt)  # prefill: [P, V], aux [P, n_aux * H]
     request.add_token(next_token(served, logits[-1], temperature))
     drafter = served.algorithm.drafter(served.draft, served.shape) if served.draft is not None else None

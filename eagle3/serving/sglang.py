@@ -9,6 +9,7 @@ from eagle3.algorithms import DraftAlgorithm, algorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
 from eagle3.contract.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE
+from eagle3.contract.releases import parse_release, release_or_newest
 from eagle3.procs import LaunchError
 from eagle3.records.telemetry import PIPELINE_LABEL
 from eagle3.serving.base import ServingEngine, flag_of, launcher_flag_for
@@ -32,6 +33,24 @@ LAUNCHER_FLAGS = {
     "--tokenizer-metrics-allowed-custom-labels": ("--tokenizer-metrics-allowed-custom-labels",),
 }
 TWO_BATCH_OVERLAP_FLAG = "--enable-two-batch-overlap"
+SGLANG_NAME = "sglang"  # serving.engine, and the key of a draft algorithm's served_as
+# How a release's worker hands the scheduler a verify step, by --speculative-algorithm (a draft algorithm's
+# served_as["sglang"]): from the release named here its whole run, counted as EAGLE3's is; before it the run token by
+# token, the finish checked after each and only the appended drafts counted, with no histogram (eagle3.bench.counting;
+# tests/conformance/test_counting.py). A method not named hands the whole run in every release.
+WHOLE_RUN_FROM = {"DFLASH": "0.5.16"}  # the spec-v2 worker; before it the v1 worker's verify appends token by token
+
+
+def sglang_method(entry: DraftAlgorithm) -> str | None:
+    """The --speculative-algorithm SGLang serves `entry`'s drafts with, which the reference server and the simulator
+    count them as (None: SGLang serves none)."""
+    return entry.served_as.get(SGLANG_NAME)
+
+
+def appends_token_by_token(method: str | None, release: str | None) -> bool:
+    """Whether SGLang `release` (None: the newest rules) appends a verify step's run of `method` token by token."""
+    first = WHOLE_RUN_FROM.get(method)
+    return first is not None and release_or_newest(release) < parse_release(first)
 
 
 def telemetry_flags(telemetry: TelemetrySection | None) -> list[str]:
@@ -79,7 +98,7 @@ def refuse_clashing_flags(config: PipelineConfig, draft) -> None:
 
 
 class SGLang(ServingEngine):
-    name = "sglang"
+    name = SGLANG_NAME
     title = "SGLang"
     health_path = "/health_generate"  # a generation of one token, not just a live process (/health)
 

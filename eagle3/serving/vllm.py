@@ -8,7 +8,7 @@ import json
 
 import httpx
 
-from eagle3.algorithms import DraftAlgorithm, algorithm
+from eagle3.algorithms import ALGORITHMS, DraftAlgorithm, algorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
 from eagle3.config.serving import ServingSection
@@ -16,8 +16,7 @@ from eagle3.procs import LaunchError
 from eagle3.serving.base import ServingEngine, flag_of, launcher_flag_for
 from eagle3.serving.vllm_env import vllm_python
 
-# vLLM's method for each algorithm's SGLang --speculative-algorithm (SpeculativeConfig.method).
-METHODS = {"EAGLE3": "eagle3", "DFLASH": "dflash"}
+VLLM_NAME = "vllm"  # serving.engine, and the key of a draft algorithm's served_as: its SpeculativeConfig.method
 MEMORY_FLAG, DEFAULT_MEMORY_SHARE = "--gpu-memory-utilization", 0.92  # CacheConfig.gpu_memory_utilization
 # Every spelling vLLM's parser accepts for each flag the launcher sets (EngineArgs.add_cli_args, FrontendArgs):
 # --spec-method / --spec-model / --spec-tokens and --speculative-config.KEY set fields of --speculative-config.
@@ -39,16 +38,18 @@ NEUTRAL_SAMPLING = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequen
 
 
 def speculative_config(entry: DraftAlgorithm, draft, serving: ServingSection) -> dict:
-    """--speculative-config for `draft`: vLLM drafts a chain of num_draft_tokens - 1 tokens a step (EAGLE-3's
-    num_steps; DFlash's block_size - 1, since vLLM never reads the checkpoint's block_size)."""
-    if entry.server_algorithm not in METHODS:
-        raise LaunchError(f"draft.algorithm {entry.name}: vLLM serves {', '.join(METHODS.values())} drafts here; "
-                          "choose serving.engine sglang")
+    """--speculative-config for `draft`, served as its algorithm's served_as["vllm"] method: vLLM drafts a chain of
+    num_draft_tokens - 1 tokens a step (a chain's num_steps; a block draft's block size - 1, since vLLM never reads a
+    checkpoint's block size)."""
+    if VLLM_NAME not in entry.served_as:
+        served = [name for name, kind in ALGORITHMS.items() if VLLM_NAME in kind.served_as]
+        raise LaunchError(f"draft.algorithm {entry.name}: vLLM serves {', '.join(served)} drafts here; choose "
+                          "serving.engine sglang")
     shape = serving.shape
     if shape.eagle_topk != 1:
         raise LaunchError(f"serving.eagle_topk {shape.eagle_topk}: vLLM drafts a chain here (eagle_topk 1); set "
                           "serving.eagle_topk to 1 and serving.num_draft_tokens to num_steps + 1")
-    return {"method": METHODS[entry.server_algorithm], "model": str(draft),
+    return {"method": entry.served_as[VLLM_NAME], "model": str(draft),
             "num_speculative_tokens": shape.num_draft_tokens - 1}
 
 
@@ -96,10 +97,10 @@ def refuse_telemetry(telemetry: TelemetrySection | None) -> None:
 
 
 class VLLM(ServingEngine):
-    name = "vllm"
+    name = VLLM_NAME
     title = "vLLM"
     health_path = "/health"  # 200 once the engine core answers (its own check_health)
-    served_layout = "speculators"  # vLLM's numbering of aux ids (input of layer k) and its DFlash config
+    served_layout = "speculators"  # vLLM's numbering of aux ids (input of layer k) and its drafts' configs
     info_path = "/version"
     generate_path = "/v1/completions"
     generation_tokens_metric = "vllm:generation_tokens_total"

@@ -288,7 +288,7 @@ OPERATIONAL = {
     "run.name": "names the run in the registry and the logs",
     "run.dir": "where the outputs are; its token is in every key",
     "run.data_from": "where the shared stages' outputs are; its token is in every key",
-    "contenders": "each contender's stages are keyed by its own config (eagle3.config.contender_configs)",
+    "contenders": "each contender's stages are keyed by its own config (eagle3.resolve.contender_configs)",
     "run.keep_runs": "retention of old retrain directories",
     "run.cpu_threads": SPEED,
     "run.warm_start": SPEED,

@@ -6,7 +6,7 @@ import sys
 
 import torch.distributed as dist
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.errors import Eagle3Error
 from eagle3.train.trainer import Trainer
 

@@ -11,6 +11,7 @@ the plan adds them itself.
 from __future__ import annotations
 
 import functools
+import json
 import weakref
 from collections import Counter
 
@@ -23,6 +24,7 @@ from eagle3.algorithms import DraftAlgorithm, algorithm
 from eagle3.config.draft import DraftSection
 from eagle3.draft.checkpoint import DraftConfig
 from eagle3.model.teacher import TeacherHead
+from eagle3.resolve import resolved_draft
 
 
 class AllocationPeak(TorchDispatchMode):
@@ -94,7 +96,7 @@ def training_step_peak_by_op(entry: DraftAlgorithm, cfg: DraftConfig, draft: Dra
 def _measured_peak(algorithm_name: str, cfg_json: str, draft_json: str, sequences: int, seq_len: int, predictions: int,
                    pre_norm: bool, recompute: bool) -> tuple[int, dict[str, int]]:
     entry = algorithm(algorithm_name)
-    cfg, draft = entry.config_type.model_validate_json(cfg_json), DraftSection.model_validate_json(draft_json)
+    cfg, draft = entry.config_type.model_validate_json(cfg_json), resolved_draft(json.loads(draft_json))
     # every token generated (the most the loss reads); the rows are made on the host, as the trainer makes them
     rows = entry.loss_rows(torch.ones(sequences, seq_len, dtype=torch.long), predictions, draft)
     with FakeTensorMode(allow_non_fake_inputs=True):

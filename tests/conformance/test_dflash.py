@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.contract.dflash import DFLASH_FAMILIES, dflash_default_layer_ids
+from eagle3.algorithms.dflash.contract import DFLASH_FAMILIES, dflash_default_layer_ids
 from releases import RELEASES
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "deepseek_v2", "kimi_k25", "glm4_moe_lite", "gpt_oss")
@@ -40,7 +40,7 @@ def test_each_named_id_makes_the_release_record_the_output_of_that_layer(probed,
     cases = [case for case in answer["cases"] if case["family"] == family]
     if all("skipped" in case for case in cases):
         assert family not in DFLASH_FAMILIES, f"SGLang {release}: {cases[0]['skipped']}"
-        pytest.skip(f"SGLang {release}: {cases[0]['skipped']} (configs are refused: eagle3.contract.dflash)")
+        pytest.skip(f"SGLang {release}: {cases[0]['skipped']} (configs are refused: eagle3.algorithms.dflash.contract)")
     assert family in DFLASH_FAMILIES, f"SGLang {release} captures {family}'s layers for DFlash: add it to the table"
     for case in cases:
         assert "set_error" not in case, f"SGLang {release} refuses {family} ids {case['ids']}: {case['set_error']}"

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms.dflash import DFLASH
 from eagle3.algorithms.dflash.layout import validate_sglang, write_sglang
-from eagle3.contract.dflash import FIXED_ROPE_THETA, dflash_rope_problem
+from eagle3.algorithms.dflash.contract import FIXED_ROPE_THETA, dflash_rope_problem
 from eagle3.records.manifest import write_manifest
 from releases import RELEASES
 
@@ -101,7 +101,7 @@ def test_the_good_export_validates_clean(exports):
 def test_the_release_computes_our_blocks_from_our_export(run_sglang, exports, release):
     """One block through SGLang's loaded modules (inside/dflash_forward.py) equals ours: the same fused weights, norms
     in the same places (the context's keys straight from hidden_norm(fc(...))), the same RoPE. Where the release
-    rotates every DFlash draft with 1,000,000 (eagle3.contract.dflash), a draft trained with 10,000 computes otherwise
+    rotates every DFlash draft with 1,000,000 (eagle3.algorithms.dflash.contract), a draft trained with 10,000 computes otherwise
     there and validation refuses it for that release; one trained with 1,000,000 computes ours."""
     models, paths, data = exports
     torch.manual_seed(0)

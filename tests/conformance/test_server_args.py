@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.config.deployment import TelemetrySection
 from eagle3.data.regenerate import simulated_shapes
 from eagle3.deployment.sweep import with_shape

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import simulate_prompt
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.deployment.imports import import_draft
 from eagle3.draft.checkpoint import load_native
 from eagle3.fsutil import sha256_file

@@ -29,7 +29,7 @@ from eagle3.bench.client import run_benchmark
 from eagle3.bench.counting import sum_histograms
 from eagle3.bench.diagnose import continuation_check
 from eagle3.bench.simulate import simulate_prompt
-from eagle3.config import load_config
+from eagle3.resolve import load_config
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.deployment.monitor import from_counters, scrape

@@ -14,18 +14,19 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log
 from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockModel, BlockRows, block_loss
+from eagle3.algorithms.dflash.contract import dflash_shape_problem
 from eagle3.algorithms.dflash.imports import convert_dflash
 from eagle3.algorithms.dflash.layout import ARCHITECTURE, read_sglang, validate_sglang, write_sglang
 from eagle3.algorithms.dflash.speculators import validate_speculators, write_speculators
 from eagle3.algorithms.dflash.warm_start import warm_start, write_copy
 from eagle3.algorithms.dflash.model import DFLASH_FORMAT, DFlashConfig, DFlashDraft
+from eagle3.algorithms.dflash.section import DFlashSection, config_problem, default_layer_ids
 from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.algorithms.sizes import draft_sizes
 from eagle3.config import PipelineConfig
 from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
-from eagle3.contract.dflash import dflash_shape_problem
 from eagle3.contract.problems import Report
 from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.draft.vocab_map import VocabMap
@@ -40,12 +41,19 @@ from eagle3.validation.external import Converted, Serving
 
 class DFlashAlgorithm(DraftAlgorithm):
     name = "dflash"
-    server_algorithm = "DFLASH"
+    served_as = {"sglang": "DFLASH", "vllm": "dflash"}
+    section_type = DFlashSection
     config_type = DFlashConfig
     warm_start = ("dflash",)
 
     def reads(self, config: dict) -> bool:
         return config.get("format") == DFLASH_FORMAT or ARCHITECTURE in (config.get("architectures") or [])
+
+    def default_aux_layers(self, num_layers: int, draft: DraftSection) -> list[int]:
+        return default_layer_ids(num_layers, draft)
+
+    def config_problem(self, config: PipelineConfig) -> str | None:
+        return config_problem(config)
 
     def draft_config(self, config: PipelineConfig) -> DFlashConfig:
         draft, dflash = config.draft, config.draft.dflash
@@ -58,8 +66,9 @@ class DFlashAlgorithm(DraftAlgorithm):
             mask_token_id=dflash.mask_token_id,
         )
 
-    def reserved_ids(self, cfg: DFlashConfig) -> list[int]:
-        return [cfg.mask_token_id]  # it would stand for itself and for "unknown" at once
+    def reserved_ids(self, cfg: DFlashConfig) -> dict[int, str]:
+        # the mask token would stand for itself and for "unknown" at once
+        return {cfg.mask_token_id: "draft.dflash.mask_token_id"}
 
     def new_model(self, cfg: DFlashConfig, embed: torch.Tensor) -> DFlashDraft:
         return DFlashDraft(cfg, embed)
@@ -172,7 +181,7 @@ class DFlashAlgorithm(DraftAlgorithm):
     def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:
         """SGLang's DFLASH worker verifies one block of --speculative-num-draft-tokens a step (it sets num_steps and
         eagle_topk to 1 itself, and takes the block from here over the draft's block_size)."""
-        return ["--speculative-algorithm", self.server_algorithm, "--speculative-draft-model-path", str(draft_path),
+        return ["--speculative-algorithm", self.served_as["sglang"], "--speculative-draft-model-path", str(draft_path),
                 "--speculative-num-draft-tokens", str(serving.num_draft_tokens)]
 
     def shape_problem(self, draft_path: Path, shape: DraftShape) -> str | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle3.algorithms.dflash.model import DFlashDraft
-from eagle3.contract.dflash import dflash_shape_problem
+from eagle3.algorithms.dflash.contract import dflash_shape_problem
 from eagle3.model.teacher import Teacher
 from eagle3.model.tree import DraftTree
 from eagle3.model.ttt import LossModule, LossRows, StepStats, ttt_stats

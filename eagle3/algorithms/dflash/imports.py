@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from eagle3.algorithms.dflash.layout import validate_sglang, write_sglang
 from eagle3.algorithms.dflash.model import DFlashConfig
 from eagle3.algorithms.dflash.speculators import MODEL_TYPE
-from eagle3.contract.dflash import dflash_default_layer_ids
+from eagle3.algorithms.dflash.contract import dflash_default_layer_ids
 from eagle3.contract.problems import ProblemCode, Report
 from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.fsutil import atomic_directory, read_json

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
-from eagle3.contract.dflash import FIXED_ROPE_THETA, dflash_family_problem, dflash_rope_problem
+from eagle3.algorithms.dflash.contract import FIXED_ROPE_THETA, dflash_family_problem, dflash_rope_problem
 from eagle3.contract.problems import ProblemCode, Report
 from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.errors import UnreadableInput
@@ -93,7 +93,7 @@ def validate_sglang(directory: Path, release: str | None, data_manifest: Path | 
     """What SGLang `release` would do wrongly with the export at `directory` (its ids against the layers of the data at
     `data_manifest`, or the `captured` layers, when given): each problem named, with its fix. The
     releases' loaders and capture agree (tests/conformance/test_dflash*.py); their RoPE base does not
-    (eagle3.contract.dflash)."""
+    (eagle3.algorithms.dflash.contract)."""
     report = Report(str(directory), "sglang", release)
     raw = read_json(directory / CONFIG_FILE, "missing")
     family = ((raw.get("eagle3") or {}).get("native") or {}).get("target_family") or "unknown"

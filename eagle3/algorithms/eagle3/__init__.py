@@ -32,15 +32,15 @@ from eagle3.validation.validate import validate
 
 class Eagle3Algorithm(DraftAlgorithm):
     name = "eagle3"
-    server_algorithm = "EAGLE3"
+    served_as = {"sglang": "EAGLE3", "vllm": "eagle3"}
     config_type = DraftConfig
     warm_start = ("eagle3",)
 
     def draft_config(self, config: PipelineConfig) -> DraftConfig:
         return trained_draft_config(config)
 
-    def reserved_ids(self, cfg: DraftConfig) -> list[int]:
-        return []
+    def reserved_ids(self, cfg: DraftConfig) -> dict[int, str]:
+        return {}
 
     def new_model(self, cfg: DraftConfig, embed: torch.Tensor) -> Eagle3Draft:
         return Eagle3Draft(cfg, embed)
@@ -125,7 +125,7 @@ class Eagle3Algorithm(DraftAlgorithm):
         return 2 * cfg.num_key_value_heads * cfg.head_dim / tp  # one layer
 
     def server_flags(self, draft_path: Path, serving: ServingSection) -> list[str]:
-        return ["--speculative-algorithm", self.server_algorithm, "--speculative-draft-model-path", str(draft_path),
+        return ["--speculative-algorithm", self.served_as["sglang"], "--speculative-draft-model-path", str(draft_path),
                 "--speculative-num-steps", str(serving.num_steps), "--speculative-eagle-topk", str(serving.eagle_topk),
                 "--speculative-num-draft-tokens", str(serving.num_draft_tokens)]
 
