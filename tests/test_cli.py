@@ -73,9 +73,14 @@ def test_convert_then_validate(native_draft, target_dir, tmp_path, eagle3):
                     "--target", target_dir)
     assert result.returncode == 0, result.stderr
     manifest = write_data_manifest(tmp_path / "data.json", [0, 1, 2])
-    ok = eagle3("validate", tmp_path / "out", "--engine", "sglang", "--release", "0.5.13", "--target", target_dir,
+    ok = eagle3("validate", tmp_path / "out", "--loader", "sglang", "--release", "0.5.13", "--target", target_dir,
                 "--data-manifest", manifest, "--context-length", "512")
     assert ok.returncode == 0 and "valid: 0 error(s)" in ok.stdout
+    # the old spelling (before "engine" meant only a serving engine) still checks the same loader, and says the new one
+    old = eagle3("validate", tmp_path / "out", "--engine", "sglang", "--release", "0.5.13", "--target", target_dir,
+                 "--data-manifest", manifest, "--context-length", "512")
+    assert "--engine is deprecated and goes in the next release; write --loader sglang" in old.stderr
+    assert old.returncode == 0 and old.stdout == ok.stdout
 
 
 def test_validate_exit_codes_and_unknowns(sglang_draft, tmp_path, eagle3):

@@ -613,7 +613,7 @@ def test_eagle3_convert_writes_a_dflash_draft_in_either_layout_by_hand(exported,
     raw = json.loads((out / "config.json").read_text())
     assert raw["speculators_model_type"] == "dflash" and raw["speculators_config"]["verifier"]["name_or_path"] == str(
         target.resolve()) and raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
-    assert main(["validate", str(out), "--engine", "speculators", "--data-manifest", str(manifest)]) == 0
+    assert main(["validate", str(out), "--loader", "speculators", "--data-manifest", str(manifest)]) == 0
     assert main(["convert", str(sglang_dir), str(out), "--to", "speculators", "--target", str(target)]) == EXIT_PROBLEMS
     assert f"{out}: already exists" in capsys.readouterr().err
     # an export reads back as the draft it records

@@ -148,7 +148,7 @@ def test_a_speculators_export_can_name_its_verifier_as_published(tmp_path, capsy
     assert config["speculators_config"]["verifier"] == {"name_or_path": "example-org/tiny-target",
                                                         "architectures": ["LlamaForCausalLM"]}
     capsys.readouterr()
-    assert main(["validate", str(spec), "--engine", "speculators", "--target", str(target), "--json"]) == 0
+    assert main(["validate", str(spec), "--loader", "speculators", "--target", str(target), "--json"]) == 0
     verifier = [p for p in json.loads(capsys.readouterr().out)["problems"] if p["code"] == "verifier"]
     assert [p["severity"] for p in verifier] == ["unknown"]
     assert main(["convert", str(native), str(tmp_path / "sglang"), "--to", "sglang", "--target", str(target),

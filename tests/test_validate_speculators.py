@@ -1,4 +1,4 @@
-"""`eagle3 validate --engine speculators`: what speculators' loader needs, one fault per test, each injected into a
+"""`eagle3 validate --loader speculators`: what speculators' loader needs, one fault per test, each injected into a
 good export (speculators' own loader runs on the same faults in tests/conformance/test_speculators.py)."""
 
 import json
@@ -113,7 +113,7 @@ def test_an_export_of_the_old_layout_still_reads_and_validation_names_what_it_la
 
 
 def test_the_command_line(good, capsys):
-    args = ["validate", str(good["path"]), "--engine", "speculators", "--target", str(good["target"])]
+    args = ["validate", str(good["path"]), "--loader", "speculators", "--target", str(good["target"])]
     assert main(args) == 0 and "speculators 0.9.0" in capsys.readouterr().out
     edit_spec(good["path"], verifier(None))
     assert main(args + ["--json"]) == 1

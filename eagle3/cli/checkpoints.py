@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_release_argument
+from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, add_deprecated_flag, add_release_argument
 from eagle3.shape import DEFAULT_NUM_STEPS
 
 
@@ -36,9 +36,11 @@ def add_checkpoint_commands(commands) -> None:
 
     validate = commands.add_parser("validate", help="check a draft against what the serving engine will do")
     validate.add_argument("path", type=Path)
-    validate.add_argument("--engine", default="sglang", choices=("sglang", "speculators"),
+    loaders = ("sglang", "speculators")
+    validate.add_argument("--loader", default="sglang", choices=loaders,
                           help="the loader to check against: SGLang's, or speculators' from_pretrained")
-    add_release_argument(validate, "the engine's release (SGLang: default the strictest rules; speculators: the one "
+    add_deprecated_flag(validate, "--loader", "--engine", choices=loaders)  # "engine" means a serving engine
+    add_release_argument(validate, "the loader's release (SGLang: default the strictest rules; speculators: the one "
                          "release whose loader was read)")
     validate.add_argument("--target", type=Path, help="target model directory (its config.json)")
     validate.add_argument("--target-family", help="SGLang model file of the target, if --target is not given")
@@ -95,10 +97,10 @@ def run_validate(args: argparse.Namespace) -> int:
 
     entry = draft_algorithm(args.path)
     if entry is not EAGLE3:  # the draft's own checks (EAGLE-3's take a target family besides)
-        report = entry.validate(args.path, args.engine, args.release, args.target, args.data_manifest,
+        report = entry.validate(args.path, args.loader, args.release, args.target, args.data_manifest,
                                 args.context_length)
     else:
-        report = validate(args.path, engine=args.engine, release=args.release, target=args.target,
+        report = validate(args.path, engine=args.loader, release=args.release, target=args.target,
                           data_manifest=args.data_manifest, context_length=args.context_length,
                           target_family=args.target_family)
     if args.json:

@@ -33,15 +33,27 @@ DEPRECATED_RELEASE_FLAGS = ("--engine-version", "--engine-release")
 
 
 class DeprecatedFlag(argparse.Action):
+    """An old spelling of the flag `new`: it still sets that flag's value, and says the new name once."""
+
+    def __init__(self, *args, new: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.new = new
+
     def __call__(self, parser, namespace, value, option_string=None):
-        print(f"eagle3: {option_string} is deprecated and goes in the next release; write --release {value}",
+        print(f"eagle3: {option_string} is deprecated and goes in the next release; write {self.new} {value}",
               file=sys.stderr)
         setattr(namespace, self.dest, value)
 
 
+def add_deprecated_flag(parser: argparse.ArgumentParser, new: str, *old: str, **kwargs) -> None:
+    """The old spellings `old` of the flag `new` (already added), kept working and hidden from --help."""
+    parser.add_argument(*old, dest=new.removeprefix("--").replace("-", "_"), action=DeprecatedFlag, new=new,
+                        help=argparse.SUPPRESS, **kwargs)
+
+
 def add_release_argument(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--release", help=help)
-    parser.add_argument(*DEPRECATED_RELEASE_FLAGS, dest="release", action=DeprecatedFlag, help=argparse.SUPPRESS)
+    add_deprecated_flag(parser, "--release", *DEPRECATED_RELEASE_FLAGS)
 
 
 def exec_flow(module: str, arguments: list[str]) -> None:

@@ -1,7 +1,7 @@
 """speculators' own loader and EAGLE-3 forward (its published release, run in a child process with the transformers
 it allows: releases.py) on the project's speculators export as `eagle3 convert --to speculators --target DIR`
 writes it: it loads with no edit, every tensor from the export or the verifier, ten loads alike, and its forward
-equals Eagle3Draft's. The faults `eagle3 validate --engine speculators` refuses make its loader fail."""
+equals Eagle3Draft's. The faults `eagle3 validate --loader speculators` refuses make its loader fail."""
 
 from __future__ import annotations
 
