@@ -21,7 +21,7 @@ from eagle3.algorithms.base import export_target
 from eagle3.config import PipelineConfig
 from eagle3.data.capture import dataset_dir
 from eagle3.errors import Eagle3Error
-from eagle3.draft.checkpoint import WEIGHTS_FILE
+from eagle3.draft.files import WEIGHTS_FILE
 from eagle3.records.manifest import MANIFEST_FILE, read_manifest, write_manifest
 from eagle3.contract.problems import Report
 from eagle3.fsutil import atomic_write_json

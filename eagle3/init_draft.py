@@ -28,7 +28,7 @@ from eagle3.config.deployment import RegistrySection
 from eagle3.errors import Eagle3Error
 from eagle3.algorithms import algorithm, draft_algorithm
 from eagle3.algorithms.base import ExportTarget
-from eagle3.draft.checkpoint import CONFIG_FILE, is_checkpoint_file
+from eagle3.draft.files import CONFIG_FILE, is_checkpoint_file
 from eagle3.fsutil import atomic_write_json, cached_sha256
 from eagle3.registry.registry import RegistryError, open_registry, registry_location, version_algorithm
 from eagle3.algorithms.init_copy import NATIVE_DIR, RECORD_FILE, init_dir

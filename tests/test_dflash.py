@@ -414,7 +414,7 @@ def test_each_fault_of_an_export_is_named_before_serving(exported, fault, change
 @pytest.fixture
 def speculators_export(exported):
     """The same draft in speculators' layout, for a verifier named by its hub id, served 3 drafts a step."""
-    from eagle3.draft.layouts.shared import Verifier
+    from eagle3.draft.files import Verifier
 
     model, directory, manifest = exported
     target = ExportTarget("llama", None, 5, 3, Verifier("org/tiny-target", ["LlamaForCausalLM"], torch.empty(0)))

@@ -19,7 +19,8 @@ from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.export import export_draft
 from eagle3.draft.checkpoint import RawCheckpoint, convert, detect_layout, draft_config, load_native, read_checkpoint
 from eagle3.draft.layouts import LAYOUTS
-from eagle3.draft.layouts.speculators import ARCHITECTURE, SPECULATORS_RELEASE
+from eagle3.draft.layouts.speculators import ARCHITECTURE
+from eagle3.contract.releases import SPECULATORS_RELEASE
 from eagle3.records.manifest import MANIFEST_FILE
 from eagle3.model.weights import target_verifier
 from eagle3.stages.keys import stage_key

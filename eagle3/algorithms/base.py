@@ -26,7 +26,7 @@ from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
 from eagle3.errors import Eagle3Error
 from eagle3.draft.checkpoint import DraftConfig
-from eagle3.draft.layouts.speculators import Verifier
+from eagle3.draft.files import Verifier
 from eagle3.draft.vocab_map import VocabMap
 from eagle3.model.teacher import Teacher
 from eagle3.model.tree import DraftTree

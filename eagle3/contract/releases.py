@@ -34,3 +34,5 @@ class ReleaseRange:
 
     def __str__(self) -> str:
         return self.first if self.first == self.last else f"{self.first}–{self.last}"
+
+SPECULATORS_RELEASE = "0.9.0"  # speculators' release whose loader reads what our speculators exports write

@@ -23,23 +23,14 @@ from safetensors.torch import load_file, save_file
 from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.contract import engines
 from eagle3.draft.layouts import LAYOUTS, LayoutAdapter
-from eagle3.draft.layouts.shared import (
-    NATIVE_FORMAT,
-    PROVENANCE_KEY,
-    DraftConfig,
-    Log,
-    Provenance,
-    RawCheckpoint,
-    Verifier,
-)
+from eagle3.draft.layouts.shared import DraftConfig, Log, NATIVE_FORMAT, PROVENANCE_KEY, Provenance, RawCheckpoint
+from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE, Verifier
 from eagle3.records.manifest import write_manifest
 from eagle3.draft.vocab_map import VocabMap, VocabMapError, check_invariants
 from eagle3.fsutil import atomic_directory, read_json
 from eagle3.shape import DEFAULT_NUM_STEPS
 
 Layout = Literal["native", "sglang", "speculators"]
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 
 
 @dataclass
@@ -205,11 +196,6 @@ def detect_layout(config: dict, where: Path) -> str:
         f"{where}: not an EAGLE-3 draft config (architectures {architectures}; expected "
         f"LlamaForCausalLMEagle3, a speculators config, or format '{NATIVE_FORMAT}')"
     )
-
-
-def is_checkpoint_file(name: str) -> bool:
-    """Whether read_checkpoint reads a file of this name in a checkpoint's directory: what a draft's content is."""
-    return name == CONFIG_FILE or name.endswith(".safetensors")
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from eagle3.errors import UnreadableInput
 from eagle3.contract import engines
-from eagle3.draft.checkpoint import DraftConfig, NativeDraft, Verifier, read_checkpoint, to_native
+from eagle3.draft.checkpoint import DraftConfig, NativeDraft, read_checkpoint, to_native
+from eagle3.draft.files import Verifier
 from eagle3.target.info import read_target_info
 from eagle3.model.draft import Eagle3Draft, init_weights
 

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.errors import Eagle3Error
+from eagle3.draft.files import CONFIG_FILE
 from eagle3.draft.checkpoint import (
-    CONFIG_FILE, NativeDraft, draft_config, layout_of, native_tensors, read_checkpoint, write_draft_files,
+    NativeDraft, draft_config, layout_of, native_tensors, read_checkpoint, write_draft_files,
 )
 from eagle3.draft.layouts.shared import RawCheckpoint
 from eagle3.validation.loader_checks import sample_names

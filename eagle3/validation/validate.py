@@ -22,7 +22,7 @@ from eagle3.draft.checkpoint import (
 )
 from eagle3.draft.layouts import sglang
 from eagle3.draft.layouts.shared import MLA_SIZES
-from eagle3.draft.layouts.speculators import SPECULATORS_RELEASE
+from eagle3.contract.releases import SPECULATORS_RELEASE
 from eagle3.validation.loader_checks import check_config_fields, check_dtypes, check_flags, check_names, sample_names
 from eagle3.records.manifest import read_data_capture
 from eagle3.contract.problems import CONVERT_HINT, ProblemCode, Report

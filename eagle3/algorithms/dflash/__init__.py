@@ -28,7 +28,7 @@ from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
-from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.draft.vocab_map import VocabMap
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_write_json, read_json

@@ -19,7 +19,7 @@ from eagle3.algorithms.dflash.model import DFlashConfig
 from eagle3.algorithms.dflash.speculators import MODEL_TYPE
 from eagle3.algorithms.dflash.contract import dflash_default_layer_ids
 from eagle3.contract.problems import ProblemCode, Report
-from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.fsutil import atomic_directory, read_json
 from eagle3.validation.external import Converted, Serving, refuse_on_errors, summary
 

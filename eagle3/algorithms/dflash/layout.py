@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from eagle3.algorithms.dflash.contract import FIXED_ROPE_THETA, dflash_family_problem, dflash_rope_problem
 from eagle3.contract.problems import ProblemCode, Report
-from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import read_json
 from eagle3.records.manifest import read_data_capture, write_manifest

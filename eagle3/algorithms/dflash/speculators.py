@@ -18,9 +18,8 @@ from pathlib import Path
 from eagle3.algorithms.dflash.layout import check_tensors, write_export
 from eagle3.algorithms.dflash.model import DFlashConfig
 from eagle3.contract.problems import ProblemCode, Report
-from eagle3.draft.checkpoint import CONFIG_FILE
-from eagle3.draft.layouts.shared import Verifier
-from eagle3.draft.layouts.speculators import SPECULATORS_RELEASE
+from eagle3.draft.files import CONFIG_FILE, Verifier
+from eagle3.contract.releases import SPECULATORS_RELEASE
 from eagle3.fsutil import read_json
 from eagle3.records.manifest import read_data_capture
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from eagle3.algorithms.dflash.layout import native_config
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from eagle3.algorithms.init_copy import ResolvedInit
-from eagle3.draft.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_directory
 from eagle3.records.manifest import write_manifest

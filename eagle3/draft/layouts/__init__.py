@@ -9,7 +9,8 @@ from typing import Protocol
 import torch
 
 from eagle3.draft.layouts import native, sglang, speculators
-from eagle3.draft.layouts.shared import DraftConfig, Log, RawCheckpoint, Verifier
+from eagle3.draft.layouts.shared import DraftConfig, Log, RawCheckpoint
+from eagle3.draft.files import Verifier
 
 
 class LayoutAdapter(Protocol):

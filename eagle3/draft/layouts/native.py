@@ -6,15 +6,9 @@ from __future__ import annotations
 
 from eagle3.contract import engines
 from eagle3.draft.layouts.shared import (
-    MLA_SIZES,
-    NATIVE_FORMAT,
-    DraftConfig,
-    Log,
-    RawCheckpoint,
-    Verifier,
-    canonical_with_layer_at,
-    names_with_layer_at,
+    DraftConfig, Log, MLA_SIZES, NATIVE_FORMAT, RawCheckpoint, canonical_with_layer_at, names_with_layer_at,
 )
+from eagle3.draft.files import Verifier
 
 
 def detects(config: dict) -> bool:

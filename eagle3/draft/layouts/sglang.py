@@ -7,20 +7,10 @@ from __future__ import annotations
 from eagle3.errors import ConversionError
 from eagle3.contract import engines
 from eagle3.draft.layouts.shared import (
-    FLAGS,
-    MLA_SIZES,
-    PROVENANCE_KEY,
-    DraftConfig,
-    Log,
-    RawCheckpoint,
-    Verifier,
-    architecture_fields,
-    llama_layer_fields,
-    names_with_layer_at,
-    provenance,
-    target_for,
-    trained_fields,
+    DraftConfig, FLAGS, Log, MLA_SIZES, PROVENANCE_KEY, RawCheckpoint, architecture_fields, llama_layer_fields,
+    names_with_layer_at, provenance, target_for, trained_fields,
 )
+from eagle3.draft.files import Verifier
 
 ARCHITECTURE = engines.DRAFT_ARCHITECTURES["mha"]
 MLA_MODEL_TYPE = "deepseek_v3"  # transformers' config class for it keeps the MLA sizes SGLang reads

@@ -83,16 +83,6 @@ class Provenance(BaseModel):
     engine_release: str | None = None
 
 
-@dataclass(frozen=True)
-class Verifier:
-    """The target a draft is exported for, as a layout that names it needs it (speculators: the verifier its loader
-    reads, and the target's embedding shipped beside the draft's own weights)."""
-
-    name_or_path: str  # a hub id, or a directory where the export is loaded
-    architectures: list[str]  # the target's config.json architectures
-    embed_tokens: torch.Tensor  # [vocab, hidden], the target's own
-
-
 @dataclass
 class RawCheckpoint:
     """A checkpoint directory as found on disk, before any judgement."""

@@ -18,23 +18,13 @@ import torch
 from eagle3.errors import ConversionError
 from eagle3.contract import engines
 from eagle3.draft.layouts.shared import (
-    FLAGS,
-    PROVENANCE_KEY,
-    DraftConfig,
-    Log,
-    RawCheckpoint,
-    Verifier,
-    architecture_fields,
-    canonical_with_layer_at,
-    llama_layer_fields,
-    names_with_layer_at,
-    provenance,
-    target_for,
-    trained_fields,
+    DraftConfig, FLAGS, Log, PROVENANCE_KEY, RawCheckpoint, architecture_fields, canonical_with_layer_at,
+    llama_layer_fields, names_with_layer_at, provenance, target_for, trained_fields,
 )
+from eagle3.contract.releases import SPECULATORS_RELEASE
+from eagle3.draft.files import Verifier
 
 LAYER_PREFIX = "layers.0"
-SPECULATORS_RELEASE = "0.9.0"  # whose loader reads what encode_config writes (its speculators_version)
 ARCHITECTURE = "Eagle3DraftModel"  # the class that release registers for eagle3, and writes when it saves one
 EMBED_TOKENS = "embed_tokens.weight"
 # speculators' speculative_tokens is the drafting steps per verify step: SGLang's --speculative-num-steps, our
