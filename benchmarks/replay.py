@@ -20,8 +20,9 @@ import torch
 
 from eagle3.bench.simulate import replay
 from eagle3.draft.checkpoint import DraftConfig
-from eagle3.model.draft import Eagle3Draft, init_weights
-from eagle3.model.tree import DraftCache, draft_tree
+from eagle3.algorithms.eagle3.model import Eagle3Draft
+from eagle3.model.blocks import init_weights
+from eagle3.algorithms.eagle3.tree import DraftCache, draft_tree
 from eagle3.shape import DraftShape
 
 VOCAB, DRAFT_VOCAB, AUX = 2048, 1024, 3

@@ -21,9 +21,11 @@ import torch
 from eagle3.config.draft import DraftSection
 from eagle3.config.node import NodeSection
 from eagle3.draft.checkpoint import DraftConfig
-from eagle3.model.draft import Eagle3Draft, init_weights
+from eagle3.algorithms.eagle3.model import Eagle3Draft
+from eagle3.model.blocks import init_weights
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import LossRows, ttt_forward, ttt_loss
+from eagle3.model.blocks import LossRows
+from eagle3.algorithms.eagle3.ttt import ttt_forward, ttt_loss
 from eagle3.plan_time import draft_train_flops
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.train.memory import training_step_peak_bytes

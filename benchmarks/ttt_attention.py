@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from eagle3.model.draft import Attention, causal_mask, ttt_chunk_rows
+from eagle3.algorithms.eagle3.model import Attention, ttt_chunk_rows
+from eagle3.model.blocks import causal_mask
 from eagle3.model.teacher import TeacherHead
 from eagle3.train.memory import AllocationPeak
 

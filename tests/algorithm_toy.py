@@ -14,10 +14,11 @@ from eagle3.algorithms.base import DraftAlgorithm
 from eagle3.algorithms.eagle3.architecture import trained_draft_config
 from eagle3.draft.checkpoint import DraftConfig
 from eagle3.fsutil import atomic_write_json, read_json
-from eagle3.model.draft import init_weights
+from eagle3.model.blocks import init_weights
 from eagle3.model.weights import target_embedding
 from eagle3.model.tree import DraftTree
-from eagle3.model.ttt import LossRows, StepStats, target_positions, ttt_stats
+from eagle3.model.blocks import LossRows, StepStats, step_stats
+from eagle3.algorithms.eagle3.ttt import target_positions
 
 HEADS = 2  # drafted positions: the chain's longest (the micro config trains TTT 3: the trainer asks the entry)
 
@@ -108,7 +109,7 @@ class ToyAlgorithm(DraftAlgorithm):
         return ToyLoss(self, model)
 
     def loss(self, model, aux, input_ids, teacher, rows) -> StepStats:
-        return ttt_stats(model(aux), teacher, rows)  # each head's [B, T, Dv], gathered at its rows
+        return step_stats(model(aux), teacher, rows)  # each head's [B, T, Dv], gathered at its rows
 
     def drafter(self, model, shape):
         def draft(aux, tokens) -> DraftTree:  # the heads at the last verified feature draft the next HEADS tokens

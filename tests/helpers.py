@@ -36,7 +36,8 @@ from eagle3.draft.checkpoint import DraftConfig
 from eagle3.draft.vocab_map import build_vocab_map
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer
-from eagle3.model.draft import Eagle3Draft, init_weights
+from eagle3.algorithms.eagle3.model import Eagle3Draft
+from eagle3.model.blocks import init_weights
 from eagle3.model.weights import target_head
 from eagle3.registry.registry import open_registry
 from eagle3.runs import retrain_dir

@@ -18,8 +18,8 @@ from eagle3.bench.simulate import heldout_samples, replay_stored, simulate_promp
 from eagle3.resolve import load_config
 from eagle3.algorithms.dflash.contract import dflash_default_layer_ids
 from eagle3.errors import ConfigError, Eagle3Error
-from eagle3.model.draft import init_weights
-from eagle3.model.ttt import LossRows
+from eagle3.model.blocks import init_weights
+from eagle3.model.blocks import LossRows
 from eagle3.shape import DraftShape
 from eagle3.train.trainer import Trainer
 from eagle3.serve.reference import create_app

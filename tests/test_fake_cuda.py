@@ -11,8 +11,9 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 from eagle3 import distributed
 from eagle3.resolve import load_config
 from eagle3.distributed import Dist
-from eagle3.model.draft import Eagle3Draft, init_weights
-from eagle3.model.ttt import draft_chain
+from eagle3.algorithms.eagle3.model import Eagle3Draft
+from eagle3.model.blocks import init_weights
+from eagle3.algorithms.eagle3.ttt import draft_chain
 from eagle3.train.trainer import Trainer
 from fake_device import fake_accelerator
 from helpers import TINY, run_copy, tiny_draft

@@ -13,7 +13,8 @@ from eagle3.resolve import load_config
 from eagle3.errors import ConfigError
 from eagle3.target.info import active_parameters, read_target_size
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import LossRows, TTTModel
+from eagle3.model.blocks import LossRows
+from eagle3.algorithms.eagle3.ttt import TTTModel
 from eagle3.plan import chosen_recompute, plan_memory, require_fit, target_size
 from eagle3.plan_time import WARM_STEP_RATIO, Scenario, plan_time
 from eagle3.algorithms.eagle3 import EAGLE3

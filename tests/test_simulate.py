@@ -16,10 +16,10 @@ from eagle3.data.capture import HELDOUT_DIR, feature_widths, heldout_records, wr
 from eagle3.data.shards import shard_file
 from eagle3.engines.features import TransformersFeatures
 from eagle3.draft.checkpoint import NativeDraft, save_native_draft
-from eagle3.model.draft import Eagle3Draft
+from eagle3.algorithms.eagle3.model import Eagle3Draft
 from eagle3.model.tree import DraftTree
-from eagle3.model.ttt import draft_chain
-from eagle3.model.weights import draft_as_served
+from eagle3.algorithms.eagle3.ttt import draft_chain
+from eagle3.algorithms.eagle3.served import draft_as_served
 from eagle3.shape import DraftShape
 from helpers import (
     AUX_LAYERS, CONFIG, NEWLINE, TINY, lens_draft, micro_overrides, random_draft, rewrite, store_requests,

@@ -14,12 +14,14 @@ from eagle3.algorithms.init_copy import resolved_init
 from eagle3.resolve import load_config
 from eagle3.draft.checkpoint import convert, load_native
 from eagle3.draft.vocab_map import VocabMap, build_vocab_map
-from eagle3.model import draft as draft_module
+from eagle3.algorithms.eagle3 import model as draft_module
 from eagle3.model import teacher as teacher_module
-from eagle3.model.draft import causal_mask
+from eagle3.model.blocks import causal_mask
 from eagle3.model.teacher import TeacherHead, chunked_argmax
-from eagle3.model.ttt import LossRows, draft_chain, target_positions, ttt_forward, ttt_loss, ttt_stats
-from eagle3.model.weights import draft_as_served, draft_from_native, target_head
+from eagle3.model.blocks import LossRows, step_stats
+from eagle3.algorithms.eagle3.ttt import draft_chain, target_positions, ttt_forward, ttt_loss
+from eagle3.algorithms.eagle3.served import draft_as_served, draft_from_native
+from eagle3.model.weights import target_head
 from eagle3.distributed import Dist
 from eagle3.errors import Eagle3Error
 from eagle3.init_draft import resolve_init_from
@@ -45,11 +47,11 @@ class TestAlignment:
                 logits[0, t, x[0, t + shift]] = 10.0
             return logits
 
-        right = ttt_stats([one_hot(2), one_hot(3)], teacher, rows)
+        right = step_stats([one_hot(2), one_hot(3)], teacher, rows)
         assert right.count.tolist() == [4, 3]  # step 0: t in 0..3 (x_2..x_5); step 1: t in 0..2 (x_3..x_5)
         assert target_positions(mask, 2).tolist() == [4, 3]  # the loss's normaliser, from the mask alone
         assert right.correct.tolist() == [4, 3]
-        off_by_one = ttt_stats([one_hot(1), one_hot(2)], teacher, rows)
+        off_by_one = step_stats([one_hot(1), one_hot(2)], teacher, rows)
         assert off_by_one.correct.tolist() == [0, 0]
 
     def test_no_step_sees_the_future(self):
@@ -134,7 +136,7 @@ def test_compact_teacher_gives_the_loss_of_full_vocabulary_logits():
     loss_mask, ids = torch.ones(2, 12, dtype=torch.long), torch.randint(0, 40, (2, 12), generator=generator)
     step_logits = ttt_forward(model, torch.randn(2, 12, 96, generator=generator), ids, 3)
     rows = LossRows.of(loss_mask, 3)
-    compact = ttt_stats(step_logits, TeacherHead(lm_head, hot)(last, rows.teacher), rows)
+    compact = step_stats(step_logits, TeacherHead(lm_head, hot)(last, rows.teacher), rows)
     full = last @ lm_head.T  # [B, T, V]
     argmax, probs = full.argmax(-1), full[..., hot].softmax(-1)
     in_draft = torch.zeros(40, dtype=torch.bool)
@@ -165,7 +167,7 @@ def test_the_teacher_and_the_head_score_only_the_rows_the_loss_reads():
     assert scored.sum() == 13 and not scored[1, 9:].any()  # 7 + 6 generated tokens: the rows before them
     torch.testing.assert_close(part.probs, dense.probs[scored])
     assert torch.equal(part.argmax, dense.argmax[scored]) and torch.equal(part.in_draft, dense.in_draft[scored])
-    every = ttt_stats(ttt_forward(model, aux, ids, 3), part, rows)  # all logits, gathered at the rows
+    every = step_stats(ttt_forward(model, aux, ids, 3), part, rows)  # all logits, gathered at the rows
     lean = ttt_loss(model, aux, ids, part, rows)  # the head run on the rows only
     torch.testing.assert_close(lean.loss_sum, every.loss_sum)
     assert torch.equal(lean.count, every.count) and torch.equal(lean.correct, every.correct)

@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from eagle3.model import draft as draft_module
-from eagle3.model.draft import Eagle3Draft, causal_mask
+from eagle3.algorithms.eagle3 import model as draft_module
+from eagle3.algorithms.eagle3.model import Eagle3Draft
+from eagle3.model.blocks import causal_mask
 from eagle3.model.teacher import TeacherHead
-from eagle3.model.ttt import LossRows, TTTModel, shift_left
+from eagle3.model.blocks import LossRows
+from eagle3.algorithms.eagle3.ttt import TTTModel, shift_left
 from eagle3.train.memory import AllocationPeak
 from helpers import tiny_draft
 
@@ -33,7 +35,7 @@ def old_attend(attention, q, keys, values, mask):
 
 
 def old_step(model: Eagle3Draft, aux, ids, teacher, loss_mask):
-    """Every step's logits first, then the loss over them (the previous ttt_forward, attend and ttt_stats)."""
+    """Every step's logits first, then the loss over them (the previous ttt_forward, attend and step_stats)."""
     layer, attention = model.midlayer, model.midlayer.self_attn
     length = ids.shape[1]
     index = torch.arange(length)

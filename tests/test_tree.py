@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from drafts import TARGET_VOCAB, tiny_config
-from eagle3.model.draft import Eagle3Draft, causal_mask, init_weights
-from eagle3.model.tree import ROOT, DraftCache, DraftTree, draft_tree, tree_attention, walk_greedy, walk_sampled
-from eagle3.model.weights import draft_as_served
+from eagle3.algorithms.eagle3.model import Eagle3Draft
+from eagle3.model.blocks import causal_mask, init_weights
+from eagle3.model.tree import DraftTree, ROOT, tree_attention, walk_greedy, walk_sampled
+from eagle3.algorithms.eagle3.tree import DraftCache, draft_tree
+from eagle3.algorithms.eagle3.served import draft_as_served
 from eagle3.algorithms import EAGLE3
 from eagle3.serve.reference import Served, decode
 from eagle3.shape import DraftShape

@@ -30,7 +30,7 @@ from eagle3.draft.files import Verifier
 from eagle3.draft.vocab_map import VocabMap
 from eagle3.model.teacher import Teacher
 from eagle3.model.tree import DraftTree
-from eagle3.model.ttt import LossRows, StepStats
+from eagle3.model.blocks import LossRows, StepStats
 from eagle3.shape import DraftShape
 from eagle3.target.info import read_target_info
 from eagle3.validation.external import Converted, Serving

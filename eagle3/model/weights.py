@@ -1,22 +1,18 @@
-"""Where draft weights come from: the target's embedding and head (read tensor by tensor through the
-safetensors index, never the whole target), native checkpoints, and served checkpoints read the way
-SGLang's loader reads them."""
+"""The target's tensors a draft takes: its embedding and head, read tensor by tensor through the safetensors index
+(never the whole target), and the verifier a layout that names the target ships. A draft's own weights, as served, are
+its algorithm's (EAGLE-3's: eagle3/algorithms/eagle3/served.py)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from eagle3.errors import UnreadableInput
-from eagle3.contract import engines
-from eagle3.draft.checkpoint import DraftConfig, NativeDraft, read_checkpoint, to_native
 from eagle3.draft.files import Verifier
 from eagle3.target.info import read_target_info
-from eagle3.model.draft import Eagle3Draft, init_weights
 
 TARGET_HEAD = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
@@ -103,53 +99,3 @@ def target_verifier(target_dir: Path, prefix: str = "", name: str | None = None)
     architecture = read_target_info(target_dir).architecture
     embed = read_target_tensors(target_dir, [TARGET_HEAD["embed"]], prefix)[prefix + TARGET_HEAD["embed"]]
     return Verifier(name or str(target_dir.resolve()), [architecture] if architecture else [], embed)
-
-
-def draft_from_native(draft: NativeDraft, embed: torch.Tensor) -> Eagle3Draft:
-    model = Eagle3Draft(draft.config, embed)
-    model.load_draft_state(draft.tensors)
-    return model.float()
-
-
-def draft_as_served(path: Path, release: str | None, embed: torch.Tensor, seed: int = 0) -> Eagle3Draft:
-    """A draft loaded the way SGLang's loader for `release` loads it: tensors it would skip keep their
-    random initialisation, and d2t is read as offsets (hot_token_id = d2t + arange)."""
-    raw = read_checkpoint(Path(path))
-    if "d2t" not in raw.tensors:
-        raise UnreadableInput(f"{path}: no d2t tensor; SGLang would serve the target's whole vocabulary")
-    config = served_config(raw, release)
-    model = Eagle3Draft(config, embed)
-    init_weights(model, seed)
-    rule = engines.draft_loader_rule(config.attention, release)
-    flags = engines.enabled_flags(raw.config)
-    state = {}
-    for name, tensor in raw.tensors.items():
-        canonical = engines.loaded_name(name, rule, flags)
-        if canonical is not None and canonical != "t2d":
-            state[canonical] = tensor.float() if tensor.is_floating_point() else tensor
-    model.load_state_dict(state, strict=False)
-    return model.float()
-
-
-def served_config(raw, release: str | None) -> DraftConfig:
-    """The architecture, with the aux layers the target engine captures for these ids on this release
-    (not the ones the draft was trained on: a mismatch must show up as low acceptance)."""
-    config_only = replace(raw, tensors={"d2t": raw.tensors["d2t"]})  # tensors load under the loader's rules
-    config = to_native(config_only, release=release).config
-    if raw.layout != "sglang":
-        return config
-    # A switch the release does not implement is not built: its tensors are dropped with the rest.
-    rule = engines.draft_loader_rule(config.attention, release)
-    if rule is None:
-        raise UnreadableInput(f"{raw.path}: {engines.served_draft_problem(config.attention, [], release)}")
-    config = config.model_copy(update={flag: False for flag in config.flags() if flag not in rule.flags})
-    ids = (raw.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    capture = engines.sglang_capture(ids, config.target_family, release, config.target_num_hidden_layers)
-    if capture.status != "known":
-        raise UnreadableInput(f"{raw.path}: cannot tell which layers SGLang captures: {capture.explanation}")
-    if len(capture.layers) != len(config.aux_layers):
-        raise UnreadableInput(
-            f"{raw.path}: SGLang captures {len(capture.layers)} aux states ({capture.explanation}) but fc expects "
-            f"{len(config.aux_layers)}; `eagle3 validate` names the cause"
-        )
-    return config.model_copy(update={"aux_layers": list(capture.layers)})

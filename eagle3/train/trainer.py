@@ -24,7 +24,7 @@ from eagle3.config.training import batch_split_problem
 from eagle3.distributed import Dist, setup_distributed
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_directory
-from eagle3.model.ttt import StepStats
+from eagle3.model.blocks import StepStats
 from eagle3.train.augment import noisy_features
 from eagle3.train.data import SampleRef, micro_batches
 from eagle3.train.parallel import Parallel

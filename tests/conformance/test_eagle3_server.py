@@ -33,7 +33,7 @@ from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.engines.targets import eos_ids_of, load_tokenizer
 from eagle3.draft.checkpoint import NativeDraft, save_native_draft
 from eagle3.model.tree import DraftTree
-from eagle3.model.weights import draft_as_served
+from eagle3.algorithms.eagle3.served import draft_as_served
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape

@@ -16,7 +16,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.contract import engines
 from eagle3.draft.checkpoint import read_checkpoint
 from eagle3.validation.validate import validate
-from eagle3.model.weights import draft_as_served
+from eagle3.algorithms.eagle3.served import draft_as_served
 from releases import RELEASES
 
 HIDDEN, NUM_AUX, VOCAB = 32, 3, 256

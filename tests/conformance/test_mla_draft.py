@@ -18,8 +18,8 @@ from drafts import MLA, write_draft
 from eagle3.draft.checkpoint import convert, load_native
 from eagle3.draft.layouts.shared import PROVENANCE_KEY
 from eagle3.validation.validate import validate
-from eagle3.model.draft import causal_mask
-from eagle3.model.weights import draft_as_served, draft_from_native
+from eagle3.model.blocks import causal_mask
+from eagle3.algorithms.eagle3.served import draft_as_served, draft_from_native
 
 RELEASE = "0.5.23"
 LENGTH, VOCAB, HIDDEN = 9, 256, 32

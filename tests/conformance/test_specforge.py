@@ -20,7 +20,7 @@ from eagle3.resolve import load_config
 from eagle3.deployment.imports import import_draft
 from eagle3.draft.checkpoint import load_native
 from eagle3.fsutil import sha256_file
-from eagle3.model.weights import draft_as_served
+from eagle3.algorithms.eagle3.served import draft_as_served
 from eagle3.registry.registry import open_registry
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app

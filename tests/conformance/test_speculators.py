@@ -19,8 +19,8 @@ from eagle3.cli import main
 from eagle3.draft.checkpoint import load_native, save_native_draft
 from eagle3.contract.releases import SPECULATORS_RELEASE
 from eagle3.validation.validate import validate
-from eagle3.model.ttt import shift_left, ttt_forward
-from eagle3.model.weights import draft_from_native
+from eagle3.algorithms.eagle3.ttt import shift_left, ttt_forward
+from eagle3.algorithms.eagle3.served import draft_from_native
 from inside.speculators_loader import digest
 
 pytestmark = pytest.mark.speculators

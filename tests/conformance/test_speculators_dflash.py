@@ -15,7 +15,7 @@ from eagle3.algorithms import algorithm
 from eagle3.algorithms.base import ExportTarget
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from eagle3.contract.releases import SPECULATORS_RELEASE
-from eagle3.model.draft import init_weights
+from eagle3.model.blocks import init_weights
 from eagle3.model.weights import target_verifier
 from inside.speculators_loader import digest
 

@@ -32,7 +32,7 @@ from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.draft.vocab_map import VocabMap
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_write_json, read_json
-from eagle3.model.draft import init_weights
+from eagle3.model.blocks import init_weights
 from eagle3.model.teacher import Teacher
 from eagle3.model.weights import target_head
 from eagle3.records.manifest import write_manifest

@@ -2,7 +2,7 @@
 
 A block anchored at position a holds x_a (known: the last verified token when serving) and block_size - 1 mask
 tokens; it sees the target's features of positions 0..a-1, and its entry j predicts x_{a+j}. So its prediction k
-(entry k + 1) reaches x_{a+1+k}: with a = t + 1 that is EAGLE-3's TTT step k at index t (`eagle3.model.ttt.LossRows`),
+(entry k + 1) reaches x_{a+1+k}: with a = t + 1 that is a draft's prediction k at index t (`eagle3.model.blocks.LossRows`),
 and the teacher's rows, the step weights (training.ttt_step_decay: SpecForge's exp(-(k-1)/gamma) is a decay of
 exp(-1/gamma), 0.8669 for its gamma 7) and the per-prediction metrics are the same as EAGLE-3's.
 
@@ -21,7 +21,7 @@ from eagle3.algorithms.dflash.model import DFlashDraft
 from eagle3.algorithms.dflash.contract import dflash_shape_problem
 from eagle3.model.teacher import Teacher
 from eagle3.model.tree import DraftTree
-from eagle3.model.ttt import LossModule, LossRows, StepStats, ttt_stats
+from eagle3.model.blocks import LossModule, LossRows, StepStats, step_stats
 from eagle3.shape import DraftShape
 
 
@@ -89,7 +89,7 @@ def block_loss(model: DFlashDraft, aux: torch.Tensor, input_ids: torch.Tensor, t
     evaluation's."""
     hidden = block_outputs(model, aux, input_ids, rows.anchors)  # [B * N * K, H]
     head = model.loss_head(hidden.dtype)  # [Dv, H]
-    return ttt_stats((hidden.index_select(0, at) @ head.T for at in rows.steps), teacher, rows)
+    return step_stats((hidden.index_select(0, at) @ head.T for at in rows.steps), teacher, rows)
 
 
 class BlockModel(LossModule):

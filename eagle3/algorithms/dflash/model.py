@@ -22,7 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from eagle3.model.draft import MLP, BlockAttention, RMSNorm, TargetEmbeddingDraft, attention_bias, matmul_dtype, rotate
+from eagle3.model.blocks import BlockAttention, MLP, RMSNorm, TargetEmbeddingDraft, attention_bias, matmul_dtype, rotate
 
 DFLASH_FORMAT = "dflash-native"
 

@@ -1,5 +1,5 @@
-"""EAGLE-3 (both attention forms) as a draft algorithm: the Llama-layer or MLA draft of `eagle3.model.draft`, trained by
-training-time test (`eagle3.model.ttt`), drafting chains and trees (`eagle3.model.tree`), served by SGLang's EAGLE3
+"""EAGLE-3 (both attention forms) as a draft algorithm: the Llama-layer or MLA draft of `model.py`, trained by
+training-time test (`ttt.py`), drafting chains and trees (`tree.py`), served by SGLang's EAGLE3
 worker. Its layouts and their checks are `eagle3.draft` and `eagle3.validation`'s (docs/contracts.md)."""
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ from eagle3.contract.problems import Report
 from eagle3.draft.checkpoint import (DraftConfig, NativeDraft, convert, load_native, read_checkpoint, save_native_draft,
                                     to_native, write_draft_files)
 from eagle3.draft.vocab_map import VocabMap
-from eagle3.model.draft import Eagle3Draft, freeze_head, init_weights
+from eagle3.algorithms.eagle3.model import Eagle3Draft, freeze_head
+from eagle3.model.blocks import init_weights
 from eagle3.model.teacher import Teacher
-from eagle3.model.tree import DraftCache, draft_tree
-from eagle3.model.ttt import LossRows, StepStats, TTTModel, target_positions, ttt_loss
-from eagle3.model.weights import draft_as_served, target_embedding
+from eagle3.algorithms.eagle3.tree import DraftCache, draft_tree
+from eagle3.model.blocks import LossRows, StepStats
+from eagle3.algorithms.eagle3.ttt import TTTModel, target_positions, ttt_loss
+from eagle3.algorithms.eagle3.served import draft_as_served
+from eagle3.model.weights import target_embedding
 from eagle3.shape import DraftShape
 from eagle3.validation.external import Converted, Serving, convert_external
 from eagle3.validation.validate import validate

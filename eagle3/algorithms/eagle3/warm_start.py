@@ -12,7 +12,7 @@ from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.errors import Eagle3Error
 from eagle3.draft.checkpoint import DraftConfig, expected_shapes, load_native
 from eagle3.draft.vocab_map import VocabMap, carry_rows
-from eagle3.model.draft import Eagle3Draft
+from eagle3.algorithms.eagle3.model import Eagle3Draft
 
 VOCAB_TENSORS = ("d2t", "t2d")  # this run's vocab map, never the init draft's
 # Fields this run's config sets anew: what a draft was stored in, which family it names, how far serving may go, how

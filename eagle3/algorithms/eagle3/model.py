@@ -20,96 +20,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from eagle3.errors import Eagle3Error
 from eagle3.draft.checkpoint import DraftConfig
+from eagle3.errors import Eagle3Error
+from eagle3.model.blocks import MLP, BlockAttention, RMSNorm, TargetEmbeddingDraft, rotate
 
 UNSUPPORTED_FLAGS = ("norm_before_residual",)  # speculators' option; no SGLang release serves it
 TTT_QUERY_CHUNK = 512  # the most query rows per attention call in training-time test
 TTT_MIN_CHUNK = 64
 
 
-class RMSNorm(nn.Module):
-    recompute = True  # Eagle3Draft.set_recompute turns it off for the whole draft
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # its float32 intermediates (three tensors of x's size at 4 bytes) would be kept per call, 4 calls a TTT step
-        return recomputed(self.normed, x) if self.recompute else self.normed(x)
-
-    def normed(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32.to(x.dtype)).to(matmul_dtype(x))
-
-
-def matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a matmul takes x in: autocast's where it is on (bf16 on a GPU), else x's own. A norm's output, which
-    only ever feeds matmuls, is made in it at once rather than cast by autocast at each matmul (and each copy kept
-    for the backward)."""
-    kind = x.device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
-
-
-def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True = visible) as SDPA's additive mask: 0 where visible, -inf elsewhere."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def recomputed(fn, *args: torch.Tensor) -> torch.Tensor:
-    """fn(*args) whose intermediates the backward recomputes rather than keeps from the forward (only args are kept):
-    for cheap elementwise work whose intermediates are large, and no randomness (no RNG state kept to replay). Equal
-    results; no-grad calls (drafting, evaluation) run plainly."""
-    if not torch.is_grad_enabled():
-        return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
-
-
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama RoPE (rotate-half). x [B, heads, T, d], positions [T] (every row's) or [B, T] (each row its own)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))  # [d/2]
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [T, d/2] or [B, T, d/2]
-    if angles.dim() == 3:
-        angles = angles[:, None]  # [B, 1, T, d/2]: the same for every head
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # [T, d]
-    half = d // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-class BlockAttention(nn.Module):
-    """What both attention forms share: attention over blocks of keys and values with an explicit mask, and TTT's
-    chunked form of it. A form gives `heads`, `kv_heads`, `o_proj` and `project`."""
-
-    heads: int
-    kv_heads: int
-    o_proj: nn.Linear
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [B, heads, Tq, d]; keys/values [B, kv_heads, Tk, d]; mask [Tq, Tk] or [B, 1, Tq, Tk], True = visible."""
-        return self.o_proj(self.attended_heads(q, keys, values, mask).flatten(2))
-
-    def attended_heads(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
-        """The attention's output per head, [B, Tq, heads, dv] (before o_proj). `mask` is a bool mask (True =
-        visible) or an additive one already made (`attention_bias`), for callers that reuse one over many calls."""
-        group = self.heads // self.kv_heads  # query heads g * group .. (g + 1) * group - 1 share kv head g
-        # One call per position j in the group, over query heads j, group + j, ...: each sees the kv heads as they
-        # are. Neither enable_gqa (with a mask, it sends CUDA to the math kernel, which materialises the scores) nor
-        # keys and values repeated per query head (a copy per query chunk, kept for the backward), and the calls
-        # share one additive mask.
-        bias = attention_bias(mask, q.dtype) if mask.dtype == torch.bool else mask
-        out = torch.stack([F.scaled_dot_product_attention(q[:, j::group], keys, values, attn_mask=bias)
-                           for j in range(group)], dim=2)  # [B, kv_heads, group, Tq, d]
-        return out.permute(0, 3, 1, 2, 4).flatten(2, 3)  # head g * group + j
+class TTTAttention(BlockAttention):
+    """Attention over blocks, and training-time test's chunked form of it (both EAGLE-3 forms)."""
 
     def attend_ttt(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         """Training-time test, step k: q [B, heads, T, d]; keys/values k + 1 blocks [B, kv_heads, T, d].
@@ -131,7 +53,7 @@ class BlockAttention(nn.Module):
         return torch.cat(chunks, dim=1)
 
 
-class Attention(BlockAttention):
+class Attention(TTTAttention):
     """A Llama layer's attention: grouped heads of head_dim."""
 
     def __init__(self, cfg: DraftConfig):
@@ -152,7 +74,7 @@ class Attention(BlockAttention):
         return rotate(q, positions, self.theta), rotate(k, positions, self.theta), v
 
 
-class MLAAttention(BlockAttention):
+class MLAAttention(TTTAttention):
     """DeepSeek-V2 multi-latent attention over the draft's cat(embed, hidden) input, as SGLang's MLA draft
     (kimi_k25_eagle3.py) computes it, here in its decompressed form: every head's key is its own no-RoPE part (from
     the shared latent through kv_b_proj) beside one RoPE part all heads share, so the keys and values are plain
@@ -201,25 +123,6 @@ class MLAAttention(BlockAttention):
         return rotate(x, positions, self.theta)
 
 
-class MLP(nn.Module):
-    recompute = True  # Eagle3Draft.set_recompute turns it off for the whole draft
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu's output ([T, intermediate]) would be kept for the backward beside both inputs and the product
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(recomputed(swiglu, gate, up) if self.recompute else swiglu(gate, up))
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -228,29 +131,6 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-
-
-class TargetEmbeddingDraft(nn.Module):
-    """What every draft module here shares: the target's embedding as `embed_tokens`, frozen and never exported, and
-    the norms and MLPs whose intermediates training.recompute keeps or recomputes (`DraftModel`'s members)."""
-
-    embed_tokens: nn.Embedding
-
-    def set_recompute(self, on: bool) -> None:
-        """training.recompute: whether the backward recomputes the norms and the SwiGLU product (less memory, a
-        slower step) or keeps their intermediates. The same values either way."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
-                module.recompute = on
-
-    def load_draft_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load canonical tensors (every one but the target's embedding, which stays); strict otherwise."""
-        self.load_state_dict({**tensors, "embed_tokens.weight": self.embed_tokens.weight}, strict=True)
-
-    def export_state(self) -> dict[str, torch.Tensor]:
-        """Canonical tensors (the native layout) on the CPU, without the target's embedding."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.state_dict().items()
-                if not name.startswith("embed_tokens")}
 
 
 class Eagle3Draft(TargetEmbeddingDraft):
@@ -312,17 +192,12 @@ class Eagle3Draft(TargetEmbeddingDraft):
         return self.lm_head(self.head_input(carried))
 
 
-
 def ttt_chunk_rows(length: int) -> int:
     """Query rows per TTT attention call: an eighth of the sequence, from TTT_MIN_CHUNK to TTT_QUERY_CHUNK. A call
     scores its rows against each later block's rows where only the row's own index is visible, so smaller chunks waste
     less (but each call costs its own overhead: 128 rows at the least); the concatenated keys the calls keep for the
     backward stay ~4.5 x the sequence a step (at 4,096 tokens the chunk is 512, as the Kimi plan was sized)."""
     return min(TTT_QUERY_CHUNK, max(TTT_MIN_CHUNK, -(-length // 8)))
-
-
-def causal_mask(length: int, device=None) -> torch.Tensor:
-    return torch.ones(length, length, dtype=torch.bool, device=device).tril()
 
 
 def ttt_chunk_mask(start: int, end: int, own_blocks: int, device=None) -> torch.Tensor:
@@ -332,19 +207,6 @@ def ttt_chunk_mask(start: int, end: int, own_blocks: int, device=None) -> torch.
     prefix = torch.ones(rows, end, dtype=torch.bool, device=device).tril(diagonal=start)
     own = torch.eye(rows, dtype=torch.bool, device=device)
     return torch.cat([prefix] + [own] * own_blocks, dim=1)
-
-
-def init_weights(model: Eagle3Draft, seed: int) -> None:
-    """Deterministic init of the trainable weights (Llama's normal(0, 0.02); norms, the only 1-D weights, at 1)."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.startswith("embed_tokens"):
-            continue
-        with torch.no_grad():
-            if param.dim() == 1:
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
 
 
 def freeze_head(model: Eagle3Draft, target_norm: torch.Tensor | None) -> None:
