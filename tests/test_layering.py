@@ -195,7 +195,6 @@ TAKES_THE_CONFIG = {
     "eagle3.data.regenerate.split_prompts": ("data", HANDS_ON, "run"),
     "eagle3.data.regenerate.take_stored": ("data", "run"),
     "eagle3.data.storage.log_projection": ("data", "run", "target", "training"),
-    "eagle3.data.suites.planned_requests": ("benchmark", "training"),
     "eagle3.data.traffic.prompt_sources": ("data", HANDS_ON, "run"),
     "eagle3.data.traffic.traffic_prompts": (HANDS_ON, "run"),
     "eagle3.data.traffic.traffic_snapshot": ("data", "production", "run", "target"),
