@@ -38,7 +38,7 @@ def measure(mode: str, base: list[str], regen_from: Path, run_dir: Path) -> dict
     """Capture and train one mode in `run_dir`, the regenerated answers copied in (regeneration is not timed)."""
     shutil.copytree(regen_from / "data", run_dir / "data")
     config = load_config(CONFIG, base + [f"run.dir={run_dir}", f"training.features={mode}"])
-    build_vocab(config, log=QUIET)
+    build_vocab(config.run, config.data, config.target, config.vocab, log=QUIET)
     started = time.perf_counter()
     capture(config, log=QUIET)
     captured = time.perf_counter()

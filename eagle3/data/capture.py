@@ -50,20 +50,20 @@ def dataset_dir(config: PipelineConfig) -> Path:
     return config.stage_dir("data") / (TOKENS_DIR if config.training.features == "online" else HIDDEN_DIR)
 
 
-def regenerated_manifest(config: PipelineConfig) -> dict:
+def regenerated_manifest(run: RunSection, data: DataSection, target: TargetSection) -> dict:
     """The regeneration manifest, refused when it was made for another target, tokenizer or template."""
-    regen = regen_dir(config.run)
+    regen = regen_dir(run)
     try:
         manifest = read_manifest(regen)
     except FileNotFoundError:
         raise UnreadableInput(f"{regen}: no finished regeneration here; run `eagle3 data regenerate` first") from None
-    expected = target_identity(config.target)
+    expected = target_identity(target)
     check_same(f"regenerated data in {regen}", manifest["target"], expected, ("path", "config_sha256", "tokenizer_sha256", "family"))
-    tokenizer = load_tokenizer(config.target)
+    tokenizer = load_tokenizer(target)
     check_same(
         f"regenerated data in {regen}",
         manifest,
-        {"chat_template_sha256": chat_template_hash(tokenizer), "thinking": config.data.thinking},
+        {"chat_template_sha256": chat_template_hash(tokenizer), "thinking": data.thinking},
         ("chat_template_sha256", "thinking"),
     )
     return manifest
@@ -105,7 +105,7 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
     `store`: the registry's feature store for these settings (eagle3.registry.samples.FeatureStore; offline, local
     engine): a training sample's features it holds are copied, not computed, and the shards made here are kept there.
     """
-    regen_manifest = regenerated_manifest(config)
+    regen_manifest = regenerated_manifest(config.run, config.data, config.target)
     # in split order, so that more samples fill new shards and leave the full shards before them current
     regen = regen_dir(config.run)
     order = {sample_id: index for index, sample_id in enumerate(training_ids(regen))}
