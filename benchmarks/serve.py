@@ -50,9 +50,10 @@ def trained_draft(config, steps: int, log) -> Path:
     if exported.is_dir():
         log(f"reusing the trained draft at {exported} (--retrain to train again)")
         return exported
-    vocab = partial(build_vocab, config.run, config.data, config.target, config.vocab)
-    for stage, function in (("regenerate", partial(regenerate, config)), ("capture", partial(capture, config)),
-                            ("vocab", vocab)):
+    sections = (config.run, config.data, config.target)
+    for stage, function in (("regenerate", partial(regenerate, config)),
+                            ("capture", partial(capture, *sections, config.training)),
+                            ("vocab", partial(build_vocab, *sections, config.vocab))):
         start = time.perf_counter()
         function(log=lambda line: None)
         log(f"{stage}: {time.perf_counter() - start:.0f} s")

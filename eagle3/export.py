@@ -67,7 +67,8 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     if config.export.fault == "absolute-d2t":
         log("export: WARNING: export.fault=absolute-d2t: writing the served d2t as absolute ids (demo of the gate)")
         make_d2t_absolute(dirs["sglang"])
-    checks = dict(target_dir=target if target.is_dir() else None, data_manifest=dataset_dir(config) / MANIFEST_FILE,
+    checks = dict(target_dir=target if target.is_dir() else None,
+                  data_manifest=dataset_dir(config.run, config.training) / MANIFEST_FILE,
                   context_length=config.serving.context_length)
     reports = {layout: entry.validate(dirs[layout], layout, config.serving.release if layout == "sglang" else None,
                                       **checks) for layout in dirs}

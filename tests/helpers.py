@@ -104,8 +104,9 @@ def build_micro_data(run_dir, micro_target):
     config = load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN)
     quiet = lambda line: None  # noqa: E731
     regenerate(config, log=quiet)
-    capture(config, log=quiet)
-    capture(load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN + ["training.features=online"]), log=quiet)
+    capture(config.run, config.data, config.target, config.training, log=quiet)
+    online = load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN + ["training.features=online"])
+    capture(online.run, online.data, online.target, online.training, log=quiet)
     build_vocab(config.run, config.data, config.target, config.vocab, log=quiet)
     return run_dir, micro_overrides(run_dir, micro_target) + TRAIN
 

@@ -17,6 +17,7 @@ from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from eagle3.bench.simulate import heldout_samples, replay_stored, simulate_prompt
 from eagle3.config import load_config
 from eagle3.contract.dflash import dflash_default_layer_ids
+from eagle3.data.regenerate import greedy_length
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.model.draft import init_weights
 from eagle3.model.ttt import LossRows
@@ -234,7 +235,7 @@ def test_the_trainer_trains_resumes_and_replays_a_dflash_draft(micro_data, tmp_p
 
     entry = algorithm("dflash")
     trained = entry.served_model(run_dir / "train" / "final", None, Path(config.target.path), "")
-    refs = heldout_samples(config)[:2]
+    refs = heldout_samples(config.run, greedy_length(config))[:2]
     rows = [replay_stored(entry, trained, ref.load(), config.replay_shape, 16, frozenset(), None) for ref in refs]
     assert all(row.completion_tokens >= 16 and 0 < row.verify_ct <= row.completion_tokens for row in rows)
     assert max(len(row.histogram) for row in rows) <= 4  # at most block_size - 1 accepted a step

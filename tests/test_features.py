@@ -101,7 +101,7 @@ def both_modes(tmp_path_factory, micro_target):
             "training.max_steps=4", "benchmark.num_prompts=2", "benchmark.max_new_tokens=8"])
         regenerate(config, log=QUIET)
         with NoFeatureLists(smallest=64):  # capture, offline and online, keeps features as tensors
-            capture(config, log=QUIET)
+            capture(config.run, config.data, config.target, config.training, log=QUIET)
         build_vocab(config.run, config.data, config.target, config.vocab, log=QUIET)
     return configs
 
@@ -168,12 +168,12 @@ def test_a_sample_rewritten_under_the_same_id_is_captured_again(tmp_path, micro_
     config = load_config(TINY, micro_overrides(tmp_path, micro_target) + [
         "data.num_samples=6", "benchmark.num_prompts=2", "benchmark.max_new_tokens=8"])
     regenerate(config, log=QUIET)
-    capture(config, log=QUIET)
+    capture(config.run, config.data, config.target, config.training, log=QUIET)
     regen = config.stage_dir("data") / "regen" / "samples-00000.jsonl"
     records = [json.loads(line) for line in regen.read_text().splitlines()]
     records[0]["input_ids"], records[0]["loss_mask"] = records[0]["input_ids"][:-1], records[0]["loss_mask"][:-1]
     regen.write_text("".join(json.dumps(r) + "\n" for r in records))
-    capture(config, log=QUIET)
+    capture(config.run, config.data, config.target, config.training, log=QUIET)
     stored = {s.id: s for s in read_dataset(config.stage_dir("data") / "hidden")}
     assert stored[records[0]["id"]].input_ids.tolist() == records[0]["input_ids"]
 

@@ -188,7 +188,7 @@ def captured(config, lines):
         backend = CountingBackend(config)
         return backend
 
-    capture(config, log=lines.append, backend_for=backend_for, store=open_feature_store(config.registry, config.data, config.target, config.training, lines.append))
+    capture(config.run, config.data, config.target, config.training, log=lines.append, backend_for=backend_for, store=open_feature_store(config.registry, config.data, config.target, config.training, lines.append))
     computed = backend.samples if backend else 0  # no backend: every shard was current
     return computed, {s.id: s for s in read_dataset(config.stage_dir("data") / "hidden")}
 

@@ -78,7 +78,7 @@ def dataset(config: PipelineConfig) -> Path:
     """The data set the trainer reads: feature shards, or token shards when training computes features online."""
     from eagle3.data.capture import dataset_dir
 
-    return dataset_dir(config)
+    return dataset_dir(config.run, config.training)
 
 
 def trained(config: PipelineConfig) -> Path:
@@ -113,7 +113,7 @@ def capture(run: StageRun) -> None:
 
     c = run.config
     store = open_feature_store(c.registry, c.data, c.target, c.training, run.log)
-    capture_with_engine(run.config, run.resolved, log=run.log, store=store)
+    capture_with_engine(c.run, c.data, c.target, c.training, c.serving, run.resolved, log=run.log, store=store)
 
 
 def vocab(run: StageRun) -> None:
