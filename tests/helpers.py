@@ -359,7 +359,7 @@ def monitor_for(registry_section, tmp_path, port: int, *overrides: str) -> Monit
                                          "baseline_output_tokens_per_s": 400.0, "speedup": 2.25}
     registry.publish("v1", {"sglang": write_checkpoint(tmp_path / "v1", 1)}, manifest)
     registry.promote("v1", None, ["first"], by="test")
-    return Monitor(config, registry, log=lambda line: None)
+    return Monitor(config.monitor, config.production, config.serving, registry, log=lambda line: None)
 
 
 def traffic(tmp_path, start: float, accept: float, steps: int = 200) -> None:
