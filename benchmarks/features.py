@@ -38,14 +38,14 @@ def measure(mode: str, base: list[str], regen_from: Path, run_dir: Path) -> dict
     """Capture and train one mode in `run_dir`, the regenerated answers copied in (regeneration is not timed)."""
     shutil.copytree(regen_from / "data", run_dir / "data")
     config = load_config(CONFIG, base + [f"run.dir={run_dir}", f"training.features={mode}"])
-    build_vocab(config, log=QUIET)
+    build_vocab(config.run, config.data, config.target, config.vocab, log=QUIET)
     started = time.perf_counter()
-    capture(config, log=QUIET)
+    capture(config.run, config.data, config.target, config.training, log=QUIET)
     captured = time.perf_counter()
     trainer = Trainer(config, log=QUIET)
     trainer.run()
     trained = time.perf_counter()
-    manifest = read_manifest(dataset_dir(config))
+    manifest = read_manifest(dataset_dir(config.run, config.training))
     hidden = bytes_under(config.stage_dir("data") / "hidden")
     return {"mode": mode, "capture_s": captured - started, "train_s": trained - captured,
             "tokens": stepped_tokens(trainer, config.training.max_steps), "hidden_bytes": hidden,

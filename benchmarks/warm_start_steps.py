@@ -45,9 +45,9 @@ def mixed_prompts(base_source: str, shift_source: str, count: int, path: Path) -
 
 def make_data(config) -> float:
     start = time.perf_counter()
-    regenerate(config, log=print, store=open_sample_store(config, print))
-    capture(config, log=print)
-    build_vocab(config, log=print)
+    regenerate(config, log=print, store=open_sample_store(config.registry, config.data, config.target, print))
+    capture(config.run, config.data, config.target, config.training, log=print)
+    build_vocab(config.run, config.data, config.target, config.vocab, log=print)
     return time.perf_counter() - start
 
 

@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from eagle3.algorithms import algorithm
 from eagle3.algorithms.base import export_target
 from eagle3.config import PipelineConfig
+from eagle3.config.run import RunSection
+from eagle3.config.serving import ExportSection
 from eagle3.data.capture import dataset_dir
 from eagle3.errors import Eagle3Error
 from eagle3.draft.files import WEIGHTS_FILE
@@ -40,9 +42,9 @@ class ExportInvalid(Eagle3Error):
         self.problems = problems
 
 
-def export_dirs(config: PipelineConfig) -> dict[str, Path]:
+def export_dirs(run: RunSection, export: ExportSection) -> dict[str, Path]:
     """Every export layout's directory; the served one (sglang) is the export stage's output."""
-    return {layout: config.stage_dir("export") / layout for layout in config.export.layouts}
+    return {layout: run.stage_dir("export") / layout for layout in export.layouts}
 
 
 
@@ -58,14 +60,15 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     entry = algorithm(config.draft.algorithm)
     written_for = export_target(config, verifier)
     dirs = {}
-    for layout, directory in export_dirs(config).items():
+    for layout, directory in export_dirs(config.run, config.export).items():
         dirs[layout] = entry.export(source, directory, layout, written_for, log)
         engine = f"SGLang {config.serving.release or '(release unknown)'}" if layout == "sglang" else layout
         log(f"export: {layout} layout for {engine} -> {dirs[layout]}")
     if config.export.fault == "absolute-d2t":
         log("export: WARNING: export.fault=absolute-d2t: writing the served d2t as absolute ids (demo of the gate)")
         make_d2t_absolute(dirs["sglang"])
-    checks = dict(target_dir=target if target.is_dir() else None, data_manifest=dataset_dir(config) / MANIFEST_FILE,
+    checks = dict(target_dir=target if target.is_dir() else None,
+                  data_manifest=dataset_dir(config.run, config.training) / MANIFEST_FILE,
                   context_length=config.serving.context_length)
     reports = {layout: entry.validate(dirs[layout], layout, config.serving.release if layout == "sglang" else None,
                                       **checks) for layout in dirs}

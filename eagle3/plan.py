@@ -15,6 +15,11 @@ from pathlib import Path
 
 from eagle3.algorithms import algorithm
 from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection
+from eagle3.config.node import NodeSection
+from eagle3.config.run import TargetSection
+from eagle3.config.serving import ServingSection
+from eagle3.config.training import TrainingSection
 from eagle3.resolve import derived
 from eagle3.data.regenerate import greedy_length
 from eagle3.data.shards import TOKEN_BYTES
@@ -101,10 +106,10 @@ def _gib(n: float) -> float:
     return round(n / GIB, 2)
 
 
-def target_size(config: PipelineConfig) -> tuple[TargetSize | None, str]:
+def target_size(target: TargetSection) -> tuple[TargetSize | None, str]:
     """The target's size from its directory, else from target.config_file; (None, why) when neither is here."""
-    path = Path(config.target.path)
-    source = path if (path / "config.json").is_file() else config.target.config_file
+    path = Path(target.path)
+    source = path if (path / "config.json").is_file() else target.config_file
     if source is None:
         return None, (f"{path} is not a local model directory and target.config_file is not set: "
                       "the stages that hold the target cannot be sized")
@@ -117,19 +122,23 @@ def target_size(config: PipelineConfig) -> tuple[TargetSize | None, str]:
 
 def plan_memory(config: PipelineConfig, nodes: int | None = None) -> MemoryPlan:
     """`nodes`: the nodes the hours are planned for (planned_nodes by default)."""
-    size, note = target_size(config)
+    size, note = target_size(config.target)
     config, recompute = chosen_recompute(config)
-    stages = [regeneration_stage(config, size), capture_stage(config, size), training_stage(config, size)]
+    stages = [regeneration_stage(config.data, config.serving, size),
+              capture_stage(config.data, config.serving, config.target, size), training_stage(config, size)]
     if config.serving is not None:  # a training-only config serves nothing
         stages.append(serving_stage(config, size))
-    return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, stored_bytes(config), config.training.features,
-                      *(plan_time(config, size, note, Scenario(retrain, nodes or planned_nodes(config)))
-                        for retrain in (False, True)), recompute)
+    heldout_tokens = (planned_requests(config.benchmark, config.heldout_set[0])
+                      * (config.data.max_length + greedy_length(config)))
+    storage = stored_bytes(config.data, config.target, config.training, heldout_tokens)
+    nodes = nodes or planned_nodes(config.training, config.data)
+    return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, storage, config.training.features,
+                      *(plan_time(config, size, note, Scenario(retrain, nodes)) for retrain in (False, True)), recompute)
 
 
-def planned_nodes(config: PipelineConfig) -> int:
+def planned_nodes(training: TrainingSection, data: DataSection) -> int:
     """The nodes a config runs on: training's, or the data stage's servers' (data.nodes) when more."""
-    return max(config.training.nnodes, len(config.data.nodes), 1)
+    return max(training.nnodes, len(data.nodes), 1)
 
 
 def chosen_recompute(config: PipelineConfig) -> tuple[PipelineConfig, str]:
@@ -139,7 +148,7 @@ def chosen_recompute(config: PipelineConfig) -> tuple[PipelineConfig, str]:
     setting = config.training.recompute
     if setting != "auto":
         return config, f"training.recompute {setting}: set in the config"
-    lean = training_stage(with_recompute(config, "none"), target_size(config)[0])
+    lean = training_stage(derived(config, {"training.recompute": "none"}), target_size(config.target)[0])
     budget = config.node.gpu_memory_gib
     if lean.per_gpu_gib is not None and lean.per_gpu_gib <= budget:
         choice, why = "none", f"the step fits without recomputing ({lean.per_gpu_gib:.1f} GiB per GPU of {budget:g})"
@@ -148,22 +157,17 @@ def chosen_recompute(config: PipelineConfig) -> tuple[PipelineConfig, str]:
     else:
         choice, why = "norms_mlp", (f"without recomputing the step needs {lean.per_gpu_gib:.1f} GiB per GPU, over "
                                     f"node.gpu_memory_gib {budget:g}")
-    return with_recompute(config, choice), f"training.recompute auto -> {choice}: {why}"
+    return derived(config, {"training.recompute": choice}), f"training.recompute auto -> {choice}: {why}"
 
 
-def with_recompute(config: PipelineConfig, choice: str) -> PipelineConfig:
-    return derived(config, {"training.recompute": choice})
-
-
-def stored_bytes(config: PipelineConfig) -> dict[str, int]:
+def stored_bytes(data: DataSection, target: TargetSection, training: TrainingSection,
+                 heldout_tokens: int) -> dict[str, int]:
     """Upper bounds of what the data stage stores: hidden states (none online) and the features of the benchmark's
-    requests (every suite's)."""
-    data = config.data
-    heldout_tokens = planned_requests(config) * (data.max_length + greedy_length(config))
-    hidden = 0 if config.training.features == "online" else data.num_samples * data.max_length
-    return {"hidden_states": projected_bytes(config.data, config.target, hidden)[1],
+    requests (every suite's: `heldout_tokens`)."""
+    hidden = 0 if training.features == "online" else data.num_samples * data.max_length
+    return {"hidden_states": projected_bytes(data, target, hidden)[1],
             "tokens": data.num_samples * data.max_length * TOKEN_BYTES,
-            "heldout_features": projected_bytes(config.data, config.target, heldout_tokens)[1]}
+            "heldout_features": projected_bytes(data, target, heldout_tokens)[1]}
 
 
 def target_parts(size: TargetSize, tp: int, tokens: int) -> dict[str, float]:
@@ -172,10 +176,9 @@ def target_parts(size: TargetSize, tp: int, tokens: int) -> dict[str, float]:
     return {f"target weights (/{tp})": _gib(size.weight_bytes / tp), f"KV cache, {tokens:,} tokens": _gib(tokens * kv)}
 
 
-def regeneration_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
-    data = config.data
+def regeneration_stage(data: DataSection, serving: ServingSection | None, size: TargetSize | None) -> StagePlan:
     served = data.engine != "local"  # by servers on serving.tp GPUs each
-    tp, in_flight, knob = (config.serving.tp, data.concurrency, "data.concurrency") if served else (1, data.batch_size, "data.batch_size")
+    tp, in_flight, knob = (serving.tp, data.concurrency, "data.concurrency") if served else (1, data.batch_size, "data.batch_size")
     stage = StagePlan("regenerate", tp, knob=f"lower {knob} ({in_flight} requests of up to {data.max_length} tokens)")
     if size is None:
         stage.unknown = "target size unknown"
@@ -184,16 +187,16 @@ def regeneration_stage(config: PipelineConfig, size: TargetSize | None) -> Stage
     return stage
 
 
-def capture_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
+def capture_stage(data: DataSection, serving: ServingSection | None, target: TargetSection,
+                  size: TargetSize | None) -> StagePlan:
     """One capture batch: the target's forward with KV for the batch, and its features before they leave the GPU."""
-    data = config.data
-    tp = config.serving.tp if data.capture_engine == "sglang" else 1
+    tp = serving.tp if data.capture_engine == "sglang" else 1
     stage = StagePlan("capture", tp, knob=f"lower data.batch_size ({data.batch_size} sequences per forward)")
     if size is None:
         stage.unknown = "target size unknown"
         return stage
     tokens = data.batch_size * data.max_length
-    features = tokens * (len(data.aux_layers) + 1) * config.target.hidden_size * 2  # aux + last, bf16
+    features = tokens * (len(data.aux_layers) + 1) * target.hidden_size * 2  # aux + last, bf16
     stage.parts = {**target_parts(size, tp, tokens), "captured features (bf16)": _gib(features),
                    "runtime reserve": RUNTIME_RESERVE_GIB}
     return stage
@@ -239,23 +242,24 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
         if size is None:
             stage.unknown = "online training holds the target, whose size is unknown"
             return stage
-        stage.parts.update(online_target_parts(config, size, world))
+        stage.parts.update(online_target_parts(train, config.data, target, config.node, size, world))
         stage.knob += "; or training.features offline (the target leaves the training GPUs)"
     return stage
 
 
-def online_target_parts(config: PipelineConfig, size: TargetSize, world: int) -> dict[str, float]:
+def online_target_parts(training: TrainingSection, data: DataSection, target: TargetSection, node: NodeSection,
+                        size: TargetSize, world: int) -> dict[str, float]:
     """The target beside the trainer: its weights at TP = world, KV for one forward over the global micro-batch (every
     rank's rows of it), its features (bf16), and what SGLang's static pool (mem_fraction_static of the GPU) reserves
     beyond weights and KV. The target's forward activations are transient and come before the draft's step, whose
     measured peak is already counted."""
-    tokens = world * config.training.sequences_per_forward(world) * config.training.seq_len
+    tokens = world * training.sequences_per_forward(world) * training.seq_len
     parts = target_parts(size, world, tokens)
-    features = tokens * (len(config.data.aux_layers) + 1) * config.target.hidden_size * 2
+    features = tokens * (len(data.aux_layers) + 1) * target.hidden_size * 2
     parts[f"target features of the global micro-batch (bf16, {tokens:,} tokens)"] = _gib(features)
-    fraction = config.data.sglang_engine_args.get("mem_fraction_static")
-    if config.data.capture_engine == "sglang" and fraction is not None:
-        reserved = float(fraction) * config.node.gpu_memory_gib - sum(parts.values())
+    fraction = data.sglang_engine_args.get("mem_fraction_static")
+    if data.capture_engine == "sglang" and fraction is not None:
+        reserved = float(fraction) * node.gpu_memory_gib - sum(parts.values())
         parts[f"SGLang pool beyond weights and KV (mem_fraction_static {fraction})"] = round(max(reserved, 0.0), 2)
     return parts
 

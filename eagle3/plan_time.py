@@ -23,6 +23,12 @@ from pathlib import Path
 
 from eagle3.algorithms import algorithm
 from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection
+from eagle3.config.deployment import RegistrySection
+from eagle3.config.node import NodeSection
+from eagle3.config.run import TargetSection
+from eagle3.config.serving import BenchmarkSection, ServingSection, SweepSection
+from eagle3.config.training import TrainingSection
 from eagle3.resolve import contender_configs
 from eagle3.data.regenerate import greedy_length, simulated_shapes
 from eagle3.data.suites import planned_requests
@@ -106,6 +112,19 @@ class TimePlan:
 
 
 @dataclass(frozen=True)
+class Heldout:
+    """The benchmark's requests the data stage continues greedily (eagle3.data.suites.planned_requests) and the
+    tokens each continuation runs (eagle3.data.regenerate.greedy_length)."""
+
+    requests: int
+    greedy: int
+
+    def tokens(self, data: DataSection) -> int:
+        """The held-out sequences' tokens, every prompt at data.max_length."""
+        return self.requests * (data.max_length + self.greedy)
+
+
+@dataclass(frozen=True)
 class Target:
     """What the target's time rests on: parameters multiplied per token, bytes read per decode step."""
 
@@ -116,10 +135,10 @@ class Target:
 
 
 class Clock:
-    """Seconds of each kind of work on `gpus` GPUs of config.node."""
+    """Seconds of each kind of work on `gpus` GPUs of the node."""
 
-    def __init__(self, config: PipelineConfig, target: Target | None):
-        self.node, self.target = config.node, target
+    def __init__(self, node: NodeSection, target: Target | None):
+        self.node, self.target = node, target
 
     def flops_s(self, flops: float, gpus: int, mfu: float) -> float:
         return flops / (gpus * self.node.peak_tflops * 1e12 * mfu)
@@ -142,7 +161,7 @@ class Clock:
 
 def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
               scenario: Scenario = Scenario(retrain=False)) -> TimePlan:
-    target, size_note = read_target(config, size, size_note)
+    target, size_note = read_target(config.target, size, size_note)
     node = config.node
     params, passes = draft_training(config)
     assumptions = [f"{node.peak_tflops:g} TFLOP/s per GPU (node.peak_tflops)", f"{node.hbm_tbps:g} TB/s (node.hbm_tbps)",
@@ -160,33 +179,36 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
                "node.mfu.prefill": node.mfu.prefill, "node.mfu.train": node.mfu.train,
                "node.model_load_min": node.model_load_min, "draft trainable parameters": params,
                "target active parameters": target and target.active, "target parameters": target and target.total}
-    clock = Clock(config, target)
-    stages = [regenerate_time(config, clock, scenario), capture_time(config, clock),
-              train_time(config, clock, params, passes[0], scenario)]
+    clock = Clock(node, target)
+    heldout = Heldout(planned_requests(config.benchmark, config.heldout_set[0]), greedy_length(config))
+    stages = [regenerate_time(config.data, config.serving, config.registry, clock, scenario, heldout),
+              capture_time(config.data, config.serving, config.training, clock, heldout),
+              train_time(config.training, config.data, clock, params, passes[0], scenario)]
     if config.serving is not None and config.benchmark is not None:
-        stages += [serve_time(config, clock, scenario), sweep_time(config, clock)]
+        stages += [serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario),
+                   sweep_time(config.sweep, config.benchmark, config.serving, clock, len(simulated_shapes(config)))]
     for name, contender in contender_configs(config).items():
         stages += contender_stages(name, contender, clock, scenario)
     if config.serving is not None and config.benchmark is not None:
         if config.production.mode == "managed":
             stages.append(StageTime("deploy", {"production restarted with the promoted draft: 1 server start":
                                                _h(clock.loads_s(1))}))
-    reused = [generated_samples(config, scenario)[1]] if scenario.retrain else []
+    reused = [generated_samples(config.data, config.registry, scenario)[1]] if scenario.retrain else []
     plan = TimePlan(scenario, assumptions, figures, stages, node.retrain_period_h, reused)
     if scenario.retrain and config.training.warm_steps == "auto" and plan.total_h is not None:
-        full = train_time(config, clock, params, passes[0], Scenario(retrain=False, nodes=scenario.nodes))
+        full = train_time(config.training, config.data, clock, params, passes[0],
+                          Scenario(retrain=False, nodes=scenario.nodes))
         warm = next(stage for stage in stages if stage.name == "train")
         plan.ceiling_h = round(plan.total_h - warm.hours + full.hours, 2)
     return plan
 
 
-def generated_samples(config: PipelineConfig, scenario: Scenario) -> tuple[int, str]:
+def generated_samples(data: DataSection, registry: RegistrySection | None, scenario: Scenario) -> tuple[int, str]:
     """The training replies the run generates, and (for a retrain) why: the sample store holds the earlier runs'
     replies under an unchanged target and settings, so a retrain generates only its new traffic prompts'."""
-    data = config.data
     if not scenario.retrain:
         return data.num_samples, ""
-    if not data.share_samples or config.registry is None:
+    if not data.share_samples or registry is None:
         return data.num_samples, "nothing: no sample store (data.share_samples off, or no registry section)"
     traffic = data.traffic
     if traffic is None:
@@ -198,9 +220,8 @@ def generated_samples(config: PipelineConfig, scenario: Scenario) -> tuple[int, 
                  f"{traffic.max_prompts:,} less the held-out)")
 
 
-def trained_steps(config: PipelineConfig, scenario: Scenario) -> tuple[int, str]:
+def trained_steps(train: TrainingSection, scenario: Scenario) -> tuple[int, str]:
     """The optimizer steps a run trains, and the field that says so."""
-    train = config.training
     if not scenario.retrain or train.warm_steps is None:
         return train.max_steps, f"training.max_steps {train.max_steps:,}"
     if train.warm_steps != "auto":
@@ -211,10 +232,10 @@ def trained_steps(config: PipelineConfig, scenario: Scenario) -> tuple[int, str]
                    f"{train.eval_every}")
 
 
-def training_nodes(config: PipelineConfig, scenario: Scenario) -> tuple[int, str]:
+def training_nodes(training: TrainingSection, data: DataSection, scenario: Scenario) -> tuple[int, str]:
     """The nodes training spans: all of them, unless SGLang's runner computes the features online (its tensor-parallel
     group is the whole torch world: one node)."""
-    if config.training.features == "online" and config.data.capture_engine == "sglang" and scenario.nodes > 1:
+    if training.features == "online" and data.capture_engine == "sglang" and scenario.nodes > 1:
         return 1, "on 1 node: features online through SGLang's runner span one node's world"
     return scenario.nodes, f"on {scenario.nodes} node(s)"
 
@@ -229,20 +250,23 @@ def draft_training(config: PipelineConfig) -> tuple[int, tuple[float, str]]:
 def contender_stages(name: str, config: PipelineConfig, clock: Clock, scenario: Scenario) -> list[StageTime]:
     """A contender's training, measurement and sweep, on the run's data and beside the run's no-draft servers."""
     params, passes = draft_training(config)
-    stages = [replace(train_time(config, clock, params, passes[0], scenario), name=f"train {name}")]
+    stages = [replace(train_time(config.training, config.data, clock, params, passes[0], scenario), name=f"train {name}")]
     if config.serving is not None and config.benchmark is not None:
-        stages += [replace(serve_time(config, clock, scenario, baseline=False), name=f"serve {name}"),
-                   replace(sweep_time(config, clock, baseline=False), name=f"sweep {name}")]
+        serve = serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario,
+                           baseline=False)
+        sweep = sweep_time(config.sweep, config.benchmark, config.serving, clock, len(simulated_shapes(config)),
+                           baseline=False)
+        stages += [replace(serve, name=f"serve {name}"), replace(sweep, name=f"sweep {name}")]
     return stages
 
 
-def read_target(config: PipelineConfig, size: TargetSize | None, note: str) -> tuple[Target | None, str]:
+def read_target(target: TargetSection, size: TargetSize | None, note: str) -> tuple[Target | None, str]:
     """The target's parameter counts from the config.json its size came from, or None and why not. A config.json
     without a field they need leaves the hours unknown, never the config refused (the memory plan runs at load)."""
     if size is None:
         return None, note
-    path = Path(config.target.path)
-    source = path if (path / "config.json").is_file() else Path(config.target.config_file)
+    path = Path(target.path)
+    source = path if (path / "config.json").is_file() else Path(target.config_file)
     config_path, _, text = read_target_config(source)
     try:
         active, total = active_parameters(text)
@@ -266,25 +290,24 @@ def _unknown(name: str) -> StageTime:
     return StageTime(name, unknown="the target's shape is unknown (the target line above says why)")
 
 
-def target_gpus(config: PipelineConfig, engine: str) -> int:
-    return config.serving.tp if engine != "local" and config.serving is not None else 1
+def target_gpus(serving: ServingSection | None, engine: str) -> int:
+    return serving.tp if engine != "local" and serving is not None else 1
 
 
-def regenerate_time(config: PipelineConfig, clock: Clock, scenario: Scenario) -> StageTime:
+def regenerate_time(data: DataSection, serving: ServingSection | None, registry: RegistrySection | None, clock: Clock,
+                    scenario: Scenario, heldout: Heldout) -> StageTime:
     """The answers the run generates at data.max_new_tokens, then the held-out prompts' greedy continuations; served,
     spread over the nodes' servers (data.nodes), each with data.concurrency in flight."""
-    data = config.data
     if clock.target is None:
         return _unknown("regenerate")
     if data.import_path is not None:
         return StageTime("regenerate", {"data.import_path: nothing generated": 0.0})
-    gpus, served = target_gpus(config, data.engine), data.engine != "local"
+    gpus, served = target_gpus(serving, data.engine), data.engine != "local"
     in_flight, field_name = (data.concurrency, "data.concurrency") if served else (data.batch_size, "data.batch_size")
     nodes = scenario.nodes if served else 1
-    samples, _ = generated_samples(config, scenario)
+    samples, _ = generated_samples(data, registry, scenario)
     prompt = max(data.max_length - data.max_new_tokens, 0)
-    heldout, greedy = planned_requests(config), greedy_length(config)
-    tokens = samples * data.max_new_tokens + heldout * greedy
+    tokens = samples * data.max_new_tokens + heldout.requests * heldout.greedy
     decode_s, bound = clock.decode(tokens / nodes, in_flight, prompt + data.max_new_tokens / 2, gpus)
     where = f"on {nodes} node(s), {in_flight} in flight on each ({field_name}{' per server' if nodes > 1 else ''})"
     starts = f"1 server start{' on each node, at once' if nodes > 1 else ''}"
@@ -293,34 +316,36 @@ def regenerate_time(config: PipelineConfig, clock: Clock, scenario: Scenario) ->
             _h(clock.loads_s(1)),
         f"prompts: {samples:,} generated x {prompt:,} tokens (data.max_length - max_new_tokens), prefill on {gpus} "
         f"GPU(s) {where}": _h(clock.prefill_s(samples * prompt / nodes, gpus)),
-        f"decode: {samples:,} x data.max_new_tokens {data.max_new_tokens:,} + {heldout} benchmark requests x {greedy} "
+        f"decode: {samples:,} x data.max_new_tokens {data.max_new_tokens:,} + {heldout.requests} benchmark requests x "
+        f"{heldout.greedy} "
         f"tokens, {where}, {bound}": _h(decode_s)})
 
 
-def capture_time(config: PipelineConfig, clock: Clock) -> StageTime:
+def capture_time(data: DataSection, serving: ServingSection | None, training: TrainingSection, clock: Clock,
+                 heldout: Heldout) -> StageTime:
     """The target's forward over what is captured: the held-out sequences, and offline every sample."""
-    data = config.data
     if clock.target is None:
         return _unknown("capture")
-    gpus = target_gpus(config, data.capture_engine)
-    heldout = planned_requests(config) * (data.max_length + greedy_length(config))
-    samples = 0 if config.training.features == "online" else data.num_samples * data.max_length
+    gpus = target_gpus(serving, data.capture_engine)
+    sequences = heldout.tokens(data)
+    samples = 0 if training.features == "online" else data.num_samples * data.max_length
     what = ("held-out sequences only (training.features online)" if not samples else
             f"data.num_samples {data.num_samples:,} x data.max_length {data.max_length:,} + the held-out sequences")
     return StageTime("capture", {"1 engine start": _h(clock.loads_s(1)),
-                                 f"prefill: {what}, {samples + heldout:,} tokens on {gpus} GPU(s)":
-                                 _h(clock.prefill_s(samples + heldout, gpus))})
+                                 f"prefill: {what}, {samples + sequences:,} tokens on {gpus} GPU(s)":
+                                 _h(clock.prefill_s(samples + sequences, gpus))})
 
 
-def train_time(config: PipelineConfig, clock: Clock, params: int, passes: float, scenario: Scenario) -> StageTime:
+def train_time(train: TrainingSection, data: DataSection, clock: Clock, params: int, passes: float,
+               scenario: Scenario) -> StageTime:
     """The draft's steps and evaluations; online, the target's forward over every sequence on the same GPUs."""
-    train, node = config.training, config.node
-    steps, steps_from = trained_steps(config, scenario)
-    nodes, where = training_nodes(config, scenario)
+    node = clock.node
+    steps, steps_from = trained_steps(train, scenario)
+    nodes, where = training_nodes(train, data, scenario)
     world = train.nproc_per_node * nodes
     tokens = steps * train.batch_size * train.seq_len
     evaluations = steps // train.eval_every
-    eval_tokens = evaluations * int(config.data.num_samples * train.eval_fraction) * train.seq_len
+    eval_tokens = evaluations * int(data.num_samples * train.eval_fraction) * train.seq_len
     parts = {f"draft: {steps_from} x batch_size {train.batch_size} x seq_len {train.seq_len:,} = {tokens / 1e9:.2f} B "
              f"tokens on {world} GPU(s), {where}": _h(clock.flops_s(draft_train_flops(params, passes, tokens), world,
                                                                    node.mfu.train)),
@@ -336,9 +361,10 @@ def train_time(config: PipelineConfig, clock: Clock, params: int, passes: float,
     return StageTime("train", parts)
 
 
-def benchmark_s(config: PipelineConfig, clock: Clock, prompts: int, levels: list[int]) -> tuple[float, str]:
+def benchmark_s(b: BenchmarkSection, serving: ServingSection, clock: Clock, prompts: int,
+                levels: list[int]) -> tuple[float, str]:
     """One no-draft measurement at each concurrency level (a draft only shortens it): seconds, and the last bound."""
-    b, gpus = config.benchmark, config.serving.tp
+    gpus = serving.tp
     total, bound = 0.0, ""
     for level in levels:
         in_flight = min(level, prompts)
@@ -347,36 +373,35 @@ def benchmark_s(config: PipelineConfig, clock: Clock, prompts: int, levels: list
     return total, bound
 
 
-def serve_time(config: PipelineConfig, clock: Clock, scenario: Scenario, baseline: bool = True) -> StageTime:
+def serve_time(b: BenchmarkSection, serving: ServingSection, data: DataSection, registry: RegistrySection | None,
+               clock: Clock, scenario: Scenario, baseline: bool = True) -> StageTime:
     """The candidate (and the no-draft baseline and production on new prompts, unless another draft of the run
     measured them) measured at the production concurrency, one server start each."""
     if clock.target is None:
         return _unknown("serve")
-    b = config.benchmark
     # production is re-measured on this run's prompts when they differ from its own: new traffic prompts
-    remeasured = scenario.retrain and config.data.traffic is not None and config.registry is not None and baseline
+    remeasured = scenario.retrain and data.traffic is not None and registry is not None and baseline
     roles = (["candidate"] + ["benchmark.baseline"] * (b.baseline and baseline)
              + ["production on data.traffic prompts"] * remeasured)
     starts = len(roles)
-    seconds, bound = benchmark_s(config, clock, b.num_prompts, [b.production_concurrency])
+    seconds, bound = benchmark_s(b, serving, clock, b.num_prompts, [b.production_concurrency])
     return StageTime("serve", {f"{starts} server start(s) ({', '.join(roles)})": _h(clock.loads_s(starts)),
                                f"benchmark.num_prompts {b.num_prompts} x max_new_tokens {b.max_new_tokens} at "
                                f"concurrency {b.production_concurrency}, each, {bound}": _h(starts * seconds)})
 
 
-def sweep_time(config: PipelineConfig, clock: Clock, baseline: bool = True) -> StageTime:
-    """The no-draft server (unless another draft of the run's sweep measured it) then each shape, a server start each
-    at every benchmark.concurrency level; a shape that would end past sweep.budget_s is skipped (the first is always
-    measured), as eagle3.deployment.sweep does."""
-    sweep, b = config.sweep, config.benchmark
+def sweep_time(sweep: SweepSection, b: BenchmarkSection, serving: ServingSection, clock: Clock, shapes: int,
+               baseline: bool = True) -> StageTime:
+    """The no-draft server (unless another draft of the run's sweep measured it) then each of the `shapes` drafting
+    shapes the simulator replays, a server start each at every benchmark.concurrency level; a shape that would end past
+    sweep.budget_s is skipped (the first is always measured), as eagle3.deployment.sweep does."""
     if not sweep.enabled:
         return StageTime("sweep", {"sweep.enabled false": 0.0})
     if clock.target is None:
         return _unknown("sweep")
     prompts = min(sweep.num_prompts or b.num_prompts, b.num_prompts)
-    measure, bound = benchmark_s(config, clock, prompts, b.concurrency)
+    measure, bound = benchmark_s(b, serving, clock, prompts, b.concurrency)
     point = clock.loads_s(1) + measure
-    shapes = len(simulated_shapes(config))
     measured = max(1, min(shapes, int(sweep.budget_s // point) - 1))
     servers = baseline + measured
     return StageTime("sweep", {

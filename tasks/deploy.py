@@ -56,7 +56,7 @@ def publish_candidate(config: PipelineConfig, fingerprints: dict, candidate: Can
         return version
     fields = version_fields(config, fingerprints, candidate.served, candidate.simulated["accept_length"],
                             candidate.chosen, production, flow_run_id())
-    registry.publish(version, version_dirs(config.run, export_dirs(config)), fields)
+    registry.publish(version, version_dirs(config.run, export_dirs(config.run, config.export)), fields)
     return version
 
 

@@ -33,7 +33,8 @@ def load_monitor_config(config: str, overrides: list[str]) -> PipelineConfig:
 def watch_production(config: PipelineConfig) -> dict:
     """One window of production judged and kept in the registry's store (its `alarm` set when one completes)."""
     log = log_to_run()
-    return Monitor(config, open_registry(config.registry, log=log), log).run_window()
+    registry = open_registry(config.registry, log=log)
+    return Monitor(config.monitor, config.production, config.serving, registry, log).run_window()
 
 
 @task(name="emit-degraded", cache_policy=NO_CACHE)
@@ -49,7 +50,8 @@ def emit_degraded(config: PipelineConfig, alarm: dict) -> str:
 @task(name="monitor-report", cache_policy=NO_CACHE)
 def publish_monitor_report(config: PipelineConfig) -> None:
     registry = open_registry(config.registry, log=log_to_run())
-    windows = Monitor(config, registry, log_to_run()).windows(config.monitor.keep_windows)
+    monitor = Monitor(config.monitor, config.production, config.serving, registry, log_to_run())
+    windows = monitor.windows(config.monitor.keep_windows)
     history = registry.history()
     moved_to = {e["version"] for e in history if e.get("event") in POINTER_MOVES and e["version"]}
     speedups = {v: baseline_of(registry.manifest(v))["speedup"] for v in moved_to}

@@ -17,6 +17,7 @@ from eagle3.deployment.promotion import retrain_overrides
 from eagle3.init_draft import init_draft
 from eagle3.plan import chosen_recompute, require_fit
 from eagle3.serving import serving_engine
+from eagle3.serving.base import launch_spec
 from eagle3.registry.registry import open_registry, registry_location
 from tasks.common import log_to_run
 
@@ -40,7 +41,9 @@ def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[Pipel
     require_deployable(run_config.draft.algorithm, "the eagle3 flow (the whole pipeline)")
     check_local_inputs(run_config)
     require_fit(run_config, config)  # refused before any stage when a GPU stage would not fit
-    serving_engine(run_config.serving.engine).check(run_config)  # what its launches would refuse, before training
+    # what its launches would refuse, before training
+    serving_engine(run_config.serving.engine).check(launch_spec(run_config), run_config.production.telemetry,
+                                                     run_config.sweep)
     if mode == "retrain":
         registry = open_registry(run_config.registry, log=log_to_run())
         overrides = overrides + retrain_overrides(run_config.run, run_config.draft.algorithm, registry, log_to_run())

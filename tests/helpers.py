@@ -106,9 +106,10 @@ def build_micro_data(run_dir, micro_target):
     config = load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN)
     quiet = lambda line: None  # noqa: E731
     regenerate(config, log=quiet)
-    capture(config, log=quiet)
-    capture(load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN + ["training.features=online"]), log=quiet)
-    build_vocab(config, log=quiet)
+    capture(config.run, config.data, config.target, config.training, log=quiet)
+    online = load_config(TINY, micro_overrides(run_dir, micro_target) + TRAIN + ["training.features=online"])
+    capture(online.run, online.data, online.target, online.training, log=quiet)
+    build_vocab(config.run, config.data, config.target, config.vocab, log=quiet)
     return run_dir, micro_overrides(run_dir, micro_target) + TRAIN
 
 
@@ -267,7 +268,7 @@ def write_heldout(config) -> None:
     heldout.parent.mkdir(parents=True)
     heldout.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in HELDOUT))
     (config.stage_dir("data") / REGEN_DIR).mkdir()
-    continue_heldout(config, make_generator(config), load_tokenizer(config.target),
+    continue_heldout(config, make_generator(config.data, config.target, config.training.seed), load_tokenizer(config.target),
                      config.stage_dir("data") / REGEN_DIR / GREEDY_FILE, lambda line: None)
 
 
@@ -360,7 +361,7 @@ def monitor_for(registry_section, tmp_path, port: int, *overrides: str) -> Monit
                                          "baseline_output_tokens_per_s": 400.0, "speedup": 2.25}
     registry.publish("v1", {"sglang": write_checkpoint(tmp_path / "v1", 1)}, manifest)
     registry.promote("v1", None, ["first"], by="test")
-    return Monitor(config, registry, log=lambda line: None)
+    return Monitor(config.monitor, config.production, config.serving, registry, log=lambda line: None)
 
 
 def traffic(tmp_path, start: float, accept: float, steps: int = 200) -> None:

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from eagle3.algorithms import ALGORITHMS, algorithm, require_deployable
 from eagle3.bench.simulate import heldout_samples, replay_stored
+from eagle3.data.regenerate import greedy_length
 from eagle3.resolve import load_config
 from eagle3.distributed import Dist
 from eagle3.errors import ConfigError, Eagle3Error
@@ -81,7 +82,7 @@ def test_the_trainer_trains_checkpoints_resumes_and_replays_an_entry_through_the
     assert [m["step"] for m in metrics(run_dir) if "loss" in m][-3:] == [12, 13, 14]
 
     trained = TOY.served_model(run_dir / "train" / "final", None, Path(config.target.path), "")
-    refs = heldout_samples(config)[:2]
+    refs = heldout_samples(config.run, greedy_length(config))[:2]
     rows = [replay_stored(TOY, trained, ref.load(), config.replay_shape, 16, frozenset(), None) for ref in refs]
     assert all(row.completion_tokens >= 16 and 0 < row.verify_ct <= row.completion_tokens for row in rows)
     assert max(len(row.histogram) for row in rows) <= HEADS + 1  # never more than the toy's heads accepted a step

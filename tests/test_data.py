@@ -30,7 +30,7 @@ def micro_run(tmp_path_factory, micro_target):
     config = load_config(TINY, micro_overrides(run_dir, micro_target))
     lines = []
     regenerate(config, log=lines.append)
-    capture(config, log=lines.append)
+    capture(config.run, config.data, config.target, config.training, log=lines.append)
     return config, lines
 
 
@@ -97,7 +97,7 @@ def test_capture_resumes_by_shard(micro_run):
     hidden = config.stage_dir("data") / "hidden"
     before = {p.name: p.stat().st_mtime_ns for p in hidden.glob("shard-*")}
     (hidden / "shard-00001.safetensors").unlink()
-    capture(config, log=lambda line: None)
+    capture(config.run, config.data, config.target, config.training, log=lambda line: None)
     after = {p.name: p.stat().st_mtime_ns for p in hidden.glob("shard-*")}
     assert after["shard-00000.safetensors"] == before["shard-00000.safetensors"]  # untouched
     assert set(after) == set(before)
@@ -111,7 +111,7 @@ def test_data_made_under_other_settings_is_refused(micro_run, override, names):
     config, _ = micro_run
     other = load_config(TINY, micro_overrides(config.run.dir, config.target.path) + [override])
     with pytest.raises(DataMismatch, match=names):
-        capture(other, log=lambda line: None)
+        capture(other.run, other.data, other.target, other.training, log=lambda line: None)
 
 
 def test_dataset_with_other_layers_is_refused(micro_run):
@@ -119,14 +119,14 @@ def test_dataset_with_other_layers_is_refused(micro_run):
     manifest = read_manifest(config.stage_dir("data") / "hidden")
     other = load_config(TINY, micro_overrides(config.run.dir, config.target.path) + ["data.aux_layers=[0, 2]"])
     with pytest.raises(DataMismatch, match=r"aux_layers: data has \[0, 1, 2\], config gives \[0, 2\]"):
-        check_dataset(other, manifest)
-    check_dataset(config, manifest)
+        check_dataset(other.run, other.data, other.target, other.training, manifest)
+    check_dataset(config.run, config.data, config.target, config.training, manifest)
 
 
 def test_vocab_map_from_loss_masked_tokens(micro_run):
     config, _ = micro_run
     lines = []
-    out = build_vocab(config, log=lines.append)
+    out = build_vocab(config.run, config.data, config.target, config.vocab, log=lines.append)
     vocab_map = load_vocab_map(out)
     stats = read_stats(out)
     counts = count_loss_tokens(read_samples(config.stage_dir("data") / "regen"), 512)
@@ -159,13 +159,13 @@ def test_capture_recomputes_what_no_longer_matches(micro_run, tmp_path):
     config, _ = micro_run
     hidden = config.stage_dir("data") / "hidden"
     other = load_config(TINY, micro_overrides(config.run.dir, config.target.path) + ["data.aux_layers=[0, 2]"])
-    capture(other, log=lambda line: None)
+    capture(other.run, other.data, other.target, other.training, log=lambda line: None)
     sample = next(read_dataset(hidden))
     assert sample.aux_hidden.shape[1] == 2 * 64  # recaptured at the new layers, not reused
     lines = []
-    capture(config, log=lines.append)  # back to [0, 1, 2]: recaptured again, then reusable
+    capture(config.run, config.data, config.target, config.training, log=lines.append)  # back to [0, 1, 2]: recaptured again, then reusable
     assert next(read_dataset(hidden)).aux_hidden.shape[1] == 3 * 64
-    capture(config, log=lines.append)
+    capture(config.run, config.data, config.target, config.training, log=lines.append)
     assert "(3 reused)" in lines[-1]
 
 
@@ -180,7 +180,7 @@ def test_a_changed_split_never_leaks_into_later_stages(micro_target, tmp_path):
     assert len(current) == 10 and not {r["id"] for r in current} & heldout
     assert any("ignoring" in line for line in lines)
     assert read_manifest(smaller.stage_dir("data") / "regen")["samples"] == 10
-    capture(smaller, log=lambda line: None)
+    capture(smaller.run, smaller.data, smaller.target, smaller.training, log=lambda line: None)
     assert {s.id for s in read_dataset(smaller.stage_dir("data") / "hidden")} == {r["id"] for r in current}
 
 
@@ -203,21 +203,24 @@ def test_more_samples_generate_and_capture_only_the_new_ones_and_fewer_take_a_pr
     overrides = micro_overrides(tmp_path / "run", micro_target) + ["data.shard_samples=4"]
     sized = lambda n: load_config(TINY, overrides + [f"data.num_samples={n}"])  # noqa: E731
     regen = tmp_path / "run" / "data" / "regen"
-    regenerate(sized(8), log=lambda line: None)
-    capture(sized(8), log=lambda line: None)
+    eight = sized(8)
+    regenerate(eight, log=lambda line: None)
+    capture(eight.run, eight.data, eight.target, eight.training, log=lambda line: None)
     first = {record["id"]: record for record in read_regenerated(regen)}
-    generator = CountingGenerator(make_generator(sized(12)))
-    regenerate(sized(12), log=lambda line: None, generator=generator)
+    twelve = sized(12)
+    generator = CountingGenerator(make_generator(twelve.data, twelve.target, twelve.training.seed))
+    regenerate(twelve, log=lambda line: None, generator=generator)
     grown = list(read_regenerated(regen))
     assert generator.prompts == 4 and len(grown) == 12  # only the 4 new samples were generated
     assert all(record == first[record["id"]] for record in grown if record["id"] in first) and len(first) == 8
     lines = []
-    capture(sized(12), log=lines.append)
+    capture(twelve.run, twelve.data, twelve.target, twelve.training, log=lines.append)
     assert "12 samples in 3 shard(s)" in lines[-1] and "(2 reused)" in lines[-1]  # the 8 first samples' shards kept
-    regenerate(sized(4), log=lambda line: None, generator=generator)
+    four = sized(4)
+    regenerate(four, log=lambda line: None, generator=generator)
     assert generator.prompts == 4  # nothing generated: a prefix of the same split
     assert [r["id"] for r in read_regenerated(regen)] == training_ids(regen)[:4] == [*first][:4]
-    capture(sized(4), log=lines.append)
+    capture(four.run, four.data, four.target, four.training, log=lines.append)
     assert "4 samples in 1 shard(s)" in lines[-1] and "(1 reused)" in lines[-1]
 
 
@@ -264,7 +267,7 @@ def test_other_benchmark_prompts_redo_only_the_held_out_continuations(micro_targ
     shards = {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in regen.glob("samples-*.jsonl")}
     for changed in (["benchmark.num_prompts=4"], ["benchmark.num_prompts=4", "benchmark.max_new_tokens=12"]):
         config = load_config(TINY, overrides + changed)
-        lines, generator = [], CountingGenerator(make_generator(config))
+        lines, generator = [], CountingGenerator(make_generator(config.data, config.target, config.training.seed))
         begin("regenerate", config, [], lines.append)
         regenerate(config, log=lines.append, generator=generator)
         finish("regenerate", config, [])

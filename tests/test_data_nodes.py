@@ -15,7 +15,8 @@ from eagle3.data.regenerate import read_samples
 from eagle3.engines.generators import EngineError, make_generator
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.procs import LaunchError, process_table
-from eagle3.serve.data_nodes import check_engines, node_config, node_endpoints, on_nodes
+from eagle3.serve.data_nodes import check_engines, node_endpoints, node_spec, on_nodes
+from eagle3.serving.base import launch_spec
 from eagle3.stages.table import STAGES, StageRun
 from helpers import TINY, micro_overrides
 from ports import free_port
@@ -46,27 +47,30 @@ def test_data_nodes_that_cannot_be_started_are_refused_naming_the_field(tmp_path
 def test_each_node_gets_its_endpoint_through_the_serving_launcher(tmp_path):
     config = config_for(tmp_path, "data.engine=sglang", "data.nodes=[node-1, 'node-2:31000']", "serving.port=30500",
                         "serving.launcher=ssh", "serving.ssh_host=login-1", "serving.ssh_args=[-p, '2222']")
-    assert node_endpoints(config) == [("node-1", 30500), ("node-2", 31000)]
-    node = node_config(config, "node-2", 31000).serving
+    assert node_endpoints(config.data, config.serving) == [("node-1", 30500), ("node-2", 31000)]
+    node = node_spec(launch_spec(config), "node-2", 31000).serving
     assert (node.host, node.port, node.ssh_host, node.ssh_args) == ("node-2", 31000, None, ["-p", "2222"])
     srun = config_for(tmp_path, "data.engine=sglang", "data.nodes=[node-1]", "serving.launcher=srun",
                       "serving.srun_args=[--gres=gpu:8]")
-    assert node_config(srun, "node-1", 30000).serving.srun_args == [
+    assert node_spec(launch_spec(srun), "node-1", 30000).serving.srun_args == [
         "--gres=gpu:8", "--nodes=1", "--ntasks=1", "--nodelist=node-1"]  # one step on that node
     twice = config_for(tmp_path, "data.engine=sglang", "data.nodes=[node-1, 'node-1:30000']")
     with pytest.raises(Eagle3Error, match="names an endpoint twice once serving.port 30000 fills in"):
-        node_endpoints(twice)
+        node_endpoints(twice.data, twice.serving)
 
 
 def test_the_started_engine_must_speak_the_clients_api(tmp_path):
-    check_engines(config_for(tmp_path, "data.engine=sglang", "data.nodes=[n1]"))  # the reference server speaks SGLang's
+    speaks = config_for(tmp_path, "data.engine=sglang", "data.nodes=[n1]")
+    check_engines(speaks.data, speaks.serving)  # the reference server speaks SGLang's
+    other = config_for(tmp_path, "data.engine=vllm", "data.nodes=[n1]")
     with pytest.raises(Eagle3Error, match="does not speak the API of data.engine vllm"):
-        check_engines(config_for(tmp_path, "data.engine=vllm", "data.nodes=[n1]"))
+        check_engines(other.data, other.serving)
 
 
 def test_other_commands_than_the_stage_reach_running_servers_only(tmp_path):
+    config = config_for(tmp_path, "data.engine=sglang", "data.nodes=[n1]")
     with pytest.raises(EngineError, match="only the regenerate stage .* starts the target's servers"):
-        make_generator(config_for(tmp_path, "data.engine=sglang", "data.nodes=[n1]"))
+        make_generator(config.data, config.target, config.training.seed)
 
 
 # ---------------------------------------------------------------------------------------------

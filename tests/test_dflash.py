@@ -15,14 +15,16 @@ from eagle3.bench.counting import SpecRequest, correct_drafts_of
 from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockRows, anchors_of, block_outputs
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
 from eagle3.bench.simulate import heldout_samples, replay_stored, simulate_prompt
-from eagle3.resolve import load_config
 from eagle3.algorithms.dflash.contract import dflash_default_layer_ids
+from eagle3.data.regenerate import greedy_length
+from eagle3.resolve import load_config
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.model.blocks import init_weights
 from eagle3.model.blocks import LossRows
 from eagle3.shape import DraftShape
 from eagle3.train.trainer import Trainer
 from eagle3.serve.reference import create_app
+from eagle3.serving.base import launch_spec
 from family_targets import DFLASH_CONFIG
 from helpers import MAX_NEW, RELEASE, TINY, generate, metrics, prompt_of, requests, run_copy, serving
 
@@ -234,7 +236,7 @@ def test_the_trainer_trains_resumes_and_replays_a_dflash_draft(micro_data, tmp_p
 
     entry = algorithm("dflash")
     trained = entry.served_model(run_dir / "train" / "final", None, Path(config.target.path), "")
-    refs = heldout_samples(config)[:2]
+    refs = heldout_samples(config.run, greedy_length(config))[:2]
     rows = [replay_stored(entry, trained, ref.load(), config.replay_shape, 16, frozenset(), None) for ref in refs]
     assert all(row.completion_tokens >= 16 and 0 < row.verify_ct <= row.completion_tokens for row in rows)
     assert max(len(row.histogram) for row in rows) <= 4  # at most block_size - 1 accepted a step
@@ -470,7 +472,7 @@ def test_sglang_serves_the_export_by_its_own_kind_and_a_longer_block_is_refused_
 
     _, directory, _ = exported
     config = load_config(TINY, DFLASH + ["serving.engine=sglang", f"run.dir={tmp_path / 'run'}"])
-    command = SGLANG.command(config, "/models/target", directory, entry=draft_algorithm(directory))
+    command = SGLANG.command(launch_spec(config), "/models/target", directory, entry=draft_algorithm(directory))
     flags = command[command.index("--speculative-algorithm"):command.index("--tp-size")]
     assert flags == ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(directory),
                      "--speculative-num-draft-tokens", "4"]

@@ -96,13 +96,13 @@ def both_modes(tmp_path_factory, micro_target):
     configs = {}
     for mode in ("offline", "online"):
         run_dir = tmp_path_factory.mktemp(mode)
-        configs[mode] = load_config(TINY, micro_overrides(run_dir, micro_target) + [
+        configs[mode] = config = load_config(TINY, micro_overrides(run_dir, micro_target) + [
             f"training.features={mode}", "training.batch_size=4", "training.seq_len=64", "training.ttt_steps=3",
             "training.max_steps=4", "benchmark.num_prompts=2", "benchmark.max_new_tokens=8"])
-        regenerate(configs[mode], log=QUIET)
+        regenerate(config, log=QUIET)
         with NoFeatureLists(smallest=64):  # capture, offline and online, keeps features as tensors
-            capture(configs[mode], log=QUIET)
-        build_vocab(configs[mode], log=QUIET)
+            capture(config.run, config.data, config.target, config.training, log=QUIET)
+        build_vocab(config.run, config.data, config.target, config.vocab, log=QUIET)
     return configs
 
 
@@ -168,20 +168,20 @@ def test_a_sample_rewritten_under_the_same_id_is_captured_again(tmp_path, micro_
     config = load_config(TINY, micro_overrides(tmp_path, micro_target) + [
         "data.num_samples=6", "benchmark.num_prompts=2", "benchmark.max_new_tokens=8"])
     regenerate(config, log=QUIET)
-    capture(config, log=QUIET)
+    capture(config.run, config.data, config.target, config.training, log=QUIET)
     regen = config.stage_dir("data") / "regen" / "samples-00000.jsonl"
     records = [json.loads(line) for line in regen.read_text().splitlines()]
     records[0]["input_ids"], records[0]["loss_mask"] = records[0]["input_ids"][:-1], records[0]["loss_mask"][:-1]
     regen.write_text("".join(json.dumps(r) + "\n" for r in records))
-    capture(config, log=QUIET)
+    capture(config.run, config.data, config.target, config.training, log=QUIET)
     stored = {s.id: s for s in read_dataset(config.stage_dir("data") / "hidden")}
     assert stored[records[0]["id"]].input_ids.tolist() == records[0]["input_ids"]
 
 
 def test_the_storage_projection_of_an_online_run_is_zero_bytes_of_hidden_states():
     online, offline = [], []
-    log_projection(load_config(KIMI), online.append)  # the Kimi config trains online
-    log_projection(load_config(KIMI, ["training.features=offline"]), offline.append)
+    for config, lines in ((load_config(KIMI), online), (load_config(KIMI, ["training.features=offline"]), offline)):
+        log_projection(config.run, config.data, config.target, config.training, lines.append)  # Kimi's trains online
     assert "no hidden state will be stored (training.features online): 0 bytes" in online[0]
     assert "57,349 bytes per token" in offline[0] and "47.0 TB" in offline[0]
 

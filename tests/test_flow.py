@@ -422,7 +422,7 @@ def test_the_monitor_mode_emits_the_degraded_event_and_plots_production(prefect_
     first, second = (state.result() for state in states)
     assert first["verdict"] == "low" and first["alarm"]["state"] == "raised"
     assert second["alarm"]["state"] == "suppressed"  # the same traffic still in the window: within the cool-down
-    resource = registry_resource(monitor.config.registry)
+    resource = registry_resource(load_config(CONFIG, overrides).registry)
     events = degraded_events(resource, 1)
     assert len(events) == 1, events
     payload = events[0]["payload"]

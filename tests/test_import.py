@@ -100,17 +100,17 @@ def test_imported_rows_are_stored_as_regeneration_stores_them(imported):
     assert manifest["imported"]["split"] == {"train": 18, "eval": 6}
     assert manifest["imported"]["formats"] == {"tokens": 12, "conversations": 12}
     assert manifest["samples"] == 24 and manifest["heldout_greedy"]["prompts"] == 4
-    report = data_report(manifest, read_manifest(dataset_dir(config)))
+    report = data_report(manifest, read_manifest(dataset_dir(config.run, config.training)))
     assert "24 rows imported from" in report and "split as named (18 train, 6 eval)" in report
 
 
 def test_training_evaluates_on_exactly_the_named_eval_rows(imported):
     config, rows, _ = imported
     named = {row["id"] for row in rows if row["split"] == "eval"}
-    data = TrainingData(dataset_dir(config), config.training.seq_len, config.training.eval_fraction)
+    data = TrainingData(dataset_dir(config.run, config.training), config.training.seq_len, config.training.eval_fraction)
     assert {ref.id for ref in data.eval} == named
     assert {ref.id for ref in data.train} == {row["id"] for row in rows} - named
-    assert read_manifest(dataset_dir(config))["named_eval_samples"] == 6
+    assert read_manifest(dataset_dir(config.run, config.training))["named_eval_samples"] == 6
     metrics = [json.loads(line) for line in (config.run.dir / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 7))
     assert [m["step"] for m in metrics if "eval_loss" in m] == [3, 6]
@@ -125,9 +125,9 @@ def test_without_a_named_split_the_hash_of_the_id_splits(imported, tmp_path):
     other = load_config(TINY, overrides)
     make_samples(other, log=lambda line: None)  # what `eagle3 run`'s data stage calls: data.import_path is set
     assert main(["data", "capture", *cli_args(overrides)]) == 0
-    assert not (dataset_dir(other) / "split.json").exists()
-    assert read_manifest(dataset_dir(other))["named_eval_samples"] is None
-    data = TrainingData(dataset_dir(other), MAX_LENGTH, 0.5)
+    assert not (dataset_dir(other.run, other.training) / "split.json").exists()
+    assert read_manifest(dataset_dir(other.run, other.training))["named_eval_samples"] is None
+    data = TrainingData(dataset_dir(other.run, other.training), MAX_LENGTH, 0.5)
     assert 0 < len(data.eval) < 24 and {ref.id for ref in data.eval} != {r["id"] for r in rows if r["split"] == "eval"}
 
 

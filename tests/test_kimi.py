@@ -26,6 +26,7 @@ from eagle3.serving.sglang import SGLANG
 from eagle3.serve.reference import load as load_served
 from eagle3.shape import DraftShape
 from eagle3.stages.keys import stage_key
+from eagle3.serving.base import launch_spec
 from helpers import ROOT, TINY
 from kimi_target import BPE_SIZE, END_OF_TURN_ID, VOCAB_SIZE, write_k25_config
 KIMI_SIZES = ["target.hidden_size=64", f"target.vocab_size={VOCAB_SIZE}", "vocab.draft_vocab_size=128",
@@ -127,10 +128,10 @@ def test_the_k25_text_config_layout_is_checked_for_sizes_family_and_code(kimi_ta
 
 def test_sglang_and_the_reference_server_get_the_setting(kimi_target, tmp_path):
     config = kimi_config(kimi_target, tmp_path, "target.trust_remote_code=true", "target.dtype=bfloat16")
-    assert "--trust-remote-code" in SGLANG.command(config, kimi_target, None)
-    command = REFERENCE.command(config, kimi_target, None)
+    assert "--trust-remote-code" in SGLANG.command(launch_spec(config), kimi_target, None)
+    command = REFERENCE.command(launch_spec(config), kimi_target, None)
     assert "--trust-remote-code" in command and command[command.index("--dtype") + 1] == "bfloat16"
-    assert "--trust-remote-code" not in REFERENCE.command(kimi_config(kimi_target, tmp_path), kimi_target, None)
+    assert "--trust-remote-code" not in REFERENCE.command(launch_spec(kimi_config(kimi_target, tmp_path)), kimi_target, None)
 
 
 def test_the_generator_and_the_reference_server_run_the_target_in_its_own_precision(micro_target, tmp_path):

@@ -24,6 +24,7 @@ from eagle3.serving.reference import REFERENCE
 from eagle3.serving.sglang import SGLANG
 from eagle3.serve.launch import Server, launch_and_validate, server_for
 from eagle3.warm import fork_module
+from eagle3.serving.base import launch_spec
 from helpers import MICRO_DRAFT, RELEASE, TINY
 from ports import free_port
 
@@ -61,14 +62,14 @@ def test_sglang_command_with_and_without_a_draft(tmp_path):
                         "data.sglang_python=/opt/sglang/bin/python",
                         "serving.extra_args=[--trust-remote-code, --mem-fraction-static, '0.85']")
     s = config.serving
-    command = SGLANG.command(config, "/models/kimi", "/drafts/d1")
+    command = SGLANG.command(launch_spec(config), "/models/kimi", "/drafts/d1")
     assert command == [
         "/opt/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/kimi",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/drafts/d1",
         "--speculative-num-steps", "4", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5",
         "--tp-size", "8", "--host", "127.0.0.1", "--port", str(s.port), "--context-length", "512",
         "--trust-remote-code", "--mem-fraction-static", "0.85"]
-    plain = SGLANG.command(config, "/models/kimi", None)
+    plain = SGLANG.command(launch_spec(config), "/models/kimi", None)
     assert plain == command[:5] + command[15:]  # the same without the five speculative flags
     assert not [a for a in plain if "speculative" in a]
 
@@ -79,7 +80,7 @@ def test_extra_args_never_set_the_algorithm(tmp_path, extra):
     config = config_for(tmp_path, "serving.engine=sglang", f"serving.extra_args={extra}")
     for draft in ("/drafts/d1", None):
         with pytest.raises(LaunchError, match="--speculative-algorithm"):
-            SGLANG.command(config, "/models/kimi", draft)
+            SGLANG.command(launch_spec(config), "/models/kimi", draft)
 
 
 @pytest.mark.parametrize("extra, named", [
@@ -93,7 +94,7 @@ def test_extra_args_never_set_the_algorithm(tmp_path, extra):
 def test_extra_args_may_not_repeat_a_flag_the_launcher_sets(tmp_path, extra, named):
     config = config_for(tmp_path, "serving.engine=sglang", f"serving.extra_args=['{extra}', '4']")
     with pytest.raises(LaunchError, match=re.escape(f"repeats {named}")):
-        SGLANG.command(config, "/models/kimi", "/drafts/d1")
+        SGLANG.command(launch_spec(config), "/models/kimi", "/drafts/d1")
 
 
 @pytest.mark.parametrize("flag", ["--enable-two-batch-overlap", "--enable-two-batch"])
@@ -101,20 +102,20 @@ def test_two_batch_overlap_is_refused_where_it_loses_the_aux_capture(tmp_path, f
     config = config_for(tmp_path, "serving.engine=sglang", f"serving.extra_args=['{flag}']", "target.family=deepseek_v2",
                         "data.aux_layers=[1, 2]")  # DeepSeek's files cannot capture layer 0 from 0.5.13 on
     with pytest.raises(LaunchError, match="captures aux hidden states only below first_k_dense_replace"):
-        SGLANG.command(config, "/models/kimi", "/drafts/d1")
-    assert flag in SGLANG.command(config, "/models/kimi", None)  # a server without a draft captures nothing
+        SGLANG.command(launch_spec(config), "/models/kimi", "/drafts/d1")
+    assert flag in SGLANG.command(launch_spec(config), "/models/kimi", None)  # a server without a draft captures nothing
     llama = config_for(tmp_path, "serving.engine=sglang", f"serving.extra_args=['{flag}']", "target.family=llama")
-    assert flag in SGLANG.command(llama, "/models/llama", "/drafts/d1")
+    assert flag in SGLANG.command(launch_spec(llama), "/models/llama", "/drafts/d1")
 
 
 def test_reference_command(tmp_path):
     config = config_for(tmp_path, "run.cpu_threads=1")
-    assert REFERENCE.command(config, "/t", "/d") == [
+    assert REFERENCE.command(launch_spec(config), "/t", "/d") == [
         sys.executable, "-m", "eagle3.cli", "serve", "--target", "/t", "--draft", "/d", "--num-steps", "3",
         "--eagle-topk", "1", "--num-draft-tokens", "4", "--release", RELEASE, "--dtype", "auto", "--threads", "1",
         "--host", "127.0.0.1", "--port", str(config.serving.port)]
     unreleased = config_for(tmp_path, "serving.release=null")
-    command = REFERENCE.command(unreleased, "/t", None)
+    command = REFERENCE.command(launch_spec(unreleased), "/t", None)
     assert "--draft" not in command and "--release" not in command
 
 
@@ -146,13 +147,13 @@ def test_server_for_names_endpoint_and_launcher(tmp_path):
     config = config_for(tmp_path, "serving.engine=sglang", "serving.launcher=ssh", "serving.host=10.0.0.5",
                         "serving.ssh_host=gpu-node-1")
     lines = []
-    server = server_for(config, "/models/kimi", "/drafts/d1", lines.append)
+    server = server_for(launch_spec(config), "/models/kimi", "/drafts/d1", lines.append)
     assert server.command[:3] == ["ssh", "-tt", "gpu-node-1"] and "sglang.launch_server" in server.command[3]
     assert server.url == f"http://10.0.0.5:{config.serving.port}" and server.log_dir == tmp_path / "logs"
     assert server.gpu_query == ["ssh", "-tt", "gpu-node-1", shlex.join(GPU_QUERY)]
     server.log("hello")
     assert lines == [f"[candidate sglang endpoint http://10.0.0.5:{config.serving.port}, launcher ssh gpu-node-1] hello"]
-    srun = server_for(config_for(tmp_path, "serving.launcher=srun", "serving.srun_args=[-N1]"), "/t", None)
+    srun = server_for(launch_spec(config_for(tmp_path, "serving.launcher=srun", "serving.srun_args=[-N1]")), "/t", None)
     assert srun.command[:2] == ["srun", "-N1"] and "launcher srun" in srun.label
 
 
@@ -160,7 +161,7 @@ def test_ssh_args_go_before_the_host_of_every_ssh_the_server_needs(tmp_path):
     options = ["-p", "2222", "-i", "/keys/node", "-o", "ProxyJump=login-1", "-vq"]
     config = config_for(tmp_path, "serving.engine=sglang", "serving.launcher=ssh", "serving.host=10.0.0.5",
                         f"serving.ssh_args={options}")
-    server = server_for(config, "/models/kimi", None)
+    server = server_for(launch_spec(config), "/models/kimi", None)
     assert server.command[:-1] == ["ssh", "-tt", *options, "10.0.0.5"]
     assert server.gpu_query == ["ssh", "-tt", *options, "10.0.0.5", shlex.join(GPU_QUERY)]
 
@@ -332,7 +333,7 @@ def micro_drafts(tmp_path_factory):
 def test_reference_server_becomes_healthy_and_reports_its_release(tmp_path, micro_target, warm):
     config = config_for(tmp_path, f"run.warm_start={warm}")
     logs = []
-    with server_for(config, micro_target, None, logs.append) as server:
+    with server_for(launch_spec(config), micro_target, None, logs.append) as server:
         assert server.warm is warm
         assert server.wait_healthy(120, interval_s=0.2) == RELEASE
         info = httpx.get(f"{server.url}/get_model_info", timeout=10).json()
@@ -349,10 +350,10 @@ def test_reference_server_becomes_healthy_and_reports_its_release(tmp_path, micr
 
 def test_a_production_server_that_outlives_the_run_is_never_forked(tmp_path):
     config = config_for(tmp_path)
-    assert server_for(config, tmp_path, None, role="candidate").warm
-    assert not server_for(config, tmp_path, None, role="production", outlives_run=True).warm
-    assert not server_for(config, tmp_path, None, role="production", unit="eagle3-production.scope").warm
-    assert not server_for(config_for(tmp_path, "serving.engine=sglang"), tmp_path, None).warm
+    assert server_for(launch_spec(config), tmp_path, None, role="candidate").warm
+    assert not server_for(launch_spec(config), tmp_path, None, role="production", outlives_run=True).warm
+    assert not server_for(launch_spec(config), tmp_path, None, role="production", unit="eagle3-production.scope").warm
+    assert not server_for(launch_spec(config_for(tmp_path, "serving.engine=sglang")), tmp_path, None).warm
 
 
 def test_a_fork_runs_its_module_with_the_callers_environment_and_reports_its_exit(tmp_path, monkeypatch):

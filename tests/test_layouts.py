@@ -164,8 +164,8 @@ def test_the_export_stage_writes_serving_num_steps_and_the_target_into_the_specu
                  "serving.context_length=512", "export.layouts=[sglang, speculators]"]
     config = load_config(TINY, overrides)
     write_draft(config.stage_dir("train") / "best")
-    dataset_dir(config).mkdir(parents=True)
-    write_data_manifest(dataset_dir(config) / MANIFEST_FILE, aux_layers=[0, 1, 2])
+    dataset_dir(config.run, config.training).mkdir(parents=True)
+    write_data_manifest(dataset_dir(config.run, config.training) / MANIFEST_FILE, aux_layers=[0, 1, 2])
     result = export_draft(config, log=lambda line: None)
     spec = Path(result["dirs"]["speculators"])
     assert speculative_tokens(spec) == 5

@@ -116,7 +116,7 @@ def test_an_unavailable_production_is_logged_never_alarmed(tmp_path):
     metrics = monitor_for(None, tmp_path / "metrics", port, "monitor.source=metrics", "production.telemetry.metrics=true")
     window = metrics.run_window(now=T0 + 1)
     assert window["verdict"] == "unavailable" and "does not serve /metrics" in window["reason"]
-    gone = Monitor(monitor.config, monitor.registry, log=lambda line: None)
+    gone = Monitor(monitor.monitor, monitor.production, monitor.serving, monitor.registry, log=lambda line: None)
     gone.registry.rollback(["test"], by="test")  # the first promotion rolled back: no production version
     assert gone.run_window(now=T0 + 2)["reason"] == "the registry has no production version"
 

@@ -165,7 +165,7 @@ def test_the_serve_stage_counts_the_draft_in_its_own_dtype(micro_target, tmp_pat
 
 def kimi_hours(*overrides: str, retrain: bool = False, nodes: int = 1) -> dict:
     config = load_config(KIMI, list(overrides))
-    return plan_time(config, *target_size(config), Scenario(retrain, nodes)).to_dict()  # no dry run of the step
+    return plan_time(config, *target_size(config.target), Scenario(retrain, nodes)).to_dict()  # no dry run of the step
 
 
 def stage_hours(plan: dict) -> dict[str, float]:

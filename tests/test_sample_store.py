@@ -93,8 +93,8 @@ class CountingGenerator:
 def regenerated(config, lines=None):
     """Run the data stage's regeneration with the store its runner opens; the prompts generated and the records."""
     log = (lines if lines is not None else []).append
-    generator = CountingGenerator(make_generator(config))
-    regenerate(config, log=log, generator=generator, store=open_sample_store(config, log))
+    generator = CountingGenerator(make_generator(config.data, config.target, config.training.seed))
+    regenerate(config, log=log, generator=generator, store=open_sample_store(config.registry, config.data, config.target, log))
     return generator.prompts, {r["id"]: r for r in read_regenerated(config.stage_dir("data") / "regen")}
 
 
@@ -142,7 +142,8 @@ def test_a_changed_target_shares_nothing(first_run, edit):
     else:
         (target / "chat_template.jinja").write_text((target / "chat_template.jinja").read_text() + "\n")
     config = load_config(TINY, overrides + [f"run.dir={base / target.name}", f"target.path={target}"])
-    assert context_key(reply_context(config)) != context_key(reply_context(load_config(TINY, overrides)))
+    other = load_config(TINY, overrides)
+    assert context_key(reply_context(config.data, config.target)) != context_key(reply_context(other.data, other.target))
     made, _ = regenerated(config)
     assert made == 8
 
@@ -150,9 +151,11 @@ def test_a_changed_target_shares_nothing(first_run, edit):
 def test_share_samples_off_or_no_registry_means_no_store(first_run):
     _, overrides, _ = first_run
     lines = []
-    assert open_sample_store(load_config(TINY, overrides + ["data.share_samples=false"]), lines.append) is None
+    unshared = load_config(TINY, overrides + ["data.share_samples=false"])
+    assert open_sample_store(unshared.registry, unshared.data, unshared.target, lines.append) is None
     assert any("data.share_samples is off" in line for line in lines)
-    context = json.loads(json.dumps(reply_context(load_config(TINY, overrides))))
+    plain = load_config(TINY, overrides)
+    context = json.loads(json.dumps(reply_context(plain.data, plain.target)))
     assert context["target"]["path"] is None and len(context["weights_sha256"]) == 64
 
 
@@ -185,7 +188,7 @@ def captured(config, lines):
         backend = CountingBackend(config)
         return backend
 
-    capture(config, log=lines.append, backend_for=backend_for, store=open_feature_store(config, lines.append))
+    capture(config.run, config.data, config.target, config.training, log=lines.append, backend_for=backend_for, store=open_feature_store(config.registry, config.data, config.target, config.training, lines.append))
     computed = backend.samples if backend else 0  # no backend: every shard was current
     return computed, {s.id: s for s in read_dataset(config.stage_dir("data") / "hidden")}
 
@@ -255,5 +258,6 @@ def test_a_target_whose_weights_are_not_here_gets_no_store_and_says_why(first_ru
     target = tmp_path / "config-only"
     shutil.copytree(overrides[1].split("=", 1)[1], target, ignore=shutil.ignore_patterns("*.safetensors"))
     lines = []
-    assert open_sample_store(load_config(TINY, overrides + [f"target.path={target}"]), lines.append) is None
+    elsewhere = load_config(TINY, overrides + [f"target.path={target}"])
+    assert open_sample_store(elsewhere.registry, elsewhere.data, elsewhere.target, lines.append) is None
     assert any("weights are not under target.path" in line and "cannot be fingerprinted" in line for line in lines)

@@ -37,9 +37,9 @@ def test_only_the_main_rank_writes_and_every_rank_computes_the_same_batches(tmp_
         backend.features = lambda batch, rows=slice(None): seen[main].append(batch.sample_ids) or inner(batch, rows)
         return backend
 
-    capture(config, log=lambda line: None, backend_for=lambda: backend_for(False), main=False)
+    capture(config.run, config.data, config.target, config.training, log=lambda line: None, backend_for=lambda: backend_for(False), main=False)
     assert not (config.stage_dir("data") / "hidden").exists() or not any((config.stage_dir("data") / "hidden").iterdir())
-    capture(config, log=lambda line: None, backend_for=lambda: backend_for(True))
+    capture(config.run, config.data, config.target, config.training, log=lambda line: None, backend_for=lambda: backend_for(True))
     assert seen[True] == seen[False] and seen[True]
     assert len(list(read_dataset(config.stage_dir("data") / "hidden"))) == 12
 

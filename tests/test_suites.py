@@ -95,11 +95,11 @@ def test_the_second_turn_follows_the_targets_own_answer_and_every_turn_is_a_requ
     # made once: the same questions and lengths keep the file; another count makes it again
     path = config.stage_dir("data") / REGEN_DIR / GREEDY_FILE
     before = path.stat().st_mtime_ns
-    continue_heldout(config, make_generator(config), tokenizer, path, lambda line: None)
+    continue_heldout(config, make_generator(config.data, config.target, config.training.seed), tokenizer, path, lambda line: None)
     assert path.stat().st_mtime_ns == before
     fewer = config.model_copy(update={"benchmark": config.benchmark.model_copy(update={"suites": [
         config.benchmark.suites[0], config.benchmark.suites[1].model_copy(update={"num_prompts": 1})]})})
-    fields = continue_heldout(fewer, make_generator(fewer), tokenizer, path, lambda line: None)
+    fields = continue_heldout(fewer, make_generator(fewer.data, fewer.target, fewer.training.seed), tokenizer, path, lambda line: None)
     assert fields == {"prompts": 2, "length": 17, "requests": 4, "suites": {"heldout": 2, "mtbench": 2}}
     assert (config.stage_dir("data") / HELDOUT_FILE).is_file()
 

@@ -17,6 +17,7 @@ from eagle3.serving.reference import REFERENCE
 from eagle3.serving.sglang import SGLANG
 from eagle3.serve.launch import LaunchError, server_for
 from eagle3.shape import DraftShape
+from eagle3.serving.base import launch_spec
 from helpers import STEPS, generate, serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,20 +127,20 @@ def test_only_the_production_command_gets_the_telemetry_flags(production_config,
     flags = ["--enable-metrics", "--export-metrics-to-file", "--export-metrics-to-file-dir", str(records),
              "--tokenizer-metrics-allowed-custom-labels", "eagle3", "app"]  # the benchmark's key, the slice key
     for build in (SGLANG.command, REFERENCE.command):
-        assert build(config, "/models/t", "/drafts/d", telemetry)[-7:] == flags
-        assert not set(flags[:3]) & set(build(config, "/models/t", "/drafts/d"))
-    assert not set(flags[:3]) & set(server_for(config, "/models/t", "/drafts/d").command)  # candidate, baseline
+        assert build(launch_spec(config), "/models/t", "/drafts/d", telemetry)[-7:] == flags
+        assert not set(flags[:3]) & set(build(launch_spec(config), "/models/t", "/drafts/d"))
+    assert not set(flags[:3]) & set(server_for(launch_spec(config), "/models/t", "/drafts/d").command)  # candidate, baseline
     serving = config.serving.model_copy(update={"extra_args": ["--enable-metrics"]})
     clash = config.model_copy(update={"serving": serving})
     with pytest.raises(LaunchError, match="--enable-metrics"):
-        SGLANG.command(clash, "/models/t", None, TelemetrySection(metrics=True))
+        SGLANG.command(launch_spec(clash), "/models/t", None, TelemetrySection(metrics=True))
     by_hand = config.serving.model_copy(update={"extra_args": ["--tokenizer-metrics-allowed-custom-labels", "app"]})
     with pytest.raises(LaunchError, match="--tokenizer-metrics-allowed-custom-labels"):
-        SGLANG.command(config.model_copy(update={"serving": by_hand}), "/models/t", None)
+        SGLANG.command(launch_spec(config.model_copy(update={"serving": by_hand})), "/models/t", None)
     records_only = TelemetrySection(records_dir=records, slice_label="team")  # the OpenAI routes need the list too
-    assert SGLANG.command(config, "/models/t", None, records_only)[-3:] == [
+    assert SGLANG.command(launch_spec(config), "/models/t", None, records_only)[-3:] == [
         "--tokenizer-metrics-allowed-custom-labels", "eagle3", "team"]
-    assert "--tokenizer-metrics-allowed-custom-labels" not in SGLANG.command(config, "/models/t", None, TelemetrySection())
+    assert "--tokenizer-metrics-allowed-custom-labels" not in SGLANG.command(launch_spec(config), "/models/t", None, TelemetrySection())
     lines = []
     started = time.time()
     Production(config, open_registry(config.registry, log=lambda line: None), lines.append).serve("v1", "test")

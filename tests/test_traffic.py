@@ -88,7 +88,7 @@ def test_records_become_rendered_prompts_counted_and_windowed(tmp_path, micro_ta
         (now - 10, record_line(now - 10, labels={"app": "docs"})),  # no text, no ids
     ])
     config = traffic_config(tmp_path / "run", micro_target, str(records), "data.traffic.hours=1")
-    made = traffic_snapshot(config)
+    made = traffic_snapshot(config.run, config.data, config.target, config.production.telemetry.slice_label)
     assert (made["records"], made["duplicates"], made["pipeline_records"], made["without_prompt"]) == (6, 1, 1, 1)
     assert made["slices"] == {UNLABELLED: {"unique": 1, "kept": 1}, "code": {"unique": 1, "kept": 1},
                               "docs": {"unique": 1, "kept": 1}}
@@ -102,7 +102,7 @@ def test_records_become_rendered_prompts_counted_and_windowed(tmp_path, micro_ta
     assert "3 prompts from 6 request records" in line and "1 duplicates, 1 of the pipeline's own" in line
     # read once per run: new records do not change what this run took
     write_records(records, [(now - 5, record_line(now - 5, chat(tokenizer, "later"), labels={"app": "code"}))])
-    assert traffic_snapshot(config) == made
+    assert traffic_snapshot(config.run, config.data, config.target, config.production.telemetry.slice_label) == made
 
 
 def rec(number: int, slice_name: str | None) -> RequestRecord:
@@ -215,7 +215,7 @@ def test_records_under_an_s3_prefix(tmp_path, micro_target, monkeypatch):
         name = record_file(Path("logs"), now - 10).as_posix()
         s3.put_object(Bucket="prod", Key=name, Body=record_line(now - 10, "<|bos|>hi", labels={"app": "a"}).encode())
         config = traffic_config(tmp_path / "run", micro_target, "s3://prod/logs/")
-        made = traffic_snapshot(config)
+        made = traffic_snapshot(config.run, config.data, config.target, config.production.telemetry.slice_label)
         assert made["prompts"] == 1 and made["slices"] == {"a": {"unique": 1, "kept": 1}}
 
 

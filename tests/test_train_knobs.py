@@ -159,8 +159,8 @@ def test_a_training_only_config_makes_its_data_and_trains_through_eagle3_train(m
     config = load_config(path, overrides)
     assert config.serving is None and config.replay_shape.num_steps == 3 and config.heldout_set == (4, 16)
     regenerate(config, log=quiet)
-    capture(config, log=quiet)
-    build_vocab(config, log=quiet)
+    capture(config.run, config.data, config.target, config.training, log=quiet)
+    build_vocab(config.run, config.data, config.target, config.vocab, log=quiet)
     assert read_manifest(run_dir / "data" / "heldout")["sequences"] == 4
     assert main(["train", "--config", str(path), *[arg for item in overrides for arg in ("--set", item)]]) == 0, \
         capsys.readouterr().err
@@ -210,7 +210,7 @@ def test_float32_capture_is_stored_recorded_and_read_as_float32(micro_data, tmp_
     os.symlink(shared / "data" / "regen", run_dir / "data" / "regen")
     overrides = [*micro_data[1], f"run.dir={run_dir}", "data.feature_dtype=float32"]
     config = load_config(TINY, overrides)
-    capture(config, log=quiet)
+    capture(config.run, config.data, config.target, config.training, log=quiet)
     for part in ("hidden", "heldout"):
         assert read_manifest(run_dir / "data" / part)["capture"]["dtype"] == "float32"
         sample = ShardReader(sorted((run_dir / "data" / part).glob("shard-*"))[0]).sample(0)
@@ -223,7 +223,8 @@ def test_float32_capture_is_stored_recorded_and_read_as_float32(micro_data, tmp_
     stored = data.readers[refs[0].shard].sample(refs[0].index)
     assert torch.equal(features.aux[0, : refs[0].length], stored.aux_hidden[: refs[0].length])
     # the same samples asked for in bf16: the float32 shards are not current, every one is written again
-    capture(load_config(TINY, [*overrides, "data.feature_dtype=bfloat16"]), log=quiet)
+    bf16 = load_config(TINY, [*overrides, "data.feature_dtype=bfloat16"])
+    capture(bf16.run, bf16.data, bf16.target, bf16.training, log=quiet)
     assert read_manifest(run_dir / "data" / "hidden")["capture"]["dtype"] == "bfloat16"
     assert ShardReader(sorted((run_dir / "data" / "hidden").glob("shard-*"))[0]).sample(0).aux_hidden.dtype == torch.bfloat16
 

@@ -25,6 +25,7 @@ from eagle3.procs import LaunchError
 from eagle3.target.info import read_target_size
 from eagle3.serving.vllm import NEUTRAL_SAMPLING, VLLM_ENGINE
 from eagle3.serving.vllm_env import COMPLETE, vllm_env_dir, vllm_python
+from eagle3.serving.base import launch_spec
 from helpers import TINY
 from ports import free_port
 
@@ -42,26 +43,26 @@ def speculative_config_of(command: list[str]) -> dict:
 
 def test_vllm_command_with_and_without_a_draft(tmp_path):
     config = config_for(tmp_path, "serving.num_steps=5", "serving.extra_args=[--dtype, float32]")
-    command = VLLM_ENGINE.command(config, "/t", "/d", entry=EAGLE3)
+    command = VLLM_ENGINE.command(launch_spec(config), "/t", "/d", entry=EAGLE3)
     assert command[:4] == [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model"]
     assert speculative_config_of(command) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
     assert command[command.index("--per-request-spec-decode-metrics") + 1] == "summary"  # the client's counts
     assert command[-2:] == ["--dtype", "float32"]
     assert command[command.index("--max-model-len") + 1] == "512"
-    plain = VLLM_ENGINE.command(config, "/t", None)
+    plain = VLLM_ENGINE.command(launch_spec(config), "/t", None)
     assert "--speculative-config" not in plain and "--per-request-spec-decode-metrics" not in plain
 
 
 def test_a_dflash_draft_drafts_its_block_less_the_verified_token(tmp_path):
     config = config_for(tmp_path, "serving.num_steps=2")  # blocks of 3: the verified token and 2 drafts
-    command = VLLM_ENGINE.command(config, "/t", "/d", entry=DFLASH)
+    command = VLLM_ENGINE.command(launch_spec(config), "/t", "/d", entry=DFLASH)
     assert speculative_config_of(command) == {"method": "dflash", "model": "/d", "num_speculative_tokens": 2}
 
 
 def test_a_tree_is_refused_naming_the_field(tmp_path):
     config = config_for(tmp_path, "serving.num_steps=3", "serving.eagle_topk=4", "serving.num_draft_tokens=8")
     with pytest.raises(LaunchError, match="serving.eagle_topk 4: vLLM drafts a chain here"):
-        VLLM_ENGINE.command(config, "/t", "/d", entry=EAGLE3)
+        VLLM_ENGINE.command(launch_spec(config), "/t", "/d", entry=EAGLE3)
 
 
 @pytest.mark.parametrize("extra, named", [
@@ -75,13 +76,18 @@ def test_a_tree_is_refused_naming_the_field(tmp_path):
 def test_extra_args_may_not_repeat_a_flag_the_launcher_sets(tmp_path, extra, named):
     config = config_for(tmp_path, f"serving.extra_args=[{extra}]")
     with pytest.raises(LaunchError, match=re.escape(named)):
-        VLLM_ENGINE.command(config, "/t", "/d", entry=EAGLE3)
+        VLLM_ENGINE.command(launch_spec(config), "/t", "/d", entry=EAGLE3)
+
+
+def check(config):
+    """vLLM's refusals of `config` before any stage, as `eagle3 config` asks them."""
+    return VLLM_ENGINE.check(launch_spec(config), config.production.telemetry, config.sweep)
 
 
 def test_request_records_are_refused_for_vllm(tmp_path):
     config = config_for(tmp_path, f"production.telemetry.records_dir={tmp_path / 'records'}")
     with pytest.raises(LaunchError, match="production.telemetry.records_dir: vLLM writes no request records"):
-        VLLM_ENGINE.check(config)
+        check(config)
 
 
 def test_the_environment_install_vllm_made_is_found_and_a_missing_one_named(tmp_path, monkeypatch):
@@ -172,16 +178,16 @@ def test_what_a_later_launch_would_refuse_is_refused_before_any_stage(tmp_path, 
     before the data and training stages, not at the first launch after them."""
     config = config_for(tmp_path, override)
     with pytest.raises(LaunchError, match=refusal):
-        VLLM_ENGINE.check(config)
+        check(config)
         VLLM_ENGINE.memory_left_unused(config.serving, 80.0)
-    assert VLLM_ENGINE.check(config_for(tmp_path, "sweep.enabled=false", "sweep.points=[[3, 4, 8]]")) is None
+    assert check(config_for(tmp_path, "sweep.enabled=false", "sweep.points=[[3, 4, 8]]")) is None
 
 
 def test_an_mla_draft_config_is_refused_for_vllm_before_any_stage(tmp_path):
     config = load_config(MLA_DRAFT_CONFIG, [f"run.dir={tmp_path}", "serving.engine=vllm", f"serving.python={PYTHON}",
                                             "sweep.points=[[1, 1, 2]]"])
     with pytest.raises(LaunchError, match="draft.attention mla: vLLM loads the speculators layout"):
-        VLLM_ENGINE.check(config)
+        check(config)
 
 
 def test_every_vllm_request_asks_for_plain_greedy_sampling():

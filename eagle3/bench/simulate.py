@@ -27,6 +27,7 @@ from eagle3.bench import counting
 from eagle3.bench.client import suite_lines
 from eagle3.bench.counting import SpecRequest
 from eagle3.config import PipelineConfig
+from eagle3.config.run import RunSection
 from eagle3.config.serving import BenchmarkSection, ServingSection
 from eagle3.config.suites import HELDOUT
 from eagle3.data.capture import HELDOUT_DIR
@@ -186,22 +187,22 @@ def replay_stored(algorithm: DraftAlgorithm, draft: DraftModel, sample: StoredSa
                   sglang_method(algorithm))
 
 
-def heldout_samples(config: PipelineConfig, suites: tuple[str, ...] = (HELDOUT,)) -> list[HeldoutRef]:
+def heldout_samples(run: RunSection, wanted: int, suites: tuple[str, ...] = (HELDOUT,)) -> list[HeldoutRef]:
     """The stored greedy sequences of the requests of `suites` with their features (the data stage's data/heldout),
-    long enough for the benchmark's max_new_tokens and the deepest drafting shape."""
-    directory = config.stage_dir("data") / HELDOUT_DIR
+    refused unless each continues `wanted` tokens (eagle3.data.regenerate.greedy_length: the benchmark's
+    max_new_tokens and the deepest drafting shape)."""
+    directory = run.stage_dir("data") / HELDOUT_DIR
     readers = [ShardReader(path) for path in sorted(directory.glob("shard-?????.safetensors"))]
     stored = [(reader, i) for reader in readers for i in range(len(reader))]
     if not stored:
         raise UnreadableInput(f"{directory}: no held-out features; run the data stage (eagle3 data capture)")
-    requests = read_greedy(regen_dir(config.run))
+    requests = read_greedy(regen_dir(run))
     if len(requests) != len(stored):
         raise UnreadableInput(f"{directory}: {len(stored)} stored sequences for {len(requests)} benchmark requests: run "
                               "the data stage again (eagle3 data capture)")
-    refuse_unstored_suites(suites, {row["suite"] for row in requests}, regen_dir(config.run) / GREEDY_FILE)
+    refuse_unstored_suites(suites, {row["suite"] for row in requests}, regen_dir(run) / GREEDY_FILE)
     refs = [HeldoutRef(reader, i, row["suite"], row["slice"])
             for (reader, i), row in zip(stored, requests) if row["suite"] in suites]
-    wanted = greedy_length(config)
     short = [ref for ref in refs if int(ref.reader.sample(ref.index, ("input_ids", "loss_mask")).loss_mask.sum()) < wanted]
     if short:
         raise UnreadableInput(f"{directory}: {len(short)} held-out sequence(s) continue fewer than {wanted} tokens "
@@ -250,7 +251,7 @@ def simulate_shapes(config: PipelineConfig, checkpoint: Path, log: Log = print) 
     draft = entry.served_model(Path(checkpoint), config.serving.release, Path(config.target.path),
                                config.target.weight_prefix)
     draft = draft.to(local_device()).eval()
-    samples = heldout_samples(config, tuple(suite.name for suite in config.benchmark.suites))
+    samples = heldout_samples(config.run, greedy_length(config), tuple(suite.name for suite in config.benchmark.suites))
     eos_ids = target_eos_ids(config.target.path)
     return [simulate_shape(entry, draft, samples, shape, config.benchmark, config.serving, eos_ids, log)
             for shape in simulated_shapes(config)]

@@ -46,8 +46,10 @@ def run_config(args: argparse.Namespace) -> int:
     check_local_inputs(config)
     require_fit(config, args.path)
     from eagle3.serving import serving_engine
+    from eagle3.serving.base import launch_spec
 
-    serving_engine(config.serving.engine).check(config)  # the launcher's refusals now, not at a run's first launch
+    # the launcher's refusals now, not at a run's first launch
+    serving_engine(config.serving.engine).check(launch_spec(config), config.production.telemetry, config.sweep)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return EXIT_OK
 

@@ -178,7 +178,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
         checkpoint,
         args.release or config.serving.release,
         Path(config.target.path),
-        dataset_dir(config),
+        dataset_dir(config.run, config.training),
         simulated.get("accept_length"),
         served.get("accept_length"),
         longest,

@@ -24,9 +24,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
 from eagle3.config.run import RunSection, TargetSection
+from eagle3.config.training import TrainingSection
 from eagle3.data.conversation import chat_template_hash
 from eagle3.data.regenerate import read_greedy, read_regenerated, regen_dir, training_ids
 from eagle3.data.shards import FEATURE_DTYPES, SPLIT_FILE, ShardWriter, read_stamp, shard_file, stored_feature_dtype
@@ -45,25 +45,25 @@ TOKENS_DIR = "tokens"
 HELDOUT_DIR = "heldout"
 
 
-def dataset_dir(config: PipelineConfig) -> Path:
+def dataset_dir(run: RunSection, training: TrainingSection) -> Path:
     """What the trainer reads: feature shards (offline) or token shards (online)."""
-    return config.stage_dir("data") / (TOKENS_DIR if config.training.features == "online" else HIDDEN_DIR)
+    return run.stage_dir("data") / (TOKENS_DIR if training.features == "online" else HIDDEN_DIR)
 
 
-def regenerated_manifest(config: PipelineConfig) -> dict:
+def regenerated_manifest(run: RunSection, data: DataSection, target: TargetSection) -> dict:
     """The regeneration manifest, refused when it was made for another target, tokenizer or template."""
-    regen = regen_dir(config.run)
+    regen = regen_dir(run)
     try:
         manifest = read_manifest(regen)
     except FileNotFoundError:
         raise UnreadableInput(f"{regen}: no finished regeneration here; run `eagle3 data regenerate` first") from None
-    expected = target_identity(config.target)
+    expected = target_identity(target)
     check_same(f"regenerated data in {regen}", manifest["target"], expected, ("path", "config_sha256", "tokenizer_sha256", "family"))
-    tokenizer = load_tokenizer(config.target)
+    tokenizer = load_tokenizer(target)
     check_same(
         f"regenerated data in {regen}",
         manifest,
-        {"chat_template_sha256": chat_template_hash(tokenizer), "thinking": config.data.thinking},
+        {"chat_template_sha256": chat_template_hash(tokenizer), "thinking": data.thinking},
         ("chat_template_sha256", "thinking"),
     )
     return manifest
@@ -95,8 +95,8 @@ def heldout_records(run: RunSection) -> list[dict]:
             for r in read_greedy(regen_dir(run))]
 
 
-def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], FeatureBackend] | None = None,
-            main: bool = True, store=None) -> Path:
+def capture(run: RunSection, data: DataSection, target: TargetSection, training: TrainingSection, log: Log = print,
+            backend_for: Callable[[], FeatureBackend] | None = None, main: bool = True, store=None) -> Path:
     """Make the training data set and the held-out features; returns the data set's directory.
 
     `backend_for()` starts the feature backend (default: transformers on this machine's device), only when some
@@ -105,60 +105,61 @@ def capture(config: PipelineConfig, log: Log = print, backend_for: Callable[[], 
     `store`: the registry's feature store for these settings (eagle3.registry.samples.FeatureStore; offline, local
     engine): a training sample's features it holds are copied, not computed, and the shards made here are kept there.
     """
-    regen_manifest = regenerated_manifest(config)
+    regen_manifest = regenerated_manifest(run, data, target)
     # in split order, so that more samples fill new shards and leave the full shards before them current
-    regen = regen_dir(config.run)
+    regen = regen_dir(run)
     order = {sample_id: index for index, sample_id in enumerate(training_ids(regen))}
     records = sorted(read_regenerated(regen), key=lambda r: order[r["id"]])
-    online = config.training.features == "online"
-    out = dataset_dir(config)
-    settings = capture_settings(config.data, config.target)
-    dtype = config.data.feature_dtype
+    online = training.features == "online"
+    out = dataset_dir(run, training)
+    settings = capture_settings(data, target)
+    dtype = data.feature_dtype
     if online:  # token shards: no features, so no feature dtype
-        jobs = shard_jobs(records, out, config.data.shard_samples, {"tokens_only": True}, None)
+        jobs = shard_jobs(records, out, data.shard_samples, {"tokens_only": True}, None)
     else:
-        jobs = shard_jobs(records, out, config.data.shard_samples, settings, dtype)
-    sequences = heldout_records(config.run)
-    heldout = shard_jobs(sequences, config.stage_dir("data") / HELDOUT_DIR, max(len(sequences), 1), settings, dtype)
+        jobs = shard_jobs(records, out, data.shard_samples, settings, dtype)
+    sequences = heldout_records(run)
+    heldout = shard_jobs(sequences, run.stage_dir("data") / HELDOUT_DIR, max(len(sequences), 1), settings, dtype)
     feature_jobs = heldout if online else jobs + heldout
     if online:
         log(f"capture: hidden-state capture skipped (training.features online: the trainer computes the features); "
             f"{len(records)} samples stored as token shards in {out}")
     else:
         tokens = sum(len(r["input_ids"]) for job in jobs if job.todo for r in job.samples)
-        check_storage(config.data, config.target, tokens, out, log)
+        check_storage(data, target, tokens, out, log)
     pending = [job for job in feature_jobs if job.todo]
     release = None
     if online and main:
         for job in jobs:
             if job.todo:
-                write_shard(job.path, job.samples, job.stamp, None, {}, config.data.batch_size)
+                write_shard(job.path, job.samples, job.stamp, None, {}, data.batch_size)
     store = None if online else store  # token shards hold no features to take or keep
     stored_jobs = [] if store is None else [job for job in jobs if job.todo]
-    with stored_rows(store, stored_jobs, config.run, log) as stored:
+    with stored_rows(store, stored_jobs, run, log) as stored:
         if pending:
-            backend = backend_for() if backend_for else target_backend(config.data, config.target, local_device())
+            backend = backend_for() if backend_for else target_backend(data, target, local_device())
             release = backend.release
             progress = Progress("capture", total=sum(len(job.samples) for job in pending), unit="samples", log=log)
             try:
                 for job in pending:
                     write_shard(job.path, job.samples, {**job.stamp, "engine_release": release}, backend,
-                                feature_widths(config.data, config.target), config.data.batch_size, main, progress,
+                                feature_widths(data, target), data.batch_size, main, progress,
                                 FEATURE_DTYPES[dtype], stored if job in stored_jobs else {})
             finally:
                 backend.close()
     if main and store is not None:  # every shard, reused ones too: a crash may have come before this
         kept = store.publish_shards([(job.path, [sample_key(r) for r in job.samples]) for job in jobs],
-                                    str(config.run.data_dir.resolve()))
+                                    str(run.data_dir.resolve()))
         log(f"capture: feature store {store.where}: {kept} samples' new features kept for later runs")
     if main:
         remove_stale(out, len(jobs))
         named_eval = write_split(out, records)
         release = release or recorded_release([job.path for job in feature_jobs])
-        heldout_manifest = write_manifest(config.stage_dir("data") / HELDOUT_DIR, kind="heldout",
-                                          fields=heldout_fields(config.data, config.target, heldout, release))
+        heldout_manifest = write_manifest(run.stage_dir("data") / HELDOUT_DIR, kind="heldout",
+                                          fields=heldout_fields(data, target, heldout, release))
         write_manifest(out, kind="tokens" if online else "dataset",
-                       fields={**dataset_fields(config, regen_manifest, release, records, heldout_manifest),
+                       fields={**dataset_fields(data, target, training, regen_manifest, release, records,
+                                                heldout_manifest),
                                "named_eval_samples": named_eval})
         log(f"capture: {len(records)} samples in {len(jobs)} shard(s) at {out} "
             f"({sum(not job.todo for job in jobs)} reused); {len(sequences)} held-out sequences with features")
@@ -308,11 +309,11 @@ def capture_fields(data: DataSection, release: str | None) -> dict:
             "engine": data.capture_engine, "engine_release": release}
 
 
-def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | None, records: list[dict],
-                   heldout_manifest: dict) -> dict:
+def dataset_fields(data: DataSection, target: TargetSection, training: TrainingSection, regen_manifest: dict,
+                   release: str | None, records: list[dict], heldout_manifest: dict) -> dict:
     tokens = sum(len(r["input_ids"]) for r in records)
-    online = config.training.features == "online"
-    per_token, total = projected_bytes(config.data, config.target, tokens)
+    online = training.features == "online"
+    per_token, total = projected_bytes(data, target, tokens)
     return {
         "target": regen_manifest["target"],
         "chat_template_sha256": regen_manifest["chat_template_sha256"],
@@ -320,8 +321,8 @@ def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | 
         "regeneration": {
             key: regen_manifest[key] for key in ("engine", "engine_release", "source", "sampling", "max_length")
         },
-        "features": config.training.features,
-        "capture": capture_fields(config.data, release),
+        "features": training.features,
+        "capture": capture_fields(data, release),
         "samples": len(records),
         "tokens": tokens,
         "loss_tokens": sum(sum(r["loss_mask"]) for r in records),
@@ -332,10 +333,11 @@ def dataset_fields(config: PipelineConfig, regen_manifest: dict, release: str | 
     }
 
 
-def check_dataset(config: PipelineConfig, manifest: dict) -> None:
+def check_dataset(run: RunSection, data: DataSection, target: TargetSection, training: TrainingSection,
+                  manifest: dict) -> None:
     """Refuse a data set made for another target, other layers, another template or the other feature mode."""
-    where = f"the data set in {dataset_dir(config)}"
-    check_same(where, manifest["target"], target_identity(config.target), ("path", "config_sha256", "tokenizer_sha256", "family"))
-    check_same(where, manifest["capture"], {"aux_layers": list(config.data.aux_layers), "last_hidden": config.data.last_hidden},
+    where = f"the data set in {dataset_dir(run, training)}"
+    check_same(where, manifest["target"], target_identity(target), ("path", "config_sha256", "tokenizer_sha256", "family"))
+    check_same(where, manifest["capture"], {"aux_layers": list(data.aux_layers), "last_hidden": data.last_hidden},
                ("aux_layers", "last_hidden"))
-    check_same(where, manifest, {"thinking": config.data.thinking, "features": config.training.features}, ("thinking", "features"))
+    check_same(where, manifest, {"thinking": data.thinking, "features": training.features}, ("thinking", "features"))

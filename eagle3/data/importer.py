@@ -89,7 +89,7 @@ def import_rows(config: PipelineConfig, source: Path | None = None, log: Log = p
         prompt_set, _, heldout = split_prompts(config, tokenizer, log)
         if (out / GREEDY_FILE).is_file():  # reused when made for the same prompts and length
             shutil.copy2(out / GREEDY_FILE, tmp / GREEDY_FILE)
-        generator = generator or make_generator(config)
+        generator = generator or make_generator(config.data, config.target, config.training.seed)
         greedy = continue_heldout(config, generator, tokenizer, tmp / GREEDY_FILE, log)
         atomic_write_json(tmp / IDS_FILE, tally.order)
         quality = check_quality(config.data, tmp, tokenizer, log)

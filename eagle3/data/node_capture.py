@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig
 from eagle3.resolve import load_config
 from eagle3.config.data import DataSection
+from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import ServingSection
+from eagle3.config.training import TrainingSection
 from eagle3.data.capture import Log, capture, dataset_dir
 from eagle3.distributed import setup_distributed
 from eagle3.engines.backends import target_backend
@@ -48,14 +49,15 @@ def run_on_node(data: DataSection, serving: ServingSection, resolved: Path | str
         raise Eagle3Error(f"SGLang capture exited with status {code}: {' '.join(command)}")
 
 
-def capture_with_engine(config: PipelineConfig, resolved: Path | str, log: Log = print, store=None) -> Path:
+def capture_with_engine(run: RunSection, data: DataSection, target: TargetSection, training: TrainingSection,
+                        serving: ServingSection | None, resolved: Path | str, log: Log = print, store=None) -> Path:
     """Capture with `data.capture_engine`: here (transformers, with the feature store `store` when there is one), or
-    SGLang on the GPU node - torchrun in the node's SGLang environment reading the run's resolved config. Returns the
-    training data set's directory."""
-    if config.data.capture_engine == "sglang":
-        run_on_node(config.data, config.serving, resolved, log=log)
-        return dataset_dir(config)
-    return capture(config, log=log, store=store)
+    SGLang on the GPU node (on serving.tp GPUs) - torchrun in the node's SGLang environment reading the run's
+    resolved config. Returns the training data set's directory."""
+    if data.capture_engine == "sglang":
+        run_on_node(data, serving, resolved, log=log)
+        return dataset_dir(run, training)
+    return capture(run, data, target, training, log=log, store=store)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     dist = setup_distributed()  # SGLang's parallel state is built on this group: the target is TP over all ranks
     try:
         config = load_config(args.config)
-        capture(config, log=print if dist.main else (lambda line: None),
+        capture(config.run, config.data, config.target, config.training,
+                log=print if dist.main else (lambda line: None),
                 backend_for=lambda: target_backend(config.data, config.target, dist.device, dist.rank, dist.world),
                 main=dist.main)
     except Eagle3Error as err:

@@ -107,11 +107,11 @@ def regenerate(config: PipelineConfig, log: Log = print, generator=None, store=N
     prompt_set, train, heldout = split_prompts(config, tokenizer, log)
     train = train[: config.data.num_samples]
     log(f"regenerate: {len(train)} training prompts, {len(heldout)} held out for the benchmark")
-    log_projection(config, log)
+    log_projection(config.run, config.data, config.target, config.training, log)
     if len(train) < config.data.num_samples:
         log(f"regenerate: the source holds only {len(train)} training prompts (data.num_samples is {config.data.num_samples})")
 
-    generator = generator or make_generator(config)
+    generator = generator or make_generator(config.data, config.target, config.training.seed)
     done = read_done(out)
     todo = [(index, prompt) for index, prompt in enumerate(train) if prompt.id not in done]
     if done:
@@ -178,7 +178,8 @@ def split_prompts(config: PipelineConfig, tokenizer, log: Log) -> tuple[PromptSe
     report_malformed(prompt_set, data_dir / MALFORMED_FILE, log)
     train, heldout = split_heldout(prompt_set.prompts, config.data.heldout_fraction)
     if config.data.traffic is not None:
-        made, traffic = traffic_prompts(config, tokenizer)
+        made, traffic = traffic_prompts(config.run, config.data, config.target,
+                                        config.production.telemetry.slice_label, tokenizer)
         log(f"prompts: production traffic: {describe_traffic(made)}")
         traffic_train, traffic_heldout = split_heldout(traffic, config.data.heldout_fraction)
         train = mixed(train, traffic_train, config.data.traffic.share)
@@ -229,7 +230,8 @@ def samples_fields(config: PipelineConfig, directory: Path, tokenizer, prompt_se
         "engine": config.data.engine,
         "engine_release": release,
         "source": config.data.prompts,
-        "prompt_sources": prompt_sources(config, training_ids(directory)),
+        "prompt_sources": prompt_sources(config.run, config.data, config.target, config.production.telemetry.slice_label,
+                                         training_ids(directory)),
         "sampling": {"temperature": config.data.temperature, "max_new_tokens": config.data.max_new_tokens},
         "max_length": config.data.max_length,
         "samples": samples,

@@ -6,9 +6,9 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
-from eagle3.config.run import TargetSection
+from eagle3.config.run import RunSection, TargetSection
+from eagle3.config.training import TrainingSection
 from eagle3.data.shards import FEATURE_DTYPES, TOKEN_BYTES, bytes_per_token
 from eagle3.errors import Eagle3Error
 
@@ -56,15 +56,16 @@ def human_bytes(count: float) -> str:
     return f"{count:,.1f} TB"
 
 
-def log_projection(config: PipelineConfig, log: Log) -> None:
+def log_projection(run: RunSection, data: DataSection, target: TargetSection, training: TrainingSection,
+                   log: Log) -> None:
     """Before regeneration: the upper bound for the configured dataset (every sample at max_length)."""
-    tokens = config.data.num_samples * config.data.max_length
-    if config.training.features == "online":
+    tokens = data.num_samples * data.max_length
+    if training.features == "online":
         log(f"storage: no hidden state will be stored (training.features online): 0 bytes; token shards "
-            f"{TOKEN_BYTES} bytes per token, up to {human_bytes(TOKEN_BYTES * tokens)} under {config.stage_dir('data')}")
+            f"{TOKEN_BYTES} bytes per token, up to {human_bytes(TOKEN_BYTES * tokens)} under {run.stage_dir('data')}")
         return
-    per_token, total = projected_bytes(config.data, config.target, tokens)
+    per_token, total = projected_bytes(data, target, tokens)
     log(
-        f"storage: capture will store {per_token:,} bytes per token; {config.data.num_samples:,} samples x up to "
-        f"{config.data.max_length:,} tokens = up to {human_bytes(total)} under {config.stage_dir('data')}"
+        f"storage: capture will store {per_token:,} bytes per token; {data.num_samples:,} samples x up to "
+        f"{data.max_length:,} tokens = up to {human_bytes(total)} under {run.stage_dir('data')}"
     )

@@ -19,7 +19,6 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig
 from eagle3.config.serving import BenchmarkSection
 from eagle3.config.suites import HELDOUT, MTBENCH, TRAFFIC, SuiteSection, mtbench_file
 from eagle3.data.conversation import SampleBuilder, TemplateMismatch
@@ -164,15 +163,16 @@ def heldout_prompts_file(path: Path) -> list[Prompt]:
     return load_prompts(str(path)).prompts
 
 
-def planned_requests(config: PipelineConfig) -> int:
+def planned_requests(benchmark: BenchmarkSection | None, heldout_prompts: int) -> int:
     """How many requests the benchmark's suites make (for sizing the data stage before it runs): one per held-out or
-    traffic prompt, one per turn of every other suite's questions."""
-    if config.benchmark is None:
-        return config.heldout_set[0]
+    traffic prompt, one per turn of every other suite's questions; without a benchmark section, the `heldout_prompts`
+    the data stage continues (PipelineConfig.heldout_set)."""
+    if benchmark is None:
+        return heldout_prompts
     total = 0
-    for suite in config.benchmark.suites:
+    for suite in benchmark.suites:
         if suite.name in (HELDOUT, TRAFFIC):
-            total += suite.num_prompts or config.benchmark.num_prompts
+            total += suite.num_prompts or benchmark.num_prompts
         elif suite.name == MTBENCH:
             total += MTBENCH_TURNS * min(suite.num_prompts or MTBENCH_QUESTIONS, MTBENCH_QUESTIONS)
         else:

@@ -19,7 +19,8 @@ from collections import Counter, deque
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
-from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection
+from eagle3.config.run import RunSection, TargetSection
 from eagle3.data.prompts import Prompt, load_prompts, rendered_prompt, write_prompts
 from eagle3.engines.targets import load_tokenizer
 from eagle3.records.telemetry import RequestRecord, read_request_records
@@ -61,21 +62,21 @@ def select_traffic(records: Iterable[RequestRecord], decode: Callable[[list[int]
     return chosen, counts
 
 
-def traffic_snapshot(config: PipelineConfig, tokenizer=None) -> dict | None:
+def traffic_snapshot(run: RunSection, data: DataSection, target: TargetSection, slice_label: str,
+                     tokenizer=None) -> dict | None:
     """Where the run's traffic prompts came from (None when data.traffic is off): read from the records the first
     time the run asks (the window ends then), kept in run.dir/data and read again while the selection settings are
-    the same."""
-    traffic = config.data.traffic
+    the same. `slice_label`: production.telemetry.slice_label, the request label that names a record's slice."""
+    traffic = data.traffic
     if traffic is None:
         return None
-    directory = config.stage_dir("data")
-    selection = {**traffic.model_dump(mode="json", exclude={"share"}),
-                 "slice_label": config.production.telemetry.slice_label}
+    directory = run.stage_dir("data")
+    selection = {**traffic.model_dump(mode="json", exclude={"share"}), "slice_label": slice_label}
     if (directory / TRAFFIC_FILE).is_file() and (directory / TRAFFIC_PROMPTS).is_file():
         made = read_json(directory / TRAFFIC_FILE, "no traffic snapshot")
         if made.get("selection") == selection:
             return made
-    tokenizer = tokenizer or load_tokenizer(config.target)
+    tokenizer = tokenizer or load_tokenizer(target)
     until = time.time()
     since = until - traffic.hours * 3600
     records = read_request_records(traffic.records, since, until)
@@ -98,10 +99,11 @@ def describe_traffic(made: dict) -> str:
             f"{made['without_prompt']} without a prompt, {made['capped']} over the caps")
 
 
-def traffic_prompts(config: PipelineConfig, tokenizer=None) -> tuple[dict, list[Prompt]]:
+def traffic_prompts(run: RunSection, data: DataSection, target: TargetSection, slice_label: str,
+                    tokenizer=None) -> tuple[dict, list[Prompt]]:
     """The run's traffic snapshot and its prompts (data.traffic on)."""
-    made = traffic_snapshot(config, tokenizer)
-    return made, load_prompts(str(config.stage_dir("data") / TRAFFIC_PROMPTS)).prompts
+    made = traffic_snapshot(run, data, target, slice_label, tokenizer)
+    return made, load_prompts(str(run.stage_dir("data") / TRAFFIC_PROMPTS)).prompts
 
 
 def mixed(base: list[Prompt], traffic: list[Prompt], share: float) -> list[Prompt]:
@@ -119,15 +121,16 @@ def mixed(base: list[Prompt], traffic: list[Prompt], share: float) -> list[Promp
     return out
 
 
-def prompt_sources(config: PipelineConfig, train_ids: list[str]) -> dict:
+def prompt_sources(run: RunSection, data: DataSection, target: TargetSection, slice_label: str,
+                   train_ids: list[str]) -> dict:
     """The manifest's account of where the training split's prompts came from: the base source, and the traffic
     snapshot with its samples per slice."""
-    snapshot = traffic_snapshot(config)
+    snapshot = traffic_snapshot(run, data, target, slice_label)
     slices = {} if snapshot is None else {
-        p.id: p.slice for p in load_prompts(str(config.stage_dir("data") / TRAFFIC_PROMPTS)).prompts}
+        p.id: p.slice for p in load_prompts(str(run.stage_dir("data") / TRAFFIC_PROMPTS)).prompts}
     used = Counter(slices[i] for i in train_ids if i in slices)
     traffic = None if snapshot is None else {**snapshot, "samples": sum(used.values()), "samples_per_slice": dict(used)}
-    return {"base": {"source": config.data.prompts, "samples": len(train_ids) - sum(used.values())}, "traffic": traffic}
+    return {"base": {"source": data.prompts, "samples": len(train_ids) - sum(used.values())}, "traffic": traffic}
 
 
 def _iso(seconds: float) -> str:

@@ -8,7 +8,8 @@ from typing import Callable
 
 import torch
 
-from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection, VocabSection
+from eagle3.config.run import RunSection, TargetSection
 from eagle3.data.capture import regenerated_manifest
 from eagle3.data.regenerate import read_regenerated, regen_dir
 from eagle3.engines.targets import DataMismatch
@@ -30,12 +31,14 @@ def count_loss_tokens(records, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def build_vocab(config: PipelineConfig, log: Callable[[str], None] = print) -> Path:
-    regenerated_manifest(config)  # refuses data made for another target or template
-    regen = regen_dir(config.run)
-    counts = count_loss_tokens(read_regenerated(regen), config.target.vocab_size)
-    vocab_map, stats = build_vocab_map(counts, config.vocab.draft_vocab_size)
-    out = config.stage_dir("vocab")
+def build_vocab(run: RunSection, data: DataSection, target: TargetSection, vocab: VocabSection,
+                log: Callable[[str], None] = print) -> Path:
+    """The draft vocabulary of the run's regenerated data (refused when made for another target or template)."""
+    regenerated_manifest(run, data, target)
+    regen = regen_dir(run)
+    counts = count_loss_tokens(read_regenerated(regen), target.vocab_size)
+    vocab_map, stats = build_vocab_map(counts, vocab.draft_vocab_size)
+    out = run.stage_dir("vocab")
     save_vocab_map(vocab_map, out, stats)
     write_manifest(
         out,

@@ -27,8 +27,8 @@ from datetime import datetime, timezone
 import httpx
 
 from eagle3.bench.counting import accept_length
-from eagle3.config import PipelineConfig
 from eagle3.config.deployment import MonitorSection, ProductionSection
+from eagle3.config.serving import ServingSection
 from eagle3.errors import ConfigError
 from eagle3.records.telemetry import metric_total, parse_metrics, read_request_records
 from eagle3.serving import serving_engine
@@ -166,10 +166,13 @@ def judge(observation: Observation, baseline: dict, monitor: MonitorSection) -> 
 
 
 class Monitor:
-    """The windows of one registry's production, kept in the registry's store."""
+    """The windows of one registry's production, kept in the registry's store; production is observed as
+    `production` (its endpoint and telemetry) and `serving` (its engine) say, and judged by `monitor`."""
 
-    def __init__(self, config: PipelineConfig, registry, log: Log = print):
-        self.config, self.registry, self.store, self.log = config, registry, registry.store, log
+    def __init__(self, monitor: MonitorSection, production: ProductionSection, serving: ServingSection, registry,
+                 log: Log = print):
+        self.monitor, self.production, self.serving = monitor, production, serving
+        self.registry, self.store, self.log = registry, registry.store, log
 
     def windows(self, limit: int | None = None) -> list[dict]:
         """The most recent windows (all with limit None), oldest first."""
@@ -195,18 +198,18 @@ class Monitor:
     def run_window(self, now: float | None = None) -> dict:
         """Observe, judge and record one window; the entry's `alarm` holds the alarm's figures when one is raised."""
         now = time.time() if now is None else now
-        recent = self.windows(self.config.monitor.keep_windows)
+        recent = self.windows(self.monitor.keep_windows)
         version = self.registry.production_version()
         entry = {"t": now, "time": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
                  "version": version, "registry": self.registry.location}
-        observed = (observe(self.config.monitor, self.config.production, serving_engine(self.config.serving.engine),
+        observed = (observe(self.monitor, self.production, serving_engine(self.serving.engine),
                             last_with_counters(recent), now) if version
                     else "the registry has no production version")
         if isinstance(observed, str):
             entry.update(verdict="unavailable", reason=observed)
         else:
             baseline = baseline_of(self.registry.manifest(version))
-            verdict, reason, threshold = judge(observed, baseline, self.config.monitor)
+            verdict, reason, threshold = judge(observed, baseline, self.monitor)
             entry.update(verdict=verdict, reason=reason, source=observed.source, span_s=observed.span_s,
                          accept_length=accept_length(observed.completion_tokens, observed.verify_steps),
                          output_tokens_per_s=observed.completion_tokens / observed.span_s if observed.span_s else None,
@@ -222,7 +225,7 @@ class Monitor:
 
     def _alarm(self, entry: dict, recent: list[dict]) -> None:
         """Raise (or suppress, in the cool-down) the alarm when this low window completes a streak."""
-        monitor = self.config.monitor
+        monitor = self.monitor
         last = self.alarms(1)
         since = last[0]["t"] if last else float("-inf")
         # a streak counts from the last one that completed, whether it raised the alarm or was suppressed

@@ -232,9 +232,9 @@ def diagnosis_of(config: PipelineConfig, draft: Path, served: dict, simulated_ac
                   default=None)
     engine, reported = serving_engine(config.serving.engine), served.get("server_version")
     release = engine.served_release(reported, config.serving.release) if reported else config.serving.release
-    return diagnose(draft, release, Path(config.target.path), dataset_dir(config), simulated_accept_length,
-                    served.get("accept_length"), longest, trust_remote_code=config.target.trust_remote_code,
-                    engine=engine).to_dict()
+    return diagnose(draft, release, Path(config.target.path), dataset_dir(config.run, config.training),
+                    simulated_accept_length, served.get("accept_length"), longest,
+                    trust_remote_code=config.target.trust_remote_code, engine=engine).to_dict()
 
 
 def registry_metrics(served: dict, simulated_accept_length: float | None, chosen: dict) -> dict:

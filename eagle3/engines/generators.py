@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection
 from eagle3.config.run import TargetSection
 from eagle3.engines.targets import eos_ids_of, load_target_model
 from eagle3.errors import Eagle3Error
@@ -188,10 +188,11 @@ class ServerClient:
         return Generation(list(answer["output_ids"]), finish.get("type", "unknown") if isinstance(finish, dict) else str(finish))
 
 
-def make_generator(config: PipelineConfig):
-    data = config.data
+def make_generator(data: DataSection, target: TargetSection, seed: int):
+    """data.engine's generator: the target on this machine (sampling seeded with `seed`, training.seed), or a client
+    of data.servers."""
     if data.engine == "local":
-        return LocalGenerator(config.target, data.max_new_tokens, data.temperature, config.training.seed)
+        return LocalGenerator(target, data.max_new_tokens, data.temperature, seed)
     if not data.servers:  # data.nodes: the servers exist only while the regenerate stage runs
         raise EngineError("data.nodes: only the regenerate stage (the flow, `eagle3 data regenerate`) starts the "
                           "target's servers; for this command start them yourself and set data.servers to their URLs")

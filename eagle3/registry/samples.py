@@ -39,8 +39,10 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection
+from eagle3.config.deployment import RegistrySection
 from eagle3.config.run import TargetSection
+from eagle3.config.training import TrainingSection
 from eagle3.data.shards import ShardReader, StoredSample
 from eagle3.engines.targets import has_weight_files, target_identity, weights_sha256
 from eagle3.registry.registry import open_registry
@@ -60,18 +62,16 @@ def target_context(target: TargetSection) -> dict:
     return {"target": target_identity(target) | {"path": None}, "weights_sha256": weights_sha256(target)}
 
 
-def reply_context(config: PipelineConfig) -> dict:
+def reply_context(data: DataSection, target: TargetSection) -> dict:
     """Everything a reply depends on besides its prompt."""
-    data = config.data
-    return {"format": FORMATS["samples"], **target_context(config.target), "thinking": data.thinking,
+    return {"format": FORMATS["samples"], **target_context(target), "thinking": data.thinking,
             "sampling": {"temperature": data.temperature, "max_new_tokens": data.max_new_tokens},
             "max_length": data.max_length}
 
 
-def feature_context(config: PipelineConfig) -> dict:
+def feature_context(data: DataSection, target: TargetSection) -> dict:
     """Everything a sample's captured features depend on besides its tokens."""
-    data = config.data
-    return {"format": FORMATS["features"], **target_context(config.target), "aux_layers": list(data.aux_layers),
+    return {"format": FORMATS["features"], **target_context(target), "aux_layers": list(data.aux_layers),
             "last_hidden": data.last_hidden,
             "engine": data.capture_engine, "dtype": data.feature_dtype}
 
@@ -305,41 +305,43 @@ def orphans(packs: PackStore, now: float | None = None) -> list[str]:
 # The data stages' side
 
 
-def open_sample_store(config: PipelineConfig, log: Log = print) -> SampleStore | None:
+def open_sample_store(registry: RegistrySection | None, data: DataSection, target: TargetSection,
+                      log: Log = print) -> SampleStore | None:
     """The reply store of the config's registry for this run's context; None (said) without a registry or with
     data.share_samples off."""
-    store = registry_store(config, log)
+    store = registry_store(registry, data, target, log)
     if store is None:
         return None
-    context = reply_context(config)
+    context = reply_context(data, target)
     return SampleStore(store, context_key(context), log, context)
 
 
-def open_feature_store(config: PipelineConfig, log: Log = print) -> FeatureStore | None:
+def open_feature_store(registry: RegistrySection | None, data: DataSection, target: TargetSection,
+                       training: TrainingSection, log: Log = print) -> FeatureStore | None:
     """The feature store for this run's capture settings; None with features online (nothing captured for
     training), with SGLang's capture (its tensor-parallel ranks must all compute the same samples: said), without a
     registry, or with data.share_samples off."""
-    if config.training.features == "online":
+    if training.features == "online":
         return None
-    if config.data.capture_engine != "local":
+    if data.capture_engine != "local":
         log("feature store: used by the local capture engine only (SGLang's ranks capture every sample together)")
         return None
-    store = registry_store(config, log)
+    store = registry_store(registry, data, target, log)
     if store is None:
         return None
-    context = feature_context(config)
+    context = feature_context(data, target)
     return FeatureStore(store, context_key(context), log, context)
 
 
-def registry_store(config: PipelineConfig, log: Log) -> Store | None:
-    if config.registry is None:
+def registry_store(registry: RegistrySection | None, data: DataSection, target: TargetSection, log: Log) -> Store | None:
+    if registry is None:
         log("sample store: no registry section, so no store: everything is made anew")
         return None
-    if not has_weight_files(config.target):
-        log(f"sample store: the target's weights are not under target.path {config.target.path} on this machine, "
+    if not has_weight_files(target):
+        log(f"sample store: the target's weights are not under target.path {target.path} on this machine, "
             "so they cannot be fingerprinted: no store, everything is made anew")
         return None
-    if not config.data.share_samples:
+    if not data.share_samples:
         log("sample store: data.share_samples is off: everything is made anew, nothing kept")
         return None
-    return open_registry(config.registry, log).store
+    return open_registry(registry, log).store

@@ -13,45 +13,49 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
+from eagle3.config.data import DataSection, split_node
+from eagle3.config.serving import ServingSection
 from eagle3.resolve import derived
-from eagle3.config.data import split_node
 from eagle3.engines.generators import ServerClient, make_generator
 from eagle3.errors import Eagle3Error
 from eagle3.serve.launch import Server, server_for
 from eagle3.serving import serving_engine
+from eagle3.serving.base import LaunchSpec, launch_spec
 
 Log = Callable[[str], None]
 
 
-def node_endpoints(config: PipelineConfig) -> list[tuple[str, int]]:
+def node_endpoints(data: DataSection, serving: ServingSection) -> list[tuple[str, int]]:
     """(host, port) of each data.nodes entry, in order."""
-    endpoints = [(host, port or config.serving.port) for host, port in map(split_node, config.data.nodes)]
+    endpoints = [(host, port or serving.port) for host, port in map(split_node, data.nodes)]
     if len(set(endpoints)) < len(endpoints):
-        raise Eagle3Error(f"data.nodes {config.data.nodes} names an endpoint twice once serving.port "
-                          f"{config.serving.port} fills in the missing ports: give each server its own host or port")
+        raise Eagle3Error(f"data.nodes {data.nodes} names an endpoint twice once serving.port "
+                          f"{serving.port} fills in the missing ports: give each server its own host or port")
     return endpoints
 
 
-def check_engines(config: PipelineConfig) -> None:
+def check_engines(data: DataSection, serving: ServingSection | None) -> None:
     """The servers data.nodes starts are serving.engine's, and the client speaks data.engine's API."""
-    if config.serving is None:
+    if serving is None:
         raise Eagle3Error("data.nodes starts the target's servers as serving.engine and serving.launcher say: the "
                           "config needs a serving section (engine, launcher, context_length)")
-    started, client = serving_engine(config.serving.engine), serving_engine(config.data.engine)
+    started, client = serving_engine(serving.engine), serving_engine(data.engine)
     if not isinstance(started, type(client)):
         raise Eagle3Error(f"data.nodes would start {started.title} (serving.engine {started.name}), which does not "
                           f"speak the API of data.engine {client.name}: set data.engine to the engine it serves")
 
 
-def node_config(config: PipelineConfig, host: str, port: int) -> PipelineConfig:
-    """`config` serving from host:port, reached by serving.launcher: ssh to that host, or an srun step on that node."""
-    s = config.serving
+def node_spec(spec: LaunchSpec, host: str, port: int) -> LaunchSpec:
+    """`spec` serving from host:port, reached by serving.launcher: ssh to that host, or an srun step on that node."""
+    s = spec.serving
     on_the_node = ["--nodes=1", "--ntasks=1", f"--nodelist={host}"] if s.launcher == "srun" else []
-    return derived(config, {"serving.host": host, "serving.port": port, "serving.ssh_host": None,
-                            "serving.srun_args": [*s.srun_args, *on_the_node]})
+    serving = ServingSection.model_validate({**s.model_dump(), "host": host, "port": port, "ssh_host": None,
+                                             "srun_args": [*s.srun_args, *on_the_node]})
+    return replace(spec, serving=serving)
 
 
 def served_target(path: str) -> str:
@@ -61,20 +65,19 @@ def served_target(path: str) -> str:
 
 
 @contextlib.contextmanager
-def node_servers(config: PipelineConfig, log: Log) -> Iterator[list[str]]:
+def node_servers(spec: LaunchSpec, data: DataSection, log: Log) -> Iterator[list[str]]:
     """Start a server on every data.nodes endpoint, wait until each serves, yield their URLs; stop them all at the
     end, whatever ends the block (a server that fails to start stops the others too)."""
-    check_engines(config)
-    endpoints = node_endpoints(config)
-    target = served_target(config.target.path)
+    endpoints = node_endpoints(data, spec.serving)
+    target = served_target(spec.target.path)
     servers: list[Server] = [
-        server_for(node_config(config, host, port), target, None, log, role=f"data node {i}/{len(endpoints)}")
+        server_for(node_spec(spec, host, port), target, None, log, role=f"data node {i}/{len(endpoints)}")
         for i, (host, port) in enumerate(endpoints, start=1)]
     try:
         for server in servers:
             server.start()
         for server in servers:
-            server.wait_healthy(config.serving.health_timeout_s)
+            server.wait_healthy(spec.serving.health_timeout_s)
         yield [server.url for server in servers]
     finally:
         for server in servers:
@@ -89,9 +92,10 @@ def on_nodes(config: PipelineConfig, log: Log) -> Iterator[tuple[PipelineConfig,
     if not config.data.nodes:
         yield config, None
         return
-    with node_servers(config, log) as urls:
+    check_engines(config.data, config.serving)
+    with node_servers(launch_spec(config), config.data, log) as urls:
         served = derived(config, {"data.nodes": [], "data.servers": urls})
-        client = make_generator(served)
+        client = make_generator(served.data, served.target, served.training.seed)
         log(f"regenerate: {len(urls)} servers started for data.nodes: {', '.join(urls)}")
         try:
             yield served, client

@@ -28,7 +28,7 @@ from eagle3.procs import (
     GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
 from eagle3.serving import serving_engine
-from eagle3.serving.base import ServingEngine
+from eagle3.serving.base import LaunchSpec, ServingEngine, launch_spec
 from eagle3.serving.sglang import SGLANG
 from eagle3.warm import ForkedProcess, fork_module
 
@@ -139,27 +139,27 @@ class Server:
         self.stop()
 
 
-def server_for(config: PipelineConfig, target, draft, log: Callable[[str], None] = print, role: str = "candidate",
+def server_for(spec: LaunchSpec, target, draft, log: Callable[[str], None] = print, role: str = "candidate",
                unit: str | None = None, telemetry: TelemetrySection | None = None, outlives_run: bool = False,
                entry: DraftAlgorithm | None = None) -> Server:
-    """The server for `config.serving`; with `unit`, its local process (the server, or the ssh / srun that holds it)
+    """The server for `spec.serving`; with `unit`, its local process (the server, or the ssh / srun that holds it)
     runs in that transient systemd scope; with `telemetry` (production only), the engine's metrics and request records;
-    `entry` the draft's algorithm (None: the config's), whose flags serve it.
+    `entry` the draft's algorithm (None: the spec's), whose flags serve it.
     A local reference server that ends with this process (not `outlives_run`, no unit) starts warm
     (run.warm_start)."""
-    s, engine = config.serving, serving_engine(config.serving.engine)
-    built = engine.command(config, target, draft, telemetry, entry)
+    s, engine = spec.serving, serving_engine(spec.serving.engine)
+    built = engine.command(spec, target, draft, telemetry, entry)
     ssh_host = s.ssh_host or s.host
     command = wrap(built, s.launcher, ssh_host, s.srun_args, s.ssh_args)
     via = {"local": "local", "ssh": f"ssh {ssh_host}", "srun": "srun"}[s.launcher]
     if unit is not None:
         command = in_systemd_scope(command, unit)
         via += f", systemd unit {unit}"
-    return Server(command, s.host, s.port, s.log_dir or config.run.dir / "logs", log,
+    return Server(command, s.host, s.port, spec.log_dir, log,
                   label=f"{role} {engine.name} endpoint http://{s.host}:{s.port}, launcher {via}",
                   gpu_query=wrap(GPU_QUERY, s.launcher, ssh_host, s.srun_args, s.ssh_args),
                   gpu_free_mib=s.gpu_free_mib, gpu_free_timeout_s=s.gpu_free_timeout_s,
-                  warm=config.run.warm_start and engine.forks_warm and s.launcher == "local" and unit is None
+                  warm=spec.warm_start and engine.forks_warm and s.launcher == "local" and unit is None
                   and not outlives_run, engine=engine)
 
 
@@ -192,7 +192,7 @@ def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[st
         raise LaunchError(f"draft {draft} ({entry.name}): {problem}; nothing was launched")
     engine = serving_engine(config.serving.engine)
     served = served_form(config, target, Path(draft), entry, engine, log) if draft is not None else None
-    server = server_for(config, target, served, log, role, unit, telemetry, outlives_run, entry)
+    server = server_for(launch_spec(config), target, served, log, role, unit, telemetry, outlives_run, entry)
     server.start()
     try:
         live = server.wait_healthy(config.serving.health_timeout_s)

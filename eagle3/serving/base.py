@@ -4,12 +4,35 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
 
 from eagle3.algorithms import DraftAlgorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
-from eagle3.config.serving import ServingSection
+from eagle3.config.draft import DraftSection
+from eagle3.config.run import TargetSection
+from eagle3.config.serving import ServingSection, SweepSection
 from eagle3.records.telemetry import GENERATION_TOKENS, VERIFY_CALLS
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What launching a server reads of a run's config (eagle3.serve.launch.server_for, each engine's `command`)."""
+
+    serving: ServingSection
+    target: TargetSection
+    draft: DraftSection  # its algorithm's flags serve a draft given without its own; vLLM's check reads its attention
+    sglang_python: str  # data.sglang_python: SGLang's interpreter on the node
+    cpu_threads: int | None  # run.cpu_threads: the reference server's threads
+    log_dir: Path  # the server's log: serving.log_dir, else run.dir/logs
+    warm_start: bool  # run.warm_start: a local reference server may be forked from the warm process
+
+
+def launch_spec(config: PipelineConfig) -> LaunchSpec:
+    """The launch spec of a config with a serving section."""
+    return LaunchSpec(config.serving, config.target, config.draft, config.data.sglang_python, config.run.cpu_threads,
+                      config.serving.log_dir or config.run.dir / "logs", config.run.warm_start)
 
 
 class ServingEngine(ABC):
@@ -32,15 +55,16 @@ class ServingEngine(ABC):
         when it reports none."""
 
     @abstractmethod
-    def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,
+    def command(self, spec: LaunchSpec, target, draft, telemetry: TelemetrySection | None = None,
                 entry: DraftAlgorithm | None = None) -> list[str]:
         """The command that serves `target`, drafting with `draft` (None: no draft) by its algorithm `entry`'s flags
-        (None: the config's draft.algorithm), with production's `telemetry` (candidates and baselines: None).
+        (None: the spec's draft.algorithm), with production's `telemetry` (candidates and baselines: None).
         Refuses, with a LaunchError, serving flags that would contradict the ones it sets."""
 
-    def check(self, config: PipelineConfig) -> None:
-        """What `command` would refuse at a run's first launch, refused now (`eagle3 config`)."""
-        self.command(config, "TARGET", "DRAFT", config.production.telemetry)
+    def check(self, spec: LaunchSpec, telemetry: TelemetrySection, sweep: SweepSection) -> None:
+        """What `command` would refuse at a run's first launch (production's with its `telemetry`), refused now
+        (`eagle3 config`); `sweep`: the shapes later launches serve."""
+        self.command(spec, "TARGET", "DRAFT", telemetry)
 
     @abstractmethod
     def served_release(self, reported: str, configured: str | None) -> str | None:

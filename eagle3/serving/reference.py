@@ -7,9 +7,9 @@ from __future__ import annotations
 import sys
 
 from eagle3.algorithms import DraftAlgorithm
-from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
 from eagle3.procs import cpu_threads
+from eagle3.serving.base import LaunchSpec
 from eagle3.serving.sglang import SGLang, telemetry_flags
 
 
@@ -20,16 +20,16 @@ class Reference(SGLang):
     title = "the reference server"
     forks_warm = True
 
-    def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,
+    def command(self, spec: LaunchSpec, target, draft, telemetry: TelemetrySection | None = None,
                 entry: DraftAlgorithm | None = None) -> list[str]:
-        s = config.serving  # the server reads the draft's algorithm from the draft itself
+        s = spec.serving  # the server reads the draft's algorithm from the draft itself
         command = [sys.executable, "-m", "eagle3.cli", "serve", "--target", str(target)]
         command += ["--draft", str(draft)] if draft is not None else []
         command += ["--num-steps", str(s.num_steps), "--eagle-topk", str(s.eagle_topk),
                     "--num-draft-tokens", str(s.num_draft_tokens)]
         command += ["--release", s.release] if s.release else []
-        command += ["--trust-remote-code"] if config.target.trust_remote_code else []
-        command += ["--dtype", config.target.dtype, "--threads", str(cpu_threads(config.run.cpu_threads))]
+        command += ["--trust-remote-code"] if spec.target.trust_remote_code else []
+        command += ["--dtype", spec.target.dtype, "--threads", str(cpu_threads(spec.cpu_threads))]
         return command + ["--host", s.host, "--port", str(s.port)] + telemetry_flags(telemetry)
 
     def served_release(self, reported: str, configured: str | None) -> str | None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import httpx
 
 from eagle3.algorithms import DraftAlgorithm, algorithm
-from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
+from eagle3.config.run import TargetSection
+from eagle3.config.serving import ServingSection
 from eagle3.contract.engines import TWO_BATCH_OVERLAP_LOSES_CAPTURE
 from eagle3.contract.releases import parse_release, release_or_newest
 from eagle3.procs import LaunchError
 from eagle3.records.telemetry import PIPELINE_LABEL
-from eagle3.serving.base import ServingEngine, flag_of, launcher_flag_for
+from eagle3.serving.base import LaunchSpec, ServingEngine, flag_of, launcher_flag_for
 
 # Every spelling SGLang's parser accepts for each flag the launcher sets (read from its releases'
 # `ServerArgs.add_cli_args`; tests/conformance checks the table against each release's parser).
@@ -73,19 +74,19 @@ def custom_label_keys(telemetry: TelemetrySection) -> list[str]:
     return list(dict.fromkeys([PIPELINE_LABEL[0], telemetry.slice_label]))
 
 
-def refuse_clashing_flags(config: PipelineConfig, draft) -> None:
+def refuse_clashing_flags(serving: ServingSection, target: TargetSection, draft) -> None:
     """serving.extra_args that would contradict the launcher: a speculative algorithm of their own, two-batch overlap
     where it loses the aux capture, or a flag the launcher sets from a field."""
-    extra_flags = [a for a in config.serving.extra_args if a.startswith("--")]
+    extra_flags = [a for a in serving.extra_args if a.startswith("--")]
     if any(launcher_flag_for(a, LAUNCHER_FLAGS) == "--speculative-algorithm" for a in extra_flags):
         raise LaunchError(
-            f"serving.extra_args {config.serving.extra_args} sets --speculative-algorithm; the launcher sets it "
+            f"serving.extra_args {serving.extra_args} sets --speculative-algorithm; the launcher sets it "
             "(EAGLE3 for an EAGLE-3 draft: EAGLE would serve it with the wrong fc input and no aux states); remove it")
     overlap = [a for a in extra_flags
                if TWO_BATCH_OVERLAP_FLAG.startswith(flag_of(a)) and len(flag_of(a)) > len("--enable-t")]
-    if draft is not None and overlap and config.target.family in TWO_BATCH_OVERLAP_LOSES_CAPTURE:
+    if draft is not None and overlap and target.family in TWO_BATCH_OVERLAP_LOSES_CAPTURE:
         raise LaunchError(
-            f"serving.extra_args sets {overlap[0]}: with two-batch overlap SGLang's {config.target.family} model file "
+            f"serving.extra_args sets {overlap[0]}: with two-batch overlap SGLang's {target.family} model file "
             "captures aux hidden states only below first_k_dense_replace (every release read), so the EAGLE3 draft "
             "would get fewer states than it was trained on; remove it for the speculative server")
     set_by_launcher = {a: launcher_flag_for(a, LAUNCHER_FLAGS) for a in extra_flags}
@@ -108,16 +109,16 @@ class SGLang(ServingEngine):
             raise ValueError(f"{self.info_path} has no version: {info}")
         return str(info["version"])  # its own __version__: it selects the loader rules
 
-    def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,
+    def command(self, spec: LaunchSpec, target, draft, telemetry: TelemetrySection | None = None,
                 entry: DraftAlgorithm | None = None) -> list[str]:
-        s = config.serving
-        command = [config.data.sglang_python, "-m", "sglang.launch_server", "--model-path", str(target)]
+        s = spec.serving
+        command = [spec.sglang_python, "-m", "sglang.launch_server", "--model-path", str(target)]
         if draft is not None:
-            command += (entry or algorithm(config.draft.algorithm)).server_flags(draft, s)
+            command += (entry or algorithm(spec.draft.algorithm)).server_flags(draft, s)
         command += ["--tp-size", str(s.tp), "--host", s.host, "--port", str(s.port),
                     "--context-length", str(s.context_length)]
-        command += ["--trust-remote-code"] if config.target.trust_remote_code else []
-        refuse_clashing_flags(config, draft)
+        command += ["--trust-remote-code"] if spec.target.trust_remote_code else []
+        refuse_clashing_flags(s, spec.target, draft)
         return command + telemetry_flags(telemetry) + list(s.extra_args)
 
     def served_release(self, reported: str, configured: str | None) -> str | None:

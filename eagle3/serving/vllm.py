@@ -9,11 +9,10 @@ import json
 import httpx
 
 from eagle3.algorithms import ALGORITHMS, DraftAlgorithm, algorithm
-from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
-from eagle3.config.serving import ServingSection
+from eagle3.config.serving import ServingSection, SweepSection
 from eagle3.procs import LaunchError
-from eagle3.serving.base import ServingEngine, flag_of, launcher_flag_for
+from eagle3.serving.base import LaunchSpec, ServingEngine, flag_of, launcher_flag_for
 from eagle3.serving.vllm_env import vllm_python
 
 VLLM_NAME = "vllm"  # serving.engine, and the key of a draft algorithm's served_as: its SpeculativeConfig.method
@@ -113,28 +112,28 @@ class VLLM(ServingEngine):
             raise ValueError(f"{self.info_path} has no version: {answer}")
         return str(answer["version"])
 
-    def command(self, config: PipelineConfig, target, draft, telemetry: TelemetrySection | None = None,
+    def command(self, spec: LaunchSpec, target, draft, telemetry: TelemetrySection | None = None,
                 entry: DraftAlgorithm | None = None) -> list[str]:
-        s = config.serving
+        s = spec.serving
         command = [vllm_python(s.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
                    "--tensor-parallel-size", str(s.tp), "--host", s.host, "--port", str(s.port),
                    "--max-model-len", str(s.context_length)]
         if draft is not None:
-            spec = speculative_config(entry or algorithm(config.draft.algorithm), draft, s)
-            command += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
-        command += ["--trust-remote-code"] if config.target.trust_remote_code else []
+            speculative = speculative_config(entry or algorithm(spec.draft.algorithm), draft, s)
+            command += ["--speculative-config", json.dumps(speculative), "--per-request-spec-decode-metrics", "summary"]
+        command += ["--trust-remote-code"] if spec.target.trust_remote_code else []
         refuse_clashing_flags(s)
         refuse_telemetry(telemetry)
         return command + list(s.extra_args)
 
-    def check(self, config: PipelineConfig) -> None:
+    def check(self, spec: LaunchSpec, telemetry: TelemetrySection, sweep: SweepSection) -> None:
         """Also what a later launch would refuse after training: a sweep point that drafts a tree, and an MLA draft
         (the speculators layout, which vLLM loads, has no MLA form)."""
-        super().check(config)
-        if config.draft.attention != "mha":
-            raise LaunchError(f"draft.attention {config.draft.attention}: vLLM loads the speculators layout, whose "
+        super().check(spec, telemetry, sweep)
+        if spec.draft.attention != "mha":
+            raise LaunchError(f"draft.attention {spec.draft.attention}: vLLM loads the speculators layout, whose "
                               "decoder layer is Llama's; serve an MLA draft with serving.engine sglang")
-        trees = [point for point in config.sweep.points if point[1] != 1] if config.sweep.enabled else []
+        trees = [point for point in sweep.points if point[1] != 1] if sweep.enabled else []
         if trees:
             raise LaunchError(f"sweep.points {trees}: vLLM drafts chains here (eagle_topk 1); sweep (num_steps, 1, "
                               "num_steps + 1) points, or set sweep.enabled false")

@@ -19,6 +19,7 @@ from typing import Callable
 from eagle3.algorithms import draft_algorithm
 from eagle3.bench.simulate import AcceptanceResult, heldout_samples, simulate
 from eagle3.config import PipelineConfig
+from eagle3.data.regenerate import greedy_length
 from eagle3.deployment.imports import config_for, file_digests, serving_of
 from eagle3.deployment.suites import column, steps_topk_tokens
 from eagle3.errors import Eagle3Error, UnreadableInput
@@ -73,7 +74,7 @@ def check_upstream(config: PipelineConfig) -> None:
         raise UnreadableInput(f"target.path {target}: no target model here (config.json): the replay reads its "
                               "embedding and end tokens; build it (`eagle3 make-tiny-target`, `eagle3 make-target`) "
                               "or set target.path to its directory")
-    heldout_samples(config, tuple(suite.name for suite in config.benchmark.suites))
+    heldout_samples(config.run, greedy_length(config), tuple(suite.name for suite in config.benchmark.suites))
 
 
 def draft_figures(config: PipelineConfig, source: Path) -> tuple[Path, dict, dict | None]:

@@ -93,7 +93,7 @@ def stage_fingerprint(config: PipelineConfig, stage: str) -> str:
     publishes them all (and is named after this hash)."""
     if stage != "export":
         return fingerprint(output_of(config, stage))
-    layouts = {layout: fingerprint(path) for layout, path in export_dirs(config).items()}
+    layouts = {layout: fingerprint(path) for layout, path in export_dirs(config.run, config.export).items()}
     return hashlib.sha256(json.dumps(layouts, sort_keys=True).encode()).hexdigest()
 
 

@@ -78,7 +78,7 @@ def dataset(config: PipelineConfig) -> Path:
     """The data set the trainer reads: feature shards, or token shards when training computes features online."""
     from eagle3.data.capture import dataset_dir
 
-    return dataset_dir(config)
+    return dataset_dir(config.run, config.training)
 
 
 def trained(config: PipelineConfig) -> Path:
@@ -91,7 +91,7 @@ def served_export(config: PipelineConfig) -> Path:
     """The served layout's directory (sglang): what the export stage's marker sits beside."""
     from eagle3.export import export_dirs
 
-    return export_dirs(config)["sglang"]
+    return export_dirs(config.run, config.export)["sglang"]
 
 
 # ---- runners: the library call each stage makes (imported when it runs: `eagle3 --help` stays light)
@@ -101,7 +101,8 @@ def regenerate(run: StageRun) -> None:
     from eagle3.registry.samples import open_sample_store
     from eagle3.serve.data_nodes import on_nodes
 
-    store = None if run.config.data.import_path else open_sample_store(run.config, run.log)
+    c = run.config
+    store = None if c.data.import_path else open_sample_store(c.registry, c.data, c.target, run.log)
     with on_nodes(run.config, run.log) as (config, generator):  # data.nodes: servers started for the stage
         make_samples(config, log=run.log, store=store, generator=generator)
 
@@ -110,13 +111,16 @@ def capture(run: StageRun) -> None:
     from eagle3.data.node_capture import capture_with_engine
     from eagle3.registry.samples import open_feature_store
 
-    capture_with_engine(run.config, run.resolved, log=run.log, store=open_feature_store(run.config, run.log))
+    c = run.config
+    store = open_feature_store(c.registry, c.data, c.target, c.training, run.log)
+    capture_with_engine(c.run, c.data, c.target, c.training, c.serving, run.resolved, log=run.log, store=store)
 
 
 def vocab(run: StageRun) -> None:
     from eagle3.data.vocab import build_vocab
 
-    build_vocab(run.config, log=run.log)
+    c = run.config
+    build_vocab(c.run, c.data, c.target, c.vocab, log=run.log)
 
 
 def train(run: StageRun) -> None:

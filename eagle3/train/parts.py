@@ -19,7 +19,7 @@ from eagle3.config.data import DataSection, VocabSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.training import TrainingSection
 from eagle3.data.capture import check_dataset, dataset_dir
-from eagle3.data.regenerate import read_regenerated, regen_dir
+from eagle3.data.regenerate import greedy_length, read_regenerated, regen_dir
 from eagle3.data.vocab import count_loss_tokens
 from eagle3.distributed import Dist
 from eagle3.draft.vocab_map import VocabMap, load_vocab_map
@@ -67,17 +67,17 @@ def training_parts(config: PipelineConfig, dist: Dist, log: Log) -> TrainingPart
 
 def dataset_manifest(config: PipelineConfig) -> dict:
     """The capture stage's manifest, checked against the config."""
-    dataset = dataset_dir(config)
+    dataset = dataset_dir(config.run, config.training)
     if not (dataset / MANIFEST_FILE).exists():
         raise Eagle3Error(f"{dataset}: no data set here; run `eagle3 data capture` first")
     manifest = read_manifest(dataset)
-    check_dataset(config, manifest)
+    check_dataset(config.run, config.data, config.target, config.training, manifest)
     return manifest
 
 
 def training_data(config: PipelineConfig, log: Log) -> TrainingData:
     train = config.training
-    data = TrainingData(dataset_dir(config), train.seq_len, train.eval_fraction)
+    data = TrainingData(dataset_dir(config.run, config.training), train.seq_len, train.eval_fraction)
     if data.without_loss:
         log(f"train: {data.without_loss} sample(s) left out: {data.left_out_why}")
     return data
@@ -101,7 +101,7 @@ def replayed_samples(config: PipelineConfig, data: TrainingData, log: Log) -> li
                               f"the {len(data.train)} samples: raise training.eval_fraction")
         return None
     try:
-        return heldout_samples(config)[: train.replay_prompts]
+        return heldout_samples(config.run, greedy_length(config))[: train.replay_prompts]
     except UnreadableInput as err:
         raise Eagle3Error(f"training.best_by accept_length replays the held-out greedy sequences: {err}; or pick "
                           "the best draft by step_acc or eval_loss") from None

@@ -9,6 +9,7 @@ from eagle3.config.deployment import TelemetrySection
 from eagle3.data.regenerate import simulated_shapes
 from eagle3.deployment.sweep import with_shape
 from eagle3.serving.sglang import LAUNCHER_FLAGS, SGLANG
+from eagle3.serving.base import launch_spec
 from releases import RELEASES
 
 ROOT = __import__("pathlib").Path(__file__).parents[2]
@@ -26,9 +27,9 @@ def launcher_commands() -> dict[str, tuple[list[str], object]]:
             (f"{name}-s{s.num_steps}k{s.eagle_topk}n{s.num_draft_tokens}-eagle3", with_shape(config, s), "/drafts/candidate")
             for s in simulated_shapes(config)]
         for label, shaped, draft in served:
-            command = SGLANG.command(shaped, "/models/target", draft)
+            command = SGLANG.command(launch_spec(shaped), "/models/target", draft)
             commands[label] = (command[command.index("sglang.launch_server") + 1:], shaped)
-        production = SGLANG.command(config, "/models/target", "/drafts/candidate", TELEMETRY)
+        production = SGLANG.command(launch_spec(config), "/models/target", "/drafts/candidate", TELEMETRY)
         commands[f"{name}-production-eagle3"] = (production[production.index("sglang.launch_server") + 1:], config)
     return commands
 
