@@ -19,7 +19,7 @@ import time
 import torch
 
 from eagle3.bench.simulate import replay
-from eagle3.draft.checkpoint import DraftConfig
+from eagle3.algorithms.eagle3.checkpoint import DraftConfig
 from eagle3.algorithms.eagle3.model import Eagle3Draft
 from eagle3.model.blocks import init_weights
 from eagle3.algorithms.eagle3.tree import DraftCache, draft_tree

@@ -20,7 +20,7 @@ import torch
 
 from eagle3.config.draft import DraftSection
 from eagle3.config.node import NodeSection
-from eagle3.draft.checkpoint import DraftConfig
+from eagle3.algorithms.eagle3.checkpoint import DraftConfig
 from eagle3.algorithms.eagle3.model import Eagle3Draft
 from eagle3.model.blocks import init_weights
 from eagle3.model.teacher import TeacherHead

@@ -357,7 +357,7 @@ def name_aux_layers(config, draft: Path) -> None:
 
 def export_draft(config, source: Path, out: Path) -> Path:
     """A draft in the sglang layout by this project's conversion (which checks tensors, shapes and the vocab map)."""
-    from eagle3.draft.checkpoint import convert
+    from eagle3.algorithms.eagle3.checkpoint import convert
 
     return convert(source, out, "sglang", target_family=config.target.family, release=config.serving.release,
                    target_num_layers=config.target.num_hidden_layers, overwrite=True)

@@ -7,7 +7,7 @@ import statistics
 from datetime import datetime
 
 from eagle3.data.storage import human_bytes
-from eagle3.draft.inspect import render as render_inspect
+from eagle3.algorithms.eagle3.inspect import render as render_inspect
 from eagle3.plots import bars, figure, lines, markdown_image
 from eagle3.train.timing import THROUGHPUT_WINDOW
 from eagle3.train.trainer import BEST_BY

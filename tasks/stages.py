@@ -13,7 +13,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from eagle3.config import PipelineConfig
 from eagle3.data.quality import DataQualityError
 from eagle3.export import VALIDATION_FILE
-from eagle3.draft.inspect import inspect_path
+from eagle3.algorithms.eagle3.inspect import inspect_path
 from eagle3.records.manifest import read_manifest
 from eagle3.fsutil import read_json
 from eagle3.procs import terminate_on_sigterm

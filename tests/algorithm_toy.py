@@ -12,7 +12,7 @@ from torch import nn
 
 from eagle3.algorithms.base import DraftAlgorithm
 from eagle3.algorithms.eagle3.architecture import trained_draft_config
-from eagle3.draft.checkpoint import DraftConfig
+from eagle3.algorithms.eagle3.checkpoint import DraftConfig
 from eagle3.fsutil import atomic_write_json, read_json
 from eagle3.model.blocks import init_weights
 from eagle3.model.weights import target_embedding

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from drafts import TARGET_LAYERS, TARGET_VOCAB, write_draft  # noqa: E402
 from eagle3.resolve import load_config  # noqa: E402
 from eagle3.config.deployment import RegistrySection  # noqa: E402
-from eagle3.draft.checkpoint import NativeDraft, save_native_draft  # noqa: E402
+from eagle3.algorithms.eagle3.checkpoint import NativeDraft, save_native_draft  # noqa: E402
 from eagle3.registry.registry import open_registry  # noqa: E402
 # micro_target and kimi_target: registered here so the session builds each once
 from fixtures_tiny import micro_target, one_torch_thread  # noqa: E402,F401

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3.draft.checkpoint import DraftConfig, NativeDraft, expected_shapes, save_native_draft
+from eagle3.algorithms.eagle3.checkpoint import DraftConfig, NativeDraft, expected_shapes, save_native_draft
 from eagle3.draft.files import Verifier
 from eagle3.draft.vocab_map import build_vocab_map
 

@@ -32,7 +32,7 @@ from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout, regenerate
 from eagle3.data.vocab import build_vocab
 from eagle3.deployment.monitor import Monitor
-from eagle3.draft.checkpoint import DraftConfig
+from eagle3.algorithms.eagle3.checkpoint import DraftConfig
 from eagle3.draft.vocab_map import build_vocab_map
 from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer

@@ -6,9 +6,9 @@ from safetensors.torch import load_file, save_file
 
 from drafts import tiny_draft, tiny_verifier, write_draft
 from eagle3.errors import ConversionError, UnreadableInput
-from eagle3.draft.checkpoint import convert, load_native, save_native_draft
-from eagle3.contract.engines import LAYER_TENSORS, loaded_name, loader_rule
-from eagle3.draft.layouts import LAYOUTS
+from eagle3.algorithms.eagle3.checkpoint import convert, load_native, save_native_draft
+from eagle3.algorithms.eagle3.contract import LAYER_TENSORS, loaded_name, loader_rule
+from eagle3.algorithms.eagle3.layouts import LAYOUTS
 
 
 def assert_same_draft(a, b):

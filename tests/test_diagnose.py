@@ -14,7 +14,7 @@ from eagle3.engines.generators import LocalGenerator
 from eagle3.data.conversation import chat_template_hash
 from eagle3.engines.targets import load_tokenizer
 from eagle3.contract.problems import ProblemCode
-from eagle3.validation.validate import validate
+from eagle3.algorithms.eagle3.validate import validate
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app
 from fixtures_tiny import one_torch_thread

@@ -3,8 +3,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eagle3.contract import engines
+import eagle3.algorithms.eagle3.contract as loader
 from eagle3.contract.releases import parse_release
-from eagle3.contract.engines import loaded_name, loader_rule, sglang_capture, sglang_ids_for_layers
+from eagle3.contract.engines import sglang_capture, sglang_ids_for_layers
+from eagle3.algorithms.eagle3.contract import loaded_name, loader_rule
 
 KIMI_LAYERS = 61
 
@@ -135,9 +137,9 @@ class TestLoaderNames:
 
     def test_no_release_or_an_unknown_one_means_the_strictest_rule(self):
         rule, note = loader_rule(None)
-        assert rule is engines.STRICTEST_LOADER_RULE and "strictest" in note
+        assert rule is loader.STRICTEST_LOADER_RULE and "strictest" in note
         rule, note = loader_rule("0.7.0")
-        assert rule is engines.STRICTEST_LOADER_RULE and "not in the table" in note
+        assert rule is loader.STRICTEST_LOADER_RULE and "not in the table" in note
         assert loader_rule("0.5.13")[1] == ""
 
     def test_switch_tensors_load_only_where_implemented_and_enabled(self):
@@ -149,8 +151,8 @@ class TestLoaderNames:
         assert loaded_name("fc_norm.0.weight", rule_16, {"fc_norm"}) == "fc_norm.0.weight"
 
     def test_enabled_flags_read_top_level_and_nested(self):
-        assert engines.enabled_flags({"norm_output": True, "eagle_config": {"norm_before_fc": True}}) == {
+        assert loader.enabled_flags({"norm_output": True, "eagle_config": {"norm_before_fc": True}}) == {
             "norm_output",
             "norm_before_fc",
         }
-        assert engines.enabled_flags({"use_aux_norm": True}) == {"fc_norm"}
+        assert loader.enabled_flags({"use_aux_norm": True}) == {"fc_norm"}

@@ -27,7 +27,7 @@ from prefect.states import State
 from eagle3.resolve import load_config
 from eagle3.procs import group_alive
 from eagle3.deployment.production import Production
-from eagle3.contract.engines import DRAFT_ARCHITECTURES
+from eagle3.algorithms.eagle3.contract import DRAFT_ARCHITECTURES
 from eagle3.records.manifest import read_manifest
 from eagle3.target.info import read_target_info
 from eagle3.registry.registry import open_registry

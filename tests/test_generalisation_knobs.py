@@ -4,7 +4,7 @@ training.freeze_head, training.feature_noise and training.teacher_temperature, o
 import torch
 
 from eagle3.resolve import load_config
-from eagle3.draft.checkpoint import load_native
+from eagle3.algorithms.eagle3.checkpoint import load_native
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.weights import target_head
 from eagle3.train.augment import noisy_features

@@ -14,8 +14,8 @@ from eagle3.algorithms.init_copy import resolved_init
 from eagle3.resolve import load_config
 from eagle3.deployment.promotion import retrain_overrides
 from eagle3.errors import Eagle3Error
-from eagle3.draft.checkpoint import convert
-from eagle3.draft.layouts.shared import PROVENANCE_KEY
+from eagle3.algorithms.eagle3.checkpoint import convert
+from eagle3.algorithms.eagle3.layouts.shared import PROVENANCE_KEY
 from eagle3.records.manifest import read_manifest
 from eagle3.init_draft import init_draft, resolve_init_from
 from eagle3.registry.registry import Registry

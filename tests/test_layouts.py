@@ -1,4 +1,4 @@
-"""The layout adapters (eagle3/draft/layouts): each reads back what it writes, names and config; the release an
+"""The layout adapters (eagle3/algorithms/eagle3/layouts): each reads back what it writes, names and config; the release an
 export records decides how its ids are read; the speculators layout records the serving shape's num_steps, names
 the target as its verifier and ships the target's embedding (speculators' own loader runs on it in
 tests/conformance/test_speculators.py)."""
@@ -17,9 +17,9 @@ from eagle3.resolve import load_config
 from eagle3.data.capture import dataset_dir
 from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.export import export_draft
-from eagle3.draft.checkpoint import RawCheckpoint, convert, detect_layout, draft_config, load_native, read_checkpoint
-from eagle3.draft.layouts import LAYOUTS
-from eagle3.draft.layouts.speculators import ARCHITECTURE
+from eagle3.algorithms.eagle3.checkpoint import RawCheckpoint, convert, detect_layout, draft_config, load_native, read_checkpoint
+from eagle3.algorithms.eagle3.layouts import LAYOUTS
+from eagle3.algorithms.eagle3.layouts.speculators import ARCHITECTURE
 from eagle3.contract.releases import SPECULATORS_RELEASE
 from eagle3.records.manifest import MANIFEST_FILE
 from eagle3.model.weights import target_verifier

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.draft.checkpoint import DraftConfig, NativeDraft, convert, expected_shapes, save_native_draft
+from eagle3.algorithms.eagle3.checkpoint import DraftConfig, NativeDraft, convert, expected_shapes, save_native_draft
 from eagle3.draft.files import Verifier
 
 GOLDEN = Path(__file__).parent / "golden" / "layouts"

@@ -14,7 +14,7 @@ from eagle3.cli import main
 from eagle3.cli.common import EXIT_OK, EXIT_PROBLEMS, EXIT_UNREADABLE
 from eagle3.resolve import load_config
 from eagle3.deployment.imports import IMPORTS_DIR, import_draft
-from eagle3.draft.checkpoint import load_native
+from eagle3.algorithms.eagle3.checkpoint import load_native
 from eagle3.fsutil import sha256_file
 from eagle3.registry.registry import open_registry
 from helpers import TINY

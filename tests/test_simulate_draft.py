@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from eagle3.bench.simulate import simulate
 from eagle3.cli import main
 from eagle3.resolve import load_config
-from eagle3.draft.checkpoint import NativeDraft, save_native_draft
+from eagle3.algorithms.eagle3.checkpoint import NativeDraft, save_native_draft
 from eagle3.draft.vocab_map import load_vocab_map
 from eagle3.errors import UnreadableInput
 from eagle3.model.weights import target_embedding

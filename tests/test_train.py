@@ -12,7 +12,7 @@ import torch
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.algorithms.init_copy import resolved_init
 from eagle3.resolve import load_config
-from eagle3.draft.checkpoint import convert, load_native
+from eagle3.algorithms.eagle3.checkpoint import convert, load_native
 from eagle3.draft.vocab_map import VocabMap, build_vocab_map
 from eagle3.algorithms.eagle3 import model as draft_module
 from eagle3.model import teacher as teacher_module

@@ -16,7 +16,7 @@ from eagle3.data.regenerate import regenerate
 from eagle3.data.shards import ShardReader, ShardWriter
 from eagle3.data.vocab import build_vocab
 from eagle3.errors import ConfigError, Eagle3Error
-from eagle3.draft.checkpoint import load_native
+from eagle3.algorithms.eagle3.checkpoint import load_native
 from eagle3.records.manifest import read_manifest
 from eagle3.report import training_report
 from eagle3.stages.keys import begin, config_inputs, done, stage_fingerprint, stage_key

@@ -10,7 +10,7 @@ from drafts import MLA, write_draft
 from eagle3.resolve import load_config
 from eagle3.errors import ConfigError
 from eagle3.contract.problems import ProblemCode
-from eagle3.validation.validate import validate
+from eagle3.algorithms.eagle3.validate import validate
 from helpers import TINY, codes, edit_tensors
 
 GOOD_DATA_LAYERS = [0, 1, 2]

@@ -9,9 +9,9 @@ import torch
 from conftest import write_data_manifest
 from drafts import write_draft, write_tiny_target
 from eagle3.cli import main
-from eagle3.draft.checkpoint import convert, load_native
+from eagle3.algorithms.eagle3.checkpoint import convert, load_native
 from eagle3.contract.problems import ProblemCode as Code
-from eagle3.validation.validate import validate
+from eagle3.algorithms.eagle3.validate import validate
 from eagle3.model.weights import target_verifier
 from helpers import codes, edit_tensors
 

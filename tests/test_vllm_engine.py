@@ -18,7 +18,7 @@ from drafts import MLA, tiny_draft
 from family_targets import MLA_DRAFT_CONFIG
 from eagle3.resolve import load_config
 from eagle3.draft.files import Verifier
-from eagle3.draft.checkpoint import save_native_draft
+from eagle3.algorithms.eagle3.checkpoint import save_native_draft
 from eagle3.errors import ConversionError
 from eagle3.plan import serving_stage
 from eagle3.procs import LaunchError

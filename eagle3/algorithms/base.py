@@ -25,7 +25,6 @@ from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
 from eagle3.errors import Eagle3Error
-from eagle3.draft.checkpoint import DraftConfig
 from eagle3.draft.files import Verifier
 from eagle3.draft.vocab_map import VocabMap
 from eagle3.model.teacher import Teacher
@@ -64,7 +63,7 @@ def export_target(config: PipelineConfig, verifier: Verifier | None) -> ExportTa
 class DraftModel(Protocol):
     """What the trainer, its parallel wrappers and its checkpoints need of a draft module besides nn.Module's own."""
 
-    config: DraftConfig
+    config: BaseModel
 
     def export_state(self) -> dict[str, torch.Tensor]: ...  # canonical tensors, on the CPU, without the target's
 
@@ -109,21 +108,21 @@ class DraftAlgorithm(ABC):
     # -- the draft --------------------------------------------------------------------------------
 
     @abstractmethod
-    def draft_config(self, config: PipelineConfig) -> DraftConfig:
+    def draft_config(self, config: PipelineConfig) -> BaseModel:
         """The architecture a run trains, from the `draft` section around the target's sizes."""
 
     @abstractmethod
-    def reserved_ids(self, cfg: DraftConfig) -> dict[int, str]:
+    def reserved_ids(self, cfg: BaseModel) -> dict[int, str]:
         """Target ids the draft gives a meaning of its own (a mask token, say), each with the config field that names
         it: the trainer refuses a run whose target generates one, naming that field."""
 
     @abstractmethod
-    def new_model(self, cfg: DraftConfig, embed: torch.Tensor) -> DraftModel:
+    def new_model(self, cfg: BaseModel, embed: torch.Tensor) -> DraftModel:
         """The module, its weights unset; embed [V, H] is the target's, frozen. On the current default device (the
         memory plan builds it under FakeTensorMode)."""
 
     @abstractmethod
-    def target_tensors(self, cfg: DraftConfig) -> dict[str, int]:
+    def target_tensors(self, cfg: BaseModel) -> dict[str, int]:
         """The target's tensors the draft holds on each training GPU, frozen: a label each and its bytes (the memory
         plan's)."""
 
@@ -147,7 +146,7 @@ class DraftAlgorithm(ABC):
         with what it takes of the target at `target_dir` (weight names under `prefix`: target.weight_prefix)."""
 
     @abstractmethod
-    def write_draft(self, cfg: DraftConfig, tensors: dict[str, torch.Tensor], directory: Path,
+    def write_draft(self, cfg: BaseModel, tensors: dict[str, torch.Tensor], directory: Path,
                     manifest_fields: dict) -> None:
         """A training checkpoint's draft (canonical tensors) into the existing `directory`, in the layout the export
         stage and a resume read."""
@@ -216,7 +215,7 @@ class DraftAlgorithm(ABC):
     # -- serving ------------------------------------------------------------------------------------
 
     @abstractmethod
-    def kv_cache_entries(self, cfg: DraftConfig, tp: int) -> float:
+    def kv_cache_entries(self, cfg: BaseModel, tp: int) -> float:
         """The draft's KV cache per token on one of `tp` ranks, in elements (the memory plan's serve stage)."""
 
     @abstractmethod

@@ -51,7 +51,7 @@ def add_checkpoint_commands(commands) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from eagle3.draft.inspect import inspect_path, render
+    from eagle3.algorithms.eagle3.inspect import inspect_path, render
 
     result = inspect_path(args.path)
     print(json.dumps(result, indent=2) if args.json else render(result))
@@ -62,7 +62,7 @@ def run_convert(args: argparse.Namespace) -> int:
     from eagle3.algorithms import EAGLE3, draft_algorithm
     from eagle3.algorithms.base import ExportTarget
     from eagle3.errors import ConversionError
-    from eagle3.draft.checkpoint import convert
+    from eagle3.algorithms.eagle3.checkpoint import convert
     from eagle3.target.info import read_target_info
     from eagle3.model.weights import target_verifier
 
@@ -93,7 +93,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     from eagle3.algorithms import EAGLE3, draft_algorithm
-    from eagle3.validation.validate import validate
+    from eagle3.algorithms.eagle3.validate import validate
 
     entry = draft_algorithm(args.path)
     if entry is not EAGLE3:  # the draft's own checks (EAGLE-3's take a target family besides)

@@ -27,8 +27,7 @@ from eagle3.config.suites import MTBENCH, TRAFFIC, mtbench_file
 from eagle3.config.training import TrainingSection
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.contract.engines import (
-    FAMILY_DELEGATES_TO, FLAG_CONFIG_KEYS, aux_layers_problem, served_draft_problem, served_features_problem,
-    sglang_default_inputs, sglang_ids_for_layers,
+    FAMILY_DELEGATES_TO, aux_layers_problem, served_features_problem, sglang_default_inputs, sglang_ids_for_layers,
 )
 from eagle3.target.info import read_target_info
 from eagle3.target.files import (
@@ -114,10 +113,6 @@ class PipelineConfig(Section):
             raise ValueError(f"{pair} cannot be served: {err}; see docs/contracts.md (target families)") from None
         if self.data.capture_engine == "local" and (problem := served_features_problem(family, release)):
             raise ValueError(f"{pair}: {problem}")
-        draft = self.draft
-        switches = [name for name in FLAG_CONFIG_KEYS if getattr(draft, name)]
-        if problem := served_draft_problem(draft.attention, switches, release):
-            raise ValueError(f"draft.attention {draft.attention} with {switches or 'no switches'}: {problem}")
 
     def _check_replay(self) -> None:
         """The held-out greedy sequences are the benchmark's prompts, continued as far as it decodes: the replay

@@ -1,9 +1,9 @@
 """The `draft` section: the draft algorithm and its architecture around the target's width and vocabulary
 (docs/configuration.md).
 
-Two attention forms, both served by SGLang: `mha` (a Llama decoder layer, LlamaForCausalLMEagle3) and `mla`
-(DeepSeek-V2 multi-latent attention, Eagle3DeepseekV2ForCausalLM, the form whose KV cache matches a DeepSeek or
-Kimi target's). The EAGLE 3.1 norms are switches of either form (docs/contracts.md, "The EAGLE 3.1 switches in our
+Two attention forms, both served by SGLang's EAGLE-3 drafts (eagle3/algorithms/eagle3/contract.py): `mha` (a Llama
+decoder layer) and `mla` (DeepSeek-V2 multi-latent attention, the form whose KV cache matches a DeepSeek or Kimi
+target's). The EAGLE 3.1 norms are switches of either form (docs/contracts.md, "The EAGLE 3.1 switches in our
 draft").
 
 The kind of draft is a name (`algorithm`) and the kind's own fields a section named after it (`draft.<algorithm>`):
@@ -18,8 +18,9 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from eagle3.config.base import Section
-from eagle3.draft.layouts.shared import MLA_SIZES
 
+
+MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # mla's own sizes
 
 class DraftSection(Section):
     # the fields beyond the section's own (model_extra) are the kinds' own sections, draft.<algorithm>: kept as given
@@ -69,9 +70,6 @@ class DraftSection(Section):
             if missing := [name for name in MLA_SIZES if name not in given]:
                 raise ValueError(f"draft.attention mla needs {', '.join('draft.' + n for n in missing)} (SGLang's MLA "
                                  "draft refuses a checkpoint without q_lora_rank)")
-            if self.norm_before_fc:
-                raise ValueError("draft.norm_before_fc: SGLang's MLA draft (Eagle3DeepseekV2ForCausalLM) has no input "
-                                 "norm and would skip it; use draft.fc_norm")
         elif given:
             raise ValueError(f"{', '.join('draft.' + n for n in given)} describe an MLA draft: set draft.attention mla "
                              "or remove them")

@@ -40,7 +40,7 @@ class ServingEngine(ABC):
     title: str  # how messages name it
     forks_warm = False  # a local server of this engine may be forked from the warm process (eagle3/warm.py)
     health_path: str  # answers 200 once the server can generate
-    served_layout = "sglang"  # the draft layout it loads (eagle3/draft/layouts); another is converted at launch
+    served_layout = "sglang"  # the draft layout it loads (eagle3/algorithms/eagle3/layouts); another is converted at launch
     info_path = "/server_info"  # GET: the server's settings, read once before a benchmark
     generate_path = "/generate"  # POST: one request, answered whole
     # The Prometheus counters (on /metrics) whose deltas give production's accept length over any window: tokens

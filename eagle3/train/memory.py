@@ -16,13 +16,13 @@ import weakref
 from collections import Counter
 
 import torch
+from pydantic import BaseModel
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from eagle3.algorithms import DraftAlgorithm, algorithm
 from eagle3.config.draft import DraftSection
-from eagle3.draft.checkpoint import DraftConfig
 from eagle3.model.teacher import TeacherHead
 from eagle3.resolve import resolved_draft
 
@@ -65,14 +65,14 @@ class AllocationPeak(TorchDispatchMode):
         self.by_op[op] -= size
 
 
-def trainable_parameters(entry: DraftAlgorithm, cfg: DraftConfig) -> int:
+def trainable_parameters(entry: DraftAlgorithm, cfg: BaseModel) -> int:
     """Counted on a draft built on the meta device: exact, and nothing allocated."""
     with torch.device("meta"):
         model = entry.new_model(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def training_step_peak_bytes(entry: DraftAlgorithm, cfg: DraftConfig, draft: DraftSection, sequences: int,
+def training_step_peak_bytes(entry: DraftAlgorithm, cfg: BaseModel, draft: DraftSection, sequences: int,
                               seq_len: int, predictions: int, pre_norm: bool, recompute: bool) -> int:
     """Peak bytes one rank allocates during a step on `sequences` x `seq_len` tokens: teacher outputs,
     TTT activations, loss, gradients, and the transients between them (not the weights or the batch), with the
@@ -83,7 +83,7 @@ def training_step_peak_bytes(entry: DraftAlgorithm, cfg: DraftConfig, draft: Dra
                           pre_norm, recompute)[0]
 
 
-def training_step_peak_by_op(entry: DraftAlgorithm, cfg: DraftConfig, draft: DraftSection, sequences: int,
+def training_step_peak_by_op(entry: DraftAlgorithm, cfg: BaseModel, draft: DraftSection, sequences: int,
                              seq_len: int, predictions: int, pre_norm: bool, recompute: bool) -> dict[str, int]:
     """What `training_step_peak_bytes` counts, by the aten op that made each tensor alive at the peak (largest first):
     where a step's memory goes (`_to_copy`: dtype casts, `mm`: matmul outputs, ...)."""

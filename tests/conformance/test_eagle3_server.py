@@ -31,7 +31,7 @@ from eagle3.bench.simulate import AcceptanceResult, PromptResult, aux_features, 
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.engines.targets import eos_ids_of, load_tokenizer
-from eagle3.draft.checkpoint import NativeDraft, save_native_draft
+from eagle3.algorithms.eagle3.checkpoint import NativeDraft, save_native_draft
 from eagle3.model.tree import DraftTree
 from eagle3.algorithms.eagle3.served import draft_as_served
 from eagle3.serve.inprocess import serve_in_thread

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from drafts import write_draft
 from eagle3.errors import Eagle3Error
-from eagle3.contract import engines
-from eagle3.draft.checkpoint import read_checkpoint
-from eagle3.validation.validate import validate
+import eagle3.algorithms.eagle3.contract as loader
+from eagle3.algorithms.eagle3.checkpoint import read_checkpoint
+from eagle3.algorithms.eagle3.validate import validate
 from eagle3.algorithms.eagle3.served import draft_as_served
 from releases import RELEASES
 
@@ -80,7 +80,7 @@ def loaded(request, tmp_path_factory, run_sglang):
     paths = {name: derive(export, root / name, *changes) for name, changes in FIXTURES.items()}
     # our export of a draft with every EAGLE 3.1 norm the release serves (none before 0.5.12)
     paths[SWITCHED] = write_draft(root / SWITCHED, layout="sglang", release=release,
-                                  **{flag: True for flag in engines.loader_rule(release)[0].flags})
+                                  **{flag: True for flag in loader.loader_rule(release)[0].flags})
     answer = run_sglang(release, "loader", {"drafts": {name: str(path) for name, path in paths.items()}})
     return release, paths, answer["drafts"]
 
@@ -95,7 +95,7 @@ def built_switches(result: dict) -> set[str]:
 def declared_switches(config: dict) -> set[str]:
     """Every switch the config turns on anywhere, top level or eagle_config."""
     places = (config, config.get("eagle_config") or {})
-    return {flag for flag, keys in engines.FLAG_CONFIG_KEYS.items() if any(p.get(k) for p in places for k in keys)}
+    return {flag for flag, keys in loader.FLAG_CONFIG_KEYS.items() if any(p.get(k) for p in places for k in keys)}
 
 
 def sglang_serves_as_written(result: dict, config: dict) -> bool:
@@ -124,11 +124,11 @@ def test_the_loader_table_says_which_tensors_load(loaded, fixture):
     result = results[fixture]
     assert "error" not in result, f"SGLang {release} fails on {fixture}: {result['error']}"
     config = json.loads((paths[fixture] / "config.json").read_text())
-    rule, _ = engines.loader_rule(release)
+    rule, _ = loader.loader_rule(release)
     for name, landed in result["sources"].items():
         if name in VOCAB_TENSORS:
             continue
-        ours = engines.loaded_name(name, rule, engines.enabled_flags(config))
+        ours = loader.loaded_name(name, rule, loader.enabled_flags(config))
         assert (ours is not None) == bool(landed), (
             f"SGLang {release} {'loads' if landed else 'drops'} {name} of {fixture}; our table says "
             f"{'it loads as ' + ours if ours else 'it is dropped'}")
@@ -137,7 +137,7 @@ def test_the_loader_table_says_which_tensors_load(loaded, fixture):
 def test_our_export_with_every_switch_the_release_serves_loads_whole(loaded):
     release, paths, results = loaded
     config = json.loads((paths[SWITCHED] / "config.json").read_text())
-    assert declared_switches(config) == engines.loader_rule(release)[0].flags
+    assert declared_switches(config) == loader.loader_rule(release)[0].flags
     assert sglang_serves_as_written(results[SWITCHED], config), results[SWITCHED].get("error")
     assert not validate(paths[SWITCHED], release=release).of("error")
 

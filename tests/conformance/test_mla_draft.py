@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafts import MLA, write_draft
-from eagle3.draft.checkpoint import convert, load_native
-from eagle3.draft.layouts.shared import PROVENANCE_KEY
-from eagle3.validation.validate import validate
+from eagle3.algorithms.eagle3.checkpoint import convert, load_native
+from eagle3.algorithms.eagle3.layouts.shared import PROVENANCE_KEY
+from eagle3.algorithms.eagle3.validate import validate
 from eagle3.model.blocks import causal_mask
 from eagle3.algorithms.eagle3.served import draft_as_served, draft_from_native
 

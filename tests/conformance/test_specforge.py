@@ -18,7 +18,7 @@ from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.resolve import load_config
 from eagle3.deployment.imports import import_draft
-from eagle3.draft.checkpoint import load_native
+from eagle3.algorithms.eagle3.checkpoint import load_native
 from eagle3.fsutil import sha256_file
 from eagle3.algorithms.eagle3.served import draft_as_served
 from eagle3.registry.registry import open_registry

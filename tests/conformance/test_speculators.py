@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from drafts import TARGET_VOCAB, tiny_draft, write_tiny_target
 from eagle3.cli import main
-from eagle3.draft.checkpoint import load_native, save_native_draft
+from eagle3.algorithms.eagle3.checkpoint import load_native, save_native_draft
 from eagle3.contract.releases import SPECULATORS_RELEASE
-from eagle3.validation.validate import validate
+from eagle3.algorithms.eagle3.validate import validate
 from eagle3.algorithms.eagle3.ttt import shift_left, ttt_forward
 from eagle3.algorithms.eagle3.served import draft_from_native
 from inside.speculators_loader import digest

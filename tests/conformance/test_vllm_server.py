@@ -33,7 +33,7 @@ from eagle3.resolve import load_config
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.deployment.monitor import from_counters, scrape
-from eagle3.draft.checkpoint import NativeDraft, save_native_draft
+from eagle3.algorithms.eagle3.checkpoint import NativeDraft, save_native_draft
 from eagle3.engines.generators import ServerClient, target_greedy
 from eagle3.engines.targets import load_tokenizer
 from eagle3.engines.tiny import MICRO

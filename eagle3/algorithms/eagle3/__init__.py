@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from eagle3.algorithms.base import DraftAlgorithm, Drafter, ExportTarget, Log
+from eagle3.algorithms.eagle3.contract import FLAG_CONFIG_KEYS, MLA_DRAFT_ARCHITECTURE, served_draft_problem
 from eagle3.algorithms.eagle3.architecture import trained_draft_config
 from eagle3.algorithms.eagle3.warm_start import warm_start
 from eagle3.algorithms.init_copy import ResolvedInit
@@ -17,7 +18,7 @@ from eagle3.config.draft import DraftSection
 from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
-from eagle3.draft.checkpoint import (DraftConfig, NativeDraft, convert, load_native, read_checkpoint, save_native_draft,
+from eagle3.algorithms.eagle3.checkpoint import (DraftConfig, NativeDraft, convert, load_native, read_checkpoint, save_native_draft,
                                     to_native, write_draft_files)
 from eagle3.draft.vocab_map import VocabMap
 from eagle3.algorithms.eagle3.model import Eagle3Draft, freeze_head
@@ -29,8 +30,9 @@ from eagle3.algorithms.eagle3.ttt import TTTModel, target_positions, ttt_loss
 from eagle3.algorithms.eagle3.served import draft_as_served
 from eagle3.model.weights import target_embedding
 from eagle3.shape import DraftShape
-from eagle3.validation.external import Converted, Serving, convert_external
-from eagle3.validation.validate import validate
+from eagle3.validation.external import Converted, Serving
+from eagle3.algorithms.eagle3.external import convert_external
+from eagle3.algorithms.eagle3.validate import validate
 
 
 class Eagle3Algorithm(DraftAlgorithm):
@@ -38,6 +40,17 @@ class Eagle3Algorithm(DraftAlgorithm):
     served_as = {"sglang": "EAGLE3", "vllm": "eagle3"}
     config_type = DraftConfig
     warm_start = ("eagle3",)
+
+    def config_problem(self, config: PipelineConfig) -> str | None:
+        """SGLang's EAGLE-3 drafts: the attention form and the EAGLE 3.1 switches the served release loads."""
+        draft, release = config.draft, config.serving.release if config.serving is not None else None
+        if draft.attention == "mla" and draft.norm_before_fc:
+            return (f"draft.norm_before_fc: SGLang's MLA draft ({MLA_DRAFT_ARCHITECTURE}) has no input norm and would "
+                    "skip it; use draft.fc_norm")
+        switches = [name for name in FLAG_CONFIG_KEYS if getattr(draft, name)]
+        if problem := served_draft_problem(draft.attention, switches, release):
+            return f"draft.attention {draft.attention} with {switches or 'no switches'}: {problem}"
+        return None
 
     def draft_config(self, config: PipelineConfig) -> DraftConfig:
         return trained_draft_config(config)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from eagle3.algorithms.sizes import draft_sizes
 from eagle3.config import PipelineConfig
-from eagle3.draft.checkpoint import DraftConfig
-from eagle3.draft.layouts.shared import MLA_SIZES
+from eagle3.algorithms.eagle3.checkpoint import DraftConfig
+from eagle3.config.draft import MLA_SIZES
 
 
 def trained_draft_config(config: PipelineConfig) -> DraftConfig:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3.draft.checkpoint import DraftConfig
+from eagle3.algorithms.eagle3.checkpoint import DraftConfig
 from eagle3.errors import Eagle3Error
 from eagle3.model.blocks import MLP, BlockAttention, RMSNorm, TargetEmbeddingDraft, rotate
 

@@ -10,7 +10,8 @@ import torch
 
 from eagle3.algorithms.eagle3.model import Eagle3Draft
 from eagle3.contract import engines
-from eagle3.draft.checkpoint import DraftConfig, NativeDraft, read_checkpoint, to_native
+import eagle3.algorithms.eagle3.contract as loader
+from eagle3.algorithms.eagle3.checkpoint import DraftConfig, NativeDraft, read_checkpoint, to_native
 from eagle3.errors import UnreadableInput
 from eagle3.model.blocks import init_weights
 
@@ -30,11 +31,11 @@ def draft_as_served(path: Path, release: str | None, embed: torch.Tensor, seed: 
     config = served_config(raw, release)
     model = Eagle3Draft(config, embed)
     init_weights(model, seed)
-    rule = engines.draft_loader_rule(config.attention, release)
-    flags = engines.enabled_flags(raw.config)
+    rule = loader.draft_loader_rule(config.attention, release)
+    flags = loader.enabled_flags(raw.config)
     state = {}
     for name, tensor in raw.tensors.items():
-        canonical = engines.loaded_name(name, rule, flags)
+        canonical = loader.loaded_name(name, rule, flags)
         if canonical is not None and canonical != "t2d":
             state[canonical] = tensor.float() if tensor.is_floating_point() else tensor
     model.load_state_dict(state, strict=False)
@@ -49,9 +50,9 @@ def served_config(raw, release: str | None) -> DraftConfig:
     if raw.layout != "sglang":
         return config
     # A switch the release does not implement is not built: its tensors are dropped with the rest.
-    rule = engines.draft_loader_rule(config.attention, release)
+    rule = loader.draft_loader_rule(config.attention, release)
     if rule is None:
-        raise UnreadableInput(f"{raw.path}: {engines.served_draft_problem(config.attention, [], release)}")
+        raise UnreadableInput(f"{raw.path}: {loader.served_draft_problem(config.attention, [], release)}")
     config = config.model_copy(update={flag: False for flag in config.flags() if flag not in rule.flags})
     ids = (raw.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     capture = engines.sglang_capture(ids, config.target_family, release, config.target_num_hidden_layers)

@@ -10,7 +10,7 @@ from typing import Callable
 
 from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.errors import Eagle3Error
-from eagle3.draft.checkpoint import DraftConfig, expected_shapes, load_native
+from eagle3.algorithms.eagle3.checkpoint import DraftConfig, expected_shapes, load_native
 from eagle3.draft.vocab_map import VocabMap, carry_rows
 from eagle3.algorithms.eagle3.model import Eagle3Draft
 

@@ -4,10 +4,11 @@ DraftConfig itself: the architecture plus the aux layers the training data were 
 
 from __future__ import annotations
 
-from eagle3.contract import engines
-from eagle3.draft.layouts.shared import (
-    DraftConfig, Log, MLA_SIZES, NATIVE_FORMAT, RawCheckpoint, canonical_with_layer_at, names_with_layer_at,
+import eagle3.algorithms.eagle3.contract as loader
+from eagle3.algorithms.eagle3.layouts.shared import (
+    DraftConfig, Log, NATIVE_FORMAT, RawCheckpoint, canonical_with_layer_at, names_with_layer_at,
 )
+from eagle3.config.draft import MLA_SIZES
 from eagle3.draft.files import Verifier
 
 
@@ -16,11 +17,11 @@ def detects(config: dict) -> bool:
 
 
 def tensor_names(names: list[str] = ()) -> dict[str, str]:
-    return names_with_layer_at(engines.CANONICAL_LAYER_PREFIX, names)
+    return names_with_layer_at(loader.CANONICAL_LAYER_PREFIX, names)
 
 
 def canonical_name(name: str, config: dict) -> str | None:
-    return canonical_with_layer_at(engines.CANONICAL_LAYER_PREFIX, name)
+    return canonical_with_layer_at(loader.CANONICAL_LAYER_PREFIX, name)
 
 
 def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, num_layers: int | None,

@@ -1,7 +1,7 @@
 """What speculators' loader (`SpeculatorModel.from_pretrained` of SPECULATORS_RELEASE, read from its wheel and run
 on our exports in tests/conformance/test_speculators.py) makes of a checkpoint: the config it validates, the
 verifier it reads, the tensors it keeps and the shapes it builds, and the layers vLLM captures for the ids (part
-of `eagle3.validation.validate`, which adds the vocab map and the context length)."""
+of `eagle3.algorithms.eagle3.validate`, which adds the vocab map and the context length)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 
 from eagle3.errors import UnreadableInput
 from eagle3.contract import engines
-from eagle3.draft.checkpoint import RawCheckpoint, draft_shapes, mha_attention_shapes
-from eagle3.draft.layouts import speculators
-from eagle3.validation.loader_checks import check_dtypes, sample_names
+import eagle3.algorithms.eagle3.contract as loader
+from eagle3.algorithms.eagle3.checkpoint import RawCheckpoint, draft_shapes, mha_attention_shapes
+from eagle3.algorithms.eagle3.layouts import speculators
+from eagle3.algorithms.eagle3.loader_checks import check_dtypes, sample_names
 from eagle3.contract.problems import ProblemCode, Report
 from eagle3.target.info import read_target_info
 
@@ -124,7 +125,7 @@ def expected_tensors(config: dict, layer: dict) -> dict[str, tuple[int, ...]]:
         draft_vocab=draft_vocab, vocab=vocab, norm_before_fc=bool(config.get("norm_before_fc")),
         fc_norm=bool(config.get("fc_norm")))
     if draft_vocab == vocab:
-        shapes = {name: shape for name, shape in shapes.items() if name not in engines.VOCAB_TENSORS}
+        shapes = {name: shape for name, shape in shapes.items() if name not in loader.VOCAB_TENSORS}
     names = speculators.tensor_names(list(shapes))
     return {**{names[name]: shape for name, shape in shapes.items()}, speculators.EMBED_TOKENS: (vocab, hidden)}
 
@@ -136,7 +137,7 @@ def _check_tensors(raw: RawCheckpoint, layer: dict, report: Report) -> dict[str,
                    REEXPORT)
         return {}
     expected = expected_tensors(raw.config, layer)
-    ignored = set(engines.VOCAB_TENSORS) - set(expected)  # an identity map it accepts and ignores
+    ignored = set(loader.VOCAB_TENSORS) - set(expected)  # an identity map it accepts and ignores
     skipped = sorted(set(raw.tensors) - set(expected) - ignored)
     if skipped:
         fix = "rename midlayer.* to layers.0.*" if any(n.startswith("midlayer.") for n in skipped) else REEXPORT

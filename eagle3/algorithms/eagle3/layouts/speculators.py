@@ -17,7 +17,8 @@ import torch
 
 from eagle3.errors import ConversionError
 from eagle3.contract import engines
-from eagle3.draft.layouts.shared import (
+import eagle3.algorithms.eagle3.contract as loader
+from eagle3.algorithms.eagle3.layouts.shared import (
     DraftConfig, FLAGS, Log, PROVENANCE_KEY, RawCheckpoint, architecture_fields, canonical_with_layer_at,
     llama_layer_fields, names_with_layer_at, provenance, target_for, trained_fields,
 )
@@ -65,7 +66,7 @@ def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, n
             "on long prompts; retrain with full attention"
         )
     fields = architecture_fields(arch, config, raw.tensors)
-    enabled = engines.enabled_flags(config)
+    enabled = loader.enabled_flags(config)
     flags = {flag: flag in enabled for flag in FLAGS}
     # vLLM reads a missing norm_before_residual as true (speculators' default); so do we.
     flags["norm_before_residual"] = bool(config.get("norm_before_residual", True))

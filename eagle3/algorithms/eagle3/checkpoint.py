@@ -1,6 +1,6 @@
 """Reading, checking and converting EAGLE-3 draft checkpoints.
 
-Three layouts of the same draft (docs/contracts.md), each an adapter in eagle3/draft/layouts/ that owns its tensor
+Three layouts of the same draft (docs/contracts.md), each an adapter in eagle3/algorithms/eagle3/layouts/ that owns its tensor
 names and its config.json both ways: `native` (what our trainer writes), `sglang` and `speculators`.
 Every conversion goes through the native form and checks tensors, shapes, dtypes and the vocab map,
 so nothing a loader would skip or misread is written. Exports carry an `eagle3` block in config.json
@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.errors import ConversionError, UnreadableInput
 from eagle3.contract import engines
-from eagle3.draft.layouts import LAYOUTS, LayoutAdapter
-from eagle3.draft.layouts.shared import DraftConfig, Log, NATIVE_FORMAT, PROVENANCE_KEY, Provenance, RawCheckpoint
+import eagle3.algorithms.eagle3.contract as loader
+from eagle3.algorithms.eagle3.layouts import LAYOUTS, LayoutAdapter
+from eagle3.algorithms.eagle3.layouts.shared import DraftConfig, Log, NATIVE_FORMAT, PROVENANCE_KEY, Provenance, RawCheckpoint
 from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE, Verifier
 from eagle3.records.manifest import write_manifest
 from eagle3.draft.vocab_map import VocabMap, VocabMapError, check_invariants
@@ -306,7 +307,7 @@ def check_native(draft: NativeDraft, where: Path) -> None:
         if actual != shape:
             raise ConversionError(f"{where}: tensor {name} has shape {list(actual)}, config implies {list(shape)}")
     for name, tensor in draft.tensors.items():
-        if name not in engines.VOCAB_TENSORS and not tensor.is_floating_point():
+        if name not in loader.VOCAB_TENSORS and not tensor.is_floating_point():
             raise ConversionError(f"{where}: tensor {name} is {tensor.dtype}, expected a floating-point dtype")
     try:
         check_invariants(VocabMap(d2t=draft.tensors["d2t"], t2d=draft.tensors["t2d"]), source=str(where))

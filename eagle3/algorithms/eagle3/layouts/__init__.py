@@ -1,6 +1,6 @@
 """One adapter per draft layout (docs/contracts.md), each owning its tensor names and its config.json, both ways:
 `native` (what our trainer writes), `sglang` (LlamaForCausalLMEagle3) and `speculators` (vLLM). Reading,
-checking and converting between them is eagle3/draft/checkpoint.py's, through LAYOUTS."""
+checking and converting between them is eagle3/algorithms/eagle3/checkpoint.py's, through LAYOUTS."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Protocol
 
 import torch
 
-from eagle3.draft.layouts import native, sglang, speculators
-from eagle3.draft.layouts.shared import DraftConfig, Log, RawCheckpoint
+from eagle3.algorithms.eagle3.layouts import native, sglang, speculators
+from eagle3.algorithms.eagle3.layouts.shared import DraftConfig, Log, RawCheckpoint
 from eagle3.draft.files import Verifier
 
 

@@ -6,33 +6,35 @@ from __future__ import annotations
 
 from eagle3.errors import ConversionError
 from eagle3.contract import engines
-from eagle3.draft.layouts.shared import (
-    DraftConfig, FLAGS, Log, MLA_SIZES, PROVENANCE_KEY, RawCheckpoint, architecture_fields, llama_layer_fields,
+import eagle3.algorithms.eagle3.contract as loader
+from eagle3.algorithms.eagle3.layouts.shared import (
+    DraftConfig, FLAGS, Log, PROVENANCE_KEY, RawCheckpoint, architecture_fields, llama_layer_fields,
     names_with_layer_at, provenance, target_for, trained_fields,
 )
+from eagle3.config.draft import MLA_SIZES
 from eagle3.draft.files import Verifier
 
-ARCHITECTURE = engines.DRAFT_ARCHITECTURES["mha"]
+ARCHITECTURE = loader.DRAFT_ARCHITECTURES["mha"]
 MLA_MODEL_TYPE = "deepseek_v3"  # transformers' config class for it keeps the MLA sizes SGLang reads
 
 
 def detects(config: dict) -> bool:
-    return bool(set(engines.DRAFT_ARCHITECTURES.values()) & set(config.get("architectures") or []))
+    return bool(set(loader.DRAFT_ARCHITECTURES.values()) & set(config.get("architectures") or []))
 
 
 def attention_of(config: dict) -> str:
     """The draft form a config.json names: mla for SGLang's MLA draft architecture, else mha."""
-    return "mla" if engines.MLA_DRAFT_ARCHITECTURE in (config.get("architectures") or []) else "mha"
+    return "mla" if loader.MLA_DRAFT_ARCHITECTURE in (config.get("architectures") or []) else "mha"
 
 
 def tensor_names(names: list[str] = ()) -> dict[str, str]:
-    return names_with_layer_at(engines.CANONICAL_LAYER_PREFIX, names)
+    return names_with_layer_at(loader.CANONICAL_LAYER_PREFIX, names)
 
 
 def canonical_name(name: str, config: dict) -> str | None:
     """Read the way the newest release's loader of its form reads it (`layers.0.*` and `aux_norm_*` included)."""
-    newest = engines.DRAFT_LOADERS[attention_of(config)][-1]
-    return engines.loaded_name(name, newest, engines.enabled_flags(config))
+    newest = loader.DRAFT_LOADERS[attention_of(config)][-1]
+    return loader.loaded_name(name, newest, loader.enabled_flags(config))
 
 
 def encoded_release(raw: RawCheckpoint, given: str | None, log: Log) -> str | None:
@@ -60,7 +62,7 @@ def decode_config(raw: RawCheckpoint, family: str | None, release: str | None, n
     if capture.status != "known" or capture.lost_ids:
         raise ConversionError(f"{raw.path}: cannot tell which layers its aux ids capture: {capture.explanation}")
     fields = architecture_fields(config, config, raw.tensors)
-    flags = engines.enabled_flags(config)
+    flags = loader.enabled_flags(config)
     fields.update(aux_layers=list(capture.layers), **{flag: flag in flags for flag in FLAGS})
     if attention_of(config) == "mla":  # DraftConfig refuses a missing MLA size; head_dim is not an MLA draft's
         fields.update(attention="mla", **{name: config.get(name) for name in MLA_SIZES},
@@ -75,9 +77,9 @@ def encode_config(cfg: DraftConfig, release: str | None, num_steps: int, verifie
     family = cfg.target_family
     if family is None:
         raise ConversionError("the target family is unknown: pass --target-family (e.g. llama, deepseek_v2)")
-    if problem := engines.served_draft_problem(cfg.attention, cfg.flags(), release):
+    if problem := loader.served_draft_problem(cfg.attention, cfg.flags(), release):
         raise ConversionError(problem)
-    rule = engines.draft_loader_rule(cfg.attention, release)
+    rule = loader.draft_loader_rule(cfg.attention, release)
     where = f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (the strictest release; no release was given)"
     if rule.fixed_num_aux is not None and len(cfg.aux_layers) != rule.fixed_num_aux:
         raise ConversionError(
@@ -98,7 +100,7 @@ def encode_config(cfg: DraftConfig, release: str | None, num_steps: int, verifie
     }
     config.update({flag: True for flag in cfg.flags()})
     if cfg.attention == "mla":
-        config.update(architectures=[engines.MLA_DRAFT_ARCHITECTURE], model_type=MLA_MODEL_TYPE,
+        config.update(architectures=[loader.MLA_DRAFT_ARCHITECTURE], model_type=MLA_MODEL_TYPE,
                       rope_interleave=cfg.rope_interleave, **{name: getattr(cfg, name) for name in MLA_SIZES})
     return config
 

@@ -1,24 +1,24 @@
 """What SGLang's draft loader makes of a checkpoint before any shape is compared: the tensor names it
-keeps, the config.json fields it reads, and the tensors' dtypes (part of `eagle3.validation.validate`)."""
+keeps, the config.json fields it reads, and the tensors' dtypes (part of `eagle3.algorithms.eagle3.validate`)."""
 
 from __future__ import annotations
 
 import torch
 
-from eagle3.contract import engines
-from eagle3.draft.checkpoint import RawCheckpoint
+import eagle3.algorithms.eagle3.contract as loader
+from eagle3.algorithms.eagle3.checkpoint import RawCheckpoint
 from eagle3.contract.problems import CONVERT_HINT, ProblemCode, Report
 
 
 def check_names(
-    raw: RawCheckpoint, rule: engines.DraftLoaderRule, note: str, where: str, report: Report
+    raw: RawCheckpoint, rule: loader.DraftLoaderRule, note: str, where: str, report: Report
 ) -> dict[str, torch.Tensor]:
     """Return the tensors the loader keeps (canonical names); report those it would drop."""
-    flags = engines.enabled_flags(raw.config)
+    flags = loader.enabled_flags(raw.config)
     check_flags(flags, rule, where, report)
     loaded, skipped, sources = {}, [], {}
     for name, tensor in raw.tensors.items():
-        canonical = engines.loaded_name(name, rule, flags)
+        canonical = loader.loaded_name(name, rule, flags)
         if canonical is None:
             skipped.append(name)
         else:
@@ -50,7 +50,7 @@ def check_names(
     return loaded
 
 
-def check_flags(flags: set[str], rule: engines.DraftLoaderRule, where: str, report: Report) -> None:
+def check_flags(flags: set[str], rule: loader.DraftLoaderRule, where: str, report: Report) -> None:
     """Report the architecture switches a draft uses that the release's loader does not implement."""
     for flag in sorted(flags - rule.flags):
         never = flag == "norm_before_residual"
@@ -65,9 +65,9 @@ def check_flags(flags: set[str], rule: engines.DraftLoaderRule, where: str, repo
 
 def check_config_fields(raw: RawCheckpoint, report: Report, architecture: str) -> None:
     """The config.json fields SGLang builds the draft from, for a draft of `architecture` (one of
-    engines.DRAFT_ARCHITECTURES)."""
+    loader.DRAFT_ARCHITECTURES)."""
     config = raw.config
-    for sentence in engines.misplaced_flags(config):
+    for sentence in loader.misplaced_flags(config):
         report.add(
             ProblemCode.FLAG_MISPLACED,
             "error",
@@ -86,7 +86,7 @@ def check_config_fields(raw: RawCheckpoint, report: Report, architecture: str) -
         )
     # transformers' AutoConfig reads the draft's config: 'llama' for the Llama form; the MLA form's sizes are kept by
     # any config class (its MLA fields are read as attributes)
-    if architecture == engines.DRAFT_ARCHITECTURES["mha"] and config.get("model_type") != "llama":
+    if architecture == loader.DRAFT_ARCHITECTURES["mha"] and config.get("model_type") != "llama":
         report.add(
             ProblemCode.CONFIG_MODEL_TYPE,
             "error",
@@ -130,7 +130,7 @@ def check_dtypes(loaded: dict[str, torch.Tensor], config: dict, report: Report) 
         if name in loaded and loaded[name].dtype != want:
             report.add(ProblemCode.DTYPE, "error", f"{name} is {loaded[name].dtype}, expected {want}",
                        f"save {name} as {want}")
-    weights = {n: t for n, t in loaded.items() if n not in engines.VOCAB_TENSORS}
+    weights = {n: t for n, t in loaded.items() if n not in loader.VOCAB_TENSORS}
     not_float = sorted(n for n, t in weights.items() if not t.is_floating_point())
     if not_float:
         report.add(ProblemCode.DTYPE, "error", f"weights that are not floating point: {sample_names(not_float)}",

@@ -12,7 +12,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from eagle3.errors import ConversionError
-from eagle3.contract import engines
+import eagle3.algorithms.eagle3.contract as loader
+from eagle3.config.draft import MLA_SIZES
 
 Log = Callable[[str], None]
 NATIVE_FORMAT = "eagle3-native"
@@ -20,8 +21,7 @@ PROVENANCE_KEY = "eagle3"  # our block inside exported config.json files
 
 # Architecture switches a draft may use beyond the plain EAGLE-3 head (speculators and SpecForge
 # options). Each changes the network; an engine that does not implement one computes something else.
-FLAGS = tuple(engines.FLAG_CONFIG_KEYS)
-MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+FLAGS = tuple(loader.FLAG_CONFIG_KEYS)
 
 
 class DraftConfig(BaseModel):
@@ -99,17 +99,17 @@ class RawCheckpoint:
 PLAIN_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 # Tensors the switches add carry the same name in every layout: input_norm (norm_before_fc) is one
 # RMSNorm over the concatenated aux states, fc_norm.{j} one RMSNorm per aux state.
-FLAG_TENSOR_PREFIXES = tuple(prefix for prefixes in engines.FLAG_TENSOR_PREFIXES.values() for prefix in prefixes)
+FLAG_TENSOR_PREFIXES = tuple(prefix for prefixes in loader.FLAG_TENSOR_PREFIXES.values() for prefix in prefixes)
 
 
-LAYER_NAMES = (*engines.LAYER_TENSORS, *engines.MLA_LAYER_TENSORS)  # either attention form's, under the layer
+LAYER_NAMES = (*loader.LAYER_TENSORS, *loader.MLA_LAYER_TENSORS)  # either attention form's, under the layer
 
 
 def names_with_layer_at(layer_prefix: str, names: list[str] = ()) -> dict[str, str]:
     """canonical -> layout name for the fixed tensors, the layer's tensors among `names` (a Llama layer's when none
     are), plus the switch tensors among `names`."""
-    canonical = engines.CANONICAL_LAYER_PREFIX
-    given = [t for t in LAYER_NAMES if f"{canonical}.{t}" in names] or engines.LAYER_TENSORS
+    canonical = loader.CANONICAL_LAYER_PREFIX
+    given = [t for t in LAYER_NAMES if f"{canonical}.{t}" in names] or loader.LAYER_TENSORS
     layer = {f"{canonical}.{t}": f"{layer_prefix}.{t}" for t in given}
     flagged = {name: name for name in names if name.startswith(FLAG_TENSOR_PREFIXES)}
     return {**{name: name for name in PLAIN_TENSORS}, **layer, **flagged}
@@ -118,7 +118,7 @@ def names_with_layer_at(layer_prefix: str, names: list[str] = ()) -> dict[str, s
 def canonical_with_layer_at(layer_prefix: str, name: str) -> str | None:
     """The canonical name of a tensor in a layout whose decoder layer lives at `layer_prefix`; None if it has no
     place there."""
-    every_layer_tensor = [f"{engines.CANONICAL_LAYER_PREFIX}.{t}" for t in LAYER_NAMES]
+    every_layer_tensor = [f"{loader.CANONICAL_LAYER_PREFIX}.{t}" for t in LAYER_NAMES]
     mapping = names_with_layer_at(layer_prefix, [*every_layer_tensor, name])
     return {layout_name: canonical for canonical, layout_name in mapping.items()}.get(name)
 

@@ -3,8 +3,8 @@
 Each problem has a code (eagle3.contract.problems), a severity and a fix. A check whose inputs are missing
 (no target, no data manifest, no release where the answer depends on it) is reported with severity
 "unknown": it was not passed, it was not checked. The engine is SGLang (LlamaForCausalLMEagle3), or speculators'
-own loader (`--engine speculators`, checked in eagle3.validation.speculators_checks). For SGLang the tensor names,
-config fields and dtypes are checked in eagle3.validation.loader_checks; the shapes, the vocab map, the aux ids and
+own loader (`--engine speculators`, checked in eagle3.algorithms.eagle3.speculators_checks). For SGLang the tensor names,
+config fields and dtypes are checked in eagle3.algorithms.eagle3.loader_checks; the shapes, the vocab map, the aux ids and
 the context length here.
 """
 
@@ -16,17 +16,19 @@ from pathlib import Path
 import torch
 
 from eagle3.contract import engines
+import eagle3.algorithms.eagle3.contract as loader
 from eagle3.contract.releases import parse_release
-from eagle3.draft.checkpoint import (
+from eagle3.algorithms.eagle3.checkpoint import (
     PROVENANCE_KEY, RawCheckpoint, draft_shapes, mha_attention_shapes, mla_attention_shapes, read_checkpoint,
 )
-from eagle3.draft.layouts import sglang
-from eagle3.draft.layouts.shared import MLA_SIZES
+from eagle3.algorithms.eagle3.layouts import sglang
+from eagle3.config.draft import MLA_SIZES
 from eagle3.contract.releases import SPECULATORS_RELEASE
-from eagle3.validation.loader_checks import check_config_fields, check_dtypes, check_flags, check_names, sample_names
+from eagle3.algorithms.eagle3.loader_checks import check_config_fields, check_dtypes, check_flags, check_names, sample_names
 from eagle3.records.manifest import read_data_capture
 from eagle3.contract.problems import CONVERT_HINT, ProblemCode, Report
-from eagle3.validation.speculators_checks import check_speculators
+from eagle3.validation.external import sglang_where
+from eagle3.algorithms.eagle3.speculators_checks import check_speculators
 from eagle3.target.info import read_target_info
 from eagle3.draft.vocab_map import analyze_d2t
 
@@ -91,10 +93,10 @@ def validate(
         if rule is None:
             return report
     else:
-        rule, rule_note = engines.loader_rule(release)
+        rule, rule_note = loader.loader_rule(release)
     where = sglang_where(release)
     loaded = check_names(raw, rule, rule_note, where, report)
-    check_config_fields(raw, report, engines.DRAFT_ARCHITECTURES[attention])
+    check_config_fields(raw, report, loader.DRAFT_ARCHITECTURES[attention])
     if attention == "mla":
         _check_mla_fields(raw, loaded, report)
     num_aux = _check_shapes(raw, loaded, ctx, rule, where, report)
@@ -110,23 +112,19 @@ def validate_for_conversion(raw: RawCheckpoint, flags: list[str], release: str |
     layout for SGLang `release` would carry over for SGLang to misread: switches the release does not implement and
     the vocab map. Everything else is checked on the converted export, by `validate`."""
     report = Report(path=str(raw.path), engine="sglang", engine_release=release)
-    check_flags(set(flags), engines.loader_rule(release)[0], sglang_where(release), report)
-    vocab = {name: raw.tensors[name] for name in engines.VOCAB_TENSORS if name in raw.tensors}
+    check_flags(set(flags), loader.loader_rule(release)[0], sglang_where(release), report)
+    vocab = {name: raw.tensors[name] for name in loader.VOCAB_TENSORS if name in raw.tensors}
     _check_vocab(raw, vocab, Context(vocab_size=vocab_size), report)
     return report
 
 
-def sglang_where(release: str | None) -> str:
-    return f"SGLang {release}" if release else "SGLang ≤ 0.5.11 (strictest; no release given)"
-
-
-def _mla_loader_rule(release: str | None, report: Report) -> tuple[engines.DraftLoaderRule | None, str]:
+def _mla_loader_rule(release: str | None, report: Report) -> tuple[loader.DraftLoaderRule | None, str]:
     """The MLA draft's loader for a release: the oldest one read when none is given; None (reported) for a release
     without the architecture."""
-    name = engines.MLA_DRAFT_ARCHITECTURE
+    name = loader.MLA_DRAFT_ARCHITECTURE
     if release is None:
-        return engines.MLA_LOADER_RULES[0], f"no release given: checked against the oldest {name} loader (0.5.12)"
-    rule = engines.draft_loader_rule("mla", release)
+        return loader.MLA_LOADER_RULES[0], f"no release given: checked against the oldest {name} loader (0.5.12)"
+    rule = loader.draft_loader_rule("mla", release)
     if rule is None:
         report.add(ProblemCode.CONFIG_ARCHITECTURE, "error",
                    f"architectures is [{name}]; SGLang {release} does not have it (it ships from 0.5.12, "
@@ -140,9 +138,9 @@ def _check_mla_fields(raw: RawCheckpoint, loaded: dict[str, torch.Tensor], repor
     missing = [name for name in MLA_SIZES if raw.config.get(name) is None]
     if missing:
         report.add(ProblemCode.CONFIG_FIELD, "error", f"config.json lacks {', '.join(missing)} (an "
-                   f"{engines.MLA_DRAFT_ARCHITECTURE} draft is built from them; without q_lora_rank SGLang refuses it)",
+                   f"{loader.MLA_DRAFT_ARCHITECTURE} draft is built from them; without q_lora_rank SGLang refuses it)",
                    "write the MLA sizes the tensors were trained with")
-    halves = [f"{engines.CANONICAL_LAYER_PREFIX}.{name}" for name in engines.MLA_FUSED_PAIR]
+    halves = [f"{loader.CANONICAL_LAYER_PREFIX}.{name}" for name in loader.MLA_FUSED_PAIR]
     present = [name for name in halves if name in loaded]
     if len(present) == 1:
         report.add(ProblemCode.MISSING_TENSOR, "error",
@@ -187,7 +185,7 @@ def _check_shapes(
     raw: RawCheckpoint,
     loaded: dict[str, torch.Tensor],
     ctx: Context,
-    rule: engines.DraftLoaderRule,
+    rule: loader.DraftLoaderRule,
     where: str,
     report: Report,
 ) -> int | None:
@@ -222,7 +220,7 @@ def _check_shapes(
     if draft_vocab is None:
         _report_draft_vocab_size(raw, loaded, report)
         draft_vocab = config["vocab_size"]
-    served_flags = engines.enabled_flags(config) & rule.flags
+    served_flags = loader.enabled_flags(config) & rule.flags
     expected = draft_shapes(
         hidden=hidden,
         target_hidden=target_hidden,

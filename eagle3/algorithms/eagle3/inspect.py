@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from eagle3.draft.files import CONFIG_FILE
-from eagle3.draft.checkpoint import read_checkpoint
+from eagle3.algorithms.eagle3.checkpoint import read_checkpoint
 from eagle3.draft.vocab_map import D2TAnalysis, analyze_d2t, read_d2t_t2d, read_stats
 
 
