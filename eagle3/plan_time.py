@@ -9,7 +9,7 @@ servers (data.nodes) and training spans the nodes (torchrun's c10d rendezvous) u
 features online, which needs one node's world; the servers the benchmark and sweep start stay on one node.
 
 FLOPs come from the shapes: 2 x active parameters per token forward (a MoE target counts only the experts a token is
-routed to; the input embedding is a lookup), 6 x the draft's trainable parameters per token per TTT step to train.
+routed to; the input embedding is a lookup), 6 x the draft's trainable parameters per token per draft pass to train.
 Time is FLOPs / (GPUs x node.peak_tflops x node.mfu.<kind>). Decode is bounded by memory too: each step reads every
 weight and the KV cache in flight at node.hbm_tbps; the slower bound counts. Attention over the context, the teacher
 head, tokenisation and I/O are not counted; every reply is taken at its max_new_tokens (an upper bound).
@@ -276,7 +276,7 @@ def read_target(target: TargetSection, size: TargetSize | None, note: str) -> tu
 
 
 def draft_train_flops(params: int, passes: float, tokens: int) -> float:
-    """6 x trainable parameters per token per draft pass (forward and backward: EAGLE-3's TTT steps, a block draft's
+    """6 x trainable parameters per token per draft pass (forward and backward: EAGLE-3's steps, a block draft's
     block positions per token); the step's measured MFU (benchmarks/train_throughput.py) counts the same, so it can replace
     node.mfu.train as it is."""
     return 6.0 * params * passes * tokens

@@ -15,10 +15,10 @@ LAYERS = (
      "eagle3.distributed", "eagle3.http_retry", "eagle3.warm", "eagle3.guard"),
     ("eagle3.records", "eagle3.contract"),  # run records; the serving engine's contract, as data
     ("eagle3.target",),  # a target model's files, read
-    ("eagle3.draft",),  # the draft on disk: layouts, checkpoints, the vocab map
-    ("eagle3.validation",),  # a draft checked against the contract
+    ("eagle3.draft",),  # what every kind of draft on disk shares: file names, the verifier, the vocab map
+    ("eagle3.validation",),  # a draft from elsewhere: what every kind's import records and refuses with
     ("eagle3.config",),
-    ("eagle3.model",),
+    ("eagle3.model",),  # what every draft is built from: blocks, the draft tree, the teacher, the target's tensors
     ("eagle3.algorithms",),  # the draft algorithms: one entry each (model, loss, drafting, serving flags)
     ("eagle3.serving",),  # the serving engines: one entry each (command, probe, release), below every user of one
     ("eagle3.resolve",),  # a config resolved against the registries above: what load_config returns

@@ -2,6 +2,8 @@
 module names it, the config's schema knows no kind, and the resolve step (eagle3.resolve) takes a kind's own section,
 its default target layers and its config problems from its entry."""
 
+import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,45 @@ def test_the_naming_rule_finds_a_mention_outside_the_folder_and_allows_the_regis
     (tmp_path / "eagle3" / "algorithms" / "__init__.py").write_text("from eagle3.algorithms.dflash import DFLASH\n")
     (tmp_path / "eagle3" / "plan.py").write_text("x = 1\n# a DFlash draft's block positions\n")
     assert naming_lines(tmp_path, "dflash") == ["eagle3/plan.py:2: # a DFlash draft's block positions"]
+
+
+# EAGLE-3's own: SGLang's class and tensor names for it, and its training-time test and tree drafting (definitions and
+# imports; the config keys training.ttt_steps / ttt_step_decay are every user's words and stay)
+EAGLE3_NAMES = ("midlayer", "LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM")
+EAGLE3_DRAFTING = re.compile(r"(ttt_\w+|TTT\w*|attend_ttt|draft_tree|draft_chain|DraftCache)$")
+
+
+def eagle3_outside_its_folder(root: Path) -> list[str]:
+    """What of EAGLE-3 a module under root/eagle3 outside eagle3/algorithms/eagle3/ and eagle3/serving/ (the engines'
+    own method tables) holds: its checkpoint names or SGLang's classes for it in the text, its TTT or tree drafting
+    defined or imported."""
+    found = []
+    for path in sorted((root / "eagle3").rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        if name.startswith(("eagle3/algorithms/eagle3/", "eagle3/serving/")):
+            continue
+        text = path.read_text()
+        found += [f"{name}: names {word}" for word in EAGLE3_NAMES if word in text]
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and EAGLE3_DRAFTING.match(node.name):
+                found.append(f"{name}:{node.lineno}: defines {node.name}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found += [f"{name}:{node.lineno}: imports {alias.name}" for alias in node.names
+                          if EAGLE3_DRAFTING.match(alias.name.rsplit(".", 1)[-1])]
+    return found
+
+
+def test_outside_its_folder_no_module_holds_eagle3s_checkpoint_names_classes_ttt_or_tree_drafting():
+    assert eagle3_outside_its_folder(ROOT) == []
+
+
+def test_the_eagle3_rule_finds_a_name_a_definition_and_an_import_outside_the_folder(tmp_path):
+    (tmp_path / "eagle3" / "algorithms" / "eagle3").mkdir(parents=True)
+    (tmp_path / "eagle3" / "algorithms" / "eagle3" / "ttt.py").write_text("def ttt_loss(): ...\n")
+    (tmp_path / "eagle3" / "plan.py").write_text("from x import draft_tree\nNAME = 'midlayer.fc'\n\n\n"
+                                                 "class TTTModel: ...\n")
+    assert eagle3_outside_its_folder(tmp_path) == ["eagle3/plan.py: names midlayer", "eagle3/plan.py:1: imports draft_tree",
+                                                   "eagle3/plan.py:5: defines TTTModel"]
 
 
 class HeadsSection(Section):

@@ -17,7 +17,7 @@ class MfuSection(Section):
     prefill: float = Field(default=0.35, gt=0.0, le=1.0, description="the target's forward over whole sequences: "
                            "prompts, capture, online training's features (assumption, not measured)")
     train: float = Field(default=0.3, gt=0.0, le=1.0, description="the draft's training step, 6 x trainable "
-                         "parameters x TTT steps per token (assumption: replace it with the MFU "
+                         "parameters x draft passes per token (assumption: replace it with the MFU "
                          "infra/gpu-smoke/train.sh prints)")
 
 

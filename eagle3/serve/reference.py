@@ -4,7 +4,7 @@
 
 Per request: the prefill forward gives the first completion token (no verify step). Each verify step:
 the draft proposes a tree from the target's aux features of the verified prefix, as its algorithm's server worker
-drafts (the entry's drafter: EAGLE-3's `eagle3.model.tree.draft_tree`, a chain with eagle_topk 1; a block draft's
+drafts (the entry's drafter: EAGLE-3's tree drafting, a chain with eagle_topk 1; a block draft's
 block of num_draft_tokens, a chain); the target scores every node in ONE forward over prefix + nodes with a tree
 attention mask; the longest path that passes (greedy: the target's argmax; temperature > 0: SGLang's
 target-only speculative sampling) is accepted, plus the target's own next token (the bonus). The request

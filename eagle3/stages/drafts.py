@@ -2,9 +2,9 @@
 the simulate stage's inputs (the held-out suites' stored continuations and features, in serving's shape and each
 sweep point's) and `eagle3 diagnose --draft DIR` runs the train-serve checklist on it.
 
-- DIR is any layout the importer reads (SGLang's or SpecForge's LlamaForCausalLMEagle3, speculators', this project's
+- DIR is any layout the importer reads (SGLang's or SpecForge's EAGLE-3 layout, speculators', this project's
   native one): it is validated for the config's target, release and data layers and converted to the sglang layout
-  exactly as `eagle3 registry import` does it (eagle3.validation.external.convert_external), so what is replayed is
+  exactly as `eagle3 registry import` does it (the algorithm's `convert_external`), so what is replayed is
   what SGLang would serve, and a draft it would serve wrongly is refused by its problem code before any replay.
 - Its figures go to run.dir/bench/drafts/<DIR's name>/ (`simulated.json`, the converted `sglang/`): never the simulate
   stage's output or its marker, so the stage stays finished under its key and a later `eagle3 simulate` keeps it.

@@ -1,6 +1,6 @@
 """Memory of one training step, measured by running the trainer's own step on tensors without storage.
 
-torch's FakeTensorMode gives tensors shapes, dtypes and devices but no data, so the real teacher, TTT
+torch's FakeTensorMode gives tensors shapes, dtypes and devices but no data, so the real teacher, the draft's
 forward, loss and backward run at full size (a Kimi-sized draft at 4,096 tokens) in seconds on any
 machine, and every allocation they make is counted here. bf16 autocast stands in for the GPU's (the
 trainer's policy: bf16 matmuls, float32 norms and softmaxes); attention takes the fused path, which
@@ -75,7 +75,7 @@ def trainable_parameters(entry: DraftAlgorithm, cfg: BaseModel) -> int:
 def training_step_peak_bytes(entry: DraftAlgorithm, cfg: BaseModel, draft: DraftSection, sequences: int,
                               seq_len: int, predictions: int, pre_norm: bool, recompute: bool) -> int:
     """Peak bytes one rank allocates during a step on `sequences` x `seq_len` tokens: teacher outputs,
-    TTT activations, loss, gradients, and the transients between them (not the weights or the batch), with the
+    draft activations, loss, gradients, and the transients between them (not the weights or the batch), with the
     backward recomputing the norms and the SwiGLU product or not (training.recompute).
     Measured once per shape in a process (seconds at Kimi's size, and the config check, `eagle3 plan` and the
     flow's load-config each ask)."""

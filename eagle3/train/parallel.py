@@ -24,14 +24,14 @@ from torch.distributed.fsdp import fully_shard
 from eagle3.distributed import Dist
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
-DRAFT_PREFIX = "draft."  # the TTT wrapper holds the draft as `draft`
+DRAFT_PREFIX = "draft."  # the loss wrapper (LossModule) holds the draft as `draft`
 EMBEDDING = "embed_tokens."  # the target's, frozen: never saved with the draft
 
 
 class Parallel:
     """none (one process), DDP (replicas) or FSDP2 (weights, gradients and AdamW state sharded).
 
-    FSDP2 shards the TTT module as one unit: the draft's forward runs through helper methods, so only
+    FSDP2 shards the loss module as one unit: the draft's forward runs through helper methods, so only
     the root's hooks see every call.
     """
 

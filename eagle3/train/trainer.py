@@ -1,6 +1,6 @@
 """The draft trainer: one loop under plain `python` and under `torchrun` (DDP; gloo on CPU, nccl on GPU).
 
-Loss normalisation (docs/contracts.md): per TTT step, the sum over valid positions divided by the global batch's count of
+Loss normalisation (docs/contracts.md): per prediction (a draft step, or a block entry), the sum over valid positions divided by the global batch's count of
 positions with a loss-masked target (every rank reads every row's mask: known before any forward), steps weighted
 decay**k. DDP averages gradients over ranks, so each rank's loss is scaled by the world size; the micro-batches of a
 step (training.micro_batch_size) add up their gradients. 1 rank and N ranks, one batch or N micro-batches: the same
