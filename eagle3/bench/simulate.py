@@ -208,6 +208,8 @@ def heldout_samples(config: PipelineConfig, suites: tuple[str, ...] = (HELDOUT,)
 def stored_sequences(features: Path, requests: Path) -> list[tuple[ShardReader, int, dict]]:
     """(its shard, its index there, its request) of every sequence stored in `features`, whose requests are the rows
     of `requests`' greedy continuations, in order."""
+    if not features.is_dir():
+        raise UnreadableInput(f"{features}: no stored sequences; run the data stage (eagle3 data capture)")
     readers = [ShardReader(path) for path in sorted(features.glob("shard-?????.safetensors"))]
     stored = [(reader, i) for reader in readers for i in range(len(reader))]
     rows = read_greedy(requests)
