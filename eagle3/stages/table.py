@@ -252,7 +252,7 @@ REPLAY = ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("regenerate", regenerated, runner=regenerate, command=("data", "regenerate"),
           help="the target writes the assistant turns of the training prompts (or data.import_path's rows are "
-          "imported), with the held-out prompts' greedy continuations, then those of benchmark.suites' others",
+          "imported), with the held-out prompts' greedy continuations",
           key=("data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length", "data.temperature",
                "data.thinking", "data.heldout_fraction", "data.quality"),
           by_content={"target": TARGET, "prompt_source": ByContent(("data.prompts",), prompt_source),
@@ -268,7 +268,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     # its own output, so that a suite added to a finished run re-keys only the replays (simulate reads it, training
     # never); a benchmark.num_prompts change re-keys it through the traffic suite's count
     Stage("suites", suite_continuations, runner=continue_suites, command=("data", "regenerate"),
-          help="the target's greedy continuations of benchmark.suites besides the held-out prompts",
+          help="then those of benchmark.suites' other suites",
           key=("data.engine", "data.thinking"),
           by_content={"target": TARGET,
                       "suites": ByContent(("benchmark.suites", "benchmark.num_prompts", "benchmark.max_new_tokens",
@@ -282,7 +282,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
                "training.features"),
           by_content={"target": TARGET}, upstream={"regenerated": "regenerate"}),
     Stage("suite_features", suite_features, runner=capture_suites, command=("data", "capture"),
-          help="capture the target's hidden states for the other suites' continuations (the simulator's alone)",
+          help="then for the other suites' continuations (the simulator's alone)",
           key=("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype"),
           by_content={"target": TARGET}, upstream={"suites": "suites"}),
     Stage("vocab", vocab_map, runner=vocab, command=("vocab", "build"),
