@@ -219,13 +219,16 @@ def heldout_set(config: PipelineConfig) -> list:
 
 
 def suite_set(config: PipelineConfig) -> list:
-    """The other suites' greedy continuations the suites stage makes: their questions by content, the answers'
-    length (a multi-turn question's later turns follow the target's answers) and the continuations'."""
+    """The other suites' greedy continuations the suites stage makes: their questions by content (the traffic suite's
+    count defaults to the benchmark's), the answers' length (a multi-turn question's later turns follow the target's
+    answers) and the continuations'."""
+    from eagle3.config.suites import TRAFFIC
     from eagle3.data.regenerate import greedy_length
     from eagle3.data.suites import other_suites, suites_key
 
     suites = other_suites(config.benchmark)
-    return [suites_key(suites), config.heldout_set[1], greedy_length(config)] if suites else []
+    traffic = config.heldout_set[0] if any(suite.name == TRAFFIC for suite in suites) else None
+    return [suites_key(suites), traffic, config.heldout_set[1], greedy_length(config)] if suites else []
 
 
 def init_draft_content(config: PipelineConfig) -> str | None:
@@ -266,7 +269,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
           # same replies, or other held-out continuations (only the continuations are made again)
           refines=("data.num_samples", "data.quality", "heldout")),
     # its own output, so that a suite added to a finished run re-keys only the replays (simulate reads it, training
-    # never); a benchmark.num_prompts change re-keys it through the traffic suite's count
+    # never)
     Stage("suites", suite_continuations, runner=continue_suites, command=("data", "regenerate"),
           help="then those of benchmark.suites' other suites",
           key=("data.engine", "data.thinking"),
