@@ -64,8 +64,10 @@ def test_a_suite_added_to_a_finished_run_measures_its_own_draft_without_retraini
     added = [*finished, WITH_MTBENCH]
     # simulate first: the suite's continuations are not made yet, and the step says which steps make them
     assert step(added, "simulate") == 2
-    assert ("(the suites stage's output) was made for other inputs (config.suites: [] -> "
-            in capsys.readouterr().err)
+    refused = capsys.readouterr().err
+    assert "(the suites stage's output) was made for other inputs (config.suites: [] -> " in refused
+    assert refused.strip().endswith("run `eagle3 data regenerate`, then `eagle3 data capture` with these settings "
+                                    "first, or `eagle3 run`")
     assert json.loads(record_path(config, "simulated").read_text()) == simulated  # left as it was
     for command in (("data", "regenerate"), ("data", "capture")):
         assert step(added, *command) == 0, command
