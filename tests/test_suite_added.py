@@ -13,9 +13,11 @@ from eagle3.cli import main
 from eagle3.config import load_config
 from eagle3.config.suites import MTBENCH
 from eagle3.data.capture import HELDOUT_DIR
+from eagle3.data.continuations import suites_dir
+from eagle3.records.manifest import read_manifest
 from eagle3.stages.keys import recorded_key
-from eagle3.stages.table import STAGES, output_of, record_path
-from helpers import TINY, micro_overrides
+from eagle3.stages.table import STAGES, StageRun, output_of, record_path
+from helpers import TINY, micro_overrides, write_heldout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,3 +89,16 @@ def test_a_suite_added_to_a_finished_run_measures_its_own_draft_without_retraini
     # the held-out suite replayed over the same sequences by the same draft: the same figures as before
     assert remeasured["suites"]["heldout"] == simulated["suites"]["heldout"]
     assert {stage for stage in STAGES if stage not in KEPT} == {"suites", "suite_features", "simulate"}
+
+
+def test_the_suites_stage_starts_no_server_when_its_continuations_are_current(tmp_path, micro_target):
+    """Made again after the training replies changed (its upstream), the suites stage finds its continuations made
+    for the same questions and lengths: it starts none of data.nodes' servers (here, one that could not start)."""
+    overrides = micro_overrides(tmp_path / "run", micro_target) + ["benchmark.num_prompts=2",
+                                                                   "benchmark.max_new_tokens=8", WITH_MTBENCH]
+    write_heldout(load_config(TINY, overrides))  # every suite's continuations, by the local engine
+    nodes = load_config(TINY, overrides + ["data.engine=sglang", "data.nodes=[127.0.0.1:1]"])
+    lines = []
+    STAGES["suites"].runner(StageRun(nodes, nodes.run.dir / "config.resolved.yaml", lines.append))
+    assert read_manifest(suites_dir(nodes.run))["greedy"]["suites"] == {MTBENCH: 4}
+    assert lines == []

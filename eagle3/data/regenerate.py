@@ -305,13 +305,13 @@ def continue_benchmark(config: PipelineConfig, questions: list[Question], genera
                        log: Log) -> dict:
     """The target's greedy continuation of every request of `questions`, once (the simulator replays drafting over
     them: for a greedy target the accepted tokens are exactly these; the served benchmark sends the same prompt ids).
-    Kept when already made for the same questions, answers' length and continuation length."""
-    length = greedy_length(config)
-    key = hashlib.sha256(json.dumps([[[q.suite, q.prompt.id, q.prompt.slice, q.multi_turn] for q in questions], length,
-                                     config.heldout_set[1]]).encode()).hexdigest()
-    made = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    if path.is_file() and (made or not questions) and all(row.get("key") == key for row in made):
+    Kept when already made for the same questions, answers' length and continuation length; `generator` (None: one
+    made here) is asked only when they must be made."""
+    made = kept_continuations(config, questions, path)
+    if made is not None:
         return greedy_fields(made)
+    generator = generator or make_generator(config)
+    length, key = greedy_length(config), continuations_key(config, questions)
     progress = Progress("held-out continuations", total=sum(q.requests for q in questions), unit="requests", log=log)
     batch_size = engine_batch(config.data)
 
@@ -331,6 +331,20 @@ def continue_benchmark(config: PipelineConfig, questions: list[Question], genera
     log(f"regenerate: greedy continuations of {fields['requests']} benchmark requests ({length} tokens each; "
         f"{fields['suites']}) in {path}")
     return fields
+
+
+def continuations_key(config: PipelineConfig, questions: list[Question]) -> str:
+    """What continuations are made for: the questions, the answers' length and the continuations'."""
+    return hashlib.sha256(json.dumps([[[q.suite, q.prompt.id, q.prompt.slice, q.multi_turn] for q in questions],
+                                      greedy_length(config), config.heldout_set[1]]).encode()).hexdigest()
+
+
+def kept_continuations(config: PipelineConfig, questions: list[Question], path: Path) -> list[dict] | None:
+    """The rows at `path` when they were made for `questions` and these lengths, else None."""
+    key = continuations_key(config, questions)
+    made = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    current = path.is_file() and (made or not questions) and all(row.get("key") == key for row in made)
+    return made if current else None
 
 
 def greedy_fields(rows: list[dict]) -> dict:

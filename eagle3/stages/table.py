@@ -119,11 +119,11 @@ def regenerate(run: StageRun) -> None:
 
 
 def continue_suites(run: StageRun) -> None:
+    from eagle3.data.continuations import continuations_kept
     from eagle3.data.continuations import continue_suites as make
-    from eagle3.data.suites import other_suites
     from eagle3.serve.data_nodes import on_nodes
 
-    if not other_suites(run.config.benchmark):  # nothing to continue: no servers started
+    if continuations_kept(run.config):  # nothing to continue: no servers started
         make(run.config, log=run.log)
         return
     with on_nodes(run.config, run.log) as (config, generator):  # data.nodes: servers started for the stage
