@@ -29,7 +29,9 @@ from eagle3.resolve import load_config
 from eagle3.data.capture import capture
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
-from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout, regenerate
+from eagle3.data.continuations import suites_dir
+from eagle3.data.regenerate import (GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, benchmark_questions, continue_benchmark,
+                                    continue_heldout, regenerate)
 from eagle3.data.vocab import build_vocab
 from eagle3.deployment.monitor import Monitor
 from eagle3.algorithms.eagle3.checkpoint import DraftConfig
@@ -255,7 +257,16 @@ def store_requests(config, micro):
         def continue_greedy(self, prompts, length):
             return [target_greedy(micro["model"], p, length) for p in prompts]
 
-    continue_heldout(config, Greedy(), load_tokenizer(str(micro["path"])), regen / GREEDY_FILE, lambda line: None)
+    continue_every_suite(config, Greedy(), load_tokenizer(str(micro["path"])))
+
+
+def continue_every_suite(config, generator, tokenizer) -> None:
+    """The greedy continuations the data stage makes: the held-out suite's with the training replies, the other
+    suites' in the suites stage's output."""
+    continue_heldout(config, generator, tokenizer, config.stage_dir("data") / REGEN_DIR / GREEDY_FILE, lambda line: None)
+    suites_dir(config.run).mkdir(parents=True, exist_ok=True)
+    continue_benchmark(config, benchmark_questions(config, held_out=False), generator, tokenizer,
+                       suites_dir(config.run) / GREEDY_FILE, lambda line: None)
 
 
 HELDOUT = ["Explain what a Python list comprehension is.", "What does the len() function return?"]
@@ -268,8 +279,8 @@ def write_heldout(config) -> None:
     heldout.parent.mkdir(parents=True)
     heldout.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in HELDOUT))
     (config.stage_dir("data") / REGEN_DIR).mkdir()
-    continue_heldout(config, make_generator(config.data, config.target, config.training.seed), load_tokenizer(config.target),
-                     config.stage_dir("data") / REGEN_DIR / GREEDY_FILE, lambda line: None)
+    continue_every_suite(config, make_generator(config.data, config.target, config.training.seed),
+                         load_tokenizer(config.target))
 
 
 # ---- Registry versions and run directories

@@ -11,7 +11,7 @@ from eagle3.cli import main
 from eagle3.config import check_local_inputs
 from eagle3.resolve import load_config
 from eagle3.data.capture import dataset_dir
-from eagle3.data.importer import import_rows, make_samples
+from eagle3.data.importer import import_rows
 from eagle3.data.regenerate import read_regenerated
 from eagle3.errors import ConfigError
 from eagle3.records.manifest import read_manifest
@@ -123,7 +123,7 @@ def test_without_a_named_split_the_hash_of_the_id_splits(imported, tmp_path):
     overrides = micro_overrides(tmp_path / "run", config.target.path) + TRAINING + [
         "training.eval_fraction=0.5", f"data.import_path={source}"]
     other = load_config(TINY, overrides)
-    make_samples(other, log=lambda line: None)  # what `eagle3 run`'s data stage calls: data.import_path is set
+    assert main(["data", "regenerate", *cli_args(overrides)]) == 0  # data.import_path is set: it imports
     assert main(["data", "capture", *cli_args(overrides)]) == 0
     assert not (dataset_dir(other.run, other.training) / "split.json").exists()
     assert read_manifest(dataset_dir(other.run, other.training))["named_eval_samples"] is None

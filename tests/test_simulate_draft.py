@@ -133,7 +133,7 @@ def test_a_configured_suite_without_continuations_is_refused(run, capsys, tmp_pa
     written = (copy / "bench" / "simulated.json").read_bytes()
     suites = "benchmark.suites=[heldout, {name: mtbench, num_prompts: 1}]"
     config = load_config(TINY, micro_overrides(copy, target) + SMALL + [suites])
-    expected = (f"benchmark.suites names mtbench, but {copy / 'data' / 'regen' / 'heldout_greedy.jsonl'} holds no "
+    expected = (f"benchmark.suites names mtbench, but {copy / 'data' / 'suites' / 'heldout_greedy.jsonl'} holds no "
                 "continuation of it (only of heldout): run `eagle3 data regenerate` with this benchmark.suites")
     with pytest.raises(UnreadableInput) as refused:
         simulate(config, copy / "export" / "sglang", copy / "bench" / "simulated.json", log=lambda line: None)

@@ -4,7 +4,8 @@ trainer's own process through a sitecustomize), and every file a stage reads out
 pinned by the fingerprint of an upstream output its key names - its manifest, or a file whose sha256 that manifest
 records. A key holds its upstreams' fingerprints, not their keys: a read two stages up counts only where an output
 records the fingerprint it was made from (`keyed_files` follows such chains: the vocab map's manifest records the
-regenerated data's, which pins the continuations the trainer's acceptance replay reads).
+regenerated data's, which pins the held-out continuations the trainer's acceptance replay reads; the other suites'
+continuations are the suites stage's, which only the replays read).
 
 Dropping any edge of the table makes the audit name the stage and the file (the parametrised test), and the bug that
 asked for this - `eagle3 simulate` keeping its result after `eagle3 data regenerate` made other continuations - ends
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import RESOLVED_FILE, resolved_config_file
+from eagle3.data.continuations import suites_dir
 from eagle3.resolve import load_config
 from eagle3.data.regenerate import GREEDY_FILE, regen_dir
 from eagle3.stages.keys import done, stage_fingerprint
@@ -114,6 +116,11 @@ def test_every_run_directory_file_a_stage_reads_is_pinned_by_its_key(audited):
     greedy = regen_dir(audited["config"].run) / GREEDY_FILE
     assert (READ, str(greedy)) in events["simulate"] and (READ, str(greedy)) in events["train"]
     assert greedy in audited["pinned"]["vocab"]  # the train stage's key reaches it through the vocab map's manifest
+    # our suite's continuations: read by its features' capture and the replay, never by training
+    suite = suites_dir(audited["config"].run) / GREEDY_FILE
+    assert (READ, str(suite)) in events["simulate"] and (READ, str(suite)) in events["suite_features"]
+    assert not any(suite in audited["pinned"][name] for name in ("regenerate", "capture", "vocab", "train", "export"))
+    assert not any(path == str(suite) for name in ("capture", "vocab", "train", "export") for _, path in events[name])
     assert {name for name, reads in audited["reads"].items() if reads} == {stage for stage, _ in EDGES}, \
         {name: [str(path.relative_to(run_dir)) for path in reads] for name, reads in audited["reads"].items()}
 
@@ -131,22 +138,24 @@ def test_an_upstream_left_out_of_the_table_is_named_with_the_file_read(audited, 
 def test_a_step_by_hand_after_new_continuations_is_refused_naming_the_steps_to_run(audited, tmp_path):
     """The bug: `eagle3 data regenerate` made other continuations (here: our suite's file holds another question,
     at the same path, so no setting in simulate's key changed), and `eagle3 simulate` kept its result. Now simulate's
-    key holds the regenerate stage's output, and the step refuses the outputs made from the old continuations,
-    naming the steps to run. (This test is the suite file's last reader: it rewrites it.)"""
+    key holds the suites stage's output, and the step refuses the outputs made from the old continuations, naming the
+    step to run - and only that one: the training data, the vocabulary, the draft and its export stay as they are.
+    (This test is the suite file's last reader: it rewrites it.)"""
     run_dir = shutil.copytree(audited["run_dir"], tmp_path / "run", symlinks=True)
     config = load_config(TINY, [*audited["overrides"], f"run.dir={run_dir}"])
 
-    def simulate_done() -> bool:
-        upstream = {name: stage_fingerprint(config, source) for name, source in STAGES["simulate"].upstream.items()}
-        return done("simulate", config, upstream)
+    def is_done(stage: str) -> bool:
+        upstream = {name: stage_fingerprint(config, source) for name, source in STAGES[stage].upstream.items()}
+        return done(stage, config, upstream)
 
-    assert simulate_done()  # the copy is the same run: finished, kept
+    assert is_done("simulate")  # the copy is the same run: finished, kept
     audited["suite"].write_text(QUESTION.replace("len()", "sorted()"))
-    run_by_hand("regenerate", config, resolved_config_file(config), quiet)
-    assert not simulate_done()  # its key follows the continuations
+    assert not is_done("suites")
+    run_by_hand("suites", config, resolved_config_file(config), quiet)
+    assert not is_done("simulate")  # its key follows the continuations
+    assert all(is_done(stage) for stage in ("regenerate", "capture", "vocab", "train", "export"))
     with pytest.raises(StaleUpstream) as refused:
         run_by_hand("simulate", config, resolved_config_file(config), quiet)
-    assert str(refused.value).startswith(f"simulate: {run_dir / 'data' / 'hidden'} (the capture stage's output) was "
-                                         "made for other inputs (upstream.regenerated: ")
-    assert str(refused.value).endswith("run `eagle3 data capture`, then `eagle3 vocab build`, then `eagle3 train`, "
-                                       "then `eagle3 export` with these settings first, or `eagle3 run`")
+    assert str(refused.value).startswith(f"simulate: {run_dir / 'data' / 'suite-features'} (the suite_features "
+                                         "stage's output) was made for other inputs (upstream.suites: ")
+    assert str(refused.value).endswith("run `eagle3 data capture` with these settings first, or `eagle3 run`")

@@ -37,6 +37,20 @@ def test_keys_follow_what_a_stage_reads_and_nothing_else(tmp_path):
     assert stage_key("regenerate", base, {}) == stage_key("regenerate", config(tmp_path, "data.concurrency=3"), {})
 
 
+def test_a_suite_besides_the_held_out_prompts_is_in_the_suites_stages_key_alone(tmp_path):
+    """Only the replays read the other suites' continuations: adding MT-bench re-keys the suites stage, not the
+    training replies (and so nothing training reads); the held-out suite's own count re-keys regeneration."""
+    base, added = config(tmp_path), config(tmp_path, "benchmark.suites=[heldout, mtbench]")
+    regenerated = {"regenerated": "r"}
+    assert stage_key("regenerate", added, {}) == stage_key("regenerate", base, {})
+    assert stage_key("suites", added, regenerated) != stage_key("suites", base, regenerated)
+    assert stage_key("suites", config(tmp_path, "benchmark.suites=[heldout, mtbench]", "benchmark.num_prompts=7"),
+                     regenerated) == stage_key("suites", added, regenerated)  # no traffic suite takes that count
+    fewer = config(tmp_path, "benchmark.suites=[{name: heldout, num_prompts: 1}, mtbench]")
+    assert stage_key("regenerate", fewer, {}) != stage_key("regenerate", added, {})
+    assert stage_key("suites", fewer, regenerated) == stage_key("suites", added, regenerated)
+
+
 def test_a_prompt_file_is_keyed_by_its_content(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"messages": [{"role": "user", "content": "a"}]}\n')

@@ -10,7 +10,9 @@ from eagle3.config import check_local_inputs
 from eagle3.resolve import load_config
 from eagle3.config.suites import MTBENCH
 from eagle3.data.conversation import prompt_ids
-from eagle3.data.regenerate import GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, continue_heldout, greedy_length, read_greedy
+from eagle3.data.continuations import benchmark_requests, suites_dir
+from eagle3.data.regenerate import (GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, benchmark_questions, continue_benchmark,
+                                    continue_heldout, greedy_length, read_greedy)
 from eagle3.data.prompts import rendered_prompt
 from eagle3.config.suites import mtbench_file
 from eagle3.data.suites import across_slices, file_questions, reply_of, suite_questions
@@ -78,7 +80,8 @@ def test_the_second_turn_follows_the_targets_own_answer_and_every_turn_is_a_requ
         "benchmark.num_prompts=2", "benchmark.max_new_tokens=12", "sweep.points=[[5, 1, 6]]",
         "benchmark.suites=[heldout, {name: mtbench, num_prompts: 3}]"])
     write_heldout(config)
-    rows = read_greedy(config.stage_dir("data") / REGEN_DIR)
+    rows = benchmark_requests(config.run)
+    assert {row["suite"] for row in read_greedy(config.stage_dir("data") / REGEN_DIR)} == {"heldout"}
     # question by question; three questions of MT-bench taken across its categories
     assert [(r["suite"], r["turn"]) for r in rows] == [("heldout", 1)] * 2 + [("mtbench", 1), ("mtbench", 2)] * 3
     assert [r["slice"] for r in rows[2::2]] == ["writing", "roleplay", "reasoning"]
@@ -92,15 +95,25 @@ def test_the_second_turn_follows_the_targets_own_answer_and_every_turn_is_a_requ
         answer = reply_of(first["continuation_ids"], 12, eos)  # the served request's answer: 12 tokens or to its end
         assert second["prompt_ids"][: len(first["prompt_ids"]) + len(answer)] == first["prompt_ids"] + answer
         assert question.prompt.turns[1]["content"] in tokenizer.decode(second["prompt_ids"])
-    # made once: the same questions and lengths keep the file; another count makes it again
-    path = config.stage_dir("data") / REGEN_DIR / GREEDY_FILE
-    before = path.stat().st_mtime_ns
-    continue_heldout(config, make_generator(config.data, config.target, config.training.seed), tokenizer, path, lambda line: None)
-    assert path.stat().st_mtime_ns == before
+    # made once: the same questions and lengths keep the files; another count of MT-bench makes its file again and
+    # leaves the held-out prompts' (training replays them)
+    path, heldout = suites_dir(config.run) / GREEDY_FILE, config.stage_dir("data") / REGEN_DIR / GREEDY_FILE
+    before = {file: file.stat().st_mtime_ns for file in (path, heldout)}
+
+    def generator(of):
+        return make_generator(of.data, of.target, of.training.seed)
+
+    continue_benchmark(config, benchmark_questions(config, held_out=False), generator(config), tokenizer, path,
+                       lambda line: None)
+    continue_heldout(config, generator(config), tokenizer, heldout, lambda line: None)
+    assert {file: file.stat().st_mtime_ns for file in (path, heldout)} == before
     fewer = config.model_copy(update={"benchmark": config.benchmark.model_copy(update={"suites": [
         config.benchmark.suites[0], config.benchmark.suites[1].model_copy(update={"num_prompts": 1})]})})
-    fields = continue_heldout(fewer, make_generator(fewer.data, fewer.target, fewer.training.seed), tokenizer, path, lambda line: None)
-    assert fields == {"prompts": 2, "length": 17, "requests": 4, "suites": {"heldout": 2, "mtbench": 2}}
+    fields = continue_benchmark(fewer, benchmark_questions(fewer, held_out=False), generator(fewer), tokenizer,
+                                path, lambda line: None)
+    assert fields == {"prompts": 0, "length": 17, "requests": 2, "suites": {"mtbench": 2}}
+    assert continue_heldout(fewer, generator(fewer), tokenizer, heldout, lambda line: None)["requests"] == 2
+    assert heldout.stat().st_mtime_ns == before[heldout]
     assert (config.stage_dir("data") / HELDOUT_FILE).is_file()
 
 

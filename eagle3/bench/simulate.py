@@ -31,9 +31,11 @@ from eagle3.config.run import RunSection
 from eagle3.config.serving import BenchmarkSection, ServingSection
 from eagle3.config.suites import HELDOUT
 from eagle3.data.capture import HELDOUT_DIR
+from eagle3.data.continuations import suites_dir
 from eagle3.data.prompts import BASE_SLICE
 from eagle3.data.regenerate import GREEDY_FILE, greedy_length, read_greedy, regen_dir, simulated_shapes
 from eagle3.data.shards import ShardReader, StoredSample
+from eagle3.data.suite_capture import suite_features_dir
 from eagle3.engines.backends import local_device
 from eagle3.engines.generators import target_greedy
 from eagle3.engines.targets import target_eos_ids
@@ -188,28 +190,36 @@ def replay_stored(algorithm: DraftAlgorithm, draft: DraftModel, sample: StoredSa
 
 
 def heldout_samples(run: RunSection, wanted: int, suites: tuple[str, ...] = (HELDOUT,)) -> list[HeldoutRef]:
-    """The stored greedy sequences of the requests of `suites` with their features (the data stage's data/heldout),
-    refused unless each continues `wanted` tokens (eagle3.data.regenerate.greedy_length: the benchmark's
-    max_new_tokens and the deepest drafting shape)."""
-    directory = run.stage_dir("data") / HELDOUT_DIR
-    readers = [ShardReader(path) for path in sorted(directory.glob("shard-?????.safetensors"))]
-    stored = [(reader, i) for reader in readers for i in range(len(reader))]
-    if not stored:
-        raise UnreadableInput(f"{directory}: no held-out features; run the data stage (eagle3 data capture)")
-    requests = read_greedy(regen_dir(run))
-    if len(requests) != len(stored):
-        raise UnreadableInput(f"{directory}: {len(stored)} stored sequences for {len(requests)} benchmark requests: run "
-                              "the data stage again (eagle3 data capture)")
-    refuse_unstored_suites(suites, {row["suite"] for row in requests}, regen_dir(run) / GREEDY_FILE)
-    refs = [HeldoutRef(reader, i, row["suite"], row["slice"])
-            for (reader, i), row in zip(stored, requests) if row["suite"] in suites]
+    """The stored greedy sequences of the requests of `suites` with their features - the held-out suite's (the capture
+    stage's data/heldout), the others' (the suite features stage's), read only when asked for - refused unless each
+    continues `wanted` tokens (eagle3.data.regenerate.greedy_length: the benchmark's max_new_tokens and the deepest
+    drafting shape)."""
+    stored = stored_sequences(run.stage_dir("data") / HELDOUT_DIR, regen_dir(run))
+    if any(suite != HELDOUT for suite in suites):
+        stored += stored_sequences(suite_features_dir(run), suites_dir(run))
+    refuse_unstored_suites(suites, {row["suite"] for _, _, row in stored}, suites_dir(run) / GREEDY_FILE)
+    refs = [HeldoutRef(reader, i, row["suite"], row["slice"]) for reader, i, row in stored if row["suite"] in suites]
     short = [ref for ref in refs if int(ref.reader.sample(ref.index, ("input_ids", "loss_mask")).loss_mask.sum()) < wanted]
     if short:
-        raise UnreadableInput(f"{directory}: {len(short)} held-out sequence(s) continue fewer than {wanted} tokens "
+        raise UnreadableInput(f"{len(short)} stored benchmark sequence(s) continue fewer than {wanted} tokens "
                               "(the replay's max_new_tokens + drafting steps: benchmark.max_new_tokens or "
                               "training.replay_max_new_tokens, + the deepest of serving.num_steps and sweep.points): "
                               "run the data stage again")
     return refs
+
+
+def stored_sequences(features: Path, requests: Path) -> list[tuple[ShardReader, int, dict]]:
+    """(its shard, its index there, its request) of every sequence stored in `features`, whose requests are the rows
+    of `requests`' greedy continuations, in order."""
+    if not features.is_dir():
+        raise UnreadableInput(f"{features}: no stored sequences; run the data stage (eagle3 data capture)")
+    readers = [ShardReader(path) for path in sorted(features.glob("shard-?????.safetensors"))]
+    stored = [(reader, i) for reader in readers for i in range(len(reader))]
+    rows = read_greedy(requests)
+    if len(rows) != len(stored):
+        raise UnreadableInput(f"{features}: {len(stored)} stored sequences for the {len(rows)} benchmark requests of "
+                              f"{requests / GREEDY_FILE}: run the data stage again (eagle3 data capture)")
+    return [(reader, i, row) for (reader, i), row in zip(stored, rows)]
 
 
 def refuse_unstored_suites(suites: tuple[str, ...], stored: set[str], path: Path) -> None:

@@ -19,17 +19,20 @@ GROUP_HELP = {"data": "synthetic data: regenerate answers (or import rows), capt
 def add_step_commands(commands) -> None:
     from eagle3.stages.table import STAGES
 
-    groups, steps = {}, {}
-    for stage in STAGES.values():  # a step per stage of the table, `eagle3 GROUP NAME` or `eagle3 NAME`
-        *group, name = stage.command
+    groups, steps, by_command = {}, {}, {}
+    for stage in STAGES.values():
+        by_command.setdefault(stage.command, []).append(stage)
+    for command, stages in by_command.items():  # a step per command of the table, `eagle3 GROUP NAME` or `eagle3 NAME`:
+        *group, name = command  # it runs the stages that name it, in the table's order
         parent = commands
         if group:
             if group[0] not in groups:
                 groups[group[0]] = commands.add_parser(group[0], help=GROUP_HELP[group[0]]).add_subparsers(
                     dest=f"{group[0]}_command", required=True)
             parent = groups[group[0]]
-        steps[stage.name] = step = add_config_arguments(parent.add_parser(name, help=stage.help))
-        step.set_defaults(handler=lambda args, stage=stage.name: run_step(stage, args))
+        step = add_config_arguments(parent.add_parser(name, help="; ".join(stage.help for stage in stages)))
+        step.set_defaults(handler=lambda args, names=tuple(stage.name for stage in stages): run_step(names, args))
+        steps.update({stage.name: step for stage in stages})
     steps["simulate"].add_argument("--draft", type=Path, help="replay this draft instead (any layout `eagle3 registry "
                                    "import` reads), over the same held-out suites; its figures go to "
                                    "run.dir/bench/drafts/<its name>/, never over the stage's own")
@@ -91,19 +94,20 @@ def run_make_target(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def run_step(stage: str, args: argparse.Namespace, overrides: dict | None = None) -> int:
-    """One stage of the table run by hand, marked as the flow marks it (eagle3.stages.run.run_by_hand); the plan's
-    recompute choice and the resolved config file as `eagle3 run` makes them."""
+def run_step(stages: tuple[str, ...], args: argparse.Namespace, overrides: dict | None = None) -> int:
+    """The stages of one step run by hand, in order, each marked as the flow marks it (eagle3.stages.run.run_by_hand);
+    the plan's recompute choice and the resolved config file as `eagle3 run` makes them."""
     from eagle3.config import resolved_config_file
     from eagle3.resolve import derived
     from eagle3.plan import chosen_recompute
     from eagle3.stages.run import run_by_hand
     from eagle3.stages.table import STAGES
 
-    config = load_run_config(args, needs=STAGES[stage].needs)
+    config = load_run_config(args, needs=tuple(dict.fromkeys(need for stage in stages for need in STAGES[stage].needs)))
     config, recompute = chosen_recompute(derived(config, overrides or {}))  # the trainers read the plan's choice
     print(f"plan: {recompute}")
-    run_by_hand(stage, config, resolved_config_file(config), print)
+    for stage in stages:
+        run_by_hand(stage, config, resolved_config_file(config), print)
     return EXIT_OK
 
 
@@ -111,7 +115,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     """The simulate stage, or with --draft another draft replayed beside it (eagle3.stages.drafts): the stage's
     output and marker are left as they are."""
     if args.draft is None:
-        return run_step("simulate", args)
+        return run_step(("simulate",), args)
     from eagle3.stages.drafts import simulate_draft
     from eagle3.stages.table import STAGES
 
@@ -120,8 +124,9 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    """The regenerate stage on the rows of FILE (or data.import_path): the file's content is in the stage's key."""
-    return run_step("regenerate", args, {"data.import_path": str(args.file)} if args.file else None)
+    """The regenerate stage on the rows of FILE (or data.import_path): the file's content is in the stage's key; then
+    the suites stage, as `eagle3 data regenerate` runs it."""
+    return run_step(("regenerate", "suites"), args, {"data.import_path": str(args.file)} if args.file else None)
 
 
 def run_quality(args: argparse.Namespace) -> int:

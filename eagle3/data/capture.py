@@ -89,10 +89,15 @@ def is_current(path: Path, stamp: dict, dtype: str | None) -> bool:
 
 
 def heldout_records(run: RunSection) -> list[dict]:
-    """The held-out greedy sequences as samples: loss_mask marks the continuation (the prompt's end is where it starts)."""
+    """The held-out suite's greedy sequences as samples (`greedy_records`)."""
+    return greedy_records(read_greedy(regen_dir(run)))
+
+
+def greedy_records(rows: list[dict]) -> list[dict]:
+    """Greedy sequences (read_greedy's rows) as samples: loss_mask marks the continuation (the prompt's end is where
+    it starts)."""
     return [{"id": r["id"], "input_ids": r["prompt_ids"] + r["continuation_ids"],
-             "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["continuation_ids"])}
-            for r in read_greedy(regen_dir(run))]
+             "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["continuation_ids"])} for r in rows]
 
 
 def capture(run: RunSection, data: DataSection, target: TargetSection, training: TrainingSection, log: Log = print,

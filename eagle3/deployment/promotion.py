@@ -23,9 +23,10 @@ from eagle3.config.deployment import RegistrySection, TelemetrySection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection
 from eagle3.data.capture import dataset_dir
+from eagle3.data.continuations import benchmark_requests
 from eagle3.registry.samples import prune_samples
 from eagle3.data.prompts import load_prompts
-from eagle3.data.regenerate import read_greedy, regen_dir, sent_ids
+from eagle3.data.regenerate import regen_dir, sent_ids
 from eagle3.engines.targets import load_tokenizer
 from eagle3.errors import UnreadableInput
 from eagle3.records.manifest import code_version, read_manifest
@@ -62,7 +63,7 @@ def benchmark_prompts_file(benchmark: BenchmarkSection, run: RunSection) -> Path
     requests it was measured on."""
     path = run.stage_dir("bench") / PROMPTS_LAYOUT / PROMPTS_FILE
     suites = {suite.name for suite in benchmark.suites}
-    rows = [row for row in read_greedy(regen_dir(run)) if row["suite"] in suites]
+    rows = [row for row in benchmark_requests(run) if row["suite"] in suites]
     atomic_write_bytes(path, "".join(json.dumps({"id": r["id"], "suite": r["suite"], "slice": r["slice"],
                                                  "input_ids": r["prompt_ids"]}) + "\n" for r in rows).encode())
     return path

@@ -96,7 +96,8 @@ def refuse_stale_upstream(stage: str, config: PipelineConfig) -> None:
         return
     first, why = next(iter(stale.items()))
     redo = [name for name in STAGES if name in above and (name in stale or read_by(name) & stale.keys())]
-    steps = ", then ".join(f"`eagle3 {' '.join(STAGES[name].command)}`" for name in redo)
+    steps = ", then ".join(f"`eagle3 {' '.join(command)}`"  # a step that runs several stages named once
+                           for command in dict.fromkeys(STAGES[name].command for name in redo))
     raise StaleUpstream(f"{stage}: {output_of(config, first)} (the {first} stage's output) {why}: run {steps} "
                         f"with these settings first, or `eagle3 run`")
 

@@ -70,6 +70,18 @@ def regenerated(config: PipelineConfig) -> Path:
     return regen_dir(config.run)
 
 
+def suite_continuations(config: PipelineConfig) -> Path:
+    from eagle3.data.continuations import suites_dir
+
+    return suites_dir(config.run)
+
+
+def suite_features(config: PipelineConfig) -> Path:
+    from eagle3.data.suite_capture import suite_features_dir
+
+    return suite_features_dir(config.run)
+
+
 def vocab_map(config: PipelineConfig) -> Path:
     return config.stage_dir("vocab")
 
@@ -107,6 +119,18 @@ def regenerate(run: StageRun) -> None:
         make_samples(config, log=run.log, store=store, generator=generator)
 
 
+def continue_suites(run: StageRun) -> None:
+    from eagle3.data.continuations import continuations_kept
+    from eagle3.data.continuations import continue_suites as make
+    from eagle3.serve.data_nodes import on_nodes
+
+    if continuations_kept(run.config):  # nothing to continue: no servers started
+        make(run.config, log=run.log)
+        return
+    with on_nodes(run.config, run.log) as (config, generator):  # data.nodes: servers started for the stage
+        make(config, log=run.log, generator=generator)
+
+
 def capture(run: StageRun) -> None:
     from eagle3.data.node_capture import capture_with_engine
     from eagle3.registry.samples import open_feature_store
@@ -114,6 +138,12 @@ def capture(run: StageRun) -> None:
     c = run.config
     store = open_feature_store(c.registry, c.data, c.target, c.training, run.log)
     capture_with_engine(c.run, c.data, c.target, c.training, c.serving, run.resolved, log=run.log, store=store)
+
+
+def capture_suites(run: StageRun) -> None:
+    from eagle3.data.node_capture import capture_suites_with_engine
+
+    capture_suites_with_engine(run.config, run.resolved, log=run.log)
 
 
 def vocab(run: StageRun) -> None:
@@ -182,12 +212,27 @@ def traffic_selection(config: PipelineConfig) -> dict | None:
 
 
 def heldout_set(config: PipelineConfig) -> list:
-    """The benchmark's greedy continuations the data stage makes: how many held-out prompts, how long (the
-    benchmark's, or the replay's, past the deepest simulated shape), and the other suites' questions by content."""
+    """The held-out prompts' greedy continuations the regenerate stage makes (training replays them): how many (the
+    benchmark's, or the held-out suite's own count) and how long (the benchmark's, or the replay's, past the deepest
+    simulated shape). The other suites are the suites stage's."""
+    from eagle3.config.suites import HELDOUT
     from eagle3.data.regenerate import greedy_length
-    from eagle3.data.suites import suites_key
 
-    return [config.heldout_set[0], greedy_length(config), suites_key(config.benchmark)]
+    own = [suite.num_prompts for suite in (config.benchmark.suites if config.benchmark else ()) if suite.name == HELDOUT]
+    return [config.heldout_set[0], greedy_length(config), own]
+
+
+def suite_set(config: PipelineConfig) -> list:
+    """The other suites' greedy continuations the suites stage makes: their questions by content (the traffic suite's
+    count defaults to the benchmark's), the answers' length (a multi-turn question's later turns follow the target's
+    answers) and the continuations'."""
+    from eagle3.config.suites import TRAFFIC
+    from eagle3.data.regenerate import greedy_length
+    from eagle3.data.suites import other_suites, suites_key
+
+    suites = other_suites(config.benchmark)
+    traffic = config.heldout_set[0] if any(suite.name == TRAFFIC for suite in suites) else None
+    return [suites_key(suites), traffic, config.heldout_set[1], greedy_length(config)] if suites else []
 
 
 def init_draft_content(config: PipelineConfig) -> str | None:
@@ -214,7 +259,7 @@ REPLAY = ("serving.release", "serving.num_steps", "serving.eagle_topk", "serving
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("regenerate", regenerated, runner=regenerate, command=("data", "regenerate"),
           help="the target writes the assistant turns of the training prompts (or data.import_path's rows are "
-          "imported), with the held-out suites' greedy continuations",
+          "imported), with the held-out prompts' greedy continuations",
           key=("data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length", "data.temperature",
                "data.thinking", "data.heldout_fraction", "data.quality"),
           by_content={"target": TARGET, "prompt_source": ByContent(("data.prompts",), prompt_source),
@@ -227,12 +272,26 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
           # more or fewer samples of the same kind (only new ones are generated), other quality thresholds over the
           # same replies, or other held-out continuations (only the continuations are made again)
           refines=("data.num_samples", "data.quality", "heldout")),
+    # its own output, so that a suite added to a finished run re-keys only the replays (simulate reads it, training
+    # never)
+    Stage("suites", suite_continuations, runner=continue_suites, command=("data", "regenerate"),
+          help="then those of benchmark.suites' other suites",
+          key=("data.engine", "data.thinking"),
+          by_content={"target": TARGET,
+                      "suites": ByContent(("benchmark.suites", "benchmark.num_prompts", "benchmark.max_new_tokens",
+                                           "training.replay_max_new_tokens", "serving.num_steps", "sweep.points"),
+                                          suite_set)},
+          upstream={"regenerated": "regenerate"}),  # the held-out prompts file, its traffic suite's questions
     Stage("capture", dataset, runner=capture, command=("data", "capture"),
           help="capture the target's hidden states for the regenerated samples (token shards only with "
           "training.features online)",
           key=("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype",
                "training.features"),
           by_content={"target": TARGET}, upstream={"regenerated": "regenerate"}),
+    Stage("suite_features", suite_features, runner=capture_suites, command=("data", "capture"),
+          help="then for the other suites' continuations (the simulator's alone)",
+          key=("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype"),
+          by_content={"target": TARGET}, upstream={"suites": "suites"}),
     Stage("vocab", vocab_map, runner=vocab, command=("vocab", "build"),
           help="build d2t/t2d from the regenerated training split", key=("vocab",),
           upstream={"regenerated": "regenerate"}),
@@ -263,9 +322,10 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("simulate", "bench/simulated.json", runner=simulate, command=("simulate",),
           help="offline acceptance: replay drafting over the held-out suites in serving's shape and the sweep's",
           key=(*REPLAY, "benchmark.suites", "sweep.points", "data.thinking"), by_content={"counting": COUNTING},
-          # the held-out features (data/heldout, in the data set's manifest) and their requests' suites
-          # (regenerate's heldout_greedy.jsonl)
-          upstream={"exported": "export", "dataset": "capture", "regenerated": "regenerate"},
+          # the held-out features (data/heldout, in the data set's manifest) and their requests (regenerate's
+          # heldout_greedy.jsonl); the other suites' requests and features
+          upstream={"exported": "export", "dataset": "capture", "regenerated": "regenerate", "suites": "suites",
+                    "suite_features": "suite_features"},
           needs=("serving", "benchmark"), per_draft=True),
 )}
 
