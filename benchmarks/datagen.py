@@ -19,9 +19,9 @@ from eagle3.data.storage import human_bytes, projected_bytes
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import load_prompts
 from eagle3.data.regenerate import engine_batch, greedy_length, read_regenerated, regen_dir, regenerate
-from eagle3.engines.generators import LocalGenerator, target_greedy
-from eagle3.engines.targets import load_tokenizer
-from eagle3.engines.tiny import TINY, build_tiny_target
+from eagle3.runtime.generators import LocalGenerator, target_greedy
+from eagle3.runtime.targets import load_tokenizer
+from eagle3.runtime.tiny import TINY, build_tiny_target
 from eagle3.records.manifest import read_manifest
 
 ROOT = Path(__file__).resolve().parent.parent

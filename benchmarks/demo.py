@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args()
 
-    from eagle3.engines.tiny import TINY, build_tiny_target
+    from eagle3.runtime.tiny import TINY, build_tiny_target
     from prefect.client.orchestration import get_client
 
     from flows.eagle3 import eagle3

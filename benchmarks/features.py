@@ -22,7 +22,7 @@ from eagle3.resolve import load_config
 from eagle3.data.capture import capture, dataset_dir
 from eagle3.data.regenerate import regenerate
 from eagle3.data.vocab import build_vocab
-from eagle3.engines.tiny import TINY, build_tiny_target
+from eagle3.runtime.tiny import TINY, build_tiny_target
 from eagle3.records.manifest import read_manifest
 from eagle3.train.trainer import Trainer
 

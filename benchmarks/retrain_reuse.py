@@ -66,8 +66,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from eagle3.data.prompts import load_prompts
-    from eagle3.engines.targets import load_tokenizer
-    from eagle3.engines.tiny import TINY, build_tiny_target
+    from eagle3.runtime.targets import load_tokenizer
+    from eagle3.runtime.tiny import TINY, build_tiny_target
     from flows.eagle3 import eagle3
 
     target = ROOT / "runs" / "targets" / "tiny"

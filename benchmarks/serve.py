@@ -29,8 +29,8 @@ from eagle3.data.capture import capture
 from eagle3.data.regenerate import heldout_prompt_ids, regenerate
 from eagle3.data.vocab import build_vocab
 from eagle3.deployment.sweep import with_shape
-from eagle3.engines.targets import load_tokenizer
-from eagle3.engines.tiny import MICRO, TINY, build_tiny_target
+from eagle3.runtime.targets import load_tokenizer
+from eagle3.runtime.tiny import MICRO, TINY, build_tiny_target
 from eagle3.algorithms.eagle3.checkpoint import convert
 from eagle3.serve.inprocess import serve_in_thread
 from eagle3.serve.reference import create_app

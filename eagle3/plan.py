@@ -177,7 +177,7 @@ def target_parts(size: TargetSize, tp: int, tokens: int) -> dict[str, float]:
 
 
 def regeneration_stage(data: DataSection, serving: ServingSection | None, size: TargetSize | None) -> StagePlan:
-    served = data.engine != "local"  # by servers on serving.tp GPUs each
+    served = data.generator != "local"  # by servers on serving.tp GPUs each
     tp, in_flight, knob = (serving.tp, data.concurrency, "data.concurrency") if served else (1, data.batch_size, "data.batch_size")
     stage = StagePlan("regenerate", tp, knob=f"lower {knob} ({in_flight} requests of up to {data.max_length} tokens)")
     if size is None:
@@ -190,7 +190,7 @@ def regeneration_stage(data: DataSection, serving: ServingSection | None, size: 
 def capture_stage(data: DataSection, serving: ServingSection | None, target: TargetSection,
                   size: TargetSize | None) -> StagePlan:
     """One capture batch: the target's forward with KV for the batch, and its features before they leave the GPU."""
-    tp = serving.tp if data.capture_engine == "sglang" else 1
+    tp = serving.tp if data.feature_backend == "sglang" else 1
     stage = StagePlan("capture", tp, knob=f"lower data.batch_size ({data.batch_size} sequences per forward)")
     if size is None:
         stage.unknown = "target size unknown"
@@ -258,7 +258,7 @@ def online_target_parts(training: TrainingSection, data: DataSection, target: Ta
     features = tokens * (len(data.aux_layers) + 1) * target.hidden_size * 2
     parts[f"target features of the global micro-batch (bf16, {tokens:,} tokens)"] = _gib(features)
     fraction = data.sglang_engine_args.get("mem_fraction_static")
-    if data.capture_engine == "sglang" and fraction is not None:
+    if data.feature_backend == "sglang" and fraction is not None:
         reserved = float(fraction) * node.gpu_memory_gib - sum(parts.values())
         parts[f"SGLang pool beyond weights and KV (mem_fraction_static {fraction})"] = round(max(reserved, 0.0), 2)
     return parts

@@ -235,7 +235,7 @@ def trained_steps(train: TrainingSection, scenario: Scenario) -> tuple[int, str]
 def training_nodes(training: TrainingSection, data: DataSection, scenario: Scenario) -> tuple[int, str]:
     """The nodes training spans: all of them, unless SGLang's runner computes the features online (its tensor-parallel
     group is the whole torch world: one node)."""
-    if training.features == "online" and data.capture_engine == "sglang" and scenario.nodes > 1:
+    if training.features == "online" and data.feature_backend == "sglang" and scenario.nodes > 1:
         return 1, "on 1 node: features online through SGLang's runner span one node's world"
     return scenario.nodes, f"on {scenario.nodes} node(s)"
 
@@ -302,7 +302,7 @@ def regenerate_time(data: DataSection, serving: ServingSection | None, registry:
         return _unknown("regenerate")
     if data.import_path is not None:
         return StageTime("regenerate", {"data.import_path: nothing generated": 0.0})
-    gpus, served = target_gpus(serving, data.engine), data.engine != "local"
+    gpus, served = target_gpus(serving, data.generator), data.generator != "local"
     in_flight, field_name = (data.concurrency, "data.concurrency") if served else (data.batch_size, "data.batch_size")
     nodes = scenario.nodes if served else 1
     samples, _ = generated_samples(data, registry, scenario)
@@ -326,7 +326,7 @@ def capture_time(data: DataSection, serving: ServingSection | None, training: Tr
     """The target's forward over what is captured: the held-out sequences, and offline every sample."""
     if clock.target is None:
         return _unknown("capture")
-    gpus = target_gpus(serving, data.capture_engine)
+    gpus = target_gpus(serving, data.feature_backend)
     sequences = heldout.tokens(data)
     samples = 0 if training.features == "online" else data.num_samples * data.max_length
     what = ("held-out sequences only (training.features online)" if not samples else

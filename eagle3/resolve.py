@@ -24,6 +24,7 @@ from eagle3.config.draft import DraftSection
 from eagle3.config.files import apply_override, merged_sections, read_config_file
 from eagle3.config.training import TrainingSection
 from eagle3.errors import ConfigError
+from eagle3.runtime.backends import FEATURE_BACKENDS
 from eagle3.serving import ENGINES
 
 
@@ -46,6 +47,9 @@ def resolved(raw: dict, where: Path, overridden: set[str] = frozenset()) -> Pipe
     if config.serving is not None and config.serving.engine not in ENGINES:
         raise ConfigError(unregistered(where, overridden, "serving.engine", config.serving.engine, ENGINES,
                                        "docs/serving-and-benchmark.md"))
+    if config.data.feature_backend not in FEATURE_BACKENDS:
+        raise ConfigError(unregistered(where, overridden, "data.feature_backend", config.data.feature_backend,
+                                       FEATURE_BACKENDS, "docs/data.md"))
     defaulted = config.data.aux_layers is None
     try:
         if defaulted:

@@ -10,7 +10,7 @@
 # --no-gpu-check builds it where no GPU is visible (an image build); SGLang itself only runs on CUDA.
 set -euo pipefail
 
-SGLANG_VERSION=0.5.23   # = SUPPORTED_RELEASES in eagle3/engines/sglang_features.py (checked below)
+SGLANG_VERSION=0.5.23   # = SUPPORTED_RELEASES in eagle3/runtime/sglang_features.py (checked below)
 
 usage() {
   echo "usage: infra/sglang-env.sh [DEST] [--no-gpu-check]   (DEST default: /opt/sglang; env PYTHON=python3.X)" >&2
@@ -38,11 +38,11 @@ command -v "$PYTHON" > /dev/null || die "no '$PYTHON' on PATH (set PYTHON to a P
 
 # The pin is the project's: capture refuses any other release.
 pin=$(sed -n 's/^SUPPORTED_RELEASES = engines\.ReleaseRange("\([0-9.]*\)", "\([0-9.]*\)").*/\1 \2/p' \
-  "$CHECKOUT/eagle3/engines/sglang_features.py")
+  "$CHECKOUT/eagle3/runtime/sglang_features.py")
 if [[ -z $pin ]]; then
-  log "warning: could not read SUPPORTED_RELEASES from eagle3/engines/sglang_features.py; installing $SGLANG_VERSION"
+  log "warning: could not read SUPPORTED_RELEASES from eagle3/runtime/sglang_features.py; installing $SGLANG_VERSION"
 elif [[ $pin != "$SGLANG_VERSION $SGLANG_VERSION" ]]; then
-  die "this script pins SGLang $SGLANG_VERSION but eagle3/engines/sglang_features.py supports '${pin/ /–}': update SGLANG_VERSION"
+  die "this script pins SGLang $SGLANG_VERSION but eagle3/runtime/sglang_features.py supports '${pin/ /–}': update SGLANG_VERSION"
 fi
 
 # Never the project's environment.
@@ -87,8 +87,8 @@ import sys
 
 import torch
 
-import eagle3.engines.sglang_capture  # noqa: F401  (the capture stage's entry here)
-import eagle3.engines.sglang_features  # noqa: F401  (the feature backend it builds)
+import eagle3.runtime.sglang_capture  # noqa: F401  (the capture stage's entry here)
+import eagle3.runtime.sglang_features  # noqa: F401  (the feature backend it builds)
 
 version = metadata.version("sglang")
 if version != sys.argv[1]:

@@ -1,5 +1,5 @@
 """Tiny random targets of the families SGLang serves beside Llama, built with the tiny target's own family table
-(eagle3/engines/tiny.py) in ~1 s each: five decoder layers, so three aux layers [1, 2, 3] stay below the last one on
+(eagle3/runtime/tiny.py) in ~1 s each: five decoder layers, so three aux layers [1, 2, 3] stay below the last one on
 every family's rule."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.engines.tiny import FAMILY_ARCHITECTURES, family_model
+from eagle3.runtime.tiny import FAMILY_ARCHITECTURES, family_model
 
 FAMILIES = sorted(set(FAMILY_ARCHITECTURES) - {"llama"})  # Llama: the micro target (conformance/test_features.py)
 # The shipped CPU config of each family: configs/tiny-cpu.yaml on that family's tiny target

@@ -15,9 +15,9 @@ import tokenizers
 import torch
 import transformers
 
-import eagle3.engines.tiny
+import eagle3.runtime.tiny
 import eagle3.records.manifest
-from eagle3.engines.tiny import MICRO, TinyRecipe, build_tiny_target, of_family
+from eagle3.runtime.tiny import MICRO, TinyRecipe, build_tiny_target, of_family
 
 # Test targets are pure functions of the builder's code, its recipe and the library versions (test_tiny_target
 # builds MICRO again and compares it bit for bit with the session's copy); EAGLE3_TEST_TARGETS moves the cache.
@@ -90,7 +90,7 @@ def micro_target_of(tmp_path_factory: pytest.TempPathFactory, family: str) -> Pa
 
 def recipe_target(tmp_path_factory: pytest.TempPathFactory, recipe: TinyRecipe, name: str | None = None) -> Path:
     """The target `recipe` builds, once per machine."""
-    key = build_key(repr(recipe), eagle3.engines.tiny, eagle3.records.manifest)
+    key = build_key(repr(recipe), eagle3.runtime.tiny, eagle3.records.manifest)
     return once_per_session(tmp_path_factory, name or f"{recipe.name}-target", key,
                             lambda out: build_tiny_target(out, recipe, progress=lambda line: None))
 

@@ -36,8 +36,8 @@ from eagle3.data.vocab import build_vocab
 from eagle3.deployment.monitor import Monitor
 from eagle3.algorithms.eagle3.checkpoint import DraftConfig
 from eagle3.draft.vocab_map import build_vocab_map
-from eagle3.engines.generators import make_generator
-from eagle3.engines.targets import load_tokenizer
+from eagle3.runtime.generators import make_generator
+from eagle3.runtime.targets import load_tokenizer
 from eagle3.algorithms.eagle3.model import Eagle3Draft
 from eagle3.model.blocks import init_weights
 from eagle3.model.weights import target_head

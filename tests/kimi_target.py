@@ -8,7 +8,7 @@
   more for <think> and </think>;
 - `chat_template.jinja`: Kimi's markers, switched by `thinking` (Moonshot's name), `<think>` opening the reply and
   the assistant's reasoning_content rendered inside <think>…</think>;
-- a small Llama model on that vocabulary, trained with the tiny target's loop (eagle3/engines/tiny.py) so a draft
+- a small Llama model on that vocabulary, trained with the tiny target's loop (eagle3/runtime/tiny.py) so a draft
   has something to learn; `tie_word_embeddings` is a parameter.
 """
 
@@ -25,8 +25,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-import eagle3.engines.tiny
-from eagle3.engines.tiny import HELD_OUT_TOKENS, MAX_POSITIONS, MICRO, corpus_text, heldout_loss, train
+import eagle3.runtime.tiny
+from eagle3.runtime.tiny import HELD_OUT_TOKENS, MAX_POSITIONS, MICRO, corpus_text, heldout_loss, train
 from fixtures_tiny import build_key, once_per_session
 
 BPE_SIZE = 512  # the ranks: 256 bytes and the merges
@@ -201,6 +201,6 @@ def write_k25_config(out: Path, layers: int, hidden: int, vocab: int) -> Path:
 def kimi_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Kimi-kind target, built once per session with its head tied to its embedding (as SmolLM2, Qwen2.5-0.5B
     or Llama-3.2-1B: the flow test proves both kinds of real target at once)."""
-    key = build_key("tie_word_embeddings=True", sys.modules[__name__], eagle3.engines.tiny)
+    key = build_key("tie_word_embeddings=True", sys.modules[__name__], eagle3.runtime.tiny)
     return once_per_session(tmp_path_factory, "kimi-target", key,
                             lambda out: build_kimi_target(out, tie_word_embeddings=True))

@@ -16,7 +16,7 @@ from eagle3.cli import main
 from eagle3.resolve import load_config
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
-from eagle3.engines.targets import load_tokenizer
+from eagle3.runtime.targets import load_tokenizer
 from eagle3.algorithms.eagle3.served import draft_as_served
 from eagle3.serve.reference import create_app
 from eagle3.shape import DraftShape

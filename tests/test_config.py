@@ -223,3 +223,27 @@ def test_a_derived_config_is_validated_as_a_loaded_one(tmp_path):
         derived(config, {"serving.nope": 1})
     with pytest.raises(ConfigError, match="monitoring.window: the config has no monitoring section to change"):
         derived(config, {"monitoring.window": 1})
+
+
+def test_a_config_written_with_the_old_field_names_loads_the_same_and_names_the_new_ones(tmp_path, capsys):
+    """data.engine is data.generator, data.capture_engine data.feature_backend ("engine" means a serving engine only):
+    a file or --set with the old names means what it meant, saying the new name once per field."""
+    old = tmp_path / "old.yaml"
+    old.write_text(f"extends: {TINY}\ndata:\n  engine: local\n  capture_engine: local\n")
+    config = load_config(old, ["data.engine=local"])
+    assert config.data == load_config(TINY).data
+    err = capsys.readouterr().err
+    assert f"{old}: data.engine is now data.generator (the old name still works; write the new one)" in err
+    assert f"{old}: data.capture_engine is now data.feature_backend" in err
+    assert "--set: data.engine is now data.generator" in err
+    both = tmp_path / "both.yaml"
+    both.write_text(f"extends: {TINY}\ndata:\n  engine: local\n  generator: local\n")
+    with pytest.raises(ConfigError, match="data.engine is the old name of data.generator, and both are given: keep "
+                                          "data.generator"):
+        load_config(both)
+
+
+def test_a_feature_backend_is_one_of_the_registry_named_with_the_registered_ones():
+    with pytest.raises(ConfigError, match=r"data.feature_backend \(from --set\): 'vllm' is not registered; give 'local' "
+                                          r"or 'sglang' \(see docs/data.md\)"):
+        load_config(TINY, ["data.feature_backend=vllm"])

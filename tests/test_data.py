@@ -15,8 +15,8 @@ from eagle3.data.shards import read_dataset
 from eagle3.data.storage import StorageError, check_storage
 from eagle3.data.vocab import build_vocab, count_loss_tokens
 from eagle3.data.conversation import prompt_ids
-from eagle3.engines.generators import LocalGenerator, make_generator, target_greedy
-from eagle3.engines.targets import DataMismatch
+from eagle3.runtime.generators import LocalGenerator, make_generator, target_greedy
+from eagle3.runtime.targets import DataMismatch
 from eagle3.records.manifest import read_data_capture, read_manifest
 from eagle3.draft.vocab_map import load_vocab_map, read_stats
 from eagle3.stages.keys import begin, finish

@@ -12,7 +12,7 @@ import pytest
 
 from eagle3.resolve import load_config
 from eagle3.data.regenerate import read_samples
-from eagle3.engines.generators import EngineError, make_generator
+from eagle3.runtime.generators import EngineError, make_generator
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.procs import LaunchError, process_table
 from eagle3.serve.data_nodes import check_engines, node_endpoints, node_spec, on_nodes
@@ -31,13 +31,13 @@ def config_for(tmp_path, *overrides):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.engine=sglang", "data.servers=[http://a:30000]", "data.nodes=[node-1]"],
+    (["data.generator=sglang", "data.servers=[http://a:30000]", "data.nodes=[node-1]"],
      "data.nodes starts servers and data.servers names running ones: give one of them"),
-    (["data.nodes=[node-1]"], "data.nodes starts servers for data.engine sglang or vllm; engine local generates here"),
-    (["data.engine=sglang", "data.nodes=['node-1:http']"], "data.nodes entry 'node-1:http' is not host or host:port"),
-    (["data.engine=sglang", "data.nodes=[':30001']"], "data.nodes entry ':30001' is not host or host:port"),
-    (["data.engine=sglang", "data.nodes=[node-1, node-1]"], "names an endpoint twice"),
-    (["data.engine=sglang"], "needs data.servers .* or data.nodes"),
+    (["data.nodes=[node-1]"], "data.nodes starts servers for data.generator sglang or vllm; generator local generates here"),
+    (["data.generator=sglang", "data.nodes=['node-1:http']"], "data.nodes entry 'node-1:http' is not host or host:port"),
+    (["data.generator=sglang", "data.nodes=[':30001']"], "data.nodes entry ':30001' is not host or host:port"),
+    (["data.generator=sglang", "data.nodes=[node-1, node-1]"], "names an endpoint twice"),
+    (["data.generator=sglang"], "needs data.servers .* or data.nodes"),
 ])
 def test_data_nodes_that_cannot_be_started_are_refused_naming_the_field(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -45,30 +45,30 @@ def test_data_nodes_that_cannot_be_started_are_refused_naming_the_field(tmp_path
 
 
 def test_each_node_gets_its_endpoint_through_the_serving_launcher(tmp_path):
-    config = config_for(tmp_path, "data.engine=sglang", "data.nodes=[node-1, 'node-2:31000']", "serving.port=30500",
+    config = config_for(tmp_path, "data.generator=sglang", "data.nodes=[node-1, 'node-2:31000']", "serving.port=30500",
                         "serving.launcher=ssh", "serving.ssh_host=login-1", "serving.ssh_args=[-p, '2222']")
     assert node_endpoints(config.data, config.serving) == [("node-1", 30500), ("node-2", 31000)]
     node = node_spec(launch_spec(config), "node-2", 31000).serving
     assert (node.host, node.port, node.ssh_host, node.ssh_args) == ("node-2", 31000, None, ["-p", "2222"])
-    srun = config_for(tmp_path, "data.engine=sglang", "data.nodes=[node-1]", "serving.launcher=srun",
+    srun = config_for(tmp_path, "data.generator=sglang", "data.nodes=[node-1]", "serving.launcher=srun",
                       "serving.srun_args=[--gres=gpu:8]")
     assert node_spec(launch_spec(srun), "node-1", 30000).serving.srun_args == [
         "--gres=gpu:8", "--nodes=1", "--ntasks=1", "--nodelist=node-1"]  # one step on that node
-    twice = config_for(tmp_path, "data.engine=sglang", "data.nodes=[node-1, 'node-1:30000']")
+    twice = config_for(tmp_path, "data.generator=sglang", "data.nodes=[node-1, 'node-1:30000']")
     with pytest.raises(Eagle3Error, match="names an endpoint twice once serving.port 30000 fills in"):
         node_endpoints(twice.data, twice.serving)
 
 
 def test_the_started_engine_must_speak_the_clients_api(tmp_path):
-    speaks = config_for(tmp_path, "data.engine=sglang", "data.nodes=[n1]")
+    speaks = config_for(tmp_path, "data.generator=sglang", "data.nodes=[n1]")
     check_engines(speaks.data, speaks.serving)  # the reference server speaks SGLang's
-    other = config_for(tmp_path, "data.engine=vllm", "data.nodes=[n1]")
-    with pytest.raises(Eagle3Error, match="does not speak the API of data.engine vllm"):
+    other = config_for(tmp_path, "data.generator=vllm", "data.nodes=[n1]")
+    with pytest.raises(Eagle3Error, match="does not speak the API of data.generator vllm"):
         check_engines(other.data, other.serving)
 
 
 def test_other_commands_than_the_stage_reach_running_servers_only(tmp_path):
-    config = config_for(tmp_path, "data.engine=sglang", "data.nodes=[n1]")
+    config = config_for(tmp_path, "data.generator=sglang", "data.nodes=[n1]")
     with pytest.raises(EngineError, match="only the regenerate stage .* starts the target's servers"):
         make_generator(config.data, config.target, config.training.seed)
 
@@ -78,7 +78,7 @@ def test_other_commands_than_the_stage_reach_running_servers_only(tmp_path):
 
 
 def node_overrides(run_dir, micro_target, sshd, nodes):
-    return [*micro_overrides(run_dir, micro_target), "data.engine=sglang", f"data.nodes={json.dumps(nodes)}",
+    return [*micro_overrides(run_dir, micro_target), "data.generator=sglang", f"data.nodes={json.dumps(nodes)}",
             "data.num_samples=8", "data.max_new_tokens=8", "data.concurrency=4", "data.temperature=0",
             "benchmark.num_prompts=4", "benchmark.max_new_tokens=8", "run.cpu_threads=1",
             "serving.launcher=ssh", f"serving.ssh_args={json.dumps(sshd.ssh_args)}", f"serving.log_dir={run_dir}/logs",

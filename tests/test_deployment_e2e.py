@@ -150,7 +150,7 @@ def shifted_prompts() -> list[str]:
 def send_traffic(url: str, target: Path, prompts: list[str], slice_name: str) -> float:
     """Users' requests as SGLang's chat route sends them (the rendered prompt as text), with the operator's slice
     label; returns their accept length, Σ completion tokens / Σ verify steps."""
-    from eagle3.engines.targets import load_tokenizer
+    from eagle3.runtime.targets import load_tokenizer
 
     tokenizer = load_tokenizer(target, False)
     completion = verify = 0

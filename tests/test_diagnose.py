@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 from drafts import write_draft
 from eagle3.bench.diagnose import CHECKS, CONTINUATION_LINE, diagnose
 from eagle3.data.conversation import prompt_ids
-from eagle3.engines.generators import LocalGenerator
+from eagle3.runtime.generators import LocalGenerator
 from eagle3.data.conversation import chat_template_hash
-from eagle3.engines.targets import load_tokenizer
+from eagle3.runtime.targets import load_tokenizer
 from eagle3.contract.problems import ProblemCode
 from eagle3.algorithms.eagle3.validate import validate
 from eagle3.serve.inprocess import serve_in_thread

@@ -16,8 +16,8 @@ from eagle3.data.regenerate import regenerate
 from eagle3.data.shards import ShardReader, ShardWriter, read_dataset
 from eagle3.data.storage import log_projection
 from eagle3.data.vocab import build_vocab
-from eagle3.engines.features import TransformersFeatures, pad_rows
-from eagle3.engines.sglang_features import SGLangFeatures
+from eagle3.runtime.features import TransformersFeatures, pad_rows
+from eagle3.runtime.sglang_features import SGLangFeatures
 from eagle3.errors import Eagle3Error
 from eagle3.model.aux_states import aux_states, hidden_state_index
 from eagle3.distributed import Dist

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from eagle3.cli import main
-from eagle3.engines.gguf import make_target_from_gguf, resolve_gguf
+from eagle3.runtime.gguf import make_target_from_gguf, resolve_gguf
 from eagle3.errors import UnreadableInput
 
 gguf = pytest.importorskip("gguf")  # in the test extra; the import names what is missing if it is not installed

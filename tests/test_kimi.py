@@ -17,8 +17,8 @@ from eagle3.resolve import load_config
 from eagle3.config.run import TargetSection
 from eagle3.data.conversation import prompt_ids, render
 from eagle3.data.importer import Where, conversation_row
-from eagle3.engines.generators import LocalGenerator
-from eagle3.engines.targets import load_target_model, load_tokenizer, resolve_dtype, target_identity
+from eagle3.runtime.generators import LocalGenerator
+from eagle3.runtime.targets import load_target_model, load_tokenizer, resolve_dtype, target_identity
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.target.files import thinking_switches
 from eagle3.serving.reference import REFERENCE

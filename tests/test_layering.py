@@ -21,8 +21,8 @@ LAYERS = (
     ("eagle3.model",),  # what every draft is built from: blocks, the draft tree, the teacher, the target's tensors
     ("eagle3.algorithms",),  # the draft algorithms: one entry each (model, loss, drafting, serving flags)
     ("eagle3.serving",),  # the serving engines: one entry each (command, probe, release), below every user of one
+    ("eagle3.runtime",),  # what runs a target: the tiny target, the answer generators, the feature backends
     ("eagle3.resolve",),  # a config resolved against the registries above: what load_config returns
-    ("eagle3.engines",),  # what runs a target: the tiny engine, generators, feature backends
     ("eagle3.data",),  # orchestrates the engines into data sets
     ("eagle3.bench",),
     ("eagle3.train",),

@@ -204,7 +204,7 @@ def test_more_nodes_spread_regeneration_and_offline_training_but_not_sglangs_onl
     train = next(s for s in four["stages"] if s["name"] == "train")["parts"]
     assert any("on 1 node: features online through SGLang's runner span one node's world" in name for name in train)
     assert stage_hours(four)["train"] == stage_hours(one)["train"]
-    offline = ("training.features=offline", "data.capture_engine=local")
+    offline = ("training.features=offline", "data.feature_backend=local")
     spread = [stage_hours(kimi_hours(*offline, nodes=n))["train"] for n in (1, 4)]
     assert spread[1] == pytest.approx(spread[0] / 4, rel=0.02)
     assert cli.main(["plan", str(KIMI), "--nodes", "4", "--json"]) == 0

@@ -12,7 +12,7 @@ from eagle3.bench.counting import correct_drafts_of
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import simulate_prompt
 from eagle3.cli import main
-from eagle3.engines.targets import load_tokenizer
+from eagle3.runtime.targets import load_tokenizer
 from eagle3.algorithms.eagle3.served import draft_as_served
 from eagle3.shape import DraftShape
 from helpers import (

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.resolve import load_config
 from eagle3.data.regenerate import read_regenerated, regenerate
-from eagle3.engines.generators import make_generator
+from eagle3.runtime.generators import make_generator
 from eagle3.registry.registry import open_registry
 from eagle3.registry.samples import SampleStore, context_key, reply_context, open_sample_store, prune_samples
 from helpers import TINY, micro_overrides
@@ -163,7 +163,7 @@ class CountingBackend:
     """The real local feature backend, counting the samples it computes."""
 
     def __init__(self, config):
-        from eagle3.engines.backends import local_device, target_backend
+        from eagle3.runtime.backends import local_device, target_backend
 
         self.inner = target_backend(config.data, config.target, local_device())
         self.release, self.samples = self.inner.release, 0

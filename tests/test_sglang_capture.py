@@ -13,7 +13,7 @@ from eagle3.data.capture import capture
 from eagle3.data.node_capture import node_command
 from eagle3.data.regenerate import regenerate
 from eagle3.data.shards import read_dataset
-from eagle3.engines.features import TransformersFeatures
+from eagle3.runtime.features import TransformersFeatures
 from helpers import KIMI, TINY, micro_overrides
 
 
@@ -46,7 +46,7 @@ def test_only_the_main_rank_writes_and_every_rank_computes_the_same_batches(tmp_
 
 def test_pre_norm_is_refused_for_sglang_capture():
     with pytest.raises(Exception, match="SGLang returns the last hidden state after the final norm"):
-        load_config(TINY, ["data.capture_engine=sglang", "data.last_hidden=pre_norm"])
+        load_config(TINY, ["data.feature_backend=sglang", "data.last_hidden=pre_norm"])
 
 
 def test_sigterm_to_the_cli_stops_the_node_process_group(tmp_path):
@@ -59,7 +59,7 @@ def test_sigterm_to_the_cli_stops_the_node_process_group(tmp_path):
     node_python.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nsleep 300 &\nwait\n")
     node_python.chmod(0o755)
     cli = subprocess.Popen([sys.executable, "-m", "eagle3.cli", "data", "capture", "--config", str(TINY),
-                            f"--set=run.dir={tmp_path / 'run'}", "--set=data.capture_engine=sglang",
+                            f"--set=run.dir={tmp_path / 'run'}", "--set=data.feature_backend=sglang",
                             f"--set=data.sglang_python={node_python}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not pid_file.exists() and time.monotonic() < deadline:
@@ -84,6 +84,6 @@ def live_members(group: int) -> list[int]:
 
 
 def test_a_missing_node_python_is_one_line(tmp_path, capsys):
-    assert main(["data", "capture", "--config", str(TINY), f"--set=run.dir={tmp_path}", "--set=data.capture_engine=sglang",
+    assert main(["data", "capture", "--config", str(TINY), f"--set=run.dir={tmp_path}", "--set=data.feature_backend=sglang",
                  "--set=data.sglang_python=/nonexistent/python"]) == 2
     assert "data.sglang_python" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import pytest
 
 from eagle3.resolve import load_config
 from eagle3.data.regenerate import read_samples, regenerate
-from eagle3.engines.generators import EngineError
+from eagle3.runtime.generators import EngineError
 from helpers import TINY
 from fake_sglang import FakeSGLang, answer_for
 
@@ -29,7 +29,7 @@ def sglang_config(tmp_path, micro_target, prompts_file, servers, **extra):
         "target.hidden_size=64",
         "target.vocab_size=512",
         "vocab.draft_vocab_size=128",
-        "data.engine=sglang",
+        "data.generator=sglang",
         f"data.servers={json.dumps(servers)}",
         f"data.prompts={prompts_file}",
         "data.num_samples=100",

@@ -14,7 +14,7 @@ from eagle3.cli import main
 from eagle3.resolve import load_config
 from eagle3.data.capture import HELDOUT_DIR, feature_widths, heldout_records, write_shard
 from eagle3.data.shards import shard_file
-from eagle3.engines.features import TransformersFeatures
+from eagle3.runtime.features import TransformersFeatures
 from eagle3.algorithms.eagle3.checkpoint import NativeDraft, save_native_draft
 from eagle3.algorithms.eagle3.model import Eagle3Draft
 from eagle3.model.tree import DraftTree

@@ -97,7 +97,7 @@ def test_the_suites_stage_starts_no_server_when_its_continuations_are_current(tm
     overrides = micro_overrides(tmp_path / "run", micro_target) + ["benchmark.num_prompts=2",
                                                                    "benchmark.max_new_tokens=8", WITH_MTBENCH]
     write_heldout(load_config(TINY, overrides))  # every suite's continuations, by the local engine
-    nodes = load_config(TINY, overrides + ["data.engine=sglang", "data.nodes=[127.0.0.1:1]"])
+    nodes = load_config(TINY, overrides + ["data.generator=sglang", "data.nodes=[127.0.0.1:1]"])
     lines = []
     STAGES["suites"].runner(StageRun(nodes, nodes.run.dir / "config.resolved.yaml", lines.append))
     assert read_manifest(suites_dir(nodes.run))["greedy"]["suites"] == {MTBENCH: 4}

@@ -18,8 +18,8 @@ from eagle3.config.suites import mtbench_file
 from eagle3.data.suites import across_slices, file_questions, reply_of, suite_questions
 from eagle3.deployment.promotion import candidate_metrics
 from eagle3.deployment.suites import suite_columns
-from eagle3.engines.generators import make_generator
-from eagle3.engines.targets import load_tokenizer, target_eos_ids
+from eagle3.runtime.generators import make_generator
+from eagle3.runtime.targets import load_tokenizer, target_eos_ids
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.registry.gate import decide
 from helpers import TINY, micro_overrides, write_heldout

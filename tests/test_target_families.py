@@ -8,7 +8,7 @@ import pytest
 
 from eagle3.config import check_target_facts
 from eagle3.resolve import load_config
-from eagle3.engines.tiny import FAMILY_ARCHITECTURES, MICRO, of_family
+from eagle3.runtime.tiny import FAMILY_ARCHITECTURES, MICRO, of_family
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.target.info import read_target_info
 from family_targets import (CONTENDERS_CONFIG, DFLASH_CONFIG, FAMILIES, FAMILY_CONFIGS, MLA_DRAFT_CONFIG, VLLM_CONFIG,
@@ -45,7 +45,7 @@ def test_gemma3_on_a_release_that_captures_the_branch_alone_is_refused_at_load_i
         load_config(FAMILY_CONFIGS["gemma3"], ["serving.release=0.5.23"])
     message = str(refused.value)
     assert "\n" not in message
-    for part in ("target.family gemma3", "0.5.23", "feed-forward branch", "0.5.12–0.5.16", "data.capture_engine"):
+    for part in ("target.family gemma3", "0.5.23", "feed-forward branch", "0.5.12–0.5.16", "data.feature_backend"):
         assert part in message
 
 
@@ -55,8 +55,8 @@ def test_gemma3_without_a_release_is_refused_because_the_releases_disagree():
 
 
 def test_features_captured_through_sglang_are_what_that_release_serves():
-    config = load_config(FAMILY_CONFIGS["gemma3"], ["serving.release=0.5.23", "data.capture_engine=sglang"])
-    assert config.data.capture_engine == "sglang"
+    config = load_config(FAMILY_CONFIGS["gemma3"], ["serving.release=0.5.23", "data.feature_backend=sglang"])
+    assert config.data.feature_backend == "sglang"
 
 
 @pytest.mark.parametrize("family, release, reason", [

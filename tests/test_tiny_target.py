@@ -8,7 +8,7 @@ import torch
 from fixtures_tiny import one_torch_thread
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3.engines.tiny import MICRO, build_tiny_target, corpus_ids, heldout_loss, tiny_model
+from eagle3.runtime.tiny import MICRO, build_tiny_target, corpus_ids, heldout_loss, tiny_model
 from eagle3.errors import Eagle3Error
 from eagle3.records.manifest import read_manifest
 

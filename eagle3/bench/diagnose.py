@@ -12,7 +12,7 @@ import httpx
 
 from eagle3.algorithms import draft_algorithm
 from eagle3.data.conversation import chat_template_hash
-from eagle3.engines.targets import load_tokenizer
+from eagle3.runtime.targets import load_tokenizer
 from eagle3.records.manifest import read_manifest
 from eagle3.contract.problems import ProblemCode as Code
 from eagle3.serving.base import ServingEngine

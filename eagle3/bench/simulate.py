@@ -36,9 +36,9 @@ from eagle3.data.prompts import BASE_SLICE
 from eagle3.data.regenerate import GREEDY_FILE, greedy_length, read_greedy, regen_dir, simulated_shapes
 from eagle3.data.shards import ShardReader, StoredSample
 from eagle3.data.suite_capture import suite_features_dir
-from eagle3.engines.backends import local_device
-from eagle3.engines.generators import target_greedy
-from eagle3.engines.targets import target_eos_ids
+from eagle3.runtime.backends import local_device
+from eagle3.runtime.generators import target_greedy
+from eagle3.runtime.targets import target_eos_ids
 from eagle3.errors import UnreadableInput
 from eagle3.fsutil import atomic_write_json
 from eagle3.model.aux_states import aux_states

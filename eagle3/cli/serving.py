@@ -73,7 +73,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from eagle3.bench.client import DEFAULT_MAX_NEW_TOKENS, load_prompt_file, render_table, run_benchmark
     from eagle3.serving import serving_engine
     from eagle3.config.serving import BenchmarkSection
-    from eagle3.engines.targets import load_tokenizer
+    from eagle3.runtime.targets import load_tokenizer
     from eagle3.fsutil import atomic_write_json
 
     if args.config is None and (args.prompts is None or args.overrides):

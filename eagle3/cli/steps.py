@@ -79,7 +79,7 @@ def add_step_commands(commands) -> None:
 
 
 def run_make_tiny_target(args: argparse.Namespace) -> int:
-    from eagle3.engines.tiny import MICRO, TINY, build_tiny_target, of_family
+    from eagle3.runtime.tiny import MICRO, TINY, build_tiny_target, of_family
 
     out = build_tiny_target(args.out, of_family(MICRO if args.micro else TINY, args.family))
     print(f"tiny target ready at {out}")
@@ -87,7 +87,7 @@ def run_make_tiny_target(args: argparse.Namespace) -> int:
 
 
 def run_make_target(args: argparse.Namespace) -> int:
-    from eagle3.engines.gguf import make_target_from_gguf, resolve_gguf
+    from eagle3.runtime.gguf import make_target_from_gguf, resolve_gguf
 
     out = make_target_from_gguf(resolve_gguf(args.from_gguf), args.out, args.overwrite)
     print(f"target ready at {out}")
@@ -133,7 +133,7 @@ def run_quality(args: argparse.Namespace) -> int:
     from eagle3.data.conversation import encode
     from eagle3.data.quality import describe_figures, replies_in_file, report
     from eagle3.data.regenerate import regen_dir, regenerated_replies
-    from eagle3.engines.targets import load_tokenizer
+    from eagle3.runtime.targets import load_tokenizer
 
     config = load_run_config(args)
     tokenizer = load_tokenizer(config.target)

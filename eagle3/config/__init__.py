@@ -62,9 +62,9 @@ class PipelineConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> PipelineConfig:
         training = self.training
-        if training.features == "online" and self.data.capture_engine == "sglang" and training.nnodes > 1:
+        if training.features == "online" and self.data.feature_backend == "sglang" and training.nnodes > 1:
             raise ValueError(
-                f"training.features online with data.capture_engine sglang runs the target tensor-parallel over all "
+                f"training.features online with data.feature_backend sglang runs the target tensor-parallel over all "
                 f"ranks of one node; training.nnodes {training.nnodes} would split it across nodes: use one node "
                 "(training.nnodes 1) or training.features offline"
             )
@@ -82,8 +82,8 @@ class PipelineConfig(Section):
                     f"{field} ({value}) exceeds draft.max_position_embeddings "
                     f"({self.draft.max_position_embeddings}); raise the latter"
                 )
-        if self.serving is None and (self.data.engine != "local" or self.data.capture_engine == "sglang"):
-            raise ValueError(f"data.engine {self.data.engine} or data.capture_engine {self.data.capture_engine} runs the "
+        if self.serving is None and (self.data.generator != "local" or self.data.feature_backend == "sglang"):
+            raise ValueError(f"data.generator {self.data.generator} or data.feature_backend {self.data.feature_backend} runs the "
                              "target on serving.tp GPUs: add a serving section")
         self._check_replay()
         if self.benchmark is not None and TRAFFIC in {s.name for s in self.benchmark.suites} and self.data.traffic is None:
@@ -111,7 +111,7 @@ class PipelineConfig(Section):
             sglang_ids_for_layers(layers, family, release, n)
         except ValueError as err:
             raise ValueError(f"{pair} cannot be served: {err}; see docs/contracts.md (target families)") from None
-        if self.data.capture_engine == "local" and (problem := served_features_problem(family, release)):
+        if self.data.feature_backend == "local" and (problem := served_features_problem(family, release)):
             raise ValueError(f"{pair}: {problem}")
 
     def _check_replay(self) -> None:

@@ -73,9 +73,9 @@ class DataSection(Section):
         default=None, description="a JSONL of token rows (input_ids + loss_mask) or conversations to train on "
         "instead of regenerated answers: the data stage imports it (`eagle3 data import`) and data.prompts only gives "
         "the benchmark's held-out prompts")
-    engine: Literal["local", "sglang", "vllm"] = Field(
+    generator: Literal["local", "sglang", "vllm"] = Field(
         default="local", description="what answers the prompts: transformers here (local), or the running servers of a "
-        "serving engine at data.servers (sglang, vllm)")
+        "serving engine at data.servers (sglang, vllm); data.generator before")
     num_samples: int = Field(gt=0)
     max_new_tokens: int = Field(gt=0)
     max_length: int = Field(gt=0)
@@ -93,23 +93,24 @@ class DataSection(Section):
     feature_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         default="bfloat16", description="how captured features are stored (the data manifest records it); float32 "
         "doubles the disk of bfloat16")
-    capture_engine: Literal["local", "sglang"] = Field(
-        default="local", description="the target-feature backend, for capture and for online training: transformers "
-        "here (local), or SGLang's model runner in each torchrun rank on the GPU node (sglang)"
+    feature_backend: str = Field(
+        default="local", description="the target-feature backend, for capture and for online training, a name of "
+        "eagle3.runtime.backends.FEATURE_BACKENDS: transformers here (local), or SGLang's model runner in each torchrun "
+        "rank on the GPU node (sglang); data.feature_backend before"
     )
     sglang_python: str = Field(default="python", description="the python of the GPU node's SGLang environment")
     sglang_engine_args: dict[str, Any] = Field(
         default={}, description="extra SGLang ServerArgs fields for the feature backend, e.g. trust_remote_code, "
         "mem_fraction_static"
     )
-    batch_size: int = Field(default=16, gt=0, description="sequences per forward (engine local)")
+    batch_size: int = Field(default=16, gt=0, description="sequences per forward (generator local)")
     shard_samples: int = Field(default=256, gt=0, description="samples per output shard")
-    servers: list[str] = Field(default=[], description="server URLs for engine sglang or vllm (round-robin)")
+    servers: list[str] = Field(default=[], description="server URLs for generator sglang or vllm (round-robin)")
     nodes: list[str] = Field(
         default=[], description="instead of data.servers: the regenerate stage starts the target's servers itself "
         "(serving.engine's, through serving.launcher: ssh to each host, or an srun step on each node), one per entry "
         "'host' or 'host:port' (port: serving.port), regenerates over all of them and stops them (docs/gpu-node.md)")
-    concurrency: int = Field(default=32, gt=0, description="requests in flight (engine sglang or vllm)")
+    concurrency: int = Field(default=32, gt=0, description="requests in flight (generator sglang or vllm)")
     retries: int = Field(default=5, ge=0)
     request_timeout_s: float = Field(default=600.0, gt=0.0)
     quality: QualitySection = QualitySection()
@@ -126,27 +127,27 @@ class DataSection(Section):
         if self.traffic is not None and self.import_path is not None:
             raise ValueError("data.traffic needs regenerated answers (the target answers the traffic prompts): remove "
                              "data.import_path or data.traffic")
-        if self.engine != "local" and not self.servers and not self.nodes:
-            raise ValueError(f"engine '{self.engine}' needs data.servers (the URLs of running {self.engine} servers) "
-                             "or data.nodes (hosts the stage starts them on)")
-        if problem := nodes_problem(self.engine, self.servers, self.nodes):
+        if self.generator != "local" and not self.servers and not self.nodes:
+            raise ValueError(f"generator '{self.generator}' needs data.servers (the URLs of running {self.generator} "
+                             "servers) or data.nodes (hosts the stage starts them on)")
+        if problem := nodes_problem(self.generator, self.servers, self.nodes):
             raise ValueError(problem)
-        if self.capture_engine == "sglang" and self.last_hidden == "pre_norm":
+        if self.feature_backend == "sglang" and self.last_hidden == "pre_norm":
             raise ValueError("SGLang returns the last hidden state after the final norm: set data.last_hidden post_norm")
         return self
 
 
-def nodes_problem(engine: str, servers: list[str], nodes: list[str]) -> str | None:
-    """Why data.nodes cannot be started (None: it can): beside data.servers, with the local engine, an entry that is
+def nodes_problem(generator: str, servers: list[str], nodes: list[str]) -> str | None:
+    """Why data.nodes cannot be started (None: it can): beside data.servers, with the local generator, an entry that is
     not host or host:port, or two entries for one endpoint."""
     if not nodes:
         return None
     if servers:
         return ("data.nodes starts servers and data.servers names running ones: give one of them (data.servers "
                 f"{servers}, data.nodes {nodes})")
-    if engine == "local":
-        return ("data.nodes starts servers for data.engine sglang or vllm; engine local generates here: set "
-                "data.engine")
+    if generator == "local":
+        return ("data.nodes starts servers for data.generator sglang or vllm; generator local generates here: set "
+                "data.generator")
     for node in nodes:
         try:
             split_node(node)

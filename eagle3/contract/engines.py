@@ -174,7 +174,7 @@ def served_features_problem(family: str, release: str | None) -> str | None:
     return (f"{family} on {where} captures {differing[0].records} as each aux state, while drafts are trained on "
             f"{RESIDUAL_STREAM}: serve with SGLang {' or '.join(faithful) or '(no release)'}"
             f"{'' if release else ' and name it in serving.release'}, or capture the features through SGLang "
-            "(data.capture_engine: sglang) on the release you serve")
+            "(data.feature_backend: sglang) on the release you serve")
 
 
 def aux_layers_problem(layers: list[int], num_layers: int) -> str | None:

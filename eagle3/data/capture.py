@@ -31,9 +31,9 @@ from eagle3.data.conversation import chat_template_hash
 from eagle3.data.regenerate import read_greedy, read_regenerated, regen_dir, training_ids
 from eagle3.data.shards import FEATURE_DTYPES, SPLIT_FILE, ShardWriter, read_stamp, shard_file, stored_feature_dtype
 from eagle3.data.storage import check_storage, projected_bytes
-from eagle3.engines.backends import local_device, target_backend
-from eagle3.engines.features import FeatureBackend, Features, pad_rows
-from eagle3.engines.targets import check_same, load_tokenizer, target_identity
+from eagle3.runtime.backends import local_device, target_backend
+from eagle3.runtime.features import FeatureBackend, Features, pad_rows
+from eagle3.runtime.targets import check_same, load_tokenizer, target_identity
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.records.manifest import code_version, read_manifest, write_manifest
 from eagle3.fsutil import atomic_write_json
@@ -75,7 +75,7 @@ def capture_settings(data: DataSection, target: TargetSection) -> dict:
         "target": target_identity(target),
         "aux_layers": list(data.aux_layers),
         "last_hidden": data.last_hidden,
-        "engine": data.capture_engine,
+        "engine": data.feature_backend,
     }
 
 
@@ -311,7 +311,7 @@ def heldout_fields(data: DataSection, target: TargetSection, jobs: list[ShardJob
 def capture_fields(data: DataSection, release: str | None) -> dict:
     return {"aux_layers": list(data.aux_layers), "last_hidden": data.last_hidden,
             "dtype": data.feature_dtype,  # every shard holds it: a reused one is checked (is_current)
-            "engine": data.capture_engine, "engine_release": release}
+            "engine": data.feature_backend, "engine_release": release}
 
 
 def dataset_fields(data: DataSection, target: TargetSection, training: TrainingSection, regen_manifest: dict,

@@ -14,7 +14,7 @@ from eagle3.config.run import RunSection, TargetSection
 from eagle3.data.regenerate import (GREEDY_FILE, Log, benchmark_questions, continue_benchmark, kept_continuations,
                                     read_greedy, regen_dir)
 from eagle3.data.suites import other_suites
-from eagle3.engines.targets import load_tokenizer, target_identity
+from eagle3.runtime.targets import load_tokenizer, target_identity
 from eagle3.records.manifest import code_version, write_manifest
 
 SUITES_DIR = "suites"

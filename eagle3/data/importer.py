@@ -42,8 +42,8 @@ from eagle3.data.regenerate import (
     samples_fields,
     split_prompts,
 )
-from eagle3.engines.generators import make_generator
-from eagle3.engines.targets import load_tokenizer
+from eagle3.runtime.generators import make_generator
+from eagle3.runtime.targets import load_tokenizer
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.records.manifest import write_manifest
 from eagle3.fsutil import atomic_directory, atomic_write_json

@@ -1,4 +1,4 @@
-"""Capture where `data.capture_engine` says: here (transformers), or on the GPU node - the data stage's feature work
+"""Capture where `data.feature_backend` says: here (transformers), or on the GPU node - the data stage's feature work
 (eagle3/data/capture.py) run with the `sglang` feature backend, one torchrun rank per GPU, the target tensor-parallel over them (serving.tp ranks), in the node's own
 SGLang environment (`data.sglang_python`). Every rank computes the same batches; rank 0 writes the shards.
 
@@ -23,7 +23,7 @@ from eagle3.config.training import TrainingSection
 from eagle3.data.capture import Log, capture, dataset_dir
 from eagle3.data.suite_capture import capture_suites, suite_features_dir
 from eagle3.distributed import setup_distributed
-from eagle3.engines.backends import target_backend
+from eagle3.runtime.backends import target_backend
 from eagle3.errors import Eagle3Error
 from eagle3.procs import STOP_GRACE_S, ProcessTree, terminate_on_sigterm
 
@@ -55,18 +55,18 @@ def run_on_node(data: DataSection, serving: ServingSection, resolved: Path | str
 
 def capture_with_engine(run: RunSection, data: DataSection, target: TargetSection, training: TrainingSection,
                         serving: ServingSection | None, resolved: Path | str, log: Log = print, store=None) -> Path:
-    """Capture with `data.capture_engine`: here (transformers, with the feature store `store` when there is one), or
+    """Capture with `data.feature_backend`: here (transformers, with the feature store `store` when there is one), or
     SGLang on the GPU node (on serving.tp GPUs) - torchrun in the node's SGLang environment reading the run's
     resolved config. Returns the training data set's directory."""
-    if data.capture_engine == "sglang":
+    if data.feature_backend == "sglang":
         run_on_node(data, serving, resolved, log=log)
         return dataset_dir(run, training)
     return capture(run, data, target, training, log=log, store=store)
 
 
 def capture_suites_with_engine(config: PipelineConfig, resolved: Path | str, log: Log = print) -> Path:
-    """The suite features stage's capture with `data.capture_engine`, as `capture_with_engine`'s."""
-    if config.data.capture_engine == "sglang":
+    """The suite features stage's capture with `data.feature_backend`, as `capture_with_engine`'s."""
+    if config.data.feature_backend == "sglang":
         run_on_node(config.data, config.serving, resolved, log=log, suites=True)
         return suite_features_dir(config.run)
     return capture_suites(config.run, config.data, config.target, log=log)

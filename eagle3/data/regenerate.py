@@ -1,7 +1,7 @@
 """Answer regeneration: the target writes every assistant turn, so the draft learns how the target
 really speaks.
 
-Engines (eagle3/engines/generators.py): `local` (transformers) or `sglang` (running servers over HTTP); the
+Engines (eagle3/runtime/generators.py): `local` (transformers) or `sglang` (running servers over HTTP); the
 server's `output_ids` are stored as they are.
 
 Output: JSONL shards under `run.dir/data/regen/`, one line per sample with the conversation,
@@ -29,8 +29,8 @@ from eagle3.data.quality import Reply, describe_figures, refuse_failed, report
 from eagle3.data.storage import log_projection
 from eagle3.data.suites import Question, continue_questions, heldout_prompts_file, suite_questions
 from eagle3.data.traffic import describe_traffic, mixed, prompt_sources, traffic_prompts
-from eagle3.engines.generators import make_generator
-from eagle3.engines.targets import load_tokenizer, target_eos_ids, target_identity
+from eagle3.runtime.generators import make_generator
+from eagle3.runtime.targets import load_tokenizer, target_eos_ids, target_identity
 from eagle3.errors import UnreadableInput
 from eagle3.records.manifest import code_version, write_manifest
 from eagle3.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
@@ -168,7 +168,7 @@ def take_stored(store, todo: list[tuple[int, Prompt]], out: Path, config: Pipeli
 
 def engine_batch(data: DataSection) -> int:
     """Prompts sent at once: a local batch, or as many as the servers take concurrently."""
-    return data.batch_size if data.engine == "local" else data.concurrency
+    return data.batch_size if data.generator == "local" else data.concurrency
 
 
 def split_prompts(config: PipelineConfig, tokenizer, log: Log) -> tuple[PromptSet, list[Prompt], list[Prompt]]:
@@ -229,7 +229,7 @@ def samples_fields(config: PipelineConfig, directory: Path, tokenizer, prompt_se
         "target": target_identity(config.target),
         "chat_template_sha256": chat_template_hash(tokenizer),
         "thinking": config.data.thinking,
-        "engine": config.data.engine,
+        "engine": config.data.generator,
         "engine_release": release,
         "source": config.data.prompts,
         "prompt_sources": prompt_sources(config.run, config.data, config.target, config.production.telemetry.slice_label,

@@ -15,8 +15,8 @@ from eagle3.data.capture import (Log, capture_settings, feature_widths, greedy_r
 from eagle3.data.continuations import suites_dir
 from eagle3.data.regenerate import read_greedy
 from eagle3.data.shards import FEATURE_DTYPES
-from eagle3.engines.backends import local_device, target_backend
-from eagle3.engines.features import FeatureBackend
+from eagle3.runtime.backends import local_device, target_backend
+from eagle3.runtime.features import FeatureBackend
 from eagle3.progress import Progress
 from eagle3.records.manifest import write_manifest
 

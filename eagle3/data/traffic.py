@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 from eagle3.config.data import DataSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.data.prompts import Prompt, load_prompts, rendered_prompt, write_prompts
-from eagle3.engines.targets import load_tokenizer
+from eagle3.runtime.targets import load_tokenizer
 from eagle3.records.telemetry import RequestRecord, read_request_records
 from eagle3.fsutil import atomic_write_json, read_json, sha256_file
 

@@ -12,7 +12,7 @@ from eagle3.config.data import DataSection, VocabSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.data.capture import regenerated_manifest
 from eagle3.data.regenerate import read_regenerated, regen_dir
-from eagle3.engines.targets import DataMismatch
+from eagle3.runtime.targets import DataMismatch
 from eagle3.records.manifest import fingerprint, write_manifest
 from eagle3.draft.vocab_map import build_vocab_map, save_vocab_map
 

@@ -27,7 +27,7 @@ from eagle3.data.continuations import benchmark_requests
 from eagle3.registry.samples import prune_samples
 from eagle3.data.prompts import load_prompts
 from eagle3.data.regenerate import regen_dir, sent_ids
-from eagle3.engines.targets import load_tokenizer
+from eagle3.runtime.targets import load_tokenizer
 from eagle3.errors import UnreadableInput
 from eagle3.records.manifest import code_version, read_manifest
 from eagle3.fsutil import atomic_write_bytes, atomic_write_json, sha256_file

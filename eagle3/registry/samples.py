@@ -44,7 +44,7 @@ from eagle3.config.deployment import RegistrySection
 from eagle3.config.run import TargetSection
 from eagle3.config.training import TrainingSection
 from eagle3.data.shards import ShardReader, StoredSample
-from eagle3.engines.targets import has_weight_files, target_identity, weights_sha256
+from eagle3.runtime.targets import has_weight_files, target_identity, weights_sha256
 from eagle3.registry.registry import open_registry
 from eagle3.registry.store import PointerConflict, RegistryError, Store
 
@@ -73,7 +73,7 @@ def feature_context(data: DataSection, target: TargetSection) -> dict:
     """Everything a sample's captured features depend on besides its tokens."""
     return {"format": FORMATS["features"], **target_context(target), "aux_layers": list(data.aux_layers),
             "last_hidden": data.last_hidden,
-            "engine": data.capture_engine, "dtype": data.feature_dtype}
+            "engine": data.feature_backend, "dtype": data.feature_dtype}
 
 
 def context_key(context: dict) -> str:
@@ -323,7 +323,7 @@ def open_feature_store(registry: RegistrySection | None, data: DataSection, targ
     registry, or with data.share_samples off."""
     if training.features == "online":
         return None
-    if data.capture_engine != "local":
+    if data.feature_backend != "local":
         log("feature store: used by the local capture engine only (SGLang's ranks capture every sample together)")
         return None
     store = registry_store(registry, data, target, log)

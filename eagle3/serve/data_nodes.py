@@ -20,7 +20,7 @@ from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection, split_node
 from eagle3.config.serving import ServingSection
 from eagle3.resolve import derived
-from eagle3.engines.generators import ServerClient, make_generator
+from eagle3.runtime.generators import ServerClient, make_generator
 from eagle3.errors import Eagle3Error
 from eagle3.serve.launch import Server, server_for
 from eagle3.serving import serving_engine
@@ -39,14 +39,14 @@ def node_endpoints(data: DataSection, serving: ServingSection) -> list[tuple[str
 
 
 def check_engines(data: DataSection, serving: ServingSection | None) -> None:
-    """The servers data.nodes starts are serving.engine's, and the client speaks data.engine's API."""
+    """The servers data.nodes starts are serving.engine's, and the client speaks data.generator's API."""
     if serving is None:
         raise Eagle3Error("data.nodes starts the target's servers as serving.engine and serving.launcher say: the "
                           "config needs a serving section (engine, launcher, context_length)")
-    started, client = serving_engine(serving.engine), serving_engine(data.engine)
+    started, client = serving_engine(serving.engine), serving_engine(data.generator)
     if not isinstance(started, type(client)):
         raise Eagle3Error(f"data.nodes would start {started.title} (serving.engine {started.name}), which does not "
-                          f"speak the API of data.engine {client.name}: set data.engine to the engine it serves")
+                          f"speak the API of data.generator {client.name}: set data.generator to the engine it serves")
 
 
 def node_spec(spec: LaunchSpec, host: str, port: int) -> LaunchSpec:

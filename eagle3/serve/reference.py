@@ -186,7 +186,7 @@ def generate(served: Served, body: dict, count: bool = True) -> dict:
 
 def load(target_dir: Path, draft_dir: Path | None, shape: DraftShape, release: str | None,
          seed: int = 0, trust_remote_code: bool = False, dtype: str = "auto") -> Served:
-    from eagle3.engines.targets import eos_ids_of, load_target_model, load_tokenizer
+    from eagle3.runtime.targets import eos_ids_of, load_target_model, load_tokenizer
 
     # the precision the data stage generated the held-out continuations in, so the replay is what is served
     target = load_target_model(target_dir, trust_remote_code, dtype)

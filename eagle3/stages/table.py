@@ -182,7 +182,7 @@ def simulate(run: StageRun) -> None:
 # ---- key inputs read from content
 
 def target_content(config: PipelineConfig) -> dict:
-    from eagle3.engines.targets import target_identity
+    from eagle3.runtime.targets import target_identity
 
     return target_identity(config.target)
 
@@ -260,7 +260,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("regenerate", regenerated, runner=regenerate, command=("data", "regenerate"),
           help="the target writes the assistant turns of the training prompts (or data.import_path's rows are "
           "imported), with the held-out prompts' greedy continuations",
-          key=("data.engine", "data.num_samples", "data.max_new_tokens", "data.max_length", "data.temperature",
+          key=("data.generator", "data.num_samples", "data.max_new_tokens", "data.max_length", "data.temperature",
                "data.thinking", "data.heldout_fraction", "data.quality"),
           by_content={"target": TARGET, "prompt_source": ByContent(("data.prompts",), prompt_source),
                       "import_sha256": ByContent(("data.import_path",), imported_rows),
@@ -276,7 +276,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     # never)
     Stage("suites", suite_continuations, runner=continue_suites, command=("data", "regenerate"),
           help="then those of benchmark.suites' other suites",
-          key=("data.engine", "data.thinking"),
+          key=("data.generator", "data.thinking"),
           by_content={"target": TARGET,
                       "suites": ByContent(("benchmark.suites", "benchmark.num_prompts", "benchmark.max_new_tokens",
                                            "training.replay_max_new_tokens", "serving.num_steps", "sweep.points"),
@@ -285,12 +285,12 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("capture", dataset, runner=capture, command=("data", "capture"),
           help="capture the target's hidden states for the regenerated samples (token shards only with "
           "training.features online)",
-          key=("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype",
+          key=("data.aux_layers", "data.last_hidden", "data.feature_backend", "data.feature_dtype",
                "training.features"),
           by_content={"target": TARGET}, upstream={"regenerated": "regenerate"}),
     Stage("suite_features", suite_features, runner=capture_suites, command=("data", "capture"),
           help="then for the other suites' continuations (the simulator's alone)",
-          key=("data.aux_layers", "data.last_hidden", "data.capture_engine", "data.feature_dtype"),
+          key=("data.aux_layers", "data.last_hidden", "data.feature_backend", "data.feature_dtype"),
           by_content={"target": TARGET}, upstream={"suites": "suites"}),
     Stage("vocab", vocab_map, runner=vocab, command=("vocab", "build"),
           help="build d2t/t2d from the regenerated training split", key=("vocab",),

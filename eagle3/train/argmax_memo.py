@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.engines.features import TokenBatch
+from eagle3.runtime.features import TokenBatch
 from eagle3.model.teacher import Teacher, TeacherHead
 
 UNKNOWN = -1

@@ -1,6 +1,6 @@
 """Training batches from the data set's shards: a deterministic, length-bucketed order that every rank computes
 alike, so a global batch is the same whatever the number of ranks. Token rows come from the shards; features from a
-backend (eagle3/engines/features.py): the target itself (online) or the shards' stored columns (offline). The eval
+backend (eagle3/runtime/features.py): the target itself (online) or the shards' stored columns (offline). The eval
 samples are the ones the data named (an import with a split: split.json beside the shards), else a hash of the sample
 id picks training.eval_fraction of them."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from eagle3.data.shards import ShardReader, named_eval_ids
-from eagle3.engines.features import Features, TokenBatch, empty_features
+from eagle3.runtime.features import Features, TokenBatch, empty_features
 from eagle3.errors import Eagle3Error
 
 BUCKET_BATCHES = 16  # batches sorted by length together: less padding, order still shuffled

@@ -89,7 +89,7 @@ def launch_commands(config: PipelineConfig, resolved: Path | str, cwd: Path) -> 
 
 def trainer_python(data: DataSection, training: TrainingSection) -> str:
     """Here: this python, or the node's SGLang python when the trainer builds SGLang's model runner (online)."""
-    online_sglang = training.features == "online" and data.capture_engine == "sglang"
+    online_sglang = training.features == "online" and data.feature_backend == "sglang"
     return data.sglang_python if online_sglang else sys.executable
 
 

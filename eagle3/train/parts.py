@@ -23,9 +23,9 @@ from eagle3.data.regenerate import greedy_length, read_regenerated, regen_dir
 from eagle3.data.vocab import count_loss_tokens
 from eagle3.distributed import Dist
 from eagle3.draft.vocab_map import VocabMap, load_vocab_map
-from eagle3.engines.backends import target_backend
-from eagle3.engines.features import FeatureBackend
-from eagle3.engines.targets import target_eos_ids
+from eagle3.runtime.backends import target_backend
+from eagle3.runtime.features import FeatureBackend
+from eagle3.runtime.targets import target_eos_ids
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.model.weights import target_head
 from eagle3.records.manifest import MANIFEST_FILE, read_manifest

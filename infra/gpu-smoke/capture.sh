@@ -22,7 +22,7 @@ COMMON=(--config configs/tiny-cpu.yaml --set "target.path=$TARGET" --set data.nu
 
 mkdir -p "$RUN/sglang/data"
 rm -rf "$RUN/sglang/data/regen" && cp -r "$RUN/local/data/regen" "$RUN/sglang/data/regen"
-"$EAGLE3" data capture "${COMMON[@]}" --set "run.dir=$RUN/sglang" --set data.capture_engine=sglang \
+"$EAGLE3" data capture "${COMMON[@]}" --set "run.dir=$RUN/sglang" --set data.feature_backend=sglang \
   --set "data.sglang_python=$SGLANG_PYTHON" --set serving.tp=1 --set data.batch_size=8
 
 "$PY" infra/gpu-smoke/compare_capture.py "$RUN/local/data/hidden" "$RUN/sglang/data/hidden"

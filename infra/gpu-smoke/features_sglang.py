@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from eagle3.distributed import setup_distributed
-from eagle3.engines.features import Features, TokenBatch, TransformersFeatures
-from eagle3.engines.sglang_features import SGLangFeatures
+from eagle3.runtime.features import Features, TokenBatch, TransformersFeatures
+from eagle3.runtime.sglang_features import SGLangFeatures
 
 RELATIVE_TOLERANCE = 0.05  # transformers vs SGLang in bf16 on a GPU: relative row error (as compare_capture.py)
 

@@ -35,7 +35,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from eagle3.config import PipelineConfig
 from eagle3.distributed import Dist
-from eagle3.engines.features import FeatureBackend, TokenBatch, TransformersFeatures
+from eagle3.runtime.features import FeatureBackend, TokenBatch, TransformersFeatures
 from eagle3.target.info import read_target_info
 from eagle3.draft.vocab_map import VocabMap, build_vocab_map
 from eagle3.model.teacher import TEACHER_CHUNK_ROWS, chunked_argmax
@@ -177,7 +177,7 @@ def pipeline_config(shape: Shape, target_dir: Path, run_dir: Path, steps: int) -
         "target": {"path": str(target_dir), "family": "deepseek_v2", "num_hidden_layers": shape.num_hidden_layers,
                    "hidden_size": shape.hidden_size, "vocab_size": shape.vocab_size},
         "data": {"prompts": "builtin:pydoc", "num_samples": 1, "max_new_tokens": 1, "max_length": shape.seq_len,
-                 "aux_layers": list(shape.aux_layers), "last_hidden": "post_norm", "capture_engine": "local"},
+                 "aux_layers": list(shape.aux_layers), "last_hidden": "post_norm", "feature_backend": "local"},
         "vocab": {"draft_vocab_size": shape.draft_vocab_size},
         "draft": {"intermediate_size": shape.draft_intermediate, "num_attention_heads": shape.draft_heads,
                   "num_key_value_heads": shape.draft_kv_heads, "max_position_embeddings": 4096,

@@ -30,7 +30,7 @@ from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.simulate import AcceptanceResult, PromptResult, aux_features, replay, simulate_prompt, target_greedy
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
-from eagle3.engines.targets import eos_ids_of, load_tokenizer
+from eagle3.runtime.targets import eos_ids_of, load_tokenizer
 from eagle3.algorithms.eagle3.checkpoint import NativeDraft, save_native_draft
 from eagle3.model.tree import DraftTree
 from eagle3.algorithms.eagle3.served import draft_as_served

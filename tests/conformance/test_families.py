@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from eagle3.engines.features import TransformersFeatures, pad_rows
+from eagle3.runtime.features import TransformersFeatures, pad_rows
 from eagle3.contract import engines
 from eagle3.contract.releases import parse_release
 from family_targets import AUX_LAYERS, FAMILIES, NUM_LAYERS, VOCAB, build_family_target

@@ -1,4 +1,4 @@
-"""The `sglang` feature backend (eagle3/engines/sglang_features.py) on SGLang 0.5.23's own model runner, on the CPU
+"""The `sglang` feature backend (eagle3/runtime/sglang_features.py) on SGLang 0.5.23's own model runner, on the CPU
 (inside/features.py), against the `transformers` backend on the same target and token rows."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.engines import sglang_features
-from eagle3.engines.features import TransformersFeatures, pad_rows
+from eagle3.runtime import sglang_features
+from eagle3.runtime.features import TransformersFeatures, pad_rows
 from eagle3.errors import Eagle3Error
 
 RELEASE = "0.5.23"  # the one release the backend supports

@@ -3,7 +3,7 @@ the project's launcher with serving.engine vllm and measured by its benchmark cl
 export is converted to the speculators layout vLLM loads and validated; vLLM's loader loads every tensor of it
 (recorded inside the server: vllm_hook/); the greedy outputs are the target's; every request's counts (verify steps,
 accepted drafts, completion tokens) and the histogram are the simulator's; the window production's monitor reads
-from vLLM's /metrics counts the same tokens and verify steps; and the data stage's client (data.engine vllm)
+from vLLM's /metrics counts the same tokens and verify steps; and the data stage's client (data.generator vllm)
 regenerates the target's greedy answers and continuations, EOS ignored, from the same server, where `eagle3
 diagnose --url` finds the stored continuation.
 
@@ -34,9 +34,9 @@ from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.deployment.monitor import from_counters, scrape
 from eagle3.algorithms.eagle3.checkpoint import NativeDraft, save_native_draft
-from eagle3.engines.generators import ServerClient, target_greedy
-from eagle3.engines.targets import load_tokenizer
-from eagle3.engines.tiny import MICRO
+from eagle3.runtime.generators import ServerClient, target_greedy
+from eagle3.runtime.targets import load_tokenizer
+from eagle3.runtime.tiny import MICRO
 from eagle3.errors import Eagle3Error
 from eagle3.records.telemetry import metric_total, parse_metrics
 from eagle3.registry.registry import open_registry
@@ -124,7 +124,7 @@ def serve_and_compare(h32, vllm_python, tmp_path, draft_dir: Path, overrides: li
         window = from_counters(scrape(server.url, 30, 1.0, vllm), before)  # what production's monitor reads
         counted = {key: value - counted_before.get(key, 0.0) for key, value in vllm_counts(server.url).items()}
         regenerator = ServerClient(vllm, [server.url], MAX_NEW, 0.0, concurrency=2, retries=0, timeout_s=600)
-        outputs = [generation.output_ids for generation in regenerator.generate(prompts)]  # data.engine vllm
+        outputs = [generation.output_ids for generation in regenerator.generate(prompts)]  # data.generator vllm
         continued = regenerator.continue_greedy(prompts[:2], 2 * MAX_NEW)
         stored = {"id": 0, "prompt_ids": prompts[0], "continuation_ids": target_greedy(h32["model"], prompts[0], MAX_NEW)}
         continuation = continuation_check(stored, server.url, MAX_NEW, tokenizer, vllm)  # eagle3 diagnose --url

@@ -45,8 +45,8 @@ class Context:
     family: str | None = None
     data_layers: list[int] | None = None
     data_layers_source: str = ""
-    data_engine: str | None = None  # the backend that computed the data's features, "local" or "sglang"
-    data_engine_release: str | None = None
+    feature_backend: str | None = None  # the backend that computed the data's features, "local" or "sglang"
+    feature_backend_release: str | None = None
 
 
 def validate(
@@ -169,7 +169,7 @@ def _context(raw: RawCheckpoint, target: Path | None, data_manifest: Path | None
         ctx.num_layers = ctx.num_layers or capture.get("num_hidden_layers")
         ctx.hidden_size = ctx.hidden_size or capture.get("hidden_size")
         ctx.family = ctx.family or capture.get("family")
-        ctx.data_engine, ctx.data_engine_release = capture["engine"], capture["engine_release"]
+        ctx.feature_backend, ctx.feature_backend_release = capture["engine"], capture["engine_release"]
     elif data_layers is not None:
         ctx.data_layers = list(data_layers)
         ctx.data_layers_source = "the layers the pipeline captures (data.aux_layers)"
@@ -339,10 +339,10 @@ def _check_served_states(ctx: Context, release: str | None, report: Report) -> N
     """Data whose features SGLang computed on the served release hold what that release captures; any other features
     (transformers', or an unknown backend's) are the residual stream."""
     problem = engines.served_features_problem(ctx.family, release)
-    if problem is None or (ctx.data_engine == "sglang" and release is not None and ctx.data_engine_release is not None
-                           and parse_release(ctx.data_engine_release) == parse_release(release)):
+    if problem is None or (ctx.feature_backend == "sglang" and release is not None and ctx.feature_backend_release is not None
+                           and parse_release(ctx.feature_backend_release) == parse_release(release)):
         return
-    made_by = {"local": "transformers", "sglang": f"SGLang {ctx.data_engine_release}"}.get(ctx.data_engine, "an unknown backend")
+    made_by = {"local": "transformers", "sglang": f"SGLang {ctx.feature_backend_release}"}.get(ctx.feature_backend, "an unknown backend")
     report.add(ProblemCode.AUX_STATES_DIFFER, "error", f"{problem} (the data's features: {made_by})",
                "serve with a release that captures the residual stream, or capture the data through SGLang on the "
                "release you serve")

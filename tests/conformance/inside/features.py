@@ -1,4 +1,4 @@
-"""Probe: eagle3.engines.sglang_features.SGLangFeatures, run on this release's own model runner on the CPU (DeepSeek
+"""Probe: eagle3.runtime.sglang_features.SGLangFeatures, run on this release's own model runner on the CPU (DeepSeek
 targets through the release's absorbed-MLA attention path: see _mla_prefill_on_torch_native).
 
 job = {"target": directory of the target, "family", "num_hidden_layers", "aux_layers", "rows": token rows (lists of
@@ -57,8 +57,8 @@ def _mla_prefill_on_torch_native() -> None:
 
 
 def run(job: dict) -> dict:
-    from eagle3.engines.features import pad_rows
-    from eagle3.engines.sglang_features import SGLangFeatures
+    from eagle3.runtime.features import pad_rows
+    from eagle3.runtime.sglang_features import SGLangFeatures
 
     _mla_prefill_on_torch_native()  # read by the DeepSeek-style files only
     _gloo_group()

@@ -8,7 +8,7 @@ Backends, one interface:
 - `transformers`: the target through transformers with forward hooks on the captured layers and the final norm
   (the tiny target, CPU tests, small targets on a GPU);
 - `sglang`: SGLang's model runner built inside each torchrun rank, the target tensor-parallel over the ranks
-  (eagle3/engines/sglang_features.py, run in the node's SGLang environment);
+  (eagle3/runtime/sglang_features.py, run in the node's SGLang environment);
 - `shards`: features stored by an offline capture (eagle3/data/shards.py), read back by sample id.
 
 A batch is the same on every rank of a tensor-parallel group; `rows` picks the rows a rank keeps. Features never
@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from eagle3.config.run import TargetSection
-from eagle3.engines.targets import load_target_model
+from eagle3.runtime.targets import load_target_model
 
 
 @dataclass

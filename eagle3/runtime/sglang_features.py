@@ -39,7 +39,7 @@ from array import array
 import torch
 from torch import nn
 
-from eagle3.engines.features import Features, TokenBatch
+from eagle3.runtime.features import Features, TokenBatch
 from eagle3.errors import Eagle3Error
 from eagle3.contract import engines
 from eagle3.contract.releases import ReleaseRange, parse_release

@@ -19,7 +19,7 @@ import httpx
 
 from eagle3.config.data import DataSection
 from eagle3.config.run import TargetSection
-from eagle3.engines.targets import eos_ids_of, load_target_model
+from eagle3.runtime.targets import eos_ids_of, load_target_model
 from eagle3.errors import Eagle3Error
 from eagle3.http_retry import RetriesExhausted, send_with_retries
 from eagle3.serving import serving_engine
@@ -189,12 +189,12 @@ class ServerClient:
 
 
 def make_generator(data: DataSection, target: TargetSection, seed: int):
-    """data.engine's generator: the target on this machine (sampling seeded with `seed`, training.seed), or a client
+    """data.generator's generator: the target on this machine (sampling seeded with `seed`, training.seed), or a client
     of data.servers."""
-    if data.engine == "local":
+    if data.generator == "local":
         return LocalGenerator(target, data.max_new_tokens, data.temperature, seed)
     if not data.servers:  # data.nodes: the servers exist only while the regenerate stage runs
         raise EngineError("data.nodes: only the regenerate stage (the flow, `eagle3 data regenerate`) starts the "
                           "target's servers; for this command start them yourself and set data.servers to their URLs")
-    return ServerClient(serving_engine(data.engine), data.servers, data.max_new_tokens, data.temperature,
+    return ServerClient(serving_engine(data.generator), data.servers, data.max_new_tokens, data.temperature,
                         data.concurrency, data.retries, data.request_timeout_s)
