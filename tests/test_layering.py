@@ -180,8 +180,8 @@ TAKES_THE_CONFIG = {
     "eagle3.algorithms.eagle3.Eagle3Algorithm.config_problem": ("draft", "serving"),
     "eagle3.algorithms.eagle3.Eagle3Algorithm.draft_config": (HANDS_ON,),
     "eagle3.algorithms.eagle3.Eagle3Algorithm.initial_model": (HANDS_ON, "training"),
-    "eagle3.bench.simulate.simulate": ("benchmark", HANDS_ON, "serving"),
-    "eagle3.bench.simulate.simulate_shapes": ("benchmark", HANDS_ON, "run", "serving", "target"),
+    # the simulator's narrowing (eagle3.bench.simulate.Replay): the greedy length reads every draft the run trains
+    "eagle3.bench.simulate.replay_of": ("benchmark", HANDS_ON, "run", "serving", "sweep", "target"),
     "eagle3.data.importer.import_rows": ("data", HANDS_ON, "production", "run", "target", "training"),
     "eagle3.data.importer.make_samples": ("data", HANDS_ON),
     "eagle3.data.node_capture.capture_suites_with_engine": ("data", "run", "serving", "target"),
@@ -276,7 +276,7 @@ def test_no_function_below_the_stages_takes_the_whole_config_unlisted():
 #   grep -rn "PipelineConfig" eagle3 --include=*.py | grep "def \|config: PipelineConfig" \
 #     | grep -v "^eagle3/stages\|^eagle3/cli/\|^eagle3/config/" | wc -l
 # It may only shrink: lower the figure when a change narrows more of them.
-WHOLE_CONFIG_LINES_AT_MOST = 71
+WHOLE_CONFIG_LINES_AT_MOST = 70
 
 
 def whole_config_lines() -> list[str]:

@@ -176,9 +176,10 @@ def export(run: StageRun) -> None:
 
 
 def simulate(run: StageRun) -> None:
+    from eagle3.bench.simulate import replay_of
     from eagle3.bench.simulate import simulate as replay
 
-    replay(run.config, output_of(run.config, "export"), record_path(run.config, "simulated"), log=run.log)
+    replay(replay_of(run.config), output_of(run.config, "export"), record_path(run.config, "simulated"), log=run.log)
 
 
 # ---- key inputs read from content
