@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from eagle3.bench.client import run_benchmark
-from eagle3.bench.simulate import simulate
+from eagle3.bench.simulate import replay_of, simulate
 from eagle3.resolve import load_config
 from eagle3.data.capture import capture
 from eagle3.data.regenerate import heldout_prompt_ids, regenerate
@@ -101,7 +101,7 @@ def main() -> None:
     with serve_in_thread(create_app(target)) as (plain, _):
         for shape in SHAPES:
             shaped = with_shape(config, shape)
-            simulated = simulate(shaped, draft, record_path(shaped, "simulated"), log=lambda line: None)
+            simulated = simulate(replay_of(shaped), draft, record_path(shaped, "simulated"), log=lambda line: None)
             with serve_in_thread(create_app(target, draft, shape, RELEASE)) as (url, _):
                 greedy, sampled = run(url, plain, 0.0), run(url, plain, args.temperature)
             print(f"{shape.label():34} {simulated.accept_length:6.3f} {greedy['accept_length']:7.3f} "

@@ -366,9 +366,9 @@ def export_draft(config, source: Path, out: Path) -> Path:
 def score(config, draft: Path) -> dict:
     """{steps/topk/draft tokens: {suite: figures}} from this project's simulator (serving's shape, the sweep's
     points)."""
-    from eagle3.bench.simulate import simulate_shapes
+    from eagle3.bench.simulate import replay_of, simulate_shapes
 
-    shapes = simulate_shapes(config, draft)
+    shapes = simulate_shapes(replay_of(config), draft)
     return {f"{r.shape.num_steps}/{r.shape.eagle_topk}/{r.shape.drafts_per_step + 1}": r.to_dict()["suites"] for r in shapes}
 
 

@@ -186,7 +186,8 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
               train_time(config.training, config.data, clock, params, passes[0], scenario)]
     if config.serving is not None and config.benchmark is not None:
         stages += [serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario),
-                   sweep_time(config.sweep, config.benchmark, config.serving, clock, len(simulated_shapes(config)))]
+                   sweep_time(config.sweep, config.benchmark, config.serving, clock,
+                              len(simulated_shapes(config.replay_shape, config.sweep)))]
     for name, contender in contender_configs(config).items():
         stages += contender_stages(name, contender, clock, scenario)
     if config.serving is not None and config.benchmark is not None:
@@ -254,8 +255,8 @@ def contender_stages(name: str, config: PipelineConfig, clock: Clock, scenario: 
     if config.serving is not None and config.benchmark is not None:
         serve = serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario,
                            baseline=False)
-        sweep = sweep_time(config.sweep, config.benchmark, config.serving, clock, len(simulated_shapes(config)),
-                           baseline=False)
+        sweep = sweep_time(config.sweep, config.benchmark, config.serving, clock,
+                           len(simulated_shapes(config.replay_shape, config.sweep)), baseline=False)
         stages += [replace(serve, name=f"serve {name}"), replace(sweep, name=f"sweep {name}")]
     return stages
 

@@ -31,7 +31,7 @@ from eagle3.data.conversation import prompt_ids
 from eagle3.data.prompts import pydoc_prompt_turns
 from eagle3.data.continuations import suites_dir
 from eagle3.data.regenerate import (GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, benchmark_questions, continue_benchmark,
-                                    continue_heldout, regenerate)
+                                    continue_heldout, continuing, regenerate)
 from eagle3.data.vocab import build_vocab
 from eagle3.deployment.monitor import Monitor
 from eagle3.algorithms.eagle3.checkpoint import DraftConfig
@@ -263,9 +263,10 @@ def store_requests(config, micro):
 def continue_every_suite(config, generator, tokenizer) -> None:
     """The greedy continuations the data stage makes: the held-out suite's with the training replies, the other
     suites' in the suites stage's output."""
-    continue_heldout(config, generator, tokenizer, config.stage_dir("data") / REGEN_DIR / GREEDY_FILE, lambda line: None)
+    spec = continuing(config)
+    continue_heldout(spec, generator, tokenizer, config.stage_dir("data") / REGEN_DIR / GREEDY_FILE, lambda line: None)
     suites_dir(config.run).mkdir(parents=True, exist_ok=True)
-    continue_benchmark(config, benchmark_questions(config, held_out=False), generator, tokenizer,
+    continue_benchmark(spec, benchmark_questions(spec, held_out=False), generator, tokenizer,
                        suites_dir(config.run) / GREEDY_FILE, lambda line: None)
 
 

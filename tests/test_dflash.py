@@ -275,13 +275,13 @@ def test_the_reference_server_serves_a_dflash_export_as_the_simulator_replays_it
     assert accepted > 0  # the comparison covers accepted drafts, not only rejected blocks
     # `eagle3 simulate --draft` under the same run's EAGLE-3 config (trees among its sweep points): the export is
     # replayed as the DFlash draft it is, in serving's chain, as the DFlash config replays it
-    from eagle3.bench.simulate import simulate
+    from eagle3.bench.simulate import replay_of, simulate
     from eagle3.stages.drafts import simulate_draft
 
     eagle = load_config(TINY, [o for o in overrides if not o.startswith(("draft.", "sweep."))])
     assert (3, 4, 8) in eagle.sweep.points
     imported = simulate_draft(eagle, export, log=QUIET)
-    own = simulate(config, export, tmp_path / "own.json", log=QUIET)
+    own = simulate(replay_of(config), export, tmp_path / "own.json", log=QUIET)
     assert imported.shape == own.shape == DraftShape(3) and imported.rows == own.rows
     assert "verifies blocks of 5 tokens" in entry.shape_problem(export, DraftShape(4))
     with pytest.raises(ValueError, match="trained on blocks of 4"):

@@ -180,24 +180,17 @@ TAKES_THE_CONFIG = {
     "eagle3.algorithms.eagle3.Eagle3Algorithm.config_problem": ("draft", "serving"),
     "eagle3.algorithms.eagle3.Eagle3Algorithm.draft_config": (HANDS_ON,),
     "eagle3.algorithms.eagle3.Eagle3Algorithm.initial_model": (HANDS_ON, "training"),
-    "eagle3.bench.simulate.simulate": ("benchmark", HANDS_ON, "serving"),
-    "eagle3.bench.simulate.simulate_shapes": ("benchmark", HANDS_ON, "run", "serving", "target"),
-    "eagle3.data.continuations.continuations_kept": ("benchmark", HANDS_ON, "run"),
-    "eagle3.data.continuations.continue_suites": ("data", HANDS_ON, "run", "target"),
-    "eagle3.data.importer.import_rows": ("data", HANDS_ON, "run", "target", "training"),
+    # the simulator's narrowing (eagle3.bench.simulate.Replay): the greedy length reads every draft the run trains
+    "eagle3.bench.simulate.replay_of": ("benchmark", HANDS_ON, "run", "serving", "sweep", "target"),
+    "eagle3.data.importer.import_rows": ("data", HANDS_ON, "production", "run", "target", "training"),
     "eagle3.data.importer.make_samples": ("data", HANDS_ON),
     "eagle3.data.node_capture.capture_suites_with_engine": ("data", "run", "serving", "target"),
-    "eagle3.data.regenerate.benchmark_questions": ("benchmark", "run", "training"),
-    "eagle3.data.regenerate.continuations_key": ("benchmark", HANDS_ON, "training"),
-    "eagle3.data.regenerate.continue_benchmark": ("benchmark", "data", HANDS_ON, "target", "training"),
-    "eagle3.data.regenerate.continue_heldout": (HANDS_ON,),
+    # the greedy length reads every draft the run trains (draft_configs: its contenders), and the continuations'
+    # narrowing computes it once (eagle3.data.regenerate.Continuing)
+    "eagle3.data.regenerate.continuing": ("benchmark", "data", HANDS_ON, "run", "target", "training"),
     "eagle3.data.regenerate.greedy_length": ("benchmark", HANDS_ON, "training"),
-    "eagle3.data.regenerate.kept_continuations": (HANDS_ON,),
-    "eagle3.data.regenerate.regenerate": ("data", HANDS_ON, "run", "target", "training"),
-    "eagle3.data.regenerate.samples_fields": ("data", "production", "run", "target"),
-    "eagle3.data.regenerate.simulated_shapes": ("serving", "sweep"),
-    "eagle3.data.regenerate.split_prompts": ("data", "production", "run", "target"),
-    "eagle3.data.regenerate.take_stored": ("data", "run"),
+    # the regenerate stage's entry point
+    "eagle3.data.regenerate.regenerate": ("data", HANDS_ON, "production", "run", "target", "training"),
     "eagle3.deployment.imports.config_for": (HANDS_ON,),
     "eagle3.deployment.imports.import_as_production": ("benchmark", "data", "gate", HANDS_ON, "run", "serving", "target"),
     "eagle3.deployment.imports.import_draft": (HANDS_ON, "registry", "run"),
@@ -216,7 +209,7 @@ TAKES_THE_CONFIG = {
     "eagle3.deployment.sweep.choose_serving": (HANDS_ON, "serving", "sweep"),
     "eagle3.deployment.sweep.measure_levels": ("benchmark", HANDS_ON, "target"),
     "eagle3.deployment.sweep.measure_point": ("benchmark", HANDS_ON),
-    "eagle3.deployment.sweep.run_sweep": ("benchmark", HANDS_ON, "sweep"),
+    "eagle3.deployment.sweep.run_sweep": ("benchmark", HANDS_ON, "serving", "sweep"),
     "eagle3.deployment.sweep.with_shape": (HANDS_ON,),
     "eagle3.serve.data_nodes.on_nodes": ("data", HANDS_ON, "serving"),
     "eagle3.serve.launch.launch_and_validate": ("export", HANDS_ON, "serving"),
@@ -283,7 +276,7 @@ def test_no_function_below_the_stages_takes_the_whole_config_unlisted():
 #   grep -rn "PipelineConfig" eagle3 --include=*.py | grep "def \|config: PipelineConfig" \
 #     | grep -v "^eagle3/stages\|^eagle3/cli/\|^eagle3/config/" | wc -l
 # It may only shrink: lower the figure when a change narrows more of them.
-WHOLE_CONFIG_LINES_AT_MOST = 81
+WHOLE_CONFIG_LINES_AT_MOST = 70
 
 
 def whole_config_lines() -> list[str]:

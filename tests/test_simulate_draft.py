@@ -8,7 +8,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from eagle3.bench.simulate import simulate
+from eagle3.bench.simulate import replay_of, simulate
 from eagle3.cli import main
 from eagle3.resolve import load_config
 from eagle3.algorithms.eagle3.checkpoint import NativeDraft, save_native_draft
@@ -136,7 +136,8 @@ def test_a_configured_suite_without_continuations_is_refused(run, capsys, tmp_pa
     expected = (f"benchmark.suites names mtbench, but {copy / 'data' / 'suites' / 'heldout_greedy.jsonl'} holds no "
                 "continuation of it (only of heldout): run `eagle3 data regenerate` with this benchmark.suites")
     with pytest.raises(UnreadableInput) as refused:
-        simulate(config, copy / "export" / "sglang", copy / "bench" / "simulated.json", log=lambda line: None)
+        simulate(replay_of(config), copy / "export" / "sglang", copy / "bench" / "simulated.json",
+                 log=lambda line: None)
     assert expected in str(refused.value)
     assert cli(copy, target, "simulate", "--draft", str(copy / "export" / "sglang"), extra=[suites]) == 2
     err = capsys.readouterr().err

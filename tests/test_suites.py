@@ -12,7 +12,7 @@ from eagle3.config.suites import MTBENCH
 from eagle3.data.conversation import prompt_ids
 from eagle3.data.continuations import benchmark_requests, suites_dir
 from eagle3.data.regenerate import (GREEDY_FILE, HELDOUT_FILE, REGEN_DIR, benchmark_questions, continue_benchmark,
-                                    continue_heldout, greedy_length, read_greedy)
+                                    continue_heldout, continuing, greedy_length, read_greedy)
 from eagle3.data.prompts import rendered_prompt
 from eagle3.config.suites import mtbench_file
 from eagle3.data.suites import across_slices, file_questions, reply_of, suite_questions
@@ -103,16 +103,18 @@ def test_the_second_turn_follows_the_targets_own_answer_and_every_turn_is_a_requ
     def generator(of):
         return make_generator(of.data, of.target, of.training.seed)
 
-    continue_benchmark(config, benchmark_questions(config, held_out=False), generator(config), tokenizer, path,
+    spec = continuing(config)
+    continue_benchmark(spec, benchmark_questions(spec, held_out=False), generator(config), tokenizer, path,
                        lambda line: None)
-    continue_heldout(config, generator(config), tokenizer, heldout, lambda line: None)
+    continue_heldout(spec, generator(config), tokenizer, heldout, lambda line: None)
     assert {file: file.stat().st_mtime_ns for file in (path, heldout)} == before
     fewer = config.model_copy(update={"benchmark": config.benchmark.model_copy(update={"suites": [
         config.benchmark.suites[0], config.benchmark.suites[1].model_copy(update={"num_prompts": 1})]})})
-    fields = continue_benchmark(fewer, benchmark_questions(fewer, held_out=False), generator(fewer), tokenizer,
-                                path, lambda line: None)
+    fewer_spec = continuing(fewer)
+    fields = continue_benchmark(fewer_spec, benchmark_questions(fewer_spec, held_out=False), generator(fewer),
+                                tokenizer, path, lambda line: None)
     assert fields == {"prompts": 0, "length": 17, "requests": 2, "suites": {"mtbench": 2}}
-    assert continue_heldout(fewer, generator(fewer), tokenizer, heldout, lambda line: None)["requests"] == 2
+    assert continue_heldout(fewer_spec, generator(fewer), tokenizer, heldout, lambda line: None)["requests"] == 2
     assert heldout.stat().st_mtime_ns == before[heldout]
     assert (config.stage_dir("data") / HELDOUT_FILE).is_file()
 

@@ -17,7 +17,7 @@ from eagle3.resolve import load_config
 from eagle3.data.conversation import encode, prompt_ids, render
 from eagle3.data.prompts import BASE_SLICE, load_prompts, rendered_prompt
 from eagle3.data.continuations import continue_suites
-from eagle3.data.regenerate import HELDOUT_FILE, generate_batch, read_samples, regenerate
+from eagle3.data.regenerate import HELDOUT_FILE, continuing, generate_batch, read_samples, regenerate
 from eagle3.data.traffic import TRAFFIC_FILE, describe_traffic, mixed, select_traffic, traffic_snapshot
 from eagle3.deployment.promotion import run_prompt_ids
 from eagle3.runtime.generators import LocalGenerator
@@ -171,7 +171,7 @@ def test_regenerate_mixes_traffic_records_provenance_and_benchmarks_it_as_sent(t
         assert r["input_ids"][: r["replies"][0][0]] == encode(tokenizer, r["conversation"][0]["content"])
     heldout = load_prompts(str(config.stage_dir("data") / HELDOUT_FILE)).prompts
     assert {p.slice for p in heldout} >= {BASE_SLICE} and {p.slice for p in heldout} & {"code", "docs"}
-    continue_suites(config, log=lines.append)  # the suites stage: the traffic suite's continuations
+    continue_suites(continuing(config), log=lines.append)  # the suites stage: the traffic suite's continuations
     benchmark = run_prompt_ids(config)
     assert len(benchmark) == 6 and all(isinstance(p, SlicedPrompt) for p in benchmark)
     for prompt, ids in zip(heldout, benchmark):

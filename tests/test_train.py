@@ -395,17 +395,17 @@ def test_fsdp_on_two_ranks_in_micro_batches_equals_one_rank_and_resumes(micro_da
 def test_absolute_d2t_simulates_at_baseline(trained, micro_target, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from eagle3.bench.simulate import simulate
+    from eagle3.bench.simulate import replay_of, simulate
 
     overrides, run_dir = trained
     config = load_config(TINY, [*overrides, "benchmark.num_prompts=6", "benchmark.max_new_tokens=24"])
     good = convert(run_dir / "train" / "final", tmp_path / "good", to="sglang", release="0.5.13")
-    served = simulate(config, good, tmp_path / "good.json", log=lambda line: None)
+    served = simulate(replay_of(config), good, tmp_path / "good.json", log=lambda line: None)
     broken = convert(run_dir / "train" / "final", tmp_path / "absolute", to="sglang", release="0.5.13")
     tensors = load_file(broken / "model.safetensors")
     tensors["d2t"] = tensors["d2t"] + torch.arange(tensors["d2t"].numel())  # absolute ids: the classic mistake
     save_file(tensors, broken / "model.safetensors")
-    baseline = simulate(config, broken, tmp_path / "absolute.json", log=lambda line: None)
+    baseline = simulate(replay_of(config), broken, tmp_path / "absolute.json", log=lambda line: None)
     n = served.completion_tokens / len(served.rows)
     assert served.accept_length > 1.3
     assert baseline.accept_length < 1.1 * n / (n - 1)  # ~ never accepted

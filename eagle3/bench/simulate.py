@@ -27,7 +27,7 @@ from eagle3.bench import counting
 from eagle3.bench.client import suite_lines
 from eagle3.bench.counting import SpecRequest
 from eagle3.config import PipelineConfig
-from eagle3.config.run import RunSection
+from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.serving import BenchmarkSection, ServingSection
 from eagle3.config.suites import HELDOUT
 from eagle3.data.capture import HELDOUT_DIR
@@ -49,6 +49,24 @@ from eagle3.serving.sglang import sglang_method
 from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What the simulator reads of a run's config (`replay_of`)."""
+
+    run: RunSection  # the data stage's stored sequences
+    target: TargetSection  # the draft shares its embedding; its end tokens end a request
+    serving: ServingSection  # the release served: the draft's layout and the counting rules
+    benchmark: BenchmarkSection  # the suites replayed and their max_new_tokens
+    shapes: tuple[DraftShape, ...]  # simulated_shapes: serving's first
+    length: int  # greedy_length: how far each stored sequence must continue
+
+
+def replay_of(config: PipelineConfig) -> Replay:
+    """The simulator's spec of a config with serving and benchmark sections."""
+    return Replay(config.run, config.target, config.serving, config.benchmark,
+                  tuple(simulated_shapes(config.replay_shape, config.sweep)), greedy_length(config))
 
 
 @dataclass
@@ -254,24 +272,24 @@ def simulate_shape(algorithm: DraftAlgorithm, draft: DraftModel, samples: list[H
 
 
 @torch.no_grad()
-def simulate_shapes(config: PipelineConfig, checkpoint: Path, log: Log = print) -> list[AcceptanceResult]:
+def simulate_shapes(spec: Replay, checkpoint: Path, log: Log = print) -> list[AcceptanceResult]:
     """The served draft at `checkpoint` replayed over every suite's stored greedy sequences, in serving's shape and in
     each sweep point's (`simulated_shapes`, serving's first); no target is loaded."""
     entry = draft_algorithm(Path(checkpoint))
-    draft = entry.served_model(Path(checkpoint), config.serving.release, Path(config.target.path),
-                               config.target.weight_prefix)
+    draft = entry.served_model(Path(checkpoint), spec.serving.release, Path(spec.target.path),
+                               spec.target.weight_prefix)
     draft = draft.to(local_device()).eval()
-    samples = heldout_samples(config.run, greedy_length(config), tuple(suite.name for suite in config.benchmark.suites))
-    eos_ids = target_eos_ids(config.target.path)
-    return [simulate_shape(entry, draft, samples, shape, config.benchmark, config.serving, eos_ids, log)
-            for shape in simulated_shapes(config)]
+    samples = heldout_samples(spec.run, spec.length, tuple(suite.name for suite in spec.benchmark.suites))
+    eos_ids = target_eos_ids(spec.target.path)
+    return [simulate_shape(entry, draft, samples, shape, spec.benchmark, spec.serving, eos_ids, log)
+            for shape in spec.shapes]
 
 
-def simulate(config: PipelineConfig, checkpoint: Path, out: Path, log: Log = print,
+def simulate(spec: Replay, checkpoint: Path, out: Path, log: Log = print,
              fields: dict | None = None) -> AcceptanceResult:
     """Simulate the served draft at `checkpoint` (`simulate_shapes`), log and write the figures to `out`, with
     `fields` (what the draft is, when it is not the run's). Returns serving's shape's result."""
-    results = simulate_shapes(config, checkpoint, log)
+    results = simulate_shapes(spec, checkpoint, log)
     result = results[0]
     for line in render_table(result):
         log(line)
@@ -279,7 +297,7 @@ def simulate(config: PipelineConfig, checkpoint: Path, out: Path, log: Log = pri
         for line in suite_lines(shaped.to_dict()["suites"]):
             log(f"simulate {shaped.shape.label()}:{line}")
     shapes = [{"label": r.shape.label(), **{k: v for k, v in r.to_dict().items() if k != "prompts"}} for r in results]
-    atomic_write_json(out, {"checkpoint": str(checkpoint), **(fields or {}), "engine_release": config.serving.release,
-                            "max_new_tokens": config.benchmark.max_new_tokens, **result.to_dict(), "shapes": shapes})
+    atomic_write_json(out, {"checkpoint": str(checkpoint), **(fields or {}), "engine_release": spec.serving.release,
+                            "max_new_tokens": spec.benchmark.max_new_tokens, **result.to_dict(), "shapes": shapes})
     log(f"simulate: wrote {out}")
     return result

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3.config import PipelineConfig
 from eagle3.config.run import RunSection, TargetSection
-from eagle3.data.regenerate import (GREEDY_FILE, Log, benchmark_questions, continue_benchmark, kept_continuations,
-                                    read_greedy, regen_dir)
+from eagle3.data.regenerate import (GREEDY_FILE, Continuing, Log, benchmark_questions, continue_benchmark,
+                                    kept_continuations, read_greedy, regen_dir)
 from eagle3.data.suites import other_suites
 from eagle3.runtime.targets import load_tokenizer, target_identity
 from eagle3.records.manifest import code_version, write_manifest
@@ -25,25 +24,25 @@ def suites_dir(run: RunSection) -> Path:
     return run.stage_dir("data") / SUITES_DIR
 
 
-def continue_suites(config: PipelineConfig, log: Log = print, generator=None) -> Path:
+def continue_suites(spec: Continuing, log: Log = print, generator=None) -> Path:
     """Continue every request of the configured suites other than the held-out one (none: an empty file) with
     `generator` (None: one made here, only when some continuation must be made); returns the output directory (with
     its manifest)."""
-    out = suites_dir(config.run)
+    out = suites_dir(spec.run)
     out.mkdir(parents=True, exist_ok=True)
-    questions = benchmark_questions(config, held_out=False)
-    greedy = continue_benchmark(config, questions, generator, load_tokenizer(config.target), out / GREEDY_FILE, log)
-    write_manifest(out, kind="suites", fields=suites_fields(config.target, config.data.thinking, greedy))
+    questions = benchmark_questions(spec, held_out=False)
+    greedy = continue_benchmark(spec, questions, generator, load_tokenizer(spec.target), out / GREEDY_FILE, log)
+    write_manifest(out, kind="suites", fields=suites_fields(spec.target, spec.data.thinking, greedy))
     return out
 
 
-def continuations_kept(config: PipelineConfig) -> bool:
+def continuations_kept(spec: Continuing) -> bool:
     """Whether the suites stage would make nothing: no suite besides the held-out prompts, or their continuations
     made for these questions and lengths already (so that no data.nodes server is started for it)."""
-    if not other_suites(config.benchmark):
+    if not other_suites(spec.benchmark):
         return True
-    questions = benchmark_questions(config, held_out=False)
-    return kept_continuations(config, questions, suites_dir(config.run) / GREEDY_FILE) is not None
+    questions = benchmark_questions(spec, held_out=False)
+    return kept_continuations(spec, questions, suites_dir(spec.run) / GREEDY_FILE) is not None
 
 
 def suites_fields(target: TargetSection, thinking: bool, greedy: dict) -> dict:

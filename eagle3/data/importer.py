@@ -37,6 +37,7 @@ from eagle3.data.regenerate import (
     append_records,
     check_quality,
     continue_heldout,
+    continuing,
     regen_dir,
     regenerate,
     samples_fields,
@@ -86,14 +87,16 @@ def import_rows(config: PipelineConfig, source: Path | None = None, log: Log = p
     tokenizer = load_tokenizer(config.target)
     with atomic_directory(out, overwrite=True) as tmp:
         tally, digest = write_rows(source, tmp, config.data, config.target, tokenizer, log)
-        prompt_set, _, heldout = split_prompts(config, tokenizer, log)
+        prompt_set, _, heldout = split_prompts(config.run, config.data, config.target,
+                                               config.production.telemetry.slice_label, tokenizer, log)
         if (out / GREEDY_FILE).is_file():  # reused when made for the same prompts and length
             shutil.copy2(out / GREEDY_FILE, tmp / GREEDY_FILE)
         generator = generator or make_generator(config.data, config.target, config.training.seed)
-        greedy = continue_heldout(config, generator, tokenizer, tmp / GREEDY_FILE, log)
+        greedy = continue_heldout(continuing(config), generator, tokenizer, tmp / GREEDY_FILE, log)
         atomic_write_json(tmp / IDS_FILE, tally.order)
         quality = check_quality(config.data, tmp, tokenizer, log)
-        fields = samples_fields(config, tmp, tokenizer, prompt_set, len(heldout), greedy, quality, generator.release)
+        fields = samples_fields(config.run, config.data, config.target, config.production.telemetry.slice_label, tmp,
+                                tokenizer, prompt_set, len(heldout), greedy, quality, generator.release)
         fields["imported"] = {"path": str(source), "sha256": digest, "rows": tally.rows, "formats": tally.formats,
                               "split": tally.splits if tally.named else None}
         write_manifest(tmp, kind="regenerated", fields=fields)

@@ -100,7 +100,8 @@ def run_sweep(config: PipelineConfig, draft: Path, out: Path, log: Log = print, 
     a server start, so the drafts' speedups share one denominator."""
     started, sweep, b = time.monotonic(), config.sweep, config.benchmark
     prompts = first_of_each_suite(run_prompt_ids(config), sweep.num_prompts)
-    shapes = simulated_shapes(config)  # serving's shape, then sweep.points: the shapes the simulator replays
+    # serving's shape, then sweep.points: the shapes the simulator replays
+    shapes = simulated_shapes(config.replay_shape, config.sweep)
     log(f"sweep: {len(shapes)} drafting shape(s) x concurrency {b.concurrency} at temperature {b.temperature}, "
         f"{len(prompts)} requests each (at most {most_per_suite(prompts)} per suite), budget {sweep.budget_s:.0f} s")
     if earlier is None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.algorithms import draft_algorithm
-from eagle3.bench.simulate import AcceptanceResult, heldout_samples, simulate
+from eagle3.bench.simulate import AcceptanceResult, heldout_samples, replay_of, simulate
 from eagle3.config import PipelineConfig
 from eagle3.data.regenerate import greedy_length
 from eagle3.deployment.imports import config_for, file_digests, serving_of
@@ -58,7 +58,8 @@ def simulate_draft(config: PipelineConfig, source: Path, log: Log = print) -> Ac
         raise DraftRefused(f"{source}: not replayed, SGLang would serve it wrongly: {first.code.value}: "
                            f"{first.message} (fix: {first.fix}){also}") from None
     draft = {"source": str(source.resolve()), "layout_found": converted.layout_found, "files": file_digests(source)}
-    result = simulate(config_for(config, converted), out / SERVED_LAYOUT, out / SIMULATED_FILE, log, {"draft": draft})
+    result = simulate(replay_of(config_for(config, converted)), out / SERVED_LAYOUT, out / SIMULATED_FILE, log,
+                      {"draft": draft})
     shapes = read_json(out / SIMULATED_FILE, "not written")["shapes"]
     for line in suites_text([column(f"{steps_topk_tokens(shape)} simulated", shape["suites"]) for shape in shapes]):
         log(line)  # the suites table the run's figures are published as, a column per simulated shape

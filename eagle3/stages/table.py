@@ -122,13 +122,15 @@ def regenerate(run: StageRun) -> None:
 def continue_suites(run: StageRun) -> None:
     from eagle3.data.continuations import continuations_kept
     from eagle3.data.continuations import continue_suites as make
+    from eagle3.data.regenerate import continuing
     from eagle3.serve.data_nodes import on_nodes
 
-    if continuations_kept(run.config):  # nothing to continue: no servers started
-        make(run.config, log=run.log)
+    spec = continuing(run.config)
+    if continuations_kept(spec):  # nothing to continue: no servers started
+        make(spec, log=run.log)
         return
     with on_nodes(run.config, run.log) as (config, generator):  # data.nodes: servers started for the stage
-        make(config, log=run.log, generator=generator)
+        make(continuing(config), log=run.log, generator=generator)
 
 
 def capture(run: StageRun) -> None:
@@ -174,9 +176,10 @@ def export(run: StageRun) -> None:
 
 
 def simulate(run: StageRun) -> None:
+    from eagle3.bench.simulate import replay_of
     from eagle3.bench.simulate import simulate as replay
 
-    replay(run.config, output_of(run.config, "export"), record_path(run.config, "simulated"), log=run.log)
+    replay(replay_of(run.config), output_of(run.config, "export"), record_path(run.config, "simulated"), log=run.log)
 
 
 # ---- key inputs read from content

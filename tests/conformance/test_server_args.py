@@ -25,7 +25,7 @@ def launcher_commands() -> dict[str, tuple[list[str], object]]:
         config = load_config(path, ["serving.engine=sglang"])
         served = [(f"{name}-plain", config, None)] + [
             (f"{name}-s{s.num_steps}k{s.eagle_topk}n{s.num_draft_tokens}-eagle3", with_shape(config, s), "/drafts/candidate")
-            for s in simulated_shapes(config)]
+            for s in simulated_shapes(config.replay_shape, config.sweep)]
         for label, shaped, draft in served:
             command = SGLANG.command(launch_spec(shaped), "/models/target", draft)
             commands[label] = (command[command.index("sglang.launch_server") + 1:], shaped)
