@@ -58,7 +58,7 @@ def export_draft(config: PipelineConfig, log: Log = print) -> dict:
     verifier = (target_verifier(target, config.target.weight_prefix, config.export.verifier)
                 if "speculators" in config.export.layouts else None)
     entry = algorithm(config.draft.algorithm)
-    written_for = export_target(config, verifier)
+    written_for = export_target(config.target, config.serving, verifier)
     dirs = {}
     for layout, directory in export_dirs(config.run, config.export).items():
         dirs[layout] = entry.export(source, directory, layout, written_for, log)

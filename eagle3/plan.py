@@ -210,7 +210,7 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
     world = train.nproc_per_node * train.nnodes
     per_rank = train.sequences_per_forward(world)
     entry = algorithm(config.draft.algorithm)
-    cfg = entry.draft_config(config)
+    cfg = entry.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
     params = trainable_parameters(entry, cfg)
     shards = world if train.fsdp else 1
     embedding = target.vocab_size * target.hidden_size
@@ -267,7 +267,7 @@ def online_target_parts(training: TrainingSection, data: DataSection, target: Ta
 def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
     """The target with the draft at serving.tp: one request of the full context must fit next to the weights."""
     serving, entry = config.serving, algorithm(config.draft.algorithm)
-    draft = entry.draft_config(config)
+    draft = entry.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
     stage = StagePlan("serve", serving.tp, knob=f"lower serving.context_length ({serving.context_length}) or raise serving.tp")
     if size is None:
         stage.unknown = "target size unknown"

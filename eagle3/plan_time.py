@@ -244,7 +244,8 @@ def draft_training(config: PipelineConfig) -> tuple[int, tuple[float, str]]:
     """The draft's trainable parameters, and the positions its layers run per training token (and how the config
     says so)."""
     entry = algorithm(config.draft.algorithm)
-    return trainable_parameters(entry, entry.draft_config(config)), entry.draft_passes(config.draft, config.training)
+    cfg = entry.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+    return trainable_parameters(entry, cfg), entry.draft_passes(config.draft, config.training)
 
 
 def contender_stages(name: str, config: PipelineConfig, clock: Clock, scenario: Scenario) -> list[StageTime]:

@@ -56,7 +56,9 @@ def toy_parts(config, log):
     parts = training_parts(config, Dist(), log)
     head = target_head(Path(config.target.path))
     vocab_map = read_vocab_map(config.run, config.vocab, config.target)
-    return replace(parts, algorithm=TOY, model=TOY.initial_model(config, head, vocab_map, torch.device("cpu"), None, log))
+    cfg = TOY.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+    model = TOY.initial_model(cfg, config.training, head, vocab_map, torch.device("cpu"), None, log)
+    return replace(parts, algorithm=TOY, model=model)
 
 
 def test_the_trainer_trains_checkpoints_resumes_and_replays_an_entry_through_the_seam_alone(micro_data, tmp_path):

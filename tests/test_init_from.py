@@ -121,8 +121,9 @@ def test_a_shape_that_cannot_carry_over_is_refused_naming_the_tensor_and_both_sh
     head, vocab_map = target_head(Path(config.target.path)), read_vocab_map(config.run, config.vocab, config.target)
     with pytest.raises(Eagle3Error, match=r"midlayer\.mlp\.gate_proj\.weight \[512, 64\] in the init draft, "
                                           r"\[256, 64\] in this config"):
-        EAGLE3.initial_model(config, head, vocab_map, torch.device("cpu"), resolved_init(config.run, config.training),
-                             QUIET)
+        cfg = EAGLE3.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+        EAGLE3.initial_model(cfg, config.training, head, vocab_map, torch.device("cpu"),
+                             resolved_init(config.run, config.training), QUIET)
 
 
 @pytest.mark.parametrize("field, init, ours, message", [

@@ -168,17 +168,6 @@ HANDS_ON = "hands it on"  # passes the whole config to another function that tak
 
 # function -> what it reads of the config: the sections, and HANDS_ON where it passes the config on
 TAKES_THE_CONFIG = {
-    # a draft algorithm's hooks take the config: each algorithm reads its own sections (docs/algorithms.md)
-    "eagle3.algorithms.base.export_target": ("serving", "target"),
-    "eagle3.algorithms.base.DraftAlgorithm.config_problem": (),
-    "eagle3.algorithms.base.DraftAlgorithm.draft_config": (),
-    "eagle3.algorithms.base.DraftAlgorithm.initial_model": (),
-    "eagle3.algorithms.dflash.DFlashAlgorithm.config_problem": (HANDS_ON,),
-    "eagle3.algorithms.dflash.DFlashAlgorithm.draft_config": ("draft", HANDS_ON, "target"),
-    "eagle3.algorithms.dflash.DFlashAlgorithm.initial_model": (HANDS_ON, "training"),
-    "eagle3.algorithms.dflash.section.config_problem": ("draft", "serving", "sweep", "target"),
-    "eagle3.algorithms.eagle3.Eagle3Algorithm.draft_config": (HANDS_ON,),
-    "eagle3.algorithms.eagle3.Eagle3Algorithm.initial_model": (HANDS_ON, "training"),
     "eagle3.bench.simulate.simulate": ("benchmark", HANDS_ON, "serving"),
     "eagle3.bench.simulate.simulate_shapes": ("benchmark", HANDS_ON, "run", "serving", "target"),
     "eagle3.data.importer.import_rows": ("data", HANDS_ON, "run", "target", "training"),
@@ -213,11 +202,9 @@ TAKES_THE_CONFIG = {
     "eagle3.deployment.sweep.with_shape": (HANDS_ON,),
     "eagle3.serve.data_nodes.on_nodes": ("data", HANDS_ON, "serving"),
     "eagle3.serve.launch.launch_and_validate": ("export", HANDS_ON, "serving"),
-    "eagle3.serve.launch.served_form": (HANDS_ON, "run", "target"),
+    "eagle3.serve.launch.served_form": ("run", "serving", "target"),
     # a launch's narrowing: what a server reads of the config (eagle3.serving.base.LaunchSpec)
     "eagle3.serving.base.launch_spec": ("data", "draft", "run", "serving", "target"),
-    "eagle3.algorithms.eagle3.architecture.trained_draft_config": ("draft", HANDS_ON, "target"),
-    "eagle3.algorithms.sizes.draft_sizes": ("data", "draft", "target", "vocab"),
     "eagle3.train.launch.launch_commands": ("data", "run", "training"),
     "eagle3.train.launch.train": (HANDS_ON, "run", "serving", "training"),
     "eagle3.train.parts.dataset_manifest": ("data", "run", "target", "training"),
@@ -274,9 +261,10 @@ def test_no_function_below_the_stages_takes_the_whole_config_unlisted():
 # Issue 63's count of whole-config signatures: lines under eagle3/ outside the stages, the CLI and the config package
 # that define a function with PipelineConfig in the line, or declare `config: PipelineConfig`
 #   grep -rn "PipelineConfig" eagle3 --include=*.py | grep "def \|config: PipelineConfig" \
-#     | grep -v "^eagle3/stages\|^eagle3/cli/\|^eagle3/config/" | wc -l
+#     | grep -v "^eagle3/stages\|^eagle3/cli/\|^eagle3/config/\|^eagle3/resolve.py" | wc -l
+# (eagle3/resolve.py is the config's own load-and-resolve step, the config layer's loader above the registries)
 # It may only shrink: lower the figure when a change narrows more of them.
-WHOLE_CONFIG_LINES_AT_MOST = 74
+WHOLE_CONFIG_LINES_AT_MOST = 56
 
 
 def whole_config_lines() -> list[str]:
@@ -284,7 +272,7 @@ def whole_config_lines() -> list[str]:
     found = []
     for path in sorted((ROOT / "eagle3").rglob("*.py")):
         name = path.relative_to(ROOT).as_posix()
-        if name.startswith(("eagle3/stages", "eagle3/cli/", "eagle3/config/")):
+        if name.startswith(("eagle3/stages", "eagle3/cli/", "eagle3/config/", "eagle3/resolve.py")):
             continue
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             if "PipelineConfig" in line and ("def " in line or "config: PipelineConfig" in line):

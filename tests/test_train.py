@@ -226,7 +226,8 @@ def test_a_warm_start_under_another_vocab_map_carries_the_head_rows_by_target_id
     head = target["lm_head"]
     config = load_config(TINY, remapped)
     init = resolved_init(config.run, config.training)
-    model = EAGLE3.initial_model(config, target, other_map, torch.device("cpu"), init, lines.append)
+    cfg = EAGLE3.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+    model = EAGLE3.initial_model(cfg, config.training, target, other_map, torch.device("cpu"), init, lines.append)
     new_ids = other_map.target_ids()
     shared = [(j, int((old_ids == t).nonzero())) for j, t in enumerate(new_ids.tolist()) if t in old_ids]
     assert 0 < len(shared) < len(new_ids)

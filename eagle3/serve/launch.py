@@ -174,7 +174,7 @@ def served_form(config: PipelineConfig, target, draft: Path, entry: DraftAlgorit
                           f"{engine.served_layout} layout, which ships the target's embedding; nothing was launched")
     key = hashlib.sha256(str(draft.resolve()).encode()).hexdigest()[:12]
     out = config.run.dir / "served" / f"{draft.name}-{engine.served_layout}-{key}"
-    written_for = export_target(config, target_verifier(Path(target), config.target.weight_prefix))
+    written_for = export_target(config.target, config.serving, target_verifier(Path(target), config.target.weight_prefix))
     log(f"{engine.title} loads the {engine.served_layout} layout: converting {draft} -> {out}")
     return entry.export(draft, out, engine.served_layout, written_for, log)
 

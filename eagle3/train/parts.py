@@ -57,8 +57,9 @@ def training_parts(config: PipelineConfig, dist: Dist, log: Log) -> TrainingPart
     head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
     vocab_map = read_vocab_map(config.run, config.vocab, config.target)
     init = resolved_init(config.run, config.training)
-    refuse_generated(entry.reserved_ids(entry.draft_config(config)), config.run, config.target)
-    model = entry.initial_model(config, head, vocab_map, dist.device, init, log)
+    cfg = entry.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+    refuse_generated(entry.reserved_ids(cfg), config.run, config.target)
+    model = entry.initial_model(cfg, config.training, head, vocab_map, dist.device, init, log)
     model.set_recompute(recomputes(config.training.recompute, dist.device))
     teacher = build_teacher(config.data, config.target, config.training, head, vocab_map, dist.device,
                             remember=features.name == ShardFeatures.name)
