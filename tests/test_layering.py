@@ -182,29 +182,16 @@ TAKES_THE_CONFIG = {
     "eagle3.data.regenerate.take_stored": ("data", "run"),
     "eagle3.deployment.imports.config_for": (HANDS_ON,),
     "eagle3.deployment.imports.import_as_production": ("benchmark", "data", "gate", HANDS_ON, "run", "serving", "target"),
-    "eagle3.deployment.imports.import_draft": (HANDS_ON, "registry", "run"),
-    "eagle3.deployment.imports.import_fields": (HANDS_ON,),
-    "eagle3.deployment.imports.serving_of": ("data", "serving", "target"),
+    "eagle3.deployment.imports.import_draft": ("data", HANDS_ON, "registry", "run", "serving", "target"),
     "eagle3.deployment.production.Production.__init__": (HANDS_ON, "production"),
     "eagle3.deployment.production.of_kind": ("draft", HANDS_ON),
     "eagle3.deployment.promotion.config_fields": ("all",),
-    "eagle3.deployment.promotion.diagnosis_of": ("run", "serving", "target", "training"),
-    "eagle3.deployment.promotion.gate_decision": ("benchmark", "gate", "run"),
-    "eagle3.deployment.promotion.measure_candidate": ("benchmark", "data", HANDS_ON, "run", "target"),
-    "eagle3.deployment.promotion.measure_server": ("benchmark", HANDS_ON, "target"),
-    "eagle3.deployment.promotion.production_on_run_prompts": (HANDS_ON, "registry", "run"),
-    "eagle3.deployment.promotion.run_prompt_ids": ("benchmark", "data", "run", "target"),
-    "eagle3.deployment.promotion.version_fields": ("benchmark", HANDS_ON, "run"),
     "eagle3.deployment.sweep.choose_serving": (HANDS_ON, "serving", "sweep"),
-    "eagle3.deployment.sweep.measure_levels": ("benchmark", HANDS_ON, "target"),
-    "eagle3.deployment.sweep.measure_point": ("benchmark", HANDS_ON),
-    "eagle3.deployment.sweep.run_sweep": ("benchmark", HANDS_ON, "sweep"),
+    "eagle3.deployment.sweep.run_sweep": ("benchmark", "data", HANDS_ON, "run", "sweep", "target"),
     "eagle3.deployment.sweep.with_shape": (HANDS_ON,),
     "eagle3.serve.data_nodes.on_nodes": ("data", HANDS_ON, "serving"),
-    "eagle3.serve.launch.launch_and_validate": ("export", HANDS_ON, "serving"),
-    "eagle3.serve.launch.served_form": ("run", "serving", "target"),
     # a launch's narrowing: what a server reads of the config (eagle3.serving.base.LaunchSpec)
-    "eagle3.serving.base.launch_spec": ("data", "draft", "run", "serving", "target"),
+    "eagle3.serving.base.launch_spec": ("data", "draft", "export", "run", "serving", "target"),
     "eagle3.train.launch.launch_commands": ("data", "run", "training"),
     "eagle3.train.launch.train": (HANDS_ON, "run", "serving", "training"),
     "eagle3.train.parts.dataset_manifest": ("data", "run", "target", "training"),
@@ -264,7 +251,7 @@ def test_no_function_below_the_stages_takes_the_whole_config_unlisted():
 #     | grep -v "^eagle3/stages\|^eagle3/cli/\|^eagle3/config/\|^eagle3/resolve.py" | wc -l
 # (eagle3/resolve.py is the config's own load-and-resolve step, the config layer's loader above the registries)
 # It may only shrink: lower the figure when a change narrows more of them.
-WHOLE_CONFIG_LINES_AT_MOST = 56
+WHOLE_CONFIG_LINES_AT_MOST = 43
 
 
 def whole_config_lines() -> list[str]:

@@ -170,7 +170,7 @@ def test_regenerate_mixes_traffic_records_provenance_and_benchmarks_it_as_sent(t
         assert r["input_ids"][: r["replies"][0][0]] == encode(tokenizer, r["conversation"][0]["content"])
     heldout = load_prompts(str(config.stage_dir("data") / HELDOUT_FILE)).prompts
     assert {p.slice for p in heldout} >= {BASE_SLICE} and {p.slice for p in heldout} & {"code", "docs"}
-    benchmark = run_prompt_ids(config)
+    benchmark = run_prompt_ids(config.benchmark, config.data, config.run, config.target)
     assert len(benchmark) == 6 and all(isinstance(p, SlicedPrompt) for p in benchmark)
     for prompt, ids in zip(heldout, benchmark):
         assert ids.slice == prompt.slice
