@@ -337,7 +337,8 @@ def dflash_drafts(config, ours: Path, theirs: Path, out: Path) -> dict[str, Path
     entry = algorithm("dflash")
     shutil.rmtree(out, ignore_errors=True)
     written_for = export_target(config.target, config.serving, None)
-    entry.convert_external(theirs, out / "specforge", serving_of(config.target, config.serving, config.data.aux_layers), print)
+    serving = serving_of(config.target, config.serving, config.data.aux_layers)
+    entry.convert_external(theirs, out / "specforge", serving, print)
     return {"ours": entry.export(ours, out / "ours", "sglang", written_for, print), "specforge": out / "specforge"}
 
 

@@ -25,6 +25,8 @@ from typing import Callable
 
 from eagle3.config import PipelineConfig
 from eagle3.config.deployment import RegistrySection
+from eagle3.config.draft import DraftSection
+from eagle3.config.training import TrainingSection
 from eagle3.errors import Eagle3Error
 from eagle3.algorithms import algorithm, draft_algorithm
 from eagle3.algorithms.base import ExportTarget
@@ -55,23 +57,24 @@ class InitDraft:
         return f"directory {self.where}" if self.kind == "directory" else f"version {self.init_from} of {self.where}"
 
 
-def init_draft(config: PipelineConfig) -> InitDraft | None:
+def init_draft(training: TrainingSection, draft_section: DraftSection,
+               registry: RegistrySection | None) -> InitDraft | None:
     """What training.init_from names, with its content's hashes; None when the run trains from scratch. A value
-    that is neither a draft directory nor a version of config.registry is refused, naming both places looked at, and
-    so is a draft of a kind the run's algorithm does not start from."""
-    value = config.training.init_from
+    that is neither a draft directory nor a version of `registry` is refused, naming both places looked at, and
+    so is a draft of a kind the run's algorithm (draft.algorithm) does not start from."""
+    value = training.init_from
     if value is None:
         return None
     path = Path(value)
     if path.is_dir():
         draft = InitDraft(value, "directory", str(path.resolve()), directory_files(path), draft_algorithm(path).name)
-    elif config.registry is None:
+    elif registry is None:
         raise Eagle3Error(f"training.init_from {value!r}: no such directory, and the config has no registry section to "
                           "look it up as a version; give a draft directory (native, sglang or speculators layout) or "
                           "add the registry that holds the version")
     else:
-        draft = InitDraft(value, "version", registry_location(config.registry), *version_files(config.registry, value))
-    if problem := warm_start_problem(draft.algorithm, config.draft.algorithm):
+        draft = InitDraft(value, "version", registry_location(registry), *version_files(registry, value))
+    if problem := warm_start_problem(draft.algorithm, draft_section.algorithm):
         raise Eagle3Error(f"training.init_from {value!r} ({draft.describe()}): {problem}")
     return draft
 
@@ -122,7 +125,7 @@ def resolve_init_from(config: PipelineConfig, log: Log = print) -> Path | None:
     """Fetch (a version) and convert training.init_from to run.dir/train/init/native, recording where it came from
     beside it; return the native copy, or None when the run trains from scratch. Call it before the trainer
     starts (after the stage's marker cleared what other inputs made)."""
-    draft = init_draft(config)
+    draft = init_draft(config.training, config.draft, config.registry)
     if draft is None:
         return None
     out = init_dir(config.run)

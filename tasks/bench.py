@@ -45,7 +45,8 @@ def sweep_serving(config: PipelineConfig, candidate: Candidate, production: str 
     artifact when it swept. `earlier`: another draft of the run, whose sweep's no-draft server is taken."""
     log = log_to_run()
     registry = open_registry(config.registry, log=log)
-    acceptance = gate_decision(config.benchmark, config.gate, config.run, registry, production, candidate)  # its shape not chosen yet: acceptance alone
+    # its shape not chosen yet: acceptance alone
+    acceptance = gate_decision(config.benchmark, config.gate, config.run, registry, production, candidate)
     result = choose_serving(config, candidate.export, candidate.served, acceptance, record_path(config, "sweep"), log,
                             earlier.sweep_baseline if earlier else None)
     if result["points"] is not None:

@@ -79,7 +79,7 @@ def test_an_imported_sglang_directory_fine_tunes_and_starts_ahead_of_a_cold_star
     assert warm["eval_accept_length"] > cold["eval_accept_length"] + 0.2
     run_dir = config.run.dir
     record = json.loads((run_dir / "train" / "init" / "source.json").read_text())
-    content = init_draft(config).sha256
+    content = init_draft(config.training, config.draft, config.registry).sha256
     assert record == {"init_from": str(public_draft), "kind": "directory", "where": str(public_draft),
                       "layout": "sglang", "sha256": content}
     assert any(f"sglang layout, sha256 {content[:16]}" in line for line in lines), lines

@@ -192,11 +192,6 @@ TAKES_THE_CONFIG = {
     "eagle3.serve.data_nodes.on_nodes": ("data", HANDS_ON, "serving"),
     # a launch's narrowing: what a server reads of the config (eagle3.serving.base.LaunchSpec)
     "eagle3.serving.base.launch_spec": ("data", "draft", "export", "run", "serving", "target"),
-    "eagle3.train.launch.launch_commands": ("data", "run", "training"),
-    "eagle3.train.launch.train": (HANDS_ON, "run", "serving", "training"),
-    "eagle3.train.parts.dataset_manifest": ("data", "run", "target", "training"),
-    "eagle3.train.parts.replayed_samples": (HANDS_ON, "run", "training"),
-    "eagle3.train.parts.training_data": ("run", "training"),
     "eagle3.train.parts.training_parts": ("data", "draft", HANDS_ON, "run", "target", "training", "vocab"),
     "eagle3.train.trainer.Trainer.__init__": ("draft", HANDS_ON, "run", "training"),
 }
@@ -251,7 +246,7 @@ def test_no_function_below_the_stages_takes_the_whole_config_unlisted():
 #     | grep -v "^eagle3/stages\|^eagle3/cli/\|^eagle3/config/\|^eagle3/resolve.py" | wc -l
 # (eagle3/resolve.py is the config's own load-and-resolve step, the config layer's loader above the registries)
 # It may only shrink: lower the figure when a change narrows more of them.
-WHOLE_CONFIG_LINES_AT_MOST = 40
+WHOLE_CONFIG_LINES_AT_MOST = 33
 
 
 def whole_config_lines() -> list[str]:

@@ -232,8 +232,8 @@ def data_quality_of(run: RunSection) -> dict:
     return read_manifest(regen_dir(run))["quality"]
 
 
-def diagnosis_of(serving: ServingSection, target: TargetSection, run: RunSection, training: TrainingSection, draft: Path,
-                 served: dict, simulated_accept_length: float | None) -> dict:
+def diagnosis_of(serving: ServingSection, target: TargetSection, run: RunSection, training: TrainingSection,
+                 draft: Path, served: dict, simulated_accept_length: float | None) -> dict:
     """The train-serve checklist (which contract the served draft breaks), for the decision's record."""
     longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])),
                   default=None)

@@ -50,10 +50,10 @@ class TrainingParts:
 
 def training_parts(config: PipelineConfig, dist: Dist, log: Log) -> TrainingParts:
     entry = algorithm(config.draft.algorithm)
-    manifest = dataset_manifest(config)
-    data = training_data(config, log)
+    manifest = dataset_manifest(config.run, config.data, config.target, config.training)
+    data = training_data(config.run, config.training, log)
     features = feature_backend(config.data, config.target, config.training, data, manifest, dist)
-    heldout = replayed_samples(config, data, log)
+    heldout = replayed_samples(config.run, config.training, greedy_length(config), data, log)
     head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
     vocab_map = read_vocab_map(config.run, config.vocab, config.target)
     init = resolved_init(config.run, config.training)
@@ -66,19 +66,18 @@ def training_parts(config: PipelineConfig, dist: Dist, log: Log) -> TrainingPart
     return TrainingParts(entry, data, features, heldout, target_eos_ids(config.target.path), init, model, teacher)
 
 
-def dataset_manifest(config: PipelineConfig) -> dict:
-    """The capture stage's manifest, checked against the config."""
-    dataset = dataset_dir(config.run, config.training)
+def dataset_manifest(run: RunSection, data: DataSection, target: TargetSection, training: TrainingSection) -> dict:
+    """The capture stage's manifest, checked against the config's sections."""
+    dataset = dataset_dir(run, training)
     if not (dataset / MANIFEST_FILE).exists():
         raise Eagle3Error(f"{dataset}: no data set here; run `eagle3 data capture` first")
     manifest = read_manifest(dataset)
-    check_dataset(config.run, config.data, config.target, config.training, manifest)
+    check_dataset(run, data, target, training, manifest)
     return manifest
 
 
-def training_data(config: PipelineConfig, log: Log) -> TrainingData:
-    train = config.training
-    data = TrainingData(dataset_dir(config.run, config.training), train.seq_len, train.eval_fraction)
+def training_data(run: RunSection, train: TrainingSection, log: Log) -> TrainingData:
+    data = TrainingData(dataset_dir(run, train), train.seq_len, train.eval_fraction)
     if data.without_loss:
         log(f"train: {data.without_loss} sample(s) left out: {data.left_out_why}")
     return data
@@ -92,9 +91,10 @@ def feature_backend(data_section: DataSection, target: TargetSection, training: 
     return ShardFeatures(data, manifest["capture"]["engine_release"], dist.device)
 
 
-def replayed_samples(config: PipelineConfig, data: TrainingData, log: Log) -> list[HeldoutRef] | None:
-    """The held-out greedy sequences evaluation replays, or None when training.best_by does not use them."""
-    train = config.training
+def replayed_samples(run: RunSection, train: TrainingSection, greedy: int, data: TrainingData,
+                     log: Log) -> list[HeldoutRef] | None:
+    """The held-out greedy sequences evaluation replays (their continuations `greedy` tokens long: greedy_length), or
+    None when training.best_by does not use them."""
     if train.best_by != "accept_length":
         log(f"train: evaluation skips the acceptance replay (training.best_by {train.best_by} does not use it)")
         if not data.eval:
@@ -102,7 +102,7 @@ def replayed_samples(config: PipelineConfig, data: TrainingData, log: Log) -> li
                               f"the {len(data.train)} samples: raise training.eval_fraction")
         return None
     try:
-        return heldout_samples(config.run, greedy_length(config))[: train.replay_prompts]
+        return heldout_samples(run, greedy)[: train.replay_prompts]
     except UnreadableInput as err:
         raise Eagle3Error(f"training.best_by accept_length replays the held-out greedy sequences: {err}; or pick "
                           "the best draft by step_acc or eval_loss") from None

@@ -41,9 +41,10 @@ def default_layer_ids(num_layers: int, draft: DraftSection) -> list[int]:
 
 def config_problem(draft: DraftSection, target: TargetSection, serving: ServingSection | None,
                    sweep: SweepSection) -> str | None:
-    """Why a config of these sections cannot train and serve its DFlash draft: Qwen3-style layers; a target family SGLang cannot hand
-    the draft its layers; a release that would rotate it with another RoPE base; a mask id outside the target's
-    vocabulary; a serving shape or sweep point that is not a chain in blocks no longer than it was trained on."""
+    """Why a config of these sections cannot train and serve its DFlash draft: Qwen3-style layers; a target family
+    SGLang cannot hand the draft its layers; a release that would rotate it with another RoPE base; a mask id outside
+    the target's vocabulary; a serving shape or sweep point that is not a chain in blocks no longer than it was
+    trained on."""
     switches = [name for name in EAGLE31_SWITCHES if getattr(draft, name)]
     if draft.attention != "mha" or switches:
         return (f"draft.algorithm dflash has Qwen3-style layers: draft.attention mha, and none of "
