@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig
 from eagle3.config.deployment import RegistrySection
 from eagle3.config.draft import DraftSection
+from eagle3.config.run import RunSection, TargetSection
+from eagle3.config.serving import ServingSection, replay_shape
 from eagle3.config.training import TrainingSection
 from eagle3.errors import Eagle3Error
 from eagle3.algorithms import algorithm, draft_algorithm
@@ -121,28 +122,31 @@ def version_files(section: RegistrySection, version: str) -> tuple[dict[str, str
     return _VERSIONS[(location, version)]
 
 
-def resolve_init_from(config: PipelineConfig, log: Log = print) -> Path | None:
-    """Fetch (a version) and convert training.init_from to run.dir/train/init/native, recording where it came from
-    beside it; return the native copy, or None when the run trains from scratch. Call it before the trainer
+def resolve_init_from(run: RunSection, training: TrainingSection, draft_section: DraftSection, target: TargetSection,
+                      serving: ServingSection | None, registry: RegistrySection | None,
+                      log: Log = print) -> Path | None:
+    """Fetch (a version of `registry`) and convert training.init_from to run.dir/train/init/native, recording where it
+    came from beside it; return the native copy, or None when the run trains from scratch. The copy is read as the
+    target and serving's release and steps (none: a training-only config) number it. Call it before the trainer
     starts (after the stage's marker cleared what other inputs made)."""
-    draft = init_draft(config.training, config.draft, config.registry)
+    draft = init_draft(training, draft_section, registry)
     if draft is None:
         return None
-    out = init_dir(config.run)
+    out = init_dir(run)
     (out / RECORD_FILE).unlink(missing_ok=True)  # a failed resolution leaves no record: the trainer refuses
     fetched = out / f"fetched-{VERSION_LAYOUT}"
     try:
         if draft.kind == "version":
-            source = open_registry(config.registry, log).fetch(draft.init_from, VERSION_LAYOUT, fetched, overwrite=True)
+            source = open_registry(registry, log).fetch(draft.init_from, VERSION_LAYOUT, fetched, overwrite=True)
         else:
             source = Path(draft.init_from)
         kind = draft_algorithm(source)  # what the fetched files are; the manifest said so, they decide
-        if problem := warm_start_problem(kind.name, config.draft.algorithm):
+        if problem := warm_start_problem(kind.name, draft_section.algorithm):
             raise Eagle3Error(problem)
-        release = config.serving.release if config.serving is not None else None
-        target = ExportTarget(config.target.family, release, config.target.num_hidden_layers,
-                              config.replay_shape.num_steps, None)
-        layout = kind.warm_start_copy(source, out / NATIVE_DIR, target, draft.describe(), log)
+        release = serving.release if serving is not None else None
+        written_for = ExportTarget(target.family, release, target.num_hidden_layers, replay_shape(serving).num_steps,
+                                   None)
+        layout = kind.warm_start_copy(source, out / NATIVE_DIR, written_for, draft.describe(), log)
     except Eagle3Error as err:
         raise Eagle3Error(f"training.init_from {draft.init_from!r} ({draft.describe()}): {err}") from None
     finally:

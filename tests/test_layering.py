@@ -246,7 +246,7 @@ def test_no_function_below_the_stages_takes_the_whole_config_unlisted():
 #     | grep -v "^eagle3/stages\|^eagle3/cli/\|^eagle3/config/\|^eagle3/resolve.py" | wc -l
 # (eagle3/resolve.py is the config's own load-and-resolve step, the config layer's loader above the registries)
 # It may only shrink: lower the figure when a change narrows more of them.
-WHOLE_CONFIG_LINES_AT_MOST = 33
+WHOLE_CONFIG_LINES_AT_MOST = 32
 
 
 def whole_config_lines() -> list[str]:

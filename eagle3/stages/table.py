@@ -133,8 +133,9 @@ def train(run: StageRun) -> None:
         if "loss" in record:
             run.progress(record["step"] / budget)
 
-    resolve_init_from(run.config, run.log)  # training.init_from fetched and converted once, for every rank
     c = run.config
+    # training.init_from fetched and converted once, for every rank
+    resolve_init_from(c.run, c.training, c.draft, c.target, c.serving, c.registry, run.log)
     launch(c.run, c.data, c.training, c.serving, run.resolved, log=run.log, on_metrics=on_metrics)
 
 
