@@ -170,8 +170,6 @@ HANDS_ON = "hands it on"  # passes the whole config to another function that tak
 TAKES_THE_CONFIG = {
     "eagle3.bench.simulate.simulate": ("benchmark", HANDS_ON, "serving"),
     "eagle3.bench.simulate.simulate_shapes": ("benchmark", HANDS_ON, "run", "serving", "target"),
-    "eagle3.data.importer.import_rows": ("data", HANDS_ON, "run", "target", "training"),
-    "eagle3.data.importer.make_samples": ("data", HANDS_ON),
     "eagle3.data.regenerate.benchmark_questions": ("benchmark", "run", "training"),
     "eagle3.data.regenerate.continue_heldout": ("benchmark", "data", HANDS_ON, "target", "training"),
     "eagle3.data.regenerate.greedy_length": ("benchmark", HANDS_ON, "training"),
@@ -180,20 +178,31 @@ TAKES_THE_CONFIG = {
     "eagle3.data.regenerate.simulated_shapes": ("serving", "sweep"),
     "eagle3.data.regenerate.split_prompts": ("data", "production", "run", "target"),
     "eagle3.data.regenerate.take_stored": ("data", "run"),
+    # the data stage's samples: they hand the config to eagle3.data.regenerate's functions, which take it whole
+    "eagle3.data.importer.import_rows": ("data", HANDS_ON, "run", "target", "training"),
+    "eagle3.data.importer.make_samples": ("data", HANDS_ON),
+    # configs made from a config and resolved again (eagle3.resolve.derived), so that a drafting shape, a kind or an
+    # endpoint the config cannot serve is refused, never served: a converted draft's, a sweep point's, a version's kind
     "eagle3.deployment.imports.config_for": (HANDS_ON,),
-    "eagle3.deployment.imports.import_as_production": ("benchmark", "data", "gate", HANDS_ON, "run", "serving", "target"),
-    "eagle3.deployment.imports.import_draft": ("data", HANDS_ON, "registry", "run", "serving", "target"),
-    "eagle3.deployment.production.Production.__init__": (HANDS_ON, "production"),
-    "eagle3.deployment.production.of_kind": ("draft", HANDS_ON),
-    "eagle3.deployment.promotion.config_fields": ("all",),
-    "eagle3.deployment.sweep.choose_serving": (HANDS_ON, "serving", "sweep"),
-    "eagle3.deployment.sweep.run_sweep": ("benchmark", "data", HANDS_ON, "run", "sweep", "target"),
     "eagle3.deployment.sweep.with_shape": (HANDS_ON,),
+    "eagle3.deployment.production.of_kind": ("draft", HANDS_ON),
+    # they serve such derived configs: the sweep one per drafting shape; production one per version (its kind, shape,
+    # prompts) on its own endpoint; an import (`eagle3 registry import`) measures and promotes through production
+    "eagle3.deployment.sweep.run_sweep": ("benchmark", "data", HANDS_ON, "run", "sweep", "target"),
+    "eagle3.deployment.sweep.choose_serving": (HANDS_ON, "serving", "sweep"),
+    "eagle3.deployment.production.Production.__init__": (HANDS_ON, "production"),
+    "eagle3.deployment.imports.import_draft": ("data", HANDS_ON, "registry", "run", "serving", "target"),
+    "eagle3.deployment.imports.import_as_production": ("benchmark", "data", "gate", HANDS_ON, "run", "serving", "target"),
+    # a version records the whole config it was made with
+    "eagle3.deployment.promotion.config_fields": ("all",),
+    # the regenerate stage's servers for data.nodes: the config it generates with, reaching them (data.servers)
     "eagle3.serve.data_nodes.on_nodes": ("data", HANDS_ON, "serving"),
-    # a launch's narrowing: what a server reads of the config (eagle3.serving.base.LaunchSpec)
-    "eagle3.serving.base.launch_spec": ("data", "draft", "export", "run", "serving", "target"),
+    # the trainer: each rank builds it from the run's resolved config file, and its parts read most sections and
+    # replay by greedy_length (eagle3.data.regenerate), which takes the config
     "eagle3.train.parts.training_parts": ("data", "draft", HANDS_ON, "run", "target", "training", "vocab"),
     "eagle3.train.trainer.Trainer.__init__": ("draft", HANDS_ON, "run", "training"),
+    # a launch's narrowing: what a server reads of the config (eagle3.serving.base.LaunchSpec)
+    "eagle3.serving.base.launch_spec": ("data", "draft", "export", "run", "serving", "target"),
 }
 
 
@@ -245,6 +254,10 @@ def test_no_function_below_the_stages_takes_the_whole_config_unlisted():
 #   grep -rn "PipelineConfig" eagle3 --include=*.py | grep "def \|config: PipelineConfig" \
 #     | grep -v "^eagle3/stages\|^eagle3/cli/\|^eagle3/config/\|^eagle3/resolve.py" | wc -l
 # (eagle3/resolve.py is the config's own load-and-resolve step, the config layer's loader above the registries)
+# Beside TAKES_THE_CONFIG's functions it counts what returns a config (Production.measurement: a version's serving
+# config), a contender's whole config (eagle3.deployment.contenders.Contender), and the plan's top level at the
+# stages' layer, which plans every stage of a config and of its contenders: plan_memory, require_fit,
+# chosen_recompute (a config with training.recompute decided), plan_time and contender_stages.
 # It may only shrink: lower the figure when a change narrows more of them.
 WHOLE_CONFIG_LINES_AT_MOST = 32
 
