@@ -136,8 +136,8 @@ class DraftAlgorithm(ABC):
     def initial_model(self, cfg: DraftConfig, training: TrainingSection, head: dict[str, torch.Tensor],
                       vocab_map: VocabMap, device: torch.device, init: ResolvedInit | None, log: Log) -> DraftModel:
         """The draft of architecture `cfg` (`draft_config`'s) training starts from, on `device`: initialised by
-        training.seed from the target's head
-        (`eagle3.model.weights.target_head`) or warm-started from `init` (training.init_from resolved, or None)."""
+        training.seed from the target's head (`eagle3.model.weights.target_head`) or warm-started from `init`
+        (training.init_from resolved, or None)."""
 
     def warm_start_copy(self, source: Path, out: Path, target: ExportTarget, source_name: str, log: Log) -> str:
         """The draft at `source` (one this entry `reads`, in any layout it reads) written at `out` as the copy
