@@ -197,10 +197,9 @@ TAKES_THE_CONFIG = {
     "eagle3.deployment.promotion.config_fields": ("all",),
     # the regenerate stage's servers for data.nodes: the config it generates with, reaching them (data.servers)
     "eagle3.serve.data_nodes.on_nodes": ("data", HANDS_ON, "serving"),
-    # the trainer: each rank builds it from the run's resolved config file, and its parts read most sections and
-    # replay by greedy_length (eagle3.data.regenerate), which takes the config
-    "eagle3.train.parts.training_parts": ("data", "draft", HANDS_ON, "run", "target", "training", "vocab"),
-    "eagle3.train.trainer.Trainer.__init__": ("draft", HANDS_ON, "run", "training"),
+    # the trainer: each rank builds it from the run's resolved config file, and its parts replay the held-out
+    # sequences by greedy_length (eagle3.data.regenerate), which takes the config
+    "eagle3.train.trainer.Trainer.__init__": ("data", "draft", HANDS_ON, "run", "target", "training", "vocab"),
     # a launch's narrowing: what a server reads of the config (eagle3.serving.base.LaunchSpec)
     "eagle3.serving.base.launch_spec": ("data", "draft", "export", "run", "serving", "target"),
 }
@@ -259,7 +258,7 @@ def test_no_function_below_the_stages_takes_the_whole_config_unlisted():
 # stages' layer, which plans every stage of a config and of its contenders: plan_memory, require_fit,
 # chosen_recompute (a config with training.recompute decided), plan_time and contender_stages.
 # It may only shrink: lower the figure when a change narrows more of them.
-WHOLE_CONFIG_LINES_AT_MOST = 32
+WHOLE_CONFIG_LINES_AT_MOST = 31
 
 
 def whole_config_lines() -> list[str]:

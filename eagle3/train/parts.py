@@ -14,12 +14,12 @@ from eagle3.algorithms import DraftAlgorithm, algorithm
 from eagle3.algorithms.base import DraftModel
 from eagle3.algorithms.init_copy import ResolvedInit, resolved_init
 from eagle3.bench.simulate import HeldoutRef, heldout_samples
-from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection, VocabSection
+from eagle3.config.draft import DraftSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.training import TrainingSection
 from eagle3.data.capture import check_dataset, dataset_dir
-from eagle3.data.regenerate import greedy_length, read_regenerated, regen_dir
+from eagle3.data.regenerate import read_regenerated, regen_dir
 from eagle3.data.vocab import count_loss_tokens
 from eagle3.distributed import Dist
 from eagle3.draft.vocab_map import VocabMap, load_vocab_map
@@ -48,22 +48,24 @@ class TrainingParts:
     teacher: RememberingTeacher
 
 
-def training_parts(config: PipelineConfig, dist: Dist, log: Log) -> TrainingParts:
-    entry = algorithm(config.draft.algorithm)
-    manifest = dataset_manifest(config.run, config.data, config.target, config.training)
-    data = training_data(config.run, config.training, log)
-    features = feature_backend(config.data, config.target, config.training, data, manifest, dist)
-    heldout = replayed_samples(config.run, config.training, greedy_length(config), data, log)
-    head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
-    vocab_map = read_vocab_map(config.run, config.vocab, config.target)
-    init = resolved_init(config.run, config.training)
-    cfg = entry.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
-    refuse_generated(entry.reserved_ids(cfg), config.run, config.target)
-    model = entry.initial_model(cfg, config.training, head, vocab_map, dist.device, init, log)
-    model.set_recompute(recomputes(config.training.recompute, dist.device))
-    teacher = build_teacher(config.data, config.target, config.training, head, vocab_map, dist.device,
+def training_parts(run: RunSection, data_section: DataSection, target: TargetSection, training: TrainingSection,
+                   draft: DraftSection, vocab: VocabSection, greedy: int, dist: Dist, log: Log) -> TrainingParts:
+    """Every part of a run's training on this rank; `greedy`: the held-out continuations' length (greedy_length)."""
+    entry = algorithm(draft.algorithm)
+    manifest = dataset_manifest(run, data_section, target, training)
+    data = training_data(run, training, log)
+    features = feature_backend(data_section, target, training, data, manifest, dist)
+    heldout = replayed_samples(run, training, greedy, data, log)
+    head = target_head(Path(target.path), target.weight_prefix)  # float32, CPU
+    vocab_map = read_vocab_map(run, vocab, target)
+    init = resolved_init(run, training)
+    cfg = entry.draft_config(draft, target, vocab.draft_vocab_size, data_section.aux_layers)
+    refuse_generated(entry.reserved_ids(cfg), run, target)
+    model = entry.initial_model(cfg, training, head, vocab_map, dist.device, init, log)
+    model.set_recompute(recomputes(training.recompute, dist.device))
+    teacher = build_teacher(data_section, target, training, head, vocab_map, dist.device,
                             remember=features.name == ShardFeatures.name)
-    return TrainingParts(entry, data, features, heldout, target_eos_ids(config.target.path), init, model, teacher)
+    return TrainingParts(entry, data, features, heldout, target_eos_ids(target.path), init, model, teacher)
 
 
 def dataset_manifest(run: RunSection, data: DataSection, target: TargetSection, training: TrainingSection) -> dict:
