@@ -336,8 +336,9 @@ def dflash_drafts(config, ours: Path, theirs: Path, out: Path) -> dict[str, Path
 
     entry = algorithm("dflash")
     shutil.rmtree(out, ignore_errors=True)
-    written_for = export_target(config, None)
-    entry.convert_external(theirs, out / "specforge", serving_of(config), print)
+    written_for = export_target(config.target, config.serving, None)
+    serving = serving_of(config.target, config.serving, config.data.aux_layers)
+    entry.convert_external(theirs, out / "specforge", serving, print)
     return {"ours": entry.export(ours, out / "ours", "sglang", written_for, print), "specforge": out / "specforge"}
 
 

@@ -54,7 +54,7 @@ def make_data(config) -> float:
 def train(config) -> tuple[list[dict], float]:
     """Train in this process; the evaluations' records and the wall time."""
     start = time.perf_counter()
-    resolve_init_from(config, print)
+    resolve_init_from(config.run, config.training, config.draft, config.target, config.serving, config.registry, print)
     Trainer(config, log=print).run()
     seconds = time.perf_counter() - start
     metrics = config.stage_dir("train") / "metrics.jsonl"

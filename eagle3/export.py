@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms import algorithm
 from eagle3.algorithms.base import export_target
-from eagle3.config import PipelineConfig
-from eagle3.config.run import RunSection
-from eagle3.config.serving import ExportSection
+from eagle3.config.draft import DraftSection
+from eagle3.config.run import RunSection, TargetSection
+from eagle3.config.serving import ExportSection, ServingSection
+from eagle3.config.training import TrainingSection
 from eagle3.data.capture import dataset_dir
 from eagle3.errors import Eagle3Error
 from eagle3.draft.files import WEIGHTS_FILE
@@ -48,37 +49,39 @@ def export_dirs(run: RunSection, export: ExportSection) -> dict[str, Path]:
 
 
 
-def export_draft(config: PipelineConfig, log: Log = print) -> dict:
-    """Export and validate; return {dirs: {layout: path}, validation: the report with `waived` problems}."""
-    source = best_draft(config.run)
-    out = config.stage_dir("export")
+def export_draft(run: RunSection, draft: DraftSection, target: TargetSection, training: TrainingSection,
+                 export: ExportSection, serving: ServingSection, log: Log = print) -> dict:
+    """Export the run's best draft (of draft.algorithm) for `serving` and validate it; return {dirs: {layout: path},
+    validation: the report with `waived` problems}."""
+    source = best_draft(run)
+    out = run.stage_dir("export")
     (out / VALIDATION_FILE).unlink(missing_ok=True)  # never report an earlier export's checklist as this one's
-    target = Path(config.target.path)
+    target_dir = Path(target.path)
     # the speculators layout names the target as its verifier and ships the target's embedding
-    verifier = (target_verifier(target, config.target.weight_prefix, config.export.verifier)
-                if "speculators" in config.export.layouts else None)
-    entry = algorithm(config.draft.algorithm)
-    written_for = export_target(config, verifier)
+    verifier = (target_verifier(target_dir, target.weight_prefix, export.verifier)
+                if "speculators" in export.layouts else None)
+    entry = algorithm(draft.algorithm)
+    written_for = export_target(target, serving, verifier)
     dirs = {}
-    for layout, directory in export_dirs(config.run, config.export).items():
+    for layout, directory in export_dirs(run, export).items():
         dirs[layout] = entry.export(source, directory, layout, written_for, log)
-        engine = f"SGLang {config.serving.release or '(release unknown)'}" if layout == "sglang" else layout
+        engine = f"SGLang {serving.release or '(release unknown)'}" if layout == "sglang" else layout
         log(f"export: {layout} layout for {engine} -> {dirs[layout]}")
-    if config.export.fault == "absolute-d2t":
+    if export.fault == "absolute-d2t":
         log("export: WARNING: export.fault=absolute-d2t: writing the served d2t as absolute ids (demo of the gate)")
         make_d2t_absolute(dirs["sglang"])
-    checks = dict(target_dir=target if target.is_dir() else None,
-                  data_manifest=dataset_dir(config.run, config.training) / MANIFEST_FILE,
-                  context_length=config.serving.context_length)
-    reports = {layout: entry.validate(dirs[layout], layout, config.serving.release if layout == "sglang" else None,
+    checks = dict(target_dir=target_dir if target_dir.is_dir() else None,
+                  data_manifest=dataset_dir(run, training) / MANIFEST_FILE,
+                  context_length=serving.context_length)
+    reports = {layout: entry.validate(dirs[layout], layout, serving.release if layout == "sglang" else None,
                                       **checks) for layout in dirs}
-    validation = with_waivers(reports["sglang"], config.export.waive, log)
+    validation = with_waivers(reports["sglang"], export.waive, log)
     if "speculators" in reports:
-        validation["speculators"] = with_waivers(reports["speculators"], config.export.waive, log)
+        validation["speculators"] = with_waivers(reports["speculators"], export.waive, log)
     atomic_write_json(out / VALIDATION_FILE, validation)  # the checklist is kept whether the export passed or not
     for layout, report in reports.items():
         engine = f"{'SGLang' if layout == 'sglang' else layout} {report.engine_release or '(strictest rules)'}"
-        errors = [asdict(p) for p in report.errors(config.export.waive)]
+        errors = [asdict(p) for p in report.errors(export.waive)]
         if errors:
             listed = "\n".join(f"  {p['code']}: {p['message']} (fix: {p['fix']})" for p in errors)
             raise ExportInvalid(f"the export {report.path} would be {'served' if layout == 'sglang' else 'loaded'} "

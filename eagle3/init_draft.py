@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig
 from eagle3.config.deployment import RegistrySection
+from eagle3.config.draft import DraftSection
+from eagle3.config.run import RunSection, TargetSection
+from eagle3.config.serving import ServingSection, replay_shape
+from eagle3.config.training import TrainingSection
 from eagle3.errors import Eagle3Error
 from eagle3.algorithms import algorithm, draft_algorithm
 from eagle3.algorithms.base import ExportTarget
@@ -55,23 +58,24 @@ class InitDraft:
         return f"directory {self.where}" if self.kind == "directory" else f"version {self.init_from} of {self.where}"
 
 
-def init_draft(config: PipelineConfig) -> InitDraft | None:
+def init_draft(training: TrainingSection, draft_section: DraftSection,
+               registry: RegistrySection | None) -> InitDraft | None:
     """What training.init_from names, with its content's hashes; None when the run trains from scratch. A value
-    that is neither a draft directory nor a version of config.registry is refused, naming both places looked at, and
-    so is a draft of a kind the run's algorithm does not start from."""
-    value = config.training.init_from
+    that is neither a draft directory nor a version of `registry` is refused, naming both places looked at, and
+    so is a draft of a kind the run's algorithm (draft.algorithm) does not start from."""
+    value = training.init_from
     if value is None:
         return None
     path = Path(value)
     if path.is_dir():
         draft = InitDraft(value, "directory", str(path.resolve()), directory_files(path), draft_algorithm(path).name)
-    elif config.registry is None:
+    elif registry is None:
         raise Eagle3Error(f"training.init_from {value!r}: no such directory, and the config has no registry section to "
                           "look it up as a version; give a draft directory (native, sglang or speculators layout) or "
                           "add the registry that holds the version")
     else:
-        draft = InitDraft(value, "version", registry_location(config.registry), *version_files(config.registry, value))
-    if problem := warm_start_problem(draft.algorithm, config.draft.algorithm):
+        draft = InitDraft(value, "version", registry_location(registry), *version_files(registry, value))
+    if problem := warm_start_problem(draft.algorithm, draft_section.algorithm):
         raise Eagle3Error(f"training.init_from {value!r} ({draft.describe()}): {problem}")
     return draft
 
@@ -118,28 +122,31 @@ def version_files(section: RegistrySection, version: str) -> tuple[dict[str, str
     return _VERSIONS[(location, version)]
 
 
-def resolve_init_from(config: PipelineConfig, log: Log = print) -> Path | None:
-    """Fetch (a version) and convert training.init_from to run.dir/train/init/native, recording where it came from
-    beside it; return the native copy, or None when the run trains from scratch. Call it before the trainer
+def resolve_init_from(run: RunSection, training: TrainingSection, draft_section: DraftSection, target: TargetSection,
+                      serving: ServingSection | None, registry: RegistrySection | None,
+                      log: Log = print) -> Path | None:
+    """Fetch (a version of `registry`) and convert training.init_from to run.dir/train/init/native, recording where it
+    came from beside it; return the native copy, or None when the run trains from scratch. The copy is read as the
+    target and serving's release and steps (none: a training-only config) number it. Call it before the trainer
     starts (after the stage's marker cleared what other inputs made)."""
-    draft = init_draft(config)
+    draft = init_draft(training, draft_section, registry)
     if draft is None:
         return None
-    out = init_dir(config.run)
+    out = init_dir(run)
     (out / RECORD_FILE).unlink(missing_ok=True)  # a failed resolution leaves no record: the trainer refuses
     fetched = out / f"fetched-{VERSION_LAYOUT}"
     try:
         if draft.kind == "version":
-            source = open_registry(config.registry, log).fetch(draft.init_from, VERSION_LAYOUT, fetched, overwrite=True)
+            source = open_registry(registry, log).fetch(draft.init_from, VERSION_LAYOUT, fetched, overwrite=True)
         else:
             source = Path(draft.init_from)
         kind = draft_algorithm(source)  # what the fetched files are; the manifest said so, they decide
-        if problem := warm_start_problem(kind.name, config.draft.algorithm):
+        if problem := warm_start_problem(kind.name, draft_section.algorithm):
             raise Eagle3Error(problem)
-        release = config.serving.release if config.serving is not None else None
-        target = ExportTarget(config.target.family, release, config.target.num_hidden_layers,
-                              config.replay_shape.num_steps, None)
-        layout = kind.warm_start_copy(source, out / NATIVE_DIR, target, draft.describe(), log)
+        release = serving.release if serving is not None else None
+        written_for = ExportTarget(target.family, release, target.num_hidden_layers, replay_shape(serving).num_steps,
+                                   None)
+        layout = kind.warm_start_copy(source, out / NATIVE_DIR, written_for, draft.describe(), log)
     except Eagle3Error as err:
         raise Eagle3Error(f"training.init_from {draft.init_from!r} ({draft.describe()}): {err}") from None
     finally:

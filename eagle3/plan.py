@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.algorithms import algorithm
+from eagle3.algorithms import DraftAlgorithm, algorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
+from eagle3.config.draft import DraftSection
 from eagle3.config.node import NodeSection
 from eagle3.config.run import TargetSection
 from eagle3.config.serving import ServingSection
@@ -25,6 +26,7 @@ from eagle3.data.regenerate import greedy_length
 from eagle3.data.shards import TOKEN_BYTES
 from eagle3.data.suites import planned_requests
 from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
+from eagle3.draft.checkpoint import DraftConfig
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.target.info import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.plan_time import Scenario, TimePlan, plan_time
@@ -124,10 +126,13 @@ def plan_memory(config: PipelineConfig, nodes: int | None = None) -> MemoryPlan:
     """`nodes`: the nodes the hours are planned for (planned_nodes by default)."""
     size, note = target_size(config.target)
     config, recompute = chosen_recompute(config)
+    entry = algorithm(config.draft.algorithm)
+    cfg = entry.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
     stages = [regeneration_stage(config.data, config.serving, size),
-              capture_stage(config.data, config.serving, config.target, size), training_stage(config, size)]
+              capture_stage(config.data, config.serving, config.target, size),
+              training_stage(entry, cfg, config.draft, config.training, config.data, config.target, config.node, size)]
     if config.serving is not None:  # a training-only config serves nothing
-        stages.append(serving_stage(config, size))
+        stages.append(serving_stage(entry, cfg, config.draft, config.serving, config.node, size))
     heldout_tokens = (planned_requests(config.benchmark, config.heldout_set[0])
                       * (config.data.max_length + greedy_length(config)))
     storage = stored_bytes(config.data, config.target, config.training, heldout_tokens)
@@ -148,7 +153,10 @@ def chosen_recompute(config: PipelineConfig) -> tuple[PipelineConfig, str]:
     setting = config.training.recompute
     if setting != "auto":
         return config, f"training.recompute {setting}: set in the config"
-    lean = training_stage(derived(config, {"training.recompute": "none"}), target_size(config.target)[0])
+    entry = algorithm(config.draft.algorithm)
+    cfg = entry.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+    lean = training_stage(entry, cfg, config.draft, config.training.model_copy(update={"recompute": "none"}),
+                          config.data, config.target, config.node, target_size(config.target)[0])
     budget = config.node.gpu_memory_gib
     if lean.per_gpu_gib is not None and lean.per_gpu_gib <= budget:
         choice, why = "none", f"the step fits without recomputing ({lean.per_gpu_gib:.1f} GiB per GPU of {budget:g})"
@@ -202,15 +210,14 @@ def capture_stage(data: DataSection, serving: ServingSection | None, target: Tar
     return stage
 
 
-def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
-    """The draft's step on one forward's rows (a micro-batch: the global batch's size changes how many there are,
-    not their memory); online, also the target on the same GPUs (tensor-parallel over the ranks, every rank holding
-    the features of the whole global micro-batch before it keeps its rows)."""
-    train, target = config.training, config.target
+def training_stage(entry: DraftAlgorithm, cfg: DraftConfig, draft: DraftSection, train: TrainingSection,
+                   data: DataSection, target: TargetSection, node: NodeSection, size: TargetSize | None) -> StagePlan:
+    """The step of `entry`'s draft of architecture `cfg` (its draft_config) on one forward's rows (a micro-batch: the
+    global batch's size changes how many there are, not their memory); online, also the target on the same GPUs
+    (tensor-parallel over the ranks, every rank holding the features of the whole global micro-batch before it keeps
+    its rows)."""
     world = train.nproc_per_node * train.nnodes
     per_rank = train.sequences_per_forward(world)
-    entry = algorithm(config.draft.algorithm)
-    cfg = entry.draft_config(config)
     params = trainable_parameters(entry, cfg)
     shards = world if train.fsdp else 1
     embedding = target.vocab_size * target.hidden_size
@@ -221,8 +228,8 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
         f"{fewer} or lower training.seq_len ({train.seq_len})"
         + ("" if train.fsdp or world == 1 else ", or set training.fsdp true")))
     recompute = train.recompute == "norms_mlp"  # chosen_recompute has decided `auto`
-    predictions = entry.predictions(config.draft, train)
-    shape = (entry, cfg, config.draft, per_rank, train.seq_len, predictions, config.data.last_hidden == "pre_norm",
+    predictions = entry.predictions(draft, train)
+    shape = (entry, cfg, draft, per_rank, train.seq_len, predictions, data.last_hidden == "pre_norm",
              recompute)
     step = training_step_peak_bytes(*shape)
     stage.step_by_op = {op: _gib(n) for op, n in training_step_peak_by_op(*shape).items() if n >= GIB / 100}
@@ -230,9 +237,9 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
         f"draft weights, fp32 ({params / 1e9:.2f} B trainable)": _gib(4 * params),
         f"AdamW moments, fp32 (/{shards})": _gib(8 * params / shards),
         **{label: _gib(size) for label, size in entry.target_tensors(cfg).items()},
-        "teacher head, bf16 (all rows + draft rows)": _gib(2 * embedding + 2 * config.vocab.draft_vocab_size * target.hidden_size),
+        "teacher head, bf16 (all rows + draft rows)": _gib(2 * embedding + 2 * cfg.draft_vocab_size * target.hidden_size),
         f"rows of one forward on the GPU ({per_rank} x {train.seq_len} tokens)": _gib(
-            per_rank * train.seq_len * ((len(config.data.aux_layers) + 1) * target.hidden_size * 4 + 16)),
+            per_rank * train.seq_len * ((len(data.aux_layers) + 1) * target.hidden_size * 4 + 16)),
         f"training step, measured ({predictions} predictions a position: activations, teacher, gradients)": _gib(step),
         "runtime reserve": RUNTIME_RESERVE_GIB,
     }
@@ -242,7 +249,7 @@ def training_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan
         if size is None:
             stage.unknown = "online training holds the target, whose size is unknown"
             return stage
-        stage.parts.update(online_target_parts(train, config.data, target, config.node, size, world))
+        stage.parts.update(online_target_parts(train, data, target, node, size, world))
         stage.knob += "; or training.features offline (the target leaves the training GPUs)"
     return stage
 
@@ -264,22 +271,22 @@ def online_target_parts(training: TrainingSection, data: DataSection, target: Ta
     return parts
 
 
-def serving_stage(config: PipelineConfig, size: TargetSize | None) -> StagePlan:
-    """The target with the draft at serving.tp: one request of the full context must fit next to the weights."""
-    serving, entry = config.serving, algorithm(config.draft.algorithm)
-    draft = entry.draft_config(config)
+def serving_stage(entry: DraftAlgorithm, cfg: DraftConfig, draft: DraftSection, serving: ServingSection,
+                  node: NodeSection, size: TargetSize | None) -> StagePlan:
+    """The target with `entry`'s draft of architecture `cfg` at serving.tp: one request of the full context must fit
+    next to the weights."""
     stage = StagePlan("serve", serving.tp, knob=f"lower serving.context_length ({serving.context_length}) or raise serving.tp")
     if size is None:
         stage.unknown = "target size unknown"
         return stage
-    draft_kv = entry.kv_cache_entries(draft, serving.tp) * KV_CACHE_BYTES
+    draft_kv = entry.kv_cache_entries(cfg, serving.tp) * KV_CACHE_BYTES
     stage.parts = {
         **target_parts(size, serving.tp, serving.context_length),
-        f"draft weights, {DTYPE_NAMES[config.draft.torch_dtype]} (/{serving.tp})": _gib(
-            DTYPE_BYTES[config.draft.torch_dtype] * trainable_parameters(entry, draft) / serving.tp),
+        f"draft weights, {DTYPE_NAMES[draft.torch_dtype]} (/{serving.tp})": _gib(
+            DTYPE_BYTES[draft.torch_dtype] * trainable_parameters(entry, cfg) / serving.tp),
         "draft KV cache": _gib(serving.context_length * draft_kv),
         "runtime reserve": RUNTIME_RESERVE_GIB,
-        **serving_engine(serving.engine).memory_left_unused(serving, config.node.gpu_memory_gib),
+        **serving_engine(serving.engine).memory_left_unused(serving, node.gpu_memory_gib),
     }
     return stage
 

@@ -25,6 +25,7 @@ from eagle3.algorithms import algorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
 from eagle3.config.deployment import RegistrySection
+from eagle3.config.draft import DraftSection
 from eagle3.config.node import NodeSection
 from eagle3.config.run import TargetSection
 from eagle3.config.serving import BenchmarkSection, ServingSection, SweepSection
@@ -163,7 +164,8 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
               scenario: Scenario = Scenario(retrain=False)) -> TimePlan:
     target, size_note = read_target(config.target, size, size_note)
     node = config.node
-    params, passes = draft_training(config)
+    params, passes = draft_training(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers,
+                                    config.training)
     assumptions = [f"{node.peak_tflops:g} TFLOP/s per GPU (node.peak_tflops)", f"{node.hbm_tbps:g} TB/s (node.hbm_tbps)",
                    f"MFU decode {node.mfu.decode:g}, prefill {node.mfu.prefill:g}, train {node.mfu.train:g} "
                    "(node.mfu.decode / prefill / train)",
@@ -241,16 +243,19 @@ def training_nodes(training: TrainingSection, data: DataSection, scenario: Scena
     return scenario.nodes, f"on {scenario.nodes} node(s)"
 
 
-def draft_training(config: PipelineConfig) -> tuple[int, tuple[float, str]]:
-    """The draft's trainable parameters, and the positions its layers run per training token (and how the config
-    says so)."""
-    entry = algorithm(config.draft.algorithm)
-    return trainable_parameters(entry, entry.draft_config(config)), entry.draft_passes(config.draft, config.training)
+def draft_training(draft: DraftSection, target: TargetSection, draft_vocab_size: int, aux_layers: list[int],
+                   training: TrainingSection) -> tuple[int, tuple[float, str]]:
+    """The draft's trainable parameters (its draft_config's, from these sections), and the positions its layers run
+    per training token (and how the config says so)."""
+    entry = algorithm(draft.algorithm)
+    cfg = entry.draft_config(draft, target, draft_vocab_size, aux_layers)
+    return trainable_parameters(entry, cfg), entry.draft_passes(draft, training)
 
 
 def contender_stages(name: str, config: PipelineConfig, clock: Clock, scenario: Scenario) -> list[StageTime]:
     """A contender's training, measurement and sweep, on the run's data and beside the run's no-draft servers."""
-    params, passes = draft_training(config)
+    params, passes = draft_training(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers,
+                                    config.training)
     stages = [replace(train_time(config.training, config.data, clock, params, passes[0], scenario), name=f"train {name}")]
     if config.serving is not None and config.benchmark is not None:
         serve = serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario,

@@ -57,7 +57,7 @@ def resolved(raw: dict, where: Path, overridden: set[str] = frozenset()) -> Pipe
         config.check_aux_layers(defaulted)
     except ValueError as err:
         raise ConfigError(f"{where}: {err}") from None
-    if problem := entry.config_problem(config):
+    if problem := entry.config_problem(config.draft, config.target, config.serving, config.sweep):
         raise ConfigError(f"{where}: {problem}")
     try:
         contender_configs(config)

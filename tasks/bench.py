@@ -15,6 +15,7 @@ from eagle3.deployment.suites import acceptance_columns, production_on_these_req
 from eagle3.deployment.sweep import choose_serving
 from eagle3.fsutil import read_json
 from eagle3.registry.registry import open_registry
+from eagle3.serving.base import launch_spec
 from eagle3.report import acceptance_report, contenders_report, suites_report, suites_text, sweep_report
 from eagle3.stages.run import StageOutput
 from eagle3.stages.table import record_path
@@ -26,7 +27,8 @@ def measure_served(config: PipelineConfig, exported: StageOutput, simulated: Sta
                    earlier: Candidate | None = None) -> Candidate:
     """`earlier`: another draft of the run on the same requests, whose no-draft baseline and production measurement
     are taken."""
-    served = measure_candidate(config, exported.path, record_path(config, "served"), log=log_to_run(),
+    served = measure_candidate(launch_spec(config), config.benchmark, config.data, config.run, config.registry,
+                               exported.path, record_path(config, "served"), log=log_to_run(),
                                baseline=earlier.served.get("baseline") if earlier else None,
                                production=earlier.served.get("production_on_run_prompts") if earlier else None)
     candidate = Candidate(exported.path, exported.fingerprint, read_json(simulated.path, "the simulated record"), served)
@@ -43,7 +45,8 @@ def sweep_serving(config: PipelineConfig, candidate: Candidate, production: str 
     artifact when it swept. `earlier`: another draft of the run, whose sweep's no-draft server is taken."""
     log = log_to_run()
     registry = open_registry(config.registry, log=log)
-    acceptance = gate_decision(config, registry, production, candidate)  # its shape not chosen yet: acceptance alone
+    # its shape not chosen yet: acceptance alone
+    acceptance = gate_decision(config.benchmark, config.gate, config.run, registry, production, candidate)
     result = choose_serving(config, candidate.export, candidate.served, acceptance, record_path(config, "sweep"), log,
                             earlier.sweep_baseline if earlier else None)
     if result["points"] is not None:
@@ -71,7 +74,8 @@ def choose_draft(config: PipelineConfig, drafts: list[Contender], production: st
         write_contenders(None, record_path(config, "contenders"))
         return drafts[0]
     registry = open_registry(config.registry, log=log)
-    decisions = [gate_decision(draft.config, registry, production, draft.candidate) for draft in drafts]
+    decisions = [gate_decision(draft.config.benchmark, draft.config.gate, draft.config.run, registry, production,
+                               draft.candidate) for draft in drafts]
     chosen = pick(drafts, decisions)
     record = contenders_record(drafts, decisions, chosen)
     log(f"contenders: {write_contenders(record, record_path(config, 'contenders'))}")

@@ -18,6 +18,7 @@ from prefect.transactions import get_transaction
 from eagle3.config import PipelineConfig
 from eagle3.deployment.promotion import (
     Candidate,
+    config_fields,
     diagnosis_of,
     gate_decision,
     prune_after_promotion,
@@ -54,8 +55,8 @@ def publish_candidate(config: PipelineConfig, fingerprints: dict, candidate: Can
     if version in registry.versions():
         log_to_run()(f"registry: version {version} (this export) is already published: not uploading it again")
         return version
-    fields = version_fields(config, fingerprints, candidate.served, candidate.simulated["accept_length"],
-                            candidate.chosen, production, flow_run_id())
+    fields = version_fields(config_fields(config), config.benchmark, config.run, fingerprints, candidate.served,
+                            candidate.simulated["accept_length"], candidate.chosen, production, flow_run_id())
     registry.publish(version, version_dirs(config.run, export_dirs(config.run, config.export)), fields)
     return version
 
@@ -64,11 +65,11 @@ def publish_candidate(config: PipelineConfig, fingerprints: dict, candidate: Can
 def check_gate(config: PipelineConfig, version: str, candidate: Candidate, production: str | None) -> Decision:
     """The gate's decision; a rejection raises GateRejected with the train-serve diagnosis attached."""
     registry = open_registry(config.registry, log=log_to_run())
-    decision = gate_decision(config, registry, production, candidate)
+    decision = gate_decision(config.benchmark, config.gate, config.run, registry, production, candidate)
     log_to_run()(f"gate: {decision.summary()}")
     if not decision.promote:
-        decision.diagnosis = diagnosis_of(config, candidate.export, candidate.served,
-                                          candidate.simulated["accept_length"])
+        decision.diagnosis = diagnosis_of(config.serving, config.target, config.run, config.training, candidate.export,
+                                          candidate.served, candidate.simulated["accept_length"])
         raise GateRejected(decision)
     return decision
 

@@ -48,7 +48,8 @@ def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[Pipel
         registry = open_registry(run_config.registry, log=log_to_run())
         overrides = overrides + retrain_overrides(run_config.run, run_config.draft.algorithm, registry, log_to_run())
         run_config = load_config(config, overrides)
-    init_draft(run_config)  # a training.init_from that names no draft is refused before any stage
+    # a training.init_from that names no draft is refused before any stage
+    init_draft(run_config.training, run_config.draft, run_config.registry)
     run_config, recompute = chosen_recompute(run_config)  # the trainers read the plan's choice
     log_to_run()(f"load-config: {recompute}")
     resolved = resolved_config_file(run_config)
@@ -57,7 +58,7 @@ def load_run_config(config: str, overrides: list[str], mode: str) -> tuple[Pipel
         by = f"{config}'s contenders.{name}"
         require_deployable(contender.draft.algorithm, by)
         require_fit(contender, by)
-        init_draft(contender)
+        init_draft(contender.training, contender.draft, contender.registry)
         log_to_run()(f"load-config: contender {name} ({contender.draft.algorithm}) in {contender.run.dir}, its "
                      f"resolved config in {resolved_config_file(contender)}")
     return run_config, str(resolved)

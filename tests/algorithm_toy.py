@@ -61,8 +61,9 @@ class ToyAlgorithm(DraftAlgorithm):
     deployable = False
     # served_as: none (no engine serves it): the toy is trained and replayed, never served
 
-    def draft_config(self, config):
-        return trained_draft_config(config)  # the sizes it reads: aux layers, widths, draft vocabulary
+    def draft_config(self, draft, target, draft_vocab_size, aux_layers):
+        # the sizes it reads: aux layers, widths, draft vocabulary
+        return trained_draft_config(draft, target, draft_vocab_size, aux_layers)
 
     def reserved_ids(self, cfg):
         return {}
@@ -73,10 +74,10 @@ class ToyAlgorithm(DraftAlgorithm):
     def target_tensors(self, cfg):
         return {}
 
-    def initial_model(self, config, head, vocab_map, device, init, log):
+    def initial_model(self, cfg, training, head, vocab_map, device, init, log):
         with torch.device(device):
-            model = self.new_model(self.draft_config(config), head["embed"])
-        init_weights(model, config.training.seed)
+            model = self.new_model(cfg, head["embed"])
+        init_weights(model, training.seed)
         model.d2t.copy_(vocab_map.d2t)
         return model
 

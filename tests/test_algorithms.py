@@ -53,10 +53,13 @@ def test_the_whole_pipeline_refuses_an_algorithm_it_cannot_serve_before_any_stag
 
 def toy_parts(config, log):
     """The config's training parts with the toy's model in place of EAGLE-3's: built apart from the Trainer."""
-    parts = training_parts(config, Dist(), log)
+    parts = training_parts(config.run, config.data, config.target, config.training, config.draft, config.vocab,
+                           greedy_length(config), Dist(), log)
     head = target_head(Path(config.target.path))
     vocab_map = read_vocab_map(config.run, config.vocab, config.target)
-    return replace(parts, algorithm=TOY, model=TOY.initial_model(config, head, vocab_map, torch.device("cpu"), None, log))
+    cfg = TOY.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+    model = TOY.initial_model(cfg, config.training, head, vocab_map, torch.device("cpu"), None, log)
+    return replace(parts, algorithm=TOY, model=model)
 
 
 def test_the_trainer_trains_checkpoints_resumes_and_replays_an_entry_through_the_seam_alone(micro_data, tmp_path):

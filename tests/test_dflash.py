@@ -480,7 +480,7 @@ def test_sglang_serves_the_export_by_its_own_kind_and_a_longer_block_is_refused_
                                          f"run.dir={tmp_path / 'run'}"])
     with pytest.raises(LaunchError, match=r"\(dflash\): steps 7, topk 1, draft tokens 8 verifies blocks of 8 tokens .* "
                                           r"trained on blocks of 4 .*nothing was launched"):
-        launch_and_validate(longer, longer.target.path, directory, log=QUIET)
+        launch_and_validate(launch_spec(longer), longer.target.path, directory, log=QUIET)
 
 
 def test_production_measures_a_version_of_the_other_kind_as_its_own_kind():

@@ -55,7 +55,8 @@ def first_evaluation(micro_data, tmp_path, name, extra=()):
     overrides, run_dir = run_copy(micro_data, tmp_path, name, [*FIRST_EVAL, *extra])
     config = load_config(TINY, overrides)
     lines = []
-    resolve_init_from(config, lines.append)
+    resolve_init_from(config.run, config.training, config.draft, config.target,
+                      config.serving, config.registry, lines.append)
     Trainer(config, log=lines.append).run()
     evaluation = next(m for m in metrics(run_dir) if "eval_loss" in m)
     return {k: v for k, v in evaluation.items() if not k.endswith("time_s")}, lines, config
@@ -79,7 +80,7 @@ def test_an_imported_sglang_directory_fine_tunes_and_starts_ahead_of_a_cold_star
     assert warm["eval_accept_length"] > cold["eval_accept_length"] + 0.2
     run_dir = config.run.dir
     record = json.loads((run_dir / "train" / "init" / "source.json").read_text())
-    content = init_draft(config).sha256
+    content = init_draft(config.training, config.draft, config.registry).sha256
     assert record == {"init_from": str(public_draft), "kind": "directory", "where": str(public_draft),
                       "layout": "sglang", "sha256": content}
     assert any(f"sglang layout, sha256 {content[:16]}" in line for line in lines), lines
@@ -117,12 +118,13 @@ def test_a_shape_that_cannot_carry_over_is_refused_naming_the_tensor_and_both_sh
     overrides, _ = run_copy(micro_data, tmp_path, "wide", [f"training.init_from={public_draft}",
                                                            "draft.intermediate_size=256"])
     config = load_config(TINY, overrides)
-    resolve_init_from(config, QUIET)
+    resolve_init_from(config.run, config.training, config.draft, config.target, config.serving, config.registry, QUIET)
     head, vocab_map = target_head(Path(config.target.path)), read_vocab_map(config.run, config.vocab, config.target)
     with pytest.raises(Eagle3Error, match=r"midlayer\.mlp\.gate_proj\.weight \[512, 64\] in the init draft, "
                                           r"\[256, 64\] in this config"):
-        EAGLE3.initial_model(config, head, vocab_map, torch.device("cpu"), resolved_init(config.run, config.training),
-                             QUIET)
+        cfg = EAGLE3.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+        EAGLE3.initial_model(cfg, config.training, head, vocab_map, torch.device("cpu"),
+                             resolved_init(config.run, config.training), QUIET)
 
 
 @pytest.mark.parametrize("field, init, ours, message", [
@@ -148,7 +150,8 @@ def test_an_unknown_version_is_refused_naming_the_field_and_the_registry(tmp_pat
     config = load_config(TINY, [f"run.dir={tmp_path / 'run'}", f"registry.path={tmp_path / 'registry'}",
                                 "training.init_from=no-such-draft"])
     with pytest.raises(Eagle3Error) as refused:
-        resolve_init_from(config, QUIET)
+        resolve_init_from(config.run, config.training, config.draft, config.target,
+                          config.serving, config.registry, QUIET)
     message = str(refused.value)
     assert "training.init_from 'no-such-draft'" in message and str((tmp_path / "registry").resolve()) in message
     assert "eagle3 registry list" in message
@@ -164,7 +167,9 @@ def test_an_absolute_d2t_is_refused_as_a_loader_would_misread_it(public_draft, m
     save_file(tensors, broken / "model.safetensors")
     overrides, run_dir = run_copy(micro_data, tmp_path, "absolute", [f"training.init_from={broken}"])
     with pytest.raises(Eagle3Error, match=r"training.init_from .*d2t is not offsets"):
-        resolve_init_from(load_config(TINY, overrides), QUIET)
+        absolute = load_config(TINY, overrides)
+        resolve_init_from(absolute.run, absolute.training, absolute.draft, absolute.target,
+                          absolute.serving, absolute.registry, QUIET)
     assert not (run_dir / "train" / "init" / "source.json").exists()
 
 
@@ -176,7 +181,8 @@ def test_a_warm_start_with_warm_steps_auto_stops_once_accept_length_stops_improv
     overrides, run_dir = run_copy(micro_data, tmp_path, "auto", [*auto, f"training.init_from={public_draft}"])
     config = load_config(TINY, overrides)
     lines = []
-    resolve_init_from(config, lines.append)
+    resolve_init_from(config.run, config.training, config.draft, config.target,
+                      config.serving, config.registry, lines.append)
     Trainer(config, log=lines.append).run()
     evaluations = [m for m in metrics(run_dir) if "eval_loss" in m]
     last_best = max(i for i, m in enumerate(evaluations) if m["new_best"])
@@ -199,7 +205,7 @@ def test_min_gain_counts_only_gains_above_it(public_draft, micro_data, tmp_path)
         "training.max_steps=40", "training.eval_every=2", "training.warm_steps=auto", "training.patience=2",
         "training.min_gain=10", f"training.init_from={public_draft}"])
     config = load_config(TINY, overrides)
-    resolve_init_from(config, QUIET)
+    resolve_init_from(config.run, config.training, config.draft, config.target, config.serving, config.registry, QUIET)
     Trainer(config, log=QUIET).run()
     assert [m["step"] for m in metrics(run_dir) if "eval_loss" in m] == [2, 4, 6]
 
@@ -212,7 +218,7 @@ def test_a_resumed_warm_start_carries_its_patience_on(public_draft, micro_data, 
         "training.warm_steps=auto", "training.patience=2", "training.min_gain=10",
         f"training.init_from={public_draft}"])
     config = load_config(TINY, overrides)
-    resolve_init_from(config, QUIET)
+    resolve_init_from(config.run, config.training, config.draft, config.target, config.serving, config.registry, QUIET)
     Trainer(config, log=QUIET).run()
     checkpoints = run_dir / "train" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir())[-1] == "step-0000006"

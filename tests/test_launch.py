@@ -372,7 +372,7 @@ def test_a_fork_runs_its_module_with_the_callers_environment_and_reports_its_exi
 def test_launch_and_validate_passes_a_good_draft(tmp_path, micro_target, micro_drafts):
     config = config_for(tmp_path)
     logs = []
-    server = launch_and_validate(config, micro_target, micro_drafts["good"], logs.append)
+    server = launch_and_validate(launch_spec(config), micro_target, micro_drafts["good"], logs.append)
     try:
         assert server.release == RELEASE and server.process.poll() is None
         info = httpx.get(f"{server.url}/get_model_info", timeout=10).json()
@@ -386,7 +386,7 @@ def test_launch_and_validate_refuses_absolute_d2t_and_stops_the_server(tmp_path,
     config = config_for(tmp_path)
     logs = []
     with pytest.raises(LaunchError) as err:
-        launch_and_validate(config, micro_target, micro_drafts["absolute"], logs.append)
+        launch_and_validate(launch_spec(config), micro_target, micro_drafts["absolute"], logs.append)
     assert "d2t-absolute" in str(err.value) and str(micro_drafts["absolute"]) in str(err.value)
     pgid = int(next(line for line in logs if "stopping process group" in line).rsplit(" ", 1)[1])
     assert not live_members(pgid)
@@ -397,5 +397,5 @@ def test_launch_and_validate_refuses_absolute_d2t_and_stops_the_server(tmp_path,
 def test_launch_and_validate_refuses_a_missing_draft_before_launching(tmp_path, micro_target):
     logs = []
     with pytest.raises(LaunchError, match="no such directory; nothing was launched"):
-        launch_and_validate(config_for(tmp_path), micro_target, tmp_path / "nope", logs.append)
+        launch_and_validate(launch_spec(config_for(tmp_path)), micro_target, tmp_path / "nope", logs.append)
     assert logs == []

@@ -166,7 +166,8 @@ def test_the_export_stage_writes_serving_num_steps_and_the_target_into_the_specu
     write_draft(config.stage_dir("train") / "best")
     dataset_dir(config.run, config.training).mkdir(parents=True)
     write_data_manifest(dataset_dir(config.run, config.training) / MANIFEST_FILE, aux_layers=[0, 1, 2])
-    result = export_draft(config, log=lambda line: None)
+    result = export_draft(config.run, config.draft, config.target, config.training, config.export, config.serving,
+                          log=lambda line: None)
     spec = Path(result["dirs"]["speculators"])
     assert speculative_tokens(spec) == 5
     assert load_file(spec / "model.safetensors").keys() >= {"layers.0.mlp.up_proj.weight", "embed_tokens.weight"}
@@ -174,7 +175,8 @@ def test_the_export_stage_writes_serving_num_steps_and_the_target_into_the_specu
     # another num_steps, or another target path, is another export
     named = load_config(TINY, [*overrides, "export.verifier=example-org/tiny-target"])
     assert stage_key("export", named, {"trained": "train"}) != stage_key("export", config, {"trained": "train"})
-    spec = Path(export_draft(named, log=lambda line: None)["dirs"]["speculators"])
+    spec = Path(export_draft(named.run, named.draft, named.target, named.training, named.export, named.serving,
+                             log=lambda line: None)["dirs"]["speculators"])
     recorded = json.loads((spec / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
     assert recorded == "example-org/tiny-target"
     for field in ("serving.num_steps=", "target.path="):
@@ -189,4 +191,5 @@ def test_the_export_stage_refuses_a_speculators_layout_without_the_targets_weigh
     write_draft(config.stage_dir("train") / "best")
     with pytest.raises(UnreadableInput, match="no-target: no target model directory here; the speculators layout "
                                               "ships the target's embedding"):
-        export_draft(config, log=lambda line: None)
+        export_draft(config.run, config.draft, config.target, config.training, config.export, config.serving,
+                     log=lambda line: None)

@@ -22,7 +22,7 @@ STEPS = ["training.max_steps=4", "training.eval_every=4", "training.save_every=4
 
 def trained(overrides, lines):
     config = load_config(TINY, overrides)
-    return train(config, resolved_config_file(config), lines.append)
+    return train(config.run, config.data, config.training, config.serving, resolved_config_file(config), lines.append)
 
 
 def test_two_nodes_over_ssh_train_what_one_node_trains_on_the_same_global_batch(micro_data, tmp_path, sshd):
@@ -59,7 +59,8 @@ def test_a_stop_over_ssh_leaves_no_rank_running_on_any_node(micro_data, tmp_path
             raise RuntimeError("progress artifact upload failed")
 
     with pytest.raises(RuntimeError, match="upload failed"):
-        train(config, resolved_config_file(config), lambda line: None, fail_at_step_2)
+        train(config.run, config.data, config.training, config.serving, resolved_config_file(config), lambda line: None,
+              fail_at_step_2)
     # the ranks are sshd's descendants, not ours: the stop reached them by hanging up their terminals
     deadline = time.monotonic() + 30
     while running(run_dir) and time.monotonic() < deadline:

@@ -78,7 +78,7 @@ def test_an_eagle3_run_trains_from_scratch_over_a_dflash_production_and_refuses_
     by_hand = load_config(TINY, [*micro, f"training.init_from={json.dumps(version)}"])
     with pytest.raises(Eagle3Error, match=f"training.init_from '{version}' .*: it is a dflash draft, and "
                                           "draft.algorithm eagle3 warm starts only from eagle3 drafts; name one"):
-        init_draft(by_hand)
+        init_draft(by_hand.training, by_hand.draft, by_hand.registry)
 
 
 def test_a_dflash_warm_start_carries_over_only_weights_that_compute_the_same(tmp_path):

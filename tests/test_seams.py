@@ -106,10 +106,10 @@ class Heads(ToyAlgorithm):
     def default_aux_layers(self, num_layers: int, draft) -> list[int]:
         return [num_layers - 2]  # the last layer SGLang can capture
 
-    def config_problem(self, config) -> str | None:
-        steps = config.serving.num_steps
-        if config.draft.heads.count < steps:
-            return (f"draft.heads.count {config.draft.heads.count} drafts fewer positions than serving.num_steps "
+    def config_problem(self, draft, target, serving, sweep) -> str | None:
+        steps = serving.num_steps
+        if draft.heads.count < steps:
+            return (f"draft.heads.count {draft.heads.count} drafts fewer positions than serving.num_steps "
                     f"{steps}: raise it")
         return None
 

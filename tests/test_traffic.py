@@ -172,7 +172,7 @@ def test_regenerate_mixes_traffic_records_provenance_and_benchmarks_it_as_sent(t
     heldout = load_prompts(str(config.stage_dir("data") / HELDOUT_FILE)).prompts
     assert {p.slice for p in heldout} >= {BASE_SLICE} and {p.slice for p in heldout} & {"code", "docs"}
     continue_suites(continuing(config), log=lines.append)  # the suites stage: the traffic suite's continuations
-    benchmark = run_prompt_ids(config)
+    benchmark = run_prompt_ids(config.benchmark, config.data, config.run, config.target)
     assert len(benchmark) == 6 and all(isinstance(p, SlicedPrompt) for p in benchmark)
     for prompt, ids in zip(heldout, benchmark):
         assert ids.slice == prompt.slice

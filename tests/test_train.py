@@ -214,19 +214,22 @@ def test_a_warm_start_under_another_vocab_map_carries_the_head_rows_by_target_id
     final = run_dir / "train" / "final"
     same_vocab, _ = run_copy(micro_data, tmp_path, "warm", [f"training.init_from={final}", "training.max_steps=2"])
     warm = load_config(TINY, same_vocab)
-    resolve_init_from(warm, log=lambda line: None)
+    resolve_init_from(warm.run, warm.training, warm.draft, warm.target,
+                      warm.serving, warm.registry, log=lambda line: None)
     Trainer(warm, log=lambda line: None).run()  # accepted
     other = load_native(final)
     old_ids = VocabMap(other.tensors["d2t"], other.tensors["t2d"]).target_ids()
     other_map, _ = build_vocab_map(torch.arange(512, 0, -1), other.tensors["d2t"].numel())  # the lowest 128 ids
     remapped, _ = run_copy(micro_data, tmp_path, "remapped", [f"training.init_from={final}"])
-    resolve_init_from(load_config(TINY, remapped), log=lambda line: None)
+    config = load_config(TINY, remapped)
+    resolve_init_from(config.run, config.training, config.draft, config.target,
+                      config.serving, config.registry, log=lambda line: None)
     lines = []
     target = target_head(micro_target)
     head = target["lm_head"]
-    config = load_config(TINY, remapped)
     init = resolved_init(config.run, config.training)
-    model = EAGLE3.initial_model(config, target, other_map, torch.device("cpu"), init, lines.append)
+    cfg = EAGLE3.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+    model = EAGLE3.initial_model(cfg, config.training, target, other_map, torch.device("cpu"), init, lines.append)
     new_ids = other_map.target_ids()
     shared = [(j, int((old_ids == t).nonzero())) for j, t in enumerate(new_ids.tolist()) if t in old_ids]
     assert 0 < len(shared) < len(new_ids)

@@ -49,7 +49,8 @@ def entry():
 def train_run(overrides, log, on_metrics=None):
     """What the flow's train stage does: the run's resolved config file, then the launcher."""
     config = load_config(TINY, overrides)
-    return train(config, resolved_config_file(config), log, on_metrics)
+    return train(config.run, config.data, config.training, config.serving, resolved_config_file(config), log,
+                 on_metrics)
 
 
 def running(run_dir: Path) -> list[int]:
@@ -74,8 +75,9 @@ def pgid_from(lines: list[str]) -> int:
 
 
 def test_one_process_runs_the_trainer_and_several_run_torchrun_standalone():
-    assert launch_commands(config_for(), RESOLVED, Path("/w")) == [[sys.executable, *entry()]]
-    torchrun = launch_commands(config_for("training.nproc_per_node=4"), RESOLVED, Path("/w"))
+    one, four = config_for(), config_for("training.nproc_per_node=4")
+    assert launch_commands(one.run, one.data, one.training, RESOLVED, Path("/w")) == [[sys.executable, *entry()]]
+    torchrun = launch_commands(four.run, four.data, four.training, RESOLVED, Path("/w"))
     assert torchrun == [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                          *entry()]]
 
@@ -85,7 +87,7 @@ def test_ssh_starts_torchrun_on_every_host_in_our_directory_with_a_rendezvous():
                         "training.hosts=[gpu-1, gpu-2]", "training.rdzv_endpoint=gpu-1:29500",
                         "training.python=/opt/venv/bin/python", "run.cpu_threads=16",
                         "training.ssh_args=[-p, '2222', -i, /keys/cluster, -o, ProxyJump=login-1]")
-    commands = launch_commands(config, RESOLVED, Path("/shared/my work"))
+    commands = launch_commands(config.run, config.data, config.training, RESOLVED, Path("/shared/my work"))
     torchrun = ["/opt/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "8",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu-1:29500", "--rdzv-id", "tiny-cpu",
                 *entry()]
@@ -102,7 +104,7 @@ def test_ssh_starts_torchrun_on_every_host_in_our_directory_with_a_rendezvous():
 def test_srun_starts_one_torchrun_per_node():
     config = config_for("training.nnodes=4", "training.launcher=srun", "training.rdzv_endpoint=node-1:29500",
                         "training.srun_args=[--gres=gpu:8, --time=12:00:00]")
-    [command] = launch_commands(config, RESOLVED, Path("/w"))
+    [command] = launch_commands(config.run, config.data, config.training, RESOLVED, Path("/w"))
     assert command[:6] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--gres=gpu:8",
                            "--time=12:00:00"]
     assert command[6:12] == ["python", "-m", "torch.distributed.run", "--nnodes", "4", "--nproc-per-node"]
@@ -325,7 +327,8 @@ from eagle3.train.launch import train
 config_path, *overrides = sys.argv[1:]
 config = load_config(config_path, overrides)
 with terminate_on_sigterm():
-    train(config, resolved_config_file(config), lambda line: print(line, flush=True),
+    train(config.run, config.data, config.training, config.serving, resolved_config_file(config),
+          lambda line: print(line, flush=True),
           lambda record: print("metrics", json.dumps(record), flush=True))
 """
 

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from eagle3.algorithms import algorithm
 from eagle3.algorithms.dflash import DFLASH
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.bench.client import summarize
@@ -146,7 +147,10 @@ def test_the_plan_leaves_what_vllm_does_not_take_of_each_gpu(tmp_path, micro_tar
                         "target.hidden_size=64", "target.vocab_size=512", "vocab.draft_vocab_size=128")
     (name, gib), = VLLM_ENGINE.memory_left_unused(config.serving, 80.0).items()
     assert name == f"left unused by vLLM (--gpu-memory-utilization {share})" and gib == round((1 - share) * 80, 2)
-    assert name in serving_stage(config, read_target_size(micro_target)).parts
+    entry = algorithm(config.draft.algorithm)
+    cfg = entry.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+    stage = serving_stage(entry, cfg, config.draft, config.serving, config.node, read_target_size(micro_target))
+    assert name in stage.parts
 
 
 def test_the_simulator_counts_a_vllm_run_as_vllm_finishes_it(tmp_path):

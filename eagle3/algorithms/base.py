@@ -19,9 +19,10 @@ from pydantic import BaseModel
 from torch import nn
 
 from eagle3.algorithms.init_copy import ResolvedInit
-from eagle3.config import PipelineConfig, sglang_default_aux_layers
+from eagle3.config import sglang_default_aux_layers
 from eagle3.config.draft import DraftSection
-from eagle3.config.serving import ServingSection
+from eagle3.config.run import TargetSection
+from eagle3.config.serving import ServingSection, SweepSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
 from eagle3.errors import Eagle3Error
@@ -52,12 +53,12 @@ class ExportTarget:
     verifier: Verifier | None
 
 
-def export_target(config: PipelineConfig, verifier: Verifier | None) -> ExportTarget:
-    """What the config's draft is exported for: its target (the layer count read from the target where it is here,
+def export_target(target: TargetSection, serving: ServingSection, verifier: Verifier | None) -> ExportTarget:
+    """What a run's draft is exported for: its target (the layer count read from the target where it is here,
     target.num_hidden_layers where it is not), serving's release and drafting steps, and `verifier`."""
-    target = Path(config.target.path)
-    num_layers = read_target_info(target).num_hidden_layers if target.is_dir() else config.target.num_hidden_layers
-    return ExportTarget(config.target.family, config.serving.release, num_layers, config.serving.num_steps, verifier)
+    path = Path(target.path)
+    num_layers = read_target_info(path).num_hidden_layers if path.is_dir() else target.num_hidden_layers
+    return ExportTarget(target.family, serving.release, num_layers, serving.num_steps, verifier)
 
 
 class DraftModel(Protocol):
@@ -99,17 +100,21 @@ class DraftAlgorithm(ABC):
         `num_layers` layers: its EAGLE-3 worker's three unless the kind's worker captures others."""
         return sglang_default_aux_layers(num_layers)
 
-    def config_problem(self, config: PipelineConfig) -> str | None:
+    def config_problem(self, draft: DraftSection, target: TargetSection, serving: ServingSection | None,
+                       sweep: SweepSection) -> str | None:
         """Why a config (resolved: the kind's section typed, data.aux_layers set) cannot train and serve this kind's
-        draft, naming the field and the fix (None: it can): what the kind asks of the target, release, its own
-        section and the drafting shapes. The resolve step (eagle3.resolve) refuses the config with it at load."""
+        draft, naming the field and the fix (None: it can): what the kind asks of the target, release (serving's;
+        None in a training-only config), its own section and the drafting shapes (serving's and the sweep's). The
+        resolve step (eagle3.resolve) refuses the config with it at load."""
         return None
 
     # -- the draft --------------------------------------------------------------------------------
 
     @abstractmethod
-    def draft_config(self, config: PipelineConfig) -> BaseModel:
-        """The architecture a run trains, from the `draft` section around the target's sizes."""
+    def draft_config(self, draft: DraftSection, target: TargetSection, draft_vocab_size: int,
+                     aux_layers: list[int]) -> BaseModel:
+        """The architecture a run trains, from the `draft` section around the target's sizes, the vocab section's
+        draft_vocab_size and the target layers it reads (data.aux_layers, resolved)."""
 
     @abstractmethod
     def reserved_ids(self, cfg: BaseModel) -> dict[int, str]:
@@ -127,10 +132,11 @@ class DraftAlgorithm(ABC):
         plan's)."""
 
     @abstractmethod
-    def initial_model(self, config: PipelineConfig, head: dict[str, torch.Tensor], vocab_map: VocabMap,
-                      device: torch.device, init: ResolvedInit | None, log: Log) -> DraftModel:
-        """The draft training starts from, on `device`: initialised by training.seed from the target's head
-        (`eagle3.model.weights.target_head`) or warm-started from `init` (training.init_from resolved, or None)."""
+    def initial_model(self, cfg: BaseModel, training: TrainingSection, head: dict[str, torch.Tensor],
+                      vocab_map: VocabMap, device: torch.device, init: ResolvedInit | None, log: Log) -> DraftModel:
+        """The draft of architecture `cfg` (`draft_config`'s) training starts from, on `device`: initialised by
+        training.seed from the target's head (`eagle3.model.weights.target_head`) or warm-started from `init`
+        (training.init_from resolved, or None)."""
 
     def warm_start_copy(self, source: Path, out: Path, target: ExportTarget, source_name: str, log: Log) -> str:
         """The draft at `source` (one this entry `reads`, in any layout it reads) written at `out` as the copy

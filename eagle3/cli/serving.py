@@ -90,7 +90,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from eagle3.deployment.promotion import label_suites, run_prompt_ids
         from eagle3.deployment.sweep import first_of_each_suite
 
-        prompts = first_of_each_suite(run_prompt_ids(config), args.num_prompts)
+        ids = run_prompt_ids(config.benchmark, config.data, config.run, config.target)
+        prompts = first_of_each_suite(ids, args.num_prompts)
     configured = config is not None and config.serving is not None and not args.engine
     engine = serving_engine(config.serving.engine) if configured else serving_engine(args.engine or "sglang")
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is refused, not replaced)

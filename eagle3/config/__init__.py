@@ -22,7 +22,7 @@ from eagle3.config.deployment import GateSection, MonitorSection, ProductionSect
 from eagle3.config.draft import DraftSection
 from eagle3.config.node import NodeSection
 from eagle3.config.run import RunSection, TargetSection
-from eagle3.config.serving import BenchmarkSection, ExportSection, ServingSection, SweepSection
+from eagle3.config.serving import BenchmarkSection, ExportSection, ServingSection, SweepSection, replay_shape
 from eagle3.config.suites import MTBENCH, TRAFFIC, mtbench_file
 from eagle3.config.training import TrainingSection
 from eagle3.errors import ConfigError, UnreadableInput
@@ -34,7 +34,7 @@ from eagle3.target.files import (
     THINKING_SWITCHES, TOKENIZER_MODEL_FILES, chat_template_text, thinking_switches, untrusted_code_problem,
 )
 from eagle3.fsutil import atomic_write_bytes, named_file
-from eagle3.shape import DEFAULT_NUM_STEPS, DraftShape
+from eagle3.shape import DraftShape
 
 # What only the stages after training need: a training-only config leaves them out, and the stages that need them
 # say so (require_sections).
@@ -142,7 +142,7 @@ class PipelineConfig(Section):
     @property
     def replay_shape(self) -> DraftShape:
         """The drafting shape replayed over the held-out sequences: serving's, or DraftShape's defaults."""
-        return self.serving.shape if self.serving is not None else DraftShape(DEFAULT_NUM_STEPS)
+        return replay_shape(self.serving)
 
     def stage_dir(self, stage: str) -> Path:
         return self.run.stage_dir(stage)

@@ -118,6 +118,12 @@ class BenchmarkSection(Section):
         return self.concurrency[0]
 
 
+def replay_shape(serving: ServingSection | None) -> DraftShape:
+    """The drafting shape replayed over the held-out sequences: serving's, or DraftShape's defaults (no serving
+    section)."""
+    return serving.shape if serving is not None else DraftShape(DEFAULT_NUM_STEPS)
+
+
 class SweepSection(Section):
     """After the candidate passes its measurement: serve it under each drafting shape and pick the one with the most
     output tokens/s at the production concurrency (eagle3.deployment.sweep). On the GPU node every point is a server start."""

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from eagle3.config import PipelineConfig
 from eagle3.resolve import load_config
 from eagle3.config.data import DataSection
 from eagle3.config.run import RunSection, TargetSection
@@ -64,12 +63,13 @@ def capture_with_engine(run: RunSection, data: DataSection, target: TargetSectio
     return capture(run, data, target, training, log=log, store=store)
 
 
-def capture_suites_with_engine(config: PipelineConfig, resolved: Path | str, log: Log = print) -> Path:
+def capture_suites_with_engine(run: RunSection, data: DataSection, target: TargetSection,
+                               serving: ServingSection | None, resolved: Path | str, log: Log = print) -> Path:
     """The suite features stage's capture with `data.feature_backend`, as `capture_with_engine`'s."""
-    if config.data.feature_backend == "sglang":
-        run_on_node(config.data, config.serving, resolved, log=log, suites=True)
-        return suite_features_dir(config.run)
-    return capture_suites(config.run, config.data, config.target, log=log)
+    if data.feature_backend == "sglang":
+        run_on_node(data, serving, resolved, log=log, suites=True)
+        return suite_features_dir(run)
+    return capture_suites(run, data, target, log=log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,9 @@ from eagle3.deployment.promotion import (
 )
 from eagle3.deployment.sweep import configured_choice
 from eagle3.errors import Eagle3Error, UnreadableInput
+from eagle3.config.run import TargetSection
+from eagle3.config.serving import ServingSection
+from eagle3.serving.base import launch_spec
 from eagle3.validation.external import Converted, Serving
 from eagle3.target.info import read_target_info
 from eagle3.fsutil import sha256_file
@@ -64,12 +67,12 @@ def import_draft(config: PipelineConfig, source: str, as_production: bool = Fals
     registry = open_registry(config.registry, log)
     path, origin = local_copy(source, log)
     files = file_digests(path)
-    serving = serving_of(config)
+    serving = serving_of(config.target, config.serving, config.data.aux_layers)
     version = import_version_id(files, serving)
     staged = config.run.dir / IMPORTS_DIR / version / "sglang"
     converted = draft_algorithm(path).convert_external(path, staged, serving, log)
     config = config_for(config, converted)
-    fields = import_fields(config, origin, converted, files, registry.production_version())
+    fields = import_fields(config_fields(config), origin, converted, files, registry.production_version())
     exists = version in registry.versions()
     if exists:
         log(f"import: version {version} holds these files, converted for this serving, already: nothing published")
@@ -128,21 +131,23 @@ def import_version_id(files: dict[str, str], serving: Serving) -> str:
     return f"import-{digest.hexdigest()[:16]}"
 
 
-def serving_of(config: PipelineConfig) -> Serving:
-    """What the config serves drafts with, as the export stage reads it (the target's directory where it is here)."""
-    target = Path(config.target.path)
-    here = target if target.is_dir() else None
-    return Serving(family=config.target.family, release=config.serving.release,
-                   num_layers=read_target_info(target).num_hidden_layers if here else config.target.num_hidden_layers,
-                   vocab_size=config.target.vocab_size, data_layers=list(config.data.aux_layers),
-                   context_length=config.serving.context_length, num_steps=config.serving.num_steps, target=here)
+def serving_of(target: TargetSection, serving: ServingSection, aux_layers: list[int]) -> Serving:
+    """What a run serves drafts with, as the export stage reads it (the target's directory where it is here; the
+    layers its data were captured at: data.aux_layers)."""
+    path = Path(target.path)
+    here = path if path.is_dir() else None
+    return Serving(family=target.family, release=serving.release,
+                   num_layers=read_target_info(path).num_hidden_layers if here else target.num_hidden_layers,
+                   vocab_size=target.vocab_size, data_layers=list(aux_layers),
+                   context_length=serving.context_length, num_steps=serving.num_steps, target=here)
 
 
-def import_fields(config: PipelineConfig, origin: dict, converted: Converted, files: dict[str, str],
+def import_fields(recorded: dict, origin: dict, converted: Converted, files: dict[str, str],
                   parent: str | None) -> dict:
-    """The manifest of an imported version, before any measurement."""
+    """The manifest of an imported version, before any measurement (`recorded`: the config it is served with, as
+    config_fields records it)."""
     return {
-        **config_fields(config),
+        **recorded,
         "provenance": {**origin, "layout_found": converted.layout_found, "steps": converted.steps, "files": files},
         "validation": converted.validation,
         "metrics": None,
@@ -169,7 +174,8 @@ def import_as_production(config: PipelineConfig, registry: Registry, version: st
     production.release_node()
     try:
         if not exists:
-            served = measure_server(config, staged, prompt_ids_in(config.data, config.target, prompts_file), log,
+            served = measure_server(launch_spec(config), config.benchmark, staged,
+                                    prompt_ids_in(config.data, config.target, prompts_file), log,
                                     role=f"imported draft {version}")
             refuse_unusable(version, served)
             chosen = configured_choice(config.serving, served)

@@ -32,6 +32,7 @@ from eagle3.registry.registry import version_algorithm
 from eagle3.procs import GPU_QUERY, STOP_GRACE_S, LaunchError, systemd_missing, wait_gpus_free
 from eagle3.shape import DraftShape
 from eagle3.serving import serving_engine
+from eagle3.serving.base import launch_spec
 
 Log = Callable[[str], None]
 STATE_FILE = "server.json"
@@ -95,7 +96,8 @@ class Production:
         self.release_node()
         self.log(f"serving version {version} ({why}) from {draft} ({config.serving.shape.label()}); "
                  f"{telemetry_note(self.config.production.telemetry)}")
-        result = measure_server(config, draft, prompts, self.log, role=f"production {version}", keep_running=keep,
+        result = measure_server(launch_spec(config), config.benchmark, draft, prompts, self.log,
+                                role=f"production {version}", keep_running=keep,
                                 unit=unit, temperature=temperature, telemetry=self.config.production.telemetry)
         if keep:
             atomic_write_json(self.state, {"version": version, "pgid": result.pop("pgid"), "unit": unit,
@@ -156,7 +158,8 @@ class Production:
         if recorded is None:
             self.log(f"version {version} records no prompt set (published before versions kept theirs): measured on "
                      "this run's held-out prompts, so a shortfall may come from other prompts")
-            return config, first_of_each_suite(run_prompt_ids(config), count), temperature
+            prompts = run_prompt_ids(config.benchmark, config.data, config.run, config.target)
+            return config, first_of_each_suite(prompts, count), temperature
         fetched = self.registry.fetch(version, PROMPTS_LAYOUT,
                                       Path(self.config.production.state_dir) / "prompts" / version)
         config = derived(config, {"benchmark.max_new_tokens": recorded["max_new_tokens"]})

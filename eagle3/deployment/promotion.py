@@ -19,9 +19,10 @@ from eagle3.bench.counting import pooled
 from eagle3.bench.diagnose import diagnose
 from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
-from eagle3.config.deployment import RegistrySection, TelemetrySection
+from eagle3.config.deployment import GateSection, RegistrySection, TelemetrySection
 from eagle3.config.run import RunSection, TargetSection
-from eagle3.config.serving import BenchmarkSection
+from eagle3.config.serving import BenchmarkSection, ServingSection
+from eagle3.config.training import TrainingSection
 from eagle3.data.capture import dataset_dir
 from eagle3.data.continuations import benchmark_requests
 from eagle3.registry.samples import prune_samples
@@ -37,7 +38,7 @@ from eagle3.registry.registry import (decide_against_production, open_registry, 
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
 from eagle3.serving import serving_engine
-from eagle3.serving.base import ServingEngine
+from eagle3.serving.base import LaunchSpec, ServingEngine
 from eagle3.train.trainer import best_draft
 
 Log = Callable[[str], None]
@@ -84,9 +85,10 @@ def prompt_ids_in(data: DataSection, target: TargetSection, path: Path) -> list[
     return [SlicedPrompt(sent_ids(tokenizer, p, data.thinking), p.slice) for p in prompt_set.prompts]
 
 
-def run_prompt_ids(config: PipelineConfig) -> list[SlicedPrompt]:
+def run_prompt_ids(benchmark: BenchmarkSection, data: DataSection, run: RunSection,
+                   target: TargetSection) -> list[SlicedPrompt]:
     """The ids of the run's benchmark requests, each with its suite and slice."""
-    return prompt_ids_in(config.data, config.target, benchmark_prompts_file(config.benchmark, config.run))
+    return prompt_ids_in(data, target, benchmark_prompts_file(benchmark, run))
 
 
 def label_suites(benchmark: BenchmarkSection, result: dict, prompts: list[SlicedPrompt]) -> None:
@@ -117,16 +119,16 @@ def benchmark_on(benchmark: BenchmarkSection, engine: ServingEngine, url: str, p
         return {"url": url, "accept_length": None, "accept_rate": None, "lost_requests": len(err.lost), "error": str(err)}
 
 
-def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[list[int]], log: Log, role: str,
-                   keep_running: bool = False, unit: str | None = None, temperature: float = 0.0,
+def measure_server(spec: LaunchSpec, benchmark: BenchmarkSection, draft: Path | None, prompts: list[list[int]],
+                   log: Log, role: str, keep_running: bool = False, unit: str | None = None, temperature: float = 0.0,
                    telemetry: TelemetrySection | None = None) -> dict:
-    """Launch (in the systemd scope `unit`, if given, and validate the draft for the live release), benchmark
-    `prompts` at the production concurrency, stop - or, with `keep_running`, leave the server up and return its
-    process group as `pgid`."""
-    server = launch_and_validate(config, config.target.path, draft, log, role=role, unit=unit, telemetry=telemetry,
+    """Launch `spec`'s server of its target (in the systemd scope `unit`, if given, and validate the draft for the live
+    release), benchmark `prompts` at the production concurrency, stop - or, with `keep_running`, leave the server up
+    and return its process group as `pgid`."""
+    server = launch_and_validate(spec, spec.target.path, draft, log, role=role, unit=unit, telemetry=telemetry,
                                  outlives_run=keep_running)
     try:
-        result = benchmark_on(config.benchmark, server.engine, server.url, prompts, log, temperature=temperature) | {
+        result = benchmark_on(benchmark, server.engine, server.url, prompts, log, temperature=temperature) | {
             "server_version": server.release}
     except BaseException:
         server.stop()
@@ -138,42 +140,45 @@ def measure_server(config: PipelineConfig, draft: Path | None, prompts: list[lis
     return result
 
 
-def measure_candidate(config: PipelineConfig, draft: Path, out: Path, log: Log = print,
+def measure_candidate(spec: LaunchSpec, benchmark: BenchmarkSection, data: DataSection, run: RunSection,
+                      registry_section: RegistrySection | None, draft: Path, out: Path, log: Log = print,
                       baseline: dict | None = None, production: dict | None = None) -> dict:
     """The candidate's served result (written to `out`), with a no-draft baseline's throughput and the
     speedup when `benchmark.baseline` is set. `baseline` and `production`: the no-draft server and production's draft
     measured on these requests already (by another draft of the run: its result's `baseline` and
     `production_on_run_prompts`), taken instead of a server start each."""
-    prompts_file = benchmark_prompts_file(config.benchmark, config.run)
-    prompts = prompt_ids_in(config.data, config.target, prompts_file)
-    if baseline is None and config.benchmark.baseline:
-        measured = measure_server(config, None, prompts, log, role="baseline (no draft)")
+    prompts_file = benchmark_prompts_file(benchmark, run)
+    prompts = prompt_ids_in(data, spec.target, prompts_file)
+    if baseline is None and benchmark.baseline:
+        measured = measure_server(spec, benchmark, None, prompts, log, role="baseline (no draft)")
         if not measured["lost_requests"]:
             baseline = {k: measured[k] for k in ("url", "wall_s", "output_tokens_per_s", "latency_s")}
     elif baseline is not None:
         log(f"baseline (no draft): {baseline['output_tokens_per_s']:.1f} output tokens/s, as measured for the run's "
             "first draft on these requests")
-    result = measure_server(config, draft, prompts, log, role="candidate")
+    result = measure_server(spec, benchmark, draft, prompts, log, role="candidate")
     if baseline is not None and not result["lost_requests"]:
         result.update(baseline=baseline, speedup=result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
     if production is not None:
         log(f"production on the run's prompts: accept length {production['accept_length']}, as measured for the run's "
             "first draft on these requests")
     else:
-        production = production_on_run_prompts(config, prompts_file, prompts, log)
+        production = production_on_run_prompts(spec, benchmark, run, registry_section, prompts_file, prompts, log)
     if production is not None:
         result["production_on_run_prompts"] = production
     atomic_write_json(out, result)
     return result
 
 
-def production_on_run_prompts(config: PipelineConfig, prompts_file: Path, prompts: list[list[int]], log: Log) -> dict | None:
+def production_on_run_prompts(spec: LaunchSpec, benchmark: BenchmarkSection, run: RunSection,
+                              registry_section: RegistrySection | None, prompts_file: Path, prompts: list[list[int]],
+                              log: Log) -> dict | None:
     """Production's draft measured on this run's benchmark prompts, when its recorded figures come from other prompts
     (a retrain whose prompts include new traffic): the gate then compares the candidate with production on the same
     prompts. None when production was measured on these very prompts, or there is none."""
-    if config.registry is None:
+    if registry_section is None:
         return None
-    registry = open_registry(config.registry, log)
+    registry = open_registry(registry_section, log)
     version = registry.production_version()
     if version is None:
         return None
@@ -182,8 +187,8 @@ def production_on_run_prompts(config: PipelineConfig, prompts_file: Path, prompt
         return None
     log(f"production {version} was measured on other prompts than this run's: measuring it on this run's, so the gate "
         "compares like with like")
-    draft = registry.fetch(version, "sglang", config.stage_dir("bench") / "production-draft" / version, overwrite=True)
-    result = measure_server(config, draft, prompts, log, role=f"production {version} on this run's prompts")
+    draft = registry.fetch(version, "sglang", run.stage_dir("bench") / "production-draft" / version, overwrite=True)
+    result = measure_server(spec, benchmark, draft, prompts, log, role=f"production {version} on this run's prompts")
     return {"version": version, **{k: result.get(k) for k in ("accept_length", "accept_rate", "lost_requests", "suites",
                                                               "output_tokens_per_s")}}
 
@@ -211,15 +216,16 @@ def candidate_metrics(benchmark: BenchmarkSection, served: dict, simulated: dict
                    speedup=chosen.get("speedup"), throughput=throughput_text(chosen), suites=measured + tuple(missing))
 
 
-def gate_decision(config: PipelineConfig, registry, production: str | None, candidate: Candidate) -> Decision:
+def gate_decision(benchmark: BenchmarkSection, gate: GateSection, run: RunSection, registry, production: str | None,
+                  candidate: Candidate) -> Decision:
     """The gate on the candidate against the production version's recorded metrics (re-measured on this run's
     requests, when they differ from those it was measured on and that measurement is whole). With its shape not
     chosen yet (`chosen` None: no speedup measured) it judges acceptance alone."""
-    metrics = candidate_metrics(config.benchmark, candidate.served, candidate.simulated, data_quality_of(config.run),
+    metrics = candidate_metrics(benchmark, candidate.served, candidate.simulated, data_quality_of(run),
                                 candidate.chosen or {})
     here = candidate.served.get("production_on_run_prompts") or {}
     whole = here.get("version") == production and not here.get("lost_requests") and here.get("accept_length")
-    return decide_against_production(registry, metrics, production, config.gate, here if whole else None)
+    return decide_against_production(registry, metrics, production, gate, here if whole else None)
 
 
 def data_quality_of(run: RunSection) -> dict:
@@ -227,15 +233,16 @@ def data_quality_of(run: RunSection) -> dict:
     return read_manifest(regen_dir(run))["quality"]
 
 
-def diagnosis_of(config: PipelineConfig, draft: Path, served: dict, simulated_accept_length: float | None) -> dict:
+def diagnosis_of(serving: ServingSection, target: TargetSection, run: RunSection, training: TrainingSection,
+                 draft: Path, served: dict, simulated_accept_length: float | None) -> dict:
     """The train-serve checklist (which contract the served draft breaks), for the decision's record."""
     longest = max(((row["prompt_tokens"] or 0) + row["completion_tokens"] for row in served.get("prompts", [])),
                   default=None)
-    engine, reported = serving_engine(config.serving.engine), served.get("server_version")
-    release = engine.served_release(reported, config.serving.release) if reported else config.serving.release
-    return diagnose(draft, release, Path(config.target.path), dataset_dir(config.run, config.training),
+    engine, reported = serving_engine(serving.engine), served.get("server_version")
+    release = engine.served_release(reported, serving.release) if reported else serving.release
+    return diagnose(draft, release, Path(target.path), dataset_dir(run, training),
                     simulated_accept_length, served.get("accept_length"), longest,
-                    trust_remote_code=config.target.trust_remote_code, engine=engine).to_dict()
+                    trust_remote_code=target.trust_remote_code, engine=engine).to_dict()
 
 
 def registry_metrics(served: dict, simulated_accept_length: float | None, chosen: dict) -> dict:
@@ -294,16 +301,18 @@ def version_id(run: RunSection, export_fingerprint: str) -> str:
     return f"{run.name}-{export_fingerprint[:16]}"
 
 
-def version_fields(config: PipelineConfig, fingerprints: dict[str, str], served: dict, simulated: float | None,
-                   chosen: dict, parent: str | None, flow_run: str | None = None) -> dict:
-    """What a version's manifest says of where it came from and what it measured."""
+def version_fields(recorded: dict, benchmark: BenchmarkSection, run: RunSection, fingerprints: dict[str, str],
+                   served: dict, simulated: float | None, chosen: dict, parent: str | None,
+                   flow_run: str | None = None) -> dict:
+    """What a version's manifest says of where it came from (`recorded`: the config as config_fields records it) and
+    what it measured."""
     return {
-        **config_fields(config),
+        **recorded,
         "inputs": fingerprints,  # stage -> content hash of its output (eagle3.stages.stage_fingerprint)
-        "data_quality": data_quality_of(config.run),
-        **measured_fields(config.benchmark, config.run, served, simulated, chosen),
+        "data_quality": data_quality_of(run),
+        **measured_fields(benchmark, run, served, simulated, chosen),
         # the draft it was fine-tuned from, as its training recorded it (kind, where, sha256), or None
-        "lineage": {"parent": parent, "init_from": read_manifest(best_draft(config.run)).get("init_from"),
+        "lineage": {"parent": parent, "init_from": read_manifest(best_draft(run)).get("init_from"),
                     "flow_run": flow_run},
     }
 

@@ -19,13 +19,14 @@ from typing import Callable
 from eagle3.bench.client import SlicedPrompt
 from eagle3.config import PipelineConfig
 from eagle3.resolve import derived
-from eagle3.config.serving import ServingSection
+from eagle3.config.serving import BenchmarkSection, ServingSection
 from eagle3.data.regenerate import simulated_shapes
 from eagle3.deployment.promotion import benchmark_on, run_prompt_ids
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_write_json
 from eagle3.registry.gate import Decision
 from eagle3.serve.launch import launch_and_validate
+from eagle3.serving.base import LaunchSpec, launch_spec
 from eagle3.shape import DraftShape
 
 Log = Callable[[str], None]
@@ -41,12 +42,13 @@ def with_shape(config: PipelineConfig, shape: DraftShape) -> PipelineConfig:
     return derived(config, {**{f"serving.{name}": value for name, value in asdict(shape).items()}, "contenders": None})
 
 
-def measure_levels(config: PipelineConfig, draft: Path | None, prompts: list[list[int]], log: Log, role: str) -> list[dict]:
+def measure_levels(spec: LaunchSpec, benchmark: BenchmarkSection, draft: Path | None, prompts: list[list[int]],
+                   log: Log, role: str) -> list[dict]:
     """One server start; the benchmark at every concurrency level, at benchmark.temperature."""
-    server = launch_and_validate(config, config.target.path, draft, log, role=role)
+    server = launch_and_validate(spec, spec.target.path, draft, log, role=role)
     try:
-        return [benchmark_on(config.benchmark, server.engine, server.url, prompts, log, level, config.benchmark.temperature)
-                for level in config.benchmark.concurrency]
+        return [benchmark_on(benchmark, server.engine, server.url, prompts, log, level, benchmark.temperature)
+                for level in benchmark.concurrency]
     finally:
         server.stop()
 
@@ -99,13 +101,13 @@ def run_sweep(config: PipelineConfig, draft: Path, out: Path, log: Log = print, 
     server's levels on these requests from another draft's sweep this run (its result's `baseline`), taken instead of
     a server start, so the drafts' speedups share one denominator."""
     started, sweep, b = time.monotonic(), config.sweep, config.benchmark
-    prompts = first_of_each_suite(run_prompt_ids(config), sweep.num_prompts)
+    prompts = first_of_each_suite(run_prompt_ids(b, config.data, config.run, config.target), sweep.num_prompts)
     # serving's shape, then sweep.points: the shapes the simulator replays
     shapes = simulated_shapes(config.replay_shape, config.sweep)
     log(f"sweep: {len(shapes)} drafting shape(s) x concurrency {b.concurrency} at temperature {b.temperature}, "
         f"{len(prompts)} requests each (at most {most_per_suite(prompts)} per suite), budget {sweep.budget_s:.0f} s")
     if earlier is None:
-        levels = measure_levels(config, None, prompts, log, "sweep baseline (no draft)")
+        levels = measure_levels(launch_spec(config), b, None, prompts, log, "sweep baseline (no draft)")
         lost = [row for row in levels if row["lost_requests"]]
         if lost:
             raise SweepError(f"the no-draft server lost requests ({lost[0].get('error')}): no speedup can be measured")
@@ -120,7 +122,8 @@ def run_sweep(config: PipelineConfig, draft: Path, out: Path, log: Log = print, 
             log(f"sweep: skipped {shape.label()}: it would end past sweep.budget_s {sweep.budget_s:.0f} s "
                 f"(a point takes ~{per_point:.0f} s)")
             continue
-        points.append(measure_point(with_shape(config, shape), shape, draft, prompts, baseline, log))
+        shaped = with_shape(config, shape)
+        points.append(measure_point(launch_spec(shaped), shaped.benchmark, shape, draft, prompts, baseline, log))
     best = choose(points)
     if best is None:
         raise SweepError("no drafting shape was measured in full: " + "; ".join(
@@ -135,14 +138,16 @@ def run_sweep(config: PipelineConfig, draft: Path, out: Path, log: Log = print, 
     return result
 
 
-def measure_point(config: PipelineConfig, shape: DraftShape, draft: Path, prompts: list[list[int]],
-                  baseline: list[dict], log: Log) -> dict:
+def measure_point(spec: LaunchSpec, benchmark: BenchmarkSection, shape: DraftShape, draft: Path,
+                  prompts: list[list[int]], baseline: list[dict], log: Log) -> dict:
+    """`draft` served in `shape` (`spec` serves it so) at every concurrency level, each level against the no-draft
+    server's (`baseline`); a shape that fails to serve is recorded with its error."""
     try:
-        measured = measure_levels(config, draft, prompts, log, f"sweep {shape.label()}")
+        measured = measure_levels(spec, benchmark, draft, prompts, log, f"sweep {shape.label()}")
     except Eagle3Error as err:  # e.g. an attention backend that cannot draft trees: the next shape may serve
         log(f"sweep: {shape.label()} failed: {err}")
         return {"shape": asdict(shape), "label": shape.label(), "levels": [], "error": str(err)}
-    rows = [level_row(level, m, base) for level, m, base in zip(config.benchmark.concurrency, measured, baseline)]
+    rows = [level_row(level, m, base) for level, m, base in zip(benchmark.concurrency, measured, baseline)]
     return {"shape": asdict(shape), "label": shape.label(), "levels": rows, "error": None}
 
 

@@ -20,7 +20,6 @@ import httpx
 from eagle3 import guard
 from eagle3.algorithms import DraftAlgorithm, draft_algorithm
 from eagle3.algorithms.base import export_target
-from eagle3.config import PipelineConfig
 from eagle3.config.deployment import TelemetrySection
 from eagle3.contract.releases import parse_release
 from eagle3.model.weights import target_verifier
@@ -28,7 +27,7 @@ from eagle3.procs import (
     GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
 from eagle3.serving import serving_engine
-from eagle3.serving.base import LaunchSpec, ServingEngine, launch_spec
+from eagle3.serving.base import LaunchSpec, ServingEngine
 from eagle3.serving.sglang import SGLANG
 from eagle3.warm import ForkedProcess, fork_module
 
@@ -163,60 +162,60 @@ def server_for(spec: LaunchSpec, target, draft, log: Callable[[str], None] = pri
                   and not outlives_run, engine=engine)
 
 
-def served_form(config: PipelineConfig, target, draft: Path, entry: DraftAlgorithm, engine: ServingEngine,
+def served_form(spec: LaunchSpec, target, draft: Path, entry: DraftAlgorithm, engine: ServingEngine,
                 log: Callable[[str], None]) -> Path:
     """`draft` (SGLang's layout, as exports and registry versions hold it) in the layout `engine` loads: itself, or
-    converted into run.dir/served/ (vLLM's speculators layout ships the target's embedding, read from `target`)."""
+    converted into spec.served_dir (vLLM's speculators layout ships the target's embedding, read from `target`)."""
     if engine.served_layout == "sglang":
         return draft
     if not Path(target).is_dir():
         raise LaunchError(f"target {target} is not a directory here: {engine.title} loads the draft in the "
                           f"{engine.served_layout} layout, which ships the target's embedding; nothing was launched")
     key = hashlib.sha256(str(draft.resolve()).encode()).hexdigest()[:12]
-    out = config.run.dir / "served" / f"{draft.name}-{engine.served_layout}-{key}"
-    written_for = export_target(config, target_verifier(Path(target), config.target.weight_prefix))
+    out = spec.served_dir / f"{draft.name}-{engine.served_layout}-{key}"
+    written_for = export_target(spec.target, spec.serving, target_verifier(Path(target), spec.target.weight_prefix))
     log(f"{engine.title} loads the {engine.served_layout} layout: converting {draft} -> {out}")
     return entry.export(draft, out, engine.served_layout, written_for, log)
 
 
-def launch_and_validate(config: PipelineConfig, target, draft, log: Callable[[str], None] = print,
+def launch_and_validate(spec: LaunchSpec, target, draft, log: Callable[[str], None] = print,
                         role: str = "candidate", unit: str | None = None,
                         telemetry: TelemetrySection | None = None, outlives_run: bool = False) -> Server:
     """Start the server (in the systemd scope `unit`, if given), wait until healthy, validate the draft (by its own
     algorithm's checks, in the layout the engine loads) for the live release; return it running. Error codes in
-    `export.waive` are accepted (the export stage logged and recorded them)."""
+    `spec.waive` (export.waive) are accepted (the export stage logged and recorded them)."""
     if draft is not None and not Path(draft).is_dir():
         raise LaunchError(f"draft {draft}: no such directory; nothing was launched")
     entry = draft_algorithm(Path(draft)) if draft is not None else None  # an earlier run's version may be another's
-    if entry is not None and (problem := entry.shape_problem(Path(draft), config.serving.shape)):
+    if entry is not None and (problem := entry.shape_problem(Path(draft), spec.serving.shape)):
         raise LaunchError(f"draft {draft} ({entry.name}): {problem}; nothing was launched")
-    engine = serving_engine(config.serving.engine)
-    served = served_form(config, target, Path(draft), entry, engine, log) if draft is not None else None
-    server = server_for(launch_spec(config), target, served, log, role, unit, telemetry, outlives_run, entry)
+    engine = serving_engine(spec.serving.engine)
+    served = served_form(spec, target, Path(draft), entry, engine, log) if draft is not None else None
+    server = server_for(spec, target, served, log, role, unit, telemetry, outlives_run, entry)
     server.start()
     try:
-        live = server.wait_healthy(config.serving.health_timeout_s)
+        live = server.wait_healthy(spec.serving.health_timeout_s)
         if draft is None:
             server.log("no draft: nothing to validate")
             return server
-        release = engine.served_release(live, config.serving.release)
+        release = engine.served_release(live, spec.serving.release)
         try:
             parse_release(release) if release else None
         except ValueError as err:
             raise LaunchError(f"[{server.label}] {err}: cannot pick {engine.title}'s loader rules") from None
-        if config.serving.release and release and release != config.serving.release:
-            server.log(f"the server reports {live}, the config says {config.serving.release}: validating for {live}")
+        if spec.serving.release and release and release != spec.serving.release:
+            server.log(f"the server reports {live}, the config says {spec.serving.release}: validating for {live}")
         local_target = Path(target) if Path(target).is_dir() else None  # a hub id on the node is not read here
         if local_target is None:
             server.log(f"target {target} is not a directory here: checks against the target are left unknown")
         report = entry.validate(served, engine.served_layout, release, local_target, None,
-                                config.serving.context_length)
+                                spec.serving.context_length)
     except BaseException:
         server.stop()
         raise
     rules = (f"SGLang {release or '(strictest rules)'}" if engine.served_layout == "sglang"  # the reference server's too
              else f"{engine.title} {live} ({engine.served_layout} layout)")
-    errors = report.errors(config.export.waive)
+    errors = report.errors(spec.waive)
     if errors:
         server.stop()
         listed = "\n".join(f"  {p.code}: {p.message} (fix: {p.fix})" for p in errors)

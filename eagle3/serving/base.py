@@ -18,7 +18,8 @@ from eagle3.records.telemetry import GENERATION_TOKENS, VERIFY_CALLS
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """What launching a server reads of a run's config (eagle3.serve.launch.server_for, each engine's `command`)."""
+    """What launching a server reads of a run's config (eagle3.serve.launch: server_for, launch_and_validate; each
+    engine's `command`)."""
 
     serving: ServingSection
     target: TargetSection
@@ -27,12 +28,15 @@ class LaunchSpec:
     cpu_threads: int | None  # run.cpu_threads: the reference server's threads
     log_dir: Path  # the server's log: serving.log_dir, else run.dir/logs
     warm_start: bool  # run.warm_start: a local reference server may be forked from the warm process
+    served_dir: Path  # run.dir/served: a draft converted to the layout the engine loads, when that is not SGLang's
+    waive: tuple[str, ...]  # export.waive: the validation codes a launch accepts (the export stage logged them)
 
 
 def launch_spec(config: PipelineConfig) -> LaunchSpec:
     """The launch spec of a config with a serving section."""
     return LaunchSpec(config.serving, config.target, config.draft, config.data.sglang_python, config.run.cpu_threads,
-                      config.serving.log_dir or config.run.dir / "logs", config.run.warm_start)
+                      config.serving.log_dir or config.run.dir / "logs", config.run.warm_start,
+                      config.run.dir / "served", tuple(config.export.waive))
 
 
 class ServingEngine(ABC):

@@ -51,7 +51,8 @@ def simulate_draft(config: PipelineConfig, source: Path, log: Log = print) -> Ac
     check_upstream(config)  # before anything is converted or written
     out = draft_records(config, source)
     try:
-        converted = draft_algorithm(source).convert_external(source, out / SERVED_LAYOUT, serving_of(config), log)
+        serving = serving_of(config.target, config.serving, config.data.aux_layers)
+        converted = draft_algorithm(source).convert_external(source, out / SERVED_LAYOUT, serving, log)
     except ImportRefused as refused:
         first, others = refused.problems[0], len(refused.problems) - 1
         also = f"; {others} more problem(s): `eagle3 validate` lists them" if others else ""

@@ -145,7 +145,8 @@ def capture(run: StageRun) -> None:
 def capture_suites(run: StageRun) -> None:
     from eagle3.data.node_capture import capture_suites_with_engine
 
-    capture_suites_with_engine(run.config, run.resolved, log=run.log)
+    c = run.config
+    capture_suites_with_engine(c.run, c.data, c.target, c.serving, run.resolved, log=run.log)
 
 
 def vocab(run: StageRun) -> None:
@@ -165,14 +166,17 @@ def train(run: StageRun) -> None:
         if "loss" in record:
             run.progress(record["step"] / budget)
 
-    resolve_init_from(run.config, run.log)  # training.init_from fetched and converted once, for every rank
-    launch(run.config, run.resolved, log=run.log, on_metrics=on_metrics)
+    c = run.config
+    # training.init_from fetched and converted once, for every rank
+    resolve_init_from(c.run, c.training, c.draft, c.target, c.serving, c.registry, run.log)
+    launch(c.run, c.data, c.training, c.serving, run.resolved, log=run.log, on_metrics=on_metrics)
 
 
 def export(run: StageRun) -> None:
     from eagle3.export import export_draft
 
-    export_draft(run.config, log=run.log)
+    c = run.config
+    export_draft(c.run, c.draft, c.target, c.training, c.export, c.serving, log=run.log)
 
 
 def simulate(run: StageRun) -> None:
@@ -242,7 +246,7 @@ def init_draft_content(config: PipelineConfig) -> str | None:
     """The draft training starts from, by its content, never by its path or version id."""
     from eagle3.init_draft import init_draft
 
-    draft = init_draft(config)
+    draft = init_draft(config.training, config.draft, config.registry)
     return None if draft is None else draft.sha256
 
 

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from eagle3 import guard
-from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
 from eagle3.config.run import RunSection
+from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.errors import Eagle3Error
 from eagle3.procs import ProcessTree, cpu_threads, timestamp, with_threads
@@ -70,19 +70,19 @@ def node_command(run: RunSection, training: TrainingSection, resolved: Path | st
     return [python, *entry]
 
 
-def launch_commands(config: PipelineConfig, resolved: Path | str, cwd: Path) -> list[list[str]]:
+def launch_commands(run: RunSection, data: DataSection, t: TrainingSection, resolved: Path | str,
+                    cwd: Path) -> list[list[str]]:
     """The local processes to start: the node command itself, one srun step, or one ssh per host."""
-    t = config.training
     if t.launcher == "local":
-        return [node_command(config.run, t, resolved, trainer_python(config.data, t))]
-    command = node_command(config.run, t, resolved, t.python)
+        return [node_command(run, t, resolved, trainer_python(data, t))]
+    command = node_command(run, t, resolved, t.python)
     if t.launcher == "srun":
         # --kill-on-bad-exit: a node that fails takes the others down instead of leaving them at a collective
         counts = [f"--nodes={t.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
         return [wrap(command, "srun", srun_args=[*counts, *t.srun_args])]
     # ssh runs the command from the home directory, in a login's environment, not ours: relative paths in the config
     # resolve against our directory, and the variables the trainer needs go with the command (srun passes ours on)
-    variables = [f"{name}={value}" for name, value in node_env(config.run, t).items()]
+    variables = [f"{name}={value}" for name, value in node_env(run, t).items()]
     remote = ["sh", "-c", f"cd {shlex.quote(str(cwd))} && exec {shlex.join(['env', *variables, *command])}"]
     return [wrap(remote, "ssh", host, ssh_args=t.ssh_args) for host in t.hosts]
 
@@ -166,20 +166,21 @@ class MetricsFollower:
 # -- running --------------------------------------------------------------------------------------
 
 
-def train(config: PipelineConfig, resolved: Path | str, log: Log,
-          on_metrics: Callable[[dict], None] | None = None) -> Path:
-    """Train as `config` (= load_config(resolved), the run's resolved file) says, in subprocesses; return the directory
-    with best/, final/ and metrics.jsonl.
+def train(run: RunSection, data: DataSection, training: TrainingSection, serving: ServingSection | None,
+          resolved: Path | str, log: Log, on_metrics: Callable[[dict], None] | None = None) -> Path:
+    """Train as the run's resolved config file `resolved` says (these sections are its own: the launch reads them, the
+    trainers the file), in subprocesses; return the directory with best/, final/ and metrics.jsonl. `serving`: the
+    server that needs this node's GPUs next (None: a training-only config).
 
     Raises TrainingStopped when the trainer stopped on SIGTERM (a re-run resumes), TrainingFailed on any other
     failure. However this returns or raises, no process of the training is left running.
     """
     guard.require("starting the trainer")
-    train_dir = config.stage_dir("train")
-    log_path = config.run.dir / "logs" / f"train-{timestamp()}.log"
+    train_dir = run.stage_dir("train")
+    log_path = run.dir / "logs" / f"train-{timestamp()}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    commands = launch_commands(config, resolved, Path.cwd())
-    prefixes = [f"[{host}] " for host in config.training.hosts] if len(commands) > 1 else [""]
+    commands = launch_commands(run, data, training, resolved, Path.cwd())
+    prefixes = [f"[{host}] " for host in training.hosts] if len(commands) > 1 else [""]
     metrics = MetricsFollower(train_dir / METRICS_FILE, log)
     output: queue.Queue = queue.Queue()
     recent: deque[str] = deque(maxlen=400)  # enough for the ranks' tracebacks and the tail
@@ -188,7 +189,7 @@ def train(config: PipelineConfig, resolved: Path | str, log: Log,
     with open(log_path, "ab", buffering=0) as log_file:
         try:
             for command, prefix in zip(commands, prefixes):
-                process = start(command, child_env(config.run, config.training))
+                process = start(command, child_env(run, training))
                 tree.add(process)
                 log(f"train: process group {process.pid}: {shlex.join(command)} (log {log_path})")
                 readers.append(read_output(process, prefix, log_file, recent, output))
@@ -196,12 +197,12 @@ def train(config: PipelineConfig, resolved: Path | str, log: Log,
             hand_out(metrics, on_metrics)  # the records written since the last poll
             code = exit_code(tree.processes, ended)
         finally:
-            tree.stop(config.training.stop_grace_s, log)
+            tree.stop(training.stop_grace_s, log)
             for reader in readers:
                 reader.join(timeout=5.0)  # a pipe still held open by a stranger must not hold us
     # the next stage's server needs this node's GPUs (docs/gpu-node.md); a training-only config serves nothing next
-    if config.training.launcher == "local" and config.serving is not None:
-        wait_gpus_free(GPU_QUERY, config.serving.gpu_free_mib, config.serving.gpu_free_timeout_s, log, "train: ")
+    if training.launcher == "local" and serving is not None:
+        wait_gpus_free(GPU_QUERY, serving.gpu_free_mib, serving.gpu_free_timeout_s, log, "train: ")
     if code == 0:
         log(f"train: done; best/, final/ and {METRICS_FILE} in {train_dir}")
         return train_dir

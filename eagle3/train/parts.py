@@ -14,12 +14,12 @@ from eagle3.algorithms import DraftAlgorithm, algorithm
 from eagle3.algorithms.base import DraftModel
 from eagle3.algorithms.init_copy import ResolvedInit, resolved_init
 from eagle3.bench.simulate import HeldoutRef, heldout_samples
-from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection, VocabSection
+from eagle3.config.draft import DraftSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.training import TrainingSection
 from eagle3.data.capture import check_dataset, dataset_dir
-from eagle3.data.regenerate import greedy_length, read_regenerated, regen_dir
+from eagle3.data.regenerate import read_regenerated, regen_dir
 from eagle3.data.vocab import count_loss_tokens
 from eagle3.distributed import Dist
 from eagle3.draft.vocab_map import VocabMap, load_vocab_map
@@ -48,36 +48,38 @@ class TrainingParts:
     teacher: RememberingTeacher
 
 
-def training_parts(config: PipelineConfig, dist: Dist, log: Log) -> TrainingParts:
-    entry = algorithm(config.draft.algorithm)
-    manifest = dataset_manifest(config)
-    data = training_data(config, log)
-    features = feature_backend(config.data, config.target, config.training, data, manifest, dist)
-    heldout = replayed_samples(config, data, log)
-    head = target_head(Path(config.target.path), config.target.weight_prefix)  # float32, CPU
-    vocab_map = read_vocab_map(config.run, config.vocab, config.target)
-    init = resolved_init(config.run, config.training)
-    refuse_generated(entry.reserved_ids(entry.draft_config(config)), config.run, config.target)
-    model = entry.initial_model(config, head, vocab_map, dist.device, init, log)
-    model.set_recompute(recomputes(config.training.recompute, dist.device))
-    teacher = build_teacher(config.data, config.target, config.training, head, vocab_map, dist.device,
+def training_parts(run: RunSection, data_section: DataSection, target: TargetSection, training: TrainingSection,
+                   draft: DraftSection, vocab: VocabSection, greedy: int, dist: Dist, log: Log) -> TrainingParts:
+    """Every part of a run's training on this rank; `greedy`: the held-out continuations' length (greedy_length)."""
+    entry = algorithm(draft.algorithm)
+    manifest = dataset_manifest(run, data_section, target, training)
+    data = training_data(run, training, log)
+    features = feature_backend(data_section, target, training, data, manifest, dist)
+    heldout = replayed_samples(run, training, greedy, data, log)
+    head = target_head(Path(target.path), target.weight_prefix)  # float32, CPU
+    vocab_map = read_vocab_map(run, vocab, target)
+    init = resolved_init(run, training)
+    cfg = entry.draft_config(draft, target, vocab.draft_vocab_size, data_section.aux_layers)
+    refuse_generated(entry.reserved_ids(cfg), run, target)
+    model = entry.initial_model(cfg, training, head, vocab_map, dist.device, init, log)
+    model.set_recompute(recomputes(training.recompute, dist.device))
+    teacher = build_teacher(data_section, target, training, head, vocab_map, dist.device,
                             remember=features.name == ShardFeatures.name)
-    return TrainingParts(entry, data, features, heldout, target_eos_ids(config.target.path), init, model, teacher)
+    return TrainingParts(entry, data, features, heldout, target_eos_ids(target.path), init, model, teacher)
 
 
-def dataset_manifest(config: PipelineConfig) -> dict:
-    """The capture stage's manifest, checked against the config."""
-    dataset = dataset_dir(config.run, config.training)
+def dataset_manifest(run: RunSection, data: DataSection, target: TargetSection, training: TrainingSection) -> dict:
+    """The capture stage's manifest, checked against the config's sections."""
+    dataset = dataset_dir(run, training)
     if not (dataset / MANIFEST_FILE).exists():
         raise Eagle3Error(f"{dataset}: no data set here; run `eagle3 data capture` first")
     manifest = read_manifest(dataset)
-    check_dataset(config.run, config.data, config.target, config.training, manifest)
+    check_dataset(run, data, target, training, manifest)
     return manifest
 
 
-def training_data(config: PipelineConfig, log: Log) -> TrainingData:
-    train = config.training
-    data = TrainingData(dataset_dir(config.run, config.training), train.seq_len, train.eval_fraction)
+def training_data(run: RunSection, train: TrainingSection, log: Log) -> TrainingData:
+    data = TrainingData(dataset_dir(run, train), train.seq_len, train.eval_fraction)
     if data.without_loss:
         log(f"train: {data.without_loss} sample(s) left out: {data.left_out_why}")
     return data
@@ -91,9 +93,10 @@ def feature_backend(data_section: DataSection, target: TargetSection, training: 
     return ShardFeatures(data, manifest["capture"]["engine_release"], dist.device)
 
 
-def replayed_samples(config: PipelineConfig, data: TrainingData, log: Log) -> list[HeldoutRef] | None:
-    """The held-out greedy sequences evaluation replays, or None when training.best_by does not use them."""
-    train = config.training
+def replayed_samples(run: RunSection, train: TrainingSection, greedy: int, data: TrainingData,
+                     log: Log) -> list[HeldoutRef] | None:
+    """The held-out greedy sequences evaluation replays (their continuations `greedy` tokens long: greedy_length), or
+    None when training.best_by does not use them."""
     if train.best_by != "accept_length":
         log(f"train: evaluation skips the acceptance replay (training.best_by {train.best_by} does not use it)")
         if not data.eval:
@@ -101,7 +104,7 @@ def replayed_samples(config: PipelineConfig, data: TrainingData, log: Log) -> li
                               f"the {len(data.train)} samples: raise training.eval_fraction")
         return None
     try:
-        return heldout_samples(config.run, greedy_length(config))[: train.replay_prompts]
+        return heldout_samples(run, greedy)[: train.replay_prompts]
     except UnreadableInput as err:
         raise Eagle3Error(f"training.best_by accept_length replays the held-out greedy sequences: {err}; or pick "
                           "the best draft by step_acc or eval_loss") from None

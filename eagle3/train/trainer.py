@@ -21,6 +21,7 @@ from eagle3.bench.simulate import counting_release, replay_stored
 from eagle3.config import PipelineConfig
 from eagle3.config.run import RunSection
 from eagle3.config.training import batch_split_problem
+from eagle3.data.regenerate import greedy_length
 from eagle3.distributed import Dist, setup_distributed
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_directory
@@ -61,7 +62,8 @@ class Trainer:
             raise Eagle3Error(problem)
         self.per_forward = train.sequences_per_forward(self.dist.world)  # this rank's rows per forward
         self.every_position = train.loss_positions == "all"  # training steps only: evaluation scores the generated
-        parts = parts or training_parts(config, self.dist, self.log)
+        parts = parts or training_parts(config.run, config.data, config.target, train, config.draft, config.vocab,
+                                        greedy_length(config), self.dist, self.log)
         self.algorithm, self.data, self.features, self.heldout = parts.algorithm, parts.data, parts.features, parts.heldout
         self.eos_ids, self.init, self.model, self.teacher = parts.eos_ids, parts.init, parts.model, parts.teacher
         self.predictions = self.algorithm.predictions(config.draft, train)  # K: the per-prediction sums' length

@@ -42,6 +42,7 @@ from eagle3.records.telemetry import metric_total, parse_metrics
 from eagle3.registry.registry import open_registry
 from eagle3.serve.launch import launch_and_validate
 from eagle3.serving import serving_engine
+from eagle3.serving.base import launch_spec
 from eagle3.serving.vllm_env import install_vllm
 from eagle3.train.trainer import Trainer
 from fixtures_tiny import one_torch_thread, recipe_target
@@ -117,7 +118,7 @@ def serve_and_compare(h32, vllm_python, tmp_path, draft_dir: Path, overrides: li
         f"serving.log_dir={tmp_path / 'logs'}", f"serving.extra_args={json.dumps(CPU_ARGS)}"])
     tokenizer, vllm = load_tokenizer(str(h32["path"])), serving_engine("vllm")
     prompts = [prompt_ids(tokenizer, turns, False) for turns in itertools.islice(pydoc_prompt_turns(), PROMPTS)]
-    server = launch_and_validate(config, h32["path"], draft_dir, log=print)
+    server = launch_and_validate(launch_spec(config), h32["path"], draft_dir, log=print)
     try:
         before, counted_before = scrape(server.url, 30, 0.0, vllm), vllm_counts(server.url)
         result = run_benchmark(server.url, prompts, MAX_NEW, 2, timeout_s=600, retries=0, log=print, engine=vllm)

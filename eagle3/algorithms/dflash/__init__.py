@@ -23,9 +23,9 @@ from eagle3.algorithms.dflash.model import DFLASH_FORMAT, DFlashConfig, DFlashDr
 from eagle3.algorithms.dflash.section import DFlashSection, config_problem, default_layer_ids
 from eagle3.algorithms.init_copy import ResolvedInit
 from eagle3.algorithms.sizes import draft_sizes
-from eagle3.config import PipelineConfig
 from eagle3.config.draft import DraftSection
-from eagle3.config.serving import ServingSection
+from eagle3.config.run import TargetSection
+from eagle3.config.serving import ServingSection, SweepSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
 from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
@@ -52,16 +52,19 @@ class DFlashAlgorithm(DraftAlgorithm):
     def default_aux_layers(self, num_layers: int, draft: DraftSection) -> list[int]:
         return default_layer_ids(num_layers, draft)
 
-    def config_problem(self, config: PipelineConfig) -> str | None:
-        return config_problem(config)
+    def config_problem(self, draft: DraftSection, target: TargetSection, serving: ServingSection | None,
+                       sweep: SweepSection) -> str | None:
+        return config_problem(draft, target, serving, sweep)
 
-    def draft_config(self, config: PipelineConfig) -> DFlashConfig:
-        draft, dflash = config.draft, config.draft.dflash
+    def draft_config(self, draft: DraftSection, target: TargetSection, draft_vocab_size: int,
+                     aux_layers: list[int]) -> DFlashConfig:
+        dflash = draft.dflash
         return DFlashConfig(
-            **draft_sizes(config),  # the target's embedding feeds the blocks, its head reads them
+            # the target's embedding feeds the blocks, its head reads them
+            **draft_sizes(draft, target, draft_vocab_size, aux_layers),
             num_hidden_layers=dflash.num_layers,
             num_key_value_heads=draft.num_key_value_heads,
-            head_dim=config.target.hidden_size // draft.num_attention_heads,
+            head_dim=target.hidden_size // draft.num_attention_heads,
             block_size=dflash.block_size,
             mask_token_id=dflash.mask_token_id,
         )
@@ -78,17 +81,16 @@ class DFlashAlgorithm(DraftAlgorithm):
         return {"target embedding, fp32, frozen": 4 * embedding,
                 "target head, bf16, frozen (the draft's logits; one tensor with the embedding when tied)": 2 * embedding}
 
-    def initial_model(self, config: PipelineConfig, head: dict[str, torch.Tensor], vocab_map: VocabMap,
-                      device: torch.device, init: ResolvedInit | None, log: Log) -> DFlashDraft:
+    def initial_model(self, cfg: DFlashConfig, training: TrainingSection, head: dict[str, torch.Tensor],
+                      vocab_map: VocabMap, device: torch.device, init: ResolvedInit | None, log: Log) -> DFlashDraft:
         """Seeded, on `device`; the target's embedding and head (one tensor when they are tied), the loss scoring
         the run's draft vocabulary."""
-        cfg = self.draft_config(config)
         embed = head["embed"].to(device)
         head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # its matmuls run in bf16 there
         lm_head = embed if head["lm_head"] is head["embed"] else head["lm_head"].to(device, head_dtype)
         with torch.device(device):
             model = DFlashDraft(cfg, embed, lm_head)
-        init_weights(model, config.training.seed)  # from a CPU generator: the same draft on any device
+        init_weights(model, training.seed)  # from a CPU generator: the same draft on any device
         model.loss_ids.copy_(vocab_map.target_ids())
         if init is not None:
             warm_start(model, init, log)

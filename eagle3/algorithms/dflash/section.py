@@ -8,9 +8,10 @@ from pydantic import Field
 from eagle3.algorithms.dflash.contract import (
     dflash_default_layer_ids, dflash_family_problem, dflash_rope_problem, dflash_shape_problem,
 )
-from eagle3.config import PipelineConfig
 from eagle3.config.base import Section
 from eagle3.config.draft import DraftSection
+from eagle3.config.run import TargetSection
+from eagle3.config.serving import ServingSection, SweepSection, replay_shape
 from eagle3.shape import DraftShape
 
 EAGLE31_SWITCHES = ("fc_norm", "norm_before_fc", "norm_output")  # the draft section's EAGLE 3.1 norms
@@ -38,18 +39,19 @@ def default_layer_ids(num_layers: int, draft: DraftSection) -> list[int]:
         raise ValueError(f"data.aux_layers: {err}") from None
 
 
-def config_problem(config: PipelineConfig) -> str | None:
-    """Why `config` cannot train and serve its DFlash draft: Qwen3-style layers; a target family SGLang cannot hand
-    the draft its layers; a release that would rotate it with another RoPE base; a mask id outside the target's
-    vocabulary; a serving shape or sweep point that is not a chain in blocks no longer than it was trained on."""
-    draft, target = config.draft, config.target
+def config_problem(draft: DraftSection, target: TargetSection, serving: ServingSection | None,
+                   sweep: SweepSection) -> str | None:
+    """Why a config of these sections cannot train and serve its DFlash draft: Qwen3-style layers; a target family
+    SGLang cannot hand the draft its layers; a release that would rotate it with another RoPE base; a mask id outside
+    the target's vocabulary; a serving shape or sweep point that is not a chain in blocks no longer than it was
+    trained on."""
     switches = [name for name in EAGLE31_SWITCHES if getattr(draft, name)]
     if draft.attention != "mha" or switches:
         return (f"draft.algorithm dflash has Qwen3-style layers: draft.attention mha, and none of "
                 f"{', '.join(['draft.' + n for n in switches]) or 'the EAGLE 3.1 switches'}")
     if problem := dflash_family_problem(target.family):
         return f"draft.algorithm dflash with target.family {target.family}: {problem}"
-    release = config.serving.release if config.serving is not None else None
+    release = serving.release if serving is not None else None
     if release is not None and (problem := dflash_rope_problem(release, draft.rope_theta)):
         return f"draft.algorithm dflash, serving.release {release}: {problem}"
     mask = draft.dflash.mask_token_id
@@ -57,10 +59,10 @@ def config_problem(config: PipelineConfig) -> str | None:
         return (f"draft.dflash.mask_token_id {mask} is outside the target's vocabulary (0 .. {target.vocab_size - 1}): "
                 "SGLang refuses it; pick an id of the target's embedding")
     block = draft.dflash.block_size
-    shapes = [("serving", config.replay_shape)]
-    shapes += [(f"sweep.points[{i}]", DraftShape(*point)) for i, point in enumerate(config.sweep.points)]
+    shapes = [("serving", replay_shape(serving))]
+    shapes += [(f"sweep.points[{i}]", DraftShape(*point)) for i, point in enumerate(sweep.points)]
     for field, shape in shapes:
         if problem := dflash_shape_problem(block, shape):
             return (f"draft.algorithm dflash, {field}: {problem}; give chains (eagle_topk 1) of up to {block - 1} "
-                    f"steps (draft.dflash.block_size {block}){'' if config.serving else ': add a serving section'}")
+                    f"steps (draft.dflash.block_size {block}){'' if serving else ': add a serving section'}")
     return None

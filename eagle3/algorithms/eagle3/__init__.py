@@ -13,9 +13,9 @@ from eagle3.algorithms.eagle3.contract import FLAG_CONFIG_KEYS, MLA_DRAFT_ARCHIT
 from eagle3.algorithms.eagle3.architecture import trained_draft_config
 from eagle3.algorithms.eagle3.warm_start import warm_start
 from eagle3.algorithms.init_copy import ResolvedInit
-from eagle3.config import PipelineConfig
 from eagle3.config.draft import DraftSection
-from eagle3.config.serving import ServingSection
+from eagle3.config.run import TargetSection
+from eagle3.config.serving import ServingSection, SweepSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
 from eagle3.algorithms.eagle3.checkpoint import (DraftConfig, NativeDraft, convert, load_native, read_checkpoint, save_native_draft,
@@ -41,9 +41,10 @@ class Eagle3Algorithm(DraftAlgorithm):
     config_type = DraftConfig
     warm_start = ("eagle3",)
 
-    def config_problem(self, config: PipelineConfig) -> str | None:
+    def config_problem(self, draft: DraftSection, target: TargetSection, serving: ServingSection | None,
+                       sweep: SweepSection) -> str | None:
         """SGLang's EAGLE-3 drafts: the attention form and the EAGLE 3.1 switches the served release loads."""
-        draft, release = config.draft, config.serving.release if config.serving is not None else None
+        release = serving.release if serving is not None else None
         if draft.attention == "mla" and draft.norm_before_fc:
             return (f"draft.norm_before_fc: SGLang's MLA draft ({MLA_DRAFT_ARCHITECTURE}) has no input norm and would "
                     "skip it; use draft.fc_norm")
@@ -52,8 +53,9 @@ class Eagle3Algorithm(DraftAlgorithm):
             return f"draft.attention {draft.attention} with {switches or 'no switches'}: {problem}"
         return None
 
-    def draft_config(self, config: PipelineConfig) -> DraftConfig:
-        return trained_draft_config(config)
+    def draft_config(self, draft: DraftSection, target: TargetSection, draft_vocab_size: int,
+                     aux_layers: list[int]) -> DraftConfig:
+        return trained_draft_config(draft, target, draft_vocab_size, aux_layers)
 
     def reserved_ids(self, cfg: DraftConfig) -> dict[int, str]:
         return {}
@@ -64,20 +66,20 @@ class Eagle3Algorithm(DraftAlgorithm):
     def target_tensors(self, cfg: DraftConfig) -> dict[str, int]:
         return {"target embedding, fp32, frozen": 4 * cfg.vocab_size * cfg.hidden_size}
 
-    def initial_model(self, config: PipelineConfig, head: dict[str, torch.Tensor], vocab_map: VocabMap,
-                      device: torch.device, init: ResolvedInit | None, log: Log) -> Eagle3Draft:
+    def initial_model(self, cfg: DraftConfig, training: TrainingSection, head: dict[str, torch.Tensor],
+                      vocab_map: VocabMap, device: torch.device, init: ResolvedInit | None, log: Log) -> Eagle3Draft:
         """Made on `device` (no CPU copy of the weights to move); the head holds the target's rows of the draft
         vocabulary, its d2t and t2d are the run's vocab map."""
         with torch.device(device):
-            model = self.new_model(self.draft_config(config), head["embed"].to(device))
-        init_weights(model, config.training.seed)  # from a CPU generator: the same draft on any device
+            model = self.new_model(cfg, head["embed"].to(device))
+        init_weights(model, training.seed)  # from a CPU generator: the same draft on any device
         with torch.no_grad():
             model.d2t.copy_(vocab_map.d2t)
             model.t2d.copy_(vocab_map.t2d)
             model.lm_head.weight.copy_(head["lm_head"][vocab_map.target_ids()])  # the target's rows
         if init is not None:
             warm_start(model, vocab_map, init, log)
-        if config.training.freeze_head:
+        if training.freeze_head:
             freeze_head(model, None if init is not None else head["norm"].to(device))
         return model
 

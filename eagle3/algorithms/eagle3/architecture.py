@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from eagle3.algorithms.sizes import draft_sizes
-from eagle3.config import PipelineConfig
 from eagle3.algorithms.eagle3.checkpoint import DraftConfig
-from eagle3.config.draft import MLA_SIZES
+from eagle3.config.draft import MLA_SIZES, DraftSection
+from eagle3.config.run import TargetSection
 
 
-def trained_draft_config(config: PipelineConfig) -> DraftConfig:
+def trained_draft_config(draft: DraftSection, target: TargetSection, draft_vocab_size: int,
+                         aux_layers: list[int]) -> DraftConfig:
     """The architecture a run trains: the `draft` section's sizes around the target's width and vocabulary."""
-    target, draft = config.target, config.draft
     return DraftConfig(
-        **draft_sizes(config),
+        **draft_sizes(draft, target, draft_vocab_size, aux_layers),
         num_key_value_heads=draft.num_key_value_heads or draft.num_attention_heads,  # mla: every head its own key
         head_dim=(draft.qk_nope_head_dim + draft.qk_rope_head_dim if draft.attention == "mla"
                   else target.hidden_size // draft.num_attention_heads),
