@@ -26,10 +26,11 @@ from eagle3.bench.client import run_benchmark
 from eagle3.bench.simulate import replay_of, simulate
 from eagle3.resolve import load_config
 from eagle3.data.capture import capture
-from eagle3.data.regenerate import heldout_prompt_ids, regenerate
+from eagle3.data.continuations import continue_suites
+from eagle3.data.regenerate import continuing, regenerate
 from eagle3.data.vocab import build_vocab
+from eagle3.deployment.promotion import run_prompt_ids
 from eagle3.deployment.sweep import with_shape
-from eagle3.runtime.targets import load_tokenizer
 from eagle3.runtime.tiny import MICRO, TINY, build_tiny_target
 from eagle3.algorithms.eagle3.checkpoint import convert
 from eagle3.serve.inprocess import serve_in_thread
@@ -52,6 +53,7 @@ def trained_draft(config, steps: int, log) -> Path:
         return exported
     sections = (config.run, config.data, config.target)
     for stage, function in (("regenerate", partial(regenerate, config)),
+                            ("suites", partial(continue_suites, continuing(config))),
                             ("capture", partial(capture, *sections, config.training)),
                             ("vocab", partial(build_vocab, *sections, config.vocab))):
         start = time.perf_counter()
@@ -90,7 +92,7 @@ def main() -> None:
                  f"serving.num_steps={max(shape.num_steps for shape in SHAPES)}"]
     config = load_config(ROOT / "configs" / "tiny-cpu.yaml", overrides)
     draft = trained_draft(config, args.steps, print)
-    prompts = heldout_prompt_ids(config, load_tokenizer(config.target))
+    prompts = run_prompt_ids(config.benchmark, config.data, config.run, config.target)
     print(f"{args.target} target, draft {draft}, {len(prompts)} held-out prompts, max_new_tokens "
           f"{args.max_new_tokens}, {args.concurrency} concurrent, torch threads {torch.get_num_threads()}")
     print(f"{'shape':34} {'sim':>6} {'greedy':>7} {'tok/s':>7} {'speedup':>8} {'same':>5} | "

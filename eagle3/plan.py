@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from eagle3.algorithms import DraftAlgorithm, algorithm
 from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
@@ -26,7 +28,6 @@ from eagle3.data.regenerate import greedy_length
 from eagle3.data.shards import TOKEN_BYTES
 from eagle3.data.suites import planned_requests
 from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
-from eagle3.draft.checkpoint import DraftConfig
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.target.info import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
 from eagle3.plan_time import Scenario, TimePlan, plan_time
@@ -210,7 +211,7 @@ def capture_stage(data: DataSection, serving: ServingSection | None, target: Tar
     return stage
 
 
-def training_stage(entry: DraftAlgorithm, cfg: DraftConfig, draft: DraftSection, train: TrainingSection,
+def training_stage(entry: DraftAlgorithm, cfg: BaseModel, draft: DraftSection, train: TrainingSection,
                    data: DataSection, target: TargetSection, node: NodeSection, size: TargetSize | None) -> StagePlan:
     """The step of `entry`'s draft of architecture `cfg` (its draft_config) on one forward's rows (a micro-batch: the
     global batch's size changes how many there are, not their memory); online, also the target on the same GPUs
@@ -271,7 +272,7 @@ def online_target_parts(training: TrainingSection, data: DataSection, target: Ta
     return parts
 
 
-def serving_stage(entry: DraftAlgorithm, cfg: DraftConfig, draft: DraftSection, serving: ServingSection,
+def serving_stage(entry: DraftAlgorithm, cfg: BaseModel, draft: DraftSection, serving: ServingSection,
                   node: NodeSection, size: TargetSize | None) -> StagePlan:
     """The target with `entry`'s draft of architecture `cfg` at serving.tp: one request of the full context must fit
     next to the weights."""

@@ -87,7 +87,7 @@ import sys
 
 import torch
 
-import eagle3.runtime.sglang_capture  # noqa: F401  (the capture stage's entry here)
+import eagle3.data.node_capture  # noqa: F401  (the capture stage's entry here)
 import eagle3.runtime.sglang_features  # noqa: F401  (the feature backend it builds)
 
 version = metadata.version("sglang")

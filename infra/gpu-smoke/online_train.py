@@ -39,7 +39,7 @@ from eagle3.runtime.features import FeatureBackend, TokenBatch, TransformersFeat
 from eagle3.target.info import read_target_info
 from eagle3.draft.vocab_map import VocabMap, build_vocab_map
 from eagle3.model.teacher import TEACHER_CHUNK_ROWS, chunked_argmax
-from eagle3.model.ttt import TTTModel
+from eagle3.algorithms.eagle3.ttt import TTTModel
 from eagle3.model.weights import target_head
 from eagle3.train.data import SampleRef
 from eagle3.train.parallel import Parallel
