@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from eagle3.config.run import RunSection
 from eagle3.config.training import TrainingSection
 from eagle3.errors import Eagle3Error
@@ -46,3 +48,20 @@ def resolved_init(run: RunSection, training: TrainingSection) -> ResolvedInit | 
             f"{'names ' + repr(record.get('init_from')) if record else 'is missing'}): train with `eagle3 train` or "
             "the pipeline's train stage, which fetch and convert it first (eagle3.init_draft.resolve_init_from)")
     return ResolvedInit(init_dir(run) / NATIVE_DIR, record)
+
+
+def carried_config_problem(init: BaseModel, ours: BaseModel, settable: tuple[str, ...]) -> str | None:
+    """Why weights trained under the draft config `init` cannot start a draft of config `ours` (None: they can):
+    other target layers (the fc reads other features), or the first other field but those in `settable` (what a run
+    sets anew, or trains with its own value and names in the log)."""
+    if init.aux_layers != ours.aux_layers:
+        return (f"it was trained on the hidden states of target layers {init.aux_layers} (aux_layers), this run's data "
+                f"on layers {ours.aux_layers} (data.aux_layers, the data set's manifest): its fc would read other "
+                f"features; capture the data at data.aux_layers {init.aux_layers}, or train from scratch (no "
+                "training.init_from)")
+    for field in type(ours).model_fields:
+        if field not in settable and getattr(init, field) != getattr(ours, field):
+            return (f"{field} {getattr(init, field)!r} in the init draft, {getattr(ours, field)!r} in this config: the "
+                    "same weights would compute something else; set the config's value to the init draft's, or train "
+                    "from scratch (no training.init_from)")
+    return None

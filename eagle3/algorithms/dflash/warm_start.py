@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms.dflash.layout import native_config
 from eagle3.algorithms.dflash.model import DFlashConfig, DFlashDraft
-from eagle3.algorithms.init_copy import ResolvedInit
+from eagle3.algorithms.init_copy import ResolvedInit, carried_config_problem
 from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.errors import Eagle3Error
 from eagle3.fsutil import atomic_directory
@@ -56,13 +56,4 @@ def warm_start(model: DFlashDraft, init: ResolvedInit, log: Log) -> None:
 def carry_over_problem(init: DFlashConfig, ours: DFlashConfig) -> str | None:
     """Why the init draft's weights cannot start this run's draft (the first field that differs and is not set anew or
     noted), or None."""
-    if init.aux_layers != ours.aux_layers:
-        return (f"it was trained on the hidden states of target layers {init.aux_layers} (aux_layers), this run's data "
-                f"on layers {ours.aux_layers}: its fc would read other features; capture the data at those layers "
-                "(data.aux_layers), or train from scratch (no training.init_from)")
-    for field in DFlashConfig.model_fields:
-        if field not in SET_ANEW + NOTED and getattr(init, field) != getattr(ours, field):
-            return (f"{field} {getattr(init, field)!r} in the init draft, {getattr(ours, field)!r} in this config: the "
-                    "same weights would compute something else or not fit; set the config's value to the init "
-                    "draft's (draft, draft.dflash, the target), or train from scratch (no training.init_from)")
-    return None
+    return carried_config_problem(init, ours, SET_ANEW + NOTED)

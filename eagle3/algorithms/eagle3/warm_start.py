@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from eagle3.algorithms.init_copy import ResolvedInit
+from eagle3.algorithms.init_copy import ResolvedInit, carried_config_problem
 from eagle3.errors import Eagle3Error
 from eagle3.algorithms.eagle3.checkpoint import DraftConfig, expected_shapes, load_native
 from eagle3.draft.vocab_map import VocabMap, carry_rows
@@ -56,16 +56,7 @@ def carry_over_problem(init: DraftConfig, ours: DraftConfig) -> str | None:
             return (f"{name} {shape_text(theirs)} in the init draft, {shape_text(mine)} in this config; make the "
                     "draft section and the target match the init draft's architecture, or train from scratch "
                     "(no training.init_from)")
-    if init.aux_layers != ours.aux_layers:
-        return (f"it was trained on the hidden states of target layers {init.aux_layers} (aux_layers), this run's data "
-                f"on layers {ours.aux_layers} (data.aux_layers, the data set's manifest): its fc would read other "
-                f"features; capture the data at data.aux_layers {init.aux_layers}, or train from scratch")
-    for field in DraftConfig.model_fields:
-        if field not in SET_ANEW + NOTED and getattr(init, field) != getattr(ours, field):
-            return (f"{field} {getattr(init, field)!r} in the init draft, {getattr(ours, field)!r} in this config: the "
-                    "same weights would compute something else; set the config's value to the init draft's, or train "
-                    "from scratch")
-    return None
+    return carried_config_problem(init, ours, SET_ANEW + NOTED)
 
 
 def shape_text(shape: tuple[int, ...] | None) -> str:
