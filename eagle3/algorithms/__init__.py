@@ -6,12 +6,13 @@ from pathlib import Path
 
 from eagle3.algorithms.base import DraftAlgorithm
 from eagle3.algorithms.dflash import DFLASH
+from eagle3.algorithms.dspark import DSPARK
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.draft.files import CONFIG_FILE
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.fsutil import read_json
 
-ALGORITHMS: dict[str, DraftAlgorithm] = {entry.name: entry for entry in (EAGLE3, DFLASH)}
+ALGORITHMS: dict[str, DraftAlgorithm] = {entry.name: entry for entry in (EAGLE3, DFLASH, DSPARK)}
 
 
 def require_deployable(name: str, by: str) -> None:

@@ -100,21 +100,16 @@ class BlockModel(LossModule):
         return block_loss(draft, aux, input_ids, teacher, rows)
 
 
-class BlockDrafter:
-    """Drafting for one request as SGLang's DFLASH worker drafts: after the verified x_P, one forward of the block
-    [x_P, mask, ...] of the served shape's num_draft_tokens at P over the context before P, each entry's greedy token
-    over the target's whole head. The context's keys and values are made once a position, as the verified prefix
+class ContextCache:
+    """A request's context keys and values as SGLang's worker keeps them: made once a position, as the verified prefix
     grows (a position's features never change once verified)."""
 
-    def __init__(self, model: DFlashDraft, shape: DraftShape):
-        if problem := dflash_shape_problem(model.config.block_size, shape):
-            raise ValueError(problem)
-        self.model, self.shape = model, shape
+    def __init__(self, model: DFlashDraft):
+        self.model = model
         self.context: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [1, kv_heads, positions made, d]
 
-    @torch.no_grad()  # drafting: no graph (the context kept across calls would hold one per step)
-    def __call__(self, aux: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
-        """aux [P, n * TH] the features of x_0 .. x_{P-1}, tokens [P + 1] -> the chain after x_P."""
+    def prefix(self, aux: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """aux [P, n * TH] the features of x_0 .. x_{P-1} -> each layer's keys and values of those P positions."""
         p = aux.shape[0]
         made = self.context[0][0].shape[2] if self.context else 0
         if p > made:
@@ -122,8 +117,24 @@ class BlockDrafter:
             self.context = new if not self.context else [
                 (torch.cat([k, new_k], dim=2), torch.cat([v, new_v], dim=2))
                 for (k, v), (new_k, new_v) in zip(self.context, new)]
-        prefix = [(k[:, :, :p], v[:, :, :p]) for k, v in self.context]
+        return [(k[:, :, :p], v[:, :, :p]) for k, v in self.context]
+
+
+class BlockDrafter:
+    """Drafting for one request as SGLang's DFLASH worker drafts: after the verified x_P, one forward of the block
+    [x_P, mask, ...] of the served shape's num_draft_tokens at P over the context before P, each entry's greedy token
+    over the target's whole head."""
+
+    def __init__(self, model: DFlashDraft, shape: DraftShape):
+        if problem := dflash_shape_problem(model.config.block_size, shape):
+            raise ValueError(problem)
+        self.model, self.shape, self.cache = model, shape, ContextCache(model)
+
+    @torch.no_grad()  # drafting: no graph (the context kept across calls would hold one per step)
+    def __call__(self, aux: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
+        """aux [P, n * TH] the features of x_0 .. x_{P-1}, tokens [P + 1] -> the chain after x_P."""
+        p = aux.shape[0]
         anchor = torch.tensor([[p]], device=aux.device)
         first = tokens[p].view(1, 1).to(aux.device)
-        hidden = self.model.blocks(prefix, first, anchor, self.shape.num_draft_tokens)[0, 0, 1:]  # [num_steps, H]
-        return DraftTree.chain(self.model.greedy(hidden).tolist())
+        hidden = self.model.blocks(self.cache.prefix(aux), first, anchor, self.shape.num_draft_tokens)[0, 0, 1:]
+        return DraftTree.chain(self.model.greedy(hidden).tolist())  # hidden [num_steps, H]

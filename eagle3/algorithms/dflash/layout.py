@@ -55,10 +55,12 @@ def write_sglang(source: Path, directory: Path) -> Path:
     return write_export(source, directory, "sglang", sglang_config)
 
 
-def write_export(source: Path, directory: Path, layout: str, config_of: Callable[[DFlashConfig], dict]) -> Path:
-    """The native draft at `source` in `layout` in `directory`, replaced if there: the tensors in the config's dtype,
-    config.json as `config_of` writes it, written beside and moved in whole."""
-    cfg = native_config(source)
+def write_export(source: Path, directory: Path, layout: str, config_of: Callable[[DFlashConfig], dict],
+                 config_type: type[DFlashConfig] = DFlashConfig) -> Path:
+    """The native draft at `source` (of `config_type`: DFlash's, or a kind built on its backbone) in `layout` in
+    `directory`, replaced if there: the tensors in the config's dtype, config.json as `config_of` writes it, written
+    beside and moved in whole."""
+    cfg = native_config(source, config_type)
     dtype = DTYPES[cfg.torch_dtype]
     tensors = {name: t.to(dtype).contiguous() for name, t in load_file(source / WEIGHTS_FILE).items()}
     partial = directory.with_name(directory.name + ".partial")
@@ -66,20 +68,23 @@ def write_export(source: Path, directory: Path, layout: str, config_of: Callable
     partial.mkdir(parents=True)
     save_file(tensors, partial / WEIGHTS_FILE, metadata={"format": "pt"})
     (partial / CONFIG_FILE).write_text(json.dumps(config_of(cfg), indent=2) + "\n")
-    write_manifest(partial, kind=f"draft-dflash-{layout}", fields={"layout": layout, "source": str(source)})
+    write_manifest(partial, kind=f"draft-{cfg.format.removesuffix('-native')}-{layout}",
+                   fields={"layout": layout, "source": str(source)})
     shutil.rmtree(directory, ignore_errors=True)
     partial.rename(directory)
     return directory
 
 
-def native_config(directory: Path) -> DFlashConfig:
-    """The native config of the DFlash draft at `directory`: a trained draft's, or the one an export records."""
+def native_config(directory: Path, config_type: type[DFlashConfig] = DFlashConfig) -> DFlashConfig:
+    """The native config (of `config_type`) of the draft at `directory`: a trained draft's, or the one an export
+    records."""
     raw = read_json(directory / CONFIG_FILE, "missing")
     try:
-        return DFlashConfig.model_validate((raw.get("eagle3") or {}).get("native") or raw)
+        return config_type.model_validate((raw.get("eagle3") or {}).get("native") or raw)
     except ValidationError as err:
-        raise UnreadableInput(f"{directory / CONFIG_FILE}: not a DFlash draft this project wrote ({err.errors()[0]['loc']}: "
-                              f"{err.errors()[0]['msg']}); import a draft from elsewhere with `eagle3 registry "
+        kind = config_type.model_fields["format"].default.removesuffix("-native")
+        raise UnreadableInput(f"{directory / CONFIG_FILE}: not a {kind} draft this project wrote "
+                              f"({err.errors()[0]['loc']}: {err.errors()[0]['msg']}); import a draft from elsewhere with `eagle3 registry "
                               "import`") from None
 
 
@@ -148,17 +153,18 @@ def check_layer_ids(report: Report, ids, captured: list[int] | None) -> None:
                    f"set dflash_config.target_layer_ids to {captured}")
 
 
-def check_tensors(report: Report, directory: Path, native: dict | None, dtype: str | None, engine: str) -> None:
-    """Every parameter `engine`'s DFlashDraftModel has, under its name, shape and the declared `dtype`; nothing it
-    would skip. The expected set is our model's, built on the meta device from the `native` config the export
-    records."""
+def check_tensors(report: Report, directory: Path, native: dict | None, dtype: str | None, engine: str,
+                  model_type: type[DFlashDraft] = DFlashDraft) -> None:
+    """Every parameter `engine`'s draft model has, under its name, shape and the declared `dtype`; nothing it would
+    skip. The expected set is our `model_type`'s (DFlash's, or a kind built on its backbone), built on the meta device
+    from the `native` config the export records."""
     if native is None:
         report.add(ProblemCode.CONFIG_FIELD, "error", "no eagle3.native record: the tensors cannot be checked against "
                    "the draft's own architecture", "export the draft with this project")
         return
-    cfg = DFlashConfig.model_validate(native)
+    cfg = model_type.config_type.model_validate(native)
     with torch.device("meta"):
-        model = DFlashDraft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
+        model = model_type(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items() if not name.startswith("embed_tokens")}
     with safe_open(directory / WEIGHTS_FILE, "pt") as weights:
         found = {name: (tuple(weights.get_slice(name).get_shape()), weights.get_slice(name).get_dtype())
@@ -167,8 +173,8 @@ def check_tensors(report: Report, directory: Path, native: dict | None, dtype: s
         report.add(ProblemCode.MISSING_TENSOR, "error", f"{name} is missing: {engine} leaves it at its "
                    "initialisation", "re-export the draft")
     for name in sorted(set(found) - set(expected)):
-        report.add(ProblemCode.SKIPPED_TENSOR, "error", f"{name} is no DFlashDraftModel parameter: {engine} skips it "
-                   "without a word", "re-export the draft")
+        report.add(ProblemCode.SKIPPED_TENSOR, "error", f"{name} is no {model_type.served_name} parameter: {engine} "
+                   "skips it without a word", "re-export the draft")
     declared = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(dtype)
     for name in sorted(set(expected) & set(found)):
         shape, found_dtype = found[name]

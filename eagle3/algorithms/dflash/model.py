@@ -105,6 +105,9 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraft(TargetEmbeddingDraft):  # export_state: SGLang's names, no embedding or head
+    config_type = DFlashConfig
+    served_name = "DFlashDraftModel"  # the class SGLang loads it as
+
     def __init__(self, cfg: DFlashConfig, embed_tokens: torch.Tensor, lm_head: torch.Tensor | None = None):
         """embed_tokens [V, H] and lm_head [V, H] the target's, frozen (lm_head defaults to an unset one of the same
         size: the memory plan's)."""

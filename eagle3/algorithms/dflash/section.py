@@ -39,16 +39,23 @@ def default_layer_ids(num_layers: int, draft: DraftSection) -> list[int]:
         raise ValueError(f"data.aux_layers: {err}") from None
 
 
+def qwen3_layers_problem(draft: DraftSection) -> str | None:
+    """Why the draft section cannot give a backbone of DFlash's Qwen3-style layers (its kinds' and DSpark's)."""
+    switches = [name for name in EAGLE31_SWITCHES if getattr(draft, name)]
+    if draft.attention != "mha" or switches:
+        return (f"draft.algorithm {draft.algorithm} has Qwen3-style layers: draft.attention mha, and none of "
+                f"{', '.join(['draft.' + n for n in switches]) or 'the EAGLE 3.1 switches'}")
+    return None
+
+
 def config_problem(draft: DraftSection, target: TargetSection, serving: ServingSection | None,
                    sweep: SweepSection) -> str | None:
     """Why a config of these sections cannot train and serve its DFlash draft: Qwen3-style layers; a target family
     SGLang cannot hand the draft its layers; a release that would rotate it with another RoPE base; a mask id outside
     the target's vocabulary; a serving shape or sweep point that is not a chain in blocks no longer than it was
     trained on."""
-    switches = [name for name in EAGLE31_SWITCHES if getattr(draft, name)]
-    if draft.attention != "mha" or switches:
-        return (f"draft.algorithm dflash has Qwen3-style layers: draft.attention mha, and none of "
-                f"{', '.join(['draft.' + n for n in switches]) or 'the EAGLE 3.1 switches'}")
+    if problem := qwen3_layers_problem(draft):
+        return problem
     if problem := dflash_family_problem(target.family):
         return f"draft.algorithm dflash with target.family {target.family}: {problem}"
     release = serving.release if serving is not None else None

@@ -28,29 +28,30 @@ SET_ANEW = ("format", "format_version", "torch_dtype", "target_family", "max_pos
 NOTED = ("block_size", "rms_norm_eps")
 
 
-def write_copy(source: Path, out: Path, source_name: str) -> None:
-    """The DFlash draft at `source` (a native draft, or an SGLang export this project wrote: every registry version
-    holds one) as a native draft at `out`, replaced whole."""
-    cfg = native_config(source)
+def write_copy(source: Path, out: Path, source_name: str, config_type: type[DFlashConfig] = DFlashConfig) -> None:
+    """The draft of `config_type` (DFlash's, or a kind built on its backbone) at `source` (a native draft, or an SGLang
+    export this project wrote: every registry version holds one) as a native draft at `out`, replaced whole."""
+    cfg = native_config(source, config_type)
     tensors = load_file(source / WEIGHTS_FILE)
     with atomic_directory(out, overwrite=True) as tmp:
         save_file({name: t.float().contiguous() for name, t in tensors.items()}, tmp / WEIGHTS_FILE,
                   metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(cfg.model_dump_json(indent=2))
-        write_manifest(tmp, kind="draft-dflash-native", fields={"layout": "dflash-native", "source": source_name})
+        write_manifest(tmp, kind=f"draft-{cfg.format}", fields={"layout": cfg.format, "source": source_name})
 
 
-def warm_start(model: DFlashDraft, init: ResolvedInit, log: Log) -> None:
-    """Load the init draft's weights into `model` (seeded, on its device), refused when they cannot carry over."""
-    previous = native_config(init.path)
-    if problem := carry_over_problem(previous, model.config):
+def warm_start(model: DFlashDraft, init: ResolvedInit, log: Log, noted: tuple[str, ...] = NOTED) -> None:
+    """Load the init draft's weights into `model` (seeded, on its device; DFlash's, or a kind built on its backbone,
+    whose `noted` fields may differ too), refused when they cannot carry over."""
+    previous = native_config(init.path, type(model.config))
+    if problem := carried_config_problem(previous, model.config, SET_ANEW + noted):
         raise Eagle3Error(f"cannot warm start from training.init_from {init.describe()}: {problem}")
     with torch.no_grad():
         model.load_draft_state(load_file(init.path / WEIGHTS_FILE))
-    noted = [f"{field} {getattr(previous, field)} -> {getattr(model.config, field)}" for field in NOTED
-             if getattr(previous, field) != getattr(model.config, field)]
+    changed = [f"{field} {getattr(previous, field)} -> {getattr(model.config, field)}" for field in noted
+               if getattr(previous, field) != getattr(model.config, field)]
     log(f"train: warm start from {init.describe()}"
-        + (f"; trained with this config's {', '.join(noted)}" if noted else ""))
+        + (f"; trained with this config's {', '.join(changed)}" if changed else ""))
 
 
 def carry_over_problem(init: DFlashConfig, ours: DFlashConfig) -> str | None:

@@ -1,0 +1,115 @@
+"""A DSpark draft in the layout SGLang's Qwen3DSparkModel loads (srt/models/dspark.py, 0.5.16-0.5.23), and what would go
+wrong with one before a server starts (docs/algorithms.md, "DSpark").
+
+config.json: DFlash's SGLang config (eagle3.algorithms.dflash.layout: Qwen3's fields, `dflash_config: {target_layer_ids,
+mask_token_id}`) with `architectures: [Qwen3DSparkModel]` (the one entry class of every release; DSparkDraftModel came
+in 0.5.17), `block_size` gamma, and the head's fields where each reader looks: top level (the model's
+build_markov_head and build_confidence_head read only there; vLLM too) and in `dspark_config` and `dflash_config`
+(the spec parser's, and SpecForge's). `sample_from_anchor: true`: every entry drafts, the only form before 0.5.20.
+Tensors: DFlash's under SGLang's names, then `markov_head.*` and `confidence_head.proj.*`; no embedding and no head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from eagle3.algorithms.dflash.layout import check_layer_ids, check_tensors, native_config, sglang_config, write_export
+from eagle3.algorithms.dspark.contract import ARCHITECTURE, dspark_family_problem, dspark_release_problem
+from eagle3.algorithms.dspark.model import DSparkConfig, DSparkDraft
+from eagle3.contract.problems import ProblemCode, Report
+from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
+from eagle3.fsutil import read_json
+from eagle3.records.manifest import read_data_capture
+
+HEAD_TYPES = ("vanilla", "gated", "rnn")  # SGLang's SUPPORTED_DSPARK_MARKOV_HEAD_TYPES
+
+
+def head_fields(cfg: DSparkConfig) -> dict:
+    """The head's fields as SGLang's and vLLM's readers name them."""
+    return {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
+            "enable_confidence_head": cfg.confidence_head,
+            "confidence_head_with_markov": cfg.confidence_head_with_markov, "sample_from_anchor": True}
+
+
+def dspark_sglang_config(cfg: DSparkConfig) -> dict:
+    config = sglang_config(cfg)
+    nested = {**config["dflash_config"], **head_fields(cfg), "block_size": cfg.block_size}
+    return {**config, "architectures": [ARCHITECTURE], **head_fields(cfg), "dspark_config": nested,
+            "dflash_config": nested}
+
+
+def write_sglang(source: Path, directory: Path) -> Path:
+    """The native draft at `source` as SGLang's layout in `directory`."""
+    return write_export(source, directory, "sglang", dspark_sglang_config, DSparkConfig)
+
+
+def read_sglang(directory: Path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
+    """An export `write_sglang` wrote: the native config it records and its tensors."""
+    return native_config(directory, DSparkConfig), load_file(directory / WEIGHTS_FILE)
+
+
+def validate_sglang(directory: Path, release: str | None, data_manifest: Path | None,
+                    context_length: int | None, captured: list[int] | None = None) -> Report:
+    """What SGLang `release` would do wrongly with the DSpark export at `directory`: each problem named, with its fix
+    (its ids against the layers of the data at `data_manifest`, or `captured`, when given)."""
+    report = Report(str(directory), "sglang", release)
+    raw = read_json(directory / CONFIG_FILE, "missing")
+    native = (raw.get("eagle3") or {}).get("native") or {}
+    if problem := dspark_release_problem(release):
+        report.add(ProblemCode.UNSUPPORTED_FLAG, "error", problem, "serve with SGLang >= 0.5.16")
+    if raw.get("architectures") != [ARCHITECTURE]:
+        report.add(ProblemCode.CONFIG_ARCHITECTURE, "error", f"architectures is {raw.get('architectures')}; every "
+                   f"SGLang release with DSPARK serves it as {ARCHITECTURE}", f"set architectures to [{ARCHITECTURE}]")
+    if problem := dspark_family_problem(native.get("target_family") or "unknown"):
+        report.add(ProblemCode.CAPTURED_LAYERS, "error", problem, "serve a DSpark draft of another target family")
+    if data_manifest is not None:
+        captured = read_data_capture(data_manifest)["aux_layers"]
+    check_layer_ids(report, (raw.get("dflash_config") or {}).get("target_layer_ids"), captured)
+    check_head(report, raw, native)
+    if context_length is not None and (raw.get("max_position_embeddings") or 0) < context_length:
+        report.add(ProblemCode.CONTEXT_LENGTH, "error", f"max_position_embeddings {raw.get('max_position_embeddings')} "
+                   f"is below serving.context_length {context_length}", "raise draft.max_position_embeddings")
+    check_tensors(report, directory, native or None, raw.get("torch_dtype"), "SGLang", DSparkDraft)
+    return report
+
+
+def check_head(report: Report, raw: dict, native: dict) -> None:
+    """The fields SGLang builds the head and the block from, against what the draft was trained with: the Markov rank
+    and head type (the model reads them at the top level), the mask token, gamma."""
+    rank, kind = raw.get("markov_rank"), raw.get("markov_head_type")
+    if not isinstance(rank, int) or rank <= 0:
+        report.add(ProblemCode.CONFIG_FIELD, "error", f"markov_rank is {rank}: SGLang refuses a DSpark draft without "
+                   "a Markov head (markov_rank > 0, read at the config's top level)",
+                   f"set markov_rank to {native.get('markov_rank', 'the trained rank')}")
+    elif native and rank != native.get("markov_rank"):
+        report.add(ProblemCode.SHAPE_MISMATCH, "error", f"markov_rank {rank}, but the draft was trained with "
+                   f"{native.get('markov_rank')}: SGLang builds markov_w1/markov_w2 of that rank and refuses the "
+                   "tensors", f"set markov_rank to {native.get('markov_rank')}")
+    if kind not in HEAD_TYPES:
+        report.add(ProblemCode.CONFIG_FIELD, "error", f"markov_head_type is {kind}: SGLang refuses a Markov rank "
+                   f"without one of {', '.join(HEAD_TYPES)}", f"set markov_head_type to "
+                   f"{native.get('markov_head_type', 'the trained head')}")
+    elif native and kind != native.get("markov_head_type"):
+        report.add(ProblemCode.CONFIG_FIELD, "error", f"markov_head_type {kind}, but the draft was trained with a "
+                   f"{native.get('markov_head_type')} head: SGLang builds the other head and refuses its tensors",
+                   f"set markov_head_type to {native.get('markov_head_type')}")
+    mask, vocab = (raw.get("dflash_config") or {}).get("mask_token_id"), raw.get("vocab_size")
+    if not isinstance(mask, int) or not isinstance(vocab, int) or not 0 <= mask < vocab:
+        report.add(ProblemCode.VOCAB_SIZE, "error", f"dflash_config.mask_token_id {mask} is not an id of the "
+                   f"target's {vocab} (vocab_size): SGLang's DSpark refuses it", "set it to the id the draft was "
+                   "trained with")
+    elif native and mask != native.get("mask_token_id"):
+        report.add(ProblemCode.CONFIG_FIELD, "error", f"dflash_config.mask_token_id {mask}, but the draft was trained "
+                   f"with {native.get('mask_token_id')} at its blocks' unknown entries",
+                   f"set it to {native.get('mask_token_id')}")
+    if not isinstance(raw.get("block_size"), int):
+        report.add(ProblemCode.CONFIG_FIELD, "error", "no block_size: SGLang's DSpark takes gamma from the server's "
+                   "--speculative-num-draft-tokens alone, unchecked against the block the draft was trained on",
+                   "set block_size to draft.dspark.block_size")
+    if raw.get("confidence_head_with_markov") is None and native.get("confidence_head"):
+        report.add(ProblemCode.CONFIG_FIELD, "error", "no confidence_head_with_markov: SGLang then builds the head "
+                   "over the Markov row too, vLLM without it; one of them reads the weights at the wrong width",
+                   f"set confidence_head_with_markov to {native.get('confidence_head_with_markov')}")
