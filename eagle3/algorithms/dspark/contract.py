@@ -31,15 +31,15 @@ def dspark_family_problem(family: str) -> str | None:
 
 
 def dspark_shape_problem(gamma: int | None, shape: DraftShape) -> str | None:
-    """Why a DSpark draft trained on blocks of `gamma` entries cannot be served in `shape` (None: it can). SGLang's
-    DSPARK worker drafts one chain of --speculative-num-draft-tokens - 1 tokens a step (its gamma), verified in a
-    window one longer: more entries than trained put mask tokens where the draft never saw them."""
+    """Why a DSpark draft of `gamma` (its config's block_size) cannot be served in `shape` (None: it can). SGLang's
+    DSPARK worker drafts one chain of gamma tokens a step, verified in a window of gamma + 1: its ServerArgs refuse a
+    --speculative-num-draft-tokens other than the checkpoint's gamma + 1 (0.5.16-0.5.23)."""
     if shape.eagle_topk != 1:
         return f"a DSpark draft proposes one chain a step, not the tree of {shape.label()}: eagle_topk must be 1"
     if shape.num_draft_tokens != shape.num_steps + 1:
-        return (f"{shape.label()}: SGLang's DSPARK worker drafts num_draft_tokens - 1 tokens a step, so num_draft_tokens "
-                "must be num_steps + 1")
-    if gamma is not None and shape.num_steps > gamma:
-        return (f"{shape.label()} drafts {shape.num_steps} tokens a step, but the draft was trained on blocks of {gamma} "
-                f"(block_size): num_steps must be at most {gamma}")
+        return (f"{shape.label()}: SGLang's DSPARK worker verifies num_steps + 1 tokens a step (the chain and its "
+                "anchor), so num_draft_tokens must be num_steps + 1")
+    if gamma is not None and shape.num_steps != gamma:
+        return (f"{shape.label()} drafts {shape.num_steps} tokens a step, but the draft's block is {gamma} (block_size): "
+                f"SGLang refuses --speculative-num-draft-tokens other than {gamma + 1}; serve num_steps {gamma}")
     return None

@@ -53,7 +53,7 @@ def config_problem(draft: DraftSection, target: TargetSection, serving: ServingS
                    sweep: SweepSection) -> str | None:
     """Why a config of these sections cannot train and serve its DSpark draft: Qwen3-style layers; a release without
     DSPARK; a family SGLang cannot hand the draft its layers; a mask id outside the vocabulary; a serving shape or
-    sweep point that is not a chain of at most gamma drafts."""
+    sweep point that is not the chain of gamma drafts SGLang serves."""
     if problem := qwen3_layers_problem(draft):
         return problem
     release = serving.release if serving is not None else None
@@ -69,6 +69,6 @@ def config_problem(draft: DraftSection, target: TargetSection, serving: ServingS
     shapes += [(f"sweep.points[{i}]", DraftShape(*point)) for i, point in enumerate(sweep.points)]
     for field, shape in shapes:
         if problem := dspark_shape_problem(spark.block_size, shape):
-            return (f"draft.algorithm dspark, {field}: {problem}; give chains (eagle_topk 1) of up to "
+            return (f"draft.algorithm dspark, {field}: {problem}; give chains (eagle_topk 1) of "
                     f"{spark.block_size} steps (draft.dspark.block_size){'' if serving else ': add a serving section'}")
     return None
