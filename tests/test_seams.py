@@ -21,18 +21,23 @@ ROOT = Path(__file__).resolve().parent.parent
 # Outside a kind's folder, the lines that may name it: the registry line and its import, and the serving engines' own
 # method tables (a method's counting rules, keyed by the name the engine serves it as).
 MAY_NAME = {
-    "eagle3/algorithms/__init__.py": ("from eagle3.algorithms.dflash import DFLASH", "ALGORITHMS: dict[str, "),
+    "eagle3/algorithms/__init__.py": ("from eagle3.algorithms.dflash import DFLASH",
+                                      "from eagle3.algorithms.dspark import DSPARK", "ALGORITHMS: dict[str, "),
     "eagle3/serving/sglang.py": ("WHOLE_RUN_FROM = {",),
 }
+# A kind built on another's model may name it in its own folder: DSpark's draft is DFlash's backbone with two heads, as
+# SGLang's DSparkDraftModel extends its DFlashDraftModel.
+BUILT_ON = {"dflash": ("dspark",)}
 
 
 def naming_lines(root: Path, kind: str) -> list[str]:
-    """Each line of a module under root/eagle3, outside eagle3/algorithms/<kind>/, that names `kind` (in any case) and
-    is not one that may."""
+    """Each line of a module under root/eagle3, outside eagle3/algorithms/<kind>/ (and the folders of the kinds built
+    on it), that names `kind` (in any case) and is not one that may."""
+    own = tuple(f"eagle3/algorithms/{name}/" for name in (kind, *BUILT_ON.get(kind, ())))
     found = []
     for path in sorted((root / "eagle3").rglob("*.py")):
         name = path.relative_to(root).as_posix()
-        if name.startswith(f"eagle3/algorithms/{kind}/"):
+        if name.startswith(own):
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if kind in line.lower() and not line.strip().startswith(MAY_NAME.get(name, ())):
@@ -40,8 +45,9 @@ def naming_lines(root: Path, kind: str) -> list[str]:
     return found
 
 
-def test_outside_its_folder_no_module_names_dflash_but_the_registry_line_and_the_engines_method_tables():
-    assert naming_lines(ROOT, "dflash") == []
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_outside_its_folder_no_module_names_a_kind_but_the_registry_line_and_the_engines_method_tables(kind):
+    assert naming_lines(ROOT, kind) == []
 
 
 def test_the_naming_rule_finds_a_mention_outside_the_folder_and_allows_the_registry_line(tmp_path):
