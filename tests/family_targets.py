@@ -18,6 +18,7 @@ FAMILY_CONFIGS = {family: Path(__file__).parent.parent / "configs" / f"tiny-{fam
 # config differs from tiny-cpu.yaml by the target alone, and the Kimi-kind flow serves a Llama-layer draft on MLA)
 MLA_DRAFT_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-deepseek-v2-mla-cpu.yaml"
 DFLASH_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-dflash-cpu.yaml"  # tests/test_dflash.py
+DSPARK_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-dspark-cpu.yaml"  # tests/test_dspark.py
 CONTENDERS_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-contenders-cpu.yaml"  # tests/test_contenders.py
 VLLM_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-vllm-cpu.yaml"  # tests/conformance/test_vllm_server.py
 FLOW_CONFIGS = {**FAMILY_CONFIGS, "deepseek_v2": MLA_DRAFT_CONFIG}

@@ -1,7 +1,8 @@
 """A retrain for every kind of draft (docs/production-loop.md, "Retraining"): a production of the run's kind is the
 warm start of `eagle3 run --mode retrain` (the log names the version, the retrained draft's checkpoint and version
 record it), a draft of another kind is refused as a warm start before any stage and a production of another kind
-makes the retrain train from scratch, saying so."""
+makes the retrain train from scratch, saying so. DFlash's and DSpark's productions each (EAGLE-3's retrain is
+test_deployment_e2e's)."""
 
 import json
 
@@ -20,13 +21,16 @@ from eagle3.records.manifest import read_manifest
 from eagle3.registry.registry import open_registry, version_algorithm
 from eagle3.runs import retrain_runs
 from eagle3.train.trainer import best_draft
-from family_targets import DFLASH_CONFIG
+from family_targets import DFLASH_CONFIG, DSPARK_CONFIG
 from flows.eagle3 import eagle3
 from helpers import TINY, micro_run_overrides
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PAD = 5  # the tiny tokenizers' <|pad|>: never generated
 DFLASH_MICRO = ["draft.dflash.num_layers=1", f"draft.dflash.mask_token_id={PAD}", "sweep.points=[[1, 1, 2]]"]
+# a DSpark draft is served only as the chain of its gamma: no sweep point of another shape
+DSPARK_MICRO = ["draft.dspark.num_layers=1", f"draft.dspark.mask_token_id={PAD}", "sweep.points=[]"]
+KINDS = {"dflash": (DFLASH_CONFIG, DFLASH_MICRO), "dspark": (DSPARK_CONFIG, DSPARK_MICRO)}
 
 
 def flow_logs(state) -> list[str]:
@@ -36,47 +40,53 @@ def flow_logs(state) -> list[str]:
     return [entry.message for entry in logs]
 
 
-@pytest.fixture(scope="module")
-def dflash_production(prefect_api, tmp_path_factory, micro_target):
-    """configs/tiny-dflash-cpu.yaml on the micro target, run once: its DFlash draft promoted into production."""
-    run_dir = tmp_path_factory.mktemp("dflash-production")
+@pytest.fixture(scope="module", params=list(KINDS))
+def production(request, prefect_api, tmp_path_factory, micro_target):
+    """The kind's tiny config (configs/tiny-dflash-cpu.yaml, configs/tiny-dspark-cpu.yaml) on the micro target, run
+    once: its draft promoted into production. -> (kind, config path, config, the micro run's overrides, the kind's,
+    the production version)."""
+    kind = request.param
+    path, extra = KINDS[kind]
+    run_dir = tmp_path_factory.mktemp(f"{kind}-production")
     micro = micro_run_overrides(run_dir, micro_target)
-    state = eagle3(str(DFLASH_CONFIG), micro + DFLASH_MICRO, return_state=True)
+    state = eagle3(str(path), micro + extra, return_state=True)
     assert state.is_completed() and state.name == "Completed", state.message
-    return load_config(DFLASH_CONFIG, micro + DFLASH_MICRO), micro, state.result()
+    return kind, path, load_config(path, micro + extra), micro, extra, state.result()
 
 
-def test_a_dflash_production_retrains_warm_from_its_own_version(dflash_production):
-    config, micro, version = dflash_production
-    overrides = micro + DFLASH_MICRO
-    state = eagle3(str(DFLASH_CONFIG), overrides, mode="retrain", return_state=True)
+def test_a_production_retrains_warm_from_its_own_version(production):
+    kind, path, config, micro, extra, version = production
+    overrides = micro + extra
+    state = eagle3(str(path), overrides, mode="retrain", return_state=True)
     assert state.is_completed() and state.name in ("Completed", "RolledBack"), state.message
     logs = flow_logs(state)
-    assert any(f"retrain: warm start from production version {version} (a dflash draft)" in line for line in logs), logs
+    assert any(f"retrain: warm start from production version {version} (a {kind} draft)" in line
+               for line in logs), logs
     assert any(line.startswith(f"train: warm start from {version} (version ") for line in logs), logs
+    assert any(line.startswith("gate: promote: ") for line in logs), logs  # the retrained draft was promoted
     (retrain,) = retrain_runs(config.run.dir)
-    started_from = read_manifest(best_draft(load_config(DFLASH_CONFIG, [*overrides, f"run.dir={retrain}"]).run))
+    started_from = read_manifest(best_draft(load_config(path, [*overrides, f"run.dir={retrain}"]).run))
     assert started_from["init_from"]["init_from"] == version and started_from["init_from"]["kind"] == "version"
     registry = open_registry(config.registry)
     if state.name == "Completed":  # promoted: the new version names the draft it was fine-tuned from
         new = registry.production_version()
-        assert new != version and version_algorithm(registry.manifest(new)) == "dflash"
+        assert new != version and version_algorithm(registry.manifest(new)) == kind
         assert registry.manifest(new)["lineage"]["init_from"]["init_from"] == version
     else:  # rolled back: production keeps serving the version the retrain started from
         assert registry.production_version() == version
 
 
-def test_an_eagle3_run_trains_from_scratch_over_a_dflash_production_and_refuses_it_as_a_warm_start(dflash_production):
-    config, micro, _ = dflash_production
+def test_an_eagle3_run_trains_from_scratch_over_another_kinds_production_and_refuses_it_as_a_warm_start(production):
+    kind, _, config, micro, _, _ = production
     registry = open_registry(config.registry)
     version = registry.production_version()  # the fixture's, or a retrain's of it
     lines = []
     added = retrain_overrides(load_config(TINY, micro).run, "eagle3", registry, log=lines.append)
     assert not any(o.startswith("training.init_from") for o in added)
-    assert lines == [f"retrain: production {version} is a dflash draft, which draft.algorithm eagle3 does not warm start "
-                     f"from: training from scratch in {added[0].removeprefix('run.dir=')}"]
+    assert lines == [f"retrain: production {version} is a {kind} draft, which draft.algorithm eagle3 does not warm "
+                     f"start from: training from scratch in {added[0].removeprefix('run.dir=')}"]
     by_hand = load_config(TINY, [*micro, f"training.init_from={json.dumps(version)}"])
-    with pytest.raises(Eagle3Error, match=f"training.init_from '{version}' .*: it is a dflash draft, and "
+    with pytest.raises(Eagle3Error, match=f"training.init_from '{version}' .*: it is a {kind} draft, and "
                                           "draft.algorithm eagle3 warm starts only from eagle3 drafts; name one"):
         init_draft(by_hand.training, by_hand.draft, by_hand.registry)
 

@@ -26,10 +26,11 @@ Log = Callable[[str], None]
 SPECFORGE_WEIGHTS = {"ce_weight": 0.1, "l1_weight": 0.9, "confidence_weight": 1.0}
 
 
-def head_fields(raw: dict, report: Report, steps: list[str]) -> dict:
+def head_fields(raw: dict, tensors: dict, report: Report, steps: list[str]) -> dict:
     """The heads' fields, wherever the writer put them: the top level wins (SGLang's model reads only there), then
-    dspark_config, then dflash_config (SpecForge's). A confidence head whose width the config leaves open is
-    SpecForge's: without the Markov row."""
+    dspark_config, then dflash_config (SpecForge's). A confidence head the config does not mention is the one the
+    tensors hold (SpecForge builds it only when asked and saves what it built), and its width, where the config leaves
+    it open, is its weight's: the stream alone, or the stream and the Markov row."""
     nested = {**(raw.get("dflash_config") or {}), **(raw.get("dspark_config") or {})}
 
     def field(name, default=None):
@@ -42,12 +43,20 @@ def head_fields(raw: dict, report: Report, steps: list[str]) -> dict:
     if kind not in HEAD_TYPES:
         report.add(ProblemCode.CONFIG_FIELD, "error", f"markov_head_type {kind} is none of {', '.join(HEAD_TYPES)}",
                    "import a draft whose head SGLang builds")
+    weight = tensors.get("confidence_head.proj.weight")
+    enabled = field("enable_confidence_head")
+    if enabled is None:
+        enabled = weight is not None
+        steps.append(f"no enable_confidence_head: the confidence head is {'on' if enabled else 'off'}, as its "
+                     f"tensors are {'present' if enabled else 'absent'} (SpecForge saves the head it built)")
     with_markov = field("confidence_head_with_markov")
     if with_markov is None:
-        with_markov = False
-        steps.append("no confidence_head_with_markov: SpecForge's width, the stream alone (SGLang would read the "
-                     "Markov row too; the export names it)")
-    return {"markov_rank": rank, "markov_head_type": kind, "confidence_head": bool(field("enable_confidence_head", True)),
+        width = None if weight is None else weight.shape[-1]
+        with_markov = isinstance(rank, int) and width == (raw.get("hidden_size") or 0) + rank
+        steps.append(f"no confidence_head_with_markov: {str(with_markov).lower()}, "
+                     f"{'SpecForge default' if width is None else f'confidence_head.proj.weight is {width} wide'} "
+                     "(SGLang would assume the Markov row; the export names it)")
+    return {"markov_rank": rank, "markov_head_type": kind, "confidence_head": bool(enabled),
             "confidence_head_with_markov": bool(with_markov)}
 
 
@@ -57,16 +66,22 @@ def convert_dspark(source: Path, dst: Path, serving: Serving, log: Log) -> Conve
     raw = read_json(source / CONFIG_FILE, "missing")
     report = Report(str(source), "sglang", serving.release)
     done = Converted("sglang", [f"found a DSpark draft: architectures {raw.get('architectures')}"])
-    fields = native_fields(raw, "sglang", serving, report, done.steps)
-    heads = head_fields(raw, report, done.steps)
-    refuse_on_errors(str(source), report)
     found = load_file(source / WEIGHTS_FILE)
     tensors = {name.removeprefix("model."): t for name, t in found.items()}  # SGLang's loader strips it too
+    if renamed := [name for name in found if name.startswith("model.")]:
+        done.steps.append(f"renamed {len(renamed)} tensor(s) without their model. prefix, as SGLang's loader reads them")
+    spark = raw.get("dspark_config") or {}
+    # SGLang's DSpark worker takes its mask token from dspark_config before the top level and dflash_config
+    backbone = {**raw, "mask_token_id": spark["mask_token_id"]} if "mask_token_id" in spark else raw
+    fields = native_fields(backbone, "sglang", serving, report, done.steps)
+    heads = head_fields(raw, tensors, report, done.steps)
+    refuse_on_errors(str(source), report)
     dropped = sorted(name for name in tensors if name in TARGET_HEAD)
     if dropped:
         done.steps.append(f"dropped {', '.join(dropped)}: the target's (SGLang's DSpark draft uses its own)")
-    if not heads["confidence_head"]:
-        tensors = {name: t for name, t in tensors.items() if not name.startswith("confidence_head.")}
+    if not heads["confidence_head"] and (unread := sorted(n for n in tensors if n.startswith("confidence_head."))):
+        done.steps.append(f"dropped {', '.join(unread)}: enable_confidence_head is false, so no server reads them")
+        tensors = {name: t for name, t in tensors.items() if name not in unread}
     cfg = DSparkConfig(**fields, **heads, **SPECFORGE_WEIGHTS,
                        target_hidden_size=raw.get("target_hidden_size") or fields["hidden_size"],
                        draft_vocab_size=fields["vocab_size"], target_family=serving.family)

@@ -76,40 +76,74 @@ def validate_sglang(directory: Path, release: str | None, data_manifest: Path | 
     return report
 
 
+def placed(raw: dict, name: str) -> dict[str, object]:
+    """Each value of `name` the config holds, by where: the top level (SGLang's model and vLLM read it), dflash_config
+    and dspark_config (SGLang's spec parser reads these first: gamma from dflash_config.block_size, the worker's
+    mask token and Markov rank from dspark_config, merged over dflash_config from 0.5.23)."""
+    found = {name: raw[name]} if name in raw else {}
+    for nest in ("dflash_config", "dspark_config"):
+        if name in (raw.get(nest) or {}):
+            found[f"{nest}.{name}"] = raw[nest][name]
+    return found
+
+
+def listed(values: dict) -> str:
+    return ", ".join(f"{where} {value}" for where, value in values.items())
+
+
+def differing(raw: dict, name: str, native: dict) -> dict:
+    """The places whose `name` is not the trained one (none where the export records no native config)."""
+    return {where: value for where, value in placed(raw, name).items() if native and value != native.get(name)}
+
+
 def check_head(report: Report, raw: dict, native: dict) -> None:
-    """The fields SGLang builds the head and the block from, against what the draft was trained with: the Markov rank
-    and head type (the model reads them at the top level), the mask token, gamma."""
+    """The fields SGLang builds the head and the block from, against what the draft was trained with, wherever a
+    reader looks (`placed`): the Markov rank and head type (the model reads the top level, the spec parser the nested
+    configs first), the mask token, gamma."""
     rank, kind = raw.get("markov_rank"), raw.get("markov_head_type")
     if not isinstance(rank, int) or rank <= 0:
         report.add(ProblemCode.CONFIG_FIELD, "error", f"markov_rank is {rank}: SGLang refuses a DSpark draft without "
                    "a Markov head (markov_rank > 0, read at the config's top level)",
                    f"set markov_rank to {native.get('markov_rank', 'the trained rank')}")
-    elif native and rank != native.get("markov_rank"):
-        report.add(ProblemCode.SHAPE_MISMATCH, "error", f"markov_rank {rank}, but the draft was trained with "
+    elif wrong := differing(raw, "markov_rank", native):
+        report.add(ProblemCode.SHAPE_MISMATCH, "error", f"{listed(wrong)}, but the draft was trained with "
                    f"{native.get('markov_rank')}: SGLang builds markov_w1/markov_w2 of that rank and refuses the "
-                   "tensors", f"set markov_rank to {native.get('markov_rank')}")
+                   "tensors", f"set markov_rank to {native.get('markov_rank')} everywhere")
     if kind not in HEAD_TYPES:
         report.add(ProblemCode.CONFIG_FIELD, "error", f"markov_head_type is {kind}: SGLang refuses a Markov rank "
                    f"without one of {', '.join(HEAD_TYPES)}", f"set markov_head_type to "
                    f"{native.get('markov_head_type', 'the trained head')}")
-    elif native and kind != native.get("markov_head_type"):
-        report.add(ProblemCode.CONFIG_FIELD, "error", f"markov_head_type {kind}, but the draft was trained with a "
+    elif wrong := differing(raw, "markov_head_type", native):
+        report.add(ProblemCode.CONFIG_FIELD, "error", f"{listed(wrong)}, but the draft was trained with a "
                    f"{native.get('markov_head_type')} head: SGLang builds the other head and refuses its tensors",
-                   f"set markov_head_type to {native.get('markov_head_type')}")
-    mask, vocab = (raw.get("dflash_config") or {}).get("mask_token_id"), raw.get("vocab_size")
-    if not isinstance(mask, int) or not isinstance(vocab, int) or not 0 <= mask < vocab:
-        report.add(ProblemCode.VOCAB_SIZE, "error", f"dflash_config.mask_token_id {mask} is not an id of the "
-                   f"target's {vocab} (vocab_size): SGLang's DSpark refuses it", "set it to the id the draft was "
-                   "trained with")
-    elif native and mask != native.get("mask_token_id"):
-        report.add(ProblemCode.CONFIG_FIELD, "error", f"dflash_config.mask_token_id {mask}, but the draft was trained "
-                   f"with {native.get('mask_token_id')} at its blocks' unknown entries",
-                   f"set it to {native.get('mask_token_id')}")
-    if not isinstance(raw.get("block_size"), int):
+                   f"set markov_head_type to {native.get('markov_head_type')} everywhere")
+    masks, vocab = placed(raw, "mask_token_id"), raw.get("vocab_size")
+    outside = {where: mask for where, mask in masks.items()
+               if not isinstance(mask, int) or not isinstance(vocab, int) or not 0 <= mask < vocab}
+    if not masks or outside:
+        report.add(ProblemCode.VOCAB_SIZE, "error", f"{listed(outside) or 'no dflash_config.mask_token_id'}: not an "
+                   f"id of the target's {vocab} (vocab_size): SGLang's DSpark refuses it", "set it to the id the "
+                   "draft was trained with")
+    elif wrong := differing(raw, "mask_token_id", native):
+        report.add(ProblemCode.CONFIG_FIELD, "error", f"{listed(wrong)}, but the draft was trained with "
+                   f"{native.get('mask_token_id')} at its blocks' unknown entries",
+                   f"set it to {native.get('mask_token_id')} everywhere")
+    gammas = placed(raw, "block_size")
+    if not gammas:
         report.add(ProblemCode.CONFIG_FIELD, "error", "no block_size: SGLang's DSpark takes gamma from the server's "
                    "--speculative-num-draft-tokens alone, unchecked against the block the draft was trained on",
                    "set block_size to draft.dspark.block_size")
+    elif wrong := differing(raw, "block_size", native):
+        report.add(ProblemCode.CONFIG_FIELD, "error", f"{listed(wrong)}, but the draft's gamma is "
+                   f"{native.get('block_size')}: SGLang takes gamma from dflash_config.block_size (else the top "
+                   f"level) and refuses --speculative-num-draft-tokens {native.get('block_size', 0) + 1}",
+                   f"set block_size to {native.get('block_size')} everywhere")
     if raw.get("confidence_head_with_markov") is None and native.get("confidence_head"):
         report.add(ProblemCode.CONFIG_FIELD, "error", "no confidence_head_with_markov: SGLang then builds the head "
                    "over the Markov row too, vLLM without it; one of them reads the weights at the wrong width",
                    f"set confidence_head_with_markov to {native.get('confidence_head_with_markov')}")
+    elif native.get("confidence_head") and (wrong := differing(raw, "confidence_head_with_markov", native)):
+        report.add(ProblemCode.SHAPE_MISMATCH, "error", f"{listed(wrong)}, but the draft's confidence head was "
+                   f"trained {'with' if native.get('confidence_head_with_markov') else 'without'} the Markov row: "
+                   "the servers build confidence_head.proj of the other width and refuse its weight",
+                   f"set confidence_head_with_markov to {native.get('confidence_head_with_markov')} everywhere")
