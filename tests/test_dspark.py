@@ -333,6 +333,8 @@ MLA = ["draft.attention=mla", "draft.num_key_value_heads=null", "draft.q_lora_ra
                              "draft.fc_norm"),
     (["draft.dspark.markov_head=lstm"], r"draft.dspark.markov_head .*'vanilla', 'gated' or 'rnn'"),
     (["draft.dspark.markov_rank=0"], "draft.dspark.markov_rank .*greater than 0"),
+    (["serving.engine=vllm"], r"draft.algorithm dspark, serving.engine vllm: vLLM 0.32 drafts DSpark only in its V2 "
+                              r"GPU model runner .*set serving.engine sglang"),
 ])
 def test_a_dspark_config_sglang_cannot_serve_is_refused_at_load_naming_the_field(overrides, says):
     with pytest.raises(ConfigError, match=says):

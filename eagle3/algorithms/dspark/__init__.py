@@ -46,7 +46,8 @@ class DSparkAlgorithm(DFlashAlgorithm):
     checkpoint back); its own wherever the heads, the block's gamma entries or the layout differ."""
 
     name = "dspark"
-    served_as = {"sglang": "DSPARK", "vllm": "dspark"}
+    # vLLM 0.32's method is "dspark", but only its GPU model runner drafts it (`section.VLLM_REFUSAL`): not served here
+    served_as = {"sglang": "DSPARK"}
     section_type = DSparkSection
     config_type = DSparkConfig
     warm_start = ("dspark",)
