@@ -40,11 +40,13 @@ from sshd import sshd  # noqa: E402,F401  (registered here: one sshd per session
 # the first worker builds the micro target (~45 s, tests/fixtures_tiny.py) and the second, which needs no target
 # there, would otherwise wait for it.
 # The loader probe builds a child's process groups once, at its first load: the files that load drafts run one after
-# the other (test_loader, test_mla_draft, test_dflash_loader), after the probes that publish other server args.
+# the other (test_loader, test_mla_draft, test_dflash_loader, test_dspark_loader), after the probes that publish other
+# server args.
 RELEASE_CHILD_FILES = ("conformance/test_aux_ids.py", "conformance/test_counting.py", "conformance/test_dflash.py",
                        "conformance/test_families.py", "conformance/test_features.py", "conformance/test_loader.py",
                        "conformance/test_mla_draft.py", "conformance/test_dflash_loader.py",
-                       "conformance/test_server_args.py", "conformance/test_telemetry.py")
+                       "conformance/test_dspark_loader.py", "conformance/test_server_args.py",
+                       "conformance/test_telemetry.py")
 LONGEST_FILES = ("conformance/test_eagle3_server.py", *RELEASE_CHILD_FILES, "test_deployment_e2e.py",
                  "conformance/test_vllm_server.py", "conformance/test_plain_server.py", "test_flow.py", "test_stop.py", "test_train_launch.py",
                  "test_train.py", "test_launch.py")

@@ -37,6 +37,10 @@ from pathlib import Path
 # aux ids) ... 0.5.16 | 0.5.17 (norm_before_fc, gpt_oss ids) | 0.5.18 (EOS checked before the length cap)
 # ... 0.5.20 | 0.5.21 (pre-0.5.12 key aliases gone) ... the newest read.
 RELEASES = ("0.5.11", "0.5.12", "0.5.13", "0.5.16", "0.5.17", "0.5.18", "0.5.20", "0.5.21", "0.5.23")
+# Those whose wheel has DSpark (srt/models/dspark.py, SpeculativeAlgorithm.DSPARK; it came in 0.5.16), and those
+# without: test_dspark_loader.py asks each release's own code which side it is on.
+DSPARK_RELEASES = ("0.5.16", "0.5.17", "0.5.18", "0.5.20", "0.5.21", "0.5.23")
+NO_DSPARK_RELEASES = tuple(release for release in RELEASES if release not in DSPARK_RELEASES)
 PINNED = ("transformers", "xgrammar", "apache-tvm-ffi")  # taken at the release's own `==` pin
 HERE = Path(__file__).parent
 INSIDE = HERE / "inside"

@@ -10,7 +10,7 @@ from eagle3.bench.counting import SpecRequest, server_accept_length
 from eagle3.bench.simulate import replay
 from eagle3.model.tree import DraftTree
 from eagle3.shape import DraftShape
-from releases import RELEASES
+from releases import DSPARK_RELEASES, RELEASES
 
 NUM_STEPS, EOS, PROMPT, PREFILL = 3, 1, [5, 6, 7], 10
 # name -> (verify runs: accepted drafts then the bonus token, max_new_tokens)
@@ -128,6 +128,31 @@ def test_a_dflash_block_grows_finishes_and_counts_as_sglangs_dflash_worker_does(
     assert request.finish == theirs["finish_reason"] and request.verify_ct == theirs["verify_steps_used"]
     spec = {key: value for key, value in theirs.items() if key.startswith("spec_")}
     assert request.meta_info(BLOCK - 1) == spec, f"SGLang {release}'s meta_info under DFLASH"
+    counters = theirs["server_counters"]
+    accepted = counters.get("spec_num_accept_tokens", counters.get("spec_num_accepted_tokens"))
+    if request.verify_ct:
+        assert accepted / counters["spec_num_forward_ct"] == server_accept_length(request.correct, request.verify_ct)
+
+
+@pytest.fixture(scope="module", params=DSPARK_RELEASES)
+def counted_dspark(request, run_sglang):
+    answer = run_sglang(request.param, "counting", {**job(), "algorithm": "DSPARK", "num_draft_tokens": BLOCK})
+    return request.param, dict(zip([r["name"] for r in job()["requests"]], answer["requests"]))
+
+
+@pytest.mark.parametrize("name", [*CASES, EOS_ON_PREFILL])
+def test_a_dspark_block_grows_finishes_and_counts_as_sglangs_dspark_worker_does(counted_dspark, name):
+    """DSPARK, gamma 3 in a verify window of 4: each step's result is the release's own greedy static verify
+    (dspark_verify.accept_draft_tokens, FinalizeAcceptLens, BuildOutTokens, as DSparkWorkerV2 runs them), and its
+    scheduler appends the committed run whole and counts it as EAGLE's, drafts per step gamma. Our counting of a DSpark
+    draft (`SpecRequest(..., "DSPARK")`, whole runs in every DSpark release) equals it request by request."""
+    release, answers = counted_dspark
+    theirs, request = answers[name], ours(release, name, "DSPARK")
+    assert request.output == theirs["output_ids"], f"SGLang {release} emits {theirs['output_ids']}"
+    assert request.finish == theirs["finish_reason"] and request.verify_ct == theirs["verify_steps_used"]
+    assert len(request.output) == theirs["completion_tokens"]
+    spec = {key: value for key, value in theirs.items() if key.startswith("spec_")}
+    assert request.meta_info(BLOCK - 1) == spec, f"SGLang {release}'s meta_info under DSPARK"
     counters = theirs["server_counters"]
     accepted = counters.get("spec_num_accept_tokens", counters.get("spec_num_accepted_tokens"))
     if request.verify_ct:

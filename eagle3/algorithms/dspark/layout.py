@@ -11,6 +11,7 @@ Tensors: DFlash's under SGLang's names, then `markov_head.*` and `confidence_hea
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 from eagle3.algorithms.dflash.layout import check_layer_ids, check_tensors, native_config, sglang_config, write_export
 from eagle3.algorithms.dspark.contract import ARCHITECTURE, dspark_family_problem, dspark_release_problem
 from eagle3.algorithms.dspark.model import DSparkConfig, DSparkDraft
-from eagle3.contract.problems import ProblemCode, Report
+from eagle3.contract.problems import Problem, ProblemCode, Report
 from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
 from eagle3.fsutil import read_json
 from eagle3.records.manifest import read_data_capture
@@ -72,7 +73,9 @@ def validate_sglang(directory: Path, release: str | None, data_manifest: Path | 
     if context_length is not None and (raw.get("max_position_embeddings") or 0) < context_length:
         report.add(ProblemCode.CONTEXT_LENGTH, "error", f"max_position_embeddings {raw.get('max_position_embeddings')} "
                    f"is below serving.context_length {context_length}", "raise draft.max_position_embeddings")
+    checked = len(report.problems)
     check_tensors(report, directory, native or None, raw.get("torch_dtype"), "SGLang", DSparkDraft)
+    report.problems[checked:] = [head_tensor_problem(problem) for problem in report.problems[checked:]]
     return report
 
 
@@ -94,6 +97,23 @@ def listed(values: dict) -> str:
 def differing(raw: dict, name: str, native: dict) -> dict:
     """The places whose `name` is not the trained one (none where the export records no native config)."""
     return {where: value for where, value in placed(raw, name).items() if native and value != native.get(name)}
+
+
+def head_tensor_problem(problem: Problem) -> Problem:
+    """DFlash's tensor check says what SGLang's DFlash loader does with a tensor no parameter takes (skips it) or a
+    parameter no tensor fills (left at its initialisation); its DSpark loader routes the heads' tensors itself
+    (load_weights, 0.5.16-0.5.23): it refuses an unknown markov_head.* tensor, and reads confidence_head.* only where
+    it builds that head (any SGLANG_RAGGED_VERIFY_MODE but the default static), refusing one missing or unknown
+    there. A missing Markov tensor it loads silently, as the check says."""
+    name = problem.message.split(" ", 1)[0]  # check_tensors' messages start with the tensor's name
+    if problem.code == ProblemCode.SKIPPED_TENSOR and name.startswith("markov_head."):
+        return replace(problem, message=f"{name} is no parameter of the draft's Markov head: SGLang's DSpark loader "
+                       "refuses it (DSpark unexpected markov weight) and the server does not start")
+    if problem.code in (ProblemCode.SKIPPED_TENSOR, ProblemCode.MISSING_TENSOR) and name.startswith("confidence_head."):
+        fault = "is missing" if problem.code == ProblemCode.MISSING_TENSOR else "is no confidence head parameter"
+        return replace(problem, message=f"{name} {fault}: SGLang refuses the draft wherever it builds the confidence "
+                       "head (SGLANG_RAGGED_VERIFY_MODE other than static); its default static verify builds none")
+    return problem
 
 
 def check_head(report: Report, raw: dict, native: dict) -> None:
@@ -138,6 +158,12 @@ def check_head(report: Report, raw: dict, native: dict) -> None:
                    f"{native.get('block_size')}: SGLang takes gamma from dflash_config.block_size (else the top "
                    f"level) and refuses --speculative-num-draft-tokens {native.get('block_size', 0) + 1}",
                    f"set block_size to {native.get('block_size')} everywhere")
+    if native.get("confidence_head") is False:
+        report.add(ProblemCode.CONFIG_FIELD, "warning", "no confidence head: SGLang builds one whenever "
+                   "SGLANG_RAGGED_VERIFY_MODE is not static (it never reads enable_confidence_head) and then refuses "
+                   "this draft for the head's missing tensors; it serves it in the default static verify only",
+                   "serve with SGLANG_RAGGED_VERIFY_MODE=static (the default), or train with "
+                   "draft.dspark.confidence_head true")
     if raw.get("confidence_head_with_markov") is None and native.get("confidence_head"):
         report.add(ProblemCode.CONFIG_FIELD, "error", "no confidence_head_with_markov: SGLang then builds the head "
                    "over the Markov row too, vLLM without it; one of them reads the weights at the wrong width",

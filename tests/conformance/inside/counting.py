@@ -51,8 +51,17 @@ drafts, then the bonus, after which the block's next candidate differs); the res
 builds it and goes to the non-overlap decode processing. From 0.5.16 (`dflash_worker_v2.py`) the worker hands
 the scheduler the run as EAGLE's v2 worker does (`accept_lens` = the committed run), stride = the block.
 
-Job: {"num_steps": k, optional "algorithm" (EAGLE3 | DFLASH), "eagle_topk" and "num_draft_tokens" (a tree; DFLASH's
-      block), "requests": [{"prompt_ids": [...], "prefill_token": t0,
+DSPARK (job "algorithm": "DSPARK", "num_draft_tokens": gamma + 1, the verify window; 0.5.16 on): every DSpark release's
+CPU platform refuses DSPARK in ServerArgs ("DSpark speculative decoding only supports CUDA ..."), so EAGLE3's chain of
+gamma steps stands in as for DFLASH, and the scheduler's components are given DSPARK as their algorithm. Each step's
+result comes from the release's OWN static-verify code, as `DSparkWorkerV2` runs it eagerly
+(`TargetVerifyExecutor.accept_and_finalize`): `dspark_verify.accept_draft_tokens` on the window [anchor, d_1..d_gamma]
+and the target's logits (one-hot rows: the accepted drafts, the bonus, then tokens no draft matches; greedy, no
+cutoff), then `FinalizeAcceptLens` and `BuildOutTokens`; the GenerationBatchResult is built as the worker builds it
+(accept_lens = commit_lens, block_accept_lens = commit_lens + cap_trim_lens, no cap_lens, stride gamma + 1).
+
+Job: {"num_steps": k, optional "algorithm" (EAGLE3 | DFLASH | DSPARK), "eagle_topk" and "num_draft_tokens" (a tree;
+      DFLASH's block; DSPARK's window), "requests": [{"prompt_ids": [...], "prefill_token": t0,
       "verify_steps": [[accepted drafts..., bonus], ...], "max_new_tokens": N, "eos_token_ids": [...],
       optional "stop_token_ids": [...], optional "overlap_tail": true}]}
 Steps are fed while the request is unfinished. With "overlap_tail", one more step is then processed with
@@ -135,6 +144,17 @@ def _dflash_server_args(block: int, directory: str):
         if "DFLASH speculative decoding" not in str(refused):  # "only supports CUDA device", "not supported by
             raise  # CpuSRTPlatform" (0.5.23, at publishing)
     return _server_args(block - 1, directory, 1, block)
+
+
+def _dspark_server_args(window: int, directory: str):
+    """The server args of DSPARK decoding in windows of `window` (gamma + 1): the release's own where its CPU platform
+    allows DSPARK (none does); otherwise EAGLE3's chain of gamma steps, whose num_draft_tokens is DSPARK's window."""
+    try:
+        return _published(directory, speculative_algorithm="DSPARK", speculative_num_draft_tokens=window)
+    except ValueError as refused:
+        if "DSpark speculative decoding" not in str(refused):  # "only supports CUDA device" (and NPU, XPU later)
+            raise
+    return _server_args(window - 1, directory, 1, window)
 
 
 def _published(directory: str, **flags):
@@ -306,6 +326,38 @@ def _v2_result(step: list[int], stride: int):
     return _call(GenerationBatchResult, logits_output=None, next_token_ids=torch.tensor(row),
                  accept_lens=torch.tensor([len(step)], dtype=torch.int32), can_run_cuda_graph=False,
                  speculative_num_draft_tokens=stride)
+
+
+def _dspark_result(step: list[int], window: int):
+    """What DSparkWorkerV2 hands the scheduler for one greedy static verify of `window` = gamma + 1 positions, from the
+    release's own accept code: the drafts are the step's accepted ones, then a token the target does not predict."""
+    import torch
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.speculative.dspark_components import dspark_verify
+
+    gamma = window - 1
+    accepted, bonus = list(step[:-1]), step[-1]
+    rejected = next(t for t in range(2, VOCAB) if t != bonus)  # a draft after the accepted ones: never the bonus
+    drafts = torch.tensor([(accepted + [rejected] * gamma)[:gamma]])  # [1, gamma]
+    predicted = (accepted + [bonus] + [rejected + 1] * window)[:window]  # the target's argmax after each position
+    logits = torch.zeros((window, VOCAB))
+    logits[torch.arange(window), torch.tensor(predicted)] = 1.0
+    fields = dict(draft_tokens=drafts, corrected_logits=None, greedy_mask=torch.ones(1, dtype=torch.bool),
+                  temperatures=torch.ones(1), greedy_draft=True)  # greedy_draft: 0.5.23's field
+    block = dspark_verify.DraftBlockResult(**{k: v for k, v in fields.items()
+                                              if k in dspark_verify.DraftBlockResult.__struct_fields__})
+    candidates = torch.cat([torch.zeros((1, 1), dtype=drafts.dtype), drafts], dim=1)  # [anchor | drafts]
+    correct_len, bonus_token, trim = dspark_verify.accept_draft_tokens(
+        candidates=candidates, target_logits=logits, draft_block=block, sampling_info=None, draft_input=None,
+        gamma=gamma, verify_num_draft_tokens=window)
+    # prefix_lens only moves new_seq_lens (the next draft's input), which the scheduler never reads
+    finalized = dspark_verify.FinalizeAcceptLens.execute(correct_len=correct_len, cap_trim_lens=trim,
+                                                         prefix_lens=torch.zeros_like(correct_len))
+    out = dspark_verify.BuildOutTokens.execute(draft_tokens=drafts, correct_len=correct_len, bonus=bonus_token,
+                                               verify_num_draft_tokens=window, gamma=gamma)
+    return _call(GenerationBatchResult, logits_output=None, next_token_ids=out.reshape(-1),
+                 accept_lens=finalized.commit_lens, block_accept_lens=finalized.commit_lens + finalized.cap_trim_lens,
+                 cap_lens=None, can_run_cuda_graph=False, speculative_num_draft_tokens=window)
 
 
 def _v1_verify(server_args, batch, req, step: list[int]):
@@ -510,7 +562,8 @@ def _components(server_args, enable_overlap: bool = True, algorithm: str | None 
                                  model_config=model_config)
 
 
-def _drive_components(server_args, spec: dict, rid: str, v1_verify=None, algorithm: str | None = None) -> dict:
+def _drive_components(server_args, spec: dict, rid: str, v1_verify=None, algorithm: str | None = None,
+                      v2_result=_v2_result) -> dict:
     """0.5.13 on: SchedulerBatchResultProcessor.process_batch_result_prefill, then _decode per step (spec v2, or
     without the overlap schedule each step by `v1_verify`: DFLASH's in 0.5.13)."""
     parts = _components(server_args, enable_overlap=v1_verify is None, algorithm=algorithm)
@@ -521,7 +574,7 @@ def _drive_components(server_args, spec: dict, rid: str, v1_verify=None, algorit
 
     stride = server_args.speculative_num_draft_tokens
     verify = (lambda step: v1_verify(server_args, batch, req, step)) if v1_verify else (
-        lambda step: _v2_result(step, stride))
+        lambda step: v2_result(step, stride))
     used = _feed(processor, batch, req, spec, verify, overlap_tail=spec.get("overlap_tail"))
     return dict(req=req, sent=parts.to_detokenizer.sent, verify_steps_used=used,
                 kv_released=parts.tree_cache.released_rids.count(rid), server_counters=_spec_counters(parts.reporter))
@@ -622,9 +675,11 @@ def _run(job: dict, directory: str) -> dict:
     _stand_ins()
     import sglang
 
-    dflash = job.get("algorithm") == "DFLASH"
+    dflash, dspark = job.get("algorithm") == "DFLASH", job.get("algorithm") == "DSPARK"
     if dflash:
         server_args = _dflash_server_args(job["num_draft_tokens"], directory)
+    elif dspark:
+        server_args = _dspark_server_args(job["num_draft_tokens"], directory)
     else:
         server_args = _server_args(job["num_steps"], directory, job.get("eagle_topk", 1), job.get("num_draft_tokens"))
     setup_s = time.perf_counter() - started
@@ -637,14 +692,15 @@ def _run(job: dict, directory: str) -> dict:
             paths.append("v1")
     v1_verify = _dflash_v1_verify if dflash else _v1_verify
 
-    answer = {"release": sglang.__version__, "paths": {}}
+    answer = {"release": sglang.__version__, "paths": {}, "served_as": server_args.speculative_algorithm}
     for path in paths:
         answers = []
         for n, spec in enumerate(job["requests"]):
             rid = f"probe-{path}-{n}"
             if components:
                 drive = _drive_components(server_args, spec, rid, v1_verify if path == "v1" else None,
-                                          "DFLASH" if dflash else None)
+                                          job.get("algorithm") if dflash or dspark else None,
+                                          _dspark_result if dspark else _v2_result)
             else:
                 drive = _drive_mixin(server_args, spec, rid, spec_v2=(path == "v2"), v1_verify=v1_verify)
             answers.append(_answer(drive, _response(server_args, spec, rid, drive["sent"])))

@@ -11,10 +11,23 @@ do), the block's fused qkv_proj, q/k norms, rotary embedding (forward_native), o
 MLP's fused gate_up_proj and activation. Only the attention itself is plain torch: the block's queries over the
 context before P and the whole block, at SGLang's scaling.
 
-Answer: {"drafts": {label: {"load": loader.py's answer, "hidden": [Bk, H] the block after the final norm}}}.
+DSpark drafts (Qwen3DSparkModel, DSparkDraftModel over DFlashDraftModel): with "lm_head" [V, H] among the inputs (the
+target's head), the block's stream then goes through the release's own heads as its DSPARK worker drives them, greedy:
+the head is attached as the worker attaches the target's (a ParallelLMHead, `attach_shared_modules`), then
+`compute_base_logits`, the Markov block of `dspark_draft.sample_draft_block` (prev_0 = the anchor, its step logits
+kept), and the confidence where the head is built (the model's `compute_confidence` from 0.5.23, the planner's
+`compute_confidence` before). 0.5.23 drafts once more with `greedy_draft` (its fused greedy step, no logits kept).
+"environment" ({label: {variable: value}}) is loader.py's.
+
+Answer: {"drafts": {label: {"load": loader.py's answer, "hidden": [Bk, H] the block after the final norm; DSpark:
+"base" [gamma, V], "step_logits" [gamma, V] base + Markov bias, "drafted" [gamma], "drafted_greedy" [gamma] (0.5.23),
+"confidence" [gamma] or None, "gamma" the model's}}}.
 """
 
 from __future__ import annotations
+
+import inspect
+import types
 
 import torch
 
@@ -25,14 +38,63 @@ def run(job: dict) -> dict:
     inputs = {name: torch.tensor(value) for name, value in job["inputs"].items()}
     answers = {}
     for label, path in job["drafts"].items():
-        load = loader.run({"drafts": {label: path}, "algorithm": "EAGLE3"})["drafts"][label]
+        load = loader.run({"drafts": {label: path}, "algorithm": "EAGLE3",
+                           "environment": job.get("environment")})["drafts"][label]
         answers[label] = {"load": load}
         if "error" not in load:
             with torch.no_grad():
                 hidden = _block(loader.LOADED, inputs["aux"].float(), inputs["ids"], inputs["embed"].float(),
                                 job["anchor"], job["block_size"], job["mask_token_id"])
-            answers[label]["hidden"] = hidden.tolist()
+                answers[label]["hidden"] = hidden.tolist()
+                if "lm_head" in inputs:
+                    answers[label].update(_dspark(loader.LOADED, hidden, int(inputs["ids"][job["anchor"]]),
+                                                  inputs["lm_head"].float()))
     return {"drafts": answers}
+
+
+def _dspark(model, hidden: torch.Tensor, anchor: int, lm_head: torch.Tensor) -> dict:
+    """The DSpark heads on the block's stream `hidden` [gamma, H] after x_P = `anchor`, as the worker's eager greedy
+    proposal runs them (batch of one)."""
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+    from sglang.srt.speculative.dspark_components import dspark_draft, dspark_planner
+
+    head = ParallelLMHead(*lm_head.shape, params_dtype=lm_head.dtype)  # the target's, padded as the target's is
+    head.weight_loader(head.weight, lm_head)
+    model.attach_shared_modules(embed_tokens=None, lm_head=head)
+    gamma = hidden.shape[0]
+    base, features = model.compute_base_logits(hidden)
+    anchors = torch.tensor([anchor])
+    # no sampling info: every row greedy; greedy_draft False (0.5.23): the step logits are kept
+    common = dict(base_logits=base.view(1, gamma, -1), anchor_tokens=anchors, draft_hidden=hidden.view(1, gamma, -1),
+                  sampling_info=None, markov_head=model.markov_head, device=torch.device("cpu"), greedy_draft=False)
+    if "tp_sync" in inspect.signature(dspark_draft.sample_draft_block).parameters:  # 0.5.20 on: one rank, no sync
+        common["tp_sync"] = dspark_draft.SpecTpSync(types.SimpleNamespace(world_size=1, rank_in_group=0))
+    if hasattr(dspark_draft, "DraftNoise"):  # 0.5.23: the draft's Philox noise (unused by argmax rows)
+        common["noise"] = dspark_draft.DraftNoise(key=0, offset=torch.zeros(1, dtype=torch.int64))
+    block = _call(dspark_draft.sample_draft_block, **common)
+    answer = {"base": base.tolist(), "step_logits": block.corrected_logits[0].tolist(),
+              "drafted": block.draft_tokens[0].tolist(), "gamma": model.gamma, "confidence": None}
+    if "greedy_draft" in inspect.signature(dspark_draft.sample_draft_block).parameters:
+        answer["drafted_greedy"] = _call(dspark_draft.sample_draft_block, **{**common, "greedy_draft": True}
+                                         ).draft_tokens[0].tolist()
+    if model.confidence_head is not None:
+        # a buffer no checkpoint holds: the sentinel filled it, the model builds it as 1 (no STS calibration)
+        model.confidence_head.sts_temperatures.fill_(1.0)
+        if hasattr(model, "compute_confidence"):  # 0.5.23
+            confidence = model.compute_confidence(anchor_tokens=anchors, draft_tokens=block.draft_tokens,
+                                                  confidence_features=features)[0]
+        else:
+            confidence = dspark_planner.compute_confidence(
+                draft_hidden=hidden.view(1, gamma, -1), anchor_tokens=anchors, draft_tokens=block.draft_tokens,
+                confidence_head=model.confidence_head, markov_head=model.markov_head, gamma=gamma)
+        answer["confidence"] = confidence[0].tolist()
+    return answer
+
+
+def _call(fn, **kwargs):
+    """`fn` with those keyword arguments its signature in this release takes."""
+    accepted = inspect.signature(fn).parameters
+    return fn(**{key: value for key, value in kwargs.items() if key in accepted})
 
 
 def _block(model, aux, ids, embed, anchor: int, size: int, mask: int) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 job = {"drafts": {label: directory holding config.json + model.safetensors}, "target": optional
 directory whose config.json stands for the target's (default: each draft's own), "algorithm": the
---speculative-algorithm the server runs (default EAGLE3; DFLASH for DFlashDraftModel drafts)}. For each draft the
+--speculative-algorithm the server runs (default EAGLE3; DFLASH for DFlashDraftModel drafts), "environment": optional
+{label: {variable: value}} set while that draft loads (SGLang's envs are read when the model is built: DSpark's
+SGLANG_RAGGED_VERIFY_MODE decides whether its confidence head exists)}. For each draft the
 release's own ServerArgs, draft ModelConfig (is_draft_model=True), LoadConfig and model loader run as
 a speculative-decoding server's draft worker runs them, with the draft alone: no target is built.
 
@@ -23,7 +25,9 @@ Answer: {"release", "setup": the SGLang calls the set-up made, "import_seconds",
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 import socket
 import time
 import traceback
@@ -48,7 +52,8 @@ def run(job: dict) -> dict:
     for label, path in job["drafts"].items():
         started = time.perf_counter()
         try:
-            answer = _probe(str(path), str(job.get("target") or path), job.get("algorithm", "EAGLE3"))
+            with _environment((job.get("environment") or {}).get(label, {})):
+                answer = _probe(str(path), str(job.get("target") or path), job.get("algorithm", "EAGLE3"))
         except _StageError as failure:
             answer = {"error": failure.describe()}
         answer["seconds"] = round(time.perf_counter() - started, 3)
@@ -61,6 +66,21 @@ def run(job: dict) -> dict:
         "import_seconds": round(import_seconds, 3),
         "drafts": drafts,
     }
+
+
+@contextlib.contextmanager
+def _environment(variables: dict):
+    """`variables` set in os.environ for the block, and restored after: one draft's settings never reach the next."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 class _StageError(Exception):
