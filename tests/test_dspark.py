@@ -477,7 +477,8 @@ def test_each_fault_of_an_export_is_named_with_its_field(exported, fault, change
     ("missing confidence", lambda t: t.pop("confidence_head.proj.bias"), "missing-tensor",
      "confidence_head.proj.bias is missing"),
     ("extra tensor", lambda t: t.update({"markov_head.gate_proj.weight": torch.zeros(8, HIDDEN + 8)}),
-     "skipped-tensor", "markov_head.gate_proj.weight is no Qwen3DSparkModel parameter"),
+     "skipped-tensor",
+     "markov_head.gate_proj.weight is no parameter of the draft's Markov head: SGLang's DSpark loader refuses it"),
     ("another rank's table", lambda t: t.update({"markov_head.markov_w1.weight": torch.zeros(VOCAB, 4)}),
      "shape-mismatch", r"markov_head.markov_w1.weight is \[40, 4\], the config makes it \[40, 8\]"),
 ])
