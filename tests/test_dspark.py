@@ -675,7 +675,8 @@ def test_the_trainer_trains_and_replays_a_dspark_draft(micro_data, tmp_path):
     from eagle3.train.trainer import Trainer
 
     overrides, run_dir = run_copy(micro_data, tmp_path, "dspark", [
-        "draft.algorithm=dspark", "draft.dspark.num_layers=1", "draft.dspark.block_size=3", "draft.dspark.markov_rank=8",
+        "draft.algorithm=dspark", "draft.dspark.num_layers=1", "draft.dspark.block_size=3",
+        "draft.dspark.markov_rank=8",
         f"draft.dspark.mask_token_id={PAD}", "serving.release=0.5.23", "sweep.points=[]", "training.max_steps=10",
         "training.eval_every=5", "training.save_every=5", "training.replay_prompts=2"])
     config = load_config(TINY, overrides)

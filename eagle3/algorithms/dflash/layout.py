@@ -84,8 +84,8 @@ def native_config(directory: Path, config_type: type[DFlashConfig] = DFlashConfi
     except ValidationError as err:
         kind = config_type.model_fields["format"].default.removesuffix("-native")
         raise UnreadableInput(f"{directory / CONFIG_FILE}: not a {kind} draft this project wrote "
-                              f"({err.errors()[0]['loc']}: {err.errors()[0]['msg']}); import a draft from elsewhere with `eagle3 registry "
-                              "import`") from None
+                              f"({err.errors()[0]['loc']}: {err.errors()[0]['msg']}); import a draft from elsewhere "
+                              "with `eagle3 registry import`") from None
 
 
 def read_sglang(directory: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:

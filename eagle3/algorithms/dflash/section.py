@@ -40,7 +40,8 @@ def default_layer_ids(num_layers: int, draft: DraftSection) -> list[int]:
 
 
 def qwen3_layers_problem(draft: DraftSection) -> str | None:
-    """Why the draft section cannot give a backbone of DFlash's Qwen3-style layers (DFlash's, and a kind built on it)."""
+    """Why the draft section cannot give a backbone of DFlash's Qwen3-style layers (DFlash's, or a kind's built on
+    it)."""
     switches = [name for name in EAGLE31_SWITCHES if getattr(draft, name)]
     if draft.attention != "mha" or switches:
         return (f"draft.algorithm {draft.algorithm} has Qwen3-style layers: draft.attention mha, and none of "

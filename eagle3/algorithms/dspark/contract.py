@@ -40,6 +40,7 @@ def dspark_shape_problem(gamma: int | None, shape: DraftShape) -> str | None:
         return (f"{shape.label()}: SGLang's DSPARK worker verifies num_steps + 1 tokens a step (the chain and its "
                 "anchor), so num_draft_tokens must be num_steps + 1")
     if gamma is not None and shape.num_steps != gamma:
-        return (f"{shape.label()} drafts {shape.num_steps} tokens a step, but the draft's block is {gamma} (block_size): "
+        return (f"{shape.label()} drafts {shape.num_steps} tokens a step, but the draft's block is {gamma} "
+                f"(block_size): "
                 f"SGLang refuses --speculative-num-draft-tokens other than {gamma + 1}; serve num_steps {gamma}")
     return None

@@ -69,7 +69,8 @@ def convert_dspark(source: Path, dst: Path, serving: Serving, log: Log) -> Conve
     found = load_file(source / WEIGHTS_FILE)
     tensors = {name.removeprefix("model."): t for name, t in found.items()}  # SGLang's loader strips it too
     if renamed := [name for name in found if name.startswith("model.")]:
-        done.steps.append(f"renamed {len(renamed)} tensor(s) without their model. prefix, as SGLang's loader reads them")
+        done.steps.append(f"renamed {len(renamed)} tensor(s) without their model. prefix, as SGLang's loader reads "
+                          "them")
     spark = raw.get("dspark_config") or {}
     # SGLang's DSpark worker takes its mask token from dspark_config before the top level and dflash_config
     backbone = {**raw, "mask_token_id": spark["mask_token_id"]} if "mask_token_id" in spark else raw

@@ -66,7 +66,8 @@ class MarkovHead(nn.Module):
         if self.kind == "gated":
             return torch.sigmoid(self.gate_proj(torch.cat([hidden, embedded.to(hidden.dtype)], -1))) * embedded, state
         state = torch.zeros_like(embedded) if state is None else state
-        gate, candidate, output = self.joint_proj(torch.cat([state, embedded, hidden.to(embedded.dtype)], -1)).chunk(3, -1)
+        joint = self.joint_proj(torch.cat([state, embedded, hidden.to(embedded.dtype)], -1))  # [..., 3r]
+        gate, candidate, output = joint.chunk(3, -1)
         gate = torch.sigmoid(gate)
         return torch.tanh(output), gate * state + (1 - gate) * torch.tanh(candidate)
 

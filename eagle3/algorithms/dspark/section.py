@@ -43,9 +43,9 @@ class DSparkSection(Section):
 
 # What vLLM 0.32 does with a DSpark draft (tests/conformance/test_vllm_dspark.py runs it): its loader reads our SGLang
 # layout, but only its V2 model runner drafts DSpark, and that runner needs Triton on a GPU.
-VLLM_REFUSAL = ("vLLM 0.32 drafts DSpark only in its V2 GPU model runner (its CPU build stops at \"Model Runner V1 does "
-                "not support: dspark speculative decoding\"), and this pipeline's vLLM launcher serves the speculators "
-                "layout, which has no DSpark form: set serving.engine sglang (or reference on a CPU)")
+VLLM_REFUSAL = ("vLLM 0.32 drafts DSpark only in its V2 GPU model runner (its CPU build stops at \"Model Runner V1 "
+                "does not support: dspark speculative decoding\"), and this pipeline's vLLM launcher serves the "
+                "speculators layout, which has no DSpark form: set serving.engine sglang (or reference on a CPU)")
 
 
 def default_layer_ids(num_layers: int, draft: DraftSection) -> list[int]:
