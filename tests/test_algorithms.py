@@ -27,8 +27,8 @@ def test_the_config_names_exactly_the_registered_algorithms(monkeypatch):
     """The schema knows no kind: the resolve step checks draft.algorithm against the registry, so registering an entry
     is what makes a config able to name it."""
     assert load_config(TINY).draft.algorithm == "eagle3"
-    with pytest.raises(ConfigError, match=r"draft.algorithm \(from --set\): 'toy' is not registered; give 'dflash' or "
-                                          "'eagle3'"):
+    with pytest.raises(ConfigError, match=r"draft.algorithm \(from --set\): 'toy' is not registered; give 'dflash', "
+                                          "'dspark' or 'eagle3'"):
         load_config(TINY, ["draft.algorithm=toy"])
     monkeypatch.setitem(ALGORITHMS, TOY.name, TOY)
     assert load_config(TINY, ["draft.algorithm=toy"]).draft.algorithm == "toy"
@@ -36,7 +36,7 @@ def test_the_config_names_exactly_the_registered_algorithms(monkeypatch):
 
 def test_an_unregistered_algorithm_is_refused_naming_the_registered_ones():
     with pytest.raises(Eagle3Error, match=r"draft.algorithm 'medusa' is no registered draft algorithm \(registered: "
-                                          r"eagle3, dflash\); see docs/algorithms.md"):
+                                          r"eagle3, dflash, dspark\); see docs/algorithms.md"):
         algorithm("medusa")
     with pytest.raises(ConfigError, match=r"draft.algorithm.*'eagle3'"):
         load_config(TINY, ["draft.algorithm=medusa"])
@@ -47,7 +47,7 @@ def test_the_whole_pipeline_refuses_an_algorithm_it_cannot_serve_before_any_stag
     with pytest.raises(Eagle3Error, match=f"eagle3 run: draft.algorithm {TOY.name} is trained, replayed and exported "
                                           "here, but its serving and gate are not built yet"):
         require_deployable(TOY.name, "eagle3 run")
-    for name in ("eagle3", "dflash"):
+    for name in ("eagle3", "dflash", "dspark"):
         require_deployable(name, "eagle3 run")
 
 

@@ -16,7 +16,7 @@ from eagle3.algorithms.base import DraftAlgorithm, ExportTarget, Log
 from eagle3.algorithms.dflash.blocks import BlockDrafter, BlockModel, BlockRows, block_loss
 from eagle3.algorithms.dflash.contract import dflash_shape_problem
 from eagle3.algorithms.dflash.imports import convert_dflash
-from eagle3.algorithms.dflash.layout import ARCHITECTURE, read_sglang, validate_sglang, write_sglang
+from eagle3.algorithms.dflash.layout import ARCHITECTURE, native_config, validate_sglang, write_sglang
 from eagle3.algorithms.dflash.speculators import validate_speculators, write_speculators
 from eagle3.algorithms.dflash.warm_start import warm_start, write_copy
 from eagle3.algorithms.dflash.model import DFLASH_FORMAT, DFlashConfig, DFlashDraft
@@ -44,6 +44,7 @@ class DFlashAlgorithm(DraftAlgorithm):
     served_as = {"sglang": "DFLASH", "vllm": "dflash"}
     section_type = DFlashSection
     config_type = DFlashConfig
+    model_type = DFlashDraft  # a kind built on this backbone names its own model (its config_type is the model's)
     warm_start = ("dflash",)
 
     def reads(self, config: dict) -> bool:
@@ -58,23 +59,26 @@ class DFlashAlgorithm(DraftAlgorithm):
 
     def draft_config(self, draft: DraftSection, target: TargetSection, draft_vocab_size: int,
                      aux_layers: list[int]) -> DFlashConfig:
-        dflash = draft.dflash
-        return DFlashConfig(
-            # the target's embedding feeds the blocks, its head reads them
-            **draft_sizes(draft, target, draft_vocab_size, aux_layers),
-            num_hidden_layers=dflash.num_layers,
-            num_key_value_heads=draft.num_key_value_heads,
-            head_dim=target.hidden_size // draft.num_attention_heads,
-            block_size=dflash.block_size,
-            mask_token_id=dflash.mask_token_id,
-        )
+        return DFlashConfig(**self.backbone_sizes(draft, target, draft_vocab_size, aux_layers, draft.dflash))
+
+    @staticmethod
+    def backbone_sizes(draft: DraftSection, target: TargetSection, draft_vocab_size: int, aux_layers: list[int],
+                       section) -> dict:
+        """The backbone's config fields: the draft section's sizes around the target's (its embedding feeds the
+        blocks, its head reads them) and the kind's section's layers, block and mask token."""
+        return dict(**draft_sizes(draft, target, draft_vocab_size, aux_layers),
+                    num_hidden_layers=section.num_layers,
+                    num_key_value_heads=draft.num_key_value_heads,
+                    head_dim=target.hidden_size // draft.num_attention_heads,
+                    block_size=section.block_size,
+                    mask_token_id=section.mask_token_id)
 
     def reserved_ids(self, cfg: DFlashConfig) -> dict[int, str]:
         # the mask token would stand for itself and for "unknown" at once
         return {cfg.mask_token_id: "draft.dflash.mask_token_id"}
 
     def new_model(self, cfg: DFlashConfig, embed: torch.Tensor) -> DFlashDraft:
-        return DFlashDraft(cfg, embed)
+        return self.model_type(cfg, embed)
 
     def target_tensors(self, cfg: DFlashConfig) -> dict[str, int]:
         embedding = cfg.vocab_size * cfg.hidden_size
@@ -85,36 +89,44 @@ class DFlashAlgorithm(DraftAlgorithm):
                       vocab_map: VocabMap, device: torch.device, init: ResolvedInit | None, log: Log) -> DFlashDraft:
         """Seeded, on `device`; the target's embedding and head (one tensor when they are tied), the loss scoring
         the run's draft vocabulary."""
-        embed = head["embed"].to(device)
-        head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # its matmuls run in bf16 there
-        lm_head = embed if head["lm_head"] is head["embed"] else head["lm_head"].to(device, head_dtype)
-        with torch.device(device):
-            model = DFlashDraft(cfg, embed, lm_head)
-        init_weights(model, training.seed)  # from a CPU generator: the same draft on any device
-        model.loss_ids.copy_(vocab_map.target_ids())
+        model = self.seeded_model(cfg, training, head, vocab_map, device)
         if init is not None:
             warm_start(model, init, log)
         log(f"train: DFlash draft, {cfg.num_hidden_layers} layer(s), block {cfg.block_size}, mask token "
             f"{cfg.mask_token_id}, target layers {cfg.aux_layers}")
         return model
 
+    def seeded_model(self, cfg: DFlashConfig, training: TrainingSection, head: dict[str, torch.Tensor],
+                     vocab_map: VocabMap, device: torch.device) -> DFlashDraft:
+        """The model of `cfg` on `device` with the target's embedding and head, seeded by training.seed."""
+        embed = head["embed"].to(device)
+        head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # its matmuls run in bf16 there
+        lm_head = embed if head["lm_head"] is head["embed"] else head["lm_head"].to(device, head_dtype)
+        with torch.device(device):
+            model = self.model_type(cfg, embed, lm_head)
+        init_weights(model, training.seed)  # from a CPU generator: the same draft on any device
+        model.loss_ids.copy_(vocab_map.target_ids())
+        return model
+
     def warm_start_copy(self, source: Path, out: Path, target: ExportTarget, source_name: str, log: Log) -> str:
         """A native draft or an SGLang export of this project's (every registry version holds one; a draft from
         elsewhere is imported first: `eagle3 registry import`). Its target layer ids are this project's numbering in
         both, whatever the release."""
-        write_copy(source, out, source_name)
-        return "sglang" if "eagle3" in read_json(source / CONFIG_FILE, "missing") else "dflash-native"
+        write_copy(source, out, source_name, self.config_type)
+        native = self.config_type.model_fields["format"].default
+        return "sglang" if "eagle3" in read_json(source / CONFIG_FILE, "missing") else native
 
     def served_model(self, path: Path, release: str | None, target_dir: Path, prefix: str) -> DFlashDraft:
         """The draft at `path` (an SGLang export, or what `write_draft` wrote), with the target's embedding and head:
         SGLang's loader reads every tensor of an export as it is (tests/conformance/test_dflash_loader.py)."""
         head = target_head(target_dir, prefix)
         if "eagle3" in read_json(path / CONFIG_FILE, "missing"):
-            cfg, tensors = read_sglang(path)
-            tensors = {name: t.float() for name, t in tensors.items()}
+            cfg = native_config(path, self.config_type)
+            tensors = {name: t.float() for name, t in load_file(path / WEIGHTS_FILE).items()}
         else:
-            cfg, tensors = DFlashConfig.model_validate(read_json(path / CONFIG_FILE, "missing")), self.read_draft(path)
-        model = DFlashDraft(cfg, head["embed"], head["lm_head"])
+            cfg = self.config_type.model_validate(read_json(path / CONFIG_FILE, "missing"))
+            tensors = self.read_draft(path)
+        model = self.model_type(cfg, head["embed"], head["lm_head"])
         model.load_draft_state(tensors)
         return model
 
@@ -123,7 +135,7 @@ class DFlashAlgorithm(DraftAlgorithm):
         save_file({name: t.contiguous() for name, t in tensors.items()}, directory / WEIGHTS_FILE,
                   metadata={"format": "pt"})
         atomic_write_json(directory / CONFIG_FILE, cfg.model_dump())
-        write_manifest(directory, kind="draft-dflash-native", fields={"layout": "dflash-native", **manifest_fields})
+        write_manifest(directory, kind=f"draft-{cfg.format}", fields={"layout": cfg.format, **manifest_fields})
 
     def read_draft(self, directory: Path) -> dict[str, torch.Tensor]:
         return load_file(directory / WEIGHTS_FILE)

@@ -9,47 +9,42 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from eagle3.algorithms.base import ExportTarget, Log
 from eagle3.algorithms.dflash import DFlashAlgorithm
 from eagle3.algorithms.dflash.blocks import BlockRows
-from eagle3.algorithms.dflash.warm_start import write_copy
 from eagle3.algorithms.dspark.contract import ARCHITECTURE, dspark_shape_problem
 from eagle3.algorithms.dspark.imports import convert_dspark
-from eagle3.algorithms.dspark.layout import read_sglang, validate_sglang, write_sglang
+from eagle3.algorithms.dspark.layout import validate_sglang, write_sglang
 from eagle3.algorithms.dspark.model import DSPARK_FORMAT, DSparkConfig, DSparkDraft
 from eagle3.algorithms.dspark.section import DSparkSection, config_problem, default_layer_ids
 from eagle3.algorithms.dspark.spark import SparkDrafter, SparkModel, spark_loss
 from eagle3.algorithms.dspark.warm_start import warm_start
 from eagle3.algorithms.init_copy import ResolvedInit
-from eagle3.algorithms.sizes import draft_sizes
 from eagle3.config.draft import DraftSection
 from eagle3.config.run import TargetSection
 from eagle3.config.serving import ServingSection, SweepSection
 from eagle3.config.training import TrainingSection
 from eagle3.contract.problems import Report
-from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
+from eagle3.draft.files import CONFIG_FILE
 from eagle3.draft.vocab_map import VocabMap
 from eagle3.errors import Eagle3Error
-from eagle3.fsutil import atomic_write_json, read_json
-from eagle3.model.blocks import init_weights
+from eagle3.fsutil import read_json
 from eagle3.model.teacher import Teacher
-from eagle3.model.weights import target_head
-from eagle3.records.manifest import write_manifest
 from eagle3.shape import DraftShape
 from eagle3.validation.external import Converted, Serving
 
 
 class DSparkAlgorithm(DFlashAlgorithm):
-    """DFlash's entry where the backbone is the same (its target tensors, KV cache, reserved mask id, reading a
-    checkpoint back); its own wherever the heads, the block's gamma entries or the layout differ."""
+    """DFlash's entry where the backbone is the same (its target tensors, KV cache, seeding, checkpoints, warm-start
+    copy, the served model read back); its own wherever the heads, the block's gamma entries or the layout differ."""
 
     name = "dspark"
     # vLLM 0.32's method is "dspark", but only its GPU model runner drafts it (`section.VLLM_REFUSAL`): not served here
     served_as = {"sglang": "DSPARK"}
     section_type = DSparkSection
     config_type = DSparkConfig
+    model_type = DSparkDraft
     warm_start = ("dspark",)
 
     def reads(self, config: dict) -> bool:
@@ -66,69 +61,27 @@ class DSparkAlgorithm(DFlashAlgorithm):
     def draft_config(self, draft: DraftSection, target: TargetSection, draft_vocab_size: int,
                      aux_layers: list[int]) -> DSparkConfig:
         spark = draft.dspark
-        return DSparkConfig(
-            **draft_sizes(draft, target, draft_vocab_size, aux_layers),
-            num_hidden_layers=spark.num_layers,
-            num_key_value_heads=draft.num_key_value_heads,
-            head_dim=target.hidden_size // draft.num_attention_heads,
-            block_size=spark.block_size,
-            mask_token_id=spark.mask_token_id,
-            markov_rank=spark.markov_rank,
-            markov_head_type=spark.markov_head,
-            confidence_head=spark.confidence_head,
-            confidence_head_with_markov=spark.confidence_head_with_markov,
-            ce_weight=spark.ce_weight,
-            l1_weight=spark.l1_weight,
-            confidence_weight=spark.confidence_weight,
-        )
+        return DSparkConfig(**self.backbone_sizes(draft, target, draft_vocab_size, aux_layers, spark),
+                            markov_rank=spark.markov_rank, markov_head_type=spark.markov_head,
+                            confidence_head=spark.confidence_head,
+                            confidence_head_with_markov=spark.confidence_head_with_markov,
+                            ce_weight=spark.ce_weight, l1_weight=spark.l1_weight,
+                            confidence_weight=spark.confidence_weight)
 
     def reserved_ids(self, cfg: DSparkConfig) -> dict[int, str]:
         return {cfg.mask_token_id: "draft.dspark.mask_token_id"}
 
-    def new_model(self, cfg: DSparkConfig, embed: torch.Tensor) -> DSparkDraft:
-        return DSparkDraft(cfg, embed)
-
     def initial_model(self, cfg: DSparkConfig, training: TrainingSection, head: dict[str, torch.Tensor],
                       vocab_map: VocabMap, device: torch.device, init: ResolvedInit | None, log: Log) -> DSparkDraft:
         """Seeded, on `device`, with the target's embedding and head; the Markov bias starts at zero."""
-        embed = head["embed"].to(device)
-        head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        lm_head = embed if head["lm_head"] is head["embed"] else head["lm_head"].to(device, head_dtype)
-        with torch.device(device):
-            model = DSparkDraft(cfg, embed, lm_head)
-        init_weights(model, training.seed)
+        model = self.seeded_model(cfg, training, head, vocab_map, device)
         model.reset_heads()
-        model.loss_ids.copy_(vocab_map.target_ids())
         if init is not None:
             warm_start(model, init, log)
         log(f"train: DSpark draft, {cfg.num_hidden_layers} layer(s), gamma {cfg.block_size}, {cfg.markov_head_type} "
             f"Markov head of rank {cfg.markov_rank}, confidence head {'on' if cfg.confidence_head else 'off'}, mask "
             f"token {cfg.mask_token_id}, target layers {cfg.aux_layers}")
         return model
-
-    def warm_start_copy(self, source: Path, out: Path, target: ExportTarget, source_name: str, log: Log) -> str:
-        """A native draft or an SGLang export of this project's (a draft from elsewhere is imported first)."""
-        write_copy(source, out, source_name, DSparkConfig)
-        return "sglang" if "eagle3" in read_json(source / CONFIG_FILE, "missing") else DSPARK_FORMAT
-
-    def served_model(self, path: Path, release: str | None, target_dir: Path, prefix: str) -> DSparkDraft:
-        """The draft at `path` (an SGLang export, or what `write_draft` wrote), with the target's embedding and head."""
-        head = target_head(target_dir, prefix)
-        if "eagle3" in read_json(path / CONFIG_FILE, "missing"):
-            cfg, tensors = read_sglang(path)
-            tensors = {name: t.float() for name, t in tensors.items()}
-        else:
-            cfg, tensors = DSparkConfig.model_validate(read_json(path / CONFIG_FILE, "missing")), self.read_draft(path)
-        model = DSparkDraft(cfg, head["embed"], head["lm_head"])
-        model.load_draft_state(tensors)
-        return model
-
-    def write_draft(self, cfg: DSparkConfig, tensors: dict[str, torch.Tensor], directory: Path,
-                    manifest_fields: dict) -> None:
-        save_file({name: t.contiguous() for name, t in tensors.items()}, directory / WEIGHTS_FILE,
-                  metadata={"format": "pt"})
-        atomic_write_json(directory / CONFIG_FILE, cfg.model_dump())
-        write_manifest(directory, kind=f"draft-{DSPARK_FORMAT}", fields={"layout": DSPARK_FORMAT, **manifest_fields})
 
     def predictions(self, draft: DraftSection, training: TrainingSection) -> int:
         return draft.dspark.block_size  # every entry, the anchor's too
