@@ -50,17 +50,27 @@ def convert_dflash(source: Path, dst: Path, serving: Serving, log: Log) -> Conve
     done.steps.append(f"decoded the config: target layers {cfg.aux_layers} (output of decoder layer k), "
                       f"{cfg.num_hidden_layers} layer(s), block {cfg.block_size}, mask token {cfg.mask_token_id}, "
                       f"{cfg.torch_dtype}")
+    kept = {name: t for name, t in tensors.items() if name not in dropped}
+    return publish(source, dst, serving, cfg, kept, report, done, (write_sglang, validate_sglang, draft_section), log)
+
+
+def publish(source: Path, dst: Path, serving: Serving, cfg: DFlashConfig, tensors: dict, report: Report,
+            done: Converted, kind: tuple[Callable, Callable, Callable], log: Log) -> Converted:
+    """The decoded draft (`cfg`, `tensors`; DFlash's or a kind built on its backbone, whose `kind` gives its SGLang
+    writer, validation and draft section) written in SGLang's layout at `dst`, which appears only when it validates
+    for `serving` as the pipeline's exports are validated; the steps logged."""
+    write, validate, section = kind
     with tempfile.TemporaryDirectory() as scratch, atomic_directory(Path(dst), overwrite=True) as tmp:
         native = Path(scratch)
-        save_file({name: t.contiguous() for name, t in tensors.items() if name not in dropped}, native / WEIGHTS_FILE,
+        save_file({name: t.contiguous() for name, t in tensors.items()}, native / WEIGHTS_FILE,
                   metadata={"format": "pt"})
         (native / CONFIG_FILE).write_text(cfg.model_dump_json())
-        write_sglang(native, tmp)
-        served = validate_sglang(tmp, serving.release, None, serving.context_length, captured=serving.data_layers)
+        write(native, tmp)
+        served = validate(tmp, serving.release, None, serving.context_length, captured=serving.data_layers)
         refuse_on_errors(str(source), served)
     served.path = str(dst)
     done.validation = {"source": report.to_dict(), "sglang": served.to_dict()}
-    done.draft = draft_section(cfg)
+    done.draft = section(cfg)
     done.steps.append(f"wrote SGLang's layout and validated it as the pipeline's exports are: {summary(served)}")
     for line in done.steps:
         log(f"import: {line}")

@@ -7,19 +7,18 @@ wrongly is refused, named (docs/algorithms.md, "DSpark")."""
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Callable
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from eagle3.algorithms.dflash.imports import TARGET_HEAD, native_fields
+from eagle3.algorithms.dflash.imports import TARGET_HEAD, native_fields, publish
 from eagle3.algorithms.dspark.layout import HEAD_TYPES, validate_sglang, write_sglang
 from eagle3.algorithms.dspark.model import DSparkConfig
 from eagle3.contract.problems import ProblemCode, Report
 from eagle3.draft.files import CONFIG_FILE, WEIGHTS_FILE
-from eagle3.fsutil import atomic_directory, read_json
-from eagle3.validation.external import Converted, Serving, refuse_on_errors, summary
+from eagle3.fsutil import read_json
+from eagle3.validation.external import Converted, Serving, refuse_on_errors
 
 Log = Callable[[str], None]
 # SpecForge 0.2.0's objective defaults (OnlineDSparkModel), recorded on an import: its config does not say
@@ -89,21 +88,8 @@ def convert_dspark(source: Path, dst: Path, serving: Serving, log: Log) -> Conve
     done.steps.append(f"decoded the config: target layers {cfg.aux_layers} (output of decoder layer k), "
                       f"{cfg.num_hidden_layers} layer(s), gamma {cfg.block_size}, {cfg.markov_head_type} Markov head "
                       f"of rank {cfg.markov_rank}, mask token {cfg.mask_token_id}, {cfg.torch_dtype}")
-    with tempfile.TemporaryDirectory() as scratch, atomic_directory(Path(dst), overwrite=True) as tmp:
-        native = Path(scratch)
-        save_file({name: t.contiguous() for name, t in tensors.items() if name not in dropped}, native / WEIGHTS_FILE,
-                  metadata={"format": "pt"})
-        (native / CONFIG_FILE).write_text(cfg.model_dump_json())
-        write_sglang(native, tmp)
-        served = validate_sglang(tmp, serving.release, None, serving.context_length, captured=serving.data_layers)
-        refuse_on_errors(str(source), served)
-    served.path = str(dst)
-    done.validation = {"source": report.to_dict(), "sglang": served.to_dict()}
-    done.draft = draft_section(cfg)
-    done.steps.append(f"wrote SGLang's layout and validated it as the pipeline's exports are: {summary(served)}")
-    for line in done.steps:
-        log(f"import: {line}")
-    return done
+    kept = {name: t for name, t in tensors.items() if name not in dropped}
+    return publish(source, dst, serving, cfg, kept, report, done, (write_sglang, validate_sglang, draft_section), log)
 
 
 def draft_section(cfg: DSparkConfig) -> dict:
