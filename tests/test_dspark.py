@@ -333,12 +333,23 @@ MLA = ["draft.attention=mla", "draft.num_key_value_heads=null", "draft.q_lora_ra
                              "draft.fc_norm"),
     (["draft.dspark.markov_head=lstm"], r"draft.dspark.markov_head .*'vanilla', 'gated' or 'rnn'"),
     (["draft.dspark.markov_rank=0"], "draft.dspark.markov_rank .*greater than 0"),
-    (["serving.engine=vllm"], r"draft.algorithm dspark, serving.engine vllm: vLLM 0.32 drafts DSpark only in its V2 "
-                              r"GPU model runner .*set serving.engine sglang"),
 ])
 def test_a_dspark_config_sglang_cannot_serve_is_refused_at_load_naming_the_field(overrides, says):
     with pytest.raises(ConfigError, match=says):
         load_config(DSPARK_CONFIG, overrides)
+
+
+def test_vllm_refuses_a_dspark_config_before_any_stage():
+    """vLLM's CPU build drafts no DSpark (tests/conformance/test_vllm_dspark.py), and the launcher serves the
+    speculators layout: its check, which the run's load-config calls, names the kind and the engine to use."""
+    from eagle3.serving import serving_engine
+    from eagle3.serving.base import launch_spec
+    from eagle3.procs import LaunchError
+
+    config = load_config(DSPARK_CONFIG, ["serving.engine=vllm"])
+    with pytest.raises(LaunchError, match=r"draft.algorithm dspark: vLLM serves eagle3, dflash drafts here .*choose "
+                                          r"serving.engine sglang"):
+        serving_engine("vllm").check(launch_spec(config), config.production.telemetry, config.sweep)
 
 
 def test_the_shipped_dspark_config_serves_the_chain_of_its_gamma():

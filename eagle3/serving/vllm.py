@@ -40,16 +40,21 @@ def speculative_config(entry: DraftAlgorithm, draft, serving: ServingSection) ->
     """--speculative-config for `draft`, served as its algorithm's served_as["vllm"] method: vLLM drafts a chain of
     num_draft_tokens - 1 tokens a step (a chain's num_steps; a block draft's block size - 1, since vLLM never reads a
     checkpoint's block size)."""
-    if VLLM_NAME not in entry.served_as:
-        served = [name for name, kind in ALGORITHMS.items() if VLLM_NAME in kind.served_as]
-        raise LaunchError(f"draft.algorithm {entry.name}: vLLM serves {', '.join(served)} drafts here; choose "
-                          "serving.engine sglang")
+    refuse_unserved(entry)
     shape = serving.shape
     if shape.eagle_topk != 1:
         raise LaunchError(f"serving.eagle_topk {shape.eagle_topk}: vLLM drafts a chain here (eagle_topk 1); set "
                           "serving.eagle_topk to 1 and serving.num_draft_tokens to num_steps + 1")
     return {"method": entry.served_as[VLLM_NAME], "model": str(draft),
             "num_speculative_tokens": shape.num_draft_tokens - 1}
+
+
+def refuse_unserved(entry: DraftAlgorithm) -> None:
+    """A kind whose served_as names no vLLM method (docs/algorithms.md says why for each)."""
+    if VLLM_NAME not in entry.served_as:
+        served = [name for name, kind in ALGORITHMS.items() if VLLM_NAME in kind.served_as]
+        raise LaunchError(f"draft.algorithm {entry.name}: vLLM serves {', '.join(served)} drafts here (docs/"
+                          f"algorithms.md, the {entry.name} kind's section); choose serving.engine sglang")
 
 
 def refuse_clashing_flags(serving: ServingSection) -> None:
@@ -130,6 +135,7 @@ class VLLM(ServingEngine):
         """Also what a later launch would refuse after training: a sweep point that drafts a tree, and an MLA draft
         (the speculators layout, which vLLM loads, has no MLA form)."""
         super().check(spec, telemetry, sweep)
+        refuse_unserved(algorithm(spec.draft.algorithm))
         if spec.draft.attention != "mha":
             raise LaunchError(f"draft.attention {spec.draft.attention}: vLLM loads the speculators layout, whose "
                               "decoder layer is Llama's; serve an MLA draft with serving.engine sglang")

@@ -40,7 +40,8 @@ class DSparkAlgorithm(DFlashAlgorithm):
     copy, the served model read back); its own wherever the heads, the block's gamma entries or the layout differ."""
 
     name = "dspark"
-    # vLLM 0.32's method is "dspark", but only its GPU model runner drafts it (`section.VLLM_REFUSAL`): not served here
+    # vLLM 0.32's method is "dspark", but only its V2 GPU model runner drafts it, and this pipeline's vLLM launcher
+    # serves the speculators layout (docs/algorithms.md, "DSpark"): not served by vLLM here
     served_as = {"sglang": "DSPARK"}
     section_type = DSparkSection
     config_type = DSparkConfig

@@ -41,13 +41,6 @@ class DSparkSection(Section):
     confidence_weight: float = Field(default=1.0, ge=0, description="the confidence BCE's weight (SpecForge's 1.0)")
 
 
-# What vLLM 0.32 does with a DSpark draft (tests/conformance/test_vllm_dspark.py runs it): its loader reads our SGLang
-# layout, but only its V2 model runner drafts DSpark, and that runner needs Triton on a GPU.
-VLLM_REFUSAL = ("vLLM 0.32 drafts DSpark only in its V2 GPU model runner (its CPU build stops at \"Model Runner V1 "
-                "does not support: dspark speculative decoding\"), and this pipeline's vLLM launcher serves the "
-                "speculators layout, which has no DSpark form: set serving.engine sglang (or reference on a CPU)")
-
-
 def default_layer_ids(num_layers: int, draft: DraftSection) -> list[int]:
     """SGLang's default without named layers: DFlash's spread, one target layer per backbone layer."""
     try:
@@ -63,8 +56,6 @@ def config_problem(draft: DraftSection, target: TargetSection, serving: ServingS
     sweep point that is not the chain of gamma drafts SGLang serves."""
     if problem := qwen3_layers_problem(draft):
         return problem
-    if serving is not None and serving.engine == "vllm":
-        return f"draft.algorithm dspark, serving.engine vllm: {VLLM_REFUSAL}"
     release = serving.release if serving is not None else None
     if problem := dspark_release_problem(release):
         return f"draft.algorithm dspark, serving.release {release}: {problem}"
