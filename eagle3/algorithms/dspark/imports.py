@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.algorithms.dflash.imports import TARGET_HEAD, native_fields
@@ -26,10 +27,11 @@ Log = Callable[[str], None]
 SPECFORGE_WEIGHTS = {"ce_weight": 0.1, "l1_weight": 0.9, "confidence_weight": 1.0}
 
 
-def head_fields(raw: dict, report: Report, steps: list[str]) -> dict:
+def head_fields(raw: dict, tensors: dict[str, torch.Tensor], report: Report, steps: list[str]) -> dict:
     """The heads' fields, wherever the writer put them: the top level wins (SGLang's model reads only there), then
-    dspark_config, then dflash_config (SpecForge's). A confidence head whose width the config leaves open is
-    SpecForge's: without the Markov row."""
+    dspark_config, then dflash_config (SpecForge's). What the config leaves open is read off the tensors: SpecForge
+    writes enable_confidence_head only when it was set (its default is no head: confidence_head_alpha 0), and its
+    confidence_head_with_markov (default False) likewise; the head's presence and its input width say which."""
     nested = {**(raw.get("dflash_config") or {}), **(raw.get("dspark_config") or {})}
 
     def field(name, default=None):
@@ -42,12 +44,24 @@ def head_fields(raw: dict, report: Report, steps: list[str]) -> dict:
     if kind not in HEAD_TYPES:
         report.add(ProblemCode.CONFIG_FIELD, "error", f"markov_head_type {kind} is none of {', '.join(HEAD_TYPES)}",
                    "import a draft whose head SGLang builds")
+    proj = tensors.get("confidence_head.proj.weight")
+    enabled = field("enable_confidence_head")
+    if enabled is None:
+        enabled = proj is not None
+        steps.append(f"no enable_confidence_head: {'a' if enabled else 'no'} confidence head, as its tensors say")
+    elif enabled and proj is None:
+        report.add(ProblemCode.MISSING_TENSOR, "error", "enable_confidence_head is true but there is no "
+                   "confidence_head.proj.weight: SGLang's ragged verify refuses the draft", "import the draft with "
+                   "its confidence head, or with enable_confidence_head false")
     with_markov = field("confidence_head_with_markov")
     if with_markov is None:
-        with_markov = False
-        steps.append("no confidence_head_with_markov: SpecForge's width, the stream alone (SGLang would read the "
-                     "Markov row too; the export names it)")
-    return {"markov_rank": rank, "markov_head_type": kind, "confidence_head": bool(field("enable_confidence_head", True)),
+        hidden = raw.get("hidden_size")
+        with_markov = bool(enabled and proj is not None and isinstance(rank, int) and isinstance(hidden, int)
+                           and proj.shape[-1] == hidden + rank)
+        said = f"as its head's width {proj.shape[-1]} says" if enabled and proj is not None else "SpecForge's default"
+        steps.append(f"no confidence_head_with_markov: {with_markov}, {said} (the export writes it at the top level, "
+                     "where SGLang, whose default is true, reads it)")
+    return {"markov_rank": rank, "markov_head_type": kind, "confidence_head": bool(enabled),
             "confidence_head_with_markov": bool(with_markov)}
 
 
@@ -58,10 +72,10 @@ def convert_dspark(source: Path, dst: Path, serving: Serving, log: Log) -> Conve
     report = Report(str(source), "sglang", serving.release)
     done = Converted("sglang", [f"found a DSpark draft: architectures {raw.get('architectures')}"])
     fields = native_fields(raw, "sglang", serving, report, done.steps)
-    heads = head_fields(raw, report, done.steps)
-    refuse_on_errors(str(source), report)
     found = load_file(source / WEIGHTS_FILE)
     tensors = {name.removeprefix("model."): t for name, t in found.items()}  # SGLang's loader strips it too
+    heads = head_fields(raw, tensors, report, done.steps)
+    refuse_on_errors(str(source), report)
     dropped = sorted(name for name in tensors if name in TARGET_HEAD)
     if dropped:
         done.steps.append(f"dropped {', '.join(dropped)}: the target's (SGLang's DSpark draft uses its own)")
