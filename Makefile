@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install vllm test e2e conformance demo demo-vllm demo-rollback demo-real demo-real-vllm real-target vs-specforge vs-specforge-dflash clean
+.PHONY: install vllm test e2e conformance demo demo-vllm demo-rollback demo-real demo-real-vllm real-target vs-specforge vs-specforge-dflash vs-specforge-dspark clean
 
 # Test sessions spread over one worker per core (pytest-xdist), a test file whole on one worker (its fixtures built
 # once there; tests/conftest.py gives the order, longest first, and keeps the files of SGLang's release children on
@@ -98,6 +98,10 @@ vs-specforge: real-target
 # The same for a DFlash draft: the contenders config's DFlash draft against SpecForge's DFlash trainer.
 vs-specforge-dflash: real-target
 	OMP_NUM_THREADS=1 $(PY) benchmarks/vs_specforge.py --config configs/smollm2-contenders-cpu.yaml --draft dflash
+
+# The same for a DSpark draft: the contenders config's DSpark draft against SpecForge's DSpark trainer.
+vs-specforge-dspark: real-target
+	OMP_NUM_THREADS=1 $(PY) benchmarks/vs_specforge.py --config configs/smollm2-contenders-cpu.yaml --draft dspark
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

