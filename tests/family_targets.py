@@ -20,6 +20,7 @@ MLA_DRAFT_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-deepseek-v2-
 DFLASH_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-dflash-cpu.yaml"  # tests/test_dflash.py
 DSPARK_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-dspark-cpu.yaml"  # tests/test_dspark.py
 CONTENDERS_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-contenders-cpu.yaml"  # tests/test_contenders.py
+THREE_KINDS_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-three-kinds-cpu.yaml"  # tests/test_contenders.py
 VLLM_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-vllm-cpu.yaml"  # tests/conformance/test_vllm_server.py
 FLOW_CONFIGS = {**FAMILY_CONFIGS, "deepseek_v2": MLA_DRAFT_CONFIG}
 NUM_LAYERS = 5

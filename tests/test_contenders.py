@@ -20,7 +20,7 @@ from eagle3.stages.keys import stage_key
 from eagle3.stages.table import STAGES, output_of
 from flows.eagle3 import eagle3
 from flows.summary import stage_rows, summary
-from family_targets import CONTENDERS_CONFIG
+from family_targets import CONTENDERS_CONFIG, THREE_KINDS_CONFIG
 from helpers import ROOT, TINY, micro_run_overrides
 
 KIMI_CONTENDERS = ROOT / "configs" / "kimi-k25-contenders-8xh200.yaml"
@@ -69,6 +69,19 @@ def test_a_contender_may_change_nothing_the_shared_stages_read_but_its_shape():
             if name.startswith(settable)}
     shape = {f"serving.{name}" for name in SHAPE_FIELDS} | {"sweep.points"}
     assert read - shape == {f"training.{name}" for name in SHARED_TRAINING}
+
+
+def test_the_three_kinds_config_trains_each_kind_on_the_runs_data_and_serves_dspark_as_its_gamma():
+    """configs/tiny-three-kinds-cpu.yaml (measured in docs/algorithms.md, "Contenders"): the run's EAGLE-3 draft, the
+    DFlash contender in its blocks, the DSpark contender only as the chain of its gamma; one release that serves all
+    three, one data set."""
+    config = load_config(THREE_KINDS_CONFIG)
+    contenders = contender_configs(config)
+    assert [config.draft.algorithm, *(c.draft.algorithm for c in contenders.values())] == ["eagle3", "dflash", "dspark"]
+    spark = contenders["dspark"]
+    assert spark.serving.shape == DraftShape(spark.draft.dspark.block_size, 1, spark.draft.dspark.block_size + 1)
+    assert spark.sweep.points == [] and {c.serving.release for c in contenders.values()} == {"0.5.23"}
+    assert {c.data.aux_layers == config.data.aux_layers for c in contenders.values()} == {True}
 
 
 def test_the_runs_draft_is_served_in_any_of_its_shapes_whatever_its_contenders_take():
