@@ -509,3 +509,27 @@ def micro_of(micro_target: Path) -> dict:
     embed = target_head(micro_target)["embed"]
     return dict(model=model, prompts=prompts, seqs=seqs, eos=eos, vocab_map=vocab_map, embed=embed,
                 turns=turns, path=micro_target)
+
+
+def block_export(kind: str, model, write_sglang, tmp_path: Path) -> tuple[Path, Path]:
+    """A DFlash-backbone draft (`kind`'s `model`) written as training writes it and exported by `write_sglang` under
+    tmp_path, and the manifest of a data set captured at its layers on a llama target."""
+    from eagle3.algorithms import algorithm
+    from eagle3.records.manifest import write_manifest
+
+    native = tmp_path / "native"
+    native.mkdir()
+    algorithm(kind).write_draft(model.config, model.export_state(), native, {})
+    data = tmp_path / "data"
+    data.mkdir()
+    write_manifest(data, kind="dataset", fields={"capture": {"aux_layers": model.config.aux_layers},
+                                                 "target": {"family": "llama"}})
+    return write_sglang(native, tmp_path / "sglang"), data / "manifest.json"
+
+
+def rewritten(directory: Path, change) -> Path:
+    """The export at `directory` with its config.json changed in place by `change(raw)`."""
+    raw = json.loads((directory / "config.json").read_text())
+    change(raw)
+    (directory / "config.json").write_text(json.dumps(raw))
+    return directory

@@ -26,7 +26,8 @@ from eagle3.train.trainer import Trainer
 from eagle3.serve.reference import create_app
 from eagle3.serving.base import launch_spec
 from family_targets import DFLASH_CONFIG
-from helpers import MAX_NEW, RELEASE, TINY, generate, metrics, prompt_of, requests, run_copy, serving
+from helpers import (MAX_NEW, RELEASE, TINY, block_export, generate, metrics, prompt_of, requests, rewritten, run_copy,
+                     serving)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = lambda line: None  # noqa: E731
@@ -344,24 +345,9 @@ def test_the_kimi_dflash_plan_fits_the_node_and_counts_its_blocks(capsys):
 def exported(tmp_path):
     """A tiny draft's SGLang export, and the data manifest of the layers it was trained on."""
     from eagle3.algorithms.dflash.layout import write_sglang
-    from eagle3.records.manifest import write_manifest
 
     model = tiny_dflash(layers=2)
-    native = tmp_path / "native"
-    native.mkdir()
-    algorithm("dflash").write_draft(model.config, model.export_state(), native, {})
-    data = tmp_path / "data"
-    data.mkdir()
-    write_manifest(data, kind="dataset", fields={"capture": {"aux_layers": model.config.aux_layers},
-                                                 "target": {"family": "llama"}})
-    return model, write_sglang(native, tmp_path / "sglang"), data / "manifest.json"
-
-
-def rewritten(directory: Path, change) -> Path:
-    raw = json.loads((directory / "config.json").read_text())
-    change(raw)
-    (directory / "config.json").write_text(json.dumps(raw))
-    return directory
+    return model, *block_export("dflash", model, write_sglang, tmp_path)
 
 
 def problems(directory: Path, manifest: Path) -> dict:

@@ -26,7 +26,7 @@ from eagle3.model.teacher import TeacherHead
 from eagle3.resolve import load_config
 from eagle3.shape import DraftShape
 from family_targets import DSPARK_CONFIG
-from helpers import TINY, metrics, run_copy
+from helpers import TINY, block_export, metrics, rewritten, run_copy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 QUIET = lambda line: None  # noqa: E731
@@ -370,24 +370,9 @@ def test_the_shipped_dspark_config_serves_the_chain_of_its_gamma():
 def exported(tmp_path):
     """A tiny draft's SGLang export (gamma 3, vanilla head of rank 8), and the data manifest of its layers."""
     from eagle3.algorithms.dspark.layout import write_sglang
-    from eagle3.records.manifest import write_manifest
 
     model = tiny_dspark(block=3)
-    native = tmp_path / "native"
-    native.mkdir()
-    algorithm("dspark").write_draft(model.config, model.export_state(), native, {})
-    data = tmp_path / "data"
-    data.mkdir()
-    write_manifest(data, kind="dataset", fields={"capture": {"aux_layers": model.config.aux_layers},
-                                                 "target": {"family": "llama"}})
-    return model, write_sglang(native, tmp_path / "sglang"), data / "manifest.json"
-
-
-def rewritten(directory: Path, change) -> Path:
-    raw = json.loads((directory / "config.json").read_text())
-    change(raw)
-    (directory / "config.json").write_text(json.dumps(raw))
-    return directory
+    return model, *block_export("dspark", model, write_sglang, tmp_path)
 
 
 def retensored(directory: Path, change) -> Path:
