@@ -28,7 +28,7 @@ def fmt(value) -> str:
 
 
 def data_report(regenerated: dict, dataset: dict) -> str:
-    online = dataset.get("features") == "online"
+    online = dataset.get("features") in ("online", "streamed")
     heldout = dataset["heldout"]
     rows = [["samples", regenerated["samples"], dataset["samples"]],
             ["tokens", regenerated["tokens"], dataset["tokens"]],
@@ -42,7 +42,7 @@ def data_report(regenerated: dict, dataset: dict) -> str:
             ["hidden-state bytes", "-", f"{dataset['bytes']:,} ({dataset['bytes_per_token']:,} per token)"]]
     capture = dataset["capture"]
     if online:
-        how = (f"hidden-state capture skipped (training.features online): the trainer computes the features of layers "
+        how = (f"hidden-state capture skipped (training.features {dataset['features']}): the trainer computes the features of layers "
                f"{capture['aux_layers']} ({capture['engine']}, last hidden {capture['last_hidden']}) batch by batch; "
                "token shards only.")
     else:

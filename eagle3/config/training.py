@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from eagle3.config.base import Section, SshArgs
+from eagle3.config.stream import StreamSection
 from eagle3.procs import STOP_GRACE_S
 
 
@@ -15,9 +16,13 @@ class TrainingSection(Section):
         default="auto", description="norms_mlp: the backward recomputes the norms and the SwiGLU product instead of "
         "keeping their float32 intermediates (less memory, a slower step); auto: only when the step would not fit "
         "node.gpu_memory_gib without it (`eagle3 plan` says which and why; the results are the same either way)")
-    features: Literal["online", "offline"] = Field(
+    features: Literal["online", "offline", "streamed"] = Field(
         default="offline", description="online: the trainer computes the target's features batch by batch and "
-        "nothing is stored; offline: they are captured to data/hidden first and read back")
+        "nothing is stored; offline: they are captured to data/hidden first and read back; streamed: capture workers "
+        "outside the training world compute them and the trainers take them from a Mooncake store (training.stream, "
+        "docs/streamed-features.md)")
+    stream: StreamSection = Field(default=StreamSection(), description="training.features streamed: the store, its "
+                                  "watermarks and the capture workers")
     ttt_steps: int = Field(default=7, ge=1)
     ttt_step_decay: float = Field(default=0.8, gt=0.0, le=1.0)
     learning_rate: float = Field(gt=0.0)
@@ -103,6 +108,12 @@ class TrainingSection(Section):
     stop_grace_s: float = Field(
         default=STOP_GRACE_S, gt=0.0, description="after SIGTERM the trainer finishes its step and saves a checkpoint; what is "
         "still alive after this is killed (keep it under Prefect's 30 s between a cancel's SIGTERM and SIGKILL)")
+
+    @property
+    def tokens_only(self) -> bool:
+        """Whether the data set holds token rows only (online and streamed: the target's features are computed while
+        training, never stored)."""
+        return self.features != "offline"
 
     def sequences_per_forward(self, world: int) -> int:
         """Sequences one rank's draft takes per forward: micro_batch_size, else its whole share of batch_size."""

@@ -3,7 +3,7 @@
 - `training.features offline`: the target's features of every regenerated sample, stored as shards (in
   data.feature_dtype, bf16 by default) under
   `run.dir/data/hidden/` (57,344 bytes per token at Kimi-K2.5's size: see eagle3/data/storage.py).
-- `training.features online`: token shards only, under `run.dir/data/tokens/` (5 bytes per token); the trainer
+- `training.features online` or `streamed`: token shards only, under `run.dir/data/tokens/` (5 bytes per token); the trainer
   computes the features batch by batch and no hidden state is stored. Hidden-state capture is skipped.
 - Both: the target's greedy continuations of the held-out benchmark prompts with their features, under
   `run.dir/data/heldout/`, so the acceptance simulator needs no target (200 prompts x ~2.5 k tokens at Kimi's size:
@@ -47,7 +47,7 @@ HELDOUT_DIR = "heldout"
 
 def dataset_dir(run: RunSection, training: TrainingSection) -> Path:
     """What the trainer reads: feature shards (offline) or token shards (online)."""
-    return run.stage_dir("data") / (TOKENS_DIR if training.features == "online" else HIDDEN_DIR)
+    return run.stage_dir("data") / (TOKENS_DIR if training.tokens_only else HIDDEN_DIR)
 
 
 def regenerated_manifest(run: RunSection, data: DataSection, target: TargetSection) -> dict:
@@ -115,7 +115,7 @@ def capture(run: RunSection, data: DataSection, target: TargetSection, training:
     regen = regen_dir(run)
     order = {sample_id: index for index, sample_id in enumerate(training_ids(regen))}
     records = sorted(read_regenerated(regen), key=lambda r: order[r["id"]])
-    online = training.features == "online"
+    online = training.tokens_only
     out = dataset_dir(run, training)
     settings = capture_settings(data, target)
     dtype = data.feature_dtype
@@ -317,7 +317,7 @@ def capture_fields(data: DataSection, release: str | None) -> dict:
 def dataset_fields(data: DataSection, target: TargetSection, training: TrainingSection, regen_manifest: dict,
                    release: str | None, records: list[dict], heldout_manifest: dict) -> dict:
     tokens = sum(len(r["input_ids"]) for r in records)
-    online = training.features == "online"
+    online = training.tokens_only
     per_token, total = projected_bytes(data, target, tokens)
     return {
         "target": regen_manifest["target"],

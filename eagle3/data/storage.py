@@ -60,8 +60,8 @@ def log_projection(run: RunSection, data: DataSection, target: TargetSection, tr
                    log: Log) -> None:
     """Before regeneration: the upper bound for the configured dataset (every sample at max_length)."""
     tokens = data.num_samples * data.max_length
-    if training.features == "online":
-        log(f"storage: no hidden state will be stored (training.features online): 0 bytes; token shards "
+    if training.tokens_only:
+        log(f"storage: no hidden state will be stored (training.features {training.features}): 0 bytes; token shards "
             f"{TOKEN_BYTES} bytes per token, up to {human_bytes(TOKEN_BYTES * tokens)} under {run.stage_dir('data')}")
         return
     per_token, total = projected_bytes(data, target, tokens)

@@ -321,7 +321,7 @@ def open_feature_store(registry: RegistrySection | None, data: DataSection, targ
     """The feature store for this run's capture settings; None with features online (nothing captured for
     training), with SGLang's capture (its tensor-parallel ranks must all compute the same samples: said), without a
     registry, or with data.share_samples off."""
-    if training.features == "online":
+    if training.tokens_only:
         return None
     if data.feature_backend != "local":
         log("feature store: used by the local capture engine only (SGLang's ranks capture every sample together)")
