@@ -200,6 +200,14 @@ def wrap(command: list[str], launcher: str, ssh_host: str | None = None, srun_ar
     raise LaunchError(f"unknown launcher {launcher!r}; use local, ssh or srun")
 
 
+def on_ssh_host(command: list[str], host: str, cwd: Path, variables: dict[str, str], ssh_args: list[str]) -> list[str]:
+    """`command` run over ssh on `host` from `cwd`, with `variables` set: ssh runs a command from the home directory,
+    in a login's environment, not ours, so relative paths and the variables the command needs go with it."""
+    assignments = [f"{name}={value}" for name, value in variables.items()]
+    remote = ["sh", "-c", f"cd {shlex.quote(str(cwd))} && exec {shlex.join(['env', *assignments, *command])}"]
+    return wrap(remote, "ssh", host, ssh_args=ssh_args)
+
+
 SSH_OPTIONS_WITH_VALUE = set("BbcDEeFIiJLlmOoPpQRSWw")  # ssh(1)'s options that take an argument (OpenSSH 9)
 SSH_FLAGS = set("46AaCfGgKkMNnqsTtVvXxYy")
 SSH_REFUSED = {  # what would leave the launcher without its remote command, or without a stop that reaches it

@@ -9,7 +9,8 @@ Backends, one interface:
   (the tiny target, CPU tests, small targets on a GPU);
 - `sglang`: SGLang's model runner built inside each torchrun rank, the target tensor-parallel over the ranks
   (eagle3/runtime/sglang_features.py, run in the node's SGLang environment);
-- `shards`: features stored by an offline capture (eagle3/data/shards.py), read back by sample id.
+- `shards`: features stored by an offline capture (eagle3/data/shards.py), read back by sample id;
+- `streamed`: features capture workers outside the training world put into a Mooncake store (eagle3/stream/).
 
 A batch is the same on every rank of a tensor-parallel group; `rows` picks the rows a rank keeps. Features never
 pass through Python lists: a float row turned into Python numbers costs ~15 ms per token at Kimi's width.
@@ -55,6 +56,12 @@ class FeatureBackend(Protocol):
     def close(self) -> None:
         """Free the target (its GPU memory above all)."""
 
+    def expect(self, parts: list, first: bool = False) -> None:
+        """The rows this rank will ask for, per coming forward, in order (`first`: before those expected already).
+        A backend that computes or reads features when asked has nothing to prepare; the streamed one has them
+        captured ahead (eagle3/stream/features.py)."""
+        return None
+
 
 def empty_features(aux_width: int, hidden: int, device: torch.device) -> Features:
     """What a rank gets when a batch has no rows for it (a last batch smaller than the ranks)."""
@@ -70,7 +77,7 @@ def pad_rows(rows: list[list[int]], sample_ids: list[str]) -> TokenBatch:
     return TokenBatch(ids, lengths, list(sample_ids))
 
 
-class TransformersFeatures:
+class TransformersFeatures(FeatureBackend):
     """The target through transformers; hooks record the captured layers' outputs and the final norm's input and
     output, so one forward gives both kinds and no other layer's states are kept (output_hidden_states would hold
     all of them). bf16 on a GPU; on the CPU the target's one precision (target.dtype), as the data stage generated."""

@@ -39,7 +39,7 @@ from array import array
 import torch
 from torch import nn
 
-from eagle3.runtime.features import Features, TokenBatch
+from eagle3.runtime.features import FeatureBackend, Features, TokenBatch
 from eagle3.errors import Eagle3Error
 from eagle3.contract import engines
 from eagle3.contract.releases import ReleaseRange, parse_release
@@ -59,7 +59,7 @@ FIXED_ARGS = {
 REQUIRED_ARGS = {"enable_dp_attention": False, "pp_size": 1, "dp_size": 1}
 
 
-class SGLangFeatures:
+class SGLangFeatures(FeatureBackend):
     name = "sglang"
 
     def __init__(self, model_path: str, family: str, num_hidden_layers: int, aux_layers: list[int],

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from eagle3.data.shards import ShardReader, named_eval_ids
-from eagle3.runtime.features import Features, TokenBatch, empty_features
+from eagle3.runtime.features import FeatureBackend, Features, TokenBatch, empty_features
 from eagle3.errors import Eagle3Error
 
 BUCKET_BATCHES = 16  # batches sorted by length together: less padding, order still shuffled
@@ -89,7 +89,7 @@ class TrainingData:
         return TokenBatch(ids, lengths, [ref.id for ref in refs]), loss_mask
 
 
-class ShardFeatures:
+class ShardFeatures(FeatureBackend):
     """The `shards` feature backend: features an offline capture stored, read back by sample id (and checked to be
     for the same tokens)."""
 

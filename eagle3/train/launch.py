@@ -13,6 +13,7 @@ the flow's process only (docs/pipeline.md), and the trainer, in a session of its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -35,7 +36,9 @@ from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.errors import Eagle3Error
 from eagle3.procs import ProcessTree, cpu_threads, timestamp, with_threads
-from eagle3.procs import GPU_QUERY, wait_gpus_free, wrap
+from eagle3.procs import GPU_QUERY, on_ssh_host, wait_gpus_free, wrap
+from eagle3.stream.session import Session, streaming
+from eagle3.stream.store import QUIET_CLIENT
 from eagle3.train.__main__ import STOPPED_BY_SIGTERM
 from eagle3.train.trainer import METRICS_FILE
 
@@ -80,11 +83,8 @@ def launch_commands(run: RunSection, data: DataSection, t: TrainingSection, reso
         # --kill-on-bad-exit: a node that fails takes the others down instead of leaving them at a collective
         counts = [f"--nodes={t.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
         return [wrap(command, "srun", srun_args=[*counts, *t.srun_args])]
-    # ssh runs the command from the home directory, in a login's environment, not ours: relative paths in the config
-    # resolve against our directory, and the variables the trainer needs go with the command (srun passes ours on)
-    variables = [f"{name}={value}" for name, value in node_env(run, t).items()]
-    remote = ["sh", "-c", f"cd {shlex.quote(str(cwd))} && exec {shlex.join(['env', *variables, *command])}"]
-    return [wrap(remote, "ssh", host, ssh_args=t.ssh_args) for host in t.hosts]
+    # relative paths in the config resolve against our directory (srun passes our environment on; ssh does not)
+    return [on_ssh_host(command, host, cwd, node_env(run, t), t.ssh_args) for host in t.hosts]
 
 
 def trainer_python(data: DataSection, training: TrainingSection) -> str:
@@ -96,7 +96,8 @@ def trainer_python(data: DataSection, training: TrainingSection) -> str:
 def node_env(run: RunSection, training: TrainingSection) -> dict[str, str]:
     """What the trainer's environment must hold on every node: unbuffered output (a pipe would hold its lines back
     until it exits) and each rank's share of the CPU threads (run.cpu_threads, eagle3.procs.cpu_threads)."""
-    return with_threads({"PYTHONUNBUFFERED": "1"}, cpu_threads(run.cpu_threads, training.nproc_per_node))
+    quiet = QUIET_CLIENT if training.features == "streamed" else {}
+    return with_threads({"PYTHONUNBUFFERED": "1", **quiet}, cpu_threads(run.cpu_threads, training.nproc_per_node))
 
 
 def child_env(run: RunSection, training: TrainingSection) -> dict[str, str]:
@@ -186,7 +187,7 @@ def train(run: RunSection, data: DataSection, training: TrainingSection, serving
     recent: deque[str] = deque(maxlen=400)  # enough for the ranks' tracebacks and the tail
     tree, readers = ProcessTree(), []
     # unbuffered: each line is one write to a file opened for appending, so the readers' lines never interleave
-    with open(log_path, "ab", buffering=0) as log_file:
+    with open(log_path, "ab", buffering=0) as log_file, feature_stream(run, data, training, resolved, log) as stream:
         try:
             for command, prefix in zip(commands, prefixes):
                 process = start(command, child_env(run, training))
@@ -203,6 +204,8 @@ def train(run: RunSection, data: DataSection, training: TrainingSection, serving
     # the next stage's server needs this node's GPUs (docs/gpu-node.md); a training-only config serves nothing next
     if training.launcher == "local" and serving is not None:
         wait_gpus_free(GPU_QUERY, serving.gpu_free_mib, serving.gpu_free_timeout_s, log, "train: ")
+    if code != 0 and stream is not None and stream.failure:
+        raise TrainingFailed(f"training failed: {stream.failure} (log {log_path})")
     if code == 0:
         log(f"train: done; best/, final/ and {METRICS_FILE} in {train_dir}")
         return train_dir
@@ -210,6 +213,14 @@ def train(run: RunSection, data: DataSection, training: TrainingSection, serving
         raise TrainingStopped(f"training was stopped by SIGTERM (exit code {code}); run it again to resume from the "
                               f"latest checkpoint in {train_dir / 'checkpoints'} (log {log_path})")
     raise TrainingFailed(failure_message(code, list(recent), log_path))
+
+
+def feature_stream(run: RunSection, data: DataSection, training: TrainingSection, resolved: Path | str,
+                   log: Log) -> contextlib.AbstractContextManager[Session | None]:
+    """training.features streamed: the master, coordinator and capture workers the trainers read from."""
+    if training.features != "streamed":
+        return contextlib.nullcontext()
+    return streaming(run, data, training, resolved, log)
 
 
 def start(command: list[str], env: dict[str, str]) -> subprocess.Popen:

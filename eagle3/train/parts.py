@@ -18,7 +18,7 @@ from eagle3.config.data import DataSection, VocabSection
 from eagle3.config.draft import DraftSection
 from eagle3.config.run import RunSection, TargetSection
 from eagle3.config.training import TrainingSection
-from eagle3.data.capture import check_dataset, dataset_dir
+from eagle3.data.capture import capture_settings, check_dataset, dataset_dir
 from eagle3.data.regenerate import read_regenerated, regen_dir
 from eagle3.data.vocab import count_loss_tokens
 from eagle3.distributed import Dist
@@ -29,6 +29,8 @@ from eagle3.runtime.targets import target_eos_ids
 from eagle3.errors import Eagle3Error, UnreadableInput
 from eagle3.model.weights import target_head
 from eagle3.records.manifest import MANIFEST_FILE, read_manifest
+from eagle3.stream.features import StreamedFeatures
+from eagle3.stream.store import feature_settings
 from eagle3.target.info import read_target_info
 from eagle3.train.argmax_memo import RememberingTeacher
 from eagle3.train.data import ShardFeatures, TrainingData
@@ -54,7 +56,7 @@ def training_parts(run: RunSection, data_section: DataSection, target: TargetSec
     entry = algorithm(draft.algorithm)
     manifest = dataset_manifest(run, data_section, target, training)
     data = training_data(run, training, log)
-    features = feature_backend(data_section, target, training, data, manifest, dist)
+    features = feature_backend(data_section, target, training, data, manifest, dist, log)
     heldout = replayed_samples(run, training, greedy, data, log)
     head = target_head(Path(target.path), target.weight_prefix)  # float32, CPU
     vocab_map = read_vocab_map(run, vocab, target)
@@ -86,10 +88,15 @@ def training_data(run: RunSection, train: TrainingSection, log: Log) -> Training
 
 
 def feature_backend(data_section: DataSection, target: TargetSection, training: TrainingSection, data: TrainingData,
-                    manifest: dict, dist: Dist) -> FeatureBackend:
-    """Online: the target on this rank (tensor-parallel over the ranks with SGLang); offline: the stored shards."""
+                    manifest: dict, dist: Dist, log: Log) -> FeatureBackend:
+    """Online: the target on this rank (tensor-parallel over the ranks with SGLang); streamed: the capture workers'
+    store; offline: the stored shards."""
     if training.features == "online":
         return target_backend(data_section, target, dist.device, dist.rank, dist.world)
+    if training.features == "streamed":
+        settings = feature_settings(capture_settings(data_section, target))
+        return StreamedFeatures(training.stream, data, settings, len(data_section.aux_layers) * target.hidden_size,
+                                target.hidden_size, dist.device, log)
     return ShardFeatures(data, manifest["capture"]["engine_release"], dist.device)
 
 

@@ -105,6 +105,7 @@ class Trainer:
             if not batches:
                 raise Eagle3Error(f"the dataset has {len(self.data.train)} training samples, fewer than one batch "
                                   f"({train.batch_size}); {self.data.without_loss} left out: {self.data.left_out_why}")
+            self.features.expect(self.my_parts(batches[self.batch_in_epoch : self.batch_in_epoch + self.budget - self.step]))
             while self.batch_in_epoch < len(batches) and self.more_steps():
                 lr = self.scheduler.get_last_lr()[0]  # the rate this step uses
                 sums, seconds = timed(self.train_step, batches[self.batch_in_epoch], device=self.dist.device)
@@ -125,6 +126,11 @@ class Trainer:
                     return self.latest_checkpoint()
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         return self.save_final()
+
+    def my_parts(self, batches: list[list[SampleRef]]) -> list[list[SampleRef]]:
+        """This rank's rows of each micro-batch of `batches`, in the order the steps read them."""
+        return [part[self.my_rows()] for batch in batches
+                for part in micro_batches(batch, self.dist.world, self.per_forward)]
 
     def more_steps(self) -> bool:
         """Whether to train another step: below the budget, and (warm_steps auto) patience left."""
@@ -239,8 +245,9 @@ class Trainer:
         rows each), on the device."""
         batch_size = self.dist.world * self.per_forward
         totals = torch.zeros(3, self.predictions, device=self.dist.device)
-        for start in range(0, len(self.data.eval), batch_size):
-            refs = self.data.eval[start : start + batch_size]
+        batches = [self.data.eval[start : start + batch_size] for start in range(0, len(self.data.eval), batch_size)]
+        self.features.expect([refs[self.my_rows()] for refs in batches], first=True)
+        for refs in batches:
             stats = self.step_stats(refs, train=False)
             totals += torch.stack([stats.loss_sum, stats.correct, stats.count])
         return totals
