@@ -156,9 +156,13 @@ class TrainingSection(Section):
         if self.launcher == "ssh" and len(self.hosts) != self.nnodes:
             raise ValueError(f"training.launcher ssh needs one training.hosts entry per node: {len(self.hosts)} "
                              f"hosts for training.nnodes {self.nnodes}")
-        if self.launcher != "ssh" and (self.hosts or self.ssh_args):
+        if self.launcher != "ssh" and (self.hosts or (self.ssh_args and not self.stream.capture_hosts)):
             field = "hosts" if self.hosts else "ssh_args"
-            raise ValueError(f"training.{field} is for training.launcher ssh, not {self.launcher}; remove it")
+            also = " (or training.stream.capture_hosts)" if field == "ssh_args" else ""
+            raise ValueError(f"training.{field} is for training.launcher ssh, not {self.launcher}{also}; remove it")
+        if self.stream.capture_hosts and self.features != "streamed":
+            raise ValueError(f"training.stream.capture_hosts starts capture workers for training.features streamed, not "
+                             f"{self.features}: set training.features streamed or remove them")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ValueError(f"training.nnodes {self.nnodes} needs training.rdzv_endpoint host:port, the rendezvous "
                              "every node's torchrun joins (e.g. the first node, port 29500)")

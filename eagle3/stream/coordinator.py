@@ -2,7 +2,8 @@
 watermarks, and frees each sample's store copy once a trainer consumed it. It runs in the train stage's process, the
 one that started the workers and the trainers, and answers them over HTTP (JSON bodies, POST /<call>):
 
-    want      {items, priority, first_position}  trainers: the samples they will read, in order
+    want      {items, priority, first_position, token_bytes}
+                                                  trainers: the samples they will read, in order
     claim     {worker, limit} -> {items, paused}  workers: what to capture next ({stop: why} ends a worker)
     captured  {worker, key, size, length}         workers: a sample's features are in the store
     take      {items} -> {ready} or {error}       trainers: wait for a micro-batch (asked again until ready)
@@ -42,7 +43,8 @@ class Coordinator:
         self.high, self.low = int(stream.high_watermark_gib * GIB), int(stream.low_watermark_gib * GIB)
         self.lease_s = stream.lease_s
         self.paused = False
-        self.bytes_per_token = 0.0  # of the samples captured so far: sizes the claims in flight
+        # sizes the claims in flight: the trainers' bound (float32) until a capture measures it
+        self.bytes_per_token, self.measured = 0.0, False
         self.peak_bytes = 0
         self.failure: str | None = None  # why the stream cannot go on: the trainers raise it
         self.ended = False  # the session is stopping: workers asking for more stop
@@ -65,7 +67,10 @@ class Coordinator:
 
     # -- the calls --------------------------------------------------------------------------------
 
-    def want(self, items: list[dict], priority: int, first_position: int) -> dict:
+    def want(self, items: list[dict], priority: int, first_position: int, token_bytes: int) -> dict:
+        """`token_bytes`: a token's features at float32 (the widest dtype a target computes them in)."""
+        with self.lock:
+            self.bytes_per_token = self.bytes_per_token if self.measured else float(token_bytes)
         self.ledger.want([Wanted(**item) for item in items], priority, first_position)
         return {}
 
@@ -76,13 +81,14 @@ class Coordinator:
         with self.lock:  # one watermark decision at a time
             load = self.load()
             self.paused = load >= self.high or (self.paused and load > self.low)
-            items = self.ledger.claim(worker, limit, demanded_only=self.paused)
+            budget = 0 if self.paused or not self.bytes_per_token else int((self.high - load) / self.bytes_per_token)
+            items = self.ledger.claim(worker, limit, budget)
         return {"items": [asdict(item) for item in items], "paused": self.paused}
 
     def captured(self, worker: str, key: str, size: int, length: int) -> dict:
         self.ledger.captured(key, size)
         with self.lock:
-            self.bytes_per_token = max(self.bytes_per_token, size / max(length, 1))
+            self.bytes_per_token, self.measured = size / max(length, 1), True
             self.peak_bytes = max(self.peak_bytes, self.ledger.totals().stored_bytes)
         return {}
 

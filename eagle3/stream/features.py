@@ -65,7 +65,7 @@ class StreamedFeatures(FeatureBackend):
         for expected in itertools.islice(self.queue, LOOKAHEAD):
             if not expected.announced and expected.rows:
                 self.client.call("want", items=self.items(expected.rows), priority=expected.priority,
-                                 first_position=self.position)
+                                 first_position=self.position, token_bytes=(self.aux_width + self.hidden) * 4)
                 self.position += len(expected.rows)
             expected.announced = True
 

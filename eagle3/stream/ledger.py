@@ -84,17 +84,23 @@ class Ledger:
                     "position = CASE WHEN state = 'consumed' THEN excluded.position "
                     "ELSE min(position, excluded.position) END", rows)
 
-    def claim(self, worker: str, limit: int, demanded_only: bool) -> list[Wanted]:
-        """Up to `limit` wanted samples for `worker`, demanded ones first, then in the trainers' order."""
-        where = "state = 'wanted'" + (" AND demanded = 1" if demanded_only else "")
+    def claim(self, worker: str, limit: int, budget_tokens: int) -> list[Wanted]:
+        """Up to `limit` wanted samples for `worker`: those a trainer waits for first, whatever their size, then in the
+        trainers' order as long as their tokens stay within `budget_tokens` (what the watermark leaves)."""
         with self.lock:
             self.db.execute("BEGIN IMMEDIATE")
-            rows = self.db.execute(f"SELECT key, sample_id, length FROM samples WHERE {where} "
+            rows = self.db.execute("SELECT key, sample_id, length, demanded FROM samples WHERE state = 'wanted' "
                                    "ORDER BY demanded DESC, priority, position LIMIT ?", (limit,)).fetchall()
+            chosen, tokens = [], 0
+            for key, sample_id, length, demanded in rows:
+                if not demanded and tokens + length > budget_tokens:
+                    break
+                tokens += length
+                chosen.append(Wanted(key, sample_id, length))
             self.db.executemany("UPDATE samples SET state = 'claimed', worker = ?, claimed_at = ? WHERE key = ?",
-                                [(worker, time.time(), key) for key, _, _ in rows])
+                                [(worker, time.time(), item.key) for item in chosen])
             self.db.execute("COMMIT")
-        return [Wanted(*row) for row in rows]
+        return chosen
 
     def captured(self, key: str, size: int) -> None:
         self._write("UPDATE samples SET state = 'captured', bytes = ?, captures = captures + 1, worker = NULL "

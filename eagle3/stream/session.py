@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
 from collections import deque
+from dataclasses import asdict
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -20,6 +22,8 @@ from typing import Callable
 from eagle3.config.data import DataSection
 from eagle3.config.run import RunSection
 from eagle3.config.training import TrainingSection
+from eagle3.data.storage import human_bytes
+from eagle3.fsutil import atomic_write_json
 from eagle3.procs import ProcessTree, cpu_threads, on_ssh_host, with_threads
 from eagle3.stream.coordinator import Coordinator, serve
 from eagle3.stream.ledger import Ledger
@@ -29,6 +33,8 @@ Log = Callable[[str], None]
 WATCH_S = 0.5
 STREAM_DIR = "stream"
 LEDGER_FILE = "ledger.sqlite"
+SUMMARY_FILE = "summary.json"
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")  # Mooncake's (glog's) line prefix
 
 
 def ledger_path(run: RunSection) -> Path:
@@ -47,9 +53,15 @@ class Worker:
         threading.Thread(target=self.relay, args=(log,), name=f"stream-{name}", daemon=True).start()
 
     def relay(self, log: Log) -> None:
+        """The worker's lines to the log; Mooncake's INFO lines (glog prints some before its level is read) left
+        out, and only the worker's own lines kept for its exit's report."""
         with self.process.stdout as stream:
             for raw in stream:
                 line = raw.decode(errors="replace").rstrip("\r\n")
+                if GLOG_LINE.match(line) or line.startswith("WARNING: Logging before InitGoogleLogging"):
+                    if not line.startswith("I"):
+                        log(f"[{self.name}] {line}")
+                    continue
                 self.tail.append(line)
                 log(f"[{self.name}] {line}")
 
@@ -113,7 +125,8 @@ class Session:
     def worker_variables(self) -> dict[str, str]:
         """Unbuffered lines, and each worker's share of the node's CPU threads."""
         threads = cpu_threads(self.run.cpu_threads, self.stream.workers_per_host)
-        return with_threads({"PYTHONUNBUFFERED": "1", **QUIET_CLIENT}, threads)
+        # TQDM_DISABLE: the target's load bar is no line worth relaying
+        return with_threads({"PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **QUIET_CLIENT}, threads)
 
     def worker_env(self) -> dict[str, str]:
         return {**os.environ, **self.worker_variables()}
@@ -147,10 +160,7 @@ class Session:
     def stop(self) -> None:
         self.stopping.set()
         if self.coordinator is not None:
-            totals = self.ledger.totals()
-            self.log(f"stream: {totals.captures} capture(s) of {totals.samples} sample(s), {totals.consumptions} "
-                     f"consumed, {totals.dropped} captured again after their store copy was lost; store peak "
-                     f"{self.coordinator.peak_bytes / GIB:.3f} GiB")
+            self.summarise()
             self.coordinator.ended = True  # workers asking for more stop on their own
         self.workers_tree.stop(self.training.stop_grace_s, self.log)
         if self.server is not None:
@@ -162,6 +172,17 @@ class Session:
             self.ledger.close()
         self.master_tree.stop(self.training.stop_grace_s, self.log)
 
+
+    def summarise(self) -> None:
+        """The ledger's totals and the store's peak, logged and written beside the ledger (summary.json)."""
+        totals = self.ledger.totals()
+        summary = {**asdict(totals), "peak_bytes": self.coordinator.peak_bytes,
+                   "high_watermark_bytes": self.coordinator.high, "failure": self.coordinator.failure,
+                   "workers": {name: why or "running at the end" for name, why in self.coordinator.workers.items()}}
+        atomic_write_json(ledger_path(self.run).with_name(SUMMARY_FILE), summary)
+        self.log(f"stream: {totals.captures} capture(s) of {totals.samples} sample(s), {totals.consumptions} "
+                 f"consumed, {totals.dropped} captured again after their store copy was lost; store peak "
+                 f"{human_bytes(self.coordinator.peak_bytes)} (high watermark {human_bytes(self.coordinator.high)})")
 
     def close_store(self) -> None:
         """Unmount the store's memory. After a failure the master may be gone, and the unmount retries its RPC for
