@@ -34,6 +34,14 @@ class Dist:
             dist.all_reduce(tensor)
         return tensor
 
+    def broadcast(self, obj: object) -> object:
+        """Rank 0's `obj` on every rank (a picklable Python object: a capture worker's claim)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        return box[0]
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()

@@ -201,3 +201,16 @@ def test_two_capture_workers_and_two_trainer_nodes_over_ssh_train_what_in_rank_t
     assert_same_training(run_dir, online_reference)
     assert not processes(run_dir, "eagle3.stream.worker")
 
+
+
+def test_a_capture_worker_of_two_ranks_claims_on_rank_0_and_prefills_on_both(micro_data, tmp_path, online_reference):
+    """A replica as a tensor-parallel group (SGLang's runner over serving.tp GPUs on the node): one torchrun of two
+    ranks, rank 0 claiming and putting; here each rank runs the whole local target."""
+    overrides, run_dir = run_copy(micro_data, tmp_path, "two-rank-replica",
+                                  [*STEPS, *streamed(1, "training.stream.replica_ranks=2")])
+    lines = []
+    trained(overrides, lines)
+    assert "1 capture worker(s): capture-0-0" in "\n".join(lines)
+    assert_same_training(run_dir, online_reference)
+    assert json.loads((run_dir / "train" / "stream" / "summary.json").read_text())["workers"] == {
+        "capture-0-0": "running at the end"}

@@ -30,6 +30,10 @@ class StreamSection(Section):
         "ssh (training.ssh_args, training.python); empty: the workers run here")
     workers_per_host: int = Field(default=1, ge=1, description="capture workers per capture node (per host here): one "
                                   "per target replica, each a tensor-parallel group of the node's GPUs")
+    replica_ranks: int | None = Field(
+        default=None, ge=1, description="processes (GPUs) of one capture worker, a tensor-parallel group of the "
+        "target: None - serving.tp with data.feature_backend sglang, else 1. A worker of several runs under torchrun; "
+        "its rank 0 claims and puts, every rank prefills")
     store_gib: float = Field(default=4.0, gt=0.0, description="memory the store holds samples in (mounted by the "
                              "coordinator); the master evicts above 90 % of it, so high_watermark_gib stays below")
     high_watermark_gib: float = Field(default=2.0, gt=0.0, description="the workers pause once the captured, not yet "

@@ -21,13 +21,15 @@ from typing import Callable
 
 from eagle3.config.data import DataSection
 from eagle3.config.run import RunSection
+from eagle3.config.serving import ServingSection
+from eagle3.config.stream import StreamSection
 from eagle3.config.training import TrainingSection
 from eagle3.data.storage import human_bytes
 from eagle3.fsutil import atomic_write_json
 from eagle3.procs import ProcessTree, cpu_threads, on_ssh_host, with_threads
 from eagle3.stream.coordinator import Coordinator, serve
 from eagle3.stream.ledger import Ledger
-from eagle3.stream.store import GIB, QUIET_CLIENT, Store, metadata_answers, start_master
+from eagle3.stream.store import GIB, QUIET_CLIENT, Store, is_client_chatter, metadata_answers, start_master
 
 Log = Callable[[str], None]
 WATCH_S = 0.5
@@ -53,16 +55,14 @@ class Worker:
         threading.Thread(target=self.relay, args=(log,), name=f"stream-{name}", daemon=True).start()
 
     def relay(self, log: Log) -> None:
-        """The worker's lines to the log; Mooncake's INFO lines (glog prints some before its level is read) left
-        out, and only the worker's own lines kept for its exit's report."""
+        """The worker's lines to the log, Mooncake's chatter left out; its own lines kept for its exit's report."""
         with self.process.stdout as stream:
             for raw in stream:
                 line = raw.decode(errors="replace").rstrip("\r\n")
-                if GLOG_LINE.match(line) or line.startswith("WARNING: Logging before InitGoogleLogging"):
-                    if not line.startswith("I"):
-                        log(f"[{self.name}] {line}")
+                if is_client_chatter(line):
                     continue
-                self.tail.append(line)
+                if not GLOG_LINE.match(line):  # Mooncake's warnings are logged, not kept as the worker's last word
+                    self.tail.append(line)
                 log(f"[{self.name}] {line}")
 
     def why_gone(self) -> str:
@@ -72,9 +72,11 @@ class Worker:
 
 
 class Session:
-    def __init__(self, run: RunSection, data: DataSection, training: TrainingSection, resolved: Path | str,
-                 log: Log):
+    def __init__(self, run: RunSection, data: DataSection, training: TrainingSection, replica_ranks: int,
+                 resolved: Path | str, log: Log):
+        """`replica_ranks`: the processes (GPUs) of one capture worker (replica_ranks())."""
         self.run, self.data, self.training, self.resolved, self.log = run, data, training, str(resolved), log
+        self.replica_ranks = replica_ranks
         self.stream = training.stream
         self.master_tree, self.workers_tree = ProcessTree(), ProcessTree()
         self.master: subprocess.Popen | None = None
@@ -97,8 +99,8 @@ class Session:
         self.coordinator = Coordinator(self.ledger, self.store, stream, self.log)
         self.coordinator.resume()
         self.server = serve(self.coordinator, stream.host, stream.coordinator_port)
-        for name, command in self.worker_commands():
-            worker = Worker(name, command, self.worker_env(), self.log)
+        for name, command, variables in self.worker_commands():
+            worker = Worker(name, command, {**os.environ, **variables}, self.log)
             self.workers_tree.add(worker.process)
             self.workers.append(worker)
             self.coordinator.worker_started(name)
@@ -107,29 +109,34 @@ class Session:
                  f"{len(self.workers)} capture worker(s): {', '.join(w.name for w in self.workers)}")
         threading.Thread(target=self.watch, name="stream-watch", daemon=True).start()
 
-    def worker_commands(self) -> list[tuple[str, list[str]]]:
+    def worker_commands(self) -> list[tuple[str, list[str], dict[str, str]]]:
+        """(name, command, its variables) of each capture worker."""
         stream = self.stream
         remote = bool(stream.capture_hosts)
         python = self.data.sglang_python if self.data.feature_backend == "sglang" else (
             self.training.python if remote else sys.executable)
+        ranks = self.replica_ranks
+        launcher = [python] if ranks == 1 else [python, "-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc-per-node", str(ranks)]
         commands = []
         for node, host in enumerate(stream.capture_hosts or ["here"]):
             for replica in range(stream.workers_per_host):
                 name = f"capture-{node}-{replica}"
-                command = [python, "-m", "eagle3.stream.worker", "--config", self.resolved, "--name", name]
+                command = [*launcher, "-m", "eagle3.stream.worker", "--config", self.resolved, "--name", name]
+                variables = self.worker_variables(replica)
                 if remote:
-                    command = on_ssh_host(command, host, Path.cwd(), self.worker_variables(), self.training.ssh_args)
-                commands.append((name, command))
+                    command = on_ssh_host(command, host, Path.cwd(), variables, self.training.ssh_args)
+                commands.append((name, command, variables))
         return commands
 
-    def worker_variables(self) -> dict[str, str]:
-        """Unbuffered lines, and each worker's share of the node's CPU threads."""
-        threads = cpu_threads(self.run.cpu_threads, self.stream.workers_per_host)
+    def worker_variables(self, replica: int) -> dict[str, str]:
+        """Unbuffered lines, the replica's own GPUs on its node, and each process's share of the node's CPU threads."""
+        ranks = self.replica_ranks
+        gpus = ",".join(str(gpu) for gpu in range(replica * ranks, (replica + 1) * ranks))
+        threads = cpu_threads(self.run.cpu_threads, self.stream.workers_per_host * ranks)
         # TQDM_DISABLE: the target's load bar is no line worth relaying
-        return with_threads({"PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **QUIET_CLIENT}, threads)
-
-    def worker_env(self) -> dict[str, str]:
-        return {**os.environ, **self.worker_variables()}
+        return with_threads({"PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": gpus,
+                             **QUIET_CLIENT}, threads)
 
     def watch(self) -> None:
         """Report each worker's exit to the coordinator, and fail the stream when the master is gone."""
@@ -193,11 +200,18 @@ class Session:
             self.store.close()
 
 
+def replica_ranks(stream: StreamSection, data: DataSection, serving: ServingSection | None) -> int:
+    """Processes of one capture worker: training.stream.replica_ranks, else SGLang's runner over serving.tp GPUs."""
+    if stream.replica_ranks is not None:
+        return stream.replica_ranks
+    return serving.tp if data.feature_backend == "sglang" and serving is not None else 1
+
+
 @contextlib.contextmanager
-def streaming(run: RunSection, data: DataSection, training: TrainingSection, resolved: Path | str,
-              log: Log) -> Iterator[Session]:
+def streaming(run: RunSection, data: DataSection, training: TrainingSection, serving: ServingSection | None,
+              resolved: Path | str, log: Log) -> Iterator[Session]:
     """The stream for the trainers started inside; stopped however the block ends."""
-    session = Session(run, data, training, resolved, log)
+    session = Session(run, data, training, replica_ranks(training.stream, data, serving), resolved, log)
     try:
         session.start()
         yield session

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,12 @@ LEASE_MS = 200  # how long a read pins an object: the coordinator frees a consum
 MASTER_START_S = 30.0
 # Mooncake logs every client's set-up and transfers at INFO through glog; a worker's or trainer's log keeps its errors
 QUIET_CLIENT = {"GLOG_minloglevel": "2"}
+GLOG_INFO = re.compile(r"^I\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")  # what glog prints before its level is read
+
+
+def is_client_chatter(line: str) -> bool:
+    """A Mooncake client's INFO line, or glog's note that it logs before its set-up: not worth a log line."""
+    return bool(GLOG_INFO.match(line)) or line.startswith("WARNING: Logging before InitGoogleLogging")
 MISSING_LIBRARIES = ("Mooncake needs the system libraries libibverbs1, librdmacm1 and libnuma1 (Debian: apt-get install "
                      "libibverbs1 librdmacm1 libnuma1) and the PyPI package mooncake-transfer-engine-non-cuda (CPU) or "
                      "mooncake-transfer-engine (GPU node): pip install 'eagle3[stream]'")

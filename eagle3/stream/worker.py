@@ -15,18 +15,18 @@ from pathlib import Path
 import torch
 
 from eagle3.config import PipelineConfig
-from eagle3.config.stream import StreamSection
 from eagle3.data.capture import capture_settings, dataset_dir
 from eagle3.data.shards import ShardReader
 from eagle3.errors import Eagle3Error
 from eagle3.resolve import load_config
-from eagle3.runtime.backends import local_device, target_backend
+from eagle3.distributed import Dist, setup_distributed
+from eagle3.runtime.backends import target_backend
 from eagle3.runtime.features import FeatureBackend, pad_rows
 from eagle3.stream.coordinator import CoordinatorClient
 from eagle3.stream.ledger import Wanted
 from eagle3.stream.store import Store, content_key, feature_settings
 
-IDLE_S = 0.05  # between claims that found nothing (paused, or the trainers announced nothing yet)
+IDLE_S = 0.05  # after a claim that found nothing (paused, or the trainers announced nothing yet)
 
 
 def reachable_address(host: str, port: int) -> str:
@@ -51,30 +51,41 @@ class TokenRows:
 
 
 class CaptureWorker:
-    def __init__(self, config: PipelineConfig, name: str, backend: FeatureBackend, store: Store,
-                 client: CoordinatorClient):
-        self.name, self.backend, self.store, self.client = name, backend, store, client
+    """One target replica. Its rank 0 talks to the coordinator and the store; every rank of a tensor-parallel replica
+    runs each forward (`dist`: the replica's ranks)."""
+
+    def __init__(self, config: PipelineConfig, name: str, backend: FeatureBackend, dist: Dist):
+        self.name, self.backend, self.dist = name, backend, dist
         self.stream = config.training.stream
         self.rows = TokenRows(dataset_dir(config.run, config.training))
         self.settings = feature_settings(capture_settings(config.data, config.target))
+        if dist.main:
+            self.store = Store(self.stream, reachable_address(self.stream.host, self.stream.coordinator_port))
+            self.client = CoordinatorClient(self.stream)
 
     def run(self) -> str:
         """Capture until the coordinator says stop; returns why it did."""
         while True:
-            reply = self.client.call("claim", worker=self.name, limit=self.stream.capture_batch)
+            reply = self.dist.broadcast(self.claim() if self.dist.main else None)
             if "stop" in reply:
                 return reply["stop"]
-            if not reply["items"]:
-                time.sleep(IDLE_S)
-                continue
-            self.capture([Wanted(**item) for item in reply["items"]])
+            if reply["items"]:
+                self.capture([Wanted(**item) for item in reply["items"]])
+
+    def claim(self) -> dict:
+        reply = self.client.call("claim", worker=self.name, limit=self.stream.capture_batch)
+        if not reply.get("items") and "stop" not in reply:
+            time.sleep(IDLE_S)
+        return reply
 
     def capture(self, items: list[Wanted]) -> None:
-        """One forward over the claimed samples; each one's features put and reported."""
+        """One forward over the claimed samples; rank 0 puts each one's features and reports it."""
         rows = [self.rows.row(item) for item in items]
         batch = pad_rows(rows, [item.sample_id for item in items])
         with torch.no_grad():
             features = self.backend.features(batch)
+        if not self.dist.main:
+            return
         for i, item in enumerate(items):
             key = content_key(self.settings, batch.input_ids[i, : item.length])
             if key != item.key:
@@ -95,11 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
-        stream: StreamSection = config.training.stream
-        store = Store(stream, reachable_address(stream.host, stream.coordinator_port))
-        backend = target_backend(config.data, config.target, local_device())
-        why = CaptureWorker(config, args.name, backend, store, CoordinatorClient(stream)).run()
-        print(f"capture {args.name}: stopped ({why})", flush=True)
+        dist = setup_distributed()  # a tensor-parallel replica's ranks, under torchrun
+        backend = target_backend(config.data, config.target, dist.device, dist.rank, dist.world)
+        why = CaptureWorker(config, args.name, backend, dist).run()
+        if dist.main:
+            print(f"capture {args.name}: stopped ({why})", flush=True)
+        if dist.world > 1:
+            torch.distributed.destroy_process_group()
         return 0
     except Eagle3Error as err:
         print(f"capture {args.name}: {err}", file=sys.stderr, flush=True)

@@ -38,7 +38,7 @@ from eagle3.errors import Eagle3Error
 from eagle3.procs import ProcessTree, cpu_threads, timestamp, with_threads
 from eagle3.procs import GPU_QUERY, on_ssh_host, wait_gpus_free, wrap
 from eagle3.stream.session import Session, streaming
-from eagle3.stream.store import QUIET_CLIENT
+from eagle3.stream.store import QUIET_CLIENT, is_client_chatter
 from eagle3.train.__main__ import STOPPED_BY_SIGTERM
 from eagle3.train.trainer import METRICS_FILE
 
@@ -187,7 +187,7 @@ def train(run: RunSection, data: DataSection, training: TrainingSection, serving
     recent: deque[str] = deque(maxlen=400)  # enough for the ranks' tracebacks and the tail
     tree, readers = ProcessTree(), []
     # unbuffered: each line is one write to a file opened for appending, so the readers' lines never interleave
-    with open(log_path, "ab", buffering=0) as log_file, feature_stream(run, data, training, resolved, log) as stream:
+    with open(log_path, "ab", buffering=0) as log_file, feature_stream(run, data, training, serving, resolved, log) as stream:
         try:
             for command, prefix in zip(commands, prefixes):
                 process = start(command, child_env(run, training))
@@ -215,12 +215,12 @@ def train(run: RunSection, data: DataSection, training: TrainingSection, serving
     raise TrainingFailed(failure_message(code, list(recent), log_path))
 
 
-def feature_stream(run: RunSection, data: DataSection, training: TrainingSection, resolved: Path | str,
-                   log: Log) -> contextlib.AbstractContextManager[Session | None]:
+def feature_stream(run: RunSection, data: DataSection, training: TrainingSection, serving: ServingSection | None,
+                   resolved: Path | str, log: Log) -> contextlib.AbstractContextManager[Session | None]:
     """training.features streamed: the master, coordinator and capture workers the trainers read from."""
     if training.features != "streamed":
         return contextlib.nullcontext()
-    return streaming(run, data, training, resolved, log)
+    return streaming(run, data, training, serving, resolved, log)
 
 
 def start(command: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -242,7 +242,10 @@ def read_output(process: subprocess.Popen, prefix: str, log_file: BinaryIO, rece
     def copy() -> None:
         with process.stdout as stream:
             for raw in stream:
-                line = prefix + raw.decode(errors="replace").rstrip("\r\n")  # ssh -tt ends lines with \r\n
+                line = raw.decode(errors="replace").rstrip("\r\n")  # ssh -tt ends lines with \r\n
+                if is_client_chatter(line):  # a streamed trainer's Mooncake client
+                    continue
+                line = prefix + line
                 log_file.write(line.encode() + b"\n")
                 recent.append(line)
                 output.put(line)
