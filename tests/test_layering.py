@@ -24,6 +24,7 @@ LAYERS = (
     ("eagle3.runtime",),  # what runs a target: the tiny target, the answer generators, the feature backends
     ("eagle3.resolve",),  # a config resolved against the registries above: what load_config returns
     ("eagle3.data",),  # orchestrates the engines into data sets
+    ("eagle3.stream",),  # features streamed from capture workers to the trainers through a Mooncake store
     ("eagle3.bench",),
     ("eagle3.train",),
     ("eagle3.serve",),

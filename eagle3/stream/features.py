@@ -12,7 +12,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -22,9 +22,10 @@ from eagle3.runtime.features import FeatureBackend, Features, TokenBatch, empty_
 from eagle3.stream.coordinator import CoordinatorClient
 from eagle3.stream.store import Store, content_key
 from eagle3.stream.worker import reachable_address
-from eagle3.train.data import SampleRef, TrainingData
 
 Log = Callable[[str], None]
+SampleRef = Any  # a sample of the data set: its .id and .length (eagle3.train.data.SampleRef)
+Tokens = Callable[[list[SampleRef]], TokenBatch]
 LOOKAHEAD = 64  # micro-batches announced ahead of the one being read
 WAIT_NOTE_S = 60.0  # a trainer waiting this long for its batch says so
 
@@ -40,11 +41,11 @@ class StreamedFeatures(FeatureBackend):
     name = "streamed"
     release = None  # the capture workers' engine; none of it runs in the trainer
 
-    def __init__(self, stream: StreamSection, data: TrainingData, settings: str, aux_width: int, hidden: int,
+    def __init__(self, stream: StreamSection, tokens: Tokens, settings: str, aux_width: int, hidden: int,
                  device: torch.device, log: Log):
-        """`settings`: the feature settings the content keys hash (eagle3.stream.store.feature_settings);
-        `aux_width` / `hidden`: n_aux x H and H, to split a stored row."""
-        self.data, self.settings, self.device, self.log = data, settings, device, log
+        """`tokens`: the token rows of samples (the data set's); `settings`: the feature settings the content keys
+        hash (eagle3.stream.store.feature_settings); `aux_width` / `hidden`: n_aux x H and H, to split a stored row."""
+        self.tokens, self.settings, self.device, self.log = tokens, settings, device, log
         self.aux_width, self.hidden = aux_width, hidden
         self.client = CoordinatorClient(stream)
         self.store = Store(stream, reachable_address(stream.host, stream.coordinator_port))
@@ -70,7 +71,7 @@ class StreamedFeatures(FeatureBackend):
             expected.announced = True
 
     def items(self, refs: list[SampleRef]) -> list[dict]:
-        tokens = self.data.tokens(refs)[0]
+        tokens = self.tokens(refs)
         return [{"key": content_key(self.settings, tokens.input_ids[i, : ref.length]), "sample_id": ref.id,
                  "length": ref.length} for i, ref in enumerate(refs)]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.config import PipelineConfig
+from eagle3.config.stream import StreamSection
 from eagle3.data.capture import capture_settings, dataset_dir
 from eagle3.data.shards import ShardReader
 from eagle3.errors import Eagle3Error
@@ -54,11 +54,11 @@ class CaptureWorker:
     """One target replica. Its rank 0 talks to the coordinator and the store; every rank of a tensor-parallel replica
     runs each forward (`dist`: the replica's ranks)."""
 
-    def __init__(self, config: PipelineConfig, name: str, backend: FeatureBackend, dist: Dist):
-        self.name, self.backend, self.dist = name, backend, dist
-        self.stream = config.training.stream
-        self.rows = TokenRows(dataset_dir(config.run, config.training))
-        self.settings = feature_settings(capture_settings(config.data, config.target))
+    def __init__(self, stream: StreamSection, name: str, rows: TokenRows, settings: str, backend: FeatureBackend,
+                 dist: Dist):
+        """`settings`: what the content keys hash beside the tokens (eagle3.stream.store.feature_settings)."""
+        self.stream, self.name, self.rows, self.settings, self.backend, self.dist = (stream, name, rows, settings,
+                                                                                     backend, dist)
         if dist.main:
             self.store = Store(self.stream, reachable_address(self.stream.host, self.stream.coordinator_port))
             self.client = CoordinatorClient(self.stream)
@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         dist = setup_distributed()  # a tensor-parallel replica's ranks, under torchrun
         backend = target_backend(config.data, config.target, dist.device, dist.rank, dist.world)
-        why = CaptureWorker(config, args.name, backend, dist).run()
+        rows = TokenRows(dataset_dir(config.run, config.training))
+        settings = feature_settings(capture_settings(config.data, config.target))
+        why = CaptureWorker(config.training.stream, args.name, rows, settings, backend, dist).run()
         if dist.main:
             print(f"capture {args.name}: stopped ({why})", flush=True)
         if dist.world > 1:

@@ -95,7 +95,7 @@ def feature_backend(data_section: DataSection, target: TargetSection, training: 
         return target_backend(data_section, target, dist.device, dist.rank, dist.world)
     if training.features == "streamed":
         settings = feature_settings(capture_settings(data_section, target))
-        return StreamedFeatures(training.stream, data, settings, len(data_section.aux_layers) * target.hidden_size,
+        return StreamedFeatures(training.stream, lambda refs: data.tokens(refs)[0], settings, len(data_section.aux_layers) * target.hidden_size,
                                 target.hidden_size, dist.device, log)
     return ShardFeatures(data, manifest["capture"]["engine_release"], dist.device)
 
