@@ -48,8 +48,8 @@ RELEASE_CHILD_FILES = ("conformance/test_aux_ids.py", "conformance/test_counting
                        "conformance/test_dspark_loader.py", "conformance/test_server_args.py",
                        "conformance/test_telemetry.py")
 LONGEST_FILES = ("conformance/test_eagle3_server.py", *RELEASE_CHILD_FILES, "test_deployment_e2e.py",
-                 "conformance/test_vllm_server.py", "conformance/test_plain_server.py", "test_flow.py", "test_stop.py", "test_train_launch.py",
-                 "test_train.py", "test_launch.py")
+                 "conformance/test_vllm_server.py", "conformance/test_plain_server.py", "test_flow.py", "test_streamed.py",
+                 "test_stop.py", "test_train_launch.py", "test_train.py", "test_launch.py")
 HERE = Path(__file__).parent
 
 
