@@ -34,8 +34,9 @@ class StreamSection(Section):
         default=None, ge=1, description="processes (GPUs) of one capture worker, a tensor-parallel group of the "
         "target: None - serving.tp with data.feature_backend sglang, else 1. A worker of several runs under torchrun; "
         "its rank 0 claims and puts, every rank prefills")
-    store_gib: float = Field(default=4.0, gt=0.0, description="memory the store holds samples in (mounted by the "
-                             "coordinator); the master evicts above 90 % of it, so high_watermark_gib stays below")
+    store_gib: float = Field(default=4.0, ge=1 / 64, description="memory the store holds samples in (mounted by the "
+                             "coordinator; Mooncake refuses a segment under 16 MiB); the master evicts above 90 % of "
+                             "it, so high_watermark_gib stays below")
     high_watermark_gib: float = Field(default=2.0, gt=0.0, description="the workers pause once the captured, not yet "
                                       "consumed samples reach this")
     low_watermark_gib: float = Field(default=1.0, ge=0.0, description="paused workers go on once the store is down to "
