@@ -63,7 +63,7 @@ def want(coord: Coordinator, items: list[Wanted], priority: int = 1) -> None:
 
 def capture(coord: Coordinator, store: Store, worker: str, claimed: list[dict]) -> None:
     for item in claimed:
-        store.put(item["key"], torch.zeros(item["length"], TOKEN_BYTES // 4))  # float32: TOKEN_BYTES a token
+        store.put(item["store_key"], torch.zeros(item["length"], TOKEN_BYTES // 4))  # float32: TOKEN_BYTES a token
         coord.captured(worker, item["key"], item["length"] * TOKEN_BYTES, item["length"])
 
 
@@ -76,6 +76,7 @@ def test_the_watermarks_pause_the_workers_and_a_waited_for_sample_passes(tmp_pat
     capture(coord, store, "w0", first["items"])
     assert coord.claim("w1", 10) == {"items": [], "paused": True}
     assert coord.take([vars(items[4])]) == {"ready": False}  # a trainer waits for s4: it passes the pause
+    assert coord.take([vars(items[0])]) == {"ready": True, "store_keys": [first["items"][0]["store_key"]]}
     assert [i["sample_id"] for i in coord.claim("w1", 10)["items"]] == ["s4"]
     coord.consumed([items[0].key, items[1].key])  # 100 KB left of s2, and s4 claimed: 200 KB, still above low
     assert coord.claim("w0", 10)["items"] == [] and coord.paused
@@ -103,12 +104,17 @@ def test_a_rerun_keeps_what_the_store_holds_and_captures_the_rest_again(tmp_path
     want(coord, items)
     claimed = coord.claim("w0", 3)["items"]
     capture(coord, store, "w0", claimed[:2])  # s22 stays claimed by a worker of the stopped run
-    store.remove(items[1].key)  # s21's copy is gone (as with the stopped run's store)
+    store.remove(claimed[1]["store_key"])  # s21's copy is gone (as with the stopped run's store)
     again = Coordinator(coord.ledger, store, stream, lambda line: None)
     again.resume()
     assert coord.ledger.states([i.key for i in items]) == {items[0].key: "captured", items[1].key: "wanted",
                                                            items[2].key: "wanted"}
     assert coord.ledger.totals().dropped == 1
+    want(again, items[1:])  # the resumed trainer announces what it reads
+    recaptured = again.claim("w0", 3)["items"]
+    # a capture after a drop goes under a key of its own: a late free of the first one cannot remove it
+    assert [(i["sample_id"], i["store_key"]) for i in recaptured] == [("s21", f"{items[1].key}.1"),
+                                                                       ("s22", f"{items[2].key}.0")]
 
 
 def test_a_failed_stream_answers_every_trainer_and_worker_with_why(tmp_path, stream, store):

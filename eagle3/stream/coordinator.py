@@ -4,9 +4,11 @@ one that started the workers and the trainers, and answers them over HTTP (JSON 
 
     want      {items, priority, first_position, token_bytes}
                                                   trainers: the samples they will read, in order
-    claim     {worker, limit} -> {items, paused}  workers: what to capture next ({stop: why} ends a worker)
+    claim     {worker, limit} -> {items, paused}  workers: what to capture next, each with the store key its capture
+                                                  goes to ({stop: why} ends a worker)
     captured  {worker, key, size, length}         workers: a sample's features are in the store
-    take      {items} -> {ready} or {error}       trainers: wait for a micro-batch (asked again until ready)
+    take      {items} -> {ready, store_keys} or {error}
+                                                  trainers: wait for a micro-batch (asked again until ready)
     consumed  {keys}                              trainers: read; the store's copy is freed
     lost      {keys}                              trainers: the store had no copy; captured again
 
@@ -57,8 +59,8 @@ class Coordinator:
         """A new session over an earlier run's ledger: the claims died with that run's workers, and what it captured
         is kept only where the store still holds it."""
         released = self.ledger.release()
-        captured = self.ledger.captured_keys()
-        gone = [key for key, held in zip(captured, self.store.holds(captured)) if not held]
+        captured = self.ledger.stored()
+        gone = [key for key, held in zip(captured, self.store.holds(list(captured.values()))) if not held]
         self.ledger.drop(gone)
         if released or captured:
             self.log(f"stream: ledger {self.ledger.path}: {len(captured) - len(gone)} captured sample(s) still in the "
@@ -101,7 +103,8 @@ class Coordinator:
             if self.failure:
                 return {"error": self.failure}
             if all(states.get(key) == "captured" for key in keys):
-                return {"ready": True}
+                stored = self.ledger.stored(keys)
+                return {"ready": True, "store_keys": [stored[key] for key in keys]}
             if not self.alive():
                 return {"error": "no capture worker is alive: " + "; ".join(
                     f"{name}: {why}" for name, why in self.workers.items())}
@@ -113,8 +116,9 @@ class Coordinator:
     def consumed(self, keys: list[str]) -> dict:
         """Recorded at once; the store's copies are freed by the freeing thread (a remove waits out a read's lease, and
         hangs while a dead master's RPC times out: no trainer waits on either)."""
+        stored = self.ledger.stored(keys)
         self.ledger.consumed(keys)
-        for key in keys:
+        for key in stored.values():
             self.to_free.put(key)
         return {}
 

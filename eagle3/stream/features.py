@@ -103,7 +103,7 @@ class StreamedFeatures(FeatureBackend):
             if "error" in reply:
                 raise Eagle3Error(f"streamed features: {reply['error']}")
             if reply["ready"]:
-                stored = [self.store.get(item["key"]) for item in items]
+                stored = [self.store.get(key) for key in reply["store_keys"]]
                 missing = [item["key"] for item, tensor in zip(items, stored) if tensor is None]
                 if not missing:
                     return [self.checked(item, tensor) for item, tensor in zip(items, stored)]

@@ -44,6 +44,19 @@ class Wanted:
 
 
 @dataclass(frozen=True)
+class Claim:
+    key: str
+    sample_id: str
+    length: int
+    store_key: str  # where this capture goes: the key and its capture count, so a late free of an earlier
+    #                 capture never removes this one
+
+
+def store_key(key: str, capture: int) -> str:
+    return f"{key}.{capture}"
+
+
+@dataclass(frozen=True)
 class Totals:
     samples: int
     captures: int
@@ -84,19 +97,19 @@ class Ledger:
                     "position = CASE WHEN state = 'consumed' THEN excluded.position "
                     "ELSE min(position, excluded.position) END", rows)
 
-    def claim(self, worker: str, limit: int, budget_tokens: int) -> list[Wanted]:
+    def claim(self, worker: str, limit: int, budget_tokens: int) -> list[Claim]:
         """Up to `limit` wanted samples for `worker`: those a trainer waits for first, whatever their size, then in the
         trainers' order as long as their tokens stay within `budget_tokens` (what the watermark leaves)."""
         with self.lock:
             self.db.execute("BEGIN IMMEDIATE")
-            rows = self.db.execute("SELECT key, sample_id, length, demanded FROM samples WHERE state = 'wanted' "
-                                   "ORDER BY demanded DESC, priority, position LIMIT ?", (limit,)).fetchall()
+            rows = self.db.execute("SELECT key, sample_id, length, demanded, captures FROM samples WHERE state = "
+                                   "'wanted' ORDER BY demanded DESC, priority, position LIMIT ?", (limit,)).fetchall()
             chosen, tokens = [], 0
-            for key, sample_id, length, demanded in rows:
+            for key, sample_id, length, demanded, captures in rows:
                 if not demanded and tokens + length > budget_tokens:
                     break
                 tokens += length
-                chosen.append(Wanted(key, sample_id, length))
+                chosen.append(Claim(key, sample_id, length, store_key(key, captures)))
             self.db.executemany("UPDATE samples SET state = 'claimed', worker = ?, claimed_at = ? WHERE key = ?",
                                 [(worker, time.time(), item.key) for item in chosen])
             self.db.execute("COMMIT")
@@ -138,9 +151,13 @@ class Ledger:
         with self.lock:
             return self.db.execute(f"UPDATE samples SET state = 'wanted', worker = NULL WHERE {where}", args).rowcount
 
-    def captured_keys(self) -> list[str]:
+    def stored(self, keys: list[str] | None = None) -> dict[str, str]:
+        """Captured samples (of `keys`, or all) -> the store key their capture went to."""
+        query, args = "SELECT key, captures FROM samples WHERE state = 'captured'", []
+        if keys is not None:
+            query, args = query + f" AND key IN ({','.join('?' * len(keys))})", keys
         with self.lock:
-            return [key for (key,) in self.db.execute("SELECT key FROM samples WHERE state = 'captured'")]
+            return {key: store_key(key, captures - 1) for key, captures in self.db.execute(query, args)}
 
     def totals(self) -> Totals:
         with self.lock:

@@ -23,7 +23,7 @@ from eagle3.distributed import Dist, setup_distributed
 from eagle3.runtime.backends import target_backend
 from eagle3.runtime.features import FeatureBackend, pad_rows
 from eagle3.stream.coordinator import CoordinatorClient
-from eagle3.stream.ledger import Wanted
+from eagle3.stream.ledger import Claim
 from eagle3.stream.store import Store, content_key, feature_settings
 
 IDLE_S = 0.05  # after a claim that found nothing (paused, or the trainers announced nothing yet)
@@ -45,7 +45,7 @@ class TokenRows:
             raise Eagle3Error(f"{directory}: no data set here; run `eagle3 data capture` first")
         self.where = {reader.ids[i]: (reader, i) for reader in readers for i in range(len(reader))}
 
-    def row(self, item: Wanted) -> list[int]:
+    def row(self, item: Claim) -> list[int]:
         reader, index = self.where[item.sample_id]
         return reader.sample(index, ("input_ids", "loss_mask")).input_ids[: item.length].tolist()
 
@@ -70,7 +70,7 @@ class CaptureWorker:
             if "stop" in reply:
                 return reply["stop"]
             if reply["items"]:
-                self.capture([Wanted(**item) for item in reply["items"]])
+                self.capture([Claim(**item) for item in reply["items"]])
 
     def claim(self) -> dict:
         reply = self.client.call("claim", worker=self.name, limit=self.stream.capture_batch)
@@ -78,7 +78,7 @@ class CaptureWorker:
             time.sleep(IDLE_S)
         return reply
 
-    def capture(self, items: list[Wanted]) -> None:
+    def capture(self, items: list[Claim]) -> None:
         """One forward over the claimed samples; rank 0 puts each one's features and reports it."""
         rows = [self.rows.row(item) for item in items]
         batch = pad_rows(rows, [item.sample_id for item in items])
@@ -94,7 +94,7 @@ class CaptureWorker:
                                   "stage again")
             # [T, (n_aux + 1) * H]: aux states, then the last hidden state
             tensor = torch.cat([features.aux[i, : item.length], features.last[i, : item.length]], dim=-1).cpu()
-            self.store.put(item.key, tensor)
+            self.store.put(item.store_key, tensor)
             self.client.call("captured", worker=self.name, key=item.key, size=tensor.numel() * tensor.element_size(),
                              length=item.length)
 
