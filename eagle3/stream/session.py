@@ -91,6 +91,7 @@ class Session:
         stream = self.stream
         if stream.master == "start":
             log_path = self.run.dir / "logs" / "mooncake-master.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
             self.master = start_master(stream, log_path)
             self.master_tree.add(self.master)
             self.log(f"stream: started mooncake_master on {stream.master_address()} (log {log_path})")

@@ -35,8 +35,9 @@ GIB = 1 << 30
 TRANSFER_BUFFER = 256 << 20  # each client's staging memory for puts and gets
 LEASE_MS = 200  # how long a read pins an object: the coordinator frees a consumed sample after it
 MASTER_START_S = 30.0
-# Mooncake logs every client's set-up and transfers at INFO through glog; a worker's or trainer's log keeps its errors
-QUIET_CLIENT = {"GLOG_minloglevel": "2"}
+# Mooncake logs every client's set-up and transfers at INFO; a worker's or trainer's log keeps its errors (its own
+# variable: glog's GLOG_minloglevel does not reach it)
+QUIET_CLIENT = {"MC_LOG_LEVEL": "ERROR"}
 GLOG_INFO = re.compile(r"^I\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")  # what glog prints before its level is read
 
 
