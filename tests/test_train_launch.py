@@ -358,3 +358,12 @@ def test_sigterm_to_the_launcher_leaves_no_trainer_behind(micro_data, tmp_path):
     assert len(workers) >= 3, workers  # torchrun and two ranks were running
     assert not running(run_dir) and not group_alive(pgid_from(lines)), output[-3000:]
     assert list((run_dir / "train" / "checkpoints").glob("step-*"))  # the ranks saved before they went
+
+
+def test_streamed_capture_workers_beside_the_trainers_take_their_share_of_the_threads():
+    """Two capture workers started here beside one rank: three busy processes share run.cpu_threads."""
+    config = config_for("run.cpu_threads=6", "training.features=streamed", "training.stream.workers_per_host=2")
+    assert child_env(config.run, config.training)["OMP_NUM_THREADS"] == "2"
+    assert child_env(config.run, config.training)["MC_LOG_LEVEL"] == "ERROR"  # Mooncake's client, quiet
+    remote = config_for("run.cpu_threads=6", "training.features=streamed", "training.stream.capture_hosts=[cap-1]")
+    assert child_env(remote.run, remote.training)["OMP_NUM_THREADS"] == "6"

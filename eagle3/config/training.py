@@ -115,6 +115,15 @@ class TrainingSection(Section):
         training, never stored)."""
         return self.features != "offline"
 
+    @property
+    def busy_processes_here(self) -> int:
+        """Busy processes on a training node, each given its share of the cores (eagle3.procs.cpu_threads): its
+        ranks, and the streamed capture workers the train stage starts beside them (no capture_hosts, launcher
+        local)."""
+        stream = self.stream
+        beside = self.features == "streamed" and not stream.capture_hosts and self.launcher == "local"
+        return self.nproc_per_node + (stream.workers_per_host * (stream.replica_ranks or 1) if beside else 0)
+
     def sequences_per_forward(self, world: int) -> int:
         """Sequences one rank's draft takes per forward: micro_batch_size, else its whole share of batch_size."""
         return self.micro_batch_size or self.batch_size // world

@@ -134,7 +134,9 @@ class Session:
         """Unbuffered lines, the replica's own GPUs on its node, and each process's share of the node's CPU threads."""
         ranks = self.replica_ranks
         gpus = ",".join(str(gpu) for gpu in range(replica * ranks, (replica + 1) * ranks))
-        threads = cpu_threads(self.run.cpu_threads, self.stream.workers_per_host * ranks)
+        here = not self.stream.capture_hosts and self.training.launcher == "local"  # beside the trainers
+        threads = cpu_threads(self.run.cpu_threads, self.training.busy_processes_here if here else
+                              self.stream.workers_per_host * ranks)
         # TQDM_DISABLE: the target's load bar is no line worth relaying
         return with_threads({"PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", "CUDA_VISIBLE_DEVICES": gpus,
                              **QUIET_CLIENT}, threads)

@@ -97,7 +97,7 @@ def node_env(run: RunSection, training: TrainingSection) -> dict[str, str]:
     """What the trainer's environment must hold on every node: unbuffered output (a pipe would hold its lines back
     until it exits) and each rank's share of the CPU threads (run.cpu_threads, eagle3.procs.cpu_threads)."""
     quiet = QUIET_CLIENT if training.features == "streamed" else {}
-    return with_threads({"PYTHONUNBUFFERED": "1", **quiet}, cpu_threads(run.cpu_threads, training.nproc_per_node))
+    return with_threads({"PYTHONUNBUFFERED": "1", **quiet}, cpu_threads(run.cpu_threads, training.busy_processes_here))
 
 
 def child_env(run: RunSection, training: TrainingSection) -> dict[str, str]:
