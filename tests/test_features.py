@@ -137,7 +137,7 @@ def test_offline_features_are_refused_for_other_tokens(both_modes):
     config = both_modes["offline"]
     data = training_data(config.run, config.training, QUIET)
     manifest = dataset_manifest(config.run, config.data, config.target, config.training)
-    features = feature_backend(config.data, config.target, config.training, data, manifest, Dist())
+    features = feature_backend(config.data, config.target, config.training, data, manifest, Dist(), QUIET)
     refs = data.batches(0, 4, 0)[0]
     tokens, _ = data.tokens(refs)
     tokens.input_ids[0, 1] += 1
