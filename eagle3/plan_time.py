@@ -6,7 +6,9 @@ A first run generates every reply and trains training.max_steps from scratch. A 
 traffic prompts' (data.traffic), and warm-starts from production's draft for training.warm_steps (auto: the measured
 WARM_STEP_RATIO of max_steps, plus the evaluations patience waits). On N nodes the regeneration runs on every node's
 servers (data.nodes) and training spans the nodes (torchrun's c10d rendezvous) unless SGLang's runner computes the
-features online, which needs one node's world; the servers the benchmark and sweep start stay on one node.
+features online, which needs one node's world; the servers the benchmark and sweep start stay on one node. Streamed
+(training.features streamed), capture workers prefill on K of the nodes (whole replicas of serving.tp x serving.pp GPUs)
+and the trainers step on the other N - K, pipelined through the store: the train stage takes the slower of the two.
 
 FLOPs come from the shapes: 2 x active parameters per token forward (a MoE target counts only the experts a token is
 routed to; the input embedding is a lookup), 6 x the draft's trainable parameters per token per draft pass to train.
@@ -32,7 +34,9 @@ from eagle3.config.serving import BenchmarkSection, ServingSection, SweepSection
 from eagle3.config.training import TrainingSection
 from eagle3.resolve import contender_configs
 from eagle3.data.regenerate import greedy_length, simulated_shapes
+from eagle3.data.storage import DTYPE_NAMES, projected_bytes
 from eagle3.data.suites import planned_requests
+from eagle3.errors import ConfigError
 from eagle3.target.info import TargetSize, active_parameters, read_target_config
 from eagle3.train.memory import trainable_parameters
 
@@ -48,6 +52,7 @@ class StageTime:
     name: str
     parts: dict[str, float] = field(default_factory=dict)  # hours by component, each name saying what it counts
     unknown: str | None = None
+    servers: int = 0  # server starts the stage runs one after another, each on the whole node
 
     @property
     def hours(self) -> float | None:
@@ -58,10 +63,13 @@ class StageTime:
 class Scenario:
     retrain: bool  # a retrain: the sample store's replies and a warm start; else a first run from scratch
     nodes: int = 1
+    capture_nodes: int = 0  # streamed: nodes running capture workers only (0: the workers share the trainers' node)
 
     def describe(self) -> str:
         kind = "a retrain (warm start from production)" if self.retrain else "a first run (from scratch)"
-        return f"{kind} on {self.nodes} node(s)"
+        split = (f" ({self.capture_nodes} capturing, {self.nodes - self.capture_nodes} training)"
+                 if self.capture_nodes else "")
+        return f"{kind} on {self.nodes} node(s){split}"
 
 
 @dataclass
@@ -73,6 +81,8 @@ class TimePlan:
     period_h: float
     reused: list[str] = field(default_factory=list)  # what a retrain takes instead of making it again
     ceiling_h: float | None = None  # a retrain whose warm start (warm_steps auto) still gains at max_steps
+    stream: dict = field(default_factory=dict)  # streamed: the store's bytes and the network, for --json
+    notes: list[str] = field(default_factory=list)  # streamed: the same in words, and what the hours leave out
 
     @property
     def total_h(self) -> float | None:
@@ -84,7 +94,9 @@ class TimePlan:
         return None if self.total_h is None else self.total_h <= self.period_h
 
     def to_dict(self) -> dict:
-        return {"retrain": self.scenario.retrain, "nodes": self.scenario.nodes, "assumptions": self.assumptions,
+        streamed = {"capture_nodes": self.scenario.capture_nodes, "stream": self.stream} if self.stream else {}
+        return {"retrain": self.scenario.retrain, "nodes": self.scenario.nodes, **streamed,
+                "assumptions": self.assumptions,
                 "figures": self.figures, "reused": self.reused, "total_h": self.total_h, "ceiling_h": self.ceiling_h,
                 "retrain_period_h": self.period_h, "fits_period": self.fits_period,
                 "stages": [{"name": s.name, "hours": s.hours, "parts": s.parts, "unknown": s.unknown} for s in self.stages]}
@@ -94,6 +106,7 @@ class TimePlan:
                  "and reply at its cap, so token counts are upper bounds):"]
         lines += [f"  assumed: {line}" for line in self.assumptions] if assumptions else []
         lines += [f"  reused: {line}" for line in self.reused]
+        lines += [f"  stream: {line}" for line in self.notes]
         for stage in self.stages:
             if stage.unknown:
                 lines.append(f"{stage.name:<11} unknown: {stage.unknown}")
@@ -185,7 +198,7 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
     heldout = Heldout(planned_requests(config.benchmark, config.heldout_set[0]), greedy_length(config))
     stages = [regenerate_time(config.data, config.serving, config.registry, clock, scenario, heldout),
               capture_time(config.data, config.serving, config.training, clock, heldout),
-              train_time(config.training, config.data, clock, params, passes[0], scenario)]
+              train_time(config.training, config.data, config.serving, clock, params, passes[0], scenario)]
     if config.serving is not None and config.benchmark is not None:
         stages += [serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario),
                    sweep_time(config.sweep, config.benchmark, config.serving, clock,
@@ -199,11 +212,42 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
     reused = [generated_samples(config.data, config.registry, scenario)[1]] if scenario.retrain else []
     plan = TimePlan(scenario, assumptions, figures, stages, node.retrain_period_h, reused)
     if scenario.retrain and config.training.warm_steps == "auto" and plan.total_h is not None:
-        full = train_time(config.training, config.data, clock, params, passes[0],
-                          Scenario(retrain=False, nodes=scenario.nodes))
+        full = train_time(config.training, config.data, config.serving, clock, params, passes[0],
+                          replace(scenario, retrain=False))
         warm = next(stage for stage in stages if stage.name == "train")
         plan.ceiling_h = round(plan.total_h - warm.hours + full.hours, 2)
+    if config.training.features == "streamed":
+        plan.stream, plan.notes = stream_flow(config, clock, scenario, stages)
     return plan
+
+
+def capture_nodes_for(config: PipelineConfig, size: TargetSize | None, size_note: str, nodes: int,
+                      asked: int | None) -> tuple[int, str]:
+    """A streamed run's capture nodes of `nodes`, and why: `asked`, else the count whose first run's train stage is
+    shortest (capture prefill balanced against the draft's steps); on one node the workers share it (0)."""
+    if asked is not None:
+        if asked >= nodes:
+            raise ConfigError(f"--capture-nodes {asked} leaves none of the {nodes} node(s) to the trainers: give 1 to "
+                              f"{nodes - 1}, or plan more --nodes")
+        return asked, f"{asked} capture node(s) of {nodes} (--capture-nodes)"
+    if nodes == 1:
+        return 0, "1 node: the capture workers and the trainers share its GPUs, taking turns"
+    target, _ = read_target(config.target, size, size_note)
+    clock = Clock(config.node, target)
+    params, passes = draft_training(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers,
+                                    config.training)
+    hours = {}
+    for capture in range(1, nodes):
+        stage = train_time(config.training, config.data, config.serving, clock, params, passes[0],
+                           Scenario(retrain=False, nodes=nodes, capture_nodes=capture))
+        if stage.hours is not None:
+            hours[capture] = stage.hours
+    if not hours:
+        return nodes - 1, f"{nodes - 1} capture node(s) of {nodes}: no split could be timed (the train stage says why)"
+    best = min(hours, key=hours.get)  # the fewer capture nodes on a tie
+    tried = ", ".join(f"{k}: {h:.2f} h" for k, h in hours.items())
+    return best, (f"{best} capture node(s) of {nodes}, chosen: the shortest first-run train stage by capture nodes "
+                  f"({tried}); --capture-nodes sets it")
 
 
 def generated_samples(data: DataSection, registry: RegistrySection | None, scenario: Scenario) -> tuple[int, str]:
@@ -237,7 +281,10 @@ def trained_steps(train: TrainingSection, scenario: Scenario) -> tuple[int, str]
 
 def training_nodes(training: TrainingSection, data: DataSection, scenario: Scenario) -> tuple[int, str]:
     """The nodes training spans: all of them, unless SGLang's runner computes the features online (its tensor-parallel
-    group is the whole torch world: one node)."""
+    group is the whole torch world: one node), or streamed capture workers take some."""
+    if scenario.capture_nodes:
+        trainers = scenario.nodes - scenario.capture_nodes
+        return trainers, f"on {trainers} node(s) beside {scenario.capture_nodes} capture node(s)"
     if training.features == "online" and data.feature_backend == "sglang" and scenario.nodes > 1:
         return 1, "on 1 node: features online through SGLang's runner span one node's world"
     return scenario.nodes, f"on {scenario.nodes} node(s)"
@@ -256,7 +303,8 @@ def contender_stages(name: str, config: PipelineConfig, clock: Clock, scenario: 
     """A contender's training, measurement and sweep, on the run's data and beside the run's no-draft servers."""
     params, passes = draft_training(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers,
                                     config.training)
-    stages = [replace(train_time(config.training, config.data, clock, params, passes[0], scenario), name=f"train {name}")]
+    stages = [replace(train_time(config.training, config.data, config.serving, clock, params, passes[0], scenario),
+                      name=f"train {name}")]
     if config.serving is not None and config.benchmark is not None:
         serve = serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario,
                            baseline=False)
@@ -297,7 +345,8 @@ def _unknown(name: str) -> StageTime:
 
 
 def target_gpus(serving: ServingSection | None, engine: str) -> int:
-    return serving.tp if engine != "local" and serving is not None else 1
+    """The GPUs of one replica of the target: serving.tp x serving.pp for an engine, 1 for the local one."""
+    return serving.tp * serving.pp if engine != "local" and serving is not None else 1
 
 
 def regenerate_time(data: DataSection, serving: ServingSection | None, registry: RegistrySection | None, clock: Clock,
@@ -334,24 +383,30 @@ def capture_time(data: DataSection, serving: ServingSection | None, training: Tr
         return _unknown("capture")
     gpus = target_gpus(serving, data.feature_backend)
     sequences = heldout.tokens(data)
-    samples = 0 if training.features == "online" else data.num_samples * data.max_length
-    what = ("held-out sequences only (training.features online)" if not samples else
+    samples = 0 if training.tokens_only else data.num_samples * data.max_length
+    what = (f"held-out sequences only (training.features {training.features})" if not samples else
             f"data.num_samples {data.num_samples:,} x data.max_length {data.max_length:,} + the held-out sequences")
     return StageTime("capture", {"1 engine start": _h(clock.loads_s(1)),
                                  f"prefill: {what}, {samples + sequences:,} tokens on {gpus} GPU(s)":
                                  _h(clock.prefill_s(samples + sequences, gpus))})
 
 
-def train_time(train: TrainingSection, data: DataSection, clock: Clock, params: int, passes: float,
-               scenario: Scenario) -> StageTime:
-    """The draft's steps and evaluations; online, the target's forward over every sequence on the same GPUs."""
-    node = clock.node
+def trained_tokens(train: TrainingSection, data: DataSection, scenario: Scenario) -> tuple[int, str, int, int, int]:
+    """(optimizer steps, the field saying so, tokens trained, evaluations, tokens evaluated)."""
     steps, steps_from = trained_steps(train, scenario)
+    evaluations = steps // train.eval_every
+    return (steps, steps_from, steps * train.batch_size * train.seq_len, evaluations,
+            evaluations * int(data.num_samples * train.eval_fraction) * train.seq_len)
+
+
+def train_time(train: TrainingSection, data: DataSection, serving: ServingSection | None, clock: Clock, params: int,
+               passes: float, scenario: Scenario) -> StageTime:
+    """The draft's steps and evaluations; online, the target's forward over every sequence on the same GPUs;
+    streamed, the capture workers' forward over them beside the trainers."""
+    node = clock.node
+    steps, steps_from, tokens, evaluations, eval_tokens = trained_tokens(train, data, scenario)
     nodes, where = training_nodes(train, data, scenario)
     world = train.nproc_per_node * nodes
-    tokens = steps * train.batch_size * train.seq_len
-    evaluations = steps // train.eval_every
-    eval_tokens = evaluations * int(data.num_samples * train.eval_fraction) * train.seq_len
     parts = {f"draft: {steps_from} x batch_size {train.batch_size} x seq_len {train.seq_len:,} = {tokens / 1e9:.2f} B "
              f"tokens on {world} GPU(s), {where}": _h(clock.flops_s(draft_train_flops(params, passes, tokens), world,
                                                                    node.mfu.train)),
@@ -364,13 +419,95 @@ def train_time(train: TrainingSection, data: DataSection, clock: Clock, params: 
         parts["target's features online: 1 engine start"] = _h(clock.loads_s(1))
         parts[f"target's features online: prefill of the {(tokens + eval_tokens) / 1e9:.2f} B tokens"] = _h(
             clock.prefill_s(tokens + eval_tokens, world))
+    if train.features == "streamed":
+        if clock.target is None:
+            return _unknown("train")
+        streamed = streamed_parts(parts, tokens + eval_tokens, train, serving, clock, scenario)
+        return StageTime("train", unknown=streamed) if isinstance(streamed, str) else StageTime("train", streamed)
     return StageTime("train", parts)
+
+
+def streamed_parts(trainers: dict[str, float], captured: int, train: TrainingSection, serving: ServingSection | None,
+                   clock: Clock, scenario: Scenario) -> dict[str, float] | str:
+    """The train stage's hours when capture workers (whole replicas on the capture nodes, a node being
+    training.nproc_per_node GPUs) prefill the `captured` tokens and the trainers' `trainers` hours run beside them:
+    pipelined through the store on their own nodes (the slower counts), in turn on one shared node. A str: why the
+    split cannot run."""
+    replica = target_gpus(serving, "sglang")
+    nodes = scenario.capture_nodes or 1
+    replicas = nodes * train.nproc_per_node // replica
+    if not replicas:
+        return (f"a replica of the target is {replica} GPUs (serving.tp x serving.pp), more than {nodes} node(s) of "
+                f"training.nproc_per_node {train.nproc_per_node}: plan more --nodes or --capture-nodes")
+    where = f"{replicas} replica(s) of {replica} GPUs on {nodes} node(s)"
+    prefill = _h(clock.prefill_s(captured, replicas * replica))
+    parts = {f"capture workers: 1 engine start{' on each capture node, at once' if nodes > 1 else ''}":
+             _h(clock.loads_s(1)), **trainers}
+    if not scenario.capture_nodes:
+        parts[f"capture prefill of the {captured / 1e9:.2f} B tokens on {where}, the trainers' GPUs: in turn with "
+              "their steps"] = prefill
+        return parts
+    beside = round(sum(trainers.values()), 3)
+    parts[f"capture prefill of the {captured / 1e9:.2f} B tokens on {where}: {prefill:.2f} h pipelined with the "
+          f"trainers' {beside:.2f} h through the store; the part beyond them"] = round(max(prefill - beside, 0.0), 3)
+    return parts
+
+
+def stream_flow(config: PipelineConfig, clock: Clock, scenario: Scenario,
+                stages: list[StageTime]) -> tuple[dict, list[str]]:
+    """What streams through the store (exact, from the shapes and training.stream), the network each node needs at
+    the planned rate (an estimate, from the hours), and what the hours leave to the runtime; as figures and lines."""
+    data, training, stream = config.data, config.training, config.training.stream
+    per_token, per_sample = projected_bytes(data, config.target, 1)[0], projected_bytes(data, config.target,
+                                                                                         training.seq_len)[1]
+
+    def samples(gib: float) -> int:
+        return int(gib * 2**30 // per_sample)
+
+    figures = {"bytes_per_token": per_token, "bytes_per_sample": per_sample, "store_gib": stream.store_gib,
+               "store_samples": samples(stream.store_gib),
+               "high_watermark_samples": samples(stream.high_watermark_gib),
+               "low_watermark_samples": samples(stream.low_watermark_gib)}
+    high = samples(stream.high_watermark_gib)
+    lines = [f"{per_token:,} B per token through the store ({len(data.aux_layers)} aux + 1 last state x "
+             f"{config.target.hidden_size} x {DTYPE_NAMES[data.feature_dtype]}), {per_sample / 1e6:,.1f} MB per "
+             f"sample at training.seq_len {training.seq_len:,} (exact, from the shapes)",
+             f"the store (training.stream.store_gib {stream.store_gib:g}) holds {samples(stream.store_gib):,} samples; "
+             f"the workers pause at high_watermark_gib {stream.high_watermark_gib:g} ({high:,} samples, "
+             f"{high / training.batch_size:.0f} global batches of training.batch_size {training.batch_size}) and go "
+             f"on at low_watermark_gib {stream.low_watermark_gib:g} ({samples(stream.low_watermark_gib):,} samples)"]
+    train = next(stage for stage in stages if stage.name == "train")
+    capture, trainers = scenario.capture_nodes, scenario.nodes - scenario.capture_nodes
+    if train.hours is not None and capture:
+        _, _, trained, _, evaluated = trained_tokens(training, data, scenario)
+        tokens = trained + evaluated  # every one captured
+        busy_h = train.hours - _h(clock.loads_s(1))
+        rate = tokens * per_token / (busy_h * HOUR)
+        figures |= {"store_gb_per_s": round(rate / 1e9, 2), "capture_node_egress_gb_per_s": round(rate / capture / 1e9, 2),
+                    "trainer_node_ingress_gb_per_s": round(rate / trainers / 1e9, 2)}
+        lines.append(f"at the planned rate ({tokens / 1e9:.2f} B tokens in {busy_h:.2f} h, an estimate): "
+                     f"{rate / 1e9:.2f} GB/s through the store, {rate / capture / 1e9:.2f} GB/s out of each of the "
+                     f"{capture} capture node(s), {rate / trainers / 1e9:.2f} GB/s into each of the {trainers} trainer "
+                     f"node(s), and {rate / 1e9:.2f} GB/s both in and out of training.stream.host, whose memory holds "
+                     "the store")
+    lines.append("regenerate's servers and the capture workers are 2 starts: SGLang's server returns only the last "
+                 "hidden state (return_hidden_states, as lists), and the workers take the aux states from its model "
+                 "runner in a torchrun of their own; one start for both needs a server that puts them into the store "
+                 "(read from SGLang 0.5.23's API, not measured)")
+    serial = [stage for stage in stages if stage.servers > 1]
+    if scenario.nodes > 1 and serial:
+        spread = sum(math.ceil(stage.servers / scenario.nodes) * stage.hours / stage.servers for stage in serial)
+        starts = " and ".join(f"the {stage.name} stage's {stage.servers}" for stage in serial)
+        lines.append(f"{starts} server starts "
+                     f"run one after another on one node: {sum(stage.hours for stage in serial):.2f} h; spread over the "
+                     f"{scenario.nodes} nodes they would take {spread:.2f} h, which the runtime does not do")
+    return figures, lines
 
 
 def benchmark_s(b: BenchmarkSection, serving: ServingSection, clock: Clock, prompts: int,
                 levels: list[int]) -> tuple[float, str]:
     """One no-draft measurement at each concurrency level (a draft only shortens it): seconds, and the last bound."""
-    gpus = serving.tp
+    gpus = serving.tp * serving.pp
     total, bound = 0.0, ""
     for level in levels:
         in_flight = min(level, prompts)
@@ -393,7 +530,8 @@ def serve_time(b: BenchmarkSection, serving: ServingSection, data: DataSection, 
     seconds, bound = benchmark_s(b, serving, clock, b.num_prompts, [b.production_concurrency])
     return StageTime("serve", {f"{starts} server start(s) ({', '.join(roles)})": _h(clock.loads_s(starts)),
                                f"benchmark.num_prompts {b.num_prompts} x max_new_tokens {b.max_new_tokens} at "
-                               f"concurrency {b.production_concurrency}, each, {bound}": _h(starts * seconds)})
+                               f"concurrency {b.production_concurrency}, each, {bound}": _h(starts * seconds)},
+                     servers=starts)
 
 
 def sweep_time(sweep: SweepSection, b: BenchmarkSection, serving: ServingSection, clock: Clock, shapes: int,
@@ -414,4 +552,4 @@ def sweep_time(sweep: SweepSection, b: BenchmarkSection, serving: ServingSection
         f"{servers} server starts: {'no draft + ' * baseline}{measured} of {shapes} shape(s) within sweep.budget_s "
         f"{sweep.budget_s:g}": _h(servers * clock.loads_s(1)),
         f"{prompts} prompts x benchmark.max_new_tokens {b.max_new_tokens} at concurrency {b.concurrency}, each, "
-        f"{bound}": _h(servers * measure)})
+        f"{bound}": _h(servers * measure)}, servers=servers)

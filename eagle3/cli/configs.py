@@ -27,7 +27,11 @@ def add_config_commands(commands) -> None:
     plan.add_argument("--nodes", type=node_count, default=None, metavar="N",
                       help="plan the hours on N nodes (default: training.nnodes, or the data.nodes count when more): "
                       "regeneration on every node's servers, "
-                      "training across them")
+                      "training across them (streamed: split between capture workers and trainers)")
+    plan.add_argument("--capture-nodes", type=node_count, default=None, metavar="K",
+                      help="training.features streamed: K of the N nodes run the capture workers, the others the "
+                      "trainers (default: training.stream.capture_hosts' count on the config's own nodes, else the K "
+                      "whose train stage is shortest)")
     plan.set_defaults(handler=run_plan)
 
 
@@ -56,13 +60,14 @@ def run_config(args: argparse.Namespace) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     from eagle3.resolve import load_config
-    from eagle3.plan import plan_memory
+    from eagle3.plan import plan_memory, streamed_instead
 
-    plan = plan_memory(load_config(args.path, args.overrides), args.nodes)
+    config = load_config(args.path, args.overrides)
+    plan = plan_memory(config, args.nodes, args.capture_nodes)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
-        print("\n".join(plan.table()))
+        print("\n".join(plan.table() + streamed_instead(config, plan, args.path)))
     for refusal in plan.refusals():
         print(f"eagle3 plan: {args.path}: {refusal}", file=sys.stderr)
     return EXIT_OK if plan.all_fit else EXIT_PROBLEMS
