@@ -137,10 +137,11 @@ def plan_memory(config: PipelineConfig, nodes: int | None = None, capture_nodes:
     if capture_nodes is not None and not streamed:
         raise ConfigError(f"--capture-nodes plans training.features streamed; this config's is "
                           f"{config.training.features} (add --set training.features=streamed)")
+    asked_by = "--capture-nodes"
     if nodes is None and streamed and config.training.stream.capture_hosts and capture_nodes is None:
-        capture_nodes = len(config.training.stream.capture_hosts)
+        capture_nodes, asked_by = len(config.training.stream.capture_hosts), "training.stream.capture_hosts' count"
     nodes = nodes or planned_nodes(config.training, config.data)
-    split, why = capture_nodes_for(config, size, note, nodes, capture_nodes) if streamed else (0, "")
+    split, why = capture_nodes_for(config, size, note, nodes, capture_nodes, asked_by) if streamed else (0, "")
     if streamed:
         worker = capture_worker_stage(config.data, config.serving, config.training, config.target, size)
         stages.append(worker)

@@ -34,7 +34,8 @@ from eagle3.config.serving import BenchmarkSection, ServingSection, SweepSection
 from eagle3.config.training import TrainingSection
 from eagle3.resolve import contender_configs
 from eagle3.data.regenerate import greedy_length, simulated_shapes
-from eagle3.data.storage import DTYPE_NAMES, projected_bytes
+from eagle3.data.shards import FEATURE_DTYPES
+from eagle3.data.storage import DTYPE_NAMES
 from eagle3.data.suites import planned_requests
 from eagle3.errors import ConfigError
 from eagle3.target.info import TargetSize, active_parameters, read_target_config
@@ -94,7 +95,8 @@ class TimePlan:
         return None if self.total_h is None else self.total_h <= self.period_h
 
     def to_dict(self) -> dict:
-        streamed = {"capture_nodes": self.scenario.capture_nodes, "stream": self.stream} if self.stream else {}
+        streamed = ({"capture_nodes": self.scenario.capture_nodes, "stream": self.stream, "stream_notes": self.notes}
+                    if self.stream else {})
         return {"retrain": self.scenario.retrain, "nodes": self.scenario.nodes, **streamed,
                 "assumptions": self.assumptions,
                 "figures": self.figures, "reused": self.reused, "total_h": self.total_h, "ceiling_h": self.ceiling_h,
@@ -222,14 +224,14 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
 
 
 def capture_nodes_for(config: PipelineConfig, size: TargetSize | None, size_note: str, nodes: int,
-                      asked: int | None) -> tuple[int, str]:
+                      asked: int | None, asked_by: str = "--capture-nodes") -> tuple[int, str]:
     """A streamed run's capture nodes of `nodes`, and why: `asked`, else the count whose first run's train stage is
     shortest (capture prefill balanced against the draft's steps); on one node the workers share it (0)."""
     if asked is not None:
         if asked >= nodes:
-            raise ConfigError(f"--capture-nodes {asked} leaves none of the {nodes} node(s) to the trainers: give 1 to "
+            raise ConfigError(f"{asked_by} {asked} leaves none of the {nodes} node(s) to the trainers: give 1 to "
                               f"{nodes - 1}, or plan more --nodes")
-        return asked, f"{asked} capture node(s) of {nodes} (--capture-nodes)"
+        return asked, f"{asked} capture node(s) of {nodes} ({asked_by})"
     if nodes == 1:
         return 0, "1 node: the capture workers and the trainers share its GPUs, taking turns"
     target, _ = read_target(config.target, size, size_note)
@@ -458,8 +460,9 @@ def stream_flow(config: PipelineConfig, clock: Clock, scenario: Scenario,
     """What streams through the store (exact, from the shapes and training.stream), the network each node needs at
     the planned rate (an estimate, from the hours), and what the hours leave to the runtime; as figures and lines."""
     data, training, stream = config.data, config.training, config.training.stream
-    per_token, per_sample = projected_bytes(data, config.target, 1)[0], projected_bytes(data, config.target,
-                                                                                         training.seq_len)[1]
+    # the features alone: the token ids stay in the run's data set
+    per_token = (len(data.aux_layers) + 1) * config.target.hidden_size * FEATURE_DTYPES[data.feature_dtype].itemsize
+    per_sample = per_token * training.seq_len
 
     def samples(gib: float) -> int:
         return int(gib * 2**30 // per_sample)
