@@ -486,7 +486,8 @@ def stream_flow(config: PipelineConfig, clock: Clock, scenario: Scenario,
         tokens = trained + evaluated  # every one captured
         busy_h = train.hours - _h(clock.loads_s(1))
         rate = tokens * per_token / (busy_h * HOUR)
-        figures |= {"store_gb_per_s": round(rate / 1e9, 2), "capture_node_egress_gb_per_s": round(rate / capture / 1e9, 2),
+        figures |= {"store_gb_per_s": round(rate / 1e9, 2),
+                    "capture_node_egress_gb_per_s": round(rate / capture / 1e9, 2),
                     "trainer_node_ingress_gb_per_s": round(rate / trainers / 1e9, 2)}
         lines.append(f"at the planned rate ({tokens / 1e9:.2f} B tokens in {busy_h:.2f} h, an estimate): "
                      f"{rate / 1e9:.2f} GB/s through the store, {rate / capture / 1e9:.2f} GB/s out of each of the "
@@ -501,8 +502,8 @@ def stream_flow(config: PipelineConfig, clock: Clock, scenario: Scenario,
     if scenario.nodes > 1 and serial:
         spread = sum(math.ceil(stage.servers / scenario.nodes) * stage.hours / stage.servers for stage in serial)
         starts = " and ".join(f"the {stage.name} stage's {stage.servers}" for stage in serial)
-        lines.append(f"{starts} server starts "
-                     f"run one after another on one node: {sum(stage.hours for stage in serial):.2f} h; spread over the "
+        serial_h = sum(stage.hours for stage in serial)
+        lines.append(f"{starts} server starts run one after another on one node: {serial_h:.2f} h; spread over the "
                      f"{scenario.nodes} nodes they would take {spread:.2f} h, which the runtime does not do")
     return figures, lines
 

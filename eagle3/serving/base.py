@@ -37,7 +37,8 @@ def refuse_pipeline_parallel(serving: ServingSection) -> None:
     """serving.pp sizes a replica for the plan only: every launcher starts one node's server at serving.tp."""
     if serving.pp > 1:
         raise LaunchError(f"serving.pp {serving.pp}: the launchers start a server at serving.tp {serving.tp} GPUs on "
-                          "one node; a pipeline-parallel replica is planned (`eagle3 plan`), not started: set serving.pp 1")
+                          "one node; a pipeline-parallel replica is planned (`eagle3 plan`), not started: set "
+                          "serving.pp 1")
 
 
 def launch_spec(config: PipelineConfig) -> LaunchSpec:
