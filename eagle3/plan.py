@@ -30,7 +30,8 @@ from eagle3.data.suites import planned_requests
 from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.target.info import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
-from eagle3.plan_time import Scenario, TimePlan, capture_nodes_for, plan_time
+from eagle3.plan_stream import choose_capture_nodes
+from eagle3.plan_time import Scenario, TimePlan, plan_time
 from eagle3.serving import serving_engine
 from eagle3.train.memory import trainable_parameters, training_step_peak_by_op, training_step_peak_bytes
 
@@ -63,6 +64,7 @@ class MemoryPlan:
     time: TimePlan  # a first run's hours
     retrain: TimePlan  # a retrain's: the sample store's replies and a warm start
     recompute: str  # training.recompute as decided, and why
+    streamed_instead: list[str] = field(default_factory=list)  # features online on several nodes: streamed's hours
 
     def fits(self, stage: StagePlan) -> bool | None:
         return None if stage.per_gpu_gib is None else stage.per_gpu_gib <= self.gpu_memory_gib
@@ -102,7 +104,7 @@ class MemoryPlan:
             lines.append(f"{stage.name:<11} {stage.per_gpu_gib:8.1f} GiB per GPU on {stage.gpus} GPU(s)  {verdict}")
             width = max(len(name) for name in stage.parts)
             lines += [f"    {name:<{width}} {gib:8.2f}" for name, gib in stage.parts.items()]
-        return lines + self.time.table() + self.retrain.table(assumptions=False)
+        return lines + self.time.table() + self.retrain.table(assumptions=False) + self.streamed_instead
 
 
 def _gib(n: float) -> float:
@@ -141,7 +143,16 @@ def plan_memory(config: PipelineConfig, nodes: int | None = None, capture_nodes:
     if nodes is None and streamed and config.training.stream.capture_hosts and capture_nodes is None:
         capture_nodes, asked_by = len(config.training.stream.capture_hosts), "training.stream.capture_hosts' count"
     nodes = nodes or planned_nodes(config.training, config.data)
-    split, why = capture_nodes_for(config, size, note, nodes, capture_nodes, asked_by) if streamed else (0, "")
+
+    def split_of(planned, asked: int | None = None, asked_by: str = "--capture-nodes") -> tuple[int, str]:
+        """A streamed config's capture nodes of `nodes`, and why, timed by its first run's train stage."""
+        def train_hours(capture: int) -> float | None:
+            timed = plan_time(planned, size, note, Scenario(retrain=False, nodes=nodes, capture_nodes=capture))
+            return next(stage.hours for stage in timed.stages if stage.name == "train")
+
+        return choose_capture_nodes(nodes, asked, asked_by, train_hours)
+
+    split, why = split_of(config, capture_nodes, asked_by) if streamed else (0, "")
     if streamed:
         worker = capture_worker_stage(config.data, config.serving, config.training, config.target, size)
         stages.append(worker)
@@ -155,8 +166,18 @@ def plan_memory(config: PipelineConfig, nodes: int | None = None, capture_nodes:
     times = [plan_time(config, size, note, Scenario(retrain, nodes, split)) for retrain in (False, True)]
     for hours in times if streamed else ():
         hours.notes.insert(0, why)
+    instead = []  # features online keep training on one node of several: what streaming would take on them
+    if nodes > 1 and config.training.features == "online" and config.data.feature_backend == "sglang":
+        as_streamed = derived(config, {"training.features": "streamed"})
+        capture, _ = split_of(as_streamed)
+        first, again = (plan_time(as_streamed, size, note, Scenario(retrain, nodes, capture)).total_h
+                        for retrain in (False, True))
+        if None not in (first, again):
+            instead.append(f"training stays on 1 node of {nodes} (features online); streamed, {capture} capturing "
+                           f"and {nodes - capture} training: first run {first:.2f} h, retrain {again:.2f} h (--set "
+                           f"training.features=streamed)")
     return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, storage, config.training.features, *times,
-                      recompute)
+                      recompute, instead)
 
 
 def planned_nodes(training: TrainingSection, data: DataSection) -> int:
@@ -350,19 +371,3 @@ def require_fit(config: PipelineConfig, source: str | Path) -> MemoryPlan:
         raise ConfigError(f"{source}: {refusals[0]} (eagle3 plan {source} shows every stage)")
     return plan
 
-
-def streamed_instead(config: PipelineConfig, plan: MemoryPlan, source: str | Path) -> list[str]:
-    """One line, where features online keep training on one node of several: the hours a streamed run of the same
-    config would take on them (its capture nodes chosen by the plan)."""
-    nodes = plan.time.scenario.nodes
-    if nodes == 1 or config.training.features != "online" or config.data.feature_backend != "sglang":
-        return []
-    streamed = derived(config, {"training.features": "streamed"})
-    split, _ = capture_nodes_for(streamed, plan.target, plan.target_note, nodes, None)
-    first, retrain = (plan_time(streamed, plan.target, plan.target_note, Scenario(again, nodes, split)).total_h
-                      for again in (False, True))
-    if first is None or retrain is None:
-        return []
-    return [f"training stays on 1 node of {nodes} (features online); streamed, {split} capturing and {nodes - split} "
-            f"training: first run {first:.2f} h, retrain {retrain:.2f} h (eagle3 plan {source} --set "
-            f"training.features=streamed --nodes {nodes})"]

@@ -28,16 +28,14 @@ from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
 from eagle3.config.deployment import RegistrySection
 from eagle3.config.draft import DraftSection
-from eagle3.config.node import NodeSection
 from eagle3.config.run import TargetSection
 from eagle3.config.serving import BenchmarkSection, ServingSection, SweepSection
 from eagle3.config.training import TrainingSection
 from eagle3.resolve import contender_configs
 from eagle3.data.regenerate import greedy_length, simulated_shapes
-from eagle3.data.shards import FEATURE_DTYPES
-from eagle3.data.storage import DTYPE_NAMES
 from eagle3.data.suites import planned_requests
-from eagle3.errors import ConfigError
+from eagle3.plan_clock import Clock, Target
+from eagle3.plan_stream import stream_flow, streamed_parts
 from eagle3.target.info import TargetSize, active_parameters, read_target_config
 from eagle3.train.memory import trainable_parameters
 
@@ -140,41 +138,6 @@ class Heldout:
         return self.requests * (data.max_length + self.greedy)
 
 
-@dataclass(frozen=True)
-class Target:
-    """What the target's time rests on: parameters multiplied per token, bytes read per decode step."""
-
-    active: int
-    total: int
-    size: TargetSize
-    source: Path  # the config.json the counts come from
-
-
-class Clock:
-    """Seconds of each kind of work on `gpus` GPUs of the node."""
-
-    def __init__(self, node: NodeSection, target: Target | None):
-        self.node, self.target = node, target
-
-    def flops_s(self, flops: float, gpus: int, mfu: float) -> float:
-        return flops / (gpus * self.node.peak_tflops * 1e12 * mfu)
-
-    def prefill_s(self, tokens: int, gpus: int) -> float:
-        return self.flops_s(2.0 * self.target.active * tokens, gpus, self.node.mfu.prefill)
-
-    def decode(self, tokens: int, in_flight: int, context: float, gpus: int) -> tuple[float, str]:
-        """(seconds, which bound) to generate `tokens` with `in_flight` requests of mean `context` tokens."""
-        compute = self.flops_s(2.0 * self.target.active * in_flight, gpus, self.node.mfu.decode)
-        size = self.target.size
-        kv = in_flight * context * size.kv_bytes_per_token / (gpus if size.kv_split_by_tp else 1)
-        memory = (size.weight_bytes / gpus + kv) / (self.node.hbm_tbps * 1e12)
-        step, bound = (memory, "HBM-bound") if memory >= compute else (compute, "FLOP-bound")
-        return tokens / in_flight * step, f"{bound}: {step * 1000:.1f} ms a step (FLOP {compute * 1000:.1f}, HBM {memory * 1000:.1f})"
-
-    def loads_s(self, starts: int) -> float:
-        return starts * self.node.model_load_min * 60.0
-
-
 def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
               scenario: Scenario = Scenario(retrain=False)) -> TimePlan:
     target, size_note = read_target(config.target, size, size_note)
@@ -219,37 +182,22 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
         warm = next(stage for stage in stages if stage.name == "train")
         plan.ceiling_h = round(plan.total_h - warm.hours + full.hours, 2)
     if config.training.features == "streamed":
-        plan.stream, plan.notes = stream_flow(config, clock, scenario, stages)
+        plan.stream, plan.notes = stream_flow(config.data, config.target, config.training,
+                                              (scenario.nodes, scenario.capture_nodes),
+                                              streamed_rate(config.training, config.data, clock, scenario, stages),
+                                              [stage for stage in stages if stage.servers > 1])
     return plan
 
 
-def capture_nodes_for(config: PipelineConfig, size: TargetSize | None, size_note: str, nodes: int,
-                      asked: int | None, asked_by: str = "--capture-nodes") -> tuple[int, str]:
-    """A streamed run's capture nodes of `nodes`, and why: `asked`, else the count whose first run's train stage is
-    shortest (capture prefill balanced against the draft's steps); on one node the workers share it (0)."""
-    if asked is not None:
-        if asked >= nodes:
-            raise ConfigError(f"{asked_by} {asked} leaves none of the {nodes} node(s) to the trainers: give 1 to "
-                              f"{nodes - 1}, or plan more --nodes")
-        return asked, f"{asked} capture node(s) of {nodes} ({asked_by})"
-    if nodes == 1:
-        return 0, "1 node: the capture workers and the trainers share its GPUs, taking turns"
-    target, _ = read_target(config.target, size, size_note)
-    clock = Clock(config.node, target)
-    params, passes = draft_training(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers,
-                                    config.training)
-    hours = {}
-    for capture in range(1, nodes):
-        stage = train_time(config.training, config.data, config.serving, clock, params, passes[0],
-                           Scenario(retrain=False, nodes=nodes, capture_nodes=capture))
-        if stage.hours is not None:
-            hours[capture] = stage.hours
-    if not hours:
-        return nodes - 1, f"{nodes - 1} capture node(s) of {nodes}: no split could be timed (the train stage says why)"
-    best = min(hours, key=hours.get)  # the fewer capture nodes on a tie
-    tried = ", ".join(f"{k}: {h:.2f} h" for k, h in hours.items())
-    return best, (f"{best} capture node(s) of {nodes}, chosen: the shortest first-run train stage by capture nodes "
-                  f"({tried}); --capture-nodes sets it")
+def streamed_rate(train: TrainingSection, data: DataSection, clock: Clock, scenario: Scenario,
+                  stages: list[StageTime]) -> tuple[int, float] | None:
+    """(tokens the capture workers put through the store, the hours they take: the train stage's less its start), or
+    None where the workers share the trainers' node or the hours are unknown."""
+    train_stage = next(stage for stage in stages if stage.name == "train")
+    if train_stage.hours is None or not scenario.capture_nodes:
+        return None
+    _, _, trained, _, evaluated = trained_tokens(train, data, scenario)
+    return trained + evaluated, train_stage.hours - _h(clock.loads_s(1))
 
 
 def generated_samples(data: DataSection, registry: RegistrySection | None, scenario: Scenario) -> tuple[int, str]:
@@ -424,88 +372,12 @@ def train_time(train: TrainingSection, data: DataSection, serving: ServingSectio
     if train.features == "streamed":
         if clock.target is None:
             return _unknown("train")
-        streamed = streamed_parts(parts, tokens + eval_tokens, train, serving, clock, scenario)
+        captured = tokens + eval_tokens
+        streamed = streamed_parts(parts, captured, target_gpus(serving, "sglang"), train.nproc_per_node,
+                                  scenario.capture_nodes, lambda gpus: _h(clock.prefill_s(captured, gpus)),
+                                  _h(clock.loads_s(1)))
         return StageTime("train", unknown=streamed) if isinstance(streamed, str) else StageTime("train", streamed)
     return StageTime("train", parts)
-
-
-def streamed_parts(trainers: dict[str, float], captured: int, train: TrainingSection, serving: ServingSection | None,
-                   clock: Clock, scenario: Scenario) -> dict[str, float] | str:
-    """The train stage's hours when capture workers (whole replicas on the capture nodes, a node being
-    training.nproc_per_node GPUs) prefill the `captured` tokens and the trainers' `trainers` hours run beside them:
-    pipelined through the store on their own nodes (the slower counts), in turn on one shared node. A str: why the
-    split cannot run."""
-    replica = target_gpus(serving, "sglang")
-    nodes = scenario.capture_nodes or 1
-    replicas = nodes * train.nproc_per_node // replica
-    if not replicas:
-        return (f"a replica of the target is {replica} GPUs (serving.tp x serving.pp), more than {nodes} node(s) of "
-                f"training.nproc_per_node {train.nproc_per_node}: plan more --nodes or --capture-nodes")
-    where = f"{replicas} replica(s) of {replica} GPUs on {nodes} node(s)"
-    prefill = _h(clock.prefill_s(captured, replicas * replica))
-    parts = {f"capture workers: 1 engine start{' on each capture node, at once' if nodes > 1 else ''}":
-             _h(clock.loads_s(1)), **trainers}
-    if not scenario.capture_nodes:
-        parts[f"capture prefill of the {captured / 1e9:.2f} B tokens on {where}, the trainers' GPUs: in turn with "
-              "their steps"] = prefill
-        return parts
-    beside = round(sum(trainers.values()), 3)
-    parts[f"capture prefill of the {captured / 1e9:.2f} B tokens on {where}: {prefill:.2f} h pipelined with the "
-          f"trainers' {beside:.2f} h through the store; the part beyond them"] = round(max(prefill - beside, 0.0), 3)
-    return parts
-
-
-def stream_flow(config: PipelineConfig, clock: Clock, scenario: Scenario,
-                stages: list[StageTime]) -> tuple[dict, list[str]]:
-    """What streams through the store (exact, from the shapes and training.stream), the network each node needs at
-    the planned rate (an estimate, from the hours), and what the hours leave to the runtime; as figures and lines."""
-    data, training, stream = config.data, config.training, config.training.stream
-    # the features alone: the token ids stay in the run's data set
-    per_token = (len(data.aux_layers) + 1) * config.target.hidden_size * FEATURE_DTYPES[data.feature_dtype].itemsize
-    per_sample = per_token * training.seq_len
-
-    def samples(gib: float) -> int:
-        return int(gib * 2**30 // per_sample)
-
-    figures = {"bytes_per_token": per_token, "bytes_per_sample": per_sample, "store_gib": stream.store_gib,
-               "store_samples": samples(stream.store_gib),
-               "high_watermark_samples": samples(stream.high_watermark_gib),
-               "low_watermark_samples": samples(stream.low_watermark_gib)}
-    high = samples(stream.high_watermark_gib)
-    lines = [f"{per_token:,} B per token through the store ({len(data.aux_layers)} aux + 1 last state x "
-             f"{config.target.hidden_size} x {DTYPE_NAMES[data.feature_dtype]}), {per_sample / 1e6:,.1f} MB per "
-             f"sample at training.seq_len {training.seq_len:,} (exact, from the shapes)",
-             f"the store (training.stream.store_gib {stream.store_gib:g}) holds {samples(stream.store_gib):,} samples; "
-             f"the workers pause at high_watermark_gib {stream.high_watermark_gib:g} ({high:,} samples, "
-             f"{high / training.batch_size:.0f} global batches of training.batch_size {training.batch_size}) and go "
-             f"on at low_watermark_gib {stream.low_watermark_gib:g} ({samples(stream.low_watermark_gib):,} samples)"]
-    train = next(stage for stage in stages if stage.name == "train")
-    capture, trainers = scenario.capture_nodes, scenario.nodes - scenario.capture_nodes
-    if train.hours is not None and capture:
-        _, _, trained, _, evaluated = trained_tokens(training, data, scenario)
-        tokens = trained + evaluated  # every one captured
-        busy_h = train.hours - _h(clock.loads_s(1))
-        rate = tokens * per_token / (busy_h * HOUR)
-        figures |= {"store_gb_per_s": round(rate / 1e9, 2),
-                    "capture_node_egress_gb_per_s": round(rate / capture / 1e9, 2),
-                    "trainer_node_ingress_gb_per_s": round(rate / trainers / 1e9, 2)}
-        lines.append(f"at the planned rate ({tokens / 1e9:.2f} B tokens in {busy_h:.2f} h, an estimate): "
-                     f"{rate / 1e9:.2f} GB/s through the store, {rate / capture / 1e9:.2f} GB/s out of each of the "
-                     f"{capture} capture node(s), {rate / trainers / 1e9:.2f} GB/s into each of the {trainers} trainer "
-                     f"node(s), and {rate / 1e9:.2f} GB/s both in and out of training.stream.host, whose memory holds "
-                     "the store")
-    lines.append("regenerate's servers and the capture workers are 2 starts: SGLang's server returns only the last "
-                 "hidden state (return_hidden_states, as lists), and the workers take the aux states from its model "
-                 "runner in a torchrun of their own; one start for both needs a server that puts them into the store "
-                 "(read from SGLang 0.5.23's API, not measured)")
-    serial = [stage for stage in stages if stage.servers > 1]
-    if scenario.nodes > 1 and serial:
-        spread = sum(math.ceil(stage.servers / scenario.nodes) * stage.hours / stage.servers for stage in serial)
-        starts = " and ".join(f"the {stage.name} stage's {stage.servers}" for stage in serial)
-        serial_h = sum(stage.hours for stage in serial)
-        lines.append(f"{starts} server starts run one after another on one node: {serial_h:.2f} h; spread over the "
-                     f"{scenario.nodes} nodes they would take {spread:.2f} h, which the runtime does not do")
-    return figures, lines
 
 
 def benchmark_s(b: BenchmarkSection, serving: ServingSection, clock: Clock, prompts: int,

@@ -19,7 +19,7 @@ from eagle3.model.teacher import TeacherHead
 from eagle3.model.blocks import LossRows
 from eagle3.algorithms.eagle3.ttt import TTTModel
 from eagle3.plan import chosen_recompute, plan_memory, require_fit, target_size
-from eagle3.plan_time import WARM_STEP_RATIO, Scenario, capture_nodes_for, plan_time
+from eagle3.plan_time import WARM_STEP_RATIO, Scenario, plan_time
 from eagle3.algorithms.eagle3 import EAGLE3
 from eagle3.train.memory import AllocationPeak, training_step_peak_by_op, training_step_peak_bytes
 from helpers import TINY, micro_overrides, tiny_draft
@@ -324,10 +324,9 @@ K3 = KIMI.with_name("kimi-k3-streamed-8xh200.yaml")
 
 
 def streamed_hours(path: Path, nodes: int, capture_nodes: int | None = None) -> dict:
-    config = load_config(path)
-    capture, _ = capture_nodes_for(config, *target_size(config.target), nodes, capture_nodes)
-    return {retrain: plan_time(config, *target_size(config.target), Scenario(retrain, nodes, capture)).to_dict()
-            for retrain in (False, True)}
+    """The first run's and the retrain's hours (False, True) on `nodes`, the capture nodes chosen as the plan does."""
+    plan = plan_memory(load_config(path), nodes, capture_nodes)
+    return {False: plan.time.to_dict(), True: plan.retrain.to_dict()}
 
 
 def test_a_streamed_kimi_run_splits_four_nodes_and_its_trainers_hold_no_target(capsys):
@@ -373,8 +372,8 @@ def test_the_plan_chooses_the_capture_nodes_or_takes_them_and_refuses_a_split_wi
 def test_an_online_plan_on_several_nodes_says_what_streaming_would_take(capsys):
     assert cli.main(["plan", str(KIMI), "--nodes", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-1].startswith("training stays on 1 node of 4 (features online); streamed, 2 capturing and 2 training: "
-                              "first run 12.12 h, retrain 4.55 h")
+    assert out[-1] == ("training stays on 1 node of 4 (features online); streamed, 2 capturing and 2 training: first "
+                       "run 12.12 h, retrain 4.55 h (--set training.features=streamed)")
     assert cli.main(["plan", str(KIMI)]) == 0
     assert "training stays on 1 node" not in capsys.readouterr().out
 

@@ -60,14 +60,13 @@ def run_config(args: argparse.Namespace) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     from eagle3.resolve import load_config
-    from eagle3.plan import plan_memory, streamed_instead
+    from eagle3.plan import plan_memory
 
-    config = load_config(args.path, args.overrides)
-    plan = plan_memory(config, args.nodes, args.capture_nodes)
+    plan = plan_memory(load_config(args.path, args.overrides), args.nodes, args.capture_nodes)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
-        print("\n".join(plan.table() + streamed_instead(config, plan, args.path)))
+        print("\n".join(plan.table()))
     for refusal in plan.refusals():
         print(f"eagle3 plan: {args.path}: {refusal}", file=sys.stderr)
     return EXIT_OK if plan.all_fit else EXIT_PROBLEMS
