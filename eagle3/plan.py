@@ -30,6 +30,7 @@ from eagle3.data.suites import planned_requests
 from eagle3.data.storage import DTYPE_NAMES, human_bytes, projected_bytes
 from eagle3.errors import ConfigError, UnreadableInput
 from eagle3.target.info import DTYPE_BYTES, KV_CACHE_BYTES, TargetSize, read_target_size
+from eagle3.plan_stream import choose_capture_nodes
 from eagle3.plan_time import Scenario, TimePlan, plan_time
 from eagle3.serving import serving_engine
 from eagle3.train.memory import trainable_parameters, training_step_peak_by_op, training_step_peak_bytes
@@ -59,10 +60,11 @@ class MemoryPlan:
     target: TargetSize | None
     target_note: str
     storage: dict[str, int]  # bytes on disk, upper bounds (every sample at data.max_length)
-    features: str  # training.features: online (the target on the training GPUs) or offline
+    features: str  # training.features: online (the target on the training GPUs), offline or streamed
     time: TimePlan  # a first run's hours
     retrain: TimePlan  # a retrain's: the sample store's replies and a warm start
     recompute: str  # training.recompute as decided, and why
+    streamed_instead: list[str] = field(default_factory=list)  # features online on several nodes: streamed's hours
 
     def fits(self, stage: StagePlan) -> bool | None:
         return None if stage.per_gpu_gib is None else stage.per_gpu_gib <= self.gpu_memory_gib
@@ -102,7 +104,7 @@ class MemoryPlan:
             lines.append(f"{stage.name:<11} {stage.per_gpu_gib:8.1f} GiB per GPU on {stage.gpus} GPU(s)  {verdict}")
             width = max(len(name) for name in stage.parts)
             lines += [f"    {name:<{width}} {gib:8.2f}" for name, gib in stage.parts.items()]
-        return lines + self.time.table() + self.retrain.table(assumptions=False)
+        return lines + self.time.table() + self.retrain.table(assumptions=False) + self.streamed_instead
 
 
 def _gib(n: float) -> float:
@@ -123,28 +125,66 @@ def target_size(target: TargetSection) -> tuple[TargetSize | None, str]:
     return size, f"{_gib(size.weight_bytes)} GiB of weights ({size.weights_from})"
 
 
-def plan_memory(config: PipelineConfig, nodes: int | None = None) -> MemoryPlan:
-    """`nodes`: the nodes the hours are planned for (planned_nodes by default)."""
+def plan_memory(config: PipelineConfig, nodes: int | None = None, capture_nodes: int | None = None) -> MemoryPlan:
+    """`nodes`: the nodes the hours are planned for (planned_nodes by default); `capture_nodes`: of them, a streamed
+    run's capture nodes (training.stream.capture_hosts' count on the config's own nodes, else the plan's choice)."""
     size, note = target_size(config.target)
     config, recompute = chosen_recompute(config)
     entry = algorithm(config.draft.algorithm)
     cfg = entry.draft_config(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers)
+    train = training_stage(entry, cfg, config.draft, config.training, config.data, config.target, config.node, size)
     stages = [regeneration_stage(config.data, config.serving, size),
-              capture_stage(config.data, config.serving, config.target, size),
-              training_stage(entry, cfg, config.draft, config.training, config.data, config.target, config.node, size)]
+              capture_stage(config.data, config.serving, config.target, size), train]
+    streamed = config.training.features == "streamed"
+    if capture_nodes is not None and not streamed:
+        raise ConfigError(f"--capture-nodes plans training.features streamed; this config's is "
+                          f"{config.training.features} (add --set training.features=streamed)")
+    asked_by = "--capture-nodes"
+    if nodes is None and streamed and config.training.stream.capture_hosts and capture_nodes is None:
+        capture_nodes, asked_by = len(config.training.stream.capture_hosts), "training.stream.capture_hosts' count"
+    nodes = nodes or planned_nodes(config.training, config.data)
+
+    def split_of(planned, asked: int | None = None, asked_by: str = "--capture-nodes") -> tuple[int, str]:
+        """A streamed config's capture nodes of `nodes`, and why, timed by its first run's train stage."""
+        def train_hours(capture: int) -> float | None:
+            timed = plan_time(planned, size, note, Scenario(retrain=False, nodes=nodes, capture_nodes=capture))
+            return next(stage.hours for stage in timed.stages if stage.name == "train")
+
+        return choose_capture_nodes(nodes, asked, asked_by, train_hours)
+
+    split, why = split_of(config, capture_nodes, asked_by) if streamed else (0, "")
+    if streamed:
+        worker = capture_worker_stage(config.data, config.serving, config.training, config.target, size)
+        stages.append(worker)
+        if not split:  # the workers run on the trainers' GPUs
+            shared_stage(train, worker)
     if config.serving is not None:  # a training-only config serves nothing
         stages.append(serving_stage(entry, cfg, config.draft, config.serving, config.node, size))
     heldout_tokens = (planned_requests(config.benchmark, config.heldout_set[0])
                       * (config.data.max_length + greedy_length(config)))
     storage = stored_bytes(config.data, config.target, config.training, heldout_tokens)
-    nodes = nodes or planned_nodes(config.training, config.data)
-    return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, storage, config.training.features,
-                      *(plan_time(config, size, note, Scenario(retrain, nodes)) for retrain in (False, True)), recompute)
+    times = [plan_time(config, size, note, Scenario(retrain, nodes, split)) for retrain in (False, True)]
+    for hours in times if streamed else ():
+        hours.notes.insert(0, why)
+    instead = []  # features online keep training on one node of several: what streaming would take on them
+    if nodes > 1 and config.training.features == "online" and config.data.feature_backend == "sglang":
+        as_streamed = derived(config, {"training.features": "streamed"})
+        capture, _ = split_of(as_streamed)
+        first, again = (plan_time(as_streamed, size, note, Scenario(retrain, nodes, capture)).total_h
+                        for retrain in (False, True))
+        if None not in (first, again):
+            instead.append(f"training stays on 1 node of {nodes} (features online); streamed, {capture} capturing "
+                           f"and {nodes - capture} training: first run {first:.2f} h, retrain {again:.2f} h (--set "
+                           f"training.features=streamed)")
+    return MemoryPlan(config.node.gpu_memory_gib, stages, size, note, storage, config.training.features, *times,
+                      recompute, instead)
 
 
 def planned_nodes(training: TrainingSection, data: DataSection) -> int:
-    """The nodes a config runs on: training's, or the data stage's servers' (data.nodes) when more."""
-    return max(training.nnodes, len(data.nodes), 1)
+    """The nodes a config runs on: training's (and, streamed, its capture hosts), or the data stage's servers'
+    (data.nodes) when more."""
+    capture = len(training.stream.capture_hosts) if training.features == "streamed" else 0
+    return max(training.nnodes + capture, len(data.nodes), 1)
 
 
 def chosen_recompute(config: PipelineConfig) -> tuple[PipelineConfig, str]:
@@ -173,42 +213,72 @@ def stored_bytes(data: DataSection, target: TargetSection, training: TrainingSec
                  heldout_tokens: int) -> dict[str, int]:
     """Upper bounds of what the data stage stores: hidden states (none online) and the features of the benchmark's
     requests (every suite's: `heldout_tokens`)."""
-    hidden = 0 if training.features == "online" else data.num_samples * data.max_length
+    hidden = 0 if training.tokens_only else data.num_samples * data.max_length
     return {"hidden_states": projected_bytes(data, target, hidden)[1],
             "tokens": data.num_samples * data.max_length * TOKEN_BYTES,
             "heldout_features": projected_bytes(data, target, heldout_tokens)[1]}
 
 
-def target_parts(size: TargetSize, tp: int, tokens: int) -> dict[str, float]:
-    """The target's weights and KV cache for `tokens` in flight, per GPU at tensor parallelism `tp`."""
-    kv = size.kv_bytes_per_token / (tp if size.kv_split_by_tp else 1)
-    return {f"target weights (/{tp})": _gib(size.weight_bytes / tp), f"KV cache, {tokens:,} tokens": _gib(tokens * kv)}
+def target_parts(size: TargetSize, tp: int, tokens: int, pp: int = 1) -> dict[str, float]:
+    """The target's weights and KV cache for `tokens` in flight, per GPU at tensor parallelism `tp` and `pp` pipeline
+    stages (each holding its layers' weights and KV)."""
+    kv = size.kv_bytes_per_token / (tp if size.kv_split_by_tp else 1) / pp
+    return {f"target weights (/{tp * pp})": _gib(size.weight_bytes / (tp * pp)),
+            f"KV cache, {tokens:,} tokens": _gib(tokens * kv)}
 
 
 def regeneration_stage(data: DataSection, serving: ServingSection | None, size: TargetSize | None) -> StagePlan:
-    served = data.generator != "local"  # by servers on serving.tp GPUs each
-    tp, in_flight, knob = (serving.tp, data.concurrency, "data.concurrency") if served else (1, data.batch_size, "data.batch_size")
-    stage = StagePlan("regenerate", tp, knob=f"lower {knob} ({in_flight} requests of up to {data.max_length} tokens)")
+    served = data.generator != "local"  # by servers on serving.tp x serving.pp GPUs each
+    tp, pp = (serving.tp, serving.pp) if served else (1, 1)
+    in_flight, knob = (data.concurrency, "data.concurrency") if served else (data.batch_size, "data.batch_size")
+    stage = StagePlan("regenerate", tp * pp, knob=f"lower {knob} ({in_flight} requests of up to {data.max_length} "
+                      "tokens)")
     if size is None:
         stage.unknown = "target size unknown"
         return stage
-    stage.parts = {**target_parts(size, tp, in_flight * data.max_length), "runtime reserve": RUNTIME_RESERVE_GIB}
+    stage.parts = {**target_parts(size, tp, in_flight * data.max_length, pp), "runtime reserve": RUNTIME_RESERVE_GIB}
     return stage
 
 
 def capture_stage(data: DataSection, serving: ServingSection | None, target: TargetSection,
                   size: TargetSize | None) -> StagePlan:
     """One capture batch: the target's forward with KV for the batch, and its features before they leave the GPU."""
-    tp = serving.tp if data.feature_backend == "sglang" else 1
-    stage = StagePlan("capture", tp, knob=f"lower data.batch_size ({data.batch_size} sequences per forward)")
+    return target_forward_stage("capture", data.batch_size, f"lower data.batch_size ({data.batch_size} sequences per "
+                                "forward)", data, serving, target, size)
+
+
+def capture_worker_stage(data: DataSection, serving: ServingSection | None, training: TrainingSection,
+                         target: TargetSection, size: TargetSize | None) -> StagePlan:
+    """A streamed capture worker (one replica of the target, as serving holds it): the samples it claims at once."""
+    batch = training.stream.capture_batch
+    return target_forward_stage("capture worker", batch, f"lower training.stream.capture_batch ({batch} samples per "
+                                "forward)", data, serving, target, size)
+
+
+def target_forward_stage(name: str, sequences: int, knob: str, data: DataSection, serving: ServingSection | None,
+                         target: TargetSection, size: TargetSize | None) -> StagePlan:
+    """The target's forward over `sequences` of data.max_length tokens on one replica (serving.tp x serving.pp GPUs
+    with SGLang's runner, 1 here): its weights, KV for them, and their features before they leave the GPU."""
+    tp, pp = (serving.tp, serving.pp) if data.feature_backend == "sglang" else (1, 1)
+    stage = StagePlan(name, tp * pp, knob=knob)
     if size is None:
         stage.unknown = "target size unknown"
         return stage
-    tokens = data.batch_size * data.max_length
+    tokens = sequences * data.max_length
     features = tokens * (len(data.aux_layers) + 1) * target.hidden_size * 2  # aux + last, bf16
-    stage.parts = {**target_parts(size, tp, tokens), "captured features (bf16)": _gib(features),
+    stage.parts = {**target_parts(size, tp, tokens, pp), "captured features (bf16)": _gib(features),
                    "runtime reserve": RUNTIME_RESERVE_GIB}
     return stage
+
+
+def shared_stage(train: StagePlan, worker: StagePlan) -> None:
+    """The train stage with a capture worker on its GPUs (streamed on one node): both hold their parts."""
+    if worker.unknown or train.unknown:
+        train.unknown = train.unknown or f"the capture worker on its GPUs cannot be sized ({worker.unknown})"
+        return
+    train.parts.update({f"capture worker on the same GPUs: {name}": gib for name, gib in worker.parts.items()
+                        if name != "runtime reserve"})
+    train.knob += "; or give the capture workers their own nodes (training.stream.capture_hosts)"
 
 
 def training_stage(entry: DraftAlgorithm, cfg: BaseModel, draft: DraftSection, train: TrainingSection,
@@ -276,13 +346,14 @@ def serving_stage(entry: DraftAlgorithm, cfg: BaseModel, draft: DraftSection, se
                   node: NodeSection, size: TargetSize | None) -> StagePlan:
     """The target with `entry`'s draft of architecture `cfg` at serving.tp: one request of the full context must fit
     next to the weights."""
-    stage = StagePlan("serve", serving.tp, knob=f"lower serving.context_length ({serving.context_length}) or raise serving.tp")
+    stage = StagePlan("serve", serving.tp * serving.pp, knob=f"lower serving.context_length ({serving.context_length}) "
+                      "or raise serving.tp")
     if size is None:
         stage.unknown = "target size unknown"
         return stage
     draft_kv = entry.kv_cache_entries(cfg, serving.tp) * KV_CACHE_BYTES
     stage.parts = {
-        **target_parts(size, serving.tp, serving.context_length),
+        **target_parts(size, serving.tp, serving.context_length, serving.pp),
         f"draft weights, {DTYPE_NAMES[draft.torch_dtype]} (/{serving.tp})": _gib(
             DTYPE_BYTES[draft.torch_dtype] * trainable_parameters(entry, cfg) / serving.tp),
         "draft KV cache": _gib(serving.context_length * draft_kv),
@@ -299,3 +370,4 @@ def require_fit(config: PipelineConfig, source: str | Path) -> MemoryPlan:
     if refusals:
         raise ConfigError(f"{source}: {refusals[0]} (eagle3 plan {source} shows every stage)")
     return plan
+

@@ -6,7 +6,9 @@ A first run generates every reply and trains training.max_steps from scratch. A 
 traffic prompts' (data.traffic), and warm-starts from production's draft for training.warm_steps (auto: the measured
 WARM_STEP_RATIO of max_steps, plus the evaluations patience waits). On N nodes the regeneration runs on every node's
 servers (data.nodes) and training spans the nodes (torchrun's c10d rendezvous) unless SGLang's runner computes the
-features online, which needs one node's world; the servers the benchmark and sweep start stay on one node.
+features online, which needs one node's world; the servers the benchmark and sweep start stay on one node. Streamed
+(training.features streamed), capture workers prefill on K of the nodes (whole replicas of serving.tp x serving.pp GPUs)
+and the trainers step on the other N - K, pipelined through the store: the train stage takes the slower of the two.
 
 FLOPs come from the shapes: 2 x active parameters per token forward (a MoE target counts only the experts a token is
 routed to; the input embedding is a lookup), 6 x the draft's trainable parameters per token per draft pass to train.
@@ -26,13 +28,14 @@ from eagle3.config import PipelineConfig
 from eagle3.config.data import DataSection
 from eagle3.config.deployment import RegistrySection
 from eagle3.config.draft import DraftSection
-from eagle3.config.node import NodeSection
 from eagle3.config.run import TargetSection
 from eagle3.config.serving import BenchmarkSection, ServingSection, SweepSection
 from eagle3.config.training import TrainingSection
 from eagle3.resolve import contender_configs
 from eagle3.data.regenerate import greedy_length, simulated_shapes
 from eagle3.data.suites import planned_requests
+from eagle3.plan_clock import Clock, Target
+from eagle3.plan_stream import stream_flow, streamed_parts
 from eagle3.target.info import TargetSize, active_parameters, read_target_config
 from eagle3.train.memory import trainable_parameters
 
@@ -48,6 +51,7 @@ class StageTime:
     name: str
     parts: dict[str, float] = field(default_factory=dict)  # hours by component, each name saying what it counts
     unknown: str | None = None
+    servers: int = 0  # server starts the stage runs one after another, each on the whole node
 
     @property
     def hours(self) -> float | None:
@@ -58,10 +62,13 @@ class StageTime:
 class Scenario:
     retrain: bool  # a retrain: the sample store's replies and a warm start; else a first run from scratch
     nodes: int = 1
+    capture_nodes: int = 0  # streamed: nodes running capture workers only (0: the workers share the trainers' node)
 
     def describe(self) -> str:
         kind = "a retrain (warm start from production)" if self.retrain else "a first run (from scratch)"
-        return f"{kind} on {self.nodes} node(s)"
+        split = (f" ({self.capture_nodes} capturing, {self.nodes - self.capture_nodes} training)"
+                 if self.capture_nodes else "")
+        return f"{kind} on {self.nodes} node(s){split}"
 
 
 @dataclass
@@ -73,6 +80,8 @@ class TimePlan:
     period_h: float
     reused: list[str] = field(default_factory=list)  # what a retrain takes instead of making it again
     ceiling_h: float | None = None  # a retrain whose warm start (warm_steps auto) still gains at max_steps
+    stream: dict = field(default_factory=dict)  # streamed: the store's bytes and the network, for --json
+    notes: list[str] = field(default_factory=list)  # streamed: the same in words, and what the hours leave out
 
     @property
     def total_h(self) -> float | None:
@@ -84,7 +93,10 @@ class TimePlan:
         return None if self.total_h is None else self.total_h <= self.period_h
 
     def to_dict(self) -> dict:
-        return {"retrain": self.scenario.retrain, "nodes": self.scenario.nodes, "assumptions": self.assumptions,
+        streamed = ({"capture_nodes": self.scenario.capture_nodes, "stream": self.stream, "stream_notes": self.notes}
+                    if self.stream else {})
+        return {"retrain": self.scenario.retrain, "nodes": self.scenario.nodes, **streamed,
+                "assumptions": self.assumptions,
                 "figures": self.figures, "reused": self.reused, "total_h": self.total_h, "ceiling_h": self.ceiling_h,
                 "retrain_period_h": self.period_h, "fits_period": self.fits_period,
                 "stages": [{"name": s.name, "hours": s.hours, "parts": s.parts, "unknown": s.unknown} for s in self.stages]}
@@ -94,6 +106,7 @@ class TimePlan:
                  "and reply at its cap, so token counts are upper bounds):"]
         lines += [f"  assumed: {line}" for line in self.assumptions] if assumptions else []
         lines += [f"  reused: {line}" for line in self.reused]
+        lines += [f"  stream: {line}" for line in self.notes]
         for stage in self.stages:
             if stage.unknown:
                 lines.append(f"{stage.name:<11} unknown: {stage.unknown}")
@@ -125,41 +138,6 @@ class Heldout:
         return self.requests * (data.max_length + self.greedy)
 
 
-@dataclass(frozen=True)
-class Target:
-    """What the target's time rests on: parameters multiplied per token, bytes read per decode step."""
-
-    active: int
-    total: int
-    size: TargetSize
-    source: Path  # the config.json the counts come from
-
-
-class Clock:
-    """Seconds of each kind of work on `gpus` GPUs of the node."""
-
-    def __init__(self, node: NodeSection, target: Target | None):
-        self.node, self.target = node, target
-
-    def flops_s(self, flops: float, gpus: int, mfu: float) -> float:
-        return flops / (gpus * self.node.peak_tflops * 1e12 * mfu)
-
-    def prefill_s(self, tokens: int, gpus: int) -> float:
-        return self.flops_s(2.0 * self.target.active * tokens, gpus, self.node.mfu.prefill)
-
-    def decode(self, tokens: int, in_flight: int, context: float, gpus: int) -> tuple[float, str]:
-        """(seconds, which bound) to generate `tokens` with `in_flight` requests of mean `context` tokens."""
-        compute = self.flops_s(2.0 * self.target.active * in_flight, gpus, self.node.mfu.decode)
-        size = self.target.size
-        kv = in_flight * context * size.kv_bytes_per_token / (gpus if size.kv_split_by_tp else 1)
-        memory = (size.weight_bytes / gpus + kv) / (self.node.hbm_tbps * 1e12)
-        step, bound = (memory, "HBM-bound") if memory >= compute else (compute, "FLOP-bound")
-        return tokens / in_flight * step, f"{bound}: {step * 1000:.1f} ms a step (FLOP {compute * 1000:.1f}, HBM {memory * 1000:.1f})"
-
-    def loads_s(self, starts: int) -> float:
-        return starts * self.node.model_load_min * 60.0
-
-
 def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
               scenario: Scenario = Scenario(retrain=False)) -> TimePlan:
     target, size_note = read_target(config.target, size, size_note)
@@ -185,7 +163,7 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
     heldout = Heldout(planned_requests(config.benchmark, config.heldout_set[0]), greedy_length(config))
     stages = [regenerate_time(config.data, config.serving, config.registry, clock, scenario, heldout),
               capture_time(config.data, config.serving, config.training, clock, heldout),
-              train_time(config.training, config.data, clock, params, passes[0], scenario)]
+              train_time(config.training, config.data, config.serving, clock, params, passes[0], scenario)]
     if config.serving is not None and config.benchmark is not None:
         stages += [serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario),
                    sweep_time(config.sweep, config.benchmark, config.serving, clock,
@@ -199,11 +177,27 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
     reused = [generated_samples(config.data, config.registry, scenario)[1]] if scenario.retrain else []
     plan = TimePlan(scenario, assumptions, figures, stages, node.retrain_period_h, reused)
     if scenario.retrain and config.training.warm_steps == "auto" and plan.total_h is not None:
-        full = train_time(config.training, config.data, clock, params, passes[0],
-                          Scenario(retrain=False, nodes=scenario.nodes))
+        full = train_time(config.training, config.data, config.serving, clock, params, passes[0],
+                          replace(scenario, retrain=False))
         warm = next(stage for stage in stages if stage.name == "train")
         plan.ceiling_h = round(plan.total_h - warm.hours + full.hours, 2)
+    if config.training.features == "streamed":
+        plan.stream, plan.notes = stream_flow(config.data, config.target, config.training,
+                                              (scenario.nodes, scenario.capture_nodes),
+                                              streamed_rate(config.training, config.data, clock, scenario, stages),
+                                              [stage for stage in stages if stage.servers > 1])
     return plan
+
+
+def streamed_rate(train: TrainingSection, data: DataSection, clock: Clock, scenario: Scenario,
+                  stages: list[StageTime]) -> tuple[int, float] | None:
+    """(tokens the capture workers put through the store, the hours they take: the train stage's less its start), or
+    None where the workers share the trainers' node or the hours are unknown."""
+    train_stage = next(stage for stage in stages if stage.name == "train")
+    if train_stage.hours is None or not scenario.capture_nodes:
+        return None
+    _, _, trained, _, evaluated = trained_tokens(train, data, scenario)
+    return trained + evaluated, train_stage.hours - _h(clock.loads_s(1))
 
 
 def generated_samples(data: DataSection, registry: RegistrySection | None, scenario: Scenario) -> tuple[int, str]:
@@ -237,7 +231,10 @@ def trained_steps(train: TrainingSection, scenario: Scenario) -> tuple[int, str]
 
 def training_nodes(training: TrainingSection, data: DataSection, scenario: Scenario) -> tuple[int, str]:
     """The nodes training spans: all of them, unless SGLang's runner computes the features online (its tensor-parallel
-    group is the whole torch world: one node)."""
+    group is the whole torch world: one node), or streamed capture workers take some."""
+    if scenario.capture_nodes:
+        trainers = scenario.nodes - scenario.capture_nodes
+        return trainers, f"on {trainers} node(s) beside {scenario.capture_nodes} capture node(s)"
     if training.features == "online" and data.feature_backend == "sglang" and scenario.nodes > 1:
         return 1, "on 1 node: features online through SGLang's runner span one node's world"
     return scenario.nodes, f"on {scenario.nodes} node(s)"
@@ -256,7 +253,8 @@ def contender_stages(name: str, config: PipelineConfig, clock: Clock, scenario: 
     """A contender's training, measurement and sweep, on the run's data and beside the run's no-draft servers."""
     params, passes = draft_training(config.draft, config.target, config.vocab.draft_vocab_size, config.data.aux_layers,
                                     config.training)
-    stages = [replace(train_time(config.training, config.data, clock, params, passes[0], scenario), name=f"train {name}")]
+    stages = [replace(train_time(config.training, config.data, config.serving, clock, params, passes[0], scenario),
+                      name=f"train {name}")]
     if config.serving is not None and config.benchmark is not None:
         serve = serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario,
                            baseline=False)
@@ -297,7 +295,8 @@ def _unknown(name: str) -> StageTime:
 
 
 def target_gpus(serving: ServingSection | None, engine: str) -> int:
-    return serving.tp if engine != "local" and serving is not None else 1
+    """The GPUs of one replica of the target: serving.tp x serving.pp for an engine, 1 for the local one."""
+    return serving.tp * serving.pp if engine != "local" and serving is not None else 1
 
 
 def regenerate_time(data: DataSection, serving: ServingSection | None, registry: RegistrySection | None, clock: Clock,
@@ -334,24 +333,30 @@ def capture_time(data: DataSection, serving: ServingSection | None, training: Tr
         return _unknown("capture")
     gpus = target_gpus(serving, data.feature_backend)
     sequences = heldout.tokens(data)
-    samples = 0 if training.features == "online" else data.num_samples * data.max_length
-    what = ("held-out sequences only (training.features online)" if not samples else
+    samples = 0 if training.tokens_only else data.num_samples * data.max_length
+    what = (f"held-out sequences only (training.features {training.features})" if not samples else
             f"data.num_samples {data.num_samples:,} x data.max_length {data.max_length:,} + the held-out sequences")
     return StageTime("capture", {"1 engine start": _h(clock.loads_s(1)),
                                  f"prefill: {what}, {samples + sequences:,} tokens on {gpus} GPU(s)":
                                  _h(clock.prefill_s(samples + sequences, gpus))})
 
 
-def train_time(train: TrainingSection, data: DataSection, clock: Clock, params: int, passes: float,
-               scenario: Scenario) -> StageTime:
-    """The draft's steps and evaluations; online, the target's forward over every sequence on the same GPUs."""
-    node = clock.node
+def trained_tokens(train: TrainingSection, data: DataSection, scenario: Scenario) -> tuple[int, str, int, int, int]:
+    """(optimizer steps, the field saying so, tokens trained, evaluations, tokens evaluated)."""
     steps, steps_from = trained_steps(train, scenario)
+    evaluations = steps // train.eval_every
+    return (steps, steps_from, steps * train.batch_size * train.seq_len, evaluations,
+            evaluations * int(data.num_samples * train.eval_fraction) * train.seq_len)
+
+
+def train_time(train: TrainingSection, data: DataSection, serving: ServingSection | None, clock: Clock, params: int,
+               passes: float, scenario: Scenario) -> StageTime:
+    """The draft's steps and evaluations; online, the target's forward over every sequence on the same GPUs;
+    streamed, the capture workers' forward over them beside the trainers."""
+    node = clock.node
+    steps, steps_from, tokens, evaluations, eval_tokens = trained_tokens(train, data, scenario)
     nodes, where = training_nodes(train, data, scenario)
     world = train.nproc_per_node * nodes
-    tokens = steps * train.batch_size * train.seq_len
-    evaluations = steps // train.eval_every
-    eval_tokens = evaluations * int(data.num_samples * train.eval_fraction) * train.seq_len
     parts = {f"draft: {steps_from} x batch_size {train.batch_size} x seq_len {train.seq_len:,} = {tokens / 1e9:.2f} B "
              f"tokens on {world} GPU(s), {where}": _h(clock.flops_s(draft_train_flops(params, passes, tokens), world,
                                                                    node.mfu.train)),
@@ -364,13 +369,21 @@ def train_time(train: TrainingSection, data: DataSection, clock: Clock, params: 
         parts["target's features online: 1 engine start"] = _h(clock.loads_s(1))
         parts[f"target's features online: prefill of the {(tokens + eval_tokens) / 1e9:.2f} B tokens"] = _h(
             clock.prefill_s(tokens + eval_tokens, world))
+    if train.features == "streamed":
+        if clock.target is None:
+            return _unknown("train")
+        captured = tokens + eval_tokens
+        streamed = streamed_parts(parts, captured, target_gpus(serving, "sglang"), train.nproc_per_node,
+                                  scenario.capture_nodes, lambda gpus: _h(clock.prefill_s(captured, gpus)),
+                                  _h(clock.loads_s(1)))
+        return StageTime("train", unknown=streamed) if isinstance(streamed, str) else StageTime("train", streamed)
     return StageTime("train", parts)
 
 
 def benchmark_s(b: BenchmarkSection, serving: ServingSection, clock: Clock, prompts: int,
                 levels: list[int]) -> tuple[float, str]:
     """One no-draft measurement at each concurrency level (a draft only shortens it): seconds, and the last bound."""
-    gpus = serving.tp
+    gpus = serving.tp * serving.pp
     total, bound = 0.0, ""
     for level in levels:
         in_flight = min(level, prompts)
@@ -393,7 +406,8 @@ def serve_time(b: BenchmarkSection, serving: ServingSection, data: DataSection, 
     seconds, bound = benchmark_s(b, serving, clock, b.num_prompts, [b.production_concurrency])
     return StageTime("serve", {f"{starts} server start(s) ({', '.join(roles)})": _h(clock.loads_s(starts)),
                                f"benchmark.num_prompts {b.num_prompts} x max_new_tokens {b.max_new_tokens} at "
-                               f"concurrency {b.production_concurrency}, each, {bound}": _h(starts * seconds)})
+                               f"concurrency {b.production_concurrency}, each, {bound}": _h(starts * seconds)},
+                     servers=starts)
 
 
 def sweep_time(sweep: SweepSection, b: BenchmarkSection, serving: ServingSection, clock: Clock, shapes: int,
@@ -414,4 +428,4 @@ def sweep_time(sweep: SweepSection, b: BenchmarkSection, serving: ServingSection
         f"{servers} server starts: {'no draft + ' * baseline}{measured} of {shapes} shape(s) within sweep.budget_s "
         f"{sweep.budget_s:g}": _h(servers * clock.loads_s(1)),
         f"{prompts} prompts x benchmark.max_new_tokens {b.max_new_tokens} at concurrency {b.concurrency}, each, "
-        f"{bound}": _h(servers * measure)})
+        f"{bound}": _h(servers * measure)}, servers=servers)

@@ -31,7 +31,8 @@ LAYERS = (
     ("eagle3.registry",),
     ("eagle3.runs",),
     ("eagle3.deployment",),
-    ("eagle3.export", "eagle3.init_draft", "eagle3.stages", "eagle3.plan", "eagle3.plan_time", "eagle3.report"),
+    ("eagle3.export", "eagle3.init_draft", "eagle3.stages", "eagle3.plan", "eagle3.plan_time",
+     "eagle3.plan_stream", "eagle3.plan_clock", "eagle3.report"),
     ("eagle3.cli",),
     ("tasks",),  # Prefect tasks wrap library calls
     ("flows",),  # flows sequence tasks

@@ -11,6 +11,9 @@ from safetensors.torch import save_file
 from eagle3 import cli
 from eagle3.resolve import load_config
 from eagle3.errors import ConfigError
+from eagle3.procs import LaunchError
+from eagle3.serving import serving_engine
+from eagle3.serving.base import launch_spec
 from eagle3.target.info import active_parameters, read_target_size
 from eagle3.model.teacher import TeacherHead
 from eagle3.model.blocks import LossRows
@@ -314,3 +317,77 @@ def test_the_kimi_mla_draft_fits_the_node_at_one_sequence_per_forward():
     assert plan.all_fit and plan.recompute.startswith("training.recompute auto -> none")
     train, serve = plan.stages[2], plan.stages[3]
     assert train.per_gpu_gib <= 141 - 10 and serve.parts["draft KV cache"] < 0.2  # one 576-wide latent per token
+
+
+STREAMED = KIMI.with_name("kimi-k25-streamed-8xh200.yaml")
+K3 = KIMI.with_name("kimi-k3-streamed-8xh200.yaml")
+
+
+def streamed_hours(path: Path, nodes: int, capture_nodes: int | None = None) -> dict:
+    """The first run's and the retrain's hours (False, True) on `nodes`, the capture nodes chosen as the plan does."""
+    plan = plan_memory(load_config(path), nodes, capture_nodes)
+    return {False: plan.time.to_dict(), True: plan.retrain.to_dict()}
+
+
+def test_a_streamed_kimi_run_splits_four_nodes_and_its_trainers_hold_no_target(capsys):
+    assert cli.main(["plan", str(STREAMED), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    stages = {stage["name"]: stage for stage in plan["stages"]}
+    assert plan["fits"] is True and list(stages) == ["regenerate", "capture", "train", "capture worker", "serve"]
+    assert not any(name.startswith("target weights") for name in stages["train"]["parts"])
+    assert stages["capture worker"]["parts"]["target weights (/8)"] == pytest.approx(553.39 / 8, rel=1e-3)
+    assert stages["train"]["gpus"] == 16 and stages["train"]["per_gpu_gib"] < 141 - 553.39 / 8
+    first, retrain = plan["hours"], plan["retrain_hours"]
+    assert first["nodes"] == retrain["nodes"] == 4 and first["capture_nodes"] == retrain["capture_nodes"] == 2
+    stream = retrain["stream"]
+    assert stream["bytes_per_token"] == 57_344 and stream["bytes_per_sample"] == 57_344 * 4096
+    assert stream["high_watermark_samples"] == 400 * 2**30 // (57_344 * 4096) == 1828
+    assert stream["capture_node_egress_gb_per_s"] == stream["trainer_node_ingress_gb_per_s"] == pytest.approx(
+        stream["store_gb_per_s"] / 2, abs=0.01)
+    # four nodes against the online config's one-node training: first run 22.86 -> 12.12 h, retrain 8.90 -> 4.55 h;
+    # what is left over 4 h is the serve and sweep servers, one after another on one node (the runtime's way)
+    assert first["total_h"] < 12.5 and retrain["total_h"] < 4.6
+    assert stage_hours(retrain)["train"] < 2 < stage_hours(kimi_hours(retrain=True, nodes=4))["train"] / 3
+    spread = next(note for note in retrain["stream_notes"] if "one after another on one node" in note)
+    serial = stage_hours(retrain)["serve"] + stage_hours(retrain)["sweep"]
+    assert retrain["total_h"] - serial + float(spread.split("would take ")[1].split(" h")[0]) <= 4
+
+
+def test_the_plan_chooses_the_capture_nodes_or_takes_them_and_refuses_a_split_without_trainers(capsys):
+    hours = {k: stage_hours(streamed_hours(STREAMED, 4, k)[False])["train"] for k in (1, 2, 3)}
+    chosen = streamed_hours(STREAMED, 4)[False]
+    assert chosen["capture_nodes"] == min(hours, key=hours.get) == 2 and stage_hours(chosen)["train"] == hours[2]
+    assert streamed_hours(STREAMED, 4, 3)[True]["capture_nodes"] == 3
+    assert streamed_hours(STREAMED, 8)[False]["capture_nodes"] == 5  # prefill costs ~1.4x the draft step: 5 of 8
+    one = streamed_hours(STREAMED, 1)[False]  # the workers take turns with the trainers on the node's GPUs
+    assert one["capture_nodes"] == 0 and any("in turn with their steps" in n for n in one["stages"][2]["parts"])
+    assert cli.main(["plan", str(STREAMED), "--nodes", "3", "--capture-nodes", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hours"]["capture_nodes"] == 1
+    assert cli.main(["plan", str(STREAMED), "--nodes", "4", "--capture-nodes", "4"]) == 2
+    assert "--capture-nodes 4 leaves none of the 4 node(s) to the trainers: give 1 to 3" in capsys.readouterr().err
+    assert cli.main(["plan", str(KIMI), "--capture-nodes", "1"]) == 2
+    assert "--capture-nodes plans training.features streamed" in capsys.readouterr().err
+
+
+def test_an_online_plan_on_several_nodes_says_what_streaming_would_take(capsys):
+    assert cli.main(["plan", str(KIMI), "--nodes", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == ("training stays on 1 node of 4 (features online); streamed, 2 capturing and 2 training: first "
+                       "run 12.12 h, retrain 4.55 h (--set training.features=streamed)")
+    assert cli.main(["plan", str(KIMI)]) == 0
+    assert "training stays on 1 node" not in capsys.readouterr().out
+
+
+def test_a_kimi_k3_sized_target_captures_at_tp8_pp2_over_two_nodes():
+    plan = plan_memory(load_config(K3))
+    assert plan.all_fit and 1300 < plan.target.weight_bytes / 2**30 < 1500  # ~1.42 TB published on disk
+    worker = next(stage for stage in plan.stages if stage.name == "capture worker")
+    assert worker.gpus == 16 and worker.parts["target weights (/16)"] < 100
+    one_node = plan_memory(load_config(K3, ["serving.pp=1"]))  # TP8 on one node does not hold it
+    assert not one_node.all_fit and "capture worker" in " ".join(one_node.refusals())
+    assert plan.retrain.scenario.capture_nodes == 2 and plan.retrain.total_h is not None
+    two = streamed_hours(K3, 2)[False]  # one capture node holds no replica of 16 GPUs
+    assert two["stages"][2]["unknown"].startswith("a replica of the target is 16 GPUs")
+    config = load_config(K3)  # planned, not launched
+    with pytest.raises(LaunchError, match="serving.pp 2: the launchers start a server at serving.tp 8"):
+        serving_engine("sglang").check(launch_spec(config), config.production.telemetry, config.sweep)

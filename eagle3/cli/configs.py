@@ -27,7 +27,11 @@ def add_config_commands(commands) -> None:
     plan.add_argument("--nodes", type=node_count, default=None, metavar="N",
                       help="plan the hours on N nodes (default: training.nnodes, or the data.nodes count when more): "
                       "regeneration on every node's servers, "
-                      "training across them")
+                      "training across them (streamed: split between capture workers and trainers)")
+    plan.add_argument("--capture-nodes", type=node_count, default=None, metavar="K",
+                      help="training.features streamed: K of the N nodes run the capture workers, the others the "
+                      "trainers (default: training.stream.capture_hosts' count on the config's own nodes, else the K "
+                      "whose train stage is shortest)")
     plan.set_defaults(handler=run_plan)
 
 
@@ -58,7 +62,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from eagle3.resolve import load_config
     from eagle3.plan import plan_memory
 
-    plan = plan_memory(load_config(args.path, args.overrides), args.nodes)
+    plan = plan_memory(load_config(args.path, args.overrides), args.nodes, args.capture_nodes)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:

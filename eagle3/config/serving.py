@@ -44,6 +44,10 @@ class ServingSection(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=30000, gt=0, lt=65536)
     tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1, description="pipeline-parallel stages of one replica of the target, each on "
+                    "serving.tp GPUs (a target too big for one node: TP8 x PP2 spans two 8-GPU nodes). `eagle3 plan` "
+                    "sizes every stage that holds the target by tp x pp GPUs; the launchers start tp only and refuse "
+                    "more than 1")
     context_length: int = Field(gt=0)
     num_steps: int = Field(default=DEFAULT_NUM_STEPS, ge=1)
     eagle_topk: int = Field(default=1, ge=1)

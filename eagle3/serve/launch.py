@@ -27,7 +27,7 @@ from eagle3.procs import (
     GPU_QUERY, STOP_GRACE_S, LaunchError, ProcessTree, in_systemd_scope, timestamp, wait_gpus_free, wrap,
 )
 from eagle3.serving import serving_engine
-from eagle3.serving.base import LaunchSpec, ServingEngine
+from eagle3.serving.base import LaunchSpec, ServingEngine, refuse_pipeline_parallel
 from eagle3.serving.sglang import SGLANG
 from eagle3.warm import ForkedProcess, fork_module
 
@@ -147,6 +147,7 @@ def server_for(spec: LaunchSpec, target, draft, log: Callable[[str], None] = pri
     A local reference server that ends with this process (not `outlives_run`, no unit) starts warm
     (run.warm_start)."""
     s, engine = spec.serving, serving_engine(spec.serving.engine)
+    refuse_pipeline_parallel(s)
     built = engine.command(spec, target, draft, telemetry, entry)
     ssh_host = s.ssh_host or s.host
     command = wrap(built, s.launcher, ssh_host, s.srun_args, s.ssh_args)

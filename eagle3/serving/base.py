@@ -13,6 +13,7 @@ from eagle3.config.deployment import TelemetrySection
 from eagle3.config.draft import DraftSection
 from eagle3.config.run import TargetSection
 from eagle3.config.serving import ServingSection, SweepSection
+from eagle3.procs import LaunchError
 from eagle3.records.telemetry import GENERATION_TOKENS, VERIFY_CALLS
 
 
@@ -30,6 +31,14 @@ class LaunchSpec:
     warm_start: bool  # run.warm_start: a local reference server may be forked from the warm process
     served_dir: Path  # run.dir/served: a draft converted to the layout the engine loads, when that is not SGLang's
     waive: tuple[str, ...]  # export.waive: the validation codes a launch accepts (the export stage logged them)
+
+
+def refuse_pipeline_parallel(serving: ServingSection) -> None:
+    """serving.pp sizes a replica for the plan only: every launcher starts one node's server at serving.tp."""
+    if serving.pp > 1:
+        raise LaunchError(f"serving.pp {serving.pp}: the launchers start a server at serving.tp {serving.tp} GPUs on "
+                          "one node; a pipeline-parallel replica is planned (`eagle3 plan`), not started: set "
+                          "serving.pp 1")
 
 
 def launch_spec(config: PipelineConfig) -> LaunchSpec:
@@ -68,6 +77,7 @@ class ServingEngine(ABC):
     def check(self, spec: LaunchSpec, telemetry: TelemetrySection, sweep: SweepSection) -> None:
         """What `command` would refuse at a run's first launch (production's with its `telemetry`), refused now
         (`eagle3 config`); `sweep`: the shapes later launches serve."""
+        refuse_pipeline_parallel(spec.serving)
         self.command(spec, "TARGET", "DRAFT", telemetry)
 
     @abstractmethod
