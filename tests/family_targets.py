@@ -22,6 +22,7 @@ DSPARK_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-dspark-cpu.yaml
 CONTENDERS_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-contenders-cpu.yaml"  # tests/test_contenders.py
 THREE_KINDS_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-three-kinds-cpu.yaml"  # tests/test_contenders.py
 VLLM_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-vllm-cpu.yaml"  # tests/conformance/test_vllm_server.py
+STREAMED_CONFIG = Path(__file__).parent.parent / "configs" / "tiny-streamed-cpu.yaml"  # tests/test_streamed.py
 FLOW_CONFIGS = {**FAMILY_CONFIGS, "deepseek_v2": MLA_DRAFT_CONFIG}
 NUM_LAYERS = 5
 AUX_LAYERS = [1, 2, 3]

@@ -21,6 +21,7 @@ from eagle3.procs import process_table
 from eagle3.resolve import load_config
 from eagle3.stream.session import ledger_path
 from eagle3.train.launch import TrainingFailed, train
+from family_targets import STREAMED_CONFIG
 from helpers import TINY, metrics, run_copy
 from ports import free_port
 
@@ -214,3 +215,15 @@ def test_a_capture_worker_of_two_ranks_claims_on_rank_0_and_prefills_on_both(mic
     assert_same_training(run_dir, online_reference)
     assert json.loads((run_dir / "train" / "stream" / "summary.json").read_text())["workers"] == {
         "capture-0-0": "running at the end"}
+
+
+def test_the_shipped_streamed_config_runs_one_worker_beside_the_trainer_within_its_store():
+    """configs/tiny-streamed-cpu.yaml: the CPU default's run with its features streamed, two busy processes on two
+    cores, its own registry."""
+    config = load_config(STREAMED_CONFIG, ["run.dir=/runs/streamed"])
+    stream = config.training.stream
+    assert config.training.features == "streamed" and stream.master == "start" and not stream.capture_hosts
+    assert stream.workers * config.training.nproc_per_node == 1 and config.training.busy_processes_here == 2
+    assert stream.low_watermark_gib < stream.high_watermark_gib <= 0.85 * stream.store_gib
+    assert str(config.registry.path).endswith("registry-streamed")
+

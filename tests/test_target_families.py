@@ -12,7 +12,7 @@ from eagle3.runtime.tiny import FAMILY_ARCHITECTURES, MICRO, of_family
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.target.info import read_target_info
 from family_targets import (CONTENDERS_CONFIG, DFLASH_CONFIG, DSPARK_CONFIG, FAMILIES, FAMILY_CONFIGS, MLA_DRAFT_CONFIG,
-                            THREE_KINDS_CONFIG, VLLM_CONFIG, build_family_target)
+                            STREAMED_CONFIG, THREE_KINDS_CONFIG, VLLM_CONFIG, build_family_target)
 from helpers import ROOT, TINY
 
 
@@ -96,5 +96,5 @@ def test_tiny_targets_come_in_every_family_the_table_serves_from_the_tiny_table(
 def test_the_shipped_family_configs_are_all_tested():
     shipped = {path for path in (ROOT / "configs").glob("tiny-*-cpu.yaml")}
     assert shipped == {*FAMILY_CONFIGS.values(), MLA_DRAFT_CONFIG, DFLASH_CONFIG, DSPARK_CONFIG, CONTENDERS_CONFIG,
-                       THREE_KINDS_CONFIG, VLLM_CONFIG}
+                       THREE_KINDS_CONFIG, VLLM_CONFIG, STREAMED_CONFIG}
 
