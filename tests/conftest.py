@@ -121,6 +121,20 @@ def micro_data(tmp_path_factory, micro_target):
     return build_micro_data(tmp_path_factory.mktemp("train-data"), micro_target)
 
 
+@pytest.fixture(scope="session")
+def mooncake():
+    """Mooncake's store (training.features streamed), or skip (fail where EAGLE3_REQUIRE_MOONCAKE is set: .ci/run)
+    naming what is missing; a module asks with `pytestmark = pytest.mark.usefixtures("mooncake")`."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as err:
+        reason = (f"Mooncake cannot load ({err}): pip install 'eagle3[stream]' and apt-get install libibverbs1 "
+                  "librdmacm1 libnuma1 (.ci/run installs them)")
+        if os.environ.get("EAGLE3_REQUIRE_MOONCAKE"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny forwards: a second OpenMP thread only waits when the cores are shared (a module marks itself

@@ -4,8 +4,6 @@ the store no longer holds, and the trainers hear why the stream cannot go on."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,14 +16,7 @@ from ports import free_port
 TOKEN_BYTES = 1000  # each sample below: 100 tokens, 100 KB
 
 
-@pytest.fixture(autouse=True)
-def mooncake():
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as err:
-        if os.environ.get("EAGLE3_REQUIRE_MOONCAKE"):
-            pytest.fail(f"Mooncake cannot load: {err}")
-        pytest.skip(f"Mooncake cannot load: {err}")
+pytestmark = pytest.mark.usefixtures("mooncake")
 
 
 @pytest.fixture(scope="module")

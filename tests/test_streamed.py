@@ -27,17 +27,7 @@ from ports import free_port
 
 
 
-@pytest.fixture(autouse=True)
-def mooncake():
-    """Mooncake's store, or skip (fail where EAGLE3_REQUIRE_MOONCAKE is set: .ci/run) naming what is missing."""
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as err:
-        reason = (f"Mooncake cannot load ({err}): pip install 'eagle3[stream]' and apt-get install libibverbs1 "
-                  "librdmacm1 libnuma1 (.ci/run installs them)")
-        if os.environ.get("EAGLE3_REQUIRE_MOONCAKE"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+pytestmark = pytest.mark.usefixtures("mooncake")
 
 
 STEPS = ["training.max_steps=10", "training.eval_every=2", "training.save_every=2", "run.cpu_threads=1",

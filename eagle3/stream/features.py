@@ -21,7 +21,6 @@ from eagle3.errors import Eagle3Error
 from eagle3.runtime.features import FeatureBackend, Features, TokenBatch, empty_features
 from eagle3.stream.coordinator import CoordinatorClient
 from eagle3.stream.store import Store, content_key
-from eagle3.stream.worker import reachable_address
 
 Log = Callable[[str], None]
 SampleRef = Any  # a sample of the data set: its .id and .length (eagle3.train.data.SampleRef)
@@ -48,7 +47,7 @@ class StreamedFeatures(FeatureBackend):
         self.tokens, self.settings, self.device, self.log = tokens, settings, device, log
         self.aux_width, self.hidden = aux_width, hidden
         self.client = CoordinatorClient(stream)
-        self.store = Store(stream, reachable_address(stream.host, stream.coordinator_port))
+        self.store = Store.client(stream)
         self.queue: deque[Expected] = deque()  # this rank's coming micro-batches, in read order
         self.position = 0  # the order the next announced sample takes
 

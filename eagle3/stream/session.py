@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -29,14 +28,14 @@ from eagle3.fsutil import atomic_write_json
 from eagle3.procs import ProcessTree, cpu_threads, on_ssh_host, with_threads
 from eagle3.stream.coordinator import Coordinator, serve
 from eagle3.stream.ledger import Ledger
-from eagle3.stream.store import GIB, QUIET_CLIENT, Store, is_client_chatter, metadata_answers, start_master
+from eagle3.stream.store import (GIB, GLOG_LINE, QUIET_CLIENT, Store, is_client_chatter, metadata_answers,
+                                 start_master)
 
 Log = Callable[[str], None]
 WATCH_S = 0.5
 STREAM_DIR = "stream"
 LEDGER_FILE = "ledger.sqlite"
 SUMMARY_FILE = "summary.json"
-GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")  # Mooncake's (glog's) line prefix
 
 
 def ledger_path(run: RunSection) -> Path:

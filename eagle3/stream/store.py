@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -38,12 +39,21 @@ MASTER_START_S = 30.0
 # Mooncake logs every client's set-up and transfers at INFO; a worker's or trainer's log keeps its errors (its own
 # variable: glog's GLOG_minloglevel does not reach it)
 QUIET_CLIENT = {"MC_LOG_LEVEL": "ERROR"}
-GLOG_INFO = re.compile(r"^I\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")  # what glog prints before its level is read
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")  # Mooncake's (glog's) line prefix: level, date, time
 
 
 def is_client_chatter(line: str) -> bool:
-    """A Mooncake client's INFO line, or glog's note that it logs before its set-up: not worth a log line."""
-    return bool(GLOG_INFO.match(line)) or line.startswith("WARNING: Logging before InitGoogleLogging")
+    """A Mooncake client's INFO line (printed before its level is read), or glog's note that it logs before its
+    set-up: not worth a log line."""
+    return (line.startswith("I") and bool(GLOG_LINE.match(line))) or line.startswith(
+        "WARNING: Logging before InitGoogleLogging")
+
+
+def reachable_address(host: str, port: int) -> str:
+    """This machine's address on the route to host:port: what the store's other clients reach it by."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))  # UDP: picks the route, sends nothing
+        return probe.getsockname()[0]
 MISSING_LIBRARIES = ("Mooncake needs the system libraries libibverbs1, librdmacm1 and libnuma1 (Debian: apt-get install "
                      "libibverbs1 librdmacm1 libnuma1) and the PyPI package mooncake-transfer-engine-non-cuda (CPU) or "
                      "mooncake-transfer-engine (GPU node): pip install 'eagle3[stream]'")
@@ -84,6 +94,11 @@ class Store:
             raise Eagle3Error(f"cannot join the Mooncake store: setup returned {code} for master {self.master} "
                               f"(metadata {stream.metadata_url()}); is the master running and reachable from "
                               f"{local_host}? (training.stream.master, metadata_port)")
+
+    @classmethod
+    def client(cls, stream: StreamSection) -> Store:
+        """A worker's or trainer's client: no memory of its own, on its address toward the coordinator."""
+        return cls(stream, reachable_address(stream.host, stream.coordinator_port))
 
     @contextlib.contextmanager
     def open_client(self):

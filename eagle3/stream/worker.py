@@ -7,7 +7,6 @@ run's data set (a shared run directory, as multi-node training already reads it)
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from pathlib import Path
@@ -27,13 +26,6 @@ from eagle3.stream.ledger import Claim
 from eagle3.stream.store import Store, content_key, feature_settings
 
 IDLE_S = 0.05  # after a claim that found nothing (paused, or the trainers announced nothing yet)
-
-
-def reachable_address(host: str, port: int) -> str:
-    """This machine's address on the route to host:port: what the store's other clients reach it by."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))  # UDP: picks the route, sends nothing
-        return probe.getsockname()[0]
 
 
 class TokenRows:
@@ -60,7 +52,7 @@ class CaptureWorker:
         self.stream, self.name, self.rows, self.settings, self.backend, self.dist = (stream, name, rows, settings,
                                                                                      backend, dist)
         if dist.main:
-            self.store = Store(self.stream, reachable_address(self.stream.host, self.stream.coordinator_port))
+            self.store = Store.client(self.stream)
             self.client = CoordinatorClient(self.stream)
 
     def run(self) -> str:
