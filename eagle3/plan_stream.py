@@ -4,8 +4,7 @@ per token and sample, the samples its watermarks hold, the network each node nee
 
 from __future__ import annotations
 
-import math
-from typing import Callable, Protocol
+from typing import Callable
 
 from eagle3.config.data import DataSection
 from eagle3.config.run import TargetSection
@@ -13,14 +12,6 @@ from eagle3.config.training import TrainingSection
 from eagle3.data.shards import FEATURE_DTYPES
 from eagle3.data.storage import DTYPE_NAMES
 from eagle3.errors import ConfigError
-
-
-class ServerStage(Protocol):
-    """A stage of the time plan that starts servers one after another (eagle3.plan_time.StageTime)."""
-
-    name: str
-    servers: int
-    hours: float | None
 
 
 def choose_capture_nodes(nodes: int, asked: int | None, asked_by: str,
@@ -70,10 +61,10 @@ def streamed_parts(trainers: dict[str, float], captured: int, replica: int, node
 
 
 def stream_flow(data: DataSection, target: TargetSection, training: TrainingSection, nodes: tuple[int, int],
-                rate: tuple[int, float] | None, serial: list[ServerStage]) -> tuple[dict, list[str]]:
+                rate: tuple[int, float] | None) -> tuple[dict, list[str]]:
     """What streams through the store (exact, from the shapes and training.stream) and, at `rate` (tokens captured,
-    hours), the network each of the (all, capture) `nodes` needs (an estimate, from the hours); what the hours leave to
-    the runtime: the `serial` stages' server starts. As figures and lines."""
+    hours), the network each of the (all, capture) `nodes` needs (an estimate, from the hours). As figures and
+    lines."""
     stream = training.stream
     # the features alone: the token ids stay in the run's data set
     per_token = (len(data.aux_layers) + 1) * target.hidden_size * FEATURE_DTYPES[data.feature_dtype].itemsize
@@ -109,10 +100,4 @@ def stream_flow(data: DataSection, target: TargetSection, training: TrainingSect
                  "hidden state (return_hidden_states, as lists), and the workers take the aux states from its model "
                  "runner in a torchrun of their own; one start for both needs a server that puts them into the store "
                  "(read from SGLang 0.5.23's API, not measured)")
-    if total > 1 and serial and None not in (stage.hours for stage in serial):
-        spread = sum(math.ceil(stage.servers / total) * stage.hours / stage.servers for stage in serial)
-        starts = " and ".join(f"the {stage.name} stage's {stage.servers}" for stage in serial)
-        serial_h = sum(stage.hours for stage in serial)
-        lines.append(f"{starts} server starts run one after another on one node: {serial_h:.2f} h; spread over the "
-                     f"{total} nodes they would take {spread:.2f} h, which the runtime does not do")
     return figures, lines

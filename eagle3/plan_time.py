@@ -6,7 +6,8 @@ A first run generates every reply and trains training.max_steps from scratch. A 
 traffic prompts' (data.traffic), and warm-starts from production's draft for training.warm_steps (auto: the measured
 WARM_STEP_RATIO of max_steps, plus the evaluations patience waits). On N nodes the regeneration runs on every node's
 servers (data.nodes) and training spans the nodes (torchrun's c10d rendezvous) unless SGLang's runner computes the
-features online, which needs one node's world; the servers the benchmark and sweep start stay on one node. Streamed
+features online, which needs one node's world; the servers the benchmark and sweep start run on serving.nodes at once
+(eagle3/plan_serving.py), on serving.host alone without them. Streamed
 (training.features streamed), capture workers prefill on K of the nodes (whole replicas of serving.tp x serving.pp GPUs)
 and the trainers step on the other N - K, pipelined through the store: the train stage takes the slower of the two.
 
@@ -29,46 +30,21 @@ from eagle3.config.data import DataSection
 from eagle3.config.deployment import RegistrySection
 from eagle3.config.draft import DraftSection
 from eagle3.config.run import TargetSection
-from eagle3.config.serving import BenchmarkSection, ServingSection, SweepSection
+from eagle3.config.serving import ServingSection
 from eagle3.config.training import TrainingSection
 from eagle3.resolve import contender_configs
 from eagle3.data.regenerate import greedy_length, simulated_shapes
 from eagle3.data.suites import planned_requests
-from eagle3.plan_clock import Clock, Target
+from eagle3.plan_clock import Clock, Scenario, StageTime, Target, as_hours, unknown_stage
+from eagle3.plan_serving import Measuring, serving_lanes
 from eagle3.plan_stream import stream_flow, streamed_parts
 from eagle3.target.info import TargetSize, active_parameters, read_target_config
 from eagle3.train.memory import trainable_parameters
 
-HOUR = 3600.0
 # The steps a warm start on shifted traffic needs to come within 1 % of a from-scratch draft's held-out accept length,
 # as a share of training.max_steps: 0.33 on the tiny target and on SmolLM2 (benchmarks/warm_start_steps.py;
 # docs/production-loop.md, "What a retrain reuses").
 WARM_STEP_RATIO = 0.33
-
-
-@dataclass
-class StageTime:
-    name: str
-    parts: dict[str, float] = field(default_factory=dict)  # hours by component, each name saying what it counts
-    unknown: str | None = None
-    servers: int = 0  # server starts the stage runs one after another, each on the whole node
-
-    @property
-    def hours(self) -> float | None:
-        return None if self.unknown else round(sum(self.parts.values()), 2)
-
-
-@dataclass(frozen=True)
-class Scenario:
-    retrain: bool  # a retrain: the sample store's replies and a warm start; else a first run from scratch
-    nodes: int = 1
-    capture_nodes: int = 0  # streamed: nodes running capture workers only (0: the workers share the trainers' node)
-
-    def describe(self) -> str:
-        kind = "a retrain (warm start from production)" if self.retrain else "a first run (from scratch)"
-        split = (f" ({self.capture_nodes} capturing, {self.nodes - self.capture_nodes} training)"
-                 if self.capture_nodes else "")
-        return f"{kind} on {self.nodes} node(s){split}"
 
 
 @dataclass
@@ -81,7 +57,8 @@ class TimePlan:
     reused: list[str] = field(default_factory=list)  # what a retrain takes instead of making it again
     ceiling_h: float | None = None  # a retrain whose warm start (warm_steps auto) still gains at max_steps
     stream: dict = field(default_factory=dict)  # streamed: the store's bytes and the network, for --json
-    notes: list[str] = field(default_factory=list)  # streamed: the same in words, and what the hours leave out
+    notes: list[str] = field(default_factory=list)  # streamed: the same in words
+    servers: list[str] = field(default_factory=list)  # what serving.nodes would save (Measuring.spreading_note)
 
     @property
     def total_h(self) -> float | None:
@@ -96,6 +73,7 @@ class TimePlan:
         streamed = ({"capture_nodes": self.scenario.capture_nodes, "stream": self.stream, "stream_notes": self.notes}
                     if self.stream else {})
         return {"retrain": self.scenario.retrain, "nodes": self.scenario.nodes, **streamed,
+                **({"server_notes": self.servers} if self.servers else {}),
                 "assumptions": self.assumptions,
                 "figures": self.figures, "reused": self.reused, "total_h": self.total_h, "ceiling_h": self.ceiling_h,
                 "retrain_period_h": self.period_h, "fits_period": self.fits_period,
@@ -107,6 +85,7 @@ class TimePlan:
         lines += [f"  assumed: {line}" for line in self.assumptions] if assumptions else []
         lines += [f"  reused: {line}" for line in self.reused]
         lines += [f"  stream: {line}" for line in self.notes]
+        lines += [f"  servers: {line}" for line in self.servers]
         for stage in self.stages:
             if stage.unknown:
                 lines.append(f"{stage.name:<11} unknown: {stage.unknown}")
@@ -164,16 +143,17 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
     stages = [regenerate_time(config.data, config.serving, config.registry, clock, scenario, heldout),
               capture_time(config.data, config.serving, config.training, clock, heldout),
               train_time(config.training, config.data, config.serving, clock, params, passes[0], scenario)]
+    measuring = None
     if config.serving is not None and config.benchmark is not None:
-        stages += [serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario),
-                   sweep_time(config.sweep, config.benchmark, config.serving, clock,
-                              len(simulated_shapes(config.replay_shape, config.sweep)))]
+        measuring = Measuring(config.benchmark, config.serving, config.data, config.registry, config.sweep,
+                              len(simulated_shapes(config.replay_shape, config.sweep)))
+        stages += measuring.stages(clock, scenario, serving_lanes(config.serving, scenario.nodes))
     for name, contender in contender_configs(config).items():
         stages += contender_stages(name, contender, clock, scenario)
     if config.serving is not None and config.benchmark is not None:
         if config.production.mode == "managed":
             stages.append(StageTime("deploy", {"production restarted with the promoted draft: 1 server start":
-                                               _h(clock.loads_s(1))}))
+                                               as_hours(clock.loads_s(1))}))
     reused = [generated_samples(config.data, config.registry, scenario)[1]] if scenario.retrain else []
     plan = TimePlan(scenario, assumptions, figures, stages, node.retrain_period_h, reused)
     if scenario.retrain and config.training.warm_steps == "auto" and plan.total_h is not None:
@@ -184,8 +164,8 @@ def plan_time(config: PipelineConfig, size: TargetSize | None, size_note: str,
     if config.training.features == "streamed":
         plan.stream, plan.notes = stream_flow(config.data, config.target, config.training,
                                               (scenario.nodes, scenario.capture_nodes),
-                                              streamed_rate(config.training, config.data, clock, scenario, stages),
-                                              [stage for stage in stages if stage.servers > 1])
+                                              streamed_rate(config.training, config.data, clock, scenario, stages))
+    plan.servers = measuring.spreading_note(clock, scenario, stages) if measuring else []
     return plan
 
 
@@ -197,7 +177,7 @@ def streamed_rate(train: TrainingSection, data: DataSection, clock: Clock, scena
     if train_stage.hours is None or not scenario.capture_nodes:
         return None
     _, _, trained, _, evaluated = trained_tokens(train, data, scenario)
-    return trained + evaluated, train_stage.hours - _h(clock.loads_s(1))
+    return trained + evaluated, train_stage.hours - as_hours(clock.loads_s(1))
 
 
 def generated_samples(data: DataSection, registry: RegistrySection | None, scenario: Scenario) -> tuple[int, str]:
@@ -256,10 +236,9 @@ def contender_stages(name: str, config: PipelineConfig, clock: Clock, scenario: 
     stages = [replace(train_time(config.training, config.data, config.serving, clock, params, passes[0], scenario),
                       name=f"train {name}")]
     if config.serving is not None and config.benchmark is not None:
-        serve = serve_time(config.benchmark, config.serving, config.data, config.registry, clock, scenario,
-                           baseline=False)
-        sweep = sweep_time(config.sweep, config.benchmark, config.serving, clock,
-                           len(simulated_shapes(config.replay_shape, config.sweep)), baseline=False)
+        measuring = Measuring(config.benchmark, config.serving, config.data, config.registry, config.sweep,
+                              len(simulated_shapes(config.replay_shape, config.sweep)))
+        serve, sweep = measuring.stages(clock, scenario, serving_lanes(config.serving, scenario.nodes), False)
         stages += [replace(serve, name=f"serve {name}"), replace(sweep, name=f"sweep {name}")]
     return stages
 
@@ -286,14 +265,6 @@ def draft_train_flops(params: int, passes: float, tokens: int) -> float:
     return 6.0 * params * passes * tokens
 
 
-def _h(seconds: float) -> float:
-    return round(seconds / HOUR, 3)
-
-
-def _unknown(name: str) -> StageTime:
-    return StageTime(name, unknown="the target's shape is unknown (the target line above says why)")
-
-
 def target_gpus(serving: ServingSection | None, engine: str) -> int:
     """The GPUs of one replica of the target: serving.tp x serving.pp for an engine, 1 for the local one."""
     return serving.tp * serving.pp if engine != "local" and serving is not None else 1
@@ -304,7 +275,7 @@ def regenerate_time(data: DataSection, serving: ServingSection | None, registry:
     """The answers the run generates at data.max_new_tokens, then the held-out prompts' greedy continuations; served,
     spread over the nodes' servers (data.nodes), each with data.concurrency in flight."""
     if clock.target is None:
-        return _unknown("regenerate")
+        return unknown_stage("regenerate")
     if data.import_path is not None:
         return StageTime("regenerate", {"data.import_path: nothing generated": 0.0})
     gpus, served = target_gpus(serving, data.generator), data.generator != "local"
@@ -318,27 +289,27 @@ def regenerate_time(data: DataSection, serving: ServingSection | None, registry:
     starts = f"1 server start{' on each node, at once' if nodes > 1 else ''}"
     return StageTime("regenerate", {
         f"{starts}{' (data.servers, started outside the pipeline)' if served and nodes == 1 and not data.nodes else ''}":
-            _h(clock.loads_s(1)),
+            as_hours(clock.loads_s(1)),
         f"prompts: {samples:,} generated x {prompt:,} tokens (data.max_length - max_new_tokens), prefill on {gpus} "
-        f"GPU(s) {where}": _h(clock.prefill_s(samples * prompt / nodes, gpus)),
+        f"GPU(s) {where}": as_hours(clock.prefill_s(samples * prompt / nodes, gpus)),
         f"decode: {samples:,} x data.max_new_tokens {data.max_new_tokens:,} + {heldout.requests} benchmark requests x "
         f"{heldout.greedy} "
-        f"tokens, {where}, {bound}": _h(decode_s)})
+        f"tokens, {where}, {bound}": as_hours(decode_s)})
 
 
 def capture_time(data: DataSection, serving: ServingSection | None, training: TrainingSection, clock: Clock,
                  heldout: Heldout) -> StageTime:
     """The target's forward over what is captured: the held-out sequences, and offline every sample."""
     if clock.target is None:
-        return _unknown("capture")
+        return unknown_stage("capture")
     gpus = target_gpus(serving, data.feature_backend)
     sequences = heldout.tokens(data)
     samples = 0 if training.tokens_only else data.num_samples * data.max_length
     what = (f"held-out sequences only (training.features {training.features})" if not samples else
             f"data.num_samples {data.num_samples:,} x data.max_length {data.max_length:,} + the held-out sequences")
-    return StageTime("capture", {"1 engine start": _h(clock.loads_s(1)),
+    return StageTime("capture", {"1 engine start": as_hours(clock.loads_s(1)),
                                  f"prefill: {what}, {samples + sequences:,} tokens on {gpus} GPU(s)":
-                                 _h(clock.prefill_s(samples + sequences, gpus))})
+                                 as_hours(clock.prefill_s(samples + sequences, gpus))})
 
 
 def trained_tokens(train: TrainingSection, data: DataSection, scenario: Scenario) -> tuple[int, str, int, int, int]:
@@ -358,74 +329,23 @@ def train_time(train: TrainingSection, data: DataSection, serving: ServingSectio
     nodes, where = training_nodes(train, data, scenario)
     world = train.nproc_per_node * nodes
     parts = {f"draft: {steps_from} x batch_size {train.batch_size} x seq_len {train.seq_len:,} = {tokens / 1e9:.2f} B "
-             f"tokens on {world} GPU(s), {where}": _h(clock.flops_s(draft_train_flops(params, passes, tokens), world,
+             f"tokens on {world} GPU(s), {where}": as_hours(clock.flops_s(draft_train_flops(params, passes, tokens), world,
                                                                    node.mfu.train)),
              f"evaluation: {evaluations} x {eval_tokens // max(evaluations, 1):,} tokens (training.eval_every, "
-             "eval_fraction), forward only": _h(clock.flops_s(2.0 * params * passes * eval_tokens, world,
+             "eval_fraction), forward only": as_hours(clock.flops_s(2.0 * params * passes * eval_tokens, world,
                                                                 node.mfu.train))}
     if train.features == "online":
         if clock.target is None:
-            return _unknown("train")
-        parts["target's features online: 1 engine start"] = _h(clock.loads_s(1))
-        parts[f"target's features online: prefill of the {(tokens + eval_tokens) / 1e9:.2f} B tokens"] = _h(
+            return unknown_stage("train")
+        parts["target's features online: 1 engine start"] = as_hours(clock.loads_s(1))
+        parts[f"target's features online: prefill of the {(tokens + eval_tokens) / 1e9:.2f} B tokens"] = as_hours(
             clock.prefill_s(tokens + eval_tokens, world))
     if train.features == "streamed":
         if clock.target is None:
-            return _unknown("train")
+            return unknown_stage("train")
         captured = tokens + eval_tokens
         streamed = streamed_parts(parts, captured, target_gpus(serving, "sglang"), train.nproc_per_node,
-                                  scenario.capture_nodes, lambda gpus: _h(clock.prefill_s(captured, gpus)),
-                                  _h(clock.loads_s(1)))
+                                  scenario.capture_nodes, lambda gpus: as_hours(clock.prefill_s(captured, gpus)),
+                                  as_hours(clock.loads_s(1)))
         return StageTime("train", unknown=streamed) if isinstance(streamed, str) else StageTime("train", streamed)
     return StageTime("train", parts)
-
-
-def benchmark_s(b: BenchmarkSection, serving: ServingSection, clock: Clock, prompts: int,
-                levels: list[int]) -> tuple[float, str]:
-    """One no-draft measurement at each concurrency level (a draft only shortens it): seconds, and the last bound."""
-    gpus = serving.tp * serving.pp
-    total, bound = 0.0, ""
-    for level in levels:
-        in_flight = min(level, prompts)
-        seconds, bound = clock.decode(prompts * b.max_new_tokens, in_flight, b.max_new_tokens / 2, gpus)
-        total += seconds
-    return total, bound
-
-
-def serve_time(b: BenchmarkSection, serving: ServingSection, data: DataSection, registry: RegistrySection | None,
-               clock: Clock, scenario: Scenario, baseline: bool = True) -> StageTime:
-    """The candidate (and the no-draft baseline and production on new prompts, unless another draft of the run
-    measured them) measured at the production concurrency, one server start each."""
-    if clock.target is None:
-        return _unknown("serve")
-    # production is re-measured on this run's prompts when they differ from its own: new traffic prompts
-    remeasured = scenario.retrain and data.traffic is not None and registry is not None and baseline
-    roles = (["candidate"] + ["benchmark.baseline"] * (b.baseline and baseline)
-             + ["production on data.traffic prompts"] * remeasured)
-    starts = len(roles)
-    seconds, bound = benchmark_s(b, serving, clock, b.num_prompts, [b.production_concurrency])
-    return StageTime("serve", {f"{starts} server start(s) ({', '.join(roles)})": _h(clock.loads_s(starts)),
-                               f"benchmark.num_prompts {b.num_prompts} x max_new_tokens {b.max_new_tokens} at "
-                               f"concurrency {b.production_concurrency}, each, {bound}": _h(starts * seconds)},
-                     servers=starts)
-
-
-def sweep_time(sweep: SweepSection, b: BenchmarkSection, serving: ServingSection, clock: Clock, shapes: int,
-               baseline: bool = True) -> StageTime:
-    """The no-draft server (unless another draft of the run's sweep measured it) then each of the `shapes` drafting
-    shapes the simulator replays, a server start each at every benchmark.concurrency level; a shape that would end past
-    sweep.budget_s is skipped (the first is always measured), as eagle3.deployment.sweep does."""
-    if not sweep.enabled:
-        return StageTime("sweep", {"sweep.enabled false": 0.0})
-    if clock.target is None:
-        return _unknown("sweep")
-    prompts = min(sweep.num_prompts or b.num_prompts, b.num_prompts)
-    measure, bound = benchmark_s(b, serving, clock, prompts, b.concurrency)
-    point = clock.loads_s(1) + measure
-    measured = max(1, min(shapes, int(sweep.budget_s // point) - 1))
-    servers = baseline + measured
-    return StageTime("sweep", {
-        f"{servers} server starts: {'no draft + ' * baseline}{measured} of {shapes} shape(s) within sweep.budget_s "
-        f"{sweep.budget_s:g}": _h(servers * clock.loads_s(1)),
-        f"{prompts} prompts x benchmark.max_new_tokens {b.max_new_tokens} at concurrency {b.concurrency}, each, "
-        f"{bound}": _h(servers * measure)}, servers=servers)

@@ -48,7 +48,7 @@ def sweep_serving(config: PipelineConfig, candidate: Candidate, production: str 
     # its shape not chosen yet: acceptance alone
     acceptance = gate_decision(config.benchmark, config.gate, config.run, registry, production, candidate)
     result = choose_serving(config, candidate.export, candidate.served, acceptance, record_path(config, "sweep"), log,
-                            earlier.sweep_baseline if earlier else None)
+                            earlier.sweep_baselines if earlier else None)
     if result["points"] is not None:
         chosen = result["chosen"]
         create_markdown_artifact(key="sweep", markdown=sweep_report(result),
@@ -62,7 +62,7 @@ def sweep_serving(config: PipelineConfig, candidate: Candidate, production: str 
     create_markdown_artifact(key="suites", markdown=suites_report(columns),
                              description="accept length per suite and drafting shape: simulated, served, sweep, "
                              "production")
-    return replace(candidate, chosen=result["chosen"], sweep_baseline=result.get("baseline"))
+    return replace(candidate, chosen=result["chosen"], sweep_baselines=result.get("baselines"))
 
 
 @task(name="choose-draft", cache_policy=NO_CACHE)

@@ -15,7 +15,8 @@ from eagle3.data.regenerate import read_samples
 from eagle3.runtime.generators import EngineError, make_generator
 from eagle3.errors import ConfigError, Eagle3Error
 from eagle3.procs import LaunchError, process_table
-from eagle3.serve.data_nodes import check_engines, node_endpoints, node_spec, on_nodes
+from eagle3.serve.data_nodes import check_engines, node_endpoints, on_nodes
+from eagle3.serve.nodes import node_spec
 from eagle3.serving.base import launch_spec
 from eagle3.stages.table import STAGES, StageRun
 from helpers import TINY, micro_overrides

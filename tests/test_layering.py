@@ -31,7 +31,7 @@ LAYERS = (
     ("eagle3.registry",),
     ("eagle3.runs",),
     ("eagle3.deployment",),
-    ("eagle3.export", "eagle3.init_draft", "eagle3.stages", "eagle3.plan", "eagle3.plan_time",
+    ("eagle3.export", "eagle3.init_draft", "eagle3.stages", "eagle3.plan", "eagle3.plan_time", "eagle3.plan_serving",
      "eagle3.plan_stream", "eagle3.plan_clock", "eagle3.report"),
     ("eagle3.cli",),
     ("tasks",),  # Prefect tasks wrap library calls

@@ -344,13 +344,28 @@ def test_a_streamed_kimi_run_splits_four_nodes_and_its_trainers_hold_no_target(c
     assert stream["high_watermark_samples"] == 400 * 2**30 // (57_344 * 4096) == 1828
     assert stream["capture_node_egress_gb_per_s"] == stream["trainer_node_ingress_gb_per_s"] == pytest.approx(
         stream["store_gb_per_s"] / 2, abs=0.01)
-    # four nodes against the online config's one-node training: first run 22.86 -> 12.12 h, retrain 8.90 -> 4.55 h;
-    # what is left over 4 h is the serve and sweep servers, one after another on one node (the runtime's way)
-    assert first["total_h"] < 12.5 and retrain["total_h"] < 4.6
+    # four nodes against the online config's one-node training: first run 22.86 -> 11.40 h, retrain 8.90 -> 3.64 h
+    # (the issue's goals: 12 h and 4 h), the serve and sweep stages measuring on the four nodes at once
+    assert first["total_h"] <= 12 and retrain["total_h"] <= 4
     assert stage_hours(retrain)["train"] < 2 < stage_hours(kimi_hours(retrain=True, nodes=4))["train"] / 3
-    spread = next(note for note in retrain["stream_notes"] if "one after another on one node" in note)
-    serial = stage_hours(retrain)["serve"] + stage_hours(retrain)["sweep"]
-    assert retrain["total_h"] - serial + float(spread.split("would take ")[1].split(" h")[0]) <= 4
+
+
+def test_measuring_servers_on_several_nodes_take_fewer_starts_one_after_another(capsys):
+    spread = streamed_hours(STREAMED, 4)[True]
+    serial = plan_memory(load_config(STREAMED, ["serving.nodes=[]"]), 4).retrain.to_dict()
+    parts = {name: {part for part in stage["parts"]} for name, stage in
+             (("spread", spread["stages"]), ("serial", serial["stages"])) for stage in stage if stage["name"] == "sweep"}
+    assert any(p.startswith("10 server starts on 4 nodes at once (serving.nodes), 3 one after another") for p in parts["spread"])
+    assert any(p.startswith("7 server starts: no draft + 6 of 6") for p in parts["serial"])
+    serve = next(stage for stage in spread["stages"] if stage["name"] == "serve")
+    assert any("production on data.traffic prompts beside them on a second node" in p for p in serve["parts"])
+    # without serving.nodes the plan says what they would save, in the figures it plans with them
+    [note] = serial["server_notes"]
+    assert note.startswith("the serve and sweep stages' 10 server starts run one after another on serving.host: 1.83 h")
+    assert note.endswith(f"serving.nodes listing 4 nodes measures on them at once: "
+                         f"{stage_hours(spread)['serve'] + stage_hours(spread)['sweep']:.2f} h")
+    assert serial["total_h"] - spread["total_h"] == pytest.approx(1.83 - float(note.split()[-2]), abs=0.02)
+    assert "server_notes" not in spread and "server_notes" not in streamed_hours(STREAMED, 1)[True]
 
 
 def test_the_plan_chooses_the_capture_nodes_or_takes_them_and_refuses_a_split_without_trainers(capsys):

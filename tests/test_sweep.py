@@ -1,18 +1,23 @@
 """The serving sweep on the micro target: real reference servers on 127.0.0.1, one start per drafting shape, every
 concurrency level against the no-draft server; the fastest shape is chosen, the budget skips what would run past
-it, and a version records how production serves it."""
+it, and a version records how production serves it. With serving.nodes (two "nodes": two ports here) the sweep and
+the serve stage's servers run on both at once, each speedup against its own node's no-draft server."""
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from drafts import write_draft
 from eagle3.resolve import load_config
 from eagle3.deployment.production import Production
-from eagle3.deployment.promotion import PROMPTS_LAYOUT, benchmark_prompts_file, prompt_set_fields
+from eagle3.deployment.promotion import PROMPTS_LAYOUT, benchmark_prompts_file, measure_candidate, prompt_set_fields
 from eagle3.deployment.sweep import run_sweep
 from eagle3.stages.table import record_path
+from eagle3.errors import ConfigError
 from eagle3.registry.registry import metrics_of, open_registry
+from eagle3.serving.base import launch_spec
 from helpers import MICRO_DRAFT, RELEASE, TINY, micro_overrides, write_heldout
 from ports import free_port
 
@@ -78,3 +83,98 @@ def test_production_serves_and_remeasures_a_version_as_it_was_chosen(sweep_confi
     assert prod.check("v1", {"accept_length": 1.88}, 0.05) is None
     assert "SHORTFALL" in prod.check("v1", {"accept_length": 1.7}, 0.05)
     assert metrics_of(registry.manifest("v1")).speedup == 1.5
+
+
+# ---------------------------------------------------------------------------------------------
+# On several nodes at once (serving.nodes)
+
+
+def two_nodes(make, *overrides):
+    ports = [free_port(), free_port()]
+    return make(f"serving.nodes={json.dumps([f'127.0.0.1:{port}' for port in ports])}", "run.cpu_threads=1",
+                *overrides), [f"127.0.0.1:{port}" for port in ports]
+
+
+def ran_at_once(lines: list[str], first: str, second: str) -> bool:
+    """A server on `second` was healthy before the first one on `first` stopped."""
+    def at(endpoint: str, what: str) -> int:
+        return next(i for i, line in enumerate(lines) if f"http://{endpoint}," in line and what in line)
+    return at(second, "] healthy after") < at(first, "] stopping process group")
+
+
+def test_a_sweep_on_two_nodes_measures_each_shape_once_against_its_own_nodes_no_draft_server(sweep_config):
+    make, draft = sweep_config
+    config, nodes = two_nodes(make, "sweep.points=[[2, 2, 4], [1, 1, 2]]")
+    lines = []
+    result = run_sweep(config, draft, record_path(config, "sweep"), log=lines.append)
+    assert [p["label"] for p in result["points"]] == [  # the sweep's order, whichever node measured each
+        "steps 3, topk 1, draft tokens 4", "steps 2, topk 2, draft tokens 4", "steps 1, topk 1, draft tokens 2"]
+    assert sorted(result["baselines"]) == sorted(nodes) and result["failed_nodes"] == {}
+    assert {p["node"] for p in result["points"]} <= set(nodes)
+    for point in result["points"]:
+        own = [level["output_tokens_per_s"] for level in result["baselines"][point["node"]]["levels"]]
+        assert [row["baseline_output_tokens_per_s"] for row in point["levels"]] == own
+    chosen = max(result["points"], key=lambda p: p["levels"][0]["speedup"])
+    assert result["chosen"]["label"] == chosen["label"] and result["chosen"]["speedup"] == chosen["levels"][0]["speedup"]
+    assert sum("sweep baseline (no draft) reference endpoint" in line and "] healthy" in line for line in lines) == 2
+    assert ran_at_once(lines, *nodes) or ran_at_once(lines, *reversed(nodes))
+    # a contender's sweep takes both nodes' no-draft servers, starting none
+    again = []
+    run_sweep(config, draft, record_path(config, "sweep"), again.append, result["baselines"])
+    assert not any("sweep baseline (no draft) reference endpoint" in line for line in again)
+    assert sum("as measured for the run's first draft" in line for line in again) == 2
+
+
+class AnswersEverything(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        return  # keep the test's output clean
+
+
+def test_a_node_whose_no_draft_server_fails_measures_nothing_and_the_other_measures_every_shape(sweep_config):
+    make, draft = sweep_config
+    config, (good, held) = two_nodes(make)
+    squatter = ThreadingHTTPServer(("127.0.0.1", int(held.split(":")[1])), AnswersEverything)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        result = run_sweep(config, draft, record_path(config, "sweep"), log=lambda line: None)
+    finally:
+        squatter.shutdown()
+    assert list(result["baselines"]) == [good] and [p["node"] for p in result["points"]] == [good, good]
+    assert "already answers before this server started" in result["failed_nodes"][held]
+
+
+def test_the_serve_stage_measures_production_on_the_second_node_beside_the_candidate(sweep_config, tmp_path):
+    make, draft = sweep_config
+    config, (first, second) = two_nodes(make)
+    registry = open_registry(config.registry, log=lambda line: None)
+    registry.publish("v1", {"sglang": draft}, {"benchmark": {"sha256": "another prompt set"}})
+    registry.promote("v1", None, ["test"], by="test")
+    lines = []
+    served = measure_candidate(launch_spec(config), config.benchmark, config.data, config.run, config.registry, draft,
+                               tmp_path / "served.json", lines.append)
+    production = served["production_on_run_prompts"]
+    assert production["version"] == "v1" and production["lost_requests"] == 0 and production["accept_length"] > 1
+    assert served["baseline"]["url"] == f"http://{first}" and served["url"] == f"http://{first}"
+    assert served["speedup"] == served["output_tokens_per_s"] / served["baseline"]["output_tokens_per_s"]
+    assert any(f"production v1 on this run's prompts reference endpoint http://{second}," in line for line in lines)
+    assert ran_at_once(lines, first, second)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["serving.nodes=['127.0.0.1', '127.0.0.1:30000']"], "names an endpoint twice once serving.port 30000 fills in"),
+    (["serving.nodes=['node-1:x']"], "serving.nodes entry 'node-1:x' is not host or host:port"),
+    (["serving.nodes=[node-2]"], r"serving.nodes \['node-2'\] name other hosts than serving.host 127.0.0.1, where "
+                                 "serving.launcher local cannot start a server"),
+])
+def test_serving_nodes_that_cannot_be_started_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+def test_serving_nodes_elsewhere_are_reached_through_the_ssh_launcher():
+    serving = load_config(TINY, ["serving.nodes=[node-1, 'node-2:31000']", "serving.launcher=ssh"]).serving
+    assert serving.endpoints == [("node-1", 30000), ("node-2", 31000)]

@@ -158,13 +158,13 @@ def nodes_problem(generator: str, servers: list[str], nodes: list[str]) -> str |
     return None
 
 
-def split_node(node: str) -> tuple[str, int | None]:
-    """A data.nodes entry: 'host' -> (host, None), 'host:port' -> (host, port)."""
+def split_node(node: str, field: str = "data.nodes") -> tuple[str, int | None]:
+    """An entry of a list of nodes (`field`): 'host' -> (host, None), 'host:port' -> (host, port)."""
     host, colon, port = node.rpartition(":")
     if not colon:
         host, port = node, None
     if not host or (port is not None and not (port.isdigit() and 0 < int(port) < 65536)):
-        raise ValueError(f"data.nodes entry {node!r} is not host or host:port; write it like node-1 or node-1:30001")
+        raise ValueError(f"{field} entry {node!r} is not host or host:port; write it like node-1 or node-1:30001")
     return host, None if port is None else int(port)
 
 

@@ -10,6 +10,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import Field, field_validator, model_validator
 
 from eagle3.config.base import Section, SshArgs
+from eagle3.config.data import split_node
 from eagle3.config.suites import HELDOUT, SuiteSection, distinct_names, suites_from
 from eagle3.contract.problems import ProblemCode
 from eagle3.shape import DEFAULT_NUM_STEPS, DraftShape, shape_problem
@@ -43,6 +44,12 @@ class ServingSection(Section):
     launcher: Literal["local", "ssh", "srun"] = "local"
     host: str = "127.0.0.1"
     port: int = Field(default=30000, gt=0, lt=65536)
+    nodes: list[str] = Field(
+        default=[], description="the nodes the serve and sweep stages' servers spread over, one server on each at a "
+        "time, each entry 'host' or 'host:port' (port: serving.port): the candidate and its no-draft baseline on the "
+        "first, production's re-measurement on the second, the sweep's no-draft server on every node and each shape "
+        "on the next node free, its speedup against its own node's no-draft server. Empty: serving.host alone "
+        "(docs/gpu-node.md)")
     tp: int = Field(default=1, ge=1)
     pp: int = Field(default=1, ge=1, description="pipeline-parallel stages of one replica of the target, each on "
                     "serving.tp GPUs (a target too big for one node: TP8 x PP2 spans two 8-GPU nodes). `eagle3 plan` "
@@ -73,6 +80,28 @@ class ServingSection(Section):
         except InvalidVersion:
             raise ValueError(f"'{value}' is not a release number; write it like 0.5.13") from None
         return value
+
+    @model_validator(mode="after")
+    def _nodes(self) -> ServingSection:
+        endpoints = self.endpoints
+        if len(set(endpoints)) < len(endpoints):
+            raise ValueError(f"serving.nodes {self.nodes} names an endpoint twice once serving.port {self.port} fills "
+                             "in the missing ports: give each server its own host or port")
+        here = {self.host, "127.0.0.1", "localhost"}
+        elsewhere = [node for node, (host, _) in zip(self.nodes, endpoints) if host not in here]
+        if self.launcher == "local" and elsewhere:
+            raise ValueError(f"serving.nodes {elsewhere} name other hosts than serving.host {self.host}, where "
+                             "serving.launcher local cannot start a server: set launcher ssh or srun, or give ports "
+                             f"on this host ({self.host}:30001)")
+        return self
+
+    @property
+    def endpoints(self) -> list[tuple[str, int]]:
+        """(host, port) of each server the serve and sweep stages may start at once: serving.nodes', else serving's
+        own."""
+        if not self.nodes:
+            return [(self.host, self.port)]
+        return [(host, port or self.port) for host, port in (split_node(node, "serving.nodes") for node in self.nodes)]
 
     @model_validator(mode="after")
     def _drafting_shape(self) -> ServingSection:

@@ -2,7 +2,8 @@
 will serve it, turn the measurements into the gate's inputs, and describe a candidate version for the registry.
 
 On the GPU node one model fits at a time (docs/gpu-node.md): the no-draft baseline server and the candidate server run
-one after the other, each stopped (and the GPUs' memory awaited) before the next starts.
+one after the other on one node, each stopped (and the GPUs' memory awaited) before the next starts; with
+serving.nodes another node measures production beside them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +39,7 @@ from eagle3.registry.registry import (decide_against_production, open_registry, 
                                       version_run_dir)
 from eagle3.runs import prune_runs, retrain_dir, runs_base
 from eagle3.serve.launch import launch_and_validate
+from eagle3.serve.nodes import in_lanes, measuring_specs
 from eagle3.serving import serving_engine
 from eagle3.serving.base import LaunchSpec, ServingEngine
 from eagle3.train.trainer import best_draft
@@ -56,7 +59,7 @@ class Candidate:
     simulated: dict
     served: dict
     chosen: dict | None = None
-    sweep_baseline: dict | None = None  # the sweep's no-draft server ({"levels", "wall_s"}), for another draft's sweep
+    sweep_baselines: dict | None = None  # the sweep's no-draft servers by node ({"levels", "wall_s"}), for another draft
 
 def benchmark_prompts_file(benchmark: BenchmarkSection, run: RunSection) -> Path:
     """The run's benchmark requests (every configured suite's, as the data stage made them: ids, suite, slice) as a
@@ -146,34 +149,52 @@ def measure_candidate(spec: LaunchSpec, benchmark: BenchmarkSection, data: DataS
     """The candidate's served result (written to `out`), with a no-draft baseline's throughput and the
     speedup when `benchmark.baseline` is set. `baseline` and `production`: the no-draft server and production's draft
     measured on these requests already (by another draft of the run: its result's `baseline` and
-    `production_on_run_prompts`), taken instead of a server start each."""
+    `production_on_run_prompts`), taken instead of a server start each. The no-draft server and the candidate run on
+    the first node (serving.nodes): the speedup divides by a server of the candidate's node; production's
+    re-measurement runs on the second beside them, or after them on one node."""
     prompts_file = benchmark_prompts_file(benchmark, run)
     prompts = prompt_ids_in(data, spec.target, prompts_file)
-    if baseline is None and benchmark.baseline:
-        measured = measure_server(spec, benchmark, None, prompts, log, role="baseline (no draft)")
-        if not measured["lost_requests"]:
-            baseline = {k: measured[k] for k in ("url", "wall_s", "output_tokens_per_s", "latency_s")}
-    elif baseline is not None:
-        log(f"baseline (no draft): {baseline['output_tokens_per_s']:.1f} output tokens/s, as measured for the run's "
-            "first draft on these requests")
-    result = measure_server(spec, benchmark, draft, prompts, log, role="candidate")
-    if baseline is not None and not result["lost_requests"]:
-        result.update(baseline=baseline, speedup=result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
+    nodes = measuring_specs(spec)
+    lane = [partial(measure_baseline, nodes[0], benchmark, prompts, log, baseline),
+            partial(measure_server, nodes[0], benchmark, draft, prompts, log, role="candidate")]
     if production is not None:
         log(f"production on the run's prompts: accept length {production['accept_length']}, as measured for the run's "
             "first draft on these requests")
+        lanes = [lane]
+    elif (stale := production_to_remeasure(run, registry_section, prompts_file, log)) is None:
+        lanes = [lane]
     else:
-        production = production_on_run_prompts(spec, benchmark, run, registry_section, prompts_file, prompts, log)
+        on_production = partial(measure_production, nodes[-1], benchmark, *stale, prompts, log)
+        lanes = [lane, [on_production]] if len(nodes) > 1 else [[*lane, on_production]]
+    measured = [result for done in in_lanes(lanes) for result in done]
+    baseline, result = measured[:2]
+    production = production or (measured[2] if len(measured) > 2 else None)
+    if baseline is not None and not result["lost_requests"]:
+        result.update(baseline=baseline, speedup=result["output_tokens_per_s"] / baseline["output_tokens_per_s"])
     if production is not None:
         result["production_on_run_prompts"] = production
     atomic_write_json(out, result)
     return result
 
 
-def production_on_run_prompts(spec: LaunchSpec, benchmark: BenchmarkSection, run: RunSection,
-                              registry_section: RegistrySection | None, prompts_file: Path, prompts: list[list[int]],
-                              log: Log) -> dict | None:
-    """Production's draft measured on this run's benchmark prompts, when its recorded figures come from other prompts
+def measure_baseline(spec: LaunchSpec, benchmark: BenchmarkSection, prompts: list[SlicedPrompt], log: Log,
+                     earlier: dict | None) -> dict | None:
+    """The no-draft server's throughput on `prompts` (`earlier`: as another draft of the run measured it), or None
+    when benchmark.baseline is off or it lost requests."""
+    if earlier is not None:
+        log(f"baseline (no draft): {earlier['output_tokens_per_s']:.1f} output tokens/s, as measured for the run's "
+            "first draft on these requests")
+        return earlier
+    if not benchmark.baseline:
+        return None
+    measured = measure_server(spec, benchmark, None, prompts, log, role="baseline (no draft)")
+    return None if measured["lost_requests"] else {k: measured[k] for k in ("url", "wall_s", "output_tokens_per_s",
+                                                                            "latency_s")}
+
+
+def production_to_remeasure(run: RunSection, registry_section: RegistrySection | None, prompts_file: Path,
+                            log: Log) -> tuple[str, Path] | None:
+    """Production's version and its draft (fetched) when its recorded figures come from other prompts than this run's
     (a retrain whose prompts include new traffic): the gate then compares the candidate with production on the same
     prompts. None when production was measured on these very prompts, or there is none."""
     if registry_section is None:
@@ -187,7 +208,13 @@ def production_on_run_prompts(spec: LaunchSpec, benchmark: BenchmarkSection, run
         return None
     log(f"production {version} was measured on other prompts than this run's: measuring it on this run's, so the gate "
         "compares like with like")
-    draft = registry.fetch(version, "sglang", run.stage_dir("bench") / "production-draft" / version, overwrite=True)
+    return version, registry.fetch(version, "sglang", run.stage_dir("bench") / "production-draft" / version,
+                                   overwrite=True)
+
+
+def measure_production(spec: LaunchSpec, benchmark: BenchmarkSection, version: str, draft: Path,
+                       prompts: list[SlicedPrompt], log: Log) -> dict:
+    """Production's draft (`version`, fetched to `draft`) measured on this run's benchmark prompts."""
     result = measure_server(spec, benchmark, draft, prompts, log, role=f"production {version} on this run's prompts")
     return {"version": version, **{k: result.get(k) for k in ("accept_length", "accept_rate", "lost_requests", "suites",
                                                               "output_tokens_per_s")}}

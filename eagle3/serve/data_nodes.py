@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
@@ -23,6 +22,7 @@ from eagle3.resolve import derived
 from eagle3.runtime.generators import ServerClient, make_generator
 from eagle3.errors import Eagle3Error
 from eagle3.serve.launch import Server, server_for
+from eagle3.serve.nodes import node_spec
 from eagle3.serving import serving_engine
 from eagle3.serving.base import LaunchSpec, launch_spec
 
@@ -47,15 +47,6 @@ def check_engines(data: DataSection, serving: ServingSection | None) -> None:
     if not isinstance(started, type(client)):
         raise Eagle3Error(f"data.nodes would start {started.title} (serving.engine {started.name}), which does not "
                           f"speak the API of data.generator {client.name}: set data.generator to the engine it serves")
-
-
-def node_spec(spec: LaunchSpec, host: str, port: int) -> LaunchSpec:
-    """`spec` serving from host:port, reached by serving.launcher: ssh to that host, or an srun step on that node."""
-    s = spec.serving
-    on_the_node = ["--nodes=1", "--ntasks=1", f"--nodelist={host}"] if s.launcher == "srun" else []
-    serving = ServingSection.model_validate({**s.model_dump(), "host": host, "port": port, "ssh_host": None,
-                                             "srun_args": [*s.srun_args, *on_the_node]})
-    return replace(spec, serving=serving)
 
 
 def served_target(path: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import shlex
 import subprocess
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -32,6 +33,7 @@ from eagle3.serving.sglang import SGLANG
 from eagle3.warm import ForkedProcess, fork_module
 
 LOG_TAIL_LINES = 40
+CONVERTING = threading.Lock()  # one draft converted at a time (served_form)
 
 
 class Server:
@@ -176,7 +178,8 @@ def served_form(spec: LaunchSpec, target, draft: Path, entry: DraftAlgorithm, en
     out = spec.served_dir / f"{draft.name}-{engine.served_layout}-{key}"
     written_for = export_target(spec.target, spec.serving, target_verifier(Path(target), spec.target.weight_prefix))
     log(f"{engine.title} loads the {engine.served_layout} layout: converting {draft} -> {out}")
-    return entry.export(draft, out, engine.served_layout, written_for, log)
+    with CONVERTING:  # servers started at once on several nodes (serving.nodes) would write one directory together
+        return entry.export(draft, out, engine.served_layout, written_for, log)
 
 
 def launch_and_validate(spec: LaunchSpec, target, draft, log: Callable[[str], None] = print,
