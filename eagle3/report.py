@@ -161,10 +161,12 @@ def sweep_report(result: dict) -> str:
     picture = markdown_image(figure([bars("output tokens/s", groups, speed), bars("accept length", groups, accept)]),
                              "sweep: output tokens/s and accept length per drafting shape")
     chosen = result["chosen"]
-    rows = [[p["label"], row["concurrency"], row["accept_length"], row["accept_rate"], row["output_tokens_per_s"],
-             row["baseline_output_tokens_per_s"], row["speedup"], row["lost_requests"]]
-            for p in result["points"] for row in p["levels"]]
+    several = len(result.get("baselines") or {}) > 1  # serving.nodes: each row against its own node's no-draft server
+    rows = [[p["label"] + (f" on {p['node']}" if several else ""), row["concurrency"], row["accept_length"],
+             row["accept_rate"], row["output_tokens_per_s"], row["baseline_output_tokens_per_s"], row["speedup"],
+             row["lost_requests"]] for p in result["points"] for row in p["levels"]]
     failed = [f"- {p['label']}: {p['error']}" for p in result["points"] if p["error"]]
+    failed += [f"- {node}: {why}" for node, why in (result.get("failed_nodes") or {}).items()]
     skipped = [f"- steps {s['num_steps']}, topk {s['eagle_topk']}, draft tokens {s['num_draft_tokens']}"
                for s in result["skipped"]]
     parts = ["# Serving sweep", picture,

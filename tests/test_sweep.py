@@ -16,6 +16,7 @@ from eagle3.deployment.promotion import PROMPTS_LAYOUT, benchmark_prompts_file, 
 from eagle3.deployment.sweep import run_sweep
 from eagle3.stages.table import record_path
 from eagle3.errors import ConfigError
+from eagle3.report import sweep_report
 from eagle3.registry.registry import metrics_of, open_registry
 from eagle3.serving.base import launch_spec
 from helpers import MICRO_DRAFT, RELEASE, TINY, micro_overrides, write_heldout
@@ -118,6 +119,7 @@ def test_a_sweep_on_two_nodes_measures_each_shape_once_against_its_own_nodes_no_
     assert result["chosen"]["label"] == chosen["label"] and result["chosen"]["speedup"] == chosen["levels"][0]["speedup"]
     assert sum("sweep baseline (no draft) reference endpoint" in line and "] healthy" in line for line in lines) == 2
     assert ran_at_once(lines, *nodes) or ran_at_once(lines, *reversed(nodes))
+    assert f"| {chosen['label']} on {chosen['node']} |" in sweep_report(result)  # the artifact names each row's node
     # a contender's sweep takes both nodes' no-draft servers, starting none
     again = []
     run_sweep(config, draft, record_path(config, "sweep"), again.append, result["baselines"])
@@ -145,6 +147,7 @@ def test_a_node_whose_no_draft_server_fails_measures_nothing_and_the_other_measu
         squatter.shutdown()
     assert list(result["baselines"]) == [good] and [p["node"] for p in result["points"]] == [good, good]
     assert "already answers before this server started" in result["failed_nodes"][held]
+    assert f"- {held}: the no-draft server did not serve: " in sweep_report(result)
 
 
 def test_the_serve_stage_measures_production_on_the_second_node_beside_the_candidate(sweep_config, tmp_path):

@@ -123,7 +123,7 @@ def run_sweep(config: PipelineConfig, draft: Path, out: Path, log: Log = print, 
                                                for i, spec in enumerate(nodes)])]
     baselines = {node["node"]: node["baseline"] for node in measured if node["baseline"]}
     if not baselines:
-        raise SweepError("no speedup can be measured: " + "; ".join(node["error"] for node in measured))
+        raise SweepError("no speedup can be measured: " + "; ".join(f"{n['node']}: {n['error']}" for n in measured))
     points = [point for _, point in sorted((pair for node in measured for pair in node["points"]), key=itemgetter(0))]
     skipped = [asdict(shape) for _, shape in run.queue.waiting]
     per_point = min(baseline["wall_s"] for baseline in baselines.values())
@@ -201,7 +201,7 @@ class Sweep:
 
     def failed(self, where: str, why: str) -> dict:
         self.log(f"sweep: {where}: {why}; it measures no shape")
-        return {"node": where, "baseline": None, "error": f"{where}: {why}", "points": []}
+        return {"node": where, "baseline": None, "error": why, "points": []}
 
 
 def measure_point(spec: LaunchSpec, benchmark: BenchmarkSection, shape: DraftShape, draft: Path,

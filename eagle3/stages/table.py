@@ -389,7 +389,7 @@ OPERATIONAL = {
     "training.stop_grace_s": "how long a stopped trainer gets to save",
     "training.stream": "where and how streamed features travel: a sample's features are the same (its content key)",
     **{f"serving.{name}": UNCACHED for name in (
-        "python", "launcher", "host", "port", "tp", "pp", "extra_args", "ssh_host", "ssh_args", "srun_args",
+        "python", "launcher", "host", "port", "nodes", "tp", "pp", "extra_args", "ssh_host", "ssh_args", "srun_args",
         "health_timeout_s", "log_dir", "gpu_free_mib", "gpu_free_timeout_s")},
     **{f"benchmark.{name}": UNCACHED for name in ("concurrency", "temperature", "request_timeout_s", "retries",
                                                   "baseline")},
