@@ -150,9 +150,16 @@ def test_a_node_whose_no_draft_server_fails_measures_nothing_and_the_other_measu
     assert f"- {held}: the no-draft server did not serve: " in sweep_report(result)
 
 
-def test_the_serve_stage_measures_production_on_the_second_node_beside_the_candidate(sweep_config, tmp_path):
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_serve_stage_measures_production_on_the_second_node_beside_the_candidate(sweep_config, tmp_path, nodes):
+    """Production re-measured on the run's prompts (its version was measured on others): beside the candidate on a
+    second node, after it on one."""
     make, draft = sweep_config
-    config, (first, second) = two_nodes(make)
+    if nodes == 2:
+        config, (first, second) = two_nodes(make)
+    else:
+        config = make()
+        first = second = f"127.0.0.1:{config.serving.port}"
     registry = open_registry(config.registry, log=lambda line: None)
     registry.publish("v1", {"sglang": draft}, {"benchmark": {"sha256": "another prompt set"}})
     registry.promote("v1", None, ["test"], by="test")
@@ -163,8 +170,9 @@ def test_the_serve_stage_measures_production_on_the_second_node_beside_the_candi
     assert production["version"] == "v1" and production["lost_requests"] == 0 and production["accept_length"] > 1
     assert served["baseline"]["url"] == f"http://{first}" and served["url"] == f"http://{first}"
     assert served["speedup"] == served["output_tokens_per_s"] / served["baseline"]["output_tokens_per_s"]
-    assert any(f"production v1 on this run's prompts reference endpoint http://{second}," in line for line in lines)
-    assert ran_at_once(lines, first, second)
+    on = [i for i, line in enumerate(lines) if f"production v1 on this run's prompts reference endpoint http://{second}," in line]
+    candidate_stopped = next(i for i, line in enumerate(lines) if "[candidate reference" in line and "stopping" in line)
+    assert on and (ran_at_once(lines, first, second) if nodes == 2 else on[0] > candidate_stopped)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -157,15 +157,14 @@ def measure_candidate(spec: LaunchSpec, benchmark: BenchmarkSection, data: DataS
     nodes = measuring_specs(spec)
     lane = [partial(measure_baseline, nodes[0], benchmark, prompts, log, baseline),
             partial(measure_server, nodes[0], benchmark, draft, prompts, log, role="candidate")]
+    lanes = [lane]
     if production is not None:
         log(f"production on the run's prompts: accept length {production['accept_length']}, as measured for the run's "
             "first draft on these requests")
-        lanes = [lane]
-    elif (stale := production_to_remeasure(run, registry_section, prompts_file, log)) is None:
-        lanes = [lane]
-    else:
-        on_production = partial(measure_production, nodes[-1], benchmark, *stale, prompts, log)
-        lanes = [lane, [on_production]] if len(nodes) > 1 else [[*lane, on_production]]
+    elif (stale := production_to_remeasure(run, registry_section, prompts_file, log)) is not None:
+        second = nodes[1] if len(nodes) > 1 else None
+        on_production = partial(measure_production, second or nodes[0], benchmark, *stale, prompts, log)
+        lanes = [lane, [on_production]] if second else [[*lane, on_production]]
     measured = [result for done in in_lanes(lanes) for result in done]
     baseline, result = measured[:2]
     production = production or (measured[2] if len(measured) > 2 else None)
