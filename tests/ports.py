@@ -11,9 +11,13 @@ range, so the ports SGLang derives from its own (its gRPC default is port + 1000
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 LOWEST = 10000  # below this: ports that services on a developer's machine are more likely to hold
@@ -51,3 +55,25 @@ def free_port() -> int:
                 continue
         return port
     raise RuntimeError(f"every port in {SLICE.start}-{SLICE.stop - 1} is held; is a test leaking servers?")
+
+
+class AnswersEverything(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        return  # keep the test's output clean
+
+
+@contextlib.contextmanager
+def held_port(port: int) -> Iterator[None]:
+    """Another server holding 127.0.0.1:`port` (answering 200 to anything) for the block: a server the pipeline starts
+    there must be refused, not mistaken for healthy."""
+    squatter = ThreadingHTTPServer(("127.0.0.1", port), AnswersEverything)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        yield
+    finally:
+        squatter.shutdown()
+        squatter.server_close()

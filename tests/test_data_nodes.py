@@ -3,8 +3,6 @@ for real, two reference servers started over ssh to an sshd on 127.0.0.1 (tests/
 launcher's rules for them."""
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -20,7 +18,7 @@ from eagle3.serve.nodes import node_spec
 from eagle3.serving.base import launch_spec
 from eagle3.stages.table import STAGES, StageRun
 from helpers import TINY, micro_overrides
-from ports import free_port
+from ports import free_port, held_port
 
 
 def config_for(tmp_path, *overrides):
@@ -135,27 +133,14 @@ def test_regeneration_spread_over_two_servers_started_over_ssh_equals_one_server
     assert len(spread["rows"]) == 8 and spread == single  # temperature 0: the same replies, whichever server answered
 
 
-class AnswersEverything(BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        return  # keep the test's output clean
-
-
 def test_a_node_that_cannot_start_stops_the_servers_already_started(tmp_path, micro_target, sshd):
     first, held = free_port(), free_port()
-    squatter = ThreadingHTTPServer(("127.0.0.1", held), AnswersEverything)  # another server holds the endpoint
-    threading.Thread(target=squatter.serve_forever, daemon=True).start()
-    try:
+    with held_port(held):  # another server holds the endpoint
         config = load_config(TINY, node_overrides(tmp_path, micro_target, sshd,
                                                   [f"127.0.0.1:{first}", f"127.0.0.1:{held}"]))
         lines = []
         with pytest.raises(LaunchError, match=f"127.0.0.1:{held} already answers before this server started"):
             with on_nodes(config, lines.append):
                 raise AssertionError("no block runs without every server")
-    finally:
-        squatter.shutdown()
     assert any(f"127.0.0.1:{first}, launcher ssh 127.0.0.1] stopping process group" in line for line in lines)
     assert not serving(first)

@@ -4,8 +4,6 @@ it, and a version records how production serves it. With serving.nodes (two "nod
 the serve stage's servers run on both at once, each speedup against its own node's no-draft server."""
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -20,7 +18,7 @@ from eagle3.report import sweep_report
 from eagle3.registry.registry import metrics_of, open_registry
 from eagle3.serving.base import launch_spec
 from helpers import MICRO_DRAFT, RELEASE, TINY, micro_overrides, write_heldout
-from ports import free_port
+from ports import free_port, held_port
 
 
 @pytest.fixture
@@ -127,24 +125,11 @@ def test_a_sweep_on_two_nodes_measures_each_shape_once_against_its_own_nodes_no_
     assert sum("as measured for the run's first draft" in line for line in again) == 2
 
 
-class AnswersEverything(BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        return  # keep the test's output clean
-
-
 def test_a_node_whose_no_draft_server_fails_measures_nothing_and_the_other_measures_every_shape(sweep_config):
     make, draft = sweep_config
     config, (good, held) = two_nodes(make)
-    squatter = ThreadingHTTPServer(("127.0.0.1", int(held.split(":")[1])), AnswersEverything)
-    threading.Thread(target=squatter.serve_forever, daemon=True).start()
-    try:
+    with held_port(int(held.split(":")[1])):
         result = run_sweep(config, draft, record_path(config, "sweep"), log=lambda line: None)
-    finally:
-        squatter.shutdown()
     assert list(result["baselines"]) == [good] and [p["node"] for p in result["points"]] == [good, good]
     assert "already answers before this server started" in result["failed_nodes"][held]
     assert f"- {held}: the no-draft server did not serve: " in sweep_report(result)
