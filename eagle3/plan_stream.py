@@ -96,8 +96,8 @@ def stream_flow(data: DataSection, target: TargetSection, training: TrainingSect
                      f"{capture} capture node(s), {per_s / trainers / 1e9:.2f} GB/s into each of the {trainers} trainer "
                      f"node(s), and {per_s / 1e9:.2f} GB/s both in and out of training.stream.host, whose memory holds "
                      "the store")
-    lines.append("regenerate's servers and the capture workers are 2 starts: SGLang's server returns only the last "
-                 "hidden state (return_hidden_states, as lists), and the workers take the aux states from its model "
-                 "runner in a torchrun of their own; one start for both needs a server that puts them into the store "
-                 "(read from SGLang 0.5.23's API, not measured)")
+    lines.append("regenerate's servers and the capture workers are 2 starts: SGLang's server returns one hidden state "
+                 "per token, as JSON lists: the last layer's, or with --enable-return-aux-hidden-states (0.5.23) the "
+                 "aux layers' in its place, never both; the workers need both, as tensors, and take them from its "
+                 "model runner in a torchrun of their own (read from SGLang 0.5.23's wheel; docs/streamed-features.md)")
     return figures, lines
