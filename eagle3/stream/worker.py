@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         dist = setup_distributed()  # a tensor-parallel replica's ranks, under torchrun
+        started = time.monotonic()
         backend = target_backend(config.data, config.target, dist.device, dist.rank, dist.world)
+        if dist.main:  # a Kimi replica loads for minutes: the log says when it captures
+            print(f"capture {args.name}: data.feature_backend {config.data.feature_backend} "
+                  f"({type(backend).__name__}) ready in {time.monotonic() - started:.1f} s", flush=True)
         rows = TokenRows(dataset_dir(config.run, config.training))
         settings = feature_settings(capture_settings(config.data, config.target))
         why = CaptureWorker(config.training.stream, args.name, rows, settings, backend, dist).run()
