@@ -4,7 +4,10 @@ it, and a version records how production serves it. With serving.nodes (two "nod
 the serve stage's servers run on both at once, each speedup against its own node's no-draft server."""
 
 import json
+import os
+import signal
 
+import httpx
 import pytest
 
 from drafts import write_draft
@@ -15,6 +18,7 @@ from eagle3.deployment.sweep import run_sweep
 from eagle3.stages.table import record_path
 from eagle3.errors import ConfigError
 from eagle3.report import sweep_report
+from eagle3.serve.launch import LIVE
 from eagle3.registry.registry import metrics_of, open_registry
 from eagle3.serving.base import launch_spec
 from helpers import MICRO_DRAFT, RELEASE, TINY, micro_overrides, write_heldout
@@ -174,3 +178,26 @@ def test_serving_nodes_that_cannot_be_started_are_refused_naming_the_field(overr
 def test_serving_nodes_elsewhere_are_reached_through_the_ssh_launcher():
     serving = load_config(TINY, ["serving.nodes=[node-1, 'node-2:31000']", "serving.launcher=ssh"]).serving
     assert serving.endpoints == [("node-1", 30000), ("node-2", 31000)]
+
+
+def test_a_stop_while_the_nodes_measure_stops_every_nodes_server(sweep_config):
+    """A run stopped while the nodes measure (a cancelled flow run's TerminationSignal in the flow's thread; here
+    Ctrl-C's KeyboardInterrupt) stops the servers the other threads started: none outlives it."""
+    make, draft = sweep_config
+    config, nodes = two_nodes(make, "benchmark.max_new_tokens=64", "benchmark.num_prompts=8")
+    lines, stopped_at = [], []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if not stopped_at and sum("] healthy after" in line for line in lines) == 2:  # both nodes' lanes are busy
+            stopped_at.append(len(lines))
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(config, draft, record_path(config, "sweep"), log=log)
+    for node in nodes:
+        assert any(f"http://{node}," in line and "stopping process group" in line for line in lines), node
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://{node}/health", timeout=2)
+    assert not LIVE.stopping.is_set()  # the process may start servers again
+    assert not any("] healthy after" in line for line in lines[stopped_at[0]:])  # no server started after the stop

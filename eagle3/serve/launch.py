@@ -36,6 +36,37 @@ LOG_TAIL_LINES = 40
 CONVERTING = threading.Lock()  # one draft converted at a time (served_form)
 
 
+class LiveServers:
+    """The servers this process has started and not stopped, so that a stop of the run reaches the ones other threads
+    started (eagle3.serve.nodes.in_lanes): `stop_all` stops them and refuses new starts until `resume`."""
+
+    def __init__(self):
+        self._servers: set[Server] = set()
+        self._lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def add(self, server: Server) -> None:
+        with self._lock:
+            self._servers.add(server)
+
+    def discard(self, server: Server) -> None:
+        with self._lock:
+            self._servers.discard(server)
+
+    def stop_all(self) -> None:
+        self.stopping.set()
+        with self._lock:
+            servers = list(self._servers)
+        for server in servers:
+            server.stop()
+
+    def resume(self) -> None:
+        self.stopping.clear()
+
+
+LIVE = LiveServers()
+
+
 class Server:
     """One server process group; `with Server(...) as s:` starts it and always stops it. `warm`: forked from the warm
     process (eagle3/warm.py; `command` runs a module with this interpreter) instead of a new interpreter."""
@@ -58,6 +89,8 @@ class Server:
 
     def start(self) -> None:
         guard.require(f"starting the server {self.label}")
+        if LIVE.stopping.is_set():
+            raise LaunchError(f"[{self.label}] not started: the run is stopping")
         self.refuse_a_held_endpoint()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"server-{self.url.rsplit(':', 1)[1]}-{timestamp()}.log"
@@ -65,13 +98,14 @@ class Server:
         self.log(f"starting: {shlex.join(self.command)} (log {self.log_path}{forked})")
         if self.warm:
             self.process = fork_module(self.command, self.log_path)
-            return
-        with open(self.log_path, "ab") as out:
-            try:
-                self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True)
-            except OSError as err:
-                raise LaunchError(f"[{self.label}] cannot start {self.command[0]}: {err.strerror}") from None
+        else:
+            with open(self.log_path, "ab") as out:
+                try:
+                    self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                except OSError as err:
+                    raise LaunchError(f"[{self.label}] cannot start {self.command[0]}: {err.strerror}") from None
+        LIVE.add(self)
 
     def refuse_a_held_endpoint(self) -> None:
         """A server that already answers on the endpoint (one a stopped run left behind) would pass the new one's
@@ -125,6 +159,7 @@ class Server:
         if (process := self.process) is None:
             return
         self.process = None
+        LIVE.discard(self)
         self.log(f"stopping process group {process.pid}")
         ProcessTree([process]).stop(self.grace_s, self.log)
         self.wait_gpus_free()

@@ -7,12 +7,13 @@ its jobs one after another; the lanes run in threads of this process, each waiti
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import TypeVar
 
 from eagle3.config.serving import ServingSection
 from eagle3.procs import cpu_threads
+from eagle3.serve.launch import LIVE
 from eagle3.serving.base import LaunchSpec
 
 T = TypeVar("T")
@@ -46,7 +47,9 @@ def endpoint(spec: LaunchSpec) -> str:
 
 def in_lanes(lanes: list[list[Callable[[], T]]]) -> list[list[T]]:
     """Each lane's jobs one after another, the lanes at once (a thread each; one lane runs in this thread). Every
-    lane runs to its end or its first error; then the first lane's error, in lane order, is raised."""
+    lane runs to its end or its first error; then the first lane's error, in lane order, is raised. Should this thread
+    be stopped meanwhile (a cancelled flow run's TerminationSignal, Ctrl-C), every server the process runs is stopped
+    and no other starts before the lanes have ended: a lane's server on another node must not outlive the run."""
     def run(lane: list[Callable[[], T]]) -> list[T]:
         return [job() for job in lane]
 
@@ -54,4 +57,12 @@ def in_lanes(lanes: list[list[Callable[[], T]]]) -> list[list[T]]:
         return [run(lanes[0])]
     with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="lane") as pool:
         futures = [pool.submit(run, lane) for lane in lanes]
+        try:
+            wait(futures)
+        except BaseException:
+            LIVE.stop_all()  # the lanes' jobs then fail fast: their servers are gone and no new one starts
+            raise
+        finally:
+            pool.shutdown(wait=True)
+            LIVE.resume()
     return [future.result() for future in futures]
