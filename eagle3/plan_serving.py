@@ -67,8 +67,9 @@ def sweep_time(sweep: SweepSection, b: BenchmarkSection, serving: ServingSection
                   f"after another: {'no draft on each + ' * baseline}")
     else:
         starts = f"{rounds} server starts: {'no draft + ' * baseline}"
+    loads = as_hours(rounds * clock.loads_s(1))
     return StageTime("sweep", {
-        f"{starts}{measured} of {shapes} shape(s) within sweep.budget_s {sweep.budget_s:g}": as_hours(rounds * clock.loads_s(1)),
+        f"{starts}{measured} of {shapes} shape(s) within sweep.budget_s {sweep.budget_s:g}": loads,
         f"{prompts} prompts x benchmark.max_new_tokens {b.max_new_tokens} at concurrency {b.concurrency}, each, "
         f"{bound}": as_hours(rounds * measure)}, servers=rounds)
 
@@ -107,6 +108,8 @@ class Measuring:
         if None in [stage.hours for stage in serial + spread]:
             return []
         before, after = sum(stage.hours for stage in serial), sum(stage.hours for stage in spread)
+        if after >= before:  # e.g. one shape to sweep: the starts one after another are as many
+            return []
         return [f"the serve and sweep stages' {sum(stage.servers for stage in serial)} server starts run one after "
                 f"another on serving.host: {before:.2f} h; serving.nodes listing {lanes} nodes measures on them at "
                 f"once: {after:.2f} h"]
