@@ -99,10 +99,11 @@ def two_nodes(make, *overrides):
 
 
 def ran_at_once(lines: list[str], first: str, second: str) -> bool:
-    """A server on `second` was healthy before the first one on `first` stopped."""
-    def at(endpoint: str, what: str) -> int:
-        return next(i for i, line in enumerate(lines) if f"http://{endpoint}," in line and what in line)
-    return at(second, "] healthy after") < at(first, "] stopping process group")
+    """A server on `second` started before the last one on `first` stopped (one after another, it would start after
+    every server of `first`'s lane had stopped)."""
+    def at(endpoint: str, what: str) -> list[int]:
+        return [i for i, line in enumerate(lines) if f"http://{endpoint}," in line and what in line]
+    return at(second, "] starting: ")[0] < at(first, "] stopping process group")[-1]
 
 
 def test_a_sweep_on_two_nodes_measures_each_shape_once_against_its_own_nodes_no_draft_server(sweep_config):

@@ -134,7 +134,9 @@ class Server:
         deadline = start + deadline_s
         pause = 0.05  # a forked reference server answers within a second (a fixed 1 s poll cost it ~0.8 s a start)
         while True:
-            code = self.process.poll()
+            if (process := self.process) is None:  # stopped from another thread (LiveServers.stop_all)
+                raise LaunchError(f"[{self.label}] stopped before it became healthy")
+            code = process.poll()
             if code is not None:
                 raise self._fail(f"the server exited with status {code} before it became healthy")
             remaining = deadline - time.monotonic()

@@ -53,7 +53,8 @@ class Coordinator:
         self.workers: dict[str, str | None] = {}  # name -> why it stopped (None: alive)
         self.lock = threading.Lock()
         self.to_free: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self.free_consumed, name="stream-free", daemon=True).start()
+        self.freeing = threading.Thread(target=self.free_consumed, name="stream-free", daemon=True)
+        self.freeing.start()
 
     def resume(self) -> None:
         """A new session over an earlier run's ledger: the claims died with that run's workers, and what it captured
@@ -129,7 +130,14 @@ class Coordinator:
                 key = self.to_free.get(timeout=TAKE_WAIT_S)
             except queue.Empty:
                 continue
-            self.store.remove(key)
+            if self.failure or self.ended:
+                return  # the session closes the store next: what is left goes with it
+            try:
+                self.store.remove(key)
+            except Eagle3Error:
+                if self.failure or self.ended:
+                    return  # the store closed under the remove: the stream is over
+                raise
 
     def lost(self, keys: list[str]) -> dict:
         self.log(f"stream: {len(keys)} sample(s) missing from the store when a trainer read them: captured again")

@@ -36,6 +36,7 @@ WATCH_S = 0.5
 STREAM_DIR = "stream"
 LEDGER_FILE = "ledger.sqlite"
 SUMMARY_FILE = "summary.json"
+FREEING_JOIN_S = 5.0  # the freeing thread's wait for a key (1 s) and a remove's wait on a read's lease (2 s), and room
 
 
 def ledger_path(run: RunSection) -> Path:
@@ -175,12 +176,14 @@ class Session:
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
+        if self.coordinator is not None and not self.coordinator.failure:
+            # a remove under way ends before the store closes (after a failure it may hang on the master's RPC)
+            self.coordinator.freeing.join(timeout=FREEING_JOIN_S)
         if self.store is not None:  # before the master: its segment is unmounted there
             self.close_store()
         if self.ledger is not None:
             self.ledger.close()
         self.master_tree.stop(self.training.stop_grace_s, self.log)
-
 
     def summarise(self) -> None:
         """The ledger's totals and the store's peak, logged and written beside the ledger (summary.json)."""
