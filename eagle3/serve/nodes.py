@@ -31,9 +31,9 @@ def node_spec(spec: LaunchSpec, host: str, port: int) -> LaunchSpec:
 def measuring_specs(spec: LaunchSpec) -> list[LaunchSpec]:
     """The spec of each node the serve and sweep stages measure on (serving.nodes; serving's own endpoint without
     them). Servers started here at once (launcher local) share this machine's cores."""
-    endpoints = spec.serving.endpoints
     if not spec.serving.nodes:
         return [spec]
+    endpoints = spec.serving.endpoints
     threads = spec.cpu_threads
     if spec.serving.launcher == "local":
         threads = max(1, cpu_threads(spec.cpu_threads) // len(endpoints))
