@@ -109,7 +109,7 @@ def test_a_killed_capture_worker_hands_its_samples_to_the_other(micro_data, tmp_
 
 
 def test_a_killed_master_stops_the_run_naming_it_and_a_rerun_resumes(micro_data, tmp_path, online_reference):
-    overrides, run_dir = run_copy(micro_data, tmp_path, "master-killed", [*STEPS, *streamed()])
+    overrides, run_dir = run_copy(micro_data, tmp_path, "master-killed", [*STEPS, *streamed(1)])
     master_port = next(o.split("=")[1] for o in overrides if o.startswith("training.stream.master_port="))
 
     def kill_the_master(record):
@@ -132,7 +132,7 @@ def test_a_killed_master_stops_the_run_naming_it_and_a_rerun_resumes(micro_data,
 
 
 def test_a_killed_trainer_resumes_as_in_rank_training_does(micro_data, tmp_path, online_reference):
-    overrides, run_dir = run_copy(micro_data, tmp_path, "trainer-killed", [*STEPS, *streamed()])
+    overrides, run_dir = run_copy(micro_data, tmp_path, "trainer-killed", [*STEPS, *streamed(1)])
 
     def kill_a_rank(record):
         if record.get("step") == 3:
