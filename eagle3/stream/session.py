@@ -67,7 +67,8 @@ class Worker:
 
     def why_gone(self) -> str:
         code = self.process.returncode
-        said = f": {self.tail[-1]}" if self.tail else ""
+        # a worker that ends itself prints why last; one killed by a signal (code < 0) said nothing about it
+        said = f": {self.tail[-1]}" if self.tail and code > 0 else ""
         return f"exited with code {code}{said}"
 
 
